@@ -1,0 +1,87 @@
+//! Executors: the code that turns a verified, claimed job into work on the host.
+//!
+//! The pipeline only sees [`Executor`]: it hands over an [`ExecContext`] (working
+//! directory, deadline, cancellation, output sink) and gets an [`ExecOutcome`] back.
+//! The sandbox (a later stage) wraps process executors without changing this interface.
+
+use std::future::Future;
+use std::path::PathBuf;
+use std::pin::Pin;
+use std::time::Duration;
+
+pub use byoc_protocol::JobStatus;
+use tokio_util::sync::CancellationToken;
+
+pub mod noop;
+pub mod process;
+pub mod script;
+
+/// Where job output goes (the runner's on-disk spool). Writes are small and local.
+pub trait OutputSink: Send {
+    fn write(&mut self, chunk: &[u8]) -> std::io::Result<()>;
+}
+
+impl OutputSink for Vec<u8> {
+    fn write(&mut self, chunk: &[u8]) -> std::io::Result<()> {
+        self.extend_from_slice(chunk);
+        Ok(())
+    }
+}
+
+pub struct ExecContext<'a> {
+    pub job_id: String,
+    /// The job's private working directory (created 0700 by the runner).
+    pub work_dir: PathBuf,
+    pub timeout: Duration,
+    /// Grace between the escalation steps interrupt → terminate → kill.
+    pub kill_grace: Duration,
+    pub cancel: CancellationToken,
+    pub output: &'a mut dyn OutputSink,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct ExecOutcome {
+    pub status: JobStatus,
+    pub exit_code: Option<i32>,
+    pub error: Option<String>,
+    pub outputs: serde_json::Value,
+}
+
+impl ExecOutcome {
+    pub fn failed(error: impl Into<String>) -> Self {
+        ExecOutcome {
+            status: JobStatus::Failed,
+            exit_code: None,
+            error: Some(error.into()),
+            outputs: serde_json::Value::Null,
+        }
+    }
+}
+
+pub type ExecFuture<'a> = Pin<Box<dyn Future<Output = ExecOutcome> + Send + 'a>>;
+
+pub trait Executor: Send + Sync {
+    fn run<'a>(&'a self, ctx: ExecContext<'a>) -> ExecFuture<'a>;
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SpecError {
+    #[error("unknown job kind {0:?}")]
+    UnknownKind(String),
+    #[error("invalid spec for {kind}: {reason}")]
+    Invalid { kind: String, reason: String },
+}
+
+/// Build the executor for a job kind from its spec. Validation happens here, before
+/// the job is claimed, so a bad spec is a rejection rather than a failed run.
+pub fn build(kind: &str, spec: &serde_json::Value) -> Result<Box<dyn Executor>, SpecError> {
+    match kind {
+        "runner.noop" => Ok(Box::new(noop::Noop::from_spec(spec).map_err(|reason| {
+            SpecError::Invalid { kind: kind.into(), reason }
+        })?)),
+        "action.script" => Ok(Box::new(script::Script::from_spec(spec).map_err(
+            |reason| SpecError::Invalid { kind: kind.into(), reason },
+        )?)),
+        other => Err(SpecError::UnknownKind(other.into())),
+    }
+}

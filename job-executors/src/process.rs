@@ -1,0 +1,154 @@
+//! Running a child process tree for a job: its own process group, merged output
+//! streamed to the sink, timeout and cancellation escalating interrupt → terminate →
+//! kill across the whole group, and nothing of the group left behind when it ends.
+//!
+//! A child that leaves the process group (setsid) escapes the group kill; the sandbox's
+//! pid namespace closes that gap.
+
+use std::process::Stdio;
+use std::time::Duration;
+
+use nix::sys::signal::{Signal, killpg};
+use nix::unistd::Pid;
+use tokio::io::AsyncReadExt;
+use tokio::process::{Child, Command};
+use tokio::sync::mpsc;
+
+use crate::{ExecContext, ExecOutcome, JobStatus};
+
+const READ_CHUNK: usize = 16 * 1024;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Ending {
+    Exited,
+    TimedOut,
+    Cancelled,
+}
+
+/// Spawn `cmd` in a fresh process group and supervise it to the end.
+pub async fn run_process_group(mut cmd: Command, ctx: ExecContext<'_>) -> ExecOutcome {
+    cmd.stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .process_group(0)
+        .kill_on_drop(true);
+    let mut child = match cmd.spawn() {
+        Ok(c) => c,
+        Err(e) => return ExecOutcome::failed(format!("starting the job process: {e}")),
+    };
+    let Some(pgid) = child.id().map(|p| Pid::from_raw(p as i32)) else {
+        return ExecOutcome::failed("job process exited before it could be supervised");
+    };
+    tracing::debug!(job_id = %ctx.job_id, pgid = pgid.as_raw(), "job process started");
+
+    let (tx, mut rx) = mpsc::channel::<Vec<u8>>(64);
+    let readers = [
+        child.stdout.take().map(|s| spawn_reader(s, tx.clone())),
+        child.stderr.take().map(|s| spawn_reader(s, tx.clone())),
+    ];
+    drop(tx);
+
+    let deadline = tokio::time::sleep(ctx.timeout);
+    tokio::pin!(deadline);
+    let mut ending = Ending::Exited;
+    let mut sink_error: Option<std::io::Error> = None;
+    let mut output_open = true;
+    let status = loop {
+        tokio::select! {
+            status = child.wait() => break status,
+            chunk = rx.recv(), if output_open => match chunk {
+                Some(chunk) => {
+                    if let Err(e) = ctx.output.write(&chunk) {
+                        sink_error.get_or_insert(e);
+                    }
+                }
+                None => output_open = false,
+            },
+            _ = &mut deadline, if ending == Ending::Exited => {
+                ending = Ending::TimedOut;
+                break escalate(&mut child, pgid, ctx.kill_grace).await;
+            }
+            _ = ctx.cancel.cancelled(), if ending == Ending::Exited => {
+                ending = Ending::Cancelled;
+                break escalate(&mut child, pgid, ctx.kill_grace).await;
+            }
+        }
+    };
+    // The leader is gone; whatever it left running in its group goes with it, which
+    // also closes the pipes those stragglers held so the readers below reach EOF.
+    let _ = killpg(pgid, Signal::SIGKILL);
+    while let Some(chunk) = rx.recv().await {
+        if let Err(e) = ctx.output.write(&chunk) {
+            sink_error.get_or_insert(e);
+        }
+    }
+    for r in readers.into_iter().flatten() {
+        let _ = r.await;
+    }
+
+    let (exit_code, signal) = match &status {
+        Ok(s) => {
+            use std::os::unix::process::ExitStatusExt;
+            (s.code(), s.signal())
+        }
+        Err(_) => (None, None),
+    };
+    let (status, error) = match ending {
+        Ending::TimedOut => (
+            JobStatus::TimedOut,
+            Some(format!("job exceeded its timeout of {}s", ctx.timeout.as_secs())),
+        ),
+        Ending::Cancelled => (JobStatus::Cancelled, Some("job was cancelled".to_string())),
+        Ending::Exited => match (&status, exit_code, signal) {
+            (Err(e), _, _) => (JobStatus::Failed, Some(format!("waiting for the job process: {e}"))),
+            (_, Some(0), _) => (JobStatus::Succeeded, None),
+            (_, Some(code), _) => (JobStatus::Failed, Some(format!("exited with code {code}"))),
+            (_, None, Some(sig)) => (JobStatus::Failed, Some(format!("killed by signal {sig}"))),
+            (_, None, None) => (JobStatus::Failed, Some("ended without an exit status".into())),
+        },
+    };
+    let (status, error) = match sink_error {
+        // Losing output is a failure even if the process succeeded: the log is evidence.
+        Some(e) if status == JobStatus::Succeeded => {
+            (JobStatus::Failed, Some(format!("writing job log to the spool: {e}")))
+        }
+        _ => (status, error),
+    };
+    ExecOutcome { status, exit_code, error, outputs: serde_json::json!({}) }
+}
+
+fn spawn_reader<R>(mut r: R, tx: mpsc::Sender<Vec<u8>>) -> tokio::task::JoinHandle<()>
+where
+    R: tokio::io::AsyncRead + Unpin + Send + 'static,
+{
+    tokio::spawn(async move {
+        let mut buf = vec![0u8; READ_CHUNK];
+        loop {
+            match r.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => {
+                    if tx.send(buf[..n].to_vec()).await.is_err() {
+                        break;
+                    }
+                }
+            }
+        }
+    })
+}
+
+/// SIGINT to the group (lets terraform release its state lock), then SIGTERM, then
+/// SIGKILL, waiting `grace` for the leader between steps.
+async fn escalate(
+    child: &mut Child,
+    pgid: Pid,
+    grace: Duration,
+) -> std::io::Result<std::process::ExitStatus> {
+    for signal in [Signal::SIGINT, Signal::SIGTERM] {
+        let _ = killpg(pgid, signal);
+        if let Ok(status) = tokio::time::timeout(grace, child.wait()).await {
+            return status;
+        }
+    }
+    let _ = killpg(pgid, Signal::SIGKILL);
+    child.wait().await
+}

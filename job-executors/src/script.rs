@@ -1,0 +1,204 @@
+//! `action.script`: a script run as a child process with only the environment the
+//! job declares. Spec:
+//!
+//! ```json
+//! {"script": "echo hello", "interpreter": "/bin/sh", "env": {"NAME": "value"}}
+//! ```
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use serde::Deserialize;
+use tokio::process::Command;
+
+use crate::{ExecContext, ExecFuture, ExecOutcome, Executor};
+
+/// PATH given to jobs that do not declare one.
+pub const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+const MAX_SCRIPT_BYTES: usize = 128 * 1024;
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Script {
+    pub script: String,
+    #[serde(default = "default_interpreter")]
+    pub interpreter: PathBuf,
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+}
+
+fn default_interpreter() -> PathBuf {
+    PathBuf::from("/bin/sh")
+}
+
+impl Script {
+    pub fn from_spec(spec: &serde_json::Value) -> Result<Self, String> {
+        let s: Script = serde_json::from_value(spec.clone()).map_err(|e| e.to_string())?;
+        if s.script.len() > MAX_SCRIPT_BYTES {
+            return Err(format!("script is {} bytes, limit {MAX_SCRIPT_BYTES}", s.script.len()));
+        }
+        if !s.interpreter.is_absolute() {
+            return Err(format!("interpreter {:?} must be an absolute path", s.interpreter));
+        }
+        for name in s.env.keys() {
+            let valid = !name.is_empty()
+                && !name.starts_with(|c: char| c.is_ascii_digit())
+                && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+            if !valid {
+                return Err(format!("environment variable name {name:?} is not valid"));
+            }
+        }
+        Ok(s)
+    }
+}
+
+impl Executor for Script {
+    fn run<'a>(&'a self, ctx: ExecContext<'a>) -> ExecFuture<'a> {
+        Box::pin(async move {
+            let script_path = ctx.work_dir.join("script");
+            if let Err(e) = std::fs::write(&script_path, &self.script) {
+                return ExecOutcome::failed(format!("writing {}: {e}", script_path.display()));
+            }
+            let mut cmd = Command::new(&self.interpreter);
+            cmd.arg(&script_path)
+                .current_dir(&ctx.work_dir)
+                .env_clear()
+                .env("PATH", DEFAULT_PATH)
+                .env("HOME", &ctx.work_dir)
+                .env("BYOC_JOB_ID", &ctx.job_id)
+                .envs(&self.env);
+            crate::process::run_process_group(cmd, ctx).await
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::JobStatus;
+    use std::time::Duration;
+    use tokio_util::sync::CancellationToken;
+
+    fn script(s: &str) -> Script {
+        Script::from_spec(&serde_json::json!({"script": s})).unwrap()
+    }
+
+    async fn run(s: &Script, timeout: Duration, cancel: CancellationToken) -> (ExecOutcome, String) {
+        let dir = tempfile::tempdir().unwrap();
+        let mut out = Vec::new();
+        let ctx = ExecContext {
+            job_id: "job-1".into(),
+            work_dir: dir.path().to_path_buf(),
+            timeout,
+            kill_grace: Duration::from_millis(500),
+            cancel,
+            output: &mut out,
+        };
+        let outcome = s.run(ctx).await;
+        (outcome, String::from_utf8_lossy(&out).into_owned())
+    }
+
+    #[tokio::test]
+    async fn runs_with_only_declared_environment() {
+        // SAFETY-free: the test process env is inherited by default, so set a marker
+        // through the command itself rather than std::env::set_var.
+        let s = Script::from_spec(&serde_json::json!({
+            "script": "echo \"A=$A\"; env | sort",
+            "env": {"A": "1"}
+        }))
+        .unwrap();
+        let (outcome, out) = run(&s, Duration::from_secs(10), CancellationToken::new()).await;
+        assert_eq!(outcome.status, JobStatus::Succeeded, "{out}");
+        assert!(out.contains("A=1"));
+        let names: Vec<&str> =
+            out.lines().skip(1).filter_map(|l| l.split('=').next()).collect();
+        for n in &names {
+            assert!(
+                ["A", "PATH", "HOME", "BYOC_JOB_ID", "PWD", "SHLVL", "_", "OLDPWD"].contains(n),
+                "unexpected variable {n} leaked into the job"
+            );
+        }
+        assert!(!out.contains("CARGO"), "runner environment leaked: {out}");
+    }
+
+    #[tokio::test]
+    async fn nonzero_exit_is_failure_with_code() {
+        let (outcome, out) =
+            run(&script("echo out; echo err >&2; exit 3"), Duration::from_secs(10), CancellationToken::new()).await;
+        assert_eq!(outcome.status, JobStatus::Failed);
+        assert_eq!(outcome.exit_code, Some(3));
+        assert!(out.contains("out") && out.contains("err"));
+    }
+
+    #[tokio::test]
+    async fn timeout_kills_the_whole_group() {
+        let dir = tempfile::tempdir().unwrap();
+        let pidfile = dir.path().join("pids");
+        let s = script(&format!(
+            "sleep 300 & echo $! > {p}; sleep 300 & echo $! >> {p}; wait",
+            p = pidfile.display()
+        ));
+        let (outcome, _) = run(&s, Duration::from_millis(300), CancellationToken::new()).await;
+        assert_eq!(outcome.status, JobStatus::TimedOut);
+        for pid in std::fs::read_to_string(&pidfile).unwrap().split_whitespace() {
+            assert!(!process_alive(pid.parse().unwrap()), "pid {pid} survived the job");
+        }
+    }
+
+    #[tokio::test]
+    async fn cancellation_escalates_past_ignored_signals() {
+        let dir = tempfile::tempdir().unwrap();
+        let pidfile = dir.path().join("pid");
+        // Ignores SIGINT and SIGTERM: only SIGKILL ends it.
+        let s = script(&format!(
+            "trap '' INT TERM; sleep 300 & echo $! > {}; wait; wait",
+            pidfile.display()
+        ));
+        let cancel = CancellationToken::new();
+        let c2 = cancel.clone();
+        let pf = pidfile.clone();
+        tokio::spawn(async move {
+            // Cancel once the child has recorded its pid (no sleep-based sync).
+            while !pf.exists() || std::fs::read_to_string(&pf).unwrap_or_default().trim().is_empty() {
+                tokio::task::yield_now().await;
+            }
+            c2.cancel();
+        });
+        let (outcome, _) = run(&s, Duration::from_secs(60), cancel).await;
+        assert_eq!(outcome.status, JobStatus::Cancelled);
+        let pid: i32 = std::fs::read_to_string(&pidfile).unwrap().trim().parse().unwrap();
+        assert!(!process_alive(pid));
+    }
+
+    #[tokio::test]
+    async fn background_children_do_not_outlive_a_successful_job() {
+        let dir = tempfile::tempdir().unwrap();
+        let pidfile = dir.path().join("pid");
+        let s = script(&format!("sleep 300 & echo $! > {}; echo done", pidfile.display()));
+        let (outcome, out) = run(&s, Duration::from_secs(10), CancellationToken::new()).await;
+        assert_eq!(outcome.status, JobStatus::Succeeded);
+        assert!(out.contains("done"));
+        let pid: i32 = std::fs::read_to_string(&pidfile).unwrap().trim().parse().unwrap();
+        assert!(!process_alive(pid));
+    }
+
+    #[test]
+    fn rejects_bad_specs() {
+        for spec in [
+            serde_json::json!({}),
+            serde_json::json!({"script": "x", "interpreter": "sh"}),
+            serde_json::json!({"script": "x", "env": {"1BAD": "v"}}),
+            serde_json::json!({"script": "x", "unknown": 1}),
+        ] {
+            assert!(Script::from_spec(&spec).is_err(), "{spec} accepted");
+        }
+    }
+
+    fn process_alive(pid: i32) -> bool {
+        // A zombie is dead for our purposes; /proc/PID/stat state 'Z'.
+        match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+            Ok(stat) => !stat.rsplit(')').next().unwrap_or("").trim_start().starts_with('Z'),
+            Err(_) => false,
+        }
+    }
+}

@@ -1,0 +1,420 @@
+//! The wire protocol between byoc-runner and the vendor's control plane.
+//!
+//! Both ends link this crate so the signing rules (domain-separated messages, key ids,
+//! the exact bytes that are signed) cannot drift apart. See `docs/PROTOCOL.md`.
+
+use base64::Engine as _;
+use base64::engine::general_purpose::STANDARD as B64;
+use ed25519_dalek::{Signature, Signer as _, SigningKey, Verifier as _, VerifyingKey};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest as _, Sha256};
+
+/// Prefix of every signed job payload, so a job signature can never be replayed as
+/// any other kind of signature made with the same key (and vice versa).
+pub const JOB_SIGNING_CONTEXT: &[u8] = b"byoc-runner/job/v1\n";
+/// Prefix of the runner's signature over a server challenge.
+pub const AUTH_SIGNING_CONTEXT: &[u8] = b"byoc-runner/auth/v1\n";
+/// Largest decoded job payload the runner accepts.
+pub const MAX_PAYLOAD_BYTES: usize = 256 * 1024;
+/// Header carrying the byte offset of a log chunk (and the server's offset on a 416).
+pub const LOG_OFFSET_HEADER: &str = "x-log-offset";
+
+/// Job kinds this protocol version defines. A runner rejects anything else.
+pub const KNOWN_KINDS: &[&str] = &["runner.noop", "action.script"];
+
+/// Concurrency group of a job kind: jobs in different groups run side by side,
+/// each group has its own limit (deploys one at a time, actions alongside them).
+pub fn job_group(kind: &str) -> &'static str {
+    match kind.split('.').next().unwrap_or("") {
+        "sandbox" | "component" | "terraform" | "helm" | "kubernetes" => "deploys",
+        "oci" => "syncs",
+        _ => "actions",
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ProtocolError {
+    #[error("invalid base64 in {field}")]
+    Base64 { field: &'static str },
+    #[error("invalid {field}: expected {expected} bytes, got {got}")]
+    Length { field: &'static str, expected: usize, got: usize },
+    #[error("invalid Ed25519 public key")]
+    PublicKey,
+}
+
+pub fn b64(bytes: &[u8]) -> String {
+    B64.encode(bytes)
+}
+
+pub fn unb64(field: &'static str, s: &str) -> Result<Vec<u8>, ProtocolError> {
+    B64.decode(s.as_bytes()).map_err(|_| ProtocolError::Base64 { field })
+}
+
+pub fn sha256_hex(bytes: &[u8]) -> String {
+    hex::encode(Sha256::digest(bytes))
+}
+
+/// Key id: the first 8 bytes of SHA-256 over the raw public key, hex.
+pub fn key_id(key: &VerifyingKey) -> String {
+    hex::encode(&Sha256::digest(key.as_bytes())[..8])
+}
+
+pub fn parse_public_key(b64_key: &str) -> Result<VerifyingKey, ProtocolError> {
+    let raw = unb64("public_key", b64_key.trim())?;
+    let arr: [u8; 32] = raw.as_slice().try_into().map_err(|_| ProtocolError::Length {
+        field: "public_key",
+        expected: 32,
+        got: raw.len(),
+    })?;
+    VerifyingKey::from_bytes(&arr).map_err(|_| ProtocolError::PublicKey)
+}
+
+/// Generate a fresh Ed25519 key from the OS CSPRNG.
+pub fn generate_signing_key() -> SigningKey {
+    let mut seed = [0u8; 32];
+    getrandom::fill(&mut seed).expect("OS random number generator unavailable");
+    SigningKey::from_bytes(&seed)
+}
+
+/// Random bytes as lowercase hex (nonces, tokens, challenges).
+pub fn random_hex(n: usize) -> String {
+    let mut buf = vec![0u8; n];
+    getrandom::fill(&mut buf).expect("OS random number generator unavailable");
+    hex::encode(buf)
+}
+
+fn with_context(context: &[u8], msg: &[u8]) -> Vec<u8> {
+    let mut m = Vec::with_capacity(context.len() + msg.len());
+    m.extend_from_slice(context);
+    m.extend_from_slice(msg);
+    m
+}
+
+/// What the control plane signs. Field order is fixed by this struct, but the runner
+/// never re-serialises: it verifies the exact bytes it received, then parses them.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JobPayload {
+    pub job_id: String,
+    pub runner_id: String,
+    pub install_id: String,
+    /// Unix seconds.
+    pub issued_at: i64,
+    /// Unix seconds.
+    pub expires_at: i64,
+    pub nonce: String,
+    pub attempt: u32,
+    pub kind: String,
+    pub operation: String,
+    pub entity: String,
+    #[serde(default)]
+    pub requested_role: Option<String>,
+    /// Wall-clock limit for the job, seconds.
+    pub timeout_secs: u64,
+    /// Executor-specific specification (see `job-executors`).
+    #[serde(default)]
+    pub spec: serde_json::Value,
+}
+
+/// Signed job envelope as delivered by a poll.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JobEnvelope {
+    /// Base64 of the canonical payload bytes (JSON).
+    pub payload: String,
+    /// Base64 Ed25519 signature over `JOB_SIGNING_CONTEXT || payload bytes`.
+    pub signature: String,
+    pub key_id: String,
+}
+
+impl JobEnvelope {
+    pub fn sign(payload: &JobPayload, key: &SigningKey) -> Self {
+        let bytes = serde_json::to_vec(payload).expect("payload serialises");
+        Self::sign_bytes(&bytes, key)
+    }
+
+    pub fn sign_bytes(bytes: &[u8], key: &SigningKey) -> Self {
+        let sig = key.sign(&with_context(JOB_SIGNING_CONTEXT, bytes));
+        JobEnvelope {
+            payload: b64(bytes),
+            signature: b64(&sig.to_bytes()),
+            key_id: key_id(&key.verifying_key()),
+        }
+    }
+}
+
+/// Verify a job signature over the raw payload bytes.
+pub fn verify_job_signature(key: &VerifyingKey, payload: &[u8], signature: &[u8]) -> bool {
+    let Ok(sig) = Signature::from_slice(signature) else {
+        return false;
+    };
+    key.verify(&with_context(JOB_SIGNING_CONTEXT, payload), &sig).is_ok()
+}
+
+pub fn sign_challenge(key: &SigningKey, challenge: &str) -> String {
+    b64(&key.sign(&with_context(AUTH_SIGNING_CONTEXT, challenge.as_bytes())).to_bytes())
+}
+
+pub fn verify_challenge(key: &VerifyingKey, challenge: &str, signature_b64: &str) -> bool {
+    let Ok(raw) = unb64("signature", signature_b64) else {
+        return false;
+    };
+    let Ok(sig) = Signature::from_slice(&raw) else {
+        return false;
+    };
+    key.verify(&with_context(AUTH_SIGNING_CONTEXT, challenge.as_bytes()), &sig).is_ok()
+}
+
+/// Why a runner refused a job. The string forms are the wire reason codes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RejectReason {
+    MalformedEnvelope,
+    OversizePayload,
+    UnknownKey,
+    BadSignature,
+    WrongRunner,
+    WrongInstall,
+    Expired,
+    NotYetValid,
+    ReplayedNonce,
+    AlreadyFinished,
+    UnknownKind,
+    InvalidSpec,
+}
+
+impl RejectReason {
+    pub fn code(self) -> &'static str {
+        match self {
+            Self::MalformedEnvelope => "malformed_envelope",
+            Self::OversizePayload => "oversize_payload",
+            Self::UnknownKey => "unknown_key",
+            Self::BadSignature => "bad_signature",
+            Self::WrongRunner => "wrong_runner",
+            Self::WrongInstall => "wrong_install",
+            Self::Expired => "expired",
+            Self::NotYetValid => "not_yet_valid",
+            Self::ReplayedNonce => "replayed_nonce",
+            Self::AlreadyFinished => "already_finished",
+            Self::UnknownKind => "unknown_kind",
+            Self::InvalidSpec => "invalid_spec",
+        }
+    }
+
+    pub const ALL: &'static [RejectReason] = &[
+        Self::MalformedEnvelope,
+        Self::OversizePayload,
+        Self::UnknownKey,
+        Self::BadSignature,
+        Self::WrongRunner,
+        Self::WrongInstall,
+        Self::Expired,
+        Self::NotYetValid,
+        Self::ReplayedNonce,
+        Self::AlreadyFinished,
+        Self::UnknownKind,
+        Self::InvalidSpec,
+    ];
+}
+
+impl std::fmt::Display for RejectReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.code())
+    }
+}
+
+// ---- request / response bodies -------------------------------------------------
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct EnrollRequest {
+    pub bootstrap_token: String,
+    /// Base64 raw Ed25519 public key of the runner's identity.
+    pub public_key: String,
+    pub hostname: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct EnrollResponse {
+    pub runner_id: String,
+    pub install_id: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ChallengeRequest {
+    pub runner_id: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ChallengeResponse {
+    pub challenge: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct TokenRequest {
+    pub runner_id: String,
+    pub challenge: String,
+    /// Base64 signature over `AUTH_SIGNING_CONTEXT || challenge`.
+    pub signature: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct TokenResponse {
+    pub access_token: String,
+    pub expires_in_secs: u64,
+}
+
+/// A poll also serves as the runner's heartbeat: it carries the runner's state.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct PollRequest {
+    /// How long the server may hold the request, seconds (it caps this).
+    pub wait_secs: u64,
+    /// Job groups that have a free slot; the server only offers jobs of these groups.
+    pub free_groups: Vec<String>,
+    pub running_jobs: Vec<String>,
+    pub draining: bool,
+    pub version: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct PollResponse {
+    /// Identifies this delivery (outside the signature) so a rejection can be
+    /// addressed even when the payload cannot be parsed.
+    pub delivery_id: String,
+    pub envelope: JobEnvelope,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ClaimRequest {
+    pub delivery_id: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ClaimResponse {
+    pub lease_secs: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RejectRequest {
+    pub reason: RejectReason,
+    pub detail: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct JobHeartbeatResponse {
+    pub lease_secs: u64,
+    /// The control plane asks the runner to cancel this job.
+    pub cancel: bool,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct LogAppendResponse {
+    /// Server's log length after the append.
+    pub offset: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum JobStatus {
+    Succeeded,
+    Failed,
+    Cancelled,
+    TimedOut,
+    /// The runner died or restarted while the job ran; it was not re-run.
+    Interrupted,
+}
+
+impl JobStatus {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Succeeded => "succeeded",
+            Self::Failed => "failed",
+            Self::Cancelled => "cancelled",
+            Self::TimedOut => "timed_out",
+            Self::Interrupted => "interrupted",
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct JobResult {
+    pub status: JobStatus,
+    pub exit_code: Option<i32>,
+    pub log_size: u64,
+    pub log_sha256: String,
+    #[serde(default)]
+    pub error: Option<String>,
+    #[serde(default)]
+    pub outputs: serde_json::Value,
+    /// When the runner started the job's process, Unix milliseconds (pickup latency).
+    #[serde(default)]
+    pub started_at_ms: Option<u64>,
+    #[serde(default)]
+    pub finished_at_ms: Option<u64>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn payload() -> JobPayload {
+        JobPayload {
+            job_id: "j1".into(),
+            runner_id: "r1".into(),
+            install_id: "i1".into(),
+            issued_at: 1,
+            expires_at: 2,
+            nonce: "n".into(),
+            attempt: 1,
+            kind: "runner.noop".into(),
+            operation: "trigger".into(),
+            entity: "action".into(),
+            requested_role: None,
+            timeout_secs: 10,
+            spec: serde_json::Value::Null,
+        }
+    }
+
+    #[test]
+    fn envelope_signature_verifies_and_tampering_breaks_it() {
+        let key = generate_signing_key();
+        let env = JobEnvelope::sign(&payload(), &key);
+        let bytes = unb64("payload", &env.payload).unwrap();
+        let sig = unb64("signature", &env.signature).unwrap();
+        assert!(verify_job_signature(&key.verifying_key(), &bytes, &sig));
+        let mut tampered = bytes.clone();
+        tampered[5] ^= 1;
+        assert!(!verify_job_signature(&key.verifying_key(), &tampered, &sig));
+        let other = generate_signing_key();
+        assert!(!verify_job_signature(&other.verifying_key(), &bytes, &sig));
+        assert_eq!(env.key_id, key_id(&key.verifying_key()));
+    }
+
+    #[test]
+    fn job_signature_is_not_a_challenge_signature() {
+        // Domain separation: a signed job must not double as an auth response.
+        let key = generate_signing_key();
+        let challenge = "abc";
+        let env = JobEnvelope::sign_bytes(challenge.as_bytes(), &key);
+        assert!(!verify_challenge(&key.verifying_key(), challenge, &env.signature));
+        let auth = sign_challenge(&key, challenge);
+        assert!(verify_challenge(&key.verifying_key(), challenge, &auth));
+    }
+
+    #[test]
+    fn reason_codes_round_trip_through_serde() {
+        for r in RejectReason::ALL {
+            let s = serde_json::to_string(r).unwrap();
+            assert_eq!(s, format!("\"{}\"", r.code()));
+            let back: RejectReason = serde_json::from_str(&s).unwrap();
+            assert_eq!(back, *r);
+        }
+    }
+
+    #[test]
+    fn groups_separate_deploys_from_actions() {
+        assert_eq!(job_group("terraform.apply"), "deploys");
+        assert_eq!(job_group("action.script"), "actions");
+        assert_eq!(job_group("runner.noop"), "actions");
+        assert_eq!(job_group("oci.sync"), "syncs");
+    }
+}

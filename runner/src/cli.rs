@@ -1,0 +1,366 @@
+//! Command line: the daemon entry point and the customer's inspection commands.
+//! anyhow lives only here, at the edge.
+
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+
+use clap::{Parser, Subcommand, ValueEnum};
+
+use crate::config::{Config, DEFAULT_CONFIG_PATH, DEFAULT_STATE_DIR};
+use crate::inspect;
+
+/// sysexits.h: the command was used incorrectly (bad arguments or configuration).
+pub const EX_USAGE: i32 = 64;
+/// sysexits.h: the input data was incorrect.
+pub const EX_DATAERR: i32 = 65;
+
+#[derive(Parser)]
+#[command(name = "byoc-runner", version, about = "Runs the vendor's signed jobs in this cloud account, and shows what it did")]
+pub struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Clone, Copy, Debug, Default, ValueEnum, PartialEq, Eq)]
+pub enum Output {
+    #[default]
+    Text,
+    Json,
+}
+
+#[derive(clap::Args, Clone)]
+struct StateArgs {
+    /// Configuration file (for the state dir location).
+    #[arg(long, env = "BYOC_RUNNER_CONFIG", default_value = DEFAULT_CONFIG_PATH)]
+    config: PathBuf,
+    /// State directory; overrides the config file.
+    #[arg(long)]
+    state_dir: Option<PathBuf>,
+    #[arg(long, short = 'o', value_enum, default_value_t = Output::Text)]
+    output: Output,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Run the daemon (systemd's ExecStart).
+    Run {
+        #[arg(long, env = "BYOC_RUNNER_CONFIG", default_value = DEFAULT_CONFIG_PATH)]
+        config: PathBuf,
+    },
+    /// Show enrollment, daemon and job summary from the state dir.
+    Status(StateArgs),
+    /// Inspect jobs recorded in the local journal.
+    Jobs {
+        #[command(subcommand)]
+        cmd: JobsCmd,
+    },
+    /// Run a job file locally with no control plane (for vendors testing actions).
+    RunLocal {
+        /// JSON job file: {"kind": "...", "spec": {...}, "timeout_secs": N}
+        job_file: PathBuf,
+        #[arg(long, short = 'o', value_enum, default_value_t = Output::Text)]
+        output: Output,
+    },
+    /// Configuration commands.
+    Config {
+        #[command(subcommand)]
+        cmd: ConfigCmd,
+    },
+}
+
+#[derive(Subcommand)]
+enum JobsCmd {
+    /// List jobs, newest first.
+    List {
+        #[command(flatten)]
+        state: StateArgs,
+        #[arg(long, default_value_t = 50)]
+        limit: usize,
+    },
+    /// Show one job's journal record.
+    Show {
+        #[command(flatten)]
+        state: StateArgs,
+        job_id: String,
+    },
+    /// Print a job's log from the local spool.
+    Logs {
+        #[command(flatten)]
+        state: StateArgs,
+        job_id: String,
+    },
+    /// List refused deliveries with their reason codes, newest first.
+    Rejections {
+        #[command(flatten)]
+        state: StateArgs,
+        #[arg(long, default_value_t = 50)]
+        limit: usize,
+    },
+}
+
+#[derive(Subcommand)]
+enum ConfigCmd {
+    /// Validate the configuration and print every problem (no network).
+    Validate {
+        #[arg(long, env = "BYOC_RUNNER_CONFIG", default_value = DEFAULT_CONFIG_PATH)]
+        config: PathBuf,
+        #[arg(long, short = 'o', value_enum, default_value_t = Output::Text)]
+        output: Output,
+    },
+}
+
+pub fn main() -> i32 {
+    let cli = match Cli::try_parse() {
+        Ok(c) => c,
+        Err(e) => {
+            let code = if e.use_stderr() { EX_USAGE } else { 0 };
+            let _ = e.print();
+            return code;
+        }
+    };
+    match cli.cmd {
+        Cmd::Run { config } => run_daemon(&config),
+        Cmd::Status(s) => edge(|| status(&s)),
+        Cmd::Jobs { cmd } => edge(|| jobs(cmd)),
+        Cmd::RunLocal { job_file, output } => run_local(&job_file, output),
+        Cmd::Config { cmd: ConfigCmd::Validate { config, output } } => validate(&config, output),
+    }
+}
+
+fn edge(f: impl FnOnce() -> anyhow::Result<()>) -> i32 {
+    crate::logging::init_cli();
+    match f() {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            1
+        }
+    }
+}
+
+fn load_config(path: &Path) -> Result<Config, i32> {
+    Config::load(path).map_err(|e| {
+        eprintln!("error: {e}");
+        EX_USAGE
+    })
+}
+
+fn run_daemon(path: &Path) -> i32 {
+    let config = match load_config(path) {
+        Ok(c) => c,
+        Err(code) => return code,
+    };
+    let sink = crate::logging::init(config.logging.target, &config.logging.level);
+    tracing::debug!(sink, "logging initialised");
+    let rt = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: starting the async runtime: {e}");
+            return 1;
+        }
+    };
+    match rt.block_on(crate::daemon::run(config)) {
+        Ok(()) => 0,
+        Err(e) => {
+            tracing::error!(error = %e, "runner failed");
+            eprintln!("error: {e}");
+            match e {
+                crate::daemon::DaemonError::NoBootstrapToken
+                | crate::daemon::DaemonError::InstallMismatch { .. } => EX_USAGE,
+                _ => 1,
+            }
+        }
+    }
+}
+
+fn validate(path: &Path, output: Output) -> i32 {
+    match Config::load(path) {
+        Ok(c) => {
+            if output == Output::Json {
+                println!("{}", serde_json::json!({"valid": true, "digest": c.digest, "problems": []}));
+            } else {
+                println!("{}: ok (digest {})", path.display(), c.digest);
+            }
+            0
+        }
+        Err(e) => {
+            if output == Output::Json {
+                println!("{}", serde_json::json!({"valid": false, "problems": e.problems}));
+            } else {
+                eprintln!("error: {e}");
+            }
+            EX_USAGE
+        }
+    }
+}
+
+fn state_dir(s: &StateArgs) -> PathBuf {
+    if let Some(d) = &s.state_dir {
+        return d.clone();
+    }
+    // The inspection CLI must work with a broken config too: fall back to the default.
+    match Config::load(&s.config) {
+        Ok(c) => c.runner.state_dir,
+        Err(_) => PathBuf::from(DEFAULT_STATE_DIR),
+    }
+}
+
+fn print_json(v: &impl serde::Serialize) -> anyhow::Result<()> {
+    println!("{}", serde_json::to_string_pretty(v)?);
+    Ok(())
+}
+
+fn status(s: &StateArgs) -> anyhow::Result<()> {
+    let st = inspect::status(&state_dir(s))?;
+    if s.output == Output::Json {
+        return print_json(&st);
+    }
+    let or_dash = |o: &Option<String>| o.clone().unwrap_or_else(|| "-".into());
+    println!("state dir:      {}", st.state_dir);
+    println!("enrolled:       {}", if st.enrolled { "yes" } else { "no" });
+    println!("runner id:      {}", or_dash(&st.runner_id));
+    println!("install id:     {}", or_dash(&st.install_id));
+    println!("control plane:  {}", or_dash(&st.control_plane_url));
+    match st.daemon_pid {
+        Some(pid) => println!("daemon:         running (pid {pid})"),
+        None => println!("daemon:         not running"),
+    }
+    let counts: Vec<String> = st.jobs_by_status.iter().map(|(k, v)| format!("{k} {v}")).collect();
+    println!("jobs:           {} ({})", st.jobs_total, if counts.is_empty() { "none".into() } else { counts.join(", ") });
+    println!("running:        {}", if st.jobs_running.is_empty() { "-".into() } else { st.jobs_running.join(", ") });
+    println!("unreported:     {}", if st.jobs_unreported.is_empty() { "-".into() } else { st.jobs_unreported.join(", ") });
+    match &st.last_rejection {
+        Some(r) => println!("rejections:     {} (last: {} at {})", st.rejections, r.reason, inspect::format_ms(r.ts)),
+        None => println!("rejections:     0"),
+    }
+    Ok(())
+}
+
+fn jobs(cmd: JobsCmd) -> anyhow::Result<()> {
+    match cmd {
+        JobsCmd::List { state, limit } => {
+            let jobs = inspect::jobs(&state_dir(&state), limit)?;
+            if state.output == Output::Json {
+                return print_json(&jobs);
+            }
+            println!("{:<24} {:<16} {:<12} {:<21} {:>10}", "JOB", "KIND", "STATUS", "RECEIVED", "DURATION");
+            for j in jobs {
+                let dur = match (j.started_at_ms, j.finished.as_ref().map(|f| f.finished_at_ms)) {
+                    (Some(s), Some(f)) => format!("{:.1}s", f.saturating_sub(s) as f64 / 1000.0),
+                    _ => "-".into(),
+                };
+                println!(
+                    "{:<24} {:<16} {:<12} {:<21} {:>10}",
+                    j.job_id,
+                    j.kind,
+                    inspect::status_label(&j),
+                    inspect::format_ms(j.received_at_ms),
+                    dur
+                );
+            }
+            Ok(())
+        }
+        JobsCmd::Show { state, job_id } => {
+            let j = inspect::job(&state_dir(&state), &job_id)?;
+            if state.output == Output::Json {
+                return print_json(&j);
+            }
+            println!("job:        {}", j.job_id);
+            println!("kind:       {} ({} {})", j.kind, j.entity, j.operation);
+            println!("status:     {}", inspect::status_label(&j));
+            println!("phase:      {}", j.phase.as_str());
+            println!("received:   {}", inspect::format_ms(j.received_at_ms));
+            if let Some(s) = j.started_at_ms {
+                println!("started:    {}", inspect::format_ms(s));
+            }
+            if let Some(f) = &j.finished {
+                println!("finished:   {}", inspect::format_ms(f.finished_at_ms));
+                println!("exit code:  {}", f.exit_code.map(|c| c.to_string()).unwrap_or_else(|| "-".into()));
+                println!("log:        {} bytes, sha256 {}", f.log_size, f.log_sha256);
+                if let Some(e) = &f.error {
+                    println!("error:      {e}");
+                }
+            }
+            if let Some(d) = &j.detail {
+                println!("detail:     {d}");
+            }
+            println!("payload:    sha256 {}", j.payload_sha256);
+            Ok(())
+        }
+        JobsCmd::Logs { state, job_id } => {
+            let log = inspect::log(&state_dir(&state), &job_id)?;
+            if state.output == Output::Json {
+                return print_json(&serde_json::json!({
+                    "job_id": job_id,
+                    "size": log.len(),
+                    "sha256": byoc_protocol::sha256_hex(&log),
+                    "log": String::from_utf8_lossy(&log),
+                }));
+            }
+            std::io::stdout().write_all(&log)?;
+            Ok(())
+        }
+        JobsCmd::Rejections { state, limit } => {
+            let rs = inspect::rejections(&state_dir(&state), limit)?;
+            if state.output == Output::Json {
+                return print_json(&rs);
+            }
+            println!("{:<21} {:<20} {:<24} DETAIL", "TIME", "REASON", "JOB");
+            for r in rs {
+                println!(
+                    "{:<21} {:<20} {:<24} {}",
+                    inspect::format_ms(r.ts),
+                    r.reason.code(),
+                    r.job_id.as_deref().unwrap_or("-"),
+                    r.detail
+                );
+            }
+            Ok(())
+        }
+    }
+}
+
+fn run_local(path: &Path, output: Output) -> i32 {
+    crate::logging::init_cli();
+    let (job, exec) = match crate::run_local::load(path) {
+        Ok(x) => x,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return if e.is_usage() { EX_DATAERR } else { 1 };
+        }
+    };
+    let rt = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: starting the async runtime: {e}");
+            return 1;
+        }
+    };
+    let mut captured = Vec::new();
+    let capture = (output == Output::Json).then_some(&mut captured);
+    match rt.block_on(crate::run_local::run(&job, exec.as_ref(), capture)) {
+        Ok(outcome) => {
+            if output == Output::Json {
+                println!(
+                    "{}",
+                    serde_json::json!({
+                        "status": outcome.status,
+                        "exit_code": outcome.exit_code,
+                        "error": outcome.error,
+                        "outputs": outcome.outputs,
+                        "log": String::from_utf8_lossy(&captured),
+                    })
+                );
+            } else if let Some(e) = &outcome.error {
+                eprintln!("job {}: {e}", outcome.status.as_str());
+            } else {
+                eprintln!("job {}", outcome.status.as_str());
+            }
+            crate::run_local::exit_code(&outcome)
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            1
+        }
+    }
+}

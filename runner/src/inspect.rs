@@ -1,0 +1,171 @@
+//! The customer's local inspection commands. They read the state dir only (never the
+//! network), so they work while the daemon is stopped, and never change anything.
+
+use std::path::Path;
+
+use serde::Serialize;
+
+use crate::daemon::PID_FILE;
+use crate::identity;
+use crate::journal::{self, Index, JobRecord, Phase};
+use crate::spool;
+
+#[derive(Debug, thiserror::Error)]
+pub enum InspectError {
+    #[error("state dir {0} does not exist: is the runner installed, or is --state-dir wrong?")]
+    NoStateDir(String),
+    #[error("permission denied reading {0}: run as root or as the byoc-runner user")]
+    Permission(String),
+    #[error(transparent)]
+    Identity(#[from] identity::IdentityError),
+    #[error(transparent)]
+    Journal(#[from] journal::JournalError),
+    #[error("no job {0:?} in the journal (see `byoc-runner jobs list`)")]
+    NoSuchJob(String),
+    #[error("reading {path}: {source}")]
+    Io { path: String, source: std::io::Error },
+}
+
+fn check_state_dir(state_dir: &Path) -> Result<(), InspectError> {
+    match std::fs::read_dir(state_dir) {
+        Ok(_) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            Err(InspectError::NoStateDir(state_dir.display().to_string()))
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => {
+            Err(InspectError::Permission(state_dir.display().to_string()))
+        }
+        Err(e) => Err(InspectError::Io { path: state_dir.display().to_string(), source: e }),
+    }
+}
+
+fn load_index(state_dir: &Path) -> Result<Index, InspectError> {
+    check_state_dir(state_dir)?;
+    if !state_dir.join(journal::JOURNAL_FILE).exists() {
+        return Ok(Index::default());
+    }
+    Ok(journal::read_index(state_dir)?)
+}
+
+#[derive(Debug, Serialize)]
+pub struct Status {
+    pub state_dir: String,
+    pub enrolled: bool,
+    pub runner_id: Option<String>,
+    pub install_id: Option<String>,
+    pub control_plane_url: Option<String>,
+    pub daemon_pid: Option<u32>,
+    pub daemon_running: bool,
+    pub jobs_total: usize,
+    pub jobs_running: Vec<String>,
+    pub jobs_unreported: Vec<String>,
+    pub jobs_by_status: std::collections::BTreeMap<String, usize>,
+    pub rejections: usize,
+    pub last_rejection: Option<journal::Rejection>,
+}
+
+pub fn status(state_dir: &Path) -> Result<Status, InspectError> {
+    let index = load_index(state_dir)?;
+    let enrollment = identity::load_enrollment(state_dir)?;
+    let pid: Option<u32> =
+        std::fs::read_to_string(state_dir.join(PID_FILE)).ok().and_then(|s| s.trim().parse().ok());
+    let running = pid.is_some_and(|p| Path::new(&format!("/proc/{p}")).exists());
+    let mut by_status = std::collections::BTreeMap::new();
+    for j in index.jobs.values() {
+        *by_status.entry(status_label(j)).or_insert(0) += 1;
+    }
+    Ok(Status {
+        state_dir: state_dir.display().to_string(),
+        enrolled: enrollment.is_some(),
+        runner_id: enrollment.as_ref().map(|e| e.runner_id.clone()),
+        install_id: enrollment.as_ref().map(|e| e.install_id.clone()),
+        control_plane_url: enrollment.as_ref().map(|e| e.control_plane_url.clone()),
+        daemon_pid: pid.filter(|_| running),
+        daemon_running: running,
+        jobs_total: index.jobs.len(),
+        jobs_running: ids_in(&index, &[Phase::Claimed, Phase::Started]),
+        jobs_unreported: ids_in(&index, &[Phase::Finished]),
+        jobs_by_status: by_status,
+        rejections: index.rejections.len(),
+        last_rejection: index.rejections.last().cloned(),
+    })
+}
+
+fn ids_in(index: &Index, phases: &[Phase]) -> Vec<String> {
+    index.order.iter().filter(|id| index.jobs.get(*id).is_some_and(|j| phases.contains(&j.phase))).cloned().collect()
+}
+
+/// The one-word state a person wants: the final status if there is one, else the phase.
+pub fn status_label(j: &JobRecord) -> String {
+    match &j.finished {
+        Some(f) => f.status.as_str().to_string(),
+        None => match j.phase {
+            Phase::Claimed | Phase::Started => "running".into(),
+            p => p.as_str().into(),
+        },
+    }
+}
+
+pub fn jobs(state_dir: &Path, limit: usize) -> Result<Vec<JobRecord>, InspectError> {
+    let index = load_index(state_dir)?;
+    Ok(index.order.iter().rev().take(limit).filter_map(|id| index.jobs.get(id).cloned()).collect())
+}
+
+pub fn rejections(state_dir: &Path, limit: usize) -> Result<Vec<journal::Rejection>, InspectError> {
+    let index = load_index(state_dir)?;
+    Ok(index.rejections.iter().rev().take(limit).cloned().collect())
+}
+
+pub fn job(state_dir: &Path, job_id: &str) -> Result<JobRecord, InspectError> {
+    let index = load_index(state_dir)?;
+    index.jobs.get(job_id).cloned().ok_or_else(|| InspectError::NoSuchJob(job_id.into()))
+}
+
+pub fn log(state_dir: &Path, job_id: &str) -> Result<Vec<u8>, InspectError> {
+    job(state_dir, job_id)?;
+    let path = spool::spool_path(state_dir, job_id);
+    match std::fs::read(&path) {
+        Ok(b) => Ok(b),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Vec::new()),
+        Err(e) => Err(InspectError::Io { path: path.display().to_string(), source: e }),
+    }
+}
+
+pub fn format_ms(ms: u64) -> String {
+    let secs = (ms / 1000) as i64;
+    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
+    let (y, m, d) = civil_from_days(days);
+    format!("{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z", rem / 3600, rem % 3600 / 60, rem % 60)
+}
+
+/// Days since 1970-01-01 → (year, month, day), proleptic Gregorian (H. Hinnant).
+fn civil_from_days(z: i64) -> (i64, u32, u32) {
+    let z = z + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let y = yoe + era * 400;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
+    (if m <= 2 { y + 1 } else { y }, m, d)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn formats_utc_timestamps() {
+        assert_eq!(format_ms(0), "1970-01-01T00:00:00Z");
+        assert_eq!(format_ms(1_795_000_000_000), "2026-11-18T11:06:40Z");
+        assert_eq!(format_ms(951_782_400_000), "2000-02-29T00:00:00Z");
+    }
+
+    #[test]
+    fn missing_state_dir_says_so() {
+        let err = status(Path::new("/nonexistent/byoc")).unwrap_err();
+        assert!(err.to_string().contains("does not exist"));
+    }
+}

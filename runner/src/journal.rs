@@ -1,0 +1,402 @@
+//! The durable job journal: one append-only JSON-lines file in the state dir.
+//!
+//! Every job transition is appended and fsynced *before* the runner acts on it, so after
+//! a crash or `kill -9` the journal says exactly how far each job got: a job that was
+//! started but has no `finished` line was interrupted and is reported as such, never
+//! silently re-run; a finished job without `reported` has its result sent again
+//! (results are idempotent on the control plane).
+//!
+//! A torn last line (the crash hit mid-write) is cut off on open; damage anywhere else
+//! is refused, because the journal is evidence and guessing would hide it.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fs::{File, OpenOptions};
+use std::io::{BufRead as _, BufReader, Seek as _, SeekFrom, Write as _};
+use std::path::{Path, PathBuf};
+use std::sync::{Mutex, MutexGuard};
+
+use byoc_protocol::{JobStatus, RejectReason};
+use serde::{Deserialize, Serialize};
+
+pub const JOURNAL_FILE: &str = "journal.jsonl";
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "event", rename_all = "snake_case")]
+pub enum Event {
+    /// A verified envelope was accepted for this runner (its nonce is now spent).
+    Received {
+        job_id: String,
+        delivery_id: String,
+        nonce: String,
+        expires_at: i64,
+        kind: String,
+        operation: String,
+        entity: String,
+        payload_sha256: String,
+        timeout_secs: u64,
+    },
+    /// An envelope was refused. Fields the payload did not yield are absent.
+    Rejected {
+        delivery_id: String,
+        job_id: Option<String>,
+        nonce: Option<String>,
+        expires_at: Option<i64>,
+        reason: RejectReason,
+        detail: String,
+    },
+    Claimed { job_id: String, lease_secs: u64 },
+    /// The control plane refused the claim (cancelled or taken); the job never ran.
+    ClaimRefused { job_id: String, detail: String },
+    Started { job_id: String, started_at_ms: u64 },
+    Finished {
+        job_id: String,
+        status: JobStatus,
+        exit_code: Option<i32>,
+        error: Option<String>,
+        log_size: u64,
+        log_sha256: String,
+        started_at_ms: Option<u64>,
+        finished_at_ms: u64,
+        #[serde(default)]
+        outputs: serde_json::Value,
+    },
+    /// The control plane acknowledged the result.
+    Reported { job_id: String },
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Line {
+    /// Unix milliseconds when the line was written.
+    pub ts: u64,
+    #[serde(flatten)]
+    pub event: Event,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Phase {
+    Received,
+    Claimed,
+    ClaimRefused,
+    Started,
+    Finished,
+    Reported,
+}
+
+impl Phase {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Phase::Received => "received",
+            Phase::Claimed => "claimed",
+            Phase::ClaimRefused => "claim_refused",
+            Phase::Started => "started",
+            Phase::Finished => "finished",
+            Phase::Reported => "reported",
+        }
+    }
+}
+
+/// What the journal knows about one job (rebuilt from the lines on open).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct JobRecord {
+    pub job_id: String,
+    pub delivery_id: String,
+    pub kind: String,
+    pub operation: String,
+    pub entity: String,
+    pub nonce: String,
+    pub payload_sha256: String,
+    pub phase: Phase,
+    pub received_at_ms: u64,
+    pub started_at_ms: Option<u64>,
+    pub finished: Option<Finished>,
+    pub detail: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Finished {
+    pub status: JobStatus,
+    pub exit_code: Option<i32>,
+    pub error: Option<String>,
+    pub log_size: u64,
+    pub log_sha256: String,
+    pub finished_at_ms: u64,
+    pub outputs: serde_json::Value,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Rejection {
+    pub ts: u64,
+    pub delivery_id: String,
+    pub job_id: Option<String>,
+    pub reason: RejectReason,
+    pub detail: String,
+}
+
+#[derive(Debug, Default)]
+pub struct Index {
+    pub jobs: BTreeMap<String, JobRecord>,
+    /// Order jobs were received in.
+    pub order: Vec<String>,
+    /// Spent nonces → (job id, expiry). Kept until expiry: after that the envelope is
+    /// refused as expired anyway.
+    pub nonces: HashMap<String, (String, i64)>,
+    pub rejections: Vec<Rejection>,
+}
+
+impl Index {
+    fn apply(&mut self, line: &Line) {
+        match &line.event {
+            Event::Received { job_id, delivery_id, nonce, expires_at, kind, operation, entity, payload_sha256, .. } => {
+                self.nonces.insert(nonce.clone(), (job_id.clone(), *expires_at));
+                if !self.jobs.contains_key(job_id) {
+                    self.order.push(job_id.clone());
+                }
+                self.jobs.insert(
+                    job_id.clone(),
+                    JobRecord {
+                        job_id: job_id.clone(),
+                        delivery_id: delivery_id.clone(),
+                        kind: kind.clone(),
+                        operation: operation.clone(),
+                        entity: entity.clone(),
+                        nonce: nonce.clone(),
+                        payload_sha256: payload_sha256.clone(),
+                        phase: Phase::Received,
+                        received_at_ms: line.ts,
+                        started_at_ms: None,
+                        finished: None,
+                        detail: None,
+                    },
+                );
+            }
+            Event::Rejected { delivery_id, job_id, nonce, expires_at, reason, detail } => {
+                // A refused envelope's nonce is spent too: the same bytes must not get
+                // a second chance later.
+                if let (Some(n), Some(exp)) = (nonce, expires_at) {
+                    self.nonces.entry(n.clone()).or_insert((job_id.clone().unwrap_or_default(), *exp));
+                }
+                self.rejections.push(Rejection {
+                    ts: line.ts,
+                    delivery_id: delivery_id.clone(),
+                    job_id: job_id.clone(),
+                    reason: *reason,
+                    detail: detail.clone(),
+                });
+            }
+            Event::Claimed { job_id, .. } => self.set_phase(job_id, Phase::Claimed),
+            Event::ClaimRefused { job_id, detail } => {
+                self.set_phase(job_id, Phase::ClaimRefused);
+                if let Some(j) = self.jobs.get_mut(job_id) {
+                    j.detail = Some(detail.clone());
+                }
+            }
+            Event::Started { job_id, started_at_ms } => {
+                self.set_phase(job_id, Phase::Started);
+                if let Some(j) = self.jobs.get_mut(job_id) {
+                    j.started_at_ms = Some(*started_at_ms);
+                }
+            }
+            Event::Finished { job_id, status, exit_code, error, log_size, log_sha256, finished_at_ms, outputs, .. } => {
+                self.set_phase(job_id, Phase::Finished);
+                if let Some(j) = self.jobs.get_mut(job_id) {
+                    j.finished = Some(Finished {
+                        status: *status,
+                        exit_code: *exit_code,
+                        error: error.clone(),
+                        log_size: *log_size,
+                        log_sha256: log_sha256.clone(),
+                        finished_at_ms: *finished_at_ms,
+                        outputs: outputs.clone(),
+                    });
+                }
+            }
+            Event::Reported { job_id } => self.set_phase(job_id, Phase::Reported),
+        }
+    }
+
+    fn set_phase(&mut self, job_id: &str, phase: Phase) {
+        if let Some(j) = self.jobs.get_mut(job_id) {
+            j.phase = phase;
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum JournalError {
+    #[error("opening job journal {path}: {source}")]
+    Open { path: PathBuf, source: std::io::Error },
+    #[error("job journal {path} is damaged at line {line}: {reason}. Keep a copy for investigation; the runner will not guess past it")]
+    Corrupt { path: PathBuf, line: usize, reason: String },
+    #[error("appending to job journal {path}: {source}")]
+    Append { path: PathBuf, source: std::io::Error },
+}
+
+pub struct Journal {
+    path: PathBuf,
+    inner: Mutex<Inner>,
+}
+
+struct Inner {
+    file: File,
+    index: Index,
+}
+
+impl Journal {
+    /// Open (creating if absent) and replay. Returns the journal and the number of
+    /// torn bytes cut from its tail, if any.
+    pub fn open(state_dir: &Path) -> Result<(Journal, u64), JournalError> {
+        let path = state_dir.join(JOURNAL_FILE);
+        let open_err = |e| JournalError::Open { path: path.clone(), source: e };
+        let mut file = OpenOptions::new().read(true).append(true).create(true).open(&path).map_err(open_err)?;
+        let mut index = Index::default();
+        let mut good_len = 0u64;
+        let mut reader = BufReader::new(&file);
+        let mut buf = Vec::new();
+        let mut line_no = 0usize;
+        let mut torn: Option<(usize, String)> = None;
+        loop {
+            buf.clear();
+            let n = reader.read_until(b'\n', &mut buf).map_err(open_err)?;
+            if n == 0 {
+                break;
+            }
+            line_no += 1;
+            if let Some((l, reason)) = torn.take() {
+                // Damage followed by more lines is not a torn tail.
+                return Err(JournalError::Corrupt { path, line: l, reason });
+            }
+            let complete = buf.ends_with(b"\n");
+            match serde_json::from_slice::<Line>(&buf) {
+                Ok(line) if complete => {
+                    index.apply(&line);
+                    good_len += n as u64;
+                }
+                Ok(_) => torn = Some((line_no, "last line has no newline".into())),
+                Err(e) => torn = Some((line_no, e.to_string())),
+            }
+        }
+        drop(reader);
+        let total = file.seek(SeekFrom::End(0)).map_err(open_err)?;
+        let cut = total - good_len;
+        if cut > 0 {
+            file.set_len(good_len).map_err(open_err)?;
+            file.sync_all().map_err(open_err)?;
+        }
+        Ok((Journal { path, inner: Mutex::new(Inner { file, index }) }, cut))
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Append one event and fsync it. Only after this returns may the runner act on it.
+    pub fn append(&self, event: Event) -> Result<(), JournalError> {
+        let line = Line { ts: now_ms(), event };
+        let mut bytes = serde_json::to_vec(&line).expect("journal line serialises");
+        bytes.push(b'\n');
+        let mut inner = self.lock();
+        let err = |e| JournalError::Append { path: self.path.clone(), source: e };
+        inner.file.write_all(&bytes).map_err(err)?;
+        inner.file.sync_data().map_err(err)?;
+        inner.index.apply(&line);
+        Ok(())
+    }
+
+    pub fn with_index<T>(&self, f: impl FnOnce(&Index) -> T) -> T {
+        f(&self.lock().index)
+    }
+
+    pub fn job(&self, job_id: &str) -> Option<JobRecord> {
+        self.with_index(|i| i.jobs.get(job_id).cloned())
+    }
+}
+
+/// Read-only replay for the inspection CLI: never modifies the file, tolerates a torn
+/// tail (the daemon may be mid-write).
+pub fn read_index(state_dir: &Path) -> Result<Index, JournalError> {
+    let path = state_dir.join(JOURNAL_FILE);
+    let file = File::open(&path).map_err(|e| JournalError::Open { path: path.clone(), source: e })?;
+    let mut index = Index::default();
+    for (i, line) in BufReader::new(file).split(b'\n').enumerate() {
+        let line = line.map_err(|e| JournalError::Open { path: path.clone(), source: e })?;
+        match serde_json::from_slice::<Line>(&line) {
+            Ok(l) => index.apply(&l),
+            Err(_) if line.is_empty() => {}
+            Err(e) => return Err(JournalError::Corrupt { path, line: i + 1, reason: e.to_string() }),
+        }
+    }
+    Ok(index)
+}
+
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn received(job: &str, nonce: &str) -> Event {
+        Event::Received {
+            job_id: job.into(),
+            delivery_id: "d".into(),
+            nonce: nonce.into(),
+            expires_at: 100,
+            kind: "runner.noop".into(),
+            operation: "trigger".into(),
+            entity: "action".into(),
+            payload_sha256: "00".into(),
+            timeout_secs: 10,
+        }
+    }
+
+    #[test]
+    fn replay_rebuilds_phases_and_nonces() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let (j, cut) = Journal::open(dir.path()).unwrap();
+            assert_eq!(cut, 0);
+            j.append(received("a", "n1")).unwrap();
+            j.append(Event::Claimed { job_id: "a".into(), lease_secs: 60 }).unwrap();
+            j.append(Event::Started { job_id: "a".into(), started_at_ms: 5 }).unwrap();
+        }
+        let (j, _) = Journal::open(dir.path()).unwrap();
+        let rec = j.job("a").unwrap();
+        assert_eq!(rec.phase, Phase::Started);
+        assert_eq!(rec.started_at_ms, Some(5));
+        assert!(j.with_index(|i| i.nonces.contains_key("n1")));
+    }
+
+    #[test]
+    fn torn_tail_is_cut_and_later_damage_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let (j, _) = Journal::open(dir.path()).unwrap();
+            j.append(received("a", "n1")).unwrap();
+        }
+        let path = dir.path().join(JOURNAL_FILE);
+        let good = std::fs::read(&path).unwrap();
+        let mut torn = good.clone();
+        let tail = b"{\"ts\":1,\"event\":\"clai";
+        torn.extend_from_slice(tail);
+        std::fs::write(&path, &torn).unwrap();
+        let (j, cut) = Journal::open(dir.path()).unwrap();
+        assert_eq!(cut, tail.len() as u64);
+        assert_eq!(std::fs::read(&path).unwrap(), good);
+        j.append(Event::Claimed { job_id: "a".into(), lease_secs: 1 }).unwrap();
+        drop(j);
+
+        // Garbage in the middle is not a torn tail.
+        let mut damaged = b"garbage\n".to_vec();
+        damaged.extend_from_slice(&std::fs::read(&path).unwrap());
+        std::fs::write(&path, &damaged).unwrap();
+        match Journal::open(dir.path()) {
+            Err(JournalError::Corrupt { line, .. }) => assert_eq!(line, 1),
+            other => panic!("expected corruption error, got {:?}", other.map(|_| ())),
+        }
+    }
+}

@@ -1,0 +1,17 @@
+//! byoc-runner: the vendor's only actor inside a customer's cloud account.
+//!
+//! `main.rs` is a one-liner; everything lives here so tests can drive it in-process.
+//! A job's path through the code is `pipeline::{poll, verify, claim, execute, report}`;
+//! `daemon` wires the stages to the control plane and to the durable `journal`.
+
+pub mod cli;
+pub mod client;
+pub mod config;
+pub mod daemon;
+pub mod identity;
+pub mod inspect;
+pub mod journal;
+pub mod logging;
+pub mod pipeline;
+pub mod run_local;
+pub mod spool;

@@ -1,0 +1,3 @@
+fn main() {
+    std::process::exit(byoc_runner::cli::main());
+}

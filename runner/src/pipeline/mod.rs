@@ -1,0 +1,87 @@
+//! A job's path through the runner, one module per stage:
+//!
+//! `poll → verify → claim → execute → report`
+//!
+//! Each stage consumes the previous stage's type (`PolledJob → VerifiedJob →
+//! ClaimedJob → FinishedJob`), so no stage can be skipped and still compile. Later
+//! stages (role resolution, policy authorization, audit) slot in between `verify` and
+//! `execute` as new types in the chain.
+
+pub mod claim;
+pub mod execute;
+pub mod poll;
+pub mod report;
+pub mod verify;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+
+use crate::client::CpClient;
+use crate::config::Config;
+use crate::journal::Journal;
+
+pub use claim::ClaimedJob;
+pub use execute::FinishedJob;
+pub use poll::PolledJob;
+pub use verify::{Rejection, VerifiedJob};
+
+/// What every stage may use: shared, read-mostly runner context.
+pub struct Runtime {
+    pub config: Config,
+    pub runner_id: String,
+    pub install_id: String,
+    pub state_dir: PathBuf,
+    pub journal: Journal,
+    pub client: CpClient,
+    /// Cancelled on the second SIGTERM: every running job is cancelled.
+    pub abort: CancellationToken,
+    /// Cancelled when the daemon stops for good: reporting loops give up (the journal
+    /// keeps what was not reported, for the next start).
+    pub stop_reporting: CancellationToken,
+}
+
+pub type Rt = Arc<Runtime>;
+
+/// Jittered exponential backoff, capped: only used after errors.
+pub struct Backoff {
+    initial: Duration,
+    max: Duration,
+    current: Duration,
+}
+
+impl Backoff {
+    pub fn new(initial: Duration, max: Duration) -> Self {
+        Backoff { initial, max, current: initial }
+    }
+
+    pub fn reset(&mut self) {
+        self.current = self.initial;
+    }
+
+    /// Next delay: uniformly in [current/2, current], then current doubles (capped).
+    pub fn next_delay(&mut self) -> Duration {
+        let base = self.current;
+        self.current = (self.current * 2).min(self.max);
+        let half = base / 2;
+        half + half.mul_f64(rand::random::<f64>())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_grows_caps_and_resets() {
+        let mut b = Backoff::new(Duration::from_millis(100), Duration::from_millis(800));
+        let delays: Vec<Duration> = (0..6).map(|_| b.next_delay()).collect();
+        for (d, cap) in delays.iter().zip([100u64, 200, 400, 800, 800, 800]) {
+            assert!(*d <= Duration::from_millis(cap) && *d >= Duration::from_millis(cap / 2), "{d:?} vs {cap}");
+        }
+        b.reset();
+        assert!(b.next_delay() <= Duration::from_millis(100));
+    }
+}

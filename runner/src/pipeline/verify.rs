@@ -1,0 +1,336 @@
+//! Stage 2: verify the envelope before anything else happens. Signature by a pinned
+//! key, addressed to this runner and install, inside its validity window, nonce never
+//! seen, job not already finished, kind known and spec valid, size bounded.
+//!
+//! A rejection carries a reason code; the caller journals and reports it.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use byoc_job_executors::{Executor, SpecError};
+use byoc_protocol::{JobPayload, MAX_PAYLOAD_BYTES, RejectReason, sha256_hex, unb64};
+use ed25519_dalek::VerifyingKey;
+
+use super::PolledJob;
+use crate::journal::{Index, Phase};
+
+pub struct VerifiedJob {
+    pub delivery_id: String,
+    pub payload: JobPayload,
+    pub payload_sha256: String,
+    pub executor: Box<dyn Executor>,
+    pub timeout: Duration,
+    pub received_at: Instant,
+}
+
+#[derive(Debug, Clone)]
+pub struct Rejection {
+    pub delivery_id: String,
+    pub reason: RejectReason,
+    pub detail: String,
+    /// Known only when the payload was authentic and parsed.
+    pub job_id: Option<String>,
+    pub nonce: Option<String>,
+    pub expires_at: Option<i64>,
+}
+
+pub struct Verifier<'a> {
+    pub keys: &'a BTreeMap<String, VerifyingKey>,
+    pub runner_id: &'a str,
+    pub install_id: &'a str,
+    pub max_skew: Duration,
+    pub max_timeout: Duration,
+    /// Unix seconds.
+    pub now: i64,
+}
+
+/// A job id names files and URL segments: keep it to a safe alphabet.
+pub fn valid_job_id(id: &str) -> bool {
+    !id.is_empty()
+        && id.len() <= 128
+        && !id.starts_with('.')
+        && id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_' || b == b'.')
+}
+
+impl Verifier<'_> {
+    pub fn verify(&self, polled: PolledJob, journal: &Index) -> Result<VerifiedJob, Rejection> {
+        let delivery_id = polled.delivery_id.clone();
+        let reject = |reason, detail: String| Rejection {
+            delivery_id: delivery_id.clone(),
+            reason,
+            detail,
+            job_id: None,
+            nonce: None,
+            expires_at: None,
+        };
+        let env = &polled.envelope;
+        // Base64 is 4/3 of the bytes: refuse before decoding anything huge.
+        if env.payload.len() > MAX_PAYLOAD_BYTES / 3 * 4 + 4 {
+            return Err(reject(
+                RejectReason::OversizePayload,
+                format!("payload is about {} bytes, limit {MAX_PAYLOAD_BYTES}", env.payload.len() / 4 * 3),
+            ));
+        }
+        let bytes = unb64("payload", &env.payload)
+            .map_err(|e| reject(RejectReason::MalformedEnvelope, e.to_string()))?;
+        if bytes.len() > MAX_PAYLOAD_BYTES {
+            return Err(reject(
+                RejectReason::OversizePayload,
+                format!("payload is {} bytes, limit {MAX_PAYLOAD_BYTES}", bytes.len()),
+            ));
+        }
+        let Some(key) = self.keys.get(&env.key_id) else {
+            return Err(reject(
+                RejectReason::UnknownKey,
+                format!("key id {:?} is not pinned on this runner", truncate(&env.key_id, 64)),
+            ));
+        };
+        let sig = unb64("signature", &env.signature)
+            .map_err(|e| reject(RejectReason::BadSignature, e.to_string()))?;
+        if !byoc_protocol::verify_job_signature(key, &bytes, &sig) {
+            return Err(reject(
+                RejectReason::BadSignature,
+                format!("signature does not verify under key {}", env.key_id),
+            ));
+        }
+        // Authentic from here on; still parsed strictly.
+        let payload: JobPayload = serde_json::from_slice(&bytes)
+            .map_err(|e| reject(RejectReason::MalformedEnvelope, format!("payload: {e}")))?;
+        let reject = |reason, detail: String| Rejection {
+            job_id: valid_job_id(&payload.job_id).then(|| payload.job_id.clone()),
+            nonce: Some(payload.nonce.clone()),
+            expires_at: Some(payload.expires_at),
+            ..reject(reason, detail)
+        };
+        if !valid_job_id(&payload.job_id) {
+            return Err(reject(
+                RejectReason::MalformedEnvelope,
+                format!("job id {:?} is not 1-128 characters of [A-Za-z0-9._-]", truncate(&payload.job_id, 64)),
+            ));
+        }
+        if payload.nonce.is_empty() || payload.nonce.len() > 128 {
+            return Err(reject(RejectReason::MalformedEnvelope, "nonce must be 1-128 characters".into()));
+        }
+        if payload.runner_id != self.runner_id {
+            return Err(reject(
+                RejectReason::WrongRunner,
+                format!("job is for runner {:?}, this is {}", truncate(&payload.runner_id, 64), self.runner_id),
+            ));
+        }
+        if payload.install_id != self.install_id {
+            return Err(reject(
+                RejectReason::WrongInstall,
+                format!("job is for install {:?}, this is {}", truncate(&payload.install_id, 64), self.install_id),
+            ));
+        }
+        let skew = self.max_skew.as_secs() as i64;
+        if self.now > payload.expires_at.saturating_add(skew) {
+            return Err(reject(
+                RejectReason::Expired,
+                format!("expired {}s ago", self.now - payload.expires_at),
+            ));
+        }
+        if payload.issued_at > self.now.saturating_add(skew) {
+            return Err(reject(
+                RejectReason::NotYetValid,
+                format!("issued {}s in the future (allowed skew {skew}s)", payload.issued_at - self.now),
+            ));
+        }
+        let payload_sha256 = sha256_hex(&bytes);
+        if let Some(job) = journal.jobs.get(&payload.job_id) {
+            match job.phase {
+                Phase::Finished | Phase::Reported | Phase::ClaimRefused => {
+                    return Err(reject(
+                        RejectReason::AlreadyFinished,
+                        format!("job {} already ended here ({})", payload.job_id, job.phase.as_str()),
+                    ));
+                }
+                // The same envelope again after we received it but never claimed (we
+                // crashed, or the offer timed out): accepting it runs the job once.
+                Phase::Received if job.payload_sha256 == payload_sha256 => {}
+                phase => {
+                    return Err(reject(
+                        RejectReason::ReplayedNonce,
+                        format!("job {} is already {} here", payload.job_id, phase.as_str()),
+                    ));
+                }
+            }
+        } else if let Some((other_job, _)) = journal.nonces.get(&payload.nonce) {
+            return Err(reject(
+                RejectReason::ReplayedNonce,
+                format!("nonce was already used by job {other_job:?}"),
+            ));
+        }
+        let timeout = Duration::from_secs(payload.timeout_secs);
+        if timeout.is_zero() || timeout > self.max_timeout {
+            return Err(reject(
+                RejectReason::InvalidSpec,
+                format!("timeout_secs {} must be 1..={}", payload.timeout_secs, self.max_timeout.as_secs()),
+            ));
+        }
+        let executor = match byoc_job_executors::build(&payload.kind, &payload.spec) {
+            Ok(e) => e,
+            Err(SpecError::UnknownKind(k)) => {
+                return Err(reject(RejectReason::UnknownKind, format!("kind {:?} is not supported", truncate(&k, 64))));
+            }
+            Err(e @ SpecError::Invalid { .. }) => return Err(reject(RejectReason::InvalidSpec, e.to_string())),
+        };
+        Ok(VerifiedJob {
+            delivery_id: polled.delivery_id,
+            payload,
+            payload_sha256,
+            executor,
+            timeout,
+            received_at: polled.received_at,
+        })
+    }
+}
+
+fn truncate(s: &str, n: usize) -> String {
+    s.chars().take(n).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use byoc_protocol::{JobEnvelope, generate_signing_key, key_id};
+
+    struct Fixture {
+        key: ed25519_dalek::SigningKey,
+        keys: BTreeMap<String, VerifyingKey>,
+    }
+
+    fn fixture() -> Fixture {
+        let key = generate_signing_key();
+        let keys = [(key_id(&key.verifying_key()), key.verifying_key())].into_iter().collect();
+        Fixture { key, keys }
+    }
+
+    fn payload() -> JobPayload {
+        JobPayload {
+            job_id: "job-1".into(),
+            runner_id: "rn-1".into(),
+            install_id: "inst-1".into(),
+            issued_at: 1000,
+            expires_at: 1300,
+            nonce: "nonce-1".into(),
+            attempt: 1,
+            kind: "runner.noop".into(),
+            operation: "trigger".into(),
+            entity: "action".into(),
+            requested_role: None,
+            timeout_secs: 60,
+            spec: serde_json::Value::Null,
+        }
+    }
+
+    fn verify(f: &Fixture, env: JobEnvelope, index: &Index, now: i64) -> Result<VerifiedJob, Rejection> {
+        let v = Verifier {
+            keys: &f.keys,
+            runner_id: "rn-1",
+            install_id: "inst-1",
+            max_skew: Duration::from_secs(30),
+            max_timeout: Duration::from_secs(3600),
+            now,
+        };
+        v.verify(PolledJob { delivery_id: "dl-1".into(), envelope: env, received_at: Instant::now() }, index)
+    }
+
+    fn reason(f: &Fixture, p: JobPayload, now: i64) -> RejectReason {
+        verify(f, JobEnvelope::sign(&p, &f.key), &Index::default(), now).err().expect("rejected").reason
+    }
+
+    #[test]
+    fn accepts_a_good_envelope() {
+        let f = fixture();
+        let v = verify(&f, JobEnvelope::sign(&payload(), &f.key), &Index::default(), 1100).ok().unwrap();
+        assert_eq!(v.payload.job_id, "job-1");
+    }
+
+    #[test]
+    fn each_field_check_has_its_reason() {
+        let f = fixture();
+        assert_eq!(reason(&f, JobPayload { runner_id: "rn-2".into(), ..payload() }, 1100), RejectReason::WrongRunner);
+        assert_eq!(reason(&f, JobPayload { install_id: "x".into(), ..payload() }, 1100), RejectReason::WrongInstall);
+        assert_eq!(reason(&f, payload(), 1331), RejectReason::Expired);
+        // Inside the allowed skew on both edges.
+        assert!(verify(&f, JobEnvelope::sign(&payload(), &f.key), &Index::default(), 1329).is_ok());
+        assert!(verify(&f, JobEnvelope::sign(&payload(), &f.key), &Index::default(), 971).is_ok());
+        assert_eq!(reason(&f, payload(), 969), RejectReason::NotYetValid);
+        assert_eq!(reason(&f, JobPayload { kind: "x.y".into(), ..payload() }, 1100), RejectReason::UnknownKind);
+        assert_eq!(reason(&f, JobPayload { job_id: "../etc".into(), ..payload() }, 1100), RejectReason::MalformedEnvelope);
+        assert_eq!(reason(&f, JobPayload { timeout_secs: 0, ..payload() }, 1100), RejectReason::InvalidSpec);
+        assert_eq!(
+            reason(&f, JobPayload { kind: "action.script".into(), spec: serde_json::json!({"nope": 1}), ..payload() }, 1100),
+            RejectReason::InvalidSpec
+        );
+    }
+
+    #[test]
+    fn envelope_level_failures() {
+        let f = fixture();
+        let good = JobEnvelope::sign(&payload(), &f.key);
+        let check = |env: JobEnvelope| verify(&f, env, &Index::default(), 1100).err().expect("rejected").reason;
+
+        let rogue = generate_signing_key();
+        assert_eq!(check(JobEnvelope::sign(&payload(), &rogue)), RejectReason::UnknownKey);
+
+        let mut forged = JobEnvelope::sign(&payload(), &rogue);
+        forged.key_id = good.key_id.clone();
+        assert_eq!(check(forged), RejectReason::BadSignature);
+
+        let mut tampered = good.clone();
+        let mut bytes = unb64("p", &tampered.payload).unwrap();
+        bytes[10] ^= 1;
+        tampered.payload = byoc_protocol::b64(&bytes);
+        assert_eq!(check(tampered), RejectReason::BadSignature);
+
+        let mut not_b64 = good.clone();
+        not_b64.payload = "***".into();
+        assert_eq!(check(not_b64), RejectReason::MalformedEnvelope);
+
+        assert_eq!(check(JobEnvelope::sign_bytes(b"{\"job_id\": 1}", &f.key)), RejectReason::MalformedEnvelope);
+
+        let big = JobPayload { spec: serde_json::json!({"p": "x".repeat(MAX_PAYLOAD_BYTES)}), ..payload() };
+        assert_eq!(check(JobEnvelope::sign(&big, &f.key)), RejectReason::OversizePayload);
+    }
+
+    #[test]
+    fn journal_history_decides_replays() {
+        use crate::journal::JobRecord;
+        let f = fixture();
+        let env = JobEnvelope::sign(&payload(), &f.key);
+        let sha = sha256_hex(&unb64("p", &env.payload).unwrap());
+        let mut index = Index::default();
+        index.nonces.insert("nonce-1".into(), ("job-0".into(), 1300));
+        let other = JobPayload { job_id: "job-2".into(), ..payload() };
+        let r = verify(&f, JobEnvelope::sign(&other, &f.key), &index, 1100).err().unwrap();
+        assert_eq!(r.reason, RejectReason::ReplayedNonce);
+
+        let record = |phase| JobRecord {
+            job_id: "job-1".into(),
+            delivery_id: "dl-0".into(),
+            kind: "runner.noop".into(),
+            operation: "trigger".into(),
+            entity: "action".into(),
+            nonce: "nonce-1".into(),
+            payload_sha256: sha.clone(),
+            phase,
+            received_at_ms: 0,
+            started_at_ms: None,
+            finished: None,
+            detail: None,
+        };
+        for (phase, expect) in [
+            (Phase::Finished, Some(RejectReason::AlreadyFinished)),
+            (Phase::Reported, Some(RejectReason::AlreadyFinished)),
+            (Phase::Started, Some(RejectReason::ReplayedNonce)),
+            (Phase::Claimed, Some(RejectReason::ReplayedNonce)),
+            (Phase::Received, None),
+        ] {
+            index.jobs.insert("job-1".into(), record(phase));
+            let got = verify(&f, env.clone(), &index, 1100).err().map(|r| r.reason);
+            assert_eq!(got, expect, "phase {phase:?}");
+        }
+    }
+}

@@ -1,0 +1,14 @@
+//! The reference control plane: the vendor's end of the byoc-runner protocol.
+//!
+//! Used by the end-to-end suites, the local demo and benchmarks. It keeps all state in
+//! memory, signs jobs with its own Ed25519 key, and has switches to misbehave (signing
+//! with an unknown key, addressing another runner, expiring jobs, replaying nonces) and
+//! to fail (down, 5xx, slow, connections cut mid-body) so tests can prove the runner's
+//! side holds.
+
+pub mod admin;
+pub mod server;
+pub mod state;
+
+pub use server::{ControlPlane, ControlPlaneConfig};
+pub use state::{EnqueueRequest, Faults, JobView, Tamper};

@@ -1,0 +1,612 @@
+//! Control-plane state and the protocol rules it enforces.
+
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use byoc_protocol::{
+    JobEnvelope, JobPayload, JobResult, PollRequest, RejectReason, generate_signing_key,
+    random_hex, sha256_hex,
+};
+use ed25519_dalek::{SigningKey, VerifyingKey};
+use serde::{Deserialize, Serialize};
+
+pub fn unix_now() -> i64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs() as i64).unwrap_or(0)
+}
+
+pub fn unix_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
+}
+
+/// Failure switches. `error_rate` and `cut_rate` are probabilities per runner request.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Faults {
+    /// Runner API refuses connections (the listener is closed).
+    pub down: bool,
+    /// Fraction of runner requests answered 503, half before and half after the
+    /// handler ran (so the runner must cope with effects it never saw confirmed).
+    pub error_rate: f64,
+    /// Delay added to every runner request, milliseconds.
+    pub slow_ms: u64,
+    /// Fraction of runner responses whose body is cut off half-way.
+    pub cut_rate: f64,
+}
+
+/// Ways to make a job envelope bad on purpose, one per rejection reason.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Tamper {
+    /// Sign with a key the runner has never been given.
+    pub unknown_key: bool,
+    /// Flip a byte of the signature.
+    pub bad_signature: bool,
+    /// Put this runner id in the payload (the delivery still goes to the real runner).
+    pub payload_runner_id: Option<String>,
+    pub payload_install_id: Option<String>,
+    /// Override issued_at / expires_at relative to now, seconds.
+    pub issued_offset_secs: Option<i64>,
+    pub expires_offset_secs: Option<i64>,
+    /// Reuse this nonce.
+    pub nonce: Option<String>,
+    /// Reuse this job id.
+    pub job_id: Option<String>,
+    /// Send bytes that are not a payload at all.
+    pub malformed: bool,
+    /// Pad the spec so the payload exceeds the runner's size limit.
+    pub oversize: bool,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EnqueueRequest {
+    pub kind: String,
+    #[serde(default = "default_operation")]
+    pub operation: String,
+    #[serde(default = "default_entity")]
+    pub entity: String,
+    #[serde(default)]
+    pub spec: serde_json::Value,
+    #[serde(default = "default_timeout")]
+    pub timeout_secs: u64,
+    #[serde(default)]
+    pub requested_role: Option<String>,
+    /// Runner to deliver to; defaults to the only enrolled runner.
+    #[serde(default)]
+    pub runner_id: Option<String>,
+    #[serde(default = "default_ttl")]
+    pub ttl_secs: i64,
+    #[serde(default)]
+    pub tamper: Tamper,
+}
+
+fn default_operation() -> String {
+    "trigger".into()
+}
+fn default_entity() -> String {
+    "action".into()
+}
+fn default_timeout() -> u64 {
+    600
+}
+fn default_ttl() -> i64 {
+    300
+}
+
+impl EnqueueRequest {
+    pub fn new(kind: &str, spec: serde_json::Value) -> Self {
+        EnqueueRequest {
+            kind: kind.into(),
+            operation: default_operation(),
+            entity: default_entity(),
+            spec,
+            timeout_secs: default_timeout(),
+            requested_role: None,
+            runner_id: None,
+            ttl_secs: default_ttl(),
+            tamper: Tamper::default(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum JobState {
+    Pending,
+    Offered,
+    Claimed,
+    Rejected,
+    Finished,
+}
+
+#[derive(Debug)]
+struct Job {
+    job_id: String,
+    kind: String,
+    nonce: String,
+    state: JobState,
+    enqueued_ms: u64,
+    offered_at: Option<Instant>,
+    claimed_by: Option<String>,
+    cancel_requested: bool,
+    log: Vec<u8>,
+    result: Option<JobResult>,
+    rejections: Vec<(RejectReason, String)>,
+    result_posts: u32,
+    claims: u32,
+    heartbeats: u32,
+    log_416s: u32,
+}
+
+struct Delivery {
+    job_id: String,
+    target_runner: String,
+    group: &'static str,
+    envelope: JobEnvelope,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct JobView {
+    pub job_id: String,
+    pub kind: String,
+    pub state: JobState,
+    pub nonce: String,
+    pub cancel_requested: bool,
+    pub result: Option<JobResult>,
+    pub rejections: Vec<(RejectReason, String)>,
+    pub log_size: u64,
+    pub log_sha256: String,
+    pub result_posts: u32,
+    pub claims: u32,
+    pub heartbeats: u32,
+    pub log_416s: u32,
+    /// Enqueue → the runner started the job (from the result's `started_at_ms`).
+    pub pickup_ms: Option<u64>,
+    pub duration_ms: Option<u64>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RunnerView {
+    pub runner_id: String,
+    pub hostname: String,
+    pub last_poll: Option<PollRequest>,
+    pub polls: u64,
+}
+
+struct Runner {
+    public_key: VerifyingKey,
+    hostname: String,
+    last_poll: Option<PollRequest>,
+    polls: u64,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum CpError {
+    #[error("unauthorized: {0}")]
+    Unauthorized(&'static str),
+    #[error("not found: {0}")]
+    NotFound(String),
+    #[error("conflict: {0}")]
+    Conflict(String),
+    #[error("bad request: {0}")]
+    BadRequest(String),
+    #[error("log offset mismatch")]
+    LogOffset { server_offset: u64 },
+}
+
+pub struct State {
+    pub install_id: String,
+    pub signing_key: SigningKey,
+    /// A key the runner never trusts, for `Tamper::unknown_key`.
+    rogue_key: SigningKey,
+    pub lease_secs: u64,
+    pub offer_timeout: Duration,
+    pub token_ttl: Duration,
+    pub faults: Faults,
+    bootstrap_tokens: HashSet<String>,
+    runners: BTreeMap<String, Runner>,
+    challenges: HashMap<String, (String, Instant)>,
+    tokens: HashMap<String, (String, Instant)>,
+    jobs: BTreeMap<String, Job>,
+    job_order: Vec<String>,
+    deliveries: HashMap<String, Delivery>,
+    queue: VecDeque<String>,
+    pub requests: BTreeMap<String, u64>,
+}
+
+impl State {
+    pub fn new(install_id: String, lease_secs: u64, offer_timeout: Duration) -> Self {
+        State {
+            install_id,
+            signing_key: generate_signing_key(),
+            rogue_key: generate_signing_key(),
+            lease_secs,
+            offer_timeout,
+            token_ttl: Duration::from_secs(3600),
+            faults: Faults::default(),
+            bootstrap_tokens: HashSet::new(),
+            runners: BTreeMap::new(),
+            challenges: HashMap::new(),
+            tokens: HashMap::new(),
+            jobs: BTreeMap::new(),
+            job_order: Vec::new(),
+            deliveries: HashMap::new(),
+            queue: VecDeque::new(),
+            requests: BTreeMap::new(),
+        }
+    }
+
+    pub fn new_bootstrap_token(&mut self) -> String {
+        let t = format!("bt-{}", random_hex(24));
+        self.bootstrap_tokens.insert(t.clone());
+        t
+    }
+
+    pub fn enroll(
+        &mut self,
+        token: &str,
+        public_key: VerifyingKey,
+        hostname: String,
+    ) -> Result<String, CpError> {
+        if !self.bootstrap_tokens.remove(token) {
+            return Err(CpError::Unauthorized("bootstrap token unknown or already used"));
+        }
+        let runner_id = format!("rn-{}", random_hex(8));
+        self.runners.insert(
+            runner_id.clone(),
+            Runner { public_key, hostname, last_poll: None, polls: 0 },
+        );
+        Ok(runner_id)
+    }
+
+    pub fn challenge(&mut self, runner_id: &str) -> Result<String, CpError> {
+        if !self.runners.contains_key(runner_id) {
+            return Err(CpError::Unauthorized("unknown runner"));
+        }
+        let now = Instant::now();
+        self.challenges.retain(|_, (_, exp)| *exp > now);
+        let c = random_hex(32);
+        self.challenges
+            .insert(c.clone(), (runner_id.to_string(), now + Duration::from_secs(60)));
+        Ok(c)
+    }
+
+    pub fn token(
+        &mut self,
+        runner_id: &str,
+        challenge: &str,
+        signature: &str,
+    ) -> Result<String, CpError> {
+        let Some((owner, exp)) = self.challenges.remove(challenge) else {
+            return Err(CpError::Unauthorized("challenge unknown, used or expired"));
+        };
+        if owner != runner_id || exp < Instant::now() {
+            return Err(CpError::Unauthorized("challenge unknown, used or expired"));
+        }
+        let runner = self.runners.get(runner_id).ok_or(CpError::Unauthorized("unknown runner"))?;
+        if !byoc_protocol::verify_challenge(&runner.public_key, challenge, signature) {
+            return Err(CpError::Unauthorized("challenge signature does not verify"));
+        }
+        let now = Instant::now();
+        self.tokens.retain(|_, (_, exp)| *exp > now);
+        let t = format!("at-{}", random_hex(32));
+        self.tokens.insert(t.clone(), (runner_id.to_string(), now + self.token_ttl));
+        Ok(t)
+    }
+
+    pub fn authenticate(&self, token: &str) -> Result<String, CpError> {
+        match self.tokens.get(token) {
+            Some((runner, exp)) if *exp > Instant::now() => Ok(runner.clone()),
+            _ => Err(CpError::Unauthorized("access token unknown or expired")),
+        }
+    }
+
+    pub fn count_request(&mut self, what: &str) {
+        *self.requests.entry(what.to_string()).or_default() += 1;
+    }
+
+    fn only_runner(&self) -> Result<String, CpError> {
+        let mut ids = self.runners.keys();
+        match (ids.next(), ids.next()) {
+            (Some(id), None) => Ok(id.clone()),
+            (None, _) => Err(CpError::BadRequest("no runner enrolled yet".into())),
+            _ => Err(CpError::BadRequest("several runners enrolled: name runner_id".into())),
+        }
+    }
+
+    pub fn enqueue(&mut self, req: EnqueueRequest) -> Result<String, CpError> {
+        let target = match &req.runner_id {
+            Some(r) => r.clone(),
+            None => self.only_runner()?,
+        };
+        let t = &req.tamper;
+        let job_id = t.job_id.clone().unwrap_or_else(|| format!("job-{}", random_hex(8)));
+        let nonce = t.nonce.clone().unwrap_or_else(|| random_hex(16));
+        let now = unix_now();
+        let mut spec = req.spec.clone();
+        if t.oversize {
+            spec = serde_json::json!({ "padding": "x".repeat(byoc_protocol::MAX_PAYLOAD_BYTES + 1) });
+        }
+        let payload = JobPayload {
+            job_id: job_id.clone(),
+            runner_id: t.payload_runner_id.clone().unwrap_or_else(|| target.clone()),
+            install_id: t.payload_install_id.clone().unwrap_or_else(|| self.install_id.clone()),
+            issued_at: now + t.issued_offset_secs.unwrap_or(0),
+            expires_at: now + t.expires_offset_secs.unwrap_or(req.ttl_secs),
+            nonce: nonce.clone(),
+            attempt: 1,
+            kind: req.kind.clone(),
+            operation: req.operation.clone(),
+            entity: req.entity.clone(),
+            requested_role: req.requested_role.clone(),
+            timeout_secs: req.timeout_secs,
+            spec,
+        };
+        let bytes = if t.malformed {
+            b"{\"this is\": not a payload".to_vec()
+        } else {
+            serde_json::to_vec(&payload).map_err(|e| CpError::BadRequest(e.to_string()))?
+        };
+        let key = if t.unknown_key { &self.rogue_key } else { &self.signing_key };
+        let mut envelope = JobEnvelope::sign_bytes(&bytes, key);
+        if t.bad_signature {
+            let mut sig = byoc_protocol::unb64("signature", &envelope.signature)
+                .map_err(|e| CpError::BadRequest(e.to_string()))?;
+            sig[0] ^= 0xff;
+            envelope.signature = byoc_protocol::b64(&sig);
+        }
+        let group = byoc_protocol::job_group(&req.kind);
+        if let Some(existing) = self.jobs.get(&job_id) {
+            // A deliberate re-use of a job id (replay test): deliver again, keep the record.
+            let _ = existing;
+        } else {
+            self.jobs.insert(
+                job_id.clone(),
+                Job {
+                    job_id: job_id.clone(),
+                    kind: req.kind.clone(),
+                    nonce,
+                    state: JobState::Pending,
+                    enqueued_ms: unix_ms(),
+                    offered_at: None,
+                    claimed_by: None,
+                    cancel_requested: false,
+                    log: Vec::new(),
+                    result: None,
+                    rejections: Vec::new(),
+                    result_posts: 0,
+                    claims: 0,
+                    heartbeats: 0,
+                    log_416s: 0,
+                },
+            );
+            self.job_order.push(job_id.clone());
+        }
+        let delivery_id = format!("dl-{}", random_hex(8));
+        self.deliveries.insert(
+            delivery_id.clone(),
+            Delivery { job_id: job_id.clone(), target_runner: target, group, envelope },
+        );
+        self.queue.push_back(delivery_id);
+        Ok(job_id)
+    }
+
+    /// Deliver the exact envelope of an earlier job again (a replay).
+    pub fn redeliver(&mut self, job_id: &str) -> Result<(), CpError> {
+        let original = self
+            .deliveries
+            .values()
+            .find(|d| d.job_id == job_id)
+            .ok_or_else(|| CpError::NotFound(job_id.into()))?;
+        let copy = Delivery {
+            job_id: original.job_id.clone(),
+            target_runner: original.target_runner.clone(),
+            group: original.group,
+            envelope: original.envelope.clone(),
+        };
+        let id = format!("dl-{}", random_hex(8));
+        self.deliveries.insert(id.clone(), copy);
+        self.queue.push_back(id);
+        Ok(())
+    }
+
+    pub fn record_poll(&mut self, runner_id: &str, poll: &PollRequest) {
+        if let Some(r) = self.runners.get_mut(runner_id) {
+            r.last_poll = Some(poll.clone());
+            r.polls += 1;
+        }
+    }
+
+    /// Take the next delivery for this runner whose group has a free slot. Offers that
+    /// were never claimed or rejected go back to the queue after `offer_timeout`.
+    pub fn next_delivery(
+        &mut self,
+        runner_id: &str,
+        free_groups: &[String],
+    ) -> Option<(String, JobEnvelope)> {
+        let now = Instant::now();
+        for job in self.jobs.values_mut() {
+            if job.state == JobState::Offered
+                && job.offered_at.is_some_and(|t| now.duration_since(t) > self.offer_timeout)
+            {
+                job.state = JobState::Pending;
+                if let Some((id, _)) = self.deliveries.iter().find(|(_, d)| d.job_id == job.job_id) {
+                    // Re-offer the same envelope: a runner that saw it but crashed before
+                    // claiming may accept the identical delivery again.
+                    self.queue.push_back(id.clone());
+                }
+            }
+        }
+        let pos = self.queue.iter().position(|id| {
+            self.deliveries.get(id).is_some_and(|d| {
+                d.target_runner == runner_id
+                    && free_groups.iter().any(|g| g == d.group)
+                    && self.jobs.get(&d.job_id).is_none_or(|j| !j.cancel_requested || j.state != JobState::Pending)
+            })
+        })?;
+        let id = self.queue.remove(pos)?;
+        let d = self.deliveries.get(&id)?;
+        if let Some(job) = self.jobs.get_mut(&d.job_id)
+            && job.state == JobState::Pending
+        {
+            job.state = JobState::Offered;
+            job.offered_at = Some(now);
+        }
+        Some((id, d.envelope.clone()))
+    }
+
+    fn delivery_job(&self, delivery_id: &str, runner_id: &str) -> Result<String, CpError> {
+        let d = self
+            .deliveries
+            .get(delivery_id)
+            .ok_or_else(|| CpError::NotFound(format!("delivery {delivery_id}")))?;
+        if d.target_runner != runner_id {
+            return Err(CpError::NotFound(format!("delivery {delivery_id}")));
+        }
+        Ok(d.job_id.clone())
+    }
+
+    pub fn reject(
+        &mut self,
+        runner_id: &str,
+        delivery_id: &str,
+        reason: RejectReason,
+        detail: String,
+    ) -> Result<(), CpError> {
+        let job_id = self.delivery_job(delivery_id, runner_id)?;
+        let job = self.jobs.get_mut(&job_id).ok_or_else(|| CpError::NotFound(job_id.clone()))?;
+        job.rejections.push((reason, detail));
+        if matches!(job.state, JobState::Pending | JobState::Offered) {
+            job.state = JobState::Rejected;
+        }
+        Ok(())
+    }
+
+    pub fn claim(&mut self, runner_id: &str, job_id: &str, delivery_id: &str) -> Result<u64, CpError> {
+        if self.delivery_job(delivery_id, runner_id)? != job_id {
+            return Err(CpError::BadRequest("delivery is for another job".into()));
+        }
+        let lease = self.lease_secs;
+        let job = self.jobs.get_mut(job_id).ok_or_else(|| CpError::NotFound(job_id.into()))?;
+        job.claims += 1;
+        match job.state {
+            _ if job.cancel_requested && job.claimed_by.is_none() => {
+                job.state = JobState::Finished;
+                Err(CpError::Conflict("job was cancelled before it was claimed".into()))
+            }
+            JobState::Offered | JobState::Pending => {
+                job.state = JobState::Claimed;
+                job.claimed_by = Some(runner_id.to_string());
+                Ok(lease)
+            }
+            // A retried claim whose first answer was lost.
+            JobState::Claimed if job.claimed_by.as_deref() == Some(runner_id) => Ok(lease),
+            s => Err(CpError::Conflict(format!("job is {s:?}"))),
+        }
+    }
+
+    fn claimed_job(&mut self, runner_id: &str, job_id: &str) -> Result<&mut Job, CpError> {
+        let job = self.jobs.get_mut(job_id).ok_or_else(|| CpError::NotFound(job_id.into()))?;
+        if job.claimed_by.as_deref() != Some(runner_id) {
+            return Err(CpError::Conflict("job is not claimed by this runner".into()));
+        }
+        Ok(job)
+    }
+
+    pub fn heartbeat(&mut self, runner_id: &str, job_id: &str) -> Result<(u64, bool), CpError> {
+        let lease = self.lease_secs;
+        let job = self.claimed_job(runner_id, job_id)?;
+        job.heartbeats += 1;
+        Ok((lease, job.cancel_requested))
+    }
+
+    pub fn append_log(
+        &mut self,
+        runner_id: &str,
+        job_id: &str,
+        offset: u64,
+        bytes: &[u8],
+    ) -> Result<u64, CpError> {
+        let job = self.claimed_job(runner_id, job_id)?;
+        let have = job.log.len() as u64;
+        if offset != have {
+            job.log_416s += 1;
+            return Err(CpError::LogOffset { server_offset: have });
+        }
+        if job.result.is_some() && !bytes.is_empty() {
+            return Err(CpError::Conflict("log is sealed by the job's result".into()));
+        }
+        job.log.extend_from_slice(bytes);
+        Ok(job.log.len() as u64)
+    }
+
+    /// Returns true when this exact result was already recorded (an idempotent retry).
+    pub fn result(&mut self, runner_id: &str, job_id: &str, result: JobResult) -> Result<bool, CpError> {
+        let job = self.claimed_job(runner_id, job_id)?;
+        job.result_posts += 1;
+        if let Some(existing) = &job.result {
+            if *existing == result {
+                return Ok(true);
+            }
+            return Err(CpError::Conflict("a different result was already recorded".into()));
+        }
+        if result.log_size != job.log.len() as u64 || result.log_sha256 != sha256_hex(&job.log) {
+            return Err(CpError::Conflict(format!(
+                "log mismatch: server has {} bytes; upload the rest before the result",
+                job.log.len()
+            )));
+        }
+        job.result = Some(result);
+        job.state = JobState::Finished;
+        Ok(false)
+    }
+
+    pub fn cancel(&mut self, job_id: &str) -> Result<(), CpError> {
+        let job = self.jobs.get_mut(job_id).ok_or_else(|| CpError::NotFound(job_id.into()))?;
+        job.cancel_requested = true;
+        Ok(())
+    }
+
+    pub fn view(&self, job_id: &str) -> Option<JobView> {
+        let j = self.jobs.get(job_id)?;
+        let started_ms = j.result.as_ref().and_then(|r| r.started_at_ms);
+        let finished_ms = j.result.as_ref().and_then(|r| r.finished_at_ms);
+        Some(JobView {
+            job_id: j.job_id.clone(),
+            kind: j.kind.clone(),
+            state: j.state,
+            nonce: j.nonce.clone(),
+            cancel_requested: j.cancel_requested,
+            result: j.result.clone(),
+            rejections: j.rejections.clone(),
+            log_size: j.log.len() as u64,
+            log_sha256: sha256_hex(&j.log),
+            result_posts: j.result_posts,
+            claims: j.claims,
+            heartbeats: j.heartbeats,
+            log_416s: j.log_416s,
+            pickup_ms: started_ms.map(|s| s.saturating_sub(j.enqueued_ms)),
+            duration_ms: started_ms.zip(finished_ms).map(|(s, f)| f.saturating_sub(s)),
+        })
+    }
+
+    pub fn log(&self, job_id: &str) -> Option<Vec<u8>> {
+        self.jobs.get(job_id).map(|j| j.log.clone())
+    }
+
+    pub fn jobs(&self) -> Vec<JobView> {
+        self.job_order.iter().filter_map(|id| self.view(id)).collect()
+    }
+
+    pub fn runners(&self) -> Vec<RunnerView> {
+        self.runners
+            .iter()
+            .map(|(id, r)| RunnerView {
+                runner_id: id.clone(),
+                hostname: r.hostname.clone(),
+                last_poll: r.last_poll.clone(),
+                polls: r.polls,
+            })
+            .collect()
+    }
+}
