@@ -7,6 +7,7 @@
 //! side holds.
 
 pub mod admin;
+pub mod harness;
 pub mod server;
 pub mod state;
 

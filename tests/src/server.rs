@@ -163,6 +163,20 @@ impl ControlPlane {
         apply_faults(&self.shared, faults).await
     }
 
+    /// Wait until `pred` holds for the control plane, woken by state changes.
+    pub async fn wait_until(&self, timeout: Duration, pred: impl Fn(&ControlPlane) -> bool) -> bool {
+        let mut rx = self.shared.changed.subscribe();
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            if pred(self) {
+                return true;
+            }
+            if !matches!(tokio::time::timeout_at(deadline, rx.changed()).await, Ok(Ok(()))) {
+                return pred(self);
+            }
+        }
+    }
+
     /// Wait until `pred` holds for the job, woken by state changes (no polling sleeps).
     pub async fn wait_for(
         &self,
@@ -336,7 +350,7 @@ async fn poll(AxState(sh): Sh, headers: HeaderMap, Json(req): Json<PollRequest>)
     let hold = Duration::from_secs(req.wait_secs).min(sh.hold_max);
     let deadline = tokio::time::Instant::now() + hold;
     let mut rx = sh.changed.subscribe();
-    sh.lock().record_poll(&runner, &req);
+    sh.update(|s| s.record_poll(&runner, &req));
     loop {
         let next = sh.lock().next_delivery(&runner, &req.free_groups);
         if let Some((delivery_id, envelope)) = next {
@@ -386,15 +400,25 @@ async fn append_log(
     headers: HeaderMap,
     Path(job): Path<String>,
     body: Bytes,
-) -> Result<Json<LogAppendResponse>, CpError> {
+) -> Result<Response, CpError> {
     let runner = runner_id(&sh, &headers)?;
     let offset = headers
         .get(LOG_OFFSET_HEADER)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok())
         .ok_or_else(|| CpError::BadRequest(format!("missing or bad {LOG_OFFSET_HEADER} header")))?;
-    let offset = sh.update(|s| s.append_log(&runner, &job, offset, &body))?;
-    Ok(Json(LogAppendResponse { offset }))
+    let (offset, lose_ack) = sh.update(|s| {
+        let r = s.append_log(&runner, &job, offset, &body);
+        let lose = r.is_ok() && !body.is_empty() && s.faults.lose_log_acks > 0;
+        if lose {
+            s.faults.lose_log_acks -= 1;
+        }
+        r.map(|o| (o, lose))
+    })?;
+    if lose_ack {
+        return Ok((StatusCode::SERVICE_UNAVAILABLE, "injected fault: log append stored, answer lost").into_response());
+    }
+    Ok(Json(LogAppendResponse { offset }).into_response())
 }
 
 async fn result(

@@ -31,6 +31,9 @@ pub struct Faults {
     pub slow_ms: u64,
     /// Fraction of runner responses whose body is cut off half-way.
     pub cut_rate: f64,
+    /// The next N log appends are stored but answered 503, so the runner retries at a
+    /// stale offset and must recover from the 416 that follows.
+    pub lose_log_acks: u32,
 }
 
 /// Ways to make a job envelope bad on purpose, one per rejection reason.

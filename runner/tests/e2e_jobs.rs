@@ -1,0 +1,150 @@
+//! End to end against the reference control plane: the happy path, every envelope
+//! rejection, cancellation, and the inspection CLI.
+
+mod common;
+
+use std::time::Duration;
+
+use byoc_control_plane::{EnqueueRequest, Tamper};
+use byoc_protocol::{JobStatus, RejectReason};
+use common::*;
+
+#[tokio::test]
+async fn happy_path_runs_jobs_and_delivers_log_and_result() {
+    let e = env().await;
+    let noop = e.cp.enqueue(EnqueueRequest::new("runner.noop", serde_json::json!({"message": "hello"}))).unwrap();
+    let s = e.cp.enqueue(script("echo out; echo err >&2; echo \"JOB=$BYOC_JOB_ID\"")).unwrap();
+
+    let v = e.finished(&noop).await;
+    assert_eq!(v.result.as_ref().unwrap().status, JobStatus::Succeeded);
+    assert_eq!(e.cp.log(&noop).unwrap(), b"hello\n");
+
+    let v = e.finished(&s).await;
+    let r = v.result.clone().unwrap();
+    assert_eq!(r.status, JobStatus::Succeeded, "{v:?}");
+    assert_eq!(r.exit_code, Some(0));
+    let log = String::from_utf8(e.cp.log(&s).unwrap()).unwrap();
+    assert!(log.contains("out") && log.contains("err") && log.contains(&format!("JOB={s}")), "{log}");
+    assert_eq!(r.log_size, log.len() as u64);
+    assert_eq!(r.log_sha256, byoc_protocol::sha256_hex(log.as_bytes()));
+    assert!(v.pickup_ms.is_some());
+
+    // The customer's CLI sees the same, from the state dir alone.
+    let jobs = e.cli_json(&["jobs", "list"]);
+    let ids: Vec<&str> = jobs.as_array().unwrap().iter().map(|j| j["job_id"].as_str().unwrap()).collect();
+    assert!(ids.contains(&noop.as_str()) && ids.contains(&s.as_str()));
+    let show = e.cli_json(&["jobs", "show", &s]);
+    assert_eq!(show["finished"]["status"], "succeeded");
+    let logs = e.cli_json(&["jobs", "logs", &s]);
+    assert_eq!(logs["log"].as_str().unwrap(), log);
+    let status = e.cli_json(&["status"]);
+    assert_eq!(status["enrolled"], true);
+    assert_eq!(status["daemon_running"], true);
+    assert_eq!(status["jobs_by_status"]["succeeded"], 2);
+
+    // The enrollment token was used once and is not in the state dir.
+    let token_like = std::fs::read_dir(&e.runner.state_dir)
+        .unwrap()
+        .filter_map(|f| std::fs::read(f.unwrap().path()).ok())
+        .any(|bytes| String::from_utf8_lossy(&bytes).contains("bt-"));
+    assert!(!token_like, "bootstrap token persisted in the state dir");
+}
+
+#[tokio::test]
+async fn every_envelope_rejection_has_its_reason_code() {
+    let e = env().await;
+    let first = e.cp.enqueue(EnqueueRequest::new("runner.noop", serde_json::Value::Null)).unwrap();
+    let done = e.finished(&first).await;
+
+    let tamper = |t: Tamper| EnqueueRequest { tamper: t, ..EnqueueRequest::new("runner.noop", serde_json::Value::Null) };
+    let cases: Vec<(RejectReason, EnqueueRequest)> = vec![
+        (RejectReason::MalformedEnvelope, tamper(Tamper { malformed: true, ..Default::default() })),
+        (RejectReason::OversizePayload, tamper(Tamper { oversize: true, ..Default::default() })),
+        (RejectReason::UnknownKey, tamper(Tamper { unknown_key: true, ..Default::default() })),
+        (RejectReason::BadSignature, tamper(Tamper { bad_signature: true, ..Default::default() })),
+        (RejectReason::WrongRunner, tamper(Tamper { payload_runner_id: Some("rn-other".into()), ..Default::default() })),
+        (RejectReason::WrongInstall, tamper(Tamper { payload_install_id: Some("inst-other".into()), ..Default::default() })),
+        (RejectReason::Expired, tamper(Tamper { expires_offset_secs: Some(-3600), ..Default::default() })),
+        (RejectReason::NotYetValid, tamper(Tamper { issued_offset_secs: Some(3600), ..Default::default() })),
+        (RejectReason::ReplayedNonce, tamper(Tamper { nonce: Some(done.nonce.clone()), ..Default::default() })),
+        (RejectReason::UnknownKind, EnqueueRequest::new("quantum.teleport", serde_json::Value::Null)),
+        (RejectReason::InvalidSpec, EnqueueRequest::new("action.script", serde_json::json!({"script": 42}))),
+    ];
+    let mut expected = Vec::new();
+    for (reason, req) in cases {
+        expected.push((reason, e.cp.enqueue(req).unwrap()));
+    }
+    // A byte-for-byte replay of a finished job's envelope.
+    e.cp.redeliver(&first).unwrap();
+
+    for (reason, id) in &expected {
+        let v = e.rejected(id).await;
+        assert_eq!(v.rejections[0].0, *reason, "job {id}: {:?}", v.rejections);
+        assert!(v.result.is_none(), "a rejected job must not run");
+    }
+    let replay = e.cp.wait_for(&first, WAIT, |v| !v.rejections.is_empty()).await.expect("replay rejected");
+    assert_eq!(replay.rejections[0].0, RejectReason::AlreadyFinished);
+    assert_eq!(replay.result_posts, 1, "the finished job was not run again");
+
+    // Each rejection is on the runner's record too, with its reason code.
+    let local = e.cli_json(&["jobs", "rejections", "--limit", "100"]);
+    let mut codes: Vec<String> =
+        local.as_array().unwrap().iter().map(|r| r["reason"].as_str().unwrap().to_string()).collect();
+    codes.sort();
+    let mut want: Vec<String> = RejectReason::ALL.iter().map(|r| r.code().to_string()).collect();
+    want.sort();
+    assert_eq!(codes, want);
+    assert!(e.runner.log().contains("reason=\"already_finished\"") || e.runner.log().contains("reason=already_finished"));
+}
+
+#[tokio::test]
+async fn cancel_kills_the_whole_tree_and_reports_cancelled() {
+    let e = env().await;
+    let pids = e.dir.path().join("pids");
+    let id = e
+        .cp
+        .enqueue(script(&format!(
+            "sleep 300 & echo $! >> {p}; sleep 300 & echo $! >> {p}; trap '' INT; wait; wait",
+            p = pids.display()
+        )))
+        .unwrap();
+    assert!(wait_file(&pids, WAIT).await);
+    // Both children recorded (two lines) before cancelling.
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while std::fs::read_to_string(&pids).unwrap().lines().count() < 2 && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    e.cp.cancel(&id).unwrap();
+    let v = e.finished(&id).await;
+    assert_eq!(v.result.unwrap().status, JobStatus::Cancelled);
+    for pid in std::fs::read_to_string(&pids).unwrap().lines() {
+        assert!(!alive(pid.parse().unwrap()), "process {pid} outlived the cancelled job");
+    }
+}
+
+#[tokio::test]
+async fn job_timeout_is_enforced() {
+    let e = env().await;
+    let mut req = script("echo start; sleep 300");
+    req.timeout_secs = 1;
+    let id = e.cp.enqueue(req).unwrap();
+    let v = e.finished(&id).await;
+    let r = v.result.unwrap();
+    assert_eq!(r.status, JobStatus::TimedOut);
+    assert!(String::from_utf8_lossy(&e.cp.log(&id).unwrap()).contains("start"));
+}
+
+#[tokio::test]
+async fn log_upload_recovers_from_416() {
+    let e = env().await;
+    e.cp
+        .set_faults(byoc_control_plane::Faults { lose_log_acks: 2, ..Default::default() })
+        .await
+        .unwrap();
+    let id = e.cp.enqueue(script("for i in $(seq 1 2000); do echo \"line $i\"; done")).unwrap();
+    let v = e.finished(&id).await;
+    let expected: String = (1..=2000).map(|i| format!("line {i}\n")).collect();
+    assert_eq!(String::from_utf8(e.cp.log(&id).unwrap()).unwrap(), expected);
+    assert!(v.log_416s >= 1, "the lost acknowledgements should have caused a 416: {v:?}");
+    assert_eq!(v.result.unwrap().log_size, expected.len() as u64);
+}

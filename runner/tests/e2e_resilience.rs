@@ -1,0 +1,210 @@
+//! End to end under failure: control-plane outage, error storms, `kill -9`, drain on
+//! SIGTERM, cancel on the second SIGTERM.
+
+mod common;
+
+use std::path::Path;
+use std::time::Duration;
+
+use byoc_control_plane::harness::{RunnerOptions, wait_polling};
+use byoc_control_plane::state::JobState;
+use byoc_control_plane::Faults;
+use byoc_protocol::JobStatus;
+use common::*;
+use nix::sys::signal::Signal;
+
+fn lines(n: usize, tag: &str) -> String {
+    (1..=n).map(|i| format!("{tag} {i}\n")).collect()
+}
+
+#[tokio::test]
+async fn control_plane_down_60s_mid_job_loses_and_duplicates_nothing() {
+    let e = env().await;
+    let go = e.dir.path().join("go");
+    let started = e.dir.path().join("started");
+    // Writes half its output, waits for the test to say go (after the outage began),
+    // then writes the rest.
+    let id = e
+        .cp
+        .enqueue(script(&format!(
+            "for i in $(seq 1 500); do echo \"a $i\"; done; echo 1 > {s}; \
+             while [ ! -f {g} ]; do sleep 0.05; done; for i in $(seq 1 500); do echo \"b $i\"; done",
+            s = started.display(),
+            g = go.display()
+        )))
+        .unwrap();
+    assert!(wait_file(&started, WAIT).await);
+    e.cp.set_faults(Faults { down: true, ..Default::default() }).await.unwrap();
+    std::fs::write(&go, "1").unwrap();
+    // The outage itself: the scenario under test lasts 60 s.
+    tokio::time::sleep(Duration::from_secs(60)).await;
+    assert!(e.cp.job(&id).unwrap().result.is_none());
+    e.cp.set_faults(Faults::default()).await.unwrap();
+
+    let v = e.finished(&id).await;
+    let r = v.result.clone().unwrap();
+    assert_eq!(r.status, JobStatus::Succeeded, "{v:?}");
+    let expected = format!("{}{}", lines(500, "a"), lines(500, "b"));
+    assert_eq!(String::from_utf8(e.cp.log(&id).unwrap()).unwrap(), expected, "log lost or duplicated bytes");
+    assert_eq!(r.log_size, expected.len() as u64);
+    assert_eq!(v.claims, 1);
+}
+
+#[tokio::test]
+async fn thirty_percent_5xx_for_a_minute_every_job_runs_exactly_once() {
+    let e = env_with(RunnerOptions { actions_limit: 4, ..Default::default() }).await;
+    let ran = e.dir.path().join("ran");
+    e.cp.set_faults(Faults { error_rate: 0.3, ..Default::default() }).await.unwrap();
+    let window = tokio::time::Instant::now() + Duration::from_secs(60);
+    let mut ids = Vec::new();
+    // Keep jobs flowing through the whole minute of errors.
+    while tokio::time::Instant::now() < window {
+        let id = e
+            .cp
+            .enqueue(script(&format!("echo \"$BYOC_JOB_ID\" >> {}; for i in $(seq 1 50); do echo \"out $i\"; done", ran.display())))
+            .unwrap();
+        ids.push(id);
+        tokio::time::sleep(Duration::from_secs(2)).await;
+    }
+    e.cp.set_faults(Faults::default()).await.unwrap();
+    let expected = lines(50, "out");
+    for id in &ids {
+        let v = e.finished(id).await;
+        assert_eq!(v.result.as_ref().unwrap().status, JobStatus::Succeeded, "{v:?}");
+        assert_eq!(String::from_utf8(e.cp.log(id).unwrap()).unwrap(), expected, "job {id} log");
+    }
+    let runs = std::fs::read_to_string(&ran).unwrap();
+    for id in &ids {
+        assert_eq!(runs.lines().filter(|l| *l == id).count(), 1, "job {id} did not run exactly once");
+    }
+    let counts = e.cp.request_counts();
+    assert!(ids.len() >= 25, "only {} jobs in the minute", ids.len());
+    assert!(counts.values().sum::<u64>() > 100, "{counts:?}");
+}
+
+#[tokio::test]
+async fn kill_9_mid_job_is_reported_interrupted_not_rerun() {
+    let mut e = env().await;
+    let marker = e.dir.path().join("runs");
+    let pidfile = e.dir.path().join("pid");
+    let id = e
+        .cp
+        .enqueue(script(&format!(
+            "echo run >> {m}; echo $$ > {p}; echo partial; exec sleep 300",
+            m = marker.display(),
+            p = pidfile.display()
+        )))
+        .unwrap();
+    assert!(wait_file(&pidfile, WAIT).await);
+    e.runner.kill9().await;
+    // Without the sandbox's pid namespace the orphan outlives the runner: clean it up
+    // (systemd's KillMode=control-group does this on a real VM).
+    let pid: i32 = std::fs::read_to_string(&pidfile).unwrap().trim().parse().unwrap();
+    let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), Signal::SIGKILL);
+
+    e.runner.spawn(None).unwrap();
+    let v = e.finished(&id).await;
+    let r = v.result.unwrap();
+    assert_eq!(r.status, JobStatus::Interrupted);
+    assert!(r.error.unwrap().contains("not re-run"));
+    assert_eq!(std::fs::read_to_string(&marker).unwrap(), "run\n", "the job ran again after restart");
+    // The spooled output from before the crash is delivered.
+    assert_eq!(e.cp.log(&id).unwrap(), b"partial\n");
+    let show = e.cli_json(&["jobs", "show", &id]);
+    assert_eq!(show["finished"]["status"], "interrupted");
+    // And the restarted runner keeps working.
+    let next = e.cp.enqueue(script("echo after")).unwrap();
+    assert_eq!(e.finished(&next).await.result.unwrap().status, JobStatus::Succeeded);
+}
+
+#[tokio::test]
+async fn first_sigterm_drains_the_running_job_then_exits() {
+    let mut e = env().await;
+    let go = e.dir.path().join("go");
+    let started = e.dir.path().join("started");
+    let id = e
+        .cp
+        .enqueue(script(&format!(
+            "echo 1 > {s}; while [ ! -f {g} ]; do sleep 0.05; done; echo finished",
+            s = started.display(),
+            g = go.display()
+        )))
+        .unwrap();
+    assert!(wait_file(&started, WAIT).await);
+    e.runner.signal(Signal::SIGTERM);
+    assert!(wait_log(&e.runner, "stop requested", WAIT).await);
+    // Jobs enqueued after the stop request are not picked up.
+    let later = e.cp.enqueue(script("echo should-not-run")).unwrap();
+    std::fs::write(&go, "1").unwrap();
+    let v = e.finished(&id).await;
+    assert_eq!(v.result.unwrap().status, JobStatus::Succeeded);
+    let status = e.runner.wait_exit(WAIT).await.expect("runner exits after draining");
+    assert!(status.success(), "{status:?}\n{}", e.runner.log());
+    assert_eq!(e.cp.job(&later).unwrap().state, JobState::Pending, "a job was taken while draining");
+    // The CLI still works with the daemon stopped.
+    let st = e.cli_json(&["status"]);
+    assert_eq!(st["daemon_running"], false);
+    assert_eq!(st["jobs_by_status"]["succeeded"], 1);
+}
+
+#[tokio::test]
+async fn second_sigterm_cancels_the_running_job() {
+    let mut e = env().await;
+    let started = e.dir.path().join("started");
+    let id = e
+        .cp
+        .enqueue(script(&format!("echo 1 > {}; exec sleep 300", started.display())))
+        .unwrap();
+    assert!(wait_file(&started, WAIT).await);
+    e.runner.signal(Signal::SIGTERM);
+    assert!(wait_log(&e.runner, "stop requested", WAIT).await);
+    e.runner.signal(Signal::SIGTERM);
+    let v = e.finished(&id).await;
+    assert_eq!(v.result.unwrap().status, JobStatus::Cancelled);
+    let status = e.runner.wait_exit(WAIT).await.expect("runner exits");
+    assert!(status.success());
+}
+
+#[tokio::test]
+async fn bad_config_reports_every_error_at_once_with_ex_usage() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("bad.toml");
+    std::fs::write(
+        &cfg,
+        "[control_plane]\nurl = \"http://192.0.2.1\"\npublic_keys = []\ncolour = \"blue\"\n[poll]\nwait_secs = 0\n",
+    )
+    .unwrap();
+    let out = std::process::Command::new(BIN).args(["run", "--config"]).arg(&cfg).output().unwrap();
+    assert_eq!(out.status.code(), Some(64));
+    let err = String::from_utf8_lossy(&out.stderr);
+    for needle in ["control_plane.url", "control_plane.public_keys", "control_plane.colour", "runner.install_id", "poll.wait_secs"] {
+        assert!(err.contains(needle), "missing {needle} in:\n{err}");
+    }
+    assert!(!dir.path().join("state").exists());
+    // Same problems, machine-readable.
+    let out = std::process::Command::new(BIN).args(["config", "validate", "-o", "json", "--config"]).arg(&cfg).output().unwrap();
+    assert_eq!(out.status.code(), Some(64));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["problems"].as_array().unwrap().len(), 5);
+    // A missing file is a usage error too.
+    let out = std::process::Command::new(BIN).args(["run", "--config", "/nonexistent.toml"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(64));
+}
+
+#[tokio::test]
+async fn used_bootstrap_token_is_refused_with_a_clear_error() {
+    use byoc_control_plane::harness::RunnerProcess;
+    let cp = start_cp().await;
+    let token = cp.bootstrap_token();
+    let (d1, d2) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let mut first = RunnerProcess::prepare(Path::new(BIN), d1.path(), &cp, &RunnerOptions::default()).unwrap();
+    first.spawn(Some(token.clone())).unwrap();
+    assert!(wait_polling(&cp, WAIT).await);
+    let mut second = RunnerProcess::prepare(Path::new(BIN), d2.path(), &cp, &RunnerOptions::default()).unwrap();
+    second.spawn(Some(token)).unwrap();
+    let status = second.wait_exit(WAIT).await.expect("second runner exits");
+    assert!(!status.success());
+    assert!(second.log().contains("one-time"), "{}", second.log());
+    assert_eq!(cp.runners().len(), 1);
+    first.kill9().await;
+}

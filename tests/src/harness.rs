@@ -1,0 +1,179 @@
+//! Starting a real `byoc-runner` process against a control plane: config file, state
+//! dir and log file in a temp dir, signals, restarts. Shared by the end-to-end suites,
+//! the demo and the benchmark.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitStatus, Stdio};
+use std::time::Duration;
+
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+
+use crate::ControlPlane;
+
+/// Settings for a runner under test; `extra` is appended to the config verbatim.
+#[derive(Debug, Clone)]
+pub struct RunnerOptions {
+    pub poll_wait_secs: u64,
+    pub backoff_initial_ms: u64,
+    pub backoff_max_secs: u64,
+    pub heartbeat_secs: u64,
+    pub drain_grace_secs: u64,
+    pub kill_grace_secs: u64,
+    pub actions_limit: usize,
+    pub extra: String,
+}
+
+impl Default for RunnerOptions {
+    fn default() -> Self {
+        RunnerOptions {
+            poll_wait_secs: 30,
+            backoff_initial_ms: 100,
+            backoff_max_secs: 2,
+            heartbeat_secs: 1,
+            drain_grace_secs: 60,
+            kill_grace_secs: 2,
+            actions_limit: 4,
+            extra: String::new(),
+        }
+    }
+}
+
+pub struct RunnerProcess {
+    pub binary: PathBuf,
+    pub dir: PathBuf,
+    pub state_dir: PathBuf,
+    pub config_path: PathBuf,
+    pub log_path: PathBuf,
+    child: Option<tokio::process::Child>,
+}
+
+impl RunnerProcess {
+    /// Write a config for `cp` under `dir` and start the daemon with a fresh bootstrap
+    /// token.
+    pub fn start(binary: &Path, dir: &Path, cp: &ControlPlane, opts: &RunnerOptions) -> std::io::Result<Self> {
+        let mut p = Self::prepare(binary, dir, cp, opts)?;
+        p.spawn(Some(cp.bootstrap_token()))?;
+        Ok(p)
+    }
+
+    /// Write the config without starting anything.
+    pub fn prepare(binary: &Path, dir: &Path, cp: &ControlPlane, opts: &RunnerOptions) -> std::io::Result<Self> {
+        let state_dir = dir.join("state");
+        let config_path = dir.join("runner.toml");
+        let config = format!(
+            r#"[control_plane]
+url = "{url}"
+public_keys = ["{key}"]
+allow_insecure_loopback = true
+request_timeout_secs = 10
+
+[runner]
+state_dir = "{state}"
+install_id = "{install}"
+
+[poll]
+wait_secs = {wait}
+backoff_initial_ms = {bi}
+backoff_max_secs = {bm}
+
+[jobs]
+heartbeat_secs = {hb}
+drain_grace_secs = {dg}
+kill_grace_secs = {kg}
+
+[jobs.groups]
+actions = {al}
+
+[logging]
+target = "stderr"
+level = "info"
+{extra}"#,
+            url = cp.runner_url(),
+            key = cp.public_key_b64(),
+            state = state_dir.display(),
+            install = cp.install_id(),
+            wait = opts.poll_wait_secs,
+            bi = opts.backoff_initial_ms,
+            bm = opts.backoff_max_secs,
+            hb = opts.heartbeat_secs,
+            dg = opts.drain_grace_secs,
+            kg = opts.kill_grace_secs,
+            al = opts.actions_limit,
+            extra = opts.extra,
+        );
+        std::fs::write(&config_path, config)?;
+        Ok(RunnerProcess {
+            binary: binary.to_path_buf(),
+            dir: dir.to_path_buf(),
+            state_dir,
+            config_path,
+            log_path: dir.join("runner.log"),
+            child: None,
+        })
+    }
+
+    /// (Re)start the daemon process on the same state dir.
+    pub fn spawn(&mut self, bootstrap_token: Option<String>) -> std::io::Result<()> {
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(&self.log_path)?;
+        let mut cmd = tokio::process::Command::new(&self.binary);
+        cmd.kill_on_drop(true)
+            .arg("run")
+            .arg("--config")
+            .arg(&self.config_path)
+            .env_remove("BYOC_RUNNER_BOOTSTRAP_TOKEN")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log);
+        if let Some(t) = bootstrap_token {
+            cmd.env("BYOC_RUNNER_BOOTSTRAP_TOKEN", t);
+        }
+        self.child = Some(cmd.spawn()?);
+        Ok(())
+    }
+
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().and_then(|c| c.id())
+    }
+
+    pub fn signal(&self, sig: Signal) {
+        if let Some(pid) = self.pid() {
+            let _ = kill(Pid::from_raw(pid as i32), sig);
+        }
+    }
+
+    /// `kill -9` and reap.
+    pub async fn kill9(&mut self) -> Option<ExitStatus> {
+        let mut child = self.child.take()?;
+        let _ = child.start_kill();
+        child.wait().await.ok()
+    }
+
+    /// Wait for the process to exit on its own, up to `timeout`.
+    pub async fn wait_exit(&mut self, timeout: Duration) -> Option<ExitStatus> {
+        let child = self.child.as_mut()?;
+        let status = tokio::time::timeout(timeout, child.wait()).await.ok()?.ok()?;
+        self.child = None;
+        Some(status)
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log_path).unwrap_or_default()
+    }
+
+    /// Run a CLI subcommand of the same binary against this runner's config.
+    pub fn cli(&self, args: &[&str]) -> std::process::Output {
+        Command::new(&self.binary)
+            .args(args)
+            .arg("--config")
+            .arg(&self.config_path)
+            .output()
+            .expect("running the runner CLI")
+    }
+}
+
+
+/// Wait until the runner has enrolled and its first poll reached the control plane.
+pub async fn wait_polling(cp: &ControlPlane, timeout: Duration) -> bool {
+    cp.wait_until(timeout, |cp| cp.runners().iter().any(|r| r.polls > 0)).await
+}
