@@ -1,0 +1,156 @@
+//! The runner against the host's real plumbing: the systemd unit (verified and scored
+//! by systemd-analyze) and journald (a private systemd-journald in its own mount
+//! namespace, read back with journalctl). These need root and systemd's tools; the
+//! README's test command installs them. Missing tools fail the test, loudly.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use byoc_control_plane::harness::{RunnerOptions, RunnerProcess, wait_polling};
+use byoc_protocol::JobStatus;
+use common::*;
+
+fn unit_path() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../systemd/byoc-runner.service")
+}
+
+/// The unit with ExecStart pointing at the binary under test (verify checks it exists).
+fn unit_for_test(dir: &Path) -> PathBuf {
+    let text = std::fs::read_to_string(unit_path()).expect("unit file");
+    let text = text.replace("/usr/bin/byoc-runner", BIN);
+    let path = dir.join("byoc-runner.service");
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+#[test]
+fn systemd_unit_verifies_clean() {
+    let dir = tempfile::tempdir().unwrap();
+    let unit = unit_for_test(dir.path());
+    let out = Command::new("systemd-analyze")
+        .arg("verify")
+        .arg(&unit)
+        .output()
+        .expect("systemd-analyze is required (apt-get install systemd)");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "systemd-analyze verify failed:\n{stderr}");
+    assert!(stderr.trim().is_empty(), "systemd-analyze verify warned:\n{stderr}");
+}
+
+#[test]
+fn systemd_unit_exposure_is_at_most_3() {
+    let dir = tempfile::tempdir().unwrap();
+    let unit = unit_for_test(dir.path());
+    let out = Command::new("systemd-analyze")
+        .args(["security", "--offline=yes", "--no-pager"])
+        .arg(&unit)
+        .output()
+        .expect("systemd-analyze is required (apt-get install systemd)");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = text
+        .lines()
+        .find(|l| l.contains("Overall exposure level"))
+        .unwrap_or_else(|| panic!("no exposure line in:\n{text}"));
+    let score: f64 = line
+        .split(':')
+        .nth(1)
+        .and_then(|s| s.split_whitespace().next())
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("cannot parse score from {line:?}"));
+    println!("systemd-analyze security exposure: {score}");
+    assert!(score <= 3.0, "exposure {score} > 3.0:\n{text}");
+}
+
+#[test]
+fn unit_stop_timeout_covers_the_default_drain_grace() {
+    let text = std::fs::read_to_string(unit_path()).unwrap();
+    let get = |k: &str| {
+        text.lines().find_map(|l| l.strip_prefix(&format!("{k}="))).unwrap_or_else(|| panic!("{k} missing")).to_string()
+    };
+    assert_eq!(get("KillMode"), "mixed", "SIGTERM must reach only the runner so it can drain");
+    assert_eq!(get("Type"), "notify");
+    let stop: u64 = get("TimeoutStopSec").trim_end_matches('s').parse().unwrap();
+    let default_drain = 300;
+    assert!(stop > default_drain, "TimeoutStopSec {stop} must exceed the default drain grace");
+}
+
+/// The wrapper puts the runner in a private mount namespace with its own journald,
+/// whose journal lands in `journal_dir` for journalctl to read.
+fn journald_wrapper(dir: &Path, journal_dir: &Path) -> PathBuf {
+    let script = format!(
+        r#"#!/bin/bash
+set -e
+exec unshare --mount --propagation private /bin/bash -c '
+  set -e
+  mount -t tmpfs tmpfs /run
+  mkdir -p /run/systemd/journal /run/log/journal
+  mount --bind {journal} /run/log/journal
+  /lib/systemd/systemd-journald &
+  echo $! > {dir}/journald.pid
+  for i in $(seq 1 200); do [ -S /run/systemd/journal/socket ] && break; sleep 0.05; done
+  exec {bin} "$@"
+' runner "$@"
+"#,
+        journal = journal_dir.display(),
+        dir = dir.display(),
+        bin = BIN
+    );
+    let path = dir.join("runner-in-journald-ns");
+    std::fs::write(&path, script).unwrap();
+    use std::os::unix::fs::PermissionsExt as _;
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+    path
+}
+
+#[tokio::test]
+async fn logs_reach_journald_with_structured_unprefixed_fields() {
+    assert!(nix::unistd::geteuid().is_root(), "this test needs root (mount namespace for a private journald)");
+    assert!(Path::new("/lib/systemd/systemd-journald").exists(), "systemd-journald is required (apt-get install systemd)");
+    let cp = start_cp().await;
+    let dir = tempfile::tempdir().unwrap();
+    let journal = dir.path().join("journal");
+    std::fs::create_dir(&journal).unwrap();
+    let wrapper = journald_wrapper(dir.path(), &journal);
+    let opts = RunnerOptions::default();
+    let mut runner = RunnerProcess::prepare(&wrapper, dir.path(), &cp, &opts).unwrap();
+    let cfg = std::fs::read_to_string(&runner.config_path).unwrap().replace("target = \"stderr\"", "target = \"journald\"");
+    std::fs::write(&runner.config_path, cfg).unwrap();
+    runner.spawn(Some(cp.bootstrap_token())).unwrap();
+    assert!(wait_polling(&cp, WAIT).await, "runner never polled:\n{}", runner.log());
+
+    let id = cp.enqueue(script("echo hi")).unwrap();
+    let v = cp.wait_for(&id, WAIT, |v| v.result.is_some()).await.expect("job finished");
+    assert_eq!(v.result.unwrap().status, JobStatus::Succeeded);
+    // The runner logs "result acknowledged" after the server stored the result.
+    let deadline = tokio::time::Instant::now() + WAIT;
+    let records = loop {
+        let out = Command::new("journalctl")
+            .arg("--directory")
+            .arg(&journal)
+            .args(["-o", "json", "--no-pager"])
+            .arg(format!("JOB_ID={id}"))
+            .output()
+            .expect("journalctl is required (apt-get install systemd)");
+        let records: Vec<serde_json::Value> =
+            out.stdout.split(|b| *b == b'\n').filter(|l| !l.is_empty()).filter_map(|l| serde_json::from_slice(l).ok()).collect();
+        if records.iter().any(|r| r["MESSAGE"] == "result acknowledged") || tokio::time::Instant::now() > deadline {
+            break records;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    runner.kill9().await;
+    if let Ok(pid) = std::fs::read_to_string(dir.path().join("journald.pid")) {
+        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid.trim().parse().unwrap()), nix::sys::signal::Signal::SIGKILL);
+    }
+    assert!(!records.is_empty(), "no journal records with JOB_ID={id}");
+    let started = records.iter().find(|r| r["MESSAGE"] == "job started").expect("a 'job started' record");
+    assert_eq!(started["INSTALL_ID"], cp.install_id());
+    assert_eq!(started["KIND"], "action.script");
+    assert_eq!(started["OPERATION"], "trigger");
+    assert_eq!(started["SYSLOG_IDENTIFIER"], "byoc-runner");
+    assert!(started.get("F_JOB_ID").is_none(), "fields must not carry the F_ prefix");
+    assert!(records.iter().any(|r| r["MESSAGE"] == "result acknowledged"));
+}
