@@ -76,12 +76,13 @@ pub enum SpecError {
 /// the job is claimed, so a bad spec is a rejection rather than a failed run.
 pub fn build(kind: &str, spec: &serde_json::Value) -> Result<Box<dyn Executor>, SpecError> {
     match kind {
-        "runner.noop" => Ok(Box::new(noop::Noop::from_spec(spec).map_err(|reason| {
-            SpecError::Invalid { kind: kind.into(), reason }
-        })?)),
-        "action.script" => Ok(Box::new(script::Script::from_spec(spec).map_err(
-            |reason| SpecError::Invalid { kind: kind.into(), reason },
-        )?)),
+        "runner.noop" => Ok(Box::new(
+            noop::Noop::from_spec(spec).map_err(|reason| SpecError::Invalid { kind: kind.into(), reason })?,
+        )),
+        "action.script" => Ok(Box::new(
+            script::Script::from_spec(spec)
+                .map_err(|reason| SpecError::Invalid { kind: kind.into(), reason })?,
+        )),
         other => Err(SpecError::UnknownKind(other.into())),
     }
 }

@@ -94,10 +94,9 @@ pub async fn run_process_group(mut cmd: Command, ctx: ExecContext<'_>) -> ExecOu
         Err(_) => (None, None),
     };
     let (status, error) = match ending {
-        Ending::TimedOut => (
-            JobStatus::TimedOut,
-            Some(format!("job exceeded its timeout of {}s", ctx.timeout.as_secs())),
-        ),
+        Ending::TimedOut => {
+            (JobStatus::TimedOut, Some(format!("job exceeded its timeout of {}s", ctx.timeout.as_secs())))
+        }
         Ending::Cancelled => (JobStatus::Cancelled, Some("job was cancelled".to_string())),
         Ending::Exited => match (&status, exit_code, signal) {
             (Err(e), _, _) => (JobStatus::Failed, Some(format!("waiting for the job process: {e}"))),

@@ -110,8 +110,7 @@ mod tests {
         let (outcome, out) = run(&s, Duration::from_secs(10), CancellationToken::new()).await;
         assert_eq!(outcome.status, JobStatus::Succeeded, "{out}");
         assert!(out.contains("A=1"));
-        let names: Vec<&str> =
-            out.lines().skip(1).filter_map(|l| l.split('=').next()).collect();
+        let names: Vec<&str> = out.lines().skip(1).filter_map(|l| l.split('=').next()).collect();
         for n in &names {
             assert!(
                 ["A", "PATH", "HOME", "BYOC_JOB_ID", "PWD", "SHLVL", "_", "OLDPWD"].contains(n),
@@ -124,7 +123,8 @@ mod tests {
     #[tokio::test]
     async fn nonzero_exit_is_failure_with_code() {
         let (outcome, out) =
-            run(&script("echo out; echo err >&2; exit 3"), Duration::from_secs(10), CancellationToken::new()).await;
+            run(&script("echo out; echo err >&2; exit 3"), Duration::from_secs(10), CancellationToken::new())
+                .await;
         assert_eq!(outcome.status, JobStatus::Failed);
         assert_eq!(outcome.exit_code, Some(3));
         assert!(out.contains("out") && out.contains("err"));
@@ -150,10 +150,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let pidfile = dir.path().join("pid");
         // Ignores SIGINT and SIGTERM: only SIGKILL ends it.
-        let s = script(&format!(
-            "trap '' INT TERM; sleep 300 & echo $! > {}; wait; wait",
-            pidfile.display()
-        ));
+        let s = script(&format!("trap '' INT TERM; sleep 300 & echo $! > {}; wait; wait", pidfile.display()));
         let cancel = CancellationToken::new();
         let c2 = cancel.clone();
         let pf = pidfile.clone();

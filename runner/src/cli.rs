@@ -15,7 +15,11 @@ pub const EX_USAGE: i32 = 64;
 pub const EX_DATAERR: i32 = 65;
 
 #[derive(Parser)]
-#[command(name = "byoc-runner", version, about = "Runs the vendor's signed jobs in this cloud account, and shows what it did")]
+#[command(
+    name = "byoc-runner",
+    version,
+    about = "Runs the vendor's signed jobs in this cloud account, and shows what it did"
+)]
 pub struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -226,11 +230,23 @@ fn status(s: &StateArgs) -> anyhow::Result<()> {
         None => println!("daemon:         not running"),
     }
     let counts: Vec<String> = st.jobs_by_status.iter().map(|(k, v)| format!("{k} {v}")).collect();
-    println!("jobs:           {} ({})", st.jobs_total, if counts.is_empty() { "none".into() } else { counts.join(", ") });
-    println!("running:        {}", if st.jobs_running.is_empty() { "-".into() } else { st.jobs_running.join(", ") });
-    println!("unreported:     {}", if st.jobs_unreported.is_empty() { "-".into() } else { st.jobs_unreported.join(", ") });
+    println!(
+        "jobs:           {} ({})",
+        st.jobs_total,
+        if counts.is_empty() { "none".into() } else { counts.join(", ") }
+    );
+    println!(
+        "running:        {}",
+        if st.jobs_running.is_empty() { "-".into() } else { st.jobs_running.join(", ") }
+    );
+    println!(
+        "unreported:     {}",
+        if st.jobs_unreported.is_empty() { "-".into() } else { st.jobs_unreported.join(", ") }
+    );
     match &st.last_rejection {
-        Some(r) => println!("rejections:     {} (last: {} at {})", st.rejections, r.reason, inspect::format_ms(r.ts)),
+        Some(r) => {
+            println!("rejections:     {} (last: {} at {})", st.rejections, r.reason, inspect::format_ms(r.ts))
+        }
         None => println!("rejections:     0"),
     }
     Ok(())

@@ -8,9 +8,9 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use byoc_protocol::{
-    ChallengeRequest, ChallengeResponse, ClaimRequest, ClaimResponse, EnrollRequest,
-    EnrollResponse, JobHeartbeatResponse, JobResult, LOG_OFFSET_HEADER, LogAppendResponse,
-    PollRequest, PollResponse, RejectReason, RejectRequest, TokenRequest, TokenResponse,
+    ChallengeRequest, ChallengeResponse, ClaimRequest, ClaimResponse, EnrollRequest, EnrollResponse,
+    JobHeartbeatResponse, JobResult, LOG_OFFSET_HEADER, LogAppendResponse, PollRequest, PollResponse,
+    RejectReason, RejectRequest, TokenRequest, TokenResponse,
 };
 use ed25519_dalek::SigningKey;
 use reqwest::{Method, StatusCode, Url};
@@ -156,7 +156,9 @@ impl CpClient {
         let r = self
             .send(
                 "auth challenge",
-                self.http.post(self.url("/v1/auth/challenge")).json(&ChallengeRequest { runner_id: runner_id.clone() }),
+                self.http
+                    .post(self.url("/v1/auth/challenge"))
+                    .json(&ChallengeRequest { runner_id: runner_id.clone() }),
                 self.request_timeout,
             )
             .await?;
@@ -216,7 +218,12 @@ impl CpClient {
         Self::json("poll", r).await.map(Some)
     }
 
-    pub async fn reject(&self, delivery_id: &str, reason: RejectReason, detail: &str) -> Result<(), ClientError> {
+    pub async fn reject(
+        &self,
+        delivery_id: &str,
+        reason: RejectReason,
+        detail: &str,
+    ) -> Result<(), ClientError> {
         let body = RejectRequest { reason, detail: detail.to_string() };
         let path = format!("/v1/deliveries/{}/reject", path_segment(delivery_id));
         self.authed("reject", Method::POST, &path, Some(&body), None, self.request_timeout).await?;

@@ -150,7 +150,8 @@ impl Config {
         }
 
         let mut f = Fields::new("runner", runner_t, &mut problems);
-        let state_dir = PathBuf::from(f.get::<String>("state_dir").unwrap_or_else(|| DEFAULT_STATE_DIR.into()));
+        let state_dir =
+            PathBuf::from(f.get::<String>("state_dir").unwrap_or_else(|| DEFAULT_STATE_DIR.into()));
         let install_id: Option<String> = f.required("install_id");
         let bootstrap_token_file = f.get::<String>("bootstrap_token_file").map(PathBuf::from);
         let hostname: Option<String> = f.get("hostname");
@@ -173,8 +174,10 @@ impl Config {
         let max_timeout = f.secs("max_timeout_secs", 6 * 3600, 1..=7 * 86_400);
         let groups_t = f.table("groups");
         f.finish();
-        let mut groups: BTreeMap<String, usize> =
-            [("deploys", 1), ("actions", 4), ("syncs", 2)].into_iter().map(|(k, v)| (k.to_string(), v)).collect();
+        let mut groups: BTreeMap<String, usize> = [("deploys", 1), ("actions", 4), ("syncs", 2)]
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v))
+            .collect();
         let mut g = Fields::new("jobs.groups", groups_t, &mut problems);
         for name in ["deploys", "actions", "syncs"] {
             let v = g.ranged(name, groups[name] as u64, 1..=64);
@@ -195,7 +198,8 @@ impl Config {
         let level = f.get::<String>("level").unwrap_or_else(|| "info".into());
         f.finish();
         if tracing_subscriber::EnvFilter::try_new(&level).is_err() {
-            problems.push(format!("logging.level: {level:?} is not a valid filter (try \"info\" or \"debug\")"));
+            problems
+                .push(format!("logging.level: {level:?} is not a valid filter (try \"info\" or \"debug\")"));
         }
         if backoff_initial > backoff_max {
             problems.push("poll.backoff_initial_ms: larger than poll.backoff_max_secs".into());
@@ -219,7 +223,14 @@ impl Config {
                 hostname,
             },
             poll: PollConfig { wait, backoff_initial, backoff_max },
-            jobs: JobsConfig { drain_grace, kill_grace, heartbeat_interval, max_clock_skew, max_timeout, groups },
+            jobs: JobsConfig {
+                drain_grace,
+                kill_grace,
+                heartbeat_interval,
+                max_clock_skew,
+                max_timeout,
+                groups,
+            },
             logging: LoggingConfig { target, level },
             digest,
         })
@@ -243,7 +254,8 @@ fn validate_url(s: &str, allow_insecure_loopback: bool) -> Result<reqwest::Url, 
             if !loopback {
                 Err("plain http:// is only allowed to a loopback address; use https://".into())
             } else if !allow_insecure_loopback {
-                Err("plain http:// needs control_plane.allow_insecure_loopback = true (development only)".into())
+                Err("plain http:// needs control_plane.allow_insecure_loopback = true (development only)"
+                    .into())
             } else {
                 Ok(url)
             }

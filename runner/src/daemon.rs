@@ -44,13 +44,19 @@ pub enum DaemonError {
     Journal(#[from] crate::journal::JournalError),
     #[error(transparent)]
     Client(#[from] ClientError),
-    #[error("this runner is not enrolled and no bootstrap token was found: set runner.bootstrap_token_file or {BOOTSTRAP_TOKEN_ENV} (the install stack provides a one-time token)")]
+    #[error(
+        "this runner is not enrolled and no bootstrap token was found: set runner.bootstrap_token_file or {BOOTSTRAP_TOKEN_ENV} (the install stack provides a one-time token)"
+    )]
     NoBootstrapToken,
     #[error("reading bootstrap token {path}: {source}")]
     BootstrapToken { path: String, source: std::io::Error },
-    #[error("enrollment refused by the control plane: {0}. The bootstrap token is one-time: request a new one from the vendor")]
+    #[error(
+        "enrollment refused by the control plane: {0}. The bootstrap token is one-time: request a new one from the vendor"
+    )]
     EnrollmentRefused(String),
-    #[error("state dir belongs to install {enrolled:?} but the config says {configured:?}; use the right state_dir or re-enroll")]
+    #[error(
+        "state dir belongs to install {enrolled:?} but the config says {configured:?}; use the right state_dir or re-enroll"
+    )]
     InstallMismatch { enrolled: String, configured: String },
     #[error("installing signal handlers: {0}")]
     Signals(std::io::Error),
@@ -189,7 +195,8 @@ pub async fn run(config: Config) -> Result<(), DaemonError> {
 }
 
 fn prepare_state_dir(state_dir: &Path) -> Result<(), DaemonError> {
-    for dir in [state_dir.to_path_buf(), state_dir.join(spool::SPOOL_DIR), state_dir.join(execute::WORK_DIR)] {
+    for dir in [state_dir.to_path_buf(), state_dir.join(spool::SPOOL_DIR), state_dir.join(execute::WORK_DIR)]
+    {
         std::fs::DirBuilder::new()
             .recursive(true)
             .mode(0o700)
@@ -199,11 +206,17 @@ fn prepare_state_dir(state_dir: &Path) -> Result<(), DaemonError> {
     Ok(())
 }
 
-async fn enroll_if_needed(config: &Config, key: &ed25519_dalek::SigningKey) -> Result<Enrollment, DaemonError> {
+async fn enroll_if_needed(
+    config: &Config,
+    key: &ed25519_dalek::SigningKey,
+) -> Result<Enrollment, DaemonError> {
     let state_dir = &config.runner.state_dir;
     if let Some(e) = identity::load_enrollment(state_dir)? {
         if e.install_id != config.runner.install_id {
-            return Err(DaemonError::InstallMismatch { enrolled: e.install_id, configured: config.runner.install_id.clone() });
+            return Err(DaemonError::InstallMismatch {
+                enrolled: e.install_id,
+                configured: config.runner.install_id.clone(),
+            });
         }
         return Ok(e);
     }
@@ -235,7 +248,10 @@ async fn enroll_if_needed(config: &Config, key: &ed25519_dalek::SigningKey) -> R
         }
     };
     if resp.install_id != config.runner.install_id {
-        return Err(DaemonError::InstallMismatch { enrolled: resp.install_id, configured: config.runner.install_id.clone() });
+        return Err(DaemonError::InstallMismatch {
+            enrolled: resp.install_id,
+            configured: config.runner.install_id.clone(),
+        });
     }
     let e = Enrollment {
         runner_id: resp.runner_id,
@@ -264,7 +280,9 @@ fn hostname() -> String {
 /// was never acknowledged is reported.
 fn recover(rt: &Rt, tasks: &mut JoinSet<()>) -> Result<(), DaemonError> {
     let pending: Vec<(String, Phase)> = rt.journal.with_index(|i| {
-        i.jobs.values().filter(|j| matches!(j.phase, Phase::Claimed | Phase::Started | Phase::Finished))
+        i.jobs
+            .values()
+            .filter(|j| matches!(j.phase, Phase::Claimed | Phase::Started | Phase::Finished))
             .map(|j| (j.job_id.clone(), j.phase))
             .collect()
     });
@@ -278,7 +296,10 @@ fn recover(rt: &Rt, tasks: &mut JoinSet<()>) -> Result<(), DaemonError> {
                 job_id: job_id.clone(),
                 status: byoc_protocol::JobStatus::Interrupted,
                 exit_code: None,
-                error: Some(format!("the runner stopped while the job was {}; it was not re-run", phase.as_str())),
+                error: Some(format!(
+                    "the runner stopped while the job was {}; it was not re-run",
+                    phase.as_str()
+                )),
                 log_size,
                 log_sha256,
                 started_at_ms: started,
@@ -329,7 +350,11 @@ async fn poll_loop(
             continue;
         }
         let running_jobs: Vec<String> = rt.journal.with_index(|i| {
-            i.jobs.values().filter(|j| matches!(j.phase, Phase::Claimed | Phase::Started)).map(|j| j.job_id.clone()).collect()
+            i.jobs
+                .values()
+                .filter(|j| matches!(j.phase, Phase::Claimed | Phase::Started))
+                .map(|j| j.job_id.clone())
+                .collect()
         });
         let req = PollRequest {
             wait_secs: rt.config.poll.wait.as_secs(),
@@ -497,7 +522,8 @@ fn spawn_watchdog(rt: &Rt, health: Arc<AtomicU64>, drain: CancellationToken) {
     let Some(interval) = sd_notify::watchdog_enabled() else { return };
     let c = &rt.config;
     let stall_ms =
-        (c.poll.wait + c.control_plane.request_timeout + c.poll.backoff_max + Duration::from_secs(10)).as_millis() as u64;
+        (c.poll.wait + c.control_plane.request_timeout + c.poll.backoff_max + Duration::from_secs(10))
+            .as_millis() as u64;
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(interval / 2);
         loop {

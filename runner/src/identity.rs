@@ -20,7 +20,9 @@ pub enum IdentityError {
     Read { path: PathBuf, source: std::io::Error },
     #[error("creating identity key {path}: {source}")]
     Create { path: PathBuf, source: std::io::Error },
-    #[error("identity key {path} is corrupt (expected 32 bytes, found {len}); restore it from backup or re-enroll with a new bootstrap token after removing it")]
+    #[error(
+        "identity key {path} is corrupt (expected 32 bytes, found {len}); restore it from backup or re-enroll with a new bootstrap token after removing it"
+    )]
     Corrupt { path: PathBuf, len: usize },
     #[error("identity key {path} is readable by others (mode {mode:o}); run: chmod 600 {path}")]
     Permissions { path: PathBuf, mode: u32 },
@@ -35,20 +37,27 @@ pub fn load_or_create_key(state_dir: &Path) -> Result<(SigningKey, bool), Identi
     let path = state_dir.join(KEY_FILE);
     match File::open(&path) {
         Ok(mut f) => {
-            let mode = f.metadata().map_err(|e| IdentityError::Read { path: path.clone(), source: e })?.permissions().mode();
+            let mode = f
+                .metadata()
+                .map_err(|e| IdentityError::Read { path: path.clone(), source: e })?
+                .permissions()
+                .mode();
             if mode & 0o077 != 0 {
                 return Err(IdentityError::Permissions { path, mode: mode & 0o777 });
             }
             let mut buf = Vec::new();
             f.read_to_end(&mut buf).map_err(|e| IdentityError::Read { path: path.clone(), source: e })?;
-            let seed: [u8; 32] =
-                buf.as_slice().try_into().map_err(|_| IdentityError::Corrupt { path: path.clone(), len: buf.len() })?;
+            let seed: [u8; 32] = buf
+                .as_slice()
+                .try_into()
+                .map_err(|_| IdentityError::Corrupt { path: path.clone(), len: buf.len() })?;
             Ok((SigningKey::from_bytes(&seed), false))
         }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
             let key = byoc_protocol::generate_signing_key();
             let create = |e| IdentityError::Create { path: path.clone(), source: e };
-            let mut f = OpenOptions::new().write(true).create_new(true).mode(0o600).open(&path).map_err(create)?;
+            let mut f =
+                OpenOptions::new().write(true).create_new(true).mode(0o600).open(&path).map_err(create)?;
             f.write_all(key.as_bytes()).map_err(create)?;
             f.sync_all().map_err(create)?;
             sync_dir(state_dir).map_err(create)?;
@@ -88,7 +97,8 @@ pub fn save_enrollment(state_dir: &Path, e: &Enrollment) -> Result<(), IdentityE
 pub fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> Result<(), IdentityError> {
     let err = |e| IdentityError::Write { path: path.to_path_buf(), source: e };
     let tmp = path.with_extension("tmp");
-    let mut f = OpenOptions::new().write(true).create(true).truncate(true).mode(mode).open(&tmp).map_err(err)?;
+    let mut f =
+        OpenOptions::new().write(true).create(true).truncate(true).mode(mode).open(&tmp).map_err(err)?;
     f.write_all(bytes).map_err(err)?;
     f.sync_all().map_err(err)?;
     std::fs::rename(&tmp, path).map_err(err)?;

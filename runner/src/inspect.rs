@@ -92,7 +92,12 @@ pub fn status(state_dir: &Path) -> Result<Status, InspectError> {
 }
 
 fn ids_in(index: &Index, phases: &[Phase]) -> Vec<String> {
-    index.order.iter().filter(|id| index.jobs.get(*id).is_some_and(|j| phases.contains(&j.phase))).cloned().collect()
+    index
+        .order
+        .iter()
+        .filter(|id| index.jobs.get(*id).is_some_and(|j| phases.contains(&j.phase)))
+        .cloned()
+        .collect()
 }
 
 /// The one-word state a person wants: the final status if there is one, else the phase.

@@ -44,10 +44,19 @@ pub enum Event {
         reason: RejectReason,
         detail: String,
     },
-    Claimed { job_id: String, lease_secs: u64 },
+    Claimed {
+        job_id: String,
+        lease_secs: u64,
+    },
     /// The control plane refused the claim (cancelled or taken); the job never ran.
-    ClaimRefused { job_id: String, detail: String },
-    Started { job_id: String, started_at_ms: u64 },
+    ClaimRefused {
+        job_id: String,
+        detail: String,
+    },
+    Started {
+        job_id: String,
+        started_at_ms: u64,
+    },
     Finished {
         job_id: String,
         status: JobStatus,
@@ -61,7 +70,9 @@ pub enum Event {
         outputs: serde_json::Value,
     },
     /// The control plane acknowledged the result.
-    Reported { job_id: String },
+    Reported {
+        job_id: String,
+    },
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -147,7 +158,17 @@ pub struct Index {
 impl Index {
     fn apply(&mut self, line: &Line) {
         match &line.event {
-            Event::Received { job_id, delivery_id, nonce, expires_at, kind, operation, entity, payload_sha256, .. } => {
+            Event::Received {
+                job_id,
+                delivery_id,
+                nonce,
+                expires_at,
+                kind,
+                operation,
+                entity,
+                payload_sha256,
+                ..
+            } => {
                 self.nonces.insert(nonce.clone(), (job_id.clone(), *expires_at));
                 if !self.jobs.contains_key(job_id) {
                     self.order.push(job_id.clone());
@@ -197,7 +218,17 @@ impl Index {
                     j.started_at_ms = Some(*started_at_ms);
                 }
             }
-            Event::Finished { job_id, status, exit_code, error, log_size, log_sha256, finished_at_ms, outputs, .. } => {
+            Event::Finished {
+                job_id,
+                status,
+                exit_code,
+                error,
+                log_size,
+                log_sha256,
+                finished_at_ms,
+                outputs,
+                ..
+            } => {
                 self.set_phase(job_id, Phase::Finished);
                 if let Some(j) = self.jobs.get_mut(job_id) {
                     j.finished = Some(Finished {
@@ -226,7 +257,9 @@ impl Index {
 pub enum JournalError {
     #[error("opening job journal {path}: {source}")]
     Open { path: PathBuf, source: std::io::Error },
-    #[error("job journal {path} is damaged at line {line}: {reason}. Keep a copy for investigation; the runner will not guess past it")]
+    #[error(
+        "job journal {path} is damaged at line {line}: {reason}. Keep a copy for investigation; the runner will not guess past it"
+    )]
     Corrupt { path: PathBuf, line: usize, reason: String },
     #[error("appending to job journal {path}: {source}")]
     Append { path: PathBuf, source: std::io::Error },
@@ -248,7 +281,8 @@ impl Journal {
     pub fn open(state_dir: &Path) -> Result<(Journal, u64), JournalError> {
         let path = state_dir.join(JOURNAL_FILE);
         let open_err = |e| JournalError::Open { path: path.clone(), source: e };
-        let mut file = OpenOptions::new().read(true).append(true).create(true).open(&path).map_err(open_err)?;
+        let mut file =
+            OpenOptions::new().read(true).append(true).create(true).open(&path).map_err(open_err)?;
         let mut index = Index::default();
         let mut good_len = 0u64;
         let mut reader = BufReader::new(&file);

@@ -87,7 +87,9 @@ pub enum UploadError {
     Spool { path: PathBuf, source: std::io::Error },
     #[error(transparent)]
     Client(#[from] ClientError),
-    #[error("control plane holds {server} log bytes for job {job_id} but the spool has only {local}; refusing to continue this upload")]
+    #[error(
+        "control plane holds {server} log bytes for job {job_id} but the spool has only {local}; refusing to continue this upload"
+    )]
     ServerAhead { job_id: String, server: u64, local: u64 },
 }
 

@@ -12,7 +12,8 @@ use common::*;
 #[tokio::test]
 async fn happy_path_runs_jobs_and_delivers_log_and_result() {
     let e = env().await;
-    let noop = e.cp.enqueue(EnqueueRequest::new("runner.noop", serde_json::json!({"message": "hello"}))).unwrap();
+    let noop =
+        e.cp.enqueue(EnqueueRequest::new("runner.noop", serde_json::json!({"message": "hello"}))).unwrap();
     let s = e.cp.enqueue(script("echo out; echo err >&2; echo \"JOB=$BYOC_JOB_ID\"")).unwrap();
 
     let v = e.finished(&noop).await;
@@ -56,17 +57,29 @@ async fn every_envelope_rejection_has_its_reason_code() {
     let first = e.cp.enqueue(EnqueueRequest::new("runner.noop", serde_json::Value::Null)).unwrap();
     let done = e.finished(&first).await;
 
-    let tamper = |t: Tamper| EnqueueRequest { tamper: t, ..EnqueueRequest::new("runner.noop", serde_json::Value::Null) };
+    let tamper = |t: Tamper| EnqueueRequest {
+        tamper: t,
+        ..EnqueueRequest::new("runner.noop", serde_json::Value::Null)
+    };
     let cases: Vec<(RejectReason, EnqueueRequest)> = vec![
         (RejectReason::MalformedEnvelope, tamper(Tamper { malformed: true, ..Default::default() })),
         (RejectReason::OversizePayload, tamper(Tamper { oversize: true, ..Default::default() })),
         (RejectReason::UnknownKey, tamper(Tamper { unknown_key: true, ..Default::default() })),
         (RejectReason::BadSignature, tamper(Tamper { bad_signature: true, ..Default::default() })),
-        (RejectReason::WrongRunner, tamper(Tamper { payload_runner_id: Some("rn-other".into()), ..Default::default() })),
-        (RejectReason::WrongInstall, tamper(Tamper { payload_install_id: Some("inst-other".into()), ..Default::default() })),
+        (
+            RejectReason::WrongRunner,
+            tamper(Tamper { payload_runner_id: Some("rn-other".into()), ..Default::default() }),
+        ),
+        (
+            RejectReason::WrongInstall,
+            tamper(Tamper { payload_install_id: Some("inst-other".into()), ..Default::default() }),
+        ),
         (RejectReason::Expired, tamper(Tamper { expires_offset_secs: Some(-3600), ..Default::default() })),
         (RejectReason::NotYetValid, tamper(Tamper { issued_offset_secs: Some(3600), ..Default::default() })),
-        (RejectReason::ReplayedNonce, tamper(Tamper { nonce: Some(done.nonce.clone()), ..Default::default() })),
+        (
+            RejectReason::ReplayedNonce,
+            tamper(Tamper { nonce: Some(done.nonce.clone()), ..Default::default() }),
+        ),
         (RejectReason::UnknownKind, EnqueueRequest::new("quantum.teleport", serde_json::Value::Null)),
         (RejectReason::InvalidSpec, EnqueueRequest::new("action.script", serde_json::json!({"script": 42}))),
     ];
@@ -102,9 +115,8 @@ async fn every_envelope_rejection_has_its_reason_code() {
 async fn cancel_kills_the_whole_tree_and_reports_cancelled() {
     let e = env().await;
     let pids = e.dir.path().join("pids");
-    let id = e
-        .cp
-        .enqueue(script(&format!(
+    let id =
+        e.cp.enqueue(script(&format!(
             "sleep 300 & echo $! >> {p}; sleep 300 & echo $! >> {p}; trap '' INT; wait; wait",
             p = pids.display()
         )))
@@ -112,7 +124,9 @@ async fn cancel_kills_the_whole_tree_and_reports_cancelled() {
     assert!(wait_file(&pids, WAIT).await);
     // Both children recorded (two lines) before cancelling.
     let deadline = tokio::time::Instant::now() + WAIT;
-    while std::fs::read_to_string(&pids).unwrap().lines().count() < 2 && tokio::time::Instant::now() < deadline {
+    while std::fs::read_to_string(&pids).unwrap().lines().count() < 2
+        && tokio::time::Instant::now() < deadline
+    {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     e.cp.cancel(&id).unwrap();
@@ -138,10 +152,7 @@ async fn job_timeout_is_enforced() {
 #[tokio::test]
 async fn log_upload_recovers_from_416() {
     let e = env().await;
-    e.cp
-        .set_faults(byoc_control_plane::Faults { lose_log_acks: 2, ..Default::default() })
-        .await
-        .unwrap();
+    e.cp.set_faults(byoc_control_plane::Faults { lose_log_acks: 2, ..Default::default() }).await.unwrap();
     let id = e.cp.enqueue(script("for i in $(seq 1 2000); do echo \"line $i\"; done")).unwrap();
     let v = e.finished(&id).await;
     let expected: String = (1..=2000).map(|i| format!("line {i}\n")).collect();
@@ -156,7 +167,10 @@ async fn responses_cut_mid_body_are_retried_without_duplicates() {
     let ran = e.dir.path().join("ran");
     e.cp.set_faults(byoc_control_plane::Faults { cut_rate: 0.3, ..Default::default() }).await.unwrap();
     let ids: Vec<String> = (0..6)
-        .map(|i| e.cp.enqueue(script(&format!("echo \"$BYOC_JOB_ID\" >> {}; echo job {i}", ran.display()))).unwrap())
+        .map(|i| {
+            e.cp.enqueue(script(&format!("echo \"$BYOC_JOB_ID\" >> {}; echo job {i}", ran.display())))
+                .unwrap()
+        })
         .collect();
     for (i, id) in ids.iter().enumerate() {
         let v = e.finished(id).await;
@@ -183,18 +197,25 @@ fn run_local(job: &serde_json::Value, json: bool) -> std::process::Output {
 
 #[test]
 fn run_local_runs_a_job_file_without_a_control_plane() {
-    let ok = run_local(&serde_json::json!({"kind": "action.script", "spec": {"script": "echo \"hi $WHO\"", "env": {"WHO": "vendor"}}}), false);
+    let ok = run_local(
+        &serde_json::json!({"kind": "action.script", "spec": {"script": "echo \"hi $WHO\"", "env": {"WHO": "vendor"}}}),
+        false,
+    );
     assert_eq!(ok.status.code(), Some(0));
     assert_eq!(String::from_utf8_lossy(&ok.stdout), "hi vendor\n");
 
-    let failing = run_local(&serde_json::json!({"kind": "action.script", "spec": {"script": "echo no; exit 7"}}), true);
+    let failing =
+        run_local(&serde_json::json!({"kind": "action.script", "spec": {"script": "echo no; exit 7"}}), true);
     assert_eq!(failing.status.code(), Some(7));
     let v: serde_json::Value = serde_json::from_slice(&failing.stdout).unwrap();
     assert_eq!(v["status"], "failed");
     assert_eq!(v["exit_code"], 7);
     assert_eq!(v["log"], "no\n");
 
-    let timeout = run_local(&serde_json::json!({"kind": "action.script", "spec": {"script": "sleep 300"}, "timeout_secs": 1}), false);
+    let timeout = run_local(
+        &serde_json::json!({"kind": "action.script", "spec": {"script": "sleep 300"}, "timeout_secs": 1}),
+        false,
+    );
     assert_eq!(timeout.status.code(), Some(124));
 
     let bad = run_local(&serde_json::json!({"kind": "action.script", "spec": {}}), false);
@@ -206,7 +227,8 @@ fn run_local_runs_a_job_file_without_a_control_plane() {
 
 #[test]
 fn inspection_cli_explains_a_missing_state_dir_and_unknown_job() {
-    let out = std::process::Command::new(BIN).args(["status", "--state-dir", "/nonexistent/x"]).output().unwrap();
+    let out =
+        std::process::Command::new(BIN).args(["status", "--state-dir", "/nonexistent/x"]).output().unwrap();
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("does not exist"));
     let dir = tempfile::tempdir().unwrap();

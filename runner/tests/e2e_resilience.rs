@@ -6,9 +6,9 @@ mod common;
 use std::path::Path;
 use std::time::Duration;
 
+use byoc_control_plane::Faults;
 use byoc_control_plane::harness::{RunnerOptions, wait_polling};
 use byoc_control_plane::state::JobState;
-use byoc_control_plane::Faults;
 use byoc_protocol::JobStatus;
 use common::*;
 use nix::sys::signal::Signal;
@@ -24,9 +24,8 @@ async fn control_plane_down_60s_mid_job_loses_and_duplicates_nothing() {
     let started = e.dir.path().join("started");
     // Writes half its output, waits for the test to say go (after the outage began),
     // then writes the rest.
-    let id = e
-        .cp
-        .enqueue(script(&format!(
+    let id =
+        e.cp.enqueue(script(&format!(
             "for i in $(seq 1 500); do echo \"a $i\"; done; echo 1 > {s}; \
              while [ ! -f {g} ]; do sleep 0.05; done; for i in $(seq 1 500); do echo \"b $i\"; done",
             s = started.display(),
@@ -59,9 +58,11 @@ async fn thirty_percent_5xx_for_a_minute_every_job_runs_exactly_once() {
     let mut ids = Vec::new();
     // Keep jobs flowing through the whole minute of errors.
     while tokio::time::Instant::now() < window {
-        let id = e
-            .cp
-            .enqueue(script(&format!("echo \"$BYOC_JOB_ID\" >> {}; for i in $(seq 1 50); do echo \"out $i\"; done", ran.display())))
+        let id =
+            e.cp.enqueue(script(&format!(
+                "echo \"$BYOC_JOB_ID\" >> {}; for i in $(seq 1 50); do echo \"out $i\"; done",
+                ran.display()
+            )))
             .unwrap();
         ids.push(id);
         tokio::time::sleep(Duration::from_secs(2)).await;
@@ -87,9 +88,8 @@ async fn kill_9_mid_job_is_reported_interrupted_not_rerun() {
     let mut e = env().await;
     let marker = e.dir.path().join("runs");
     let pidfile = e.dir.path().join("pid");
-    let id = e
-        .cp
-        .enqueue(script(&format!(
+    let id =
+        e.cp.enqueue(script(&format!(
             "echo run >> {m}; echo $$ > {p}; echo partial; exec sleep 300",
             m = marker.display(),
             p = pidfile.display()
@@ -122,9 +122,8 @@ async fn first_sigterm_drains_the_running_job_then_exits() {
     let mut e = env().await;
     let go = e.dir.path().join("go");
     let started = e.dir.path().join("started");
-    let id = e
-        .cp
-        .enqueue(script(&format!(
+    let id =
+        e.cp.enqueue(script(&format!(
             "echo 1 > {s}; while [ ! -f {g} ]; do sleep 0.05; done; echo finished",
             s = started.display(),
             g = go.display()
@@ -151,10 +150,7 @@ async fn first_sigterm_drains_the_running_job_then_exits() {
 async fn second_sigterm_cancels_the_running_job() {
     let mut e = env().await;
     let started = e.dir.path().join("started");
-    let id = e
-        .cp
-        .enqueue(script(&format!("echo 1 > {}; exec sleep 300", started.display())))
-        .unwrap();
+    let id = e.cp.enqueue(script(&format!("echo 1 > {}; exec sleep 300", started.display()))).unwrap();
     assert!(wait_file(&started, WAIT).await);
     e.runner.signal(Signal::SIGTERM);
     assert!(wait_log(&e.runner, "stop requested", WAIT).await);
@@ -177,17 +173,28 @@ async fn bad_config_reports_every_error_at_once_with_ex_usage() {
     let out = std::process::Command::new(BIN).args(["run", "--config"]).arg(&cfg).output().unwrap();
     assert_eq!(out.status.code(), Some(64));
     let err = String::from_utf8_lossy(&out.stderr);
-    for needle in ["control_plane.url", "control_plane.public_keys", "control_plane.colour", "runner.install_id", "poll.wait_secs"] {
+    for needle in [
+        "control_plane.url",
+        "control_plane.public_keys",
+        "control_plane.colour",
+        "runner.install_id",
+        "poll.wait_secs",
+    ] {
         assert!(err.contains(needle), "missing {needle} in:\n{err}");
     }
     assert!(!dir.path().join("state").exists());
     // Same problems, machine-readable.
-    let out = std::process::Command::new(BIN).args(["config", "validate", "-o", "json", "--config"]).arg(&cfg).output().unwrap();
+    let out = std::process::Command::new(BIN)
+        .args(["config", "validate", "-o", "json", "--config"])
+        .arg(&cfg)
+        .output()
+        .unwrap();
     assert_eq!(out.status.code(), Some(64));
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["problems"].as_array().unwrap().len(), 5);
     // A missing file is a usage error too.
-    let out = std::process::Command::new(BIN).args(["run", "--config", "/nonexistent.toml"]).output().unwrap();
+    let out =
+        std::process::Command::new(BIN).args(["run", "--config", "/nonexistent.toml"]).output().unwrap();
     assert_eq!(out.status.code(), Some(64));
 }
 
@@ -197,10 +204,12 @@ async fn used_bootstrap_token_is_refused_with_a_clear_error() {
     let cp = start_cp().await;
     let token = cp.bootstrap_token();
     let (d1, d2) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    let mut first = RunnerProcess::prepare(Path::new(BIN), d1.path(), &cp, &RunnerOptions::default()).unwrap();
+    let mut first =
+        RunnerProcess::prepare(Path::new(BIN), d1.path(), &cp, &RunnerOptions::default()).unwrap();
     first.spawn(Some(token.clone())).unwrap();
     assert!(wait_polling(&cp, WAIT).await);
-    let mut second = RunnerProcess::prepare(Path::new(BIN), d2.path(), &cp, &RunnerOptions::default()).unwrap();
+    let mut second =
+        RunnerProcess::prepare(Path::new(BIN), d2.path(), &cp, &RunnerOptions::default()).unwrap();
     second.spawn(Some(token)).unwrap();
     let status = second.wait_exit(WAIT).await.expect("second runner exits");
     assert!(!status.success());

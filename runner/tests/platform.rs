@@ -68,7 +68,10 @@ fn systemd_unit_exposure_is_at_most_3() {
 fn unit_stop_timeout_covers_the_default_drain_grace() {
     let text = std::fs::read_to_string(unit_path()).unwrap();
     let get = |k: &str| {
-        text.lines().find_map(|l| l.strip_prefix(&format!("{k}="))).unwrap_or_else(|| panic!("{k} missing")).to_string()
+        text.lines()
+            .find_map(|l| l.strip_prefix(&format!("{k}=")))
+            .unwrap_or_else(|| panic!("{k} missing"))
+            .to_string()
     };
     assert_eq!(get("KillMode"), "mixed", "SIGTERM must reach only the runner so it can drain");
     assert_eq!(get("Type"), "notify");
@@ -107,8 +110,14 @@ exec unshare --mount --propagation private /bin/bash -c '
 
 #[tokio::test]
 async fn logs_reach_journald_with_structured_unprefixed_fields() {
-    assert!(nix::unistd::geteuid().is_root(), "this test needs root (mount namespace for a private journald)");
-    assert!(Path::new("/lib/systemd/systemd-journald").exists(), "systemd-journald is required (apt-get install systemd)");
+    assert!(
+        nix::unistd::geteuid().is_root(),
+        "this test needs root (mount namespace for a private journald)"
+    );
+    assert!(
+        Path::new("/lib/systemd/systemd-journald").exists(),
+        "systemd-journald is required (apt-get install systemd)"
+    );
     let cp = start_cp().await;
     let dir = tempfile::tempdir().unwrap();
     let journal = dir.path().join("journal");
@@ -116,7 +125,9 @@ async fn logs_reach_journald_with_structured_unprefixed_fields() {
     let wrapper = journald_wrapper(dir.path(), &journal);
     let opts = RunnerOptions::default();
     let mut runner = RunnerProcess::prepare(&wrapper, dir.path(), &cp, &opts).unwrap();
-    let cfg = std::fs::read_to_string(&runner.config_path).unwrap().replace("target = \"stderr\"", "target = \"journald\"");
+    let cfg = std::fs::read_to_string(&runner.config_path)
+        .unwrap()
+        .replace("target = \"stderr\"", "target = \"journald\"");
     std::fs::write(&runner.config_path, cfg).unwrap();
     runner.spawn(Some(cp.bootstrap_token())).unwrap();
     assert!(wait_polling(&cp, WAIT).await, "runner never polled:\n{}", runner.log());
@@ -134,16 +145,25 @@ async fn logs_reach_journald_with_structured_unprefixed_fields() {
             .arg(format!("JOB_ID={id}"))
             .output()
             .expect("journalctl is required (apt-get install systemd)");
-        let records: Vec<serde_json::Value> =
-            out.stdout.split(|b| *b == b'\n').filter(|l| !l.is_empty()).filter_map(|l| serde_json::from_slice(l).ok()).collect();
-        if records.iter().any(|r| r["MESSAGE"] == "result acknowledged") || tokio::time::Instant::now() > deadline {
+        let records: Vec<serde_json::Value> = out
+            .stdout
+            .split(|b| *b == b'\n')
+            .filter(|l| !l.is_empty())
+            .filter_map(|l| serde_json::from_slice(l).ok())
+            .collect();
+        if records.iter().any(|r| r["MESSAGE"] == "result acknowledged")
+            || tokio::time::Instant::now() > deadline
+        {
             break records;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     };
     runner.kill9().await;
     if let Ok(pid) = std::fs::read_to_string(dir.path().join("journald.pid")) {
-        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid.trim().parse().unwrap()), nix::sys::signal::Signal::SIGKILL);
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(pid.trim().parse().unwrap()),
+            nix::sys::signal::Signal::SIGKILL,
+        );
     }
     assert!(!records.is_empty(), "no journal records with JOB_ID={id}");
     let started = records.iter().find(|r| r["MESSAGE"] == "job started").expect("a 'job started' record");

@@ -56,7 +56,12 @@ impl AdminClient {
     }
 
     pub async fn log(&self, id: &str) -> anyhow::Result<Vec<u8>> {
-        Ok(self.send(self.http.get(format!("{}/admin/jobs/{id}/log", self.base))).await?.bytes().await?.to_vec())
+        Ok(self
+            .send(self.http.get(format!("{}/admin/jobs/{id}/log", self.base)))
+            .await?
+            .bytes()
+            .await?
+            .to_vec())
     }
 
     pub async fn cancel(&self, id: &str) -> anyhow::Result<()> {

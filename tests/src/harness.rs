@@ -51,14 +51,24 @@ pub struct RunnerProcess {
 impl RunnerProcess {
     /// Write a config for `cp` under `dir` and start the daemon with a fresh bootstrap
     /// token.
-    pub fn start(binary: &Path, dir: &Path, cp: &ControlPlane, opts: &RunnerOptions) -> std::io::Result<Self> {
+    pub fn start(
+        binary: &Path,
+        dir: &Path,
+        cp: &ControlPlane,
+        opts: &RunnerOptions,
+    ) -> std::io::Result<Self> {
         let mut p = Self::prepare(binary, dir, cp, opts)?;
         p.spawn(Some(cp.bootstrap_token()))?;
         Ok(p)
     }
 
     /// Write the config without starting anything.
-    pub fn prepare(binary: &Path, dir: &Path, cp: &ControlPlane, opts: &RunnerOptions) -> std::io::Result<Self> {
+    pub fn prepare(
+        binary: &Path,
+        dir: &Path,
+        cp: &ControlPlane,
+        opts: &RunnerOptions,
+    ) -> std::io::Result<Self> {
         let state_dir = dir.join("state");
         let config_path = dir.join("runner.toml");
         let config = format!(
@@ -171,7 +181,6 @@ level = "info"
             .expect("running the runner CLI")
     }
 }
-
 
 /// Wait until the runner has enrolled and its first poll reached the control plane.
 pub async fn wait_polling(cp: &ControlPlane, timeout: Duration) -> bool {

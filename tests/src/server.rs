@@ -13,9 +13,9 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post, put};
 use axum::{Json, Router};
 use byoc_protocol::{
-    ChallengeRequest, ChallengeResponse, ClaimRequest, ClaimResponse, EnrollRequest,
-    EnrollResponse, JobHeartbeatResponse, JobResult, LOG_OFFSET_HEADER, LogAppendResponse,
-    PollRequest, PollResponse, RejectRequest, TokenRequest, TokenResponse,
+    ChallengeRequest, ChallengeResponse, ClaimRequest, ClaimResponse, EnrollRequest, EnrollResponse,
+    JobHeartbeatResponse, JobResult, LOG_OFFSET_HEADER, LogAppendResponse, PollRequest, PollResponse,
+    RejectRequest, TokenRequest, TokenResponse,
 };
 use http_body_util::BodyExt as _;
 use tokio::net::TcpListener;
@@ -325,16 +325,18 @@ fn runner_id(sh: &Shared, headers: &HeaderMap) -> Result<String, CpError> {
 }
 
 async fn enroll(AxState(sh): Sh, Json(req): Json<EnrollRequest>) -> Result<Json<EnrollResponse>, CpError> {
-    let key = byoc_protocol::parse_public_key(&req.public_key)
-        .map_err(|e| CpError::BadRequest(e.to_string()))?;
+    let key =
+        byoc_protocol::parse_public_key(&req.public_key).map_err(|e| CpError::BadRequest(e.to_string()))?;
     let (runner_id, install_id) = sh.update(|s| {
-        s.enroll(&req.bootstrap_token, key, req.hostname.clone())
-            .map(|id| (id, s.install_id.clone()))
+        s.enroll(&req.bootstrap_token, key, req.hostname.clone()).map(|id| (id, s.install_id.clone()))
     })?;
     Ok(Json(EnrollResponse { runner_id, install_id }))
 }
 
-async fn challenge(AxState(sh): Sh, Json(req): Json<ChallengeRequest>) -> Result<Json<ChallengeResponse>, CpError> {
+async fn challenge(
+    AxState(sh): Sh,
+    Json(req): Json<ChallengeRequest>,
+) -> Result<Json<ChallengeResponse>, CpError> {
     let challenge = sh.lock().challenge(&req.runner_id)?;
     Ok(Json(ChallengeResponse { challenge }))
 }
@@ -345,7 +347,11 @@ async fn token(AxState(sh): Sh, Json(req): Json<TokenRequest>) -> Result<Json<To
     Ok(Json(TokenResponse { access_token, expires_in_secs: st.token_ttl.as_secs() }))
 }
 
-async fn poll(AxState(sh): Sh, headers: HeaderMap, Json(req): Json<PollRequest>) -> Result<Response, CpError> {
+async fn poll(
+    AxState(sh): Sh,
+    headers: HeaderMap,
+    Json(req): Json<PollRequest>,
+) -> Result<Response, CpError> {
     let runner = runner_id(&sh, &headers)?;
     let hold = Duration::from_secs(req.wait_secs).min(sh.hold_max);
     let deadline = tokio::time::Instant::now() + hold;
@@ -389,7 +395,11 @@ async fn claim(
     Ok(Json(ClaimResponse { lease_secs }))
 }
 
-async fn heartbeat(AxState(sh): Sh, headers: HeaderMap, Path(job): Path<String>) -> Result<Json<JobHeartbeatResponse>, CpError> {
+async fn heartbeat(
+    AxState(sh): Sh,
+    headers: HeaderMap,
+    Path(job): Path<String>,
+) -> Result<Json<JobHeartbeatResponse>, CpError> {
     let runner = runner_id(&sh, &headers)?;
     let (lease_secs, cancel) = sh.update(|s| s.heartbeat(&runner, &job))?;
     Ok(Json(JobHeartbeatResponse { lease_secs, cancel }))
@@ -416,7 +426,8 @@ async fn append_log(
         r.map(|o| (o, lose))
     })?;
     if lose_ack {
-        return Ok((StatusCode::SERVICE_UNAVAILABLE, "injected fault: log append stored, answer lost").into_response());
+        return Ok((StatusCode::SERVICE_UNAVAILABLE, "injected fault: log append stored, answer lost")
+            .into_response());
     }
     Ok(Json(LogAppendResponse { offset }).into_response())
 }
@@ -472,7 +483,10 @@ async fn admin_bootstrap(AxState(sh): Sh) -> Json<serde_json::Value> {
     Json(serde_json::json!({ "bootstrap_token": token }))
 }
 
-async fn admin_enqueue(AxState(sh): Sh, Json(req): Json<EnqueueRequest>) -> Result<Json<serde_json::Value>, CpError> {
+async fn admin_enqueue(
+    AxState(sh): Sh,
+    Json(req): Json<EnqueueRequest>,
+) -> Result<Json<serde_json::Value>, CpError> {
     let job_id = sh.update(|s| s.enqueue(req))?;
     Ok(Json(serde_json::json!({ "job_id": job_id })))
 }
@@ -508,6 +522,8 @@ async fn admin_requests(AxState(sh): Sh) -> Json<std::collections::BTreeMap<Stri
 }
 
 async fn admin_faults(AxState(sh): Sh, Json(f): Json<Faults>) -> Result<StatusCode, CpError> {
-    apply_faults(&sh, f).await.map_err(|e| CpError::BadRequest(format!("re-opening the runner listener: {e}")))?;
+    apply_faults(&sh, f)
+        .await
+        .map_err(|e| CpError::BadRequest(format!("re-opening the runner listener: {e}")))?;
     Ok(StatusCode::NO_CONTENT)
 }

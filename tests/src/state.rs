@@ -4,8 +4,8 @@ use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use byoc_protocol::{
-    JobEnvelope, JobPayload, JobResult, PollRequest, RejectReason, generate_signing_key,
-    random_hex, sha256_hex,
+    JobEnvelope, JobPayload, JobResult, PollRequest, RejectReason, generate_signing_key, random_hex,
+    sha256_hex,
 };
 use ed25519_dalek::{SigningKey, VerifyingKey};
 use serde::{Deserialize, Serialize};
@@ -255,10 +255,7 @@ impl State {
             return Err(CpError::Unauthorized("bootstrap token unknown or already used"));
         }
         let runner_id = format!("rn-{}", random_hex(8));
-        self.runners.insert(
-            runner_id.clone(),
-            Runner { public_key, hostname, last_poll: None, polls: 0 },
-        );
+        self.runners.insert(runner_id.clone(), Runner { public_key, hostname, last_poll: None, polls: 0 });
         Ok(runner_id)
     }
 
@@ -269,17 +266,11 @@ impl State {
         let now = Instant::now();
         self.challenges.retain(|_, (_, exp)| *exp > now);
         let c = random_hex(32);
-        self.challenges
-            .insert(c.clone(), (runner_id.to_string(), now + Duration::from_secs(60)));
+        self.challenges.insert(c.clone(), (runner_id.to_string(), now + Duration::from_secs(60)));
         Ok(c)
     }
 
-    pub fn token(
-        &mut self,
-        runner_id: &str,
-        challenge: &str,
-        signature: &str,
-    ) -> Result<String, CpError> {
+    pub fn token(&mut self, runner_id: &str, challenge: &str, signature: &str) -> Result<String, CpError> {
         let Some((owner, exp)) = self.challenges.remove(challenge) else {
             return Err(CpError::Unauthorized("challenge unknown, used or expired"));
         };
@@ -444,7 +435,10 @@ impl State {
             self.deliveries.get(id).is_some_and(|d| {
                 d.target_runner == runner_id
                     && free_groups.iter().any(|g| g == d.group)
-                    && self.jobs.get(&d.job_id).is_none_or(|j| !j.cancel_requested || j.state != JobState::Pending)
+                    && self
+                        .jobs
+                        .get(&d.job_id)
+                        .is_none_or(|j| !j.cancel_requested || j.state != JobState::Pending)
             })
         })?;
         let id = self.queue.remove(pos)?;

@@ -2,7 +2,6 @@
 //! lease. Transient failures are retried until the envelope expires; a refusal
 //! (cancelled or taken) ends the job here, journaled, without running anything.
 
-
 use super::{Backoff, Rt, VerifiedJob};
 use crate::client::ClientError;
 use crate::journal::{Event, JournalError};
@@ -15,7 +14,9 @@ pub struct ClaimedJob {
 pub enum ClaimOutcome {
     Claimed(ClaimedJob),
     /// The job will not run here; journaled.
-    NotClaimed { detail: String },
+    NotClaimed {
+        detail: String,
+    },
 }
 
 /// Journal `received` before anything acts on the job. Must run on the poll loop,
@@ -55,7 +56,9 @@ pub async fn claim(rt: &Rt, job: VerifiedJob) -> Result<ClaimOutcome, JournalErr
                     None
                 }
             }
-            Err(ClientError::Conflict { body, .. }) => Some(format!("control plane refused the claim: {body}")),
+            Err(ClientError::Conflict { body, .. }) => {
+                Some(format!("control plane refused the claim: {body}"))
+            }
             Err(e) => Some(format!("claim failed: {e}")),
         };
         if let Some(detail) = refused {
@@ -69,4 +72,3 @@ pub async fn claim(rt: &Rt, job: VerifiedJob) -> Result<ClaimOutcome, JournalErr
         }
     }
 }
-

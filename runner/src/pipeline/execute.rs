@@ -32,13 +32,15 @@ pub async fn execute(rt: &Rt, job: ClaimedJob) -> Result<FinishedJob, JournalErr
     match prepare(rt, &job_id, &work_dir) {
         Err(error) => {
             outcome = ExecOutcome::failed(error);
-            (log_size, log_sha256) = crate::spool::digest_file(&crate::spool::spool_path(&rt.state_dir, &job_id))
-                .unwrap_or((0, byoc_protocol::sha256_hex(b"")));
+            (log_size, log_sha256) =
+                crate::spool::digest_file(&crate::spool::spool_path(&rt.state_dir, &job_id))
+                    .unwrap_or((0, byoc_protocol::sha256_hex(b"")));
         }
         Ok(mut spool) => {
             let cancel = rt.abort.child_token();
             let done = CancellationToken::new();
-            let companion = tokio::spawn(heartbeat_and_upload(rt.clone(), job_id.clone(), cancel.clone(), done.clone()));
+            let companion =
+                tokio::spawn(heartbeat_and_upload(rt.clone(), job_id.clone(), cancel.clone(), done.clone()));
             let ctx = ExecContext {
                 job_id: job_id.clone(),
                 work_dir: work_dir.clone(),

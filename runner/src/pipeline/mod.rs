@@ -79,7 +79,10 @@ mod tests {
         let mut b = Backoff::new(Duration::from_millis(100), Duration::from_millis(800));
         let delays: Vec<Duration> = (0..6).map(|_| b.next_delay()).collect();
         for (d, cap) in delays.iter().zip([100u64, 200, 400, 800, 800, 800]) {
-            assert!(*d <= Duration::from_millis(cap) && *d >= Duration::from_millis(cap / 2), "{d:?} vs {cap}");
+            assert!(
+                *d <= Duration::from_millis(cap) && *d >= Duration::from_millis(cap / 2),
+                "{d:?} vs {cap}"
+            );
         }
         b.reset();
         assert!(b.next_delay() <= Duration::from_millis(100));

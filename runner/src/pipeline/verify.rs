@@ -105,7 +105,10 @@ impl Verifier<'_> {
         if !valid_job_id(&payload.job_id) {
             return Err(reject(
                 RejectReason::MalformedEnvelope,
-                format!("job id {:?} is not 1-128 characters of [A-Za-z0-9._-]", truncate(&payload.job_id, 64)),
+                format!(
+                    "job id {:?} is not 1-128 characters of [A-Za-z0-9._-]",
+                    truncate(&payload.job_id, 64)
+                ),
             ));
         }
         if payload.nonce.is_empty() || payload.nonce.len() > 128 {
@@ -114,13 +117,21 @@ impl Verifier<'_> {
         if payload.runner_id != self.runner_id {
             return Err(reject(
                 RejectReason::WrongRunner,
-                format!("job is for runner {:?}, this is {}", truncate(&payload.runner_id, 64), self.runner_id),
+                format!(
+                    "job is for runner {:?}, this is {}",
+                    truncate(&payload.runner_id, 64),
+                    self.runner_id
+                ),
             ));
         }
         if payload.install_id != self.install_id {
             return Err(reject(
                 RejectReason::WrongInstall,
-                format!("job is for install {:?}, this is {}", truncate(&payload.install_id, 64), self.install_id),
+                format!(
+                    "job is for install {:?}, this is {}",
+                    truncate(&payload.install_id, 64),
+                    self.install_id
+                ),
             ));
         }
         let skew = self.max_skew.as_secs() as i64;
@@ -171,9 +182,14 @@ impl Verifier<'_> {
         let executor = match byoc_job_executors::build(&payload.kind, &payload.spec) {
             Ok(e) => e,
             Err(SpecError::UnknownKind(k)) => {
-                return Err(reject(RejectReason::UnknownKind, format!("kind {:?} is not supported", truncate(&k, 64))));
+                return Err(reject(
+                    RejectReason::UnknownKind,
+                    format!("kind {:?} is not supported", truncate(&k, 64)),
+                ));
             }
-            Err(e @ SpecError::Invalid { .. }) => return Err(reject(RejectReason::InvalidSpec, e.to_string())),
+            Err(e @ SpecError::Invalid { .. }) => {
+                return Err(reject(RejectReason::InvalidSpec, e.to_string()));
+            }
         };
         Ok(VerifiedJob {
             delivery_id: polled.delivery_id,
@@ -250,18 +266,38 @@ mod tests {
     #[test]
     fn each_field_check_has_its_reason() {
         let f = fixture();
-        assert_eq!(reason(&f, JobPayload { runner_id: "rn-2".into(), ..payload() }, 1100), RejectReason::WrongRunner);
-        assert_eq!(reason(&f, JobPayload { install_id: "x".into(), ..payload() }, 1100), RejectReason::WrongInstall);
+        assert_eq!(
+            reason(&f, JobPayload { runner_id: "rn-2".into(), ..payload() }, 1100),
+            RejectReason::WrongRunner
+        );
+        assert_eq!(
+            reason(&f, JobPayload { install_id: "x".into(), ..payload() }, 1100),
+            RejectReason::WrongInstall
+        );
         assert_eq!(reason(&f, payload(), 1331), RejectReason::Expired);
         // Inside the allowed skew on both edges.
         assert!(verify(&f, JobEnvelope::sign(&payload(), &f.key), &Index::default(), 1329).is_ok());
         assert!(verify(&f, JobEnvelope::sign(&payload(), &f.key), &Index::default(), 971).is_ok());
         assert_eq!(reason(&f, payload(), 969), RejectReason::NotYetValid);
-        assert_eq!(reason(&f, JobPayload { kind: "x.y".into(), ..payload() }, 1100), RejectReason::UnknownKind);
-        assert_eq!(reason(&f, JobPayload { job_id: "../etc".into(), ..payload() }, 1100), RejectReason::MalformedEnvelope);
+        assert_eq!(
+            reason(&f, JobPayload { kind: "x.y".into(), ..payload() }, 1100),
+            RejectReason::UnknownKind
+        );
+        assert_eq!(
+            reason(&f, JobPayload { job_id: "../etc".into(), ..payload() }, 1100),
+            RejectReason::MalformedEnvelope
+        );
         assert_eq!(reason(&f, JobPayload { timeout_secs: 0, ..payload() }, 1100), RejectReason::InvalidSpec);
         assert_eq!(
-            reason(&f, JobPayload { kind: "action.script".into(), spec: serde_json::json!({"nope": 1}), ..payload() }, 1100),
+            reason(
+                &f,
+                JobPayload {
+                    kind: "action.script".into(),
+                    spec: serde_json::json!({"nope": 1}),
+                    ..payload()
+                },
+                1100
+            ),
             RejectReason::InvalidSpec
         );
     }
@@ -270,7 +306,8 @@ mod tests {
     fn envelope_level_failures() {
         let f = fixture();
         let good = JobEnvelope::sign(&payload(), &f.key);
-        let check = |env: JobEnvelope| verify(&f, env, &Index::default(), 1100).err().expect("rejected").reason;
+        let check =
+            |env: JobEnvelope| verify(&f, env, &Index::default(), 1100).err().expect("rejected").reason;
 
         let rogue = generate_signing_key();
         assert_eq!(check(JobEnvelope::sign(&payload(), &rogue)), RejectReason::UnknownKey);
@@ -289,7 +326,10 @@ mod tests {
         not_b64.payload = "***".into();
         assert_eq!(check(not_b64), RejectReason::MalformedEnvelope);
 
-        assert_eq!(check(JobEnvelope::sign_bytes(b"{\"job_id\": 1}", &f.key)), RejectReason::MalformedEnvelope);
+        assert_eq!(
+            check(JobEnvelope::sign_bytes(b"{\"job_id\": 1}", &f.key)),
+            RejectReason::MalformedEnvelope
+        );
 
         let big = JobPayload { spec: serde_json::json!({"p": "x".repeat(MAX_PAYLOAD_BYTES)}), ..payload() };
         assert_eq!(check(JobEnvelope::sign(&big, &f.key)), RejectReason::OversizePayload);

@@ -6,8 +6,8 @@ use std::path::Path;
 use std::time::Duration;
 
 use byoc_control_plane::harness::{RunnerOptions, RunnerProcess, wait_polling};
-use byoc_control_plane::{ControlPlane, ControlPlaneConfig, EnqueueRequest, JobView};
 use byoc_control_plane::state::JobState;
+use byoc_control_plane::{ControlPlane, ControlPlaneConfig, EnqueueRequest, JobView};
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_byoc-runner");
 pub const WAIT: Duration = Duration::from_secs(60);
@@ -19,12 +19,9 @@ pub struct Env {
 }
 
 pub async fn start_cp() -> ControlPlane {
-    ControlPlane::start(ControlPlaneConfig {
-        offer_timeout: Duration::from_secs(3),
-        ..Default::default()
-    })
-    .await
-    .expect("control plane starts")
+    ControlPlane::start(ControlPlaneConfig { offer_timeout: Duration::from_secs(3), ..Default::default() })
+        .await
+        .expect("control plane starts")
 }
 
 pub async fn env_with(opts: RunnerOptions) -> Env {
@@ -58,14 +55,22 @@ impl Env {
     pub async fn rejected(&self, job_id: &str) -> JobView {
         match self.cp.wait_for(job_id, WAIT, |v| !v.rejections.is_empty()).await {
             Some(v) => v,
-            None => panic!("job {job_id} was not rejected: {:?}\nrunner log:\n{}", self.cp.job(job_id), self.runner.log()),
+            None => panic!(
+                "job {job_id} was not rejected: {:?}\nrunner log:\n{}",
+                self.cp.job(job_id),
+                self.runner.log()
+            ),
         }
     }
 
     pub async fn state(&self, job_id: &str, state: JobState) -> JobView {
         match self.cp.wait_for(job_id, WAIT, |v| v.state == state).await {
             Some(v) => v,
-            None => panic!("job {job_id} never reached {state:?}: {:?}\nrunner log:\n{}", self.cp.job(job_id), self.runner.log()),
+            None => panic!(
+                "job {job_id} never reached {state:?}: {:?}\nrunner log:\n{}",
+                self.cp.job(job_id),
+                self.runner.log()
+            ),
         }
     }
 

@@ -10,7 +10,11 @@ use byoc_control_plane::{ControlPlane, ControlPlaneConfig, EnqueueRequest, Fault
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "byoc-control-plane", version, about = "Reference control plane for byoc-runner (loopback, in memory)")]
+#[command(
+    name = "byoc-control-plane",
+    version,
+    about = "Reference control plane for byoc-runner (loopback, in memory)"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -92,9 +96,12 @@ enum Cmd {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt().with_writer(std::io::stderr).with_env_filter(
-        tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
-    ).init();
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
+        )
+        .init();
     let cli = Cli::parse();
     let client = |a: &AdminArgs| AdminClient::new(&a.admin_url, &a.admin_token);
     match cli.cmd {
@@ -137,14 +144,18 @@ async fn main() -> anyhow::Result<()> {
             println!("{}", client(&admin)?.enqueue(&req).await?);
         }
         Cmd::Jobs(a) => println!("{}", serde_json::to_string_pretty(&client(&a)?.jobs().await?)?),
-        Cmd::Job { admin, id } => println!("{}", serde_json::to_string_pretty(&client(&admin)?.job(&id).await?)?),
+        Cmd::Job { admin, id } => {
+            println!("{}", serde_json::to_string_pretty(&client(&admin)?.job(&id).await?)?)
+        }
         Cmd::Log { admin, id } => {
             use std::io::Write as _;
             std::io::stdout().write_all(&client(&admin)?.log(&id).await?)?;
         }
         Cmd::Cancel { admin, id } => client(&admin)?.cancel(&id).await?,
         Cmd::Faults { admin, down, error_rate, slow_ms, cut_rate } => {
-            client(&admin)?.set_faults(&Faults { down, error_rate, slow_ms, cut_rate, lose_log_acks: 0 }).await?
+            client(&admin)?
+                .set_faults(&Faults { down, error_rate, slow_ms, cut_rate, lose_log_acks: 0 })
+                .await?
         }
     }
     Ok(())

@@ -1,1 +1,222 @@
-fn main() {}
+//! `byoc-demo`: the local demo. Starts the reference control plane and a real
+//! `byoc-runner` on loopback with temp dirs, sends the example jobs from
+//! `examples/demo.toml`, waits for each, prints a table and exits non-zero if any job
+//! did not end as expected.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, bail};
+use byoc_control_plane::harness::{RunnerOptions, RunnerProcess, wait_polling};
+use byoc_control_plane::state::JobState;
+use byoc_control_plane::{ControlPlane, ControlPlaneConfig, EnqueueRequest, JobView, Tamper};
+use clap::Parser;
+use serde::Deserialize;
+
+#[derive(Parser)]
+#[command(
+    name = "byoc-demo",
+    about = "Run the byoc-runner demo: control plane + runner + example jobs, on loopback"
+)]
+struct Args {
+    /// Demo plan.
+    #[arg(long, default_value = "examples/demo.toml")]
+    plan: PathBuf,
+    /// The runner binary (default: byoc-runner next to this program).
+    #[arg(long)]
+    runner_bin: Option<PathBuf>,
+    /// Keep the runner's state dir and logs here instead of a temp dir.
+    #[arg(long)]
+    keep: Option<PathBuf>,
+    /// Seconds to wait for each job.
+    #[arg(long, default_value_t = 120)]
+    timeout_secs: u64,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Plan {
+    job: Vec<PlannedJob>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PlannedJob {
+    file: PathBuf,
+    expect: String,
+    #[serde(default)]
+    cancel: bool,
+    #[serde(default)]
+    tamper: Tamper,
+    #[serde(default)]
+    replay_of: Option<usize>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct JobFile {
+    kind: String,
+    #[serde(default)]
+    spec: serde_json::Value,
+    #[serde(default = "default_timeout")]
+    timeout_secs: u64,
+}
+
+fn default_timeout() -> u64 {
+    600
+}
+
+fn outcome(v: &JobView) -> Option<String> {
+    if let Some(r) = &v.result {
+        return Some(r.status.as_str().to_string());
+    }
+    v.rejections.first().map(|(reason, _)| format!("rejected:{}", reason.code()))
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let plan_text =
+        std::fs::read_to_string(&args.plan).with_context(|| format!("reading {}", args.plan.display()))?;
+    let plan: Plan =
+        toml::from_str(&plan_text).with_context(|| format!("parsing {}", args.plan.display()))?;
+    let base = args.plan.parent().unwrap_or(Path::new(".")).to_path_buf();
+    let runner_bin = match args.runner_bin {
+        Some(p) => p,
+        None => std::env::current_exe()?.with_file_name("byoc-runner"),
+    };
+    if !runner_bin.exists() {
+        bail!("runner binary {} not found: build it with `cargo build -p byoc-runner`", runner_bin.display());
+    }
+
+    let cp =
+        ControlPlane::start(ControlPlaneConfig::default()).await.context("starting the control plane")?;
+    let tmp = tempfile::tempdir()?;
+    let dir = match &args.keep {
+        Some(d) => {
+            std::fs::create_dir_all(d)?;
+            d.clone()
+        }
+        None => tmp.path().to_path_buf(),
+    };
+    println!("control plane  {} (admin {})", cp.runner_url(), cp.admin_url());
+    let mut runner = RunnerProcess::start(&runner_bin, &dir, &cp, &RunnerOptions::default())?;
+    println!("runner         {} (state {})", runner_bin.display(), runner.state_dir.display());
+    if !wait_polling(&cp, Duration::from_secs(30)).await {
+        bail!("the runner did not enroll and poll within 30 s; its log:\n{}", runner.log());
+    }
+    println!("runner enrolled and polling; sending {} jobs\n", plan.job.len());
+
+    let wait = Duration::from_secs(args.timeout_secs);
+    let mut ids: Vec<String> = Vec::new();
+    let mut names: Vec<String> = Vec::new();
+    let started = Instant::now();
+    for (i, job) in plan.job.iter().enumerate() {
+        let name = job.file.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+        let id = if let Some(orig) = job.replay_of {
+            let orig_id =
+                ids.get(orig).with_context(|| format!("job {i}: replay_of {orig} is not an earlier job"))?;
+            cp.wait_for(orig_id, wait, |v| v.result.is_some())
+                .await
+                .context("original job never finished")?;
+            cp.redeliver(orig_id).map_err(|e| anyhow::anyhow!("{e}"))?;
+            names.push(format!("{name} (replay)"));
+            orig_id.clone()
+        } else {
+            let path = base.join(&job.file);
+            let text =
+                std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+            let jf: JobFile =
+                serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+            let mut req = EnqueueRequest::new(&jf.kind, jf.spec);
+            req.timeout_secs = jf.timeout_secs;
+            req.tamper = job.tamper.clone();
+            names.push(if job.tamper.unknown_key { format!("{name} (forged)") } else { name });
+            cp.enqueue(req).map_err(|e| anyhow::anyhow!("{e}"))?
+        };
+        if job.cancel {
+            cp.wait_for(&id, wait, |v| v.state == JobState::Claimed)
+                .await
+                .context("job to cancel was never claimed")?;
+            cp.cancel(&id).map_err(|e| anyhow::anyhow!("{e}"))?;
+        }
+        ids.push(id);
+    }
+
+    println!(
+        "{:<20} {:<26} {:<14} {:<26} {:<26} {:>9} {:>9}",
+        "JOB", "EXAMPLE", "KIND", "EXPECTED", "GOT", "DURATION", "PICKUP"
+    );
+    let mut failures = 0;
+    for (i, job) in plan.job.iter().enumerate() {
+        let id = &ids[i];
+        let is_replay = job.replay_of.is_some();
+        let view = cp
+            .wait_for(id, wait, |v| {
+                if is_replay {
+                    v.rejections.iter().any(|(r, _)| r.code() == "already_finished")
+                } else {
+                    outcome(v).is_some()
+                }
+            })
+            .await;
+        let got = match (&view, is_replay) {
+            (Some(v), true) => {
+                v.rejections.last().map(|(r, _)| format!("rejected:{}", r.code())).unwrap_or_default()
+            }
+            (Some(v), false) => outcome(v).unwrap_or_default(),
+            (None, _) => "no outcome (timed out)".into(),
+        };
+        let ok = got == job.expect;
+        failures += usize::from(!ok);
+        let ms = |o: Option<u64>| o.map(|m| format!("{m} ms")).unwrap_or_else(|| "-".into());
+        let (dur, pickup, kind) = match &view {
+            Some(v) if !is_replay => (ms(v.duration_ms), ms(v.pickup_ms), v.kind.clone()),
+            Some(v) => ("-".into(), "-".into(), v.kind.clone()),
+            None => ("-".into(), "-".into(), "-".into()),
+        };
+        println!(
+            "{:<20} {:<26} {:<14} {:<26} {:<26} {:>9} {:>9} {}",
+            id,
+            names[i],
+            kind,
+            job.expect,
+            got,
+            dur,
+            pickup,
+            if ok { "ok" } else { "UNEXPECTED" }
+        );
+    }
+    println!("\nall jobs settled in {:.1} s", started.elapsed().as_secs_f64());
+
+    // Stop the runner the way systemd does, and check it drains cleanly.
+    runner.signal(nix::sys::signal::Signal::SIGTERM);
+    match runner.wait_exit(Duration::from_secs(30)).await {
+        Some(s) if s.success() => println!("runner drained and stopped cleanly"),
+        other => {
+            failures += 1;
+            println!("runner did not stop cleanly: {other:?}");
+        }
+    }
+    let status = std::process::Command::new(&runner_bin)
+        .args(["status", "--state-dir"])
+        .arg(&runner.state_dir)
+        .output()?;
+    println!(
+        "\n$ byoc-runner status --state-dir {}\n{}",
+        runner.state_dir.display(),
+        String::from_utf8_lossy(&status.stdout)
+    );
+    if failures > 0 {
+        eprintln!(
+            "demo FAILED: {failures} job(s) did not end as expected; runner log: {}",
+            runner.log_path.display()
+        );
+        if args.keep.is_none() {
+            eprintln!("{}", runner.log());
+        }
+        std::process::exit(1);
+    }
+    println!("demo passed: every job ended as expected");
+    Ok(())
+}
