@@ -423,7 +423,7 @@ async fn handle_delivery(rt: &Rt, slots: &Arc<Slots>, tasks: &mut JoinSet<()>, p
             let result = match claim::claim(&rt, job).await {
                 Ok(ClaimOutcome::NotClaimed { .. }) => Ok(()),
                 Ok(ClaimOutcome::Claimed(claimed)) => {
-                    let finished = execute::execute(&rt, claimed).await;
+                    let finished = execute::execute(&rt, *claimed).await;
                     // The slot frees when execution ends; reporting may take longer.
                     drop(slot);
                     match finished {

@@ -1,6 +1,8 @@
 //! End to end against the reference control plane: the happy path, every envelope
 //! rejection, cancellation, and the inspection CLI.
 
+#![allow(clippy::unwrap_used)] // a failed unwrap is a failed test
+
 mod common;
 
 use std::time::Duration;

@@ -1,6 +1,8 @@
 //! End to end under failure: control-plane outage, error storms, `kill -9`, drain on
 //! SIGTERM, cancel on the second SIGTERM.
 
+#![allow(clippy::unwrap_used)] // a failed unwrap is a failed test
+
 mod common;
 
 use std::path::Path;

@@ -3,6 +3,8 @@
 //! namespace, read back with journalctl). These need root and systemd's tools; the
 //! README's test command installs them. Missing tools fail the test, loudly.
 
+#![allow(clippy::unwrap_used)] // a failed unwrap is a failed test
+
 mod common;
 
 use std::path::{Path, PathBuf};

@@ -12,7 +12,7 @@ pub struct ClaimedJob {
 }
 
 pub enum ClaimOutcome {
-    Claimed(ClaimedJob),
+    Claimed(Box<ClaimedJob>),
     /// The job will not run here; journaled.
     NotClaimed {
         detail: String,
@@ -43,7 +43,10 @@ pub async fn claim(rt: &Rt, job: VerifiedJob) -> Result<ClaimOutcome, JournalErr
         let refused = match rt.client.claim(&job_id, &job.delivery_id).await {
             Ok(c) => {
                 rt.journal.append(Event::Claimed { job_id: job_id.clone(), lease_secs: c.lease_secs })?;
-                return Ok(ClaimOutcome::Claimed(ClaimedJob { verified: job, lease_secs: c.lease_secs }));
+                return Ok(ClaimOutcome::Claimed(Box::new(ClaimedJob {
+                    verified: job,
+                    lease_secs: c.lease_secs,
+                })));
             }
             Err(e) if e.is_transient() => {
                 let now = crate::daemon::unix_now();

@@ -1,6 +1,6 @@
 //! Shared set-up for the end-to-end suites: a reference control plane on a free
 //! loopback port and the real `byoc-runner` binary in a temp dir.
-#![allow(dead_code)]
+#![allow(dead_code, clippy::unwrap_used)]
 
 use std::path::Path;
 use std::time::Duration;
