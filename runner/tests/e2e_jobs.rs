@@ -244,3 +244,14 @@ fn inspection_cli_explains_a_missing_state_dir_and_unknown_job() {
     let out = std::process::Command::new(BIN).args(["jobs", "frobnicate"]).output().unwrap();
     assert_eq!(out.status.code(), Some(64));
 }
+
+#[tokio::test]
+async fn slow_control_plane_answers_do_not_break_jobs() {
+    let e = env().await;
+    e.cp.set_faults(byoc_control_plane::Faults { slow_ms: 1500, ..Default::default() }).await.unwrap();
+    let id = e.cp.enqueue(script("echo slow but fine")).unwrap();
+    let v = e.finished(&id).await;
+    assert_eq!(v.result.unwrap().status, JobStatus::Succeeded);
+    assert_eq!(e.cp.log(&id).unwrap(), b"slow but fine\n");
+    assert_eq!(v.claims, 1);
+}

@@ -176,3 +176,43 @@ async fn logs_reach_journald_with_structured_unprefixed_fields() {
     assert!(started.get("F_JOB_ID").is_none(), "fields must not carry the F_ prefix");
     assert!(records.iter().any(|r| r["MESSAGE"] == "result acknowledged"));
 }
+
+#[tokio::test]
+async fn tells_systemd_ready_watchdog_and_stopping() {
+    let cp = start_cp().await;
+    let dir = tempfile::tempdir().unwrap();
+    let sock_path = dir.path().join("notify.sock");
+    let sock = tokio::net::UnixDatagram::bind(&sock_path).unwrap();
+    let opts = RunnerOptions {
+        env: vec![
+            ("NOTIFY_SOCKET".into(), sock_path.display().to_string()),
+            ("WATCHDOG_USEC".into(), "1000000".into()),
+        ],
+        ..Default::default()
+    };
+    let mut runner = RunnerProcess::start(Path::new(BIN), dir.path(), &cp, &opts).unwrap();
+    let mut buf = vec![0u8; 4096];
+    let mut recv = async || -> String {
+        let n = tokio::time::timeout(WAIT, sock.recv(&mut buf)).await.expect("a notification").unwrap();
+        String::from_utf8_lossy(&buf[..n]).into_owned()
+    };
+    let first = recv().await;
+    assert!(first.contains("READY=1") && first.contains("STATUS=polling"), "{first}");
+    assert_eq!(cp.runners().len(), 1, "READY=1 came before enrollment");
+    // The watchdog interval is 1 s, so pings come every 0.5 s while the loop is healthy.
+    let mut pings = 0;
+    while pings < 3 {
+        if recv().await.contains("WATCHDOG=1") {
+            pings += 1;
+        }
+    }
+    runner.signal(nix::sys::signal::Signal::SIGTERM);
+    loop {
+        let msg = recv().await;
+        if msg.contains("STOPPING=1") {
+            break;
+        }
+        assert!(msg.contains("WATCHDOG=1"), "unexpected notification {msg}");
+    }
+    assert!(runner.wait_exit(WAIT).await.unwrap().success());
+}

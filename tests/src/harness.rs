@@ -21,7 +21,11 @@ pub struct RunnerOptions {
     pub drain_grace_secs: u64,
     pub kill_grace_secs: u64,
     pub actions_limit: usize,
+    /// Appended to the `[control_plane]` table.
+    pub control_plane_extra: String,
     pub extra: String,
+    /// Environment for the runner process (e.g. HTTPS_PROXY).
+    pub env: Vec<(String, String)>,
 }
 
 impl Default for RunnerOptions {
@@ -34,7 +38,9 @@ impl Default for RunnerOptions {
             drain_grace_secs: 60,
             kill_grace_secs: 2,
             actions_limit: 4,
+            control_plane_extra: String::new(),
             extra: String::new(),
+            env: Vec::new(),
         }
     }
 }
@@ -45,6 +51,7 @@ pub struct RunnerProcess {
     pub state_dir: PathBuf,
     pub config_path: PathBuf,
     pub log_path: PathBuf,
+    env: Vec<(String, String)>,
     child: Option<tokio::process::Child>,
 }
 
@@ -75,8 +82,9 @@ impl RunnerProcess {
             r#"[control_plane]
 url = "{url}"
 public_keys = ["{key}"]
-allow_insecure_loopback = true
+allow_insecure_loopback = {insecure}
 request_timeout_secs = 10
+{cp_extra}
 
 [runner]
 state_dir = "{state}"
@@ -100,6 +108,8 @@ target = "stderr"
 level = "info"
 {extra}"#,
             url = cp.runner_url(),
+            insecure = cp.runner_url().starts_with("http://"),
+            cp_extra = opts.control_plane_extra,
             key = cp.public_key_b64(),
             state = state_dir.display(),
             install = cp.install_id(),
@@ -119,6 +129,7 @@ level = "info"
             state_dir,
             config_path,
             log_path: dir.join("runner.log"),
+            env: opts.env.clone(),
             child: None,
         })
     }
@@ -132,6 +143,11 @@ level = "info"
             .arg("--config")
             .arg(&self.config_path)
             .env_remove("BYOC_RUNNER_BOOTSTRAP_TOKEN")
+            .env_remove("HTTPS_PROXY")
+            .env_remove("https_proxy")
+            .env_remove("HTTP_PROXY")
+            .env_remove("http_proxy")
+            .envs(self.env.iter().cloned())
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
             .stderr(log);

@@ -8,8 +8,10 @@
 
 pub mod admin;
 pub mod harness;
+pub mod proxy;
 pub mod server;
 pub mod state;
+pub mod tls;
 
 pub use server::{ControlPlane, ControlPlaneConfig};
 pub use state::{EnqueueRequest, Faults, JobView, Tamper};

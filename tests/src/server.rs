@@ -35,6 +35,9 @@ pub struct ControlPlaneConfig {
     pub offer_timeout: Duration,
     pub install_id: String,
     pub admin_token: String,
+    /// Serve the runner API over TLS with this configuration (the admin API stays
+    /// plain HTTP on loopback).
+    pub tls: Option<Arc<rustls::ServerConfig>>,
 }
 
 impl Default for ControlPlaneConfig {
@@ -47,6 +50,7 @@ impl Default for ControlPlaneConfig {
             offer_timeout: Duration::from_secs(10),
             install_id: "inst-demo".into(),
             admin_token: byoc_protocol::random_hex(16),
+            tls: None,
         }
     }
 }
@@ -58,6 +62,7 @@ pub struct Shared {
     admin_token: String,
     runner_addr: SocketAddr,
     runner_task: Mutex<Option<JoinHandle<()>>>,
+    tls: Option<tokio_rustls::TlsAcceptor>,
 }
 
 impl Shared {
@@ -107,15 +112,20 @@ impl ControlPlane {
             admin_token: config.admin_token.clone(),
             runner_addr: runner_listener.local_addr()?,
             runner_task: Mutex::new(None),
+            tls: config.tls.clone().map(tokio_rustls::TlsAcceptor::from),
         });
-        let runner_task = tokio::spawn(serve(runner_listener, runner_router(shared.clone())));
+        let runner_task =
+            tokio::spawn(serve(runner_listener, runner_router(shared.clone()), shared.tls.clone()));
         *shared.runner_task.lock().unwrap_or_else(|e| e.into_inner()) = Some(runner_task);
-        let admin_task = tokio::spawn(serve(admin_listener, admin_router(shared.clone())));
+        let admin_task = tokio::spawn(serve(admin_listener, admin_router(shared.clone()), None));
         Ok(ControlPlane { shared, admin_addr, admin_task })
     }
 
     pub fn runner_url(&self) -> String {
-        format!("http://{}", self.shared.runner_addr)
+        match self.shared.tls {
+            Some(_) => format!("https://localhost:{}", self.shared.runner_addr.port()),
+            None => format!("http://{}", self.shared.runner_addr),
+        }
     }
     pub fn admin_url(&self) -> String {
         format!("http://{}", self.admin_addr)
@@ -210,7 +220,7 @@ async fn apply_faults(shared: &Arc<Shared>, faults: Faults) -> std::io::Result<(
         }
         (false, false) => {
             let listener = TcpListener::bind(shared.runner_addr).await?;
-            let task = tokio::spawn(serve(listener, runner_router(shared.clone())));
+            let task = tokio::spawn(serve(listener, runner_router(shared.clone()), shared.tls.clone()));
             *shared.runner_task.lock().unwrap_or_else(|e| e.into_inner()) = Some(task);
         }
         _ => {}
@@ -221,18 +231,25 @@ async fn apply_faults(shared: &Arc<Shared>, faults: Faults) -> std::io::Result<(
 
 /// Accept loop whose connections all die with it (aborting the task drops the JoinSet),
 /// so `down` cuts long polls that are in flight, as a crashed server would.
-async fn serve(listener: TcpListener, router: Router) {
+async fn serve(listener: TcpListener, router: Router, tls: Option<tokio_rustls::TlsAcceptor>) {
     let mut conns = tokio::task::JoinSet::new();
     loop {
         tokio::select! {
             accepted = listener.accept() => {
                 let Ok((stream, _)) = accepted else { continue };
                 let svc = hyper_util::service::TowerToHyperService::new(router.clone());
+                let tls = tls.clone();
                 conns.spawn(async move {
-                    let io = hyper_util::rt::TokioIo::new(stream);
-                    let _ = hyper::server::conn::http1::Builder::new()
-                        .serve_connection(io, svc)
-                        .await;
+                    let http = hyper::server::conn::http1::Builder::new();
+                    match tls {
+                        Some(acceptor) => {
+                            let Ok(stream) = acceptor.accept(stream).await else { return };
+                            let _ = http.serve_connection(hyper_util::rt::TokioIo::new(stream), svc).await;
+                        }
+                        None => {
+                            let _ = http.serve_connection(hyper_util::rt::TokioIo::new(stream), svc).await;
+                        }
+                    }
                 });
             }
             Some(_) = conns.join_next(), if !conns.is_empty() => {}
