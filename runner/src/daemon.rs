@@ -76,6 +76,10 @@ struct Slots {
     limits: BTreeMap<String, usize>,
     running: Mutex<BTreeMap<String, usize>>,
     changed: Notify,
+    /// Jobs with a live task (from `received` until reported or refused). A second
+    /// delivery of one of these (the server re-offered it while our claim was still
+    /// being retried) is dropped: the live task claims and runs it, once.
+    in_hand: Mutex<std::collections::HashSet<String>>,
 }
 
 impl Slots {
@@ -148,6 +152,7 @@ pub async fn run(config: Config) -> Result<(), DaemonError> {
         limits: rt.config.jobs.groups.clone(),
         running: Mutex::new(BTreeMap::new()),
         changed: Notify::new(),
+        in_hand: Mutex::new(Default::default()),
     });
     poll_loop(&rt, &slots, &mut tasks, &drain, &health).await;
 
@@ -400,6 +405,11 @@ async fn handle_delivery(rt: &Rt, slots: &Arc<Slots>, tasks: &mut JoinSet<()>, p
         Err(rejection) => return reject(rt, tasks, rejection),
     };
     let p = &job.payload;
+    if !slots.in_hand.lock().unwrap_or_else(|e| e.into_inner()).insert(p.job_id.clone()) {
+        tracing::info!(job_id = %p.job_id, "duplicate delivery of a job already in hand; ignored");
+        return;
+    }
+    let in_hand = InHand { slots: slots.clone(), job_id: p.job_id.clone() };
     let span = tracing::info_span!(
         "job",
         job_id = %p.job_id,
@@ -419,6 +429,7 @@ async fn handle_delivery(rt: &Rt, slots: &Arc<Slots>, tasks: &mut JoinSet<()>, p
     let rt = rt.clone();
     tasks.spawn(tracing::Instrument::instrument(
         async move {
+            let _in_hand = in_hand;
             let job_id = job.payload.job_id.clone();
             let result = match claim::claim(&rt, job).await {
                 Ok(ClaimOutcome::NotClaimed { .. }) => Ok(()),
@@ -439,6 +450,18 @@ async fn handle_delivery(rt: &Rt, slots: &Arc<Slots>, tasks: &mut JoinSet<()>, p
         },
         span,
     ));
+}
+
+/// Marks a job as having a live task until dropped.
+struct InHand {
+    slots: Arc<Slots>,
+    job_id: String,
+}
+
+impl Drop for InHand {
+    fn drop(&mut self) {
+        self.slots.in_hand.lock().unwrap_or_else(|e| e.into_inner()).remove(&self.job_id);
+    }
 }
 
 /// Holds a group slot; frees it (and wakes the poll loop) when dropped.

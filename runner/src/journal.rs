@@ -95,6 +95,16 @@ pub enum Phase {
 }
 
 impl Phase {
+    fn rank(self) -> u8 {
+        match self {
+            Phase::Received => 0,
+            Phase::Claimed => 1,
+            Phase::Started => 2,
+            Phase::ClaimRefused | Phase::Finished => 3,
+            Phase::Reported => 4,
+        }
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             Phase::Received => "received",
@@ -170,9 +180,11 @@ impl Index {
                 ..
             } => {
                 self.nonces.insert(nonce.clone(), (job_id.clone(), *expires_at));
-                if !self.jobs.contains_key(job_id) {
-                    self.order.push(job_id.clone());
+                if self.jobs.contains_key(job_id) {
+                    // The same envelope again (accepted only while still `received`).
+                    return;
                 }
+                self.order.push(job_id.clone());
                 self.jobs.insert(
                     job_id.clone(),
                     JobRecord {
@@ -208,7 +220,9 @@ impl Index {
             Event::Claimed { job_id, .. } => self.set_phase(job_id, Phase::Claimed),
             Event::ClaimRefused { job_id, detail } => {
                 self.set_phase(job_id, Phase::ClaimRefused);
-                if let Some(j) = self.jobs.get_mut(job_id) {
+                if let Some(j) = self.jobs.get_mut(job_id)
+                    && j.phase == Phase::ClaimRefused
+                {
                     j.detail = Some(detail.clone());
                 }
             }
@@ -246,8 +260,12 @@ impl Index {
         }
     }
 
+    /// Phases only move forward: a late or duplicate line can never make a finished
+    /// job look runnable again.
     fn set_phase(&mut self, job_id: &str, phase: Phase) {
-        if let Some(j) = self.jobs.get_mut(job_id) {
+        if let Some(j) = self.jobs.get_mut(job_id)
+            && phase.rank() > j.phase.rank()
+        {
             j.phase = phase;
         }
     }
@@ -403,6 +421,18 @@ mod tests {
         assert_eq!(rec.phase, Phase::Started);
         assert_eq!(rec.started_at_ms, Some(5));
         assert!(j.with_index(|i| i.nonces.contains_key("n1")));
+    }
+
+    #[test]
+    fn phases_never_move_backwards() {
+        let dir = tempfile::tempdir().unwrap();
+        let (j, _) = Journal::open(dir.path()).unwrap();
+        j.append(received("a", "n1")).unwrap();
+        j.append(Event::Claimed { job_id: "a".into(), lease_secs: 1 }).unwrap();
+        j.append(Event::Reported { job_id: "a".into() }).unwrap();
+        j.append(Event::ClaimRefused { job_id: "a".into(), detail: "late".into() }).unwrap();
+        j.append(received("a", "n1")).unwrap();
+        assert_eq!(j.job("a").unwrap().phase, Phase::Reported);
     }
 
     #[test]

@@ -255,3 +255,21 @@ async fn slow_control_plane_answers_do_not_break_jobs() {
     assert_eq!(e.cp.log(&id).unwrap(), b"slow but fine\n");
     assert_eq!(v.claims, 1);
 }
+
+#[tokio::test]
+async fn a_job_re_offered_while_its_claim_is_retried_runs_once() {
+    let e = env().await;
+    let ran = e.dir.path().join("ran");
+    // Claims fail for longer than the control plane's offer timeout (3 s here), so the
+    // same envelope is offered again while the first claim is still being retried.
+    e.cp.set_faults(byoc_control_plane::Faults { fail_claims: 8, ..Default::default() }).await.unwrap();
+    // The job lasts long enough that a second claim would land while it runs.
+    let id = e.cp.enqueue(script(&format!("echo run >> {}; sleep 4", ran.display()))).unwrap();
+    let v = e.finished(&id).await;
+    assert_eq!(v.result.unwrap().status, JobStatus::Succeeded);
+    assert_eq!(std::fs::read_to_string(&ran).unwrap(), "run\n", "the job ran more than once");
+    let show = e.cli_json(&["jobs", "show", &id]);
+    assert_eq!(show["phase"], "reported");
+    assert!(e.runner.log().contains("duplicate delivery"), "the re-offer never arrived:\n{}", e.runner.log());
+    assert!(v.rejections.is_empty(), "{:?}", v.rejections);
+}

@@ -406,10 +406,18 @@ async fn claim(
     headers: HeaderMap,
     Path(job): Path<String>,
     Json(req): Json<ClaimRequest>,
-) -> Result<Json<ClaimResponse>, CpError> {
+) -> Result<Response, CpError> {
     let runner = runner_id(&sh, &headers)?;
+    let fail = sh.update(|s| {
+        let fail = s.faults.fail_claims > 0;
+        s.faults.fail_claims = s.faults.fail_claims.saturating_sub(1);
+        fail
+    });
+    if fail {
+        return Ok((StatusCode::SERVICE_UNAVAILABLE, "injected fault: claim failed").into_response());
+    }
     let lease_secs = sh.update(|s| s.claim(&runner, &job, &req.delivery_id))?;
-    Ok(Json(ClaimResponse { lease_secs }))
+    Ok(Json(ClaimResponse { lease_secs }).into_response())
 }
 
 async fn heartbeat(

@@ -34,6 +34,9 @@ pub struct Faults {
     /// The next N log appends are stored but answered 503, so the runner retries at a
     /// stale offset and must recover from the 416 that follows.
     pub lose_log_acks: u32,
+    /// The next N claims are answered 503 without effect (the offer then times out and
+    /// the job is offered again while the runner still retries its claim).
+    pub fail_claims: u32,
 }
 
 /// Ways to make a job envelope bad on purpose, one per rejection reason.

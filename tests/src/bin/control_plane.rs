@@ -154,7 +154,7 @@ async fn main() -> anyhow::Result<()> {
         Cmd::Cancel { admin, id } => client(&admin)?.cancel(&id).await?,
         Cmd::Faults { admin, down, error_rate, slow_ms, cut_rate } => {
             client(&admin)?
-                .set_faults(&Faults { down, error_rate, slow_ms, cut_rate, lose_log_acks: 0 })
+                .set_faults(&Faults { down, error_rate, slow_ms, cut_rate, lose_log_acks: 0, fail_claims: 0 })
                 .await?
         }
     }
