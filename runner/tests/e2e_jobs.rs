@@ -5,8 +5,6 @@
 
 mod common;
 
-use std::time::Duration;
-
 use byoc_control_plane::{EnqueueRequest, Tamper};
 use byoc_protocol::{JobStatus, RejectReason};
 use common::*;
@@ -119,18 +117,12 @@ async fn cancel_kills_the_whole_tree_and_reports_cancelled() {
     let pids = e.dir.path().join("pids");
     let id =
         e.cp.enqueue(script(&format!(
-            "sleep 300 & echo $! >> {p}; sleep 300 & echo $! >> {p}; trap '' INT; wait; wait",
+            "sleep 300 & echo $! >> {p}; sleep 300 & echo $! >> {p}; echo ready; trap '' INT; wait; wait",
             p = pids.display()
         )))
         .unwrap();
-    assert!(wait_file(&pids, WAIT).await);
-    // Both children recorded (two lines) before cancelling.
-    let deadline = tokio::time::Instant::now() + WAIT;
-    while std::fs::read_to_string(&pids).unwrap().lines().count() < 2
-        && tokio::time::Instant::now() < deadline
-    {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    e.log_contains(&id, "ready").await;
+    assert_eq!(std::fs::read_to_string(&pids).unwrap().lines().count(), 2);
     e.cp.cancel(&id).unwrap();
     let v = e.finished(&id).await;
     assert_eq!(v.result.unwrap().status, JobStatus::Cancelled);

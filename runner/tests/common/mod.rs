@@ -74,6 +74,17 @@ impl Env {
         }
     }
 
+    /// Wait until the job's uploaded log contains `needle` (woken by each upload).
+    pub async fn log_contains(&self, job_id: &str, needle: &str) {
+        let found = self
+            .cp
+            .wait_until(WAIT, |cp| {
+                cp.log(job_id).is_some_and(|l| String::from_utf8_lossy(&l).contains(needle))
+            })
+            .await;
+        assert!(found, "job {job_id} never logged {needle:?}; runner log:\n{}", self.runner.log());
+    }
+
     pub fn cli_json(&self, args: &[&str]) -> serde_json::Value {
         let mut all: Vec<&str> = args.to_vec();
         all.extend(["--output", "json"]);
@@ -83,17 +94,34 @@ impl Env {
     }
 }
 
-/// Wait for a file the job writes (the job's own progress marker).
-pub async fn wait_file(path: &Path, timeout: Duration) -> bool {
-    let deadline = tokio::time::Instant::now() + timeout;
-    while tokio::time::Instant::now() < deadline {
-        if std::fs::metadata(path).is_ok_and(|m| m.len() > 0) {
-            return true;
+/// A runner started with a systemd notification socket, so tests can wait for its
+/// state changes (READY=1, STOPPING=1) as systemd would.
+pub async fn env_with_notify() -> (Env, tokio::net::UnixDatagram) {
+    let sock_dir = tempfile::tempdir().unwrap();
+    let path = sock_dir.path().join("notify.sock");
+    let sock = tokio::net::UnixDatagram::bind(&path).unwrap();
+    let opts = RunnerOptions {
+        env: vec![("NOTIFY_SOCKET".into(), path.display().to_string())],
+        ..Default::default()
+    };
+    let e = env_with(opts).await;
+    // Keep the socket's directory alive as long as the runner's temp dir.
+    std::mem::forget(sock_dir);
+    (e, sock)
+}
+
+/// Wait for a notification containing `needle` (e.g. "STOPPING=1").
+pub async fn wait_notify(sock: &tokio::net::UnixDatagram, needle: &str) {
+    let mut buf = vec![0u8; 4096];
+    loop {
+        let n = tokio::time::timeout(WAIT, sock.recv(&mut buf))
+            .await
+            .unwrap_or_else(|_| panic!("no {needle} notification"))
+            .unwrap();
+        if String::from_utf8_lossy(&buf[..n]).contains(needle) {
+            return;
         }
-        // No notification exists for another process's file; check on a short tick.
-        tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    false
 }
 
 /// Wait until the runner's log contains `needle` (its own progress report).
