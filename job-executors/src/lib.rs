@@ -12,7 +12,9 @@ use std::time::Duration;
 pub use byoc_protocol::JobStatus;
 use tokio_util::sync::CancellationToken;
 
+pub mod mask;
 pub mod noop;
+pub mod outputs;
 pub mod process;
 pub mod script;
 
@@ -62,6 +64,40 @@ pub type ExecFuture<'a> = Pin<Box<dyn Future<Output = ExecOutcome> + Send + 'a>>
 
 pub trait Executor: Send + Sync {
     fn run<'a>(&'a self, ctx: ExecContext<'a>) -> ExecFuture<'a>;
+
+    /// Values this job marks secret: masked in its output, error and outputs.
+    fn secrets(&self) -> Vec<Vec<u8>> {
+        Vec::new()
+    }
+}
+
+/// Run an executor with its secrets masked everywhere its output goes: the log stream
+/// (before the sink sees a byte), the error text and the outputs.
+pub async fn run_masked(exec: &dyn Executor, ctx: ExecContext<'_>) -> ExecOutcome {
+    let masker = match mask::Masker::new(&exec.secrets()) {
+        Ok(m) => m,
+        Err(e) => return ExecOutcome::failed(e.to_string()),
+    };
+    let ExecContext { job_id, work_dir, timeout, kill_grace, cancel, output } = ctx;
+    let mut sink = mask::MaskingSink::new(masker.clone(), output);
+    let inner = ExecContext { job_id, work_dir, timeout, kill_grace, cancel, output: &mut sink };
+    let mut outcome = exec.run(inner).await;
+    if let Err(e) = sink.flush_end() {
+        outcome = ExecOutcome { error: Some(format!("writing job log: {e}")), ..ExecOutcome::failed("") };
+    }
+    outcome.error = outcome.error.map(|e| masker.mask_str(&e));
+    outcome.outputs = mask_json(&masker, outcome.outputs);
+    outcome
+}
+
+fn mask_json(masker: &mask::Masker, v: serde_json::Value) -> serde_json::Value {
+    use serde_json::Value;
+    match v {
+        Value::String(s) => Value::String(masker.mask_str(&s)),
+        Value::Array(a) => Value::Array(a.into_iter().map(|v| mask_json(masker, v)).collect()),
+        Value::Object(o) => Value::Object(o.into_iter().map(|(k, v)| (k, mask_json(masker, v))).collect()),
+        other => other,
+    }
 }
 
 #[derive(Debug, thiserror::Error)]

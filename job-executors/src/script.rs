@@ -2,8 +2,12 @@
 //! job declares. Spec:
 //!
 //! ```json
-//! {"script": "echo hello", "interpreter": "/bin/sh", "env": {"NAME": "value"}}
+//! {"script": "echo hello", "interpreter": "/bin/sh", "env": {"NAME": "value"},
+//!  "secret_env": {"TOKEN": "masked wherever it would appear"}}
 //! ```
+//!
+//! `secret_env` is passed like `env`, and its values are masked in the job's log, error
+//! and outputs. Outputs: `KEY=VALUE` lines appended to `$BYOC_OUTPUT` (see `outputs`).
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -25,6 +29,8 @@ pub struct Script {
     pub interpreter: PathBuf,
     #[serde(default)]
     pub env: BTreeMap<String, String>,
+    #[serde(default)]
+    pub secret_env: BTreeMap<String, String>,
 }
 
 fn default_interpreter() -> PathBuf {
@@ -40,7 +46,18 @@ impl Script {
         if !s.interpreter.is_absolute() {
             return Err(format!("interpreter {:?} must be an absolute path", s.interpreter));
         }
-        for name in s.env.keys() {
+        for (name, value) in &s.secret_env {
+            if value.len() < crate::mask::MIN_SECRET_LEN {
+                return Err(format!(
+                    "secret_env {name}: values shorter than {} bytes cannot be masked reliably",
+                    crate::mask::MIN_SECRET_LEN
+                ));
+            }
+            if s.env.contains_key(name) {
+                return Err(format!("{name} is in both env and secret_env"));
+            }
+        }
+        for name in s.env.keys().chain(s.secret_env.keys()) {
             let valid = !name.is_empty()
                 && !name.starts_with(|c: char| c.is_ascii_digit())
                 && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
@@ -66,9 +83,29 @@ impl Executor for Script {
                 .env("PATH", DEFAULT_PATH)
                 .env("HOME", &ctx.work_dir)
                 .env("BYOC_JOB_ID", &ctx.job_id)
-                .envs(&self.env);
-            crate::process::run_process_group(cmd, ctx).await
+                .env(crate::outputs::OUTPUT_ENV, ctx.work_dir.join(crate::outputs::OUTPUT_FILE))
+                .envs(&self.env)
+                .envs(&self.secret_env);
+            let outputs_path = ctx.work_dir.join(crate::outputs::OUTPUT_FILE);
+            let mut outcome = crate::process::run_process_group(cmd, ctx).await;
+            match crate::outputs::read(&outputs_path, &crate::mask::Masker::none()) {
+                Ok(outputs) => outcome.outputs = outputs,
+                Err(e) => {
+                    outcome.error = Some(match outcome.error.take() {
+                        Some(prev) => format!("{prev}; {e}"),
+                        None => e.to_string(),
+                    });
+                    if outcome.status == crate::JobStatus::Succeeded {
+                        outcome.status = crate::JobStatus::Failed;
+                    }
+                }
+            }
+            outcome
         })
+    }
+
+    fn secrets(&self) -> Vec<Vec<u8>> {
+        self.secret_env.values().map(|v| v.as_bytes().to_vec()).collect()
     }
 }
 
@@ -94,7 +131,7 @@ mod tests {
             cancel,
             output: &mut out,
         };
-        let outcome = s.run(ctx).await;
+        let outcome = crate::run_masked(s, ctx).await;
         (outcome, String::from_utf8_lossy(&out).into_owned())
     }
 
@@ -113,7 +150,8 @@ mod tests {
         let names: Vec<&str> = out.lines().skip(1).filter_map(|l| l.split('=').next()).collect();
         for n in &names {
             assert!(
-                ["A", "PATH", "HOME", "BYOC_JOB_ID", "PWD", "SHLVL", "_", "OLDPWD"].contains(n),
+                ["A", "PATH", "HOME", "BYOC_JOB_ID", "BYOC_OUTPUT", "PWD", "SHLVL", "_", "OLDPWD"]
+                    .contains(n),
                 "unexpected variable {n} leaked into the job"
             );
         }
@@ -179,6 +217,28 @@ mod tests {
         assert!(!process_alive(pid));
     }
 
+    #[tokio::test]
+    async fn secrets_are_masked_in_log_and_outputs_and_outputs_come_back() {
+        let s = Script::from_spec(&serde_json::json!({
+            "script": "echo \"token=$TOKEN\"; printf %s \"$TOKEN\" | base64; echo \"url=https://x\" >> \"$BYOC_OUTPUT\"; echo \"leak=$TOKEN\" >> \"$BYOC_OUTPUT\"",
+            "secret_env": {"TOKEN": "tok-9f8e7d6c5b"}
+        }))
+        .unwrap();
+        let (outcome, out) = run(&s, Duration::from_secs(10), CancellationToken::new()).await;
+        assert_eq!(outcome.status, JobStatus::Succeeded, "{outcome:?} {out}");
+        assert!(!out.contains("tok-9f8e7d6c5b") && !out.contains("dG9rLTlmOGU3ZDZjNWI"), "{out}");
+        assert!(out.contains("token=***"), "{out}");
+        assert_eq!(outcome.outputs, serde_json::json!({"url": "https://x", "leak": "***"}));
+    }
+
+    #[tokio::test]
+    async fn a_bad_outputs_file_fails_the_job_with_the_reason() {
+        let s = script("echo 'not a key value line' >> \"$BYOC_OUTPUT\"");
+        let (outcome, _) = run(&s, Duration::from_secs(10), CancellationToken::new()).await;
+        assert_eq!(outcome.status, JobStatus::Failed);
+        assert!(outcome.error.unwrap().contains("outputs file line 1"));
+    }
+
     #[test]
     fn rejects_bad_specs() {
         for spec in [
@@ -186,6 +246,8 @@ mod tests {
             serde_json::json!({"script": "x", "interpreter": "sh"}),
             serde_json::json!({"script": "x", "env": {"1BAD": "v"}}),
             serde_json::json!({"script": "x", "unknown": 1}),
+            serde_json::json!({"script": "x", "secret_env": {"T": "abc"}}),
+            serde_json::json!({"script": "x", "env": {"T": "a"}, "secret_env": {"T": "abcdef"}}),
         ] {
             assert!(Script::from_spec(&spec).is_err(), "{spec} accepted");
         }

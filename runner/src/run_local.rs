@@ -91,7 +91,7 @@ pub async fn run(
         cancel,
         output,
     };
-    let outcome = exec.run(ctx).await;
+    let outcome = byoc_job_executors::run_masked(exec, ctx).await;
     ctrl_c.abort();
     Ok(outcome)
 }

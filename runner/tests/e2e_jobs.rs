@@ -265,3 +265,46 @@ async fn a_job_re_offered_while_its_claim_is_retried_runs_once() {
     assert!(e.runner.log().contains("duplicate delivery"), "the re-offer never arrived:\n{}", e.runner.log());
     assert!(v.rejections.is_empty(), "{:?}", v.rejections);
 }
+
+#[tokio::test]
+async fn a_secret_never_reaches_spool_upload_result_or_runner_log() {
+    let e = env().await;
+    let secret = "sk-live-7Hq2ZpX9wLm4";
+    let id = e
+        .cp
+        .enqueue(EnqueueRequest::new(
+            "action.script",
+            serde_json::json!({
+                "script": "echo \"raw $API_KEY\"; printf '%s' \"$API_KEY\" | base64; printf '{\"k\":\"%s\"}\\n' \"$API_KEY\"; \
+                           echo \"key=$API_KEY\" >> \"$BYOC_OUTPUT\"; echo \"failing with $API_KEY\" >&2; exit 1",
+                "secret_env": {"API_KEY": secret}
+            }),
+        ))
+        .unwrap();
+    let v = e.finished(&id).await;
+    let result = v.result.clone().unwrap();
+    assert_eq!(result.status, JobStatus::Failed);
+    let encodings = byoc_job_executors::mask::patterns_for(secret.as_bytes());
+    let leaks = |what: &str, bytes: &[u8]| {
+        for p in &encodings {
+            assert!(
+                !bytes.windows(p.len()).any(|w| w == p.as_slice()),
+                "{what} leaks {:?}",
+                String::from_utf8_lossy(p)
+            );
+        }
+    };
+    let uploaded = e.cp.log(&id).unwrap();
+    assert!(String::from_utf8_lossy(&uploaded).contains("raw ***"));
+    leaks("uploaded log", &uploaded);
+    leaks("spool", &std::fs::read(e.runner.state_dir.join("spool").join(format!("{id}.log"))).unwrap());
+    leaks("result", serde_json::to_string(&result).unwrap().as_bytes());
+    assert_eq!(result.outputs["key"], "***");
+    leaks("runner log", e.runner.log().as_bytes());
+    for entry in std::fs::read_dir(&e.runner.state_dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.is_file() {
+            leaks(&path.display().to_string(), &std::fs::read(&path).unwrap());
+        }
+    }
+}

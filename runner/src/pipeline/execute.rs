@@ -49,7 +49,7 @@ pub async fn execute(rt: &Rt, job: ClaimedJob) -> Result<FinishedJob, JournalErr
                 cancel,
                 output: &mut spool,
             };
-            outcome = job.verified.executor.run(ctx).await;
+            outcome = byoc_job_executors::run_masked(job.verified.executor.as_ref(), ctx).await;
             done.cancel();
             let _ = companion.await;
             match spool.finish() {

@@ -1,0 +1,99 @@
+//! Job outputs: a job appends `KEY=VALUE` lines to the file named by `$BYOC_OUTPUT`
+//! (in its working directory); they come back as a JSON object in the job result.
+//!
+//! Keys are 1–128 of `[A-Za-z0-9_.-]`; values are single-line UTF-8; a later line for
+//! the same key wins; blank lines are ignored. The file may be at most 64 KiB.
+
+use std::path::Path;
+
+use crate::mask::Masker;
+
+pub const OUTPUT_FILE: &str = ".byoc-output";
+pub const OUTPUT_ENV: &str = "BYOC_OUTPUT";
+pub const MAX_OUTPUT_BYTES: u64 = 64 * 1024;
+
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum OutputsError {
+    #[error("outputs file is {0} bytes; the limit is {MAX_OUTPUT_BYTES}")]
+    TooLarge(u64),
+    #[error("outputs file is not UTF-8")]
+    NotUtf8,
+    #[error("outputs file line {line}: {reason}")]
+    Line { line: usize, reason: String },
+    #[error("reading the outputs file: {0}")]
+    Read(String),
+}
+
+/// Read and validate the outputs file; a missing file means no outputs. Values are
+/// masked like the log.
+pub fn read(path: &Path, masker: &Masker) -> Result<serde_json::Value, OutputsError> {
+    let meta = match std::fs::symlink_metadata(path) {
+        Ok(m) => m,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(serde_json::json!({})),
+        Err(e) => return Err(OutputsError::Read(e.to_string())),
+    };
+    if !meta.file_type().is_file() {
+        return Err(OutputsError::Read("it is not a regular file".into()));
+    }
+    if meta.len() > MAX_OUTPUT_BYTES {
+        return Err(OutputsError::TooLarge(meta.len()));
+    }
+    let bytes = std::fs::read(path).map_err(|e| OutputsError::Read(e.to_string()))?;
+    let text = String::from_utf8(bytes).map_err(|_| OutputsError::NotUtf8)?;
+    parse(&text, masker)
+}
+
+pub fn parse(text: &str, masker: &Masker) -> Result<serde_json::Value, OutputsError> {
+    let mut map = serde_json::Map::new();
+    for (i, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let bad = |reason: &str| OutputsError::Line { line: i + 1, reason: reason.to_string() };
+        let (key, value) = line.split_once('=').ok_or_else(|| bad("expected KEY=VALUE"))?;
+        let valid = !key.is_empty()
+            && key.len() <= 128
+            && key.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'.' || b == b'-');
+        if !valid {
+            return Err(bad("key must be 1-128 characters of [A-Za-z0-9_.-]"));
+        }
+        map.insert(key.to_string(), serde_json::Value::String(masker.mask_str(value)));
+    }
+    Ok(serde_json::Value::Object(map))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_masks_and_lets_later_lines_win() {
+        let m = Masker::new(&["s3cr3t-token"]).unwrap();
+        let v = parse("url=https://x\n\nretries=3\nurl=https://y\ntoken=Bearer s3cr3t-token\n", &m).unwrap();
+        assert_eq!(v, serde_json::json!({"url": "https://y", "retries": "3", "token": "Bearer ***"}));
+    }
+
+    #[test]
+    fn bad_lines_name_the_line() {
+        let m = Masker::none();
+        assert_eq!(
+            parse("ok=1\nno equals sign\n", &m),
+            Err(OutputsError::Line { line: 2, reason: "expected KEY=VALUE".into() })
+        );
+        assert!(matches!(parse("bad key=1\n", &m), Err(OutputsError::Line { line: 1, .. })));
+    }
+
+    #[test]
+    fn oversized_or_odd_files_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join(OUTPUT_FILE);
+        assert_eq!(read(&p, &Masker::none()).unwrap(), serde_json::json!({}));
+        std::fs::write(&p, "k=".to_string() + &"v".repeat(MAX_OUTPUT_BYTES as usize)).unwrap();
+        assert!(matches!(read(&p, &Masker::none()), Err(OutputsError::TooLarge(_))));
+        std::fs::write(&p, [0xff, 0xfe]).unwrap();
+        assert_eq!(read(&p, &Masker::none()), Err(OutputsError::NotUtf8));
+        std::fs::remove_file(&p).unwrap();
+        std::os::unix::fs::symlink("/etc/passwd", &p).unwrap();
+        assert!(matches!(read(&p, &Masker::none()), Err(OutputsError::Read(_))));
+    }
+}
