@@ -16,6 +16,7 @@ pub mod mask;
 pub mod noop;
 pub mod outputs;
 pub mod process;
+pub mod sandboxed;
 pub mod script;
 
 /// Where job output goes (the runner's on-disk spool). Writes are small and local.
@@ -30,6 +31,26 @@ impl OutputSink for Vec<u8> {
     }
 }
 
+/// How to sandbox process executors. `None` in [`ExecContext::sandbox`] runs them
+/// unsandboxed (unit tests; `run-local --no-sandbox`).
+#[derive(Debug, Clone)]
+pub struct SandboxSettings {
+    /// The helper program and its arguments (`byoc-runner sandbox-exec`).
+    pub helper: PathBuf,
+    pub helper_args: Vec<String>,
+    /// Where per-job empty root mount points are created.
+    pub roots_dir: PathBuf,
+    pub limits: byoc_sandbox::cgroup::Limits,
+    /// Whether to create per-job cgroups at all.
+    pub cgroups: bool,
+    pub tmp_size_mib: u64,
+    pub nofile: u64,
+    pub ro_paths: Vec<PathBuf>,
+    pub hidden_paths: Vec<PathBuf>,
+    pub host_uid: u32,
+    pub host_gid: u32,
+}
+
 pub struct ExecContext<'a> {
     pub job_id: String,
     /// The job's private working directory (created 0700 by the runner).
@@ -39,6 +60,7 @@ pub struct ExecContext<'a> {
     pub kill_grace: Duration,
     pub cancel: CancellationToken,
     pub output: &'a mut dyn OutputSink,
+    pub sandbox: Option<SandboxSettings>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -78,9 +100,9 @@ pub async fn run_masked(exec: &dyn Executor, ctx: ExecContext<'_>) -> ExecOutcom
         Ok(m) => m,
         Err(e) => return ExecOutcome::failed(e.to_string()),
     };
-    let ExecContext { job_id, work_dir, timeout, kill_grace, cancel, output } = ctx;
+    let ExecContext { job_id, work_dir, timeout, kill_grace, cancel, output, sandbox } = ctx;
     let mut sink = mask::MaskingSink::new(masker.clone(), output);
-    let inner = ExecContext { job_id, work_dir, timeout, kill_grace, cancel, output: &mut sink };
+    let inner = ExecContext { job_id, work_dir, timeout, kill_grace, cancel, output: &mut sink, sandbox };
     let mut outcome = exec.run(inner).await;
     if let Err(e) = sink.flush_end() {
         outcome = ExecOutcome { error: Some(format!("writing job log: {e}")), ..ExecOutcome::failed("") };

@@ -25,9 +25,11 @@ enum Ending {
     Cancelled,
 }
 
-/// Spawn `cmd` in a fresh process group and supervise it to the end.
-pub async fn run_process_group(mut cmd: Command, ctx: ExecContext<'_>) -> ExecOutcome {
-    cmd.stdin(Stdio::null())
+/// Spawn `cmd` in a fresh process group and supervise it to the end. `stdin_data`, if
+/// any, is written to the child's stdin and closed (the sandbox helper's spec);
+/// otherwise stdin is /dev/null.
+pub async fn run_process_group(mut cmd: Command, ctx: ExecContext<'_>, stdin_data: Option<Vec<u8>>) -> ExecOutcome {
+    cmd.stdin(if stdin_data.is_some() { Stdio::piped() } else { Stdio::null() })
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .process_group(0)
@@ -40,6 +42,12 @@ pub async fn run_process_group(mut cmd: Command, ctx: ExecContext<'_>) -> ExecOu
         return ExecOutcome::failed("job process exited before it could be supervised");
     };
     tracing::debug!(job_id = %ctx.job_id, pgid = pgid.as_raw(), "job process started");
+    if let (Some(data), Some(mut stdin)) = (stdin_data, child.stdin.take()) {
+        use tokio::io::AsyncWriteExt as _;
+        // The helper reads its spec before anything else; a failure shows in its exit.
+        let _ = stdin.write_all(&data).await;
+        drop(stdin);
+    }
 
     let (tx, mut rx) = mpsc::channel::<Vec<u8>>(64);
     let readers = [

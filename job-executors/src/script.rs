@@ -31,6 +31,14 @@ pub struct Script {
     pub env: BTreeMap<String, String>,
     #[serde(default)]
     pub secret_env: BTreeMap<String, String>,
+    /// Network access (default on: tools must reach cloud APIs). Off gives the job an
+    /// empty network namespace.
+    #[serde(default = "default_network")]
+    pub network: bool,
+}
+
+fn default_network() -> bool {
+    true
 }
 
 fn default_interpreter() -> PathBuf {
@@ -76,18 +84,36 @@ impl Executor for Script {
             if let Err(e) = std::fs::write(&script_path, &self.script) {
                 return ExecOutcome::failed(format!("writing {}: {e}", script_path.display()));
             }
-            let mut cmd = Command::new(&self.interpreter);
-            cmd.arg(&script_path)
-                .current_dir(&ctx.work_dir)
-                .env_clear()
-                .env("PATH", DEFAULT_PATH)
-                .env("HOME", &ctx.work_dir)
-                .env("BYOC_JOB_ID", &ctx.job_id)
-                .env(crate::outputs::OUTPUT_ENV, ctx.work_dir.join(crate::outputs::OUTPUT_FILE))
-                .envs(&self.env)
-                .envs(&self.secret_env);
             let outputs_path = ctx.work_dir.join(crate::outputs::OUTPUT_FILE);
-            let mut outcome = crate::process::run_process_group(cmd, ctx).await;
+            // Inside the sandbox the working directory is /work; unsandboxed it is the
+            // host path. The job sees only this environment.
+            let dir = match &ctx.sandbox {
+                Some(_) => crate::sandboxed::work_dir_inside(),
+                None => ctx.work_dir.clone(),
+            };
+            let mut env: Vec<(String, String)> = vec![
+                ("PATH".into(), DEFAULT_PATH.into()),
+                ("HOME".into(), dir.display().to_string()),
+                ("BYOC_JOB_ID".into(), ctx.job_id.clone()),
+                (crate::outputs::OUTPUT_ENV.into(), dir.join(crate::outputs::OUTPUT_FILE).display().to_string()),
+            ];
+            env.extend(self.env.iter().map(|(k, v)| (k.clone(), v.clone())));
+            env.extend(self.secret_env.iter().map(|(k, v)| (k.clone(), v.clone())));
+            let argv = vec![self.interpreter.display().to_string(), dir.join("script").display().to_string()];
+            let mut outcome = match ctx.sandbox.clone() {
+                Some(settings) => {
+                    let job = crate::sandboxed::Job { argv, env, network: self.network };
+                    crate::sandboxed::run(job, settings, ctx).await
+                }
+                None => {
+                    if !self.network {
+                        return ExecOutcome::failed("network = false needs the sandbox, which is disabled");
+                    }
+                    let mut cmd = Command::new(&argv[0]);
+                    cmd.args(&argv[1..]).current_dir(&ctx.work_dir).env_clear().envs(env);
+                    crate::process::run_process_group(cmd, ctx, None).await
+                }
+            };
             match crate::outputs::read(&outputs_path, &crate::mask::Masker::none()) {
                 Ok(outputs) => outcome.outputs = outputs,
                 Err(e) => {
@@ -130,6 +156,7 @@ mod tests {
             kill_grace: Duration::from_millis(500),
             cancel,
             output: &mut out,
+            sandbox: None,
         };
         let outcome = crate::run_masked(s, ctx).await;
         (outcome, String::from_utf8_lossy(&out).into_owned())

@@ -64,6 +64,22 @@ enum Cmd {
         job_file: PathBuf,
         #[arg(long, short = 'o', value_enum, default_value_t = Output::Text)]
         output: Output,
+        /// Run without the sandbox (the job gets your user's privileges).
+        #[arg(long)]
+        no_sandbox: bool,
+    },
+    /// Internal: build a job sandbox from the spec on stdin and exec the job.
+    #[command(hide = true)]
+    SandboxExec,
+    /// Internal: report, from inside a sandbox, what a job can see and do (JSON).
+    #[command(hide = true)]
+    SandboxProbe {
+        #[arg(long)]
+        runner_pid: i32,
+        #[arg(long)]
+        state_dir: PathBuf,
+        #[arg(long, default_value = "/etc/byoc-runner")]
+        config_dir: PathBuf,
     },
     /// Configuration commands.
     Config {
@@ -123,10 +139,28 @@ pub fn main() -> i32 {
         }
     };
     match cli.cmd {
+        // First and without a runtime: the helper must stay single-threaded.
+        Cmd::SandboxExec => byoc_sandbox::helper::sandbox_exec_main(),
+        Cmd::SandboxProbe { runner_pid, state_dir, config_dir } => {
+            let key = state_dir.join(crate::identity::KEY_FILE);
+            let report = byoc_sandbox::probe::run(&byoc_sandbox::probe::ProbeArgs {
+                runner_pid,
+                state_dir: &state_dir,
+                identity_key: &key,
+                config_dir: &config_dir,
+            });
+            match serde_json::to_string(&report) {
+                Ok(s) => {
+                    println!("{s}");
+                    0
+                }
+                Err(_) => 1,
+            }
+        }
         Cmd::Run { config } => run_daemon(&config),
         Cmd::Status(s) => edge(|| status(&s)),
         Cmd::Jobs { cmd } => edge(|| jobs(cmd)),
-        Cmd::RunLocal { job_file, output } => run_local(&job_file, output),
+        Cmd::RunLocal { job_file, output, no_sandbox } => run_local(&job_file, output, !no_sandbox),
         Cmd::Config { cmd: ConfigCmd::Validate { config, output } } => validate(&config, output),
     }
 }
@@ -336,7 +370,7 @@ fn jobs(cmd: JobsCmd) -> anyhow::Result<()> {
     }
 }
 
-fn run_local(path: &Path, output: Output) -> i32 {
+fn run_local(path: &Path, output: Output, sandboxed: bool) -> i32 {
     crate::logging::init_cli();
     let (job, exec) = match crate::run_local::load(path) {
         Ok(x) => x,
@@ -354,7 +388,7 @@ fn run_local(path: &Path, output: Output) -> i32 {
     };
     let mut captured = Vec::new();
     let capture = (output == Output::Json).then_some(&mut captured);
-    match rt.block_on(crate::run_local::run(&job, exec.as_ref(), capture)) {
+    match rt.block_on(crate::run_local::run(&job, exec.as_ref(), capture, sandboxed)) {
         Ok(outcome) => {
             if output == Output::Json {
                 println!(

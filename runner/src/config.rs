@@ -21,6 +21,9 @@ pub struct Config {
     pub poll: PollConfig,
     pub jobs: JobsConfig,
     pub logging: LoggingConfig,
+    pub sandbox: SandboxConfig,
+    /// Where the configuration was read from (hidden from jobs).
+    pub source: PathBuf,
     /// SHA-256 of the effective configuration (file plus overrides), for the audit trail.
     pub digest: String,
 }
@@ -70,6 +73,24 @@ pub enum LogTarget {
 }
 
 #[derive(Debug, Clone)]
+pub struct SandboxConfig {
+    /// Run process jobs in the sandbox (namespaces, seccomp, Landlock, cgroups).
+    pub enabled: bool,
+    pub memory_mib: u64,
+    pub pids: u64,
+    /// CPU quota, percent of one core.
+    pub cpu_percent: u64,
+    pub cgroups: bool,
+    pub tmp_size_mib: u64,
+    pub nofile: u64,
+    /// Extra host directories jobs may read (tools installed outside /usr, /opt).
+    pub extra_ro_paths: Vec<PathBuf>,
+    /// Host uid/gid jobs run as when the runner runs as root.
+    pub uid: u32,
+    pub gid: u32,
+}
+
+#[derive(Debug, Clone)]
 pub struct LoggingConfig {
     pub target: LogTarget,
     pub level: String,
@@ -111,6 +132,7 @@ impl Config {
         let poll_t = top.table("poll");
         let jobs_t = top.table("jobs");
         let logging_t = top.table("logging");
+        let sandbox_t = top.table("sandbox");
         top.finish();
 
         let mut f = Fields::new("control_plane", cp_t, &mut problems);
@@ -201,6 +223,25 @@ impl Config {
             problems
                 .push(format!("logging.level: {level:?} is not a valid filter (try \"info\" or \"debug\")"));
         }
+        let mut f = Fields::new("sandbox", sandbox_t, &mut problems);
+        let sandbox = SandboxConfig {
+            enabled: f.get("enabled").unwrap_or(true),
+            memory_mib: f.ranged("memory_mib", 2048, 16..=1024 * 1024),
+            pids: f.ranged("pids", 1024, 8..=1_000_000),
+            cpu_percent: f.ranged("cpu_percent", 200, 10..=100_000),
+            cgroups: f.get("cgroups").unwrap_or(true),
+            tmp_size_mib: f.ranged("tmp_size_mib", 1024, 1..=1024 * 1024),
+            nofile: f.ranged("nofile", 4096, 64..=1_048_576),
+            extra_ro_paths: f.get::<Vec<String>>("extra_ro_paths").unwrap_or_default().into_iter().map(PathBuf::from).collect(),
+            uid: f.ranged("uid", 65534, 1..=u32::MAX as u64) as u32,
+            gid: f.ranged("gid", 65534, 1..=u32::MAX as u64) as u32,
+        };
+        f.finish();
+        for p in &sandbox.extra_ro_paths {
+            if !p.is_absolute() {
+                problems.push(format!("sandbox.extra_ro_paths: {} must be an absolute path", p.display()));
+            }
+        }
         if backoff_initial > backoff_max {
             problems.push("poll.backoff_initial_ms: larger than poll.backoff_max_secs".into());
         }
@@ -232,6 +273,8 @@ impl Config {
                 groups,
             },
             logging: LoggingConfig { target, level },
+            sandbox,
+            source: PathBuf::from(source_name),
             digest,
         })
     }

@@ -125,7 +125,19 @@ pub async fn run(config: Config) -> Result<(), DaemonError> {
     );
     let client = CpClient::new(&config.control_plane)?.with_identity(enrollment.runner_id.clone(), key);
 
+    let helper = std::env::current_exe().map_err(|e| DaemonError::StateDir { path: "current executable".into(), source: e })?;
+    let sandbox = crate::pipeline::sandbox_settings(&config, helper);
+    match &sandbox {
+        Some(s) => tracing::info!(
+            cgroup = ?byoc_sandbox::cgroup::detect(),
+            memory_mib = s.limits.memory_bytes / (1024 * 1024),
+            pids = s.limits.pids,
+            "job sandbox enabled"
+        ),
+        None => tracing::warn!("job sandbox DISABLED by configuration: jobs run with the runner's privileges"),
+    }
     let rt: Rt = Arc::new(Runtime {
+        sandbox,
         runner_id: enrollment.runner_id.clone(),
         install_id: enrollment.install_id.clone(),
         state_dir: state_dir.clone(),

@@ -63,13 +63,35 @@ pub fn load(path: &Path) -> Result<(LocalJob, Box<dyn byoc_job_executors::Execut
     Ok((job, exec))
 }
 
+/// Sandbox settings for a local run: the default limits, roots in a temp dir, the
+/// runner's default state and config dirs hidden.
+pub fn local_sandbox(roots: &Path) -> Result<byoc_job_executors::SandboxSettings, RunLocalError> {
+    let helper = std::env::current_exe().map_err(RunLocalError::WorkDir)?;
+    Ok(byoc_job_executors::SandboxSettings {
+        helper,
+        helper_args: vec!["sandbox-exec".into()],
+        roots_dir: roots.to_path_buf(),
+        limits: byoc_sandbox::cgroup::Limits { memory_bytes: 2048 << 20, pids: 1024, cpu_millis: 2000 },
+        cgroups: true,
+        tmp_size_mib: 1024,
+        nofile: 4096,
+        ro_paths: vec![],
+        hidden_paths: vec![PathBuf::from(crate::config::DEFAULT_STATE_DIR), PathBuf::from("/etc/byoc-runner")],
+        host_uid: 65534,
+        host_gid: 65534,
+    })
+}
+
 /// Run the job; output goes to stdout unless `capture` is given.
 pub async fn run(
     job: &LocalJob,
     exec: &dyn byoc_job_executors::Executor,
     capture: Option<&mut Vec<u8>>,
+    sandboxed: bool,
 ) -> Result<ExecOutcome, RunLocalError> {
     let dir = tempfile::Builder::new().prefix("byoc-run-local-").tempdir().map_err(RunLocalError::WorkDir)?;
+    let roots = tempfile::Builder::new().prefix("byoc-run-local-root-").tempdir().map_err(RunLocalError::WorkDir)?;
+    let sandbox = if sandboxed { Some(local_sandbox(roots.path())?) } else { None };
     let cancel = CancellationToken::new();
     let c = cancel.clone();
     // Ctrl-C cancels the job the way the control plane would (interrupt → kill).
@@ -90,6 +112,7 @@ pub async fn run(
         kill_grace: Duration::from_secs(5),
         cancel,
         output,
+        sandbox,
     };
     let outcome = byoc_job_executors::run_masked(exec, ctx).await;
     ctrl_c.abort();

@@ -48,6 +48,7 @@ pub async fn execute(rt: &Rt, job: ClaimedJob) -> Result<FinishedJob, JournalErr
                 kill_grace: rt.config.jobs.kill_grace,
                 cancel,
                 output: &mut spool,
+                sandbox: rt.sandbox.clone(),
             };
             outcome = byoc_job_executors::run_masked(job.verified.executor.as_ref(), ctx).await;
             done.cancel();

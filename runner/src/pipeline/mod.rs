@@ -38,12 +38,47 @@ pub struct Runtime {
     pub client: CpClient,
     /// Cancelled on the second SIGTERM: every running job is cancelled.
     pub abort: CancellationToken,
+    /// How process jobs are sandboxed (None: disabled by configuration).
+    pub sandbox: Option<byoc_job_executors::SandboxSettings>,
     /// Cancelled when the daemon stops for good: reporting loops give up (the journal
     /// keeps what was not reported, for the next start).
     pub stop_reporting: CancellationToken,
 }
 
 pub type Rt = Arc<Runtime>;
+
+/// The directory under the state dir where per-job sandbox root mount points live.
+pub const ROOTS_DIR: &str = "roots";
+
+/// Sandbox settings from the configuration: the helper is this very binary.
+pub fn sandbox_settings(config: &Config, helper: std::path::PathBuf) -> Option<byoc_job_executors::SandboxSettings> {
+    let s = &config.sandbox;
+    if !s.enabled {
+        return None;
+    }
+    let state_dir = config.runner.state_dir.clone();
+    let mut hidden = vec![state_dir.clone(), PathBuf::from("/etc/byoc-runner")];
+    if let Some(dir) = config.source.parent().filter(|d| d.is_absolute()) {
+        hidden.push(dir.to_path_buf());
+    }
+    Some(byoc_job_executors::SandboxSettings {
+        helper,
+        helper_args: vec!["sandbox-exec".into()],
+        roots_dir: state_dir.join(ROOTS_DIR),
+        limits: byoc_sandbox::cgroup::Limits {
+            memory_bytes: s.memory_mib * 1024 * 1024,
+            pids: s.pids,
+            cpu_millis: s.cpu_percent * 10,
+        },
+        cgroups: s.cgroups,
+        tmp_size_mib: s.tmp_size_mib,
+        nofile: s.nofile,
+        ro_paths: s.extra_ro_paths.clone(),
+        hidden_paths: hidden,
+        host_uid: s.uid,
+        host_gid: s.gid,
+    })
+}
 
 /// Jittered exponential backoff, capped: only used after errors.
 pub struct Backoff {

@@ -1,0 +1,415 @@
+//! `byoc-runner sandbox-exec`: builds the job's sandbox and execs the job.
+//!
+//! Three processes, so that every namespace has an owner outside it and the job's
+//! whole tree dies with it:
+//!
+//! ```text
+//! helper (runner's namespaces) ── clone(NEWUSER|NEWNS|NEWPID|NEWIPC|NEWUTS[|NEWNET]) ──▶ init (pid 1)
+//!   writes init's uid/gid maps,                                                         mounts the new root,
+//!   relays signals, exits with the job's status                                         forks the job, reaps,
+//!                                                                                       relays signals, exits
+//!                                                                                       with the job's status
+//! ```
+//!
+//! When init exits the kernel kills everything left in the pid namespace, so nothing
+//! of the job survives it; `PR_SET_PDEATHSIG` ties helper to the runner and init to
+//! the helper, so not even a `kill -9` of the runner leaves a job behind.
+//!
+//! The steps run in this order, and the order matters (each comment says why).
+
+use std::ffi::CString;
+use std::io::Read as _;
+use std::os::fd::{AsRawFd as _, OwnedFd};
+use std::path::{Path, PathBuf};
+
+use nix::mount::{MntFlags, MsFlags, mount, umount2};
+use nix::sched::CloneFlags;
+use nix::sys::signal::{SigSet, SigmaskHow, Signal, kill, sigprocmask};
+use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
+use nix::unistd::{Gid, Pid, Uid};
+
+use crate::spec::{DEFAULT_RO_PATHS, MAX_SPEC_BYTES, SANDBOX_INNER_ID, SANDBOX_WORK_DIR, SandboxSpec};
+use crate::sys;
+
+/// Exit code when the sandbox could not be built (as container runtimes use).
+pub const EXIT_SANDBOX_FAILED: i32 = 125;
+/// Exit code when the job's program could not be executed.
+pub const EXIT_EXEC_FAILED: i32 = 127;
+
+const RELAYED: &[Signal] = &[Signal::SIGINT, Signal::SIGTERM, Signal::SIGHUP, Signal::SIGQUIT];
+
+pub fn sandbox_exec_main() -> i32 {
+    match helper() {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("sandbox: {e}");
+            EXIT_SANDBOX_FAILED
+        }
+    }
+}
+
+fn helper() -> Result<i32, String> {
+    // 1. The spec arrives on stdin; afterwards stdin is /dev/null, so the job can read
+    //    nothing the runner wrote.
+    let spec = read_spec()?;
+    // 2. Die with the runner: a kill -9 of the daemon takes the sandbox with it.
+    nix::sys::prctl::set_pdeathsig(Signal::SIGKILL).map_err(|e| format!("PR_SET_PDEATHSIG: {e}"))?;
+    if nix::unistd::getppid() == Pid::from_raw(1) {
+        return Err("the runner exited before the sandbox started".into());
+    }
+    // 3. Nothing the runner had open (sockets, journal, keys) may leak in.
+    sys::close_fds_from(3).map_err(|e| format!("closing inherited descriptors: {e}"))?;
+    // 4. Join the job's cgroup first, so every process of the job is counted and limited.
+    let pid = std::process::id().to_string();
+    for procs in &spec.cgroup_procs {
+        std::fs::write(procs, &pid).map_err(|e| format!("joining cgroup {}: {e}", procs.display()))?;
+    }
+    // 5. Signals are handled synchronously (sigwait) by helper and init; block them
+    //    before the clone so none is lost in between. The job unblocks them.
+    let mut mask = SigSet::empty();
+    for s in RELAYED.iter().chain([&Signal::SIGCHLD]) {
+        mask.add(*s);
+    }
+    sigprocmask(SigmaskHow::SIG_BLOCK, Some(&mask), None).map_err(|e| format!("blocking signals: {e}"))?;
+    // 6. New namespaces. init waits on the pipe until its id maps exist.
+    let (ready_r, ready_w) = nix::unistd::pipe().map_err(|e| format!("pipe: {e}"))?;
+    let mut flags = CloneFlags::CLONE_NEWUSER
+        | CloneFlags::CLONE_NEWNS
+        | CloneFlags::CLONE_NEWPID
+        | CloneFlags::CLONE_NEWIPC
+        | CloneFlags::CLONE_NEWUTS;
+    if !spec.network {
+        flags |= CloneFlags::CLONE_NEWNET;
+    }
+    let root_mode = nix::unistd::geteuid().is_root();
+    let write_end = ready_w.as_raw_fd();
+    let child = sys::clone_with(
+        flags,
+        Box::new(|| {
+            sys::close_raw(write_end);
+            match init(&spec, &ready_r, root_mode) {
+                Ok(code) => code as isize,
+                Err(e) => {
+                    eprintln!("sandbox: {e}");
+                    EXIT_SANDBOX_FAILED as isize
+                }
+            }
+        }),
+    )
+    .map_err(|e| format!("creating namespaces (clone): {e}; are unprivileged user namespaces allowed?"))?;
+    drop(ready_r);
+    // 7. Map ids: as root, inner 0 (setup only) and inner 1000 → the unprivileged host
+    //    uid the job runs as; otherwise the only possible map, inner 0 → our own uid.
+    if let Err(e) = write_id_maps(child, root_mode, &spec) {
+        let _ = kill(child, Signal::SIGKILL);
+        return Err(e);
+    }
+    nix::unistd::write(&ready_w, b"1").map_err(|e| format!("releasing the sandbox init: {e}"))?;
+    drop(ready_w);
+    // 8. Relay stop signals to init and exit with its status.
+    supervise(child, &mask, |sig| {
+        let _ = kill(child, sig);
+    })
+}
+
+fn read_spec() -> Result<SandboxSpec, String> {
+    let mut buf = Vec::new();
+    std::io::stdin()
+        .take(MAX_SPEC_BYTES + 1)
+        .read_to_end(&mut buf)
+        .map_err(|e| format!("reading the sandbox spec: {e}"))?;
+    if buf.len() as u64 > MAX_SPEC_BYTES {
+        return Err("sandbox spec too large".into());
+    }
+    let spec: SandboxSpec = serde_json::from_slice(&buf).map_err(|e| format!("sandbox spec: {e}"))?;
+    let null = std::fs::File::open("/dev/null").map_err(|e| format!("opening /dev/null: {e}"))?;
+    nix::unistd::dup2_stdin(&null).map_err(|e| format!("redirecting stdin: {e}"))?;
+    if spec.argv.is_empty() || !spec.argv[0].starts_with('/') {
+        return Err("sandbox spec: argv[0] must be an absolute path".into());
+    }
+    Ok(spec)
+}
+
+fn write_id_maps(child: Pid, root_mode: bool, spec: &SandboxSpec) -> Result<(), String> {
+    let proc_dir = PathBuf::from(format!("/proc/{child}"));
+    let write = |file: &str, text: String| {
+        std::fs::write(proc_dir.join(file), &text).map_err(|e| format!("writing {file} ({}): {e}", text.trim()))
+    };
+    if root_mode {
+        write("uid_map", format!("0 0 1\n{SANDBOX_INNER_ID} {} 1\n", spec.host_uid))?;
+        write("gid_map", format!("0 0 1\n{SANDBOX_INNER_ID} {} 1\n", spec.host_gid))?;
+    } else {
+        write("setgroups", "deny".into())?;
+        write("uid_map", format!("0 {} 1\n", nix::unistd::geteuid()))?;
+        write("gid_map", format!("0 {} 1\n", nix::unistd::getegid()))?;
+    }
+    Ok(())
+}
+
+/// Wait for `child`, calling `relay` for each stop signal; return its exit status
+/// (128 + signal when it was killed, as a shell reports it).
+fn supervise(child: Pid, mask: &SigSet, mut relay: impl FnMut(Signal)) -> Result<i32, String> {
+    loop {
+        let sig = mask.wait().map_err(|e| format!("waiting for signals: {e}"))?;
+        if sig != Signal::SIGCHLD {
+            relay(sig);
+            continue;
+        }
+        loop {
+            match waitpid(Pid::from_raw(-1), Some(WaitPidFlag::WNOHANG)) {
+                Ok(WaitStatus::Exited(pid, code)) if pid == child => return Ok(code),
+                Ok(WaitStatus::Signaled(pid, sig, _)) if pid == child => return Ok(128 + sig as i32),
+                Ok(WaitStatus::StillAlive) | Err(_) => break,
+                Ok(_) => continue,
+            }
+        }
+    }
+}
+
+/// pid 1 of the sandbox.
+fn init(spec: &SandboxSpec, ready: &OwnedFd, root_mode: bool) -> Result<i32, String> {
+    // If the helper dies, init dies, and with it the whole pid namespace.
+    nix::sys::prctl::set_pdeathsig(Signal::SIGKILL).map_err(|e| format!("PR_SET_PDEATHSIG: {e}"))?;
+    let mut b = [0u8; 1];
+    match nix::unistd::read(ready, &mut b) {
+        Ok(1) => {}
+        _ => return Err("the helper did not map our ids".into()),
+    }
+    build_root(spec)?;
+    nix::unistd::sethostname(&spec.hostname).map_err(|e| format!("sethostname: {e}"))?;
+    // Everything the job needs is prepared before the fork, so the job's own steps
+    // are only restrictions.
+    let filters = crate::seccomp::job_filters().map_err(|e| e.to_string())?;
+    let argv: Vec<CString> = spec.argv.iter().map(|a| cstring(a)).collect::<Result<_, _>>()?;
+    let env: Vec<CString> = spec.env.iter().map(|(k, v)| cstring(&format!("{k}={v}"))).collect::<Result<_, _>>()?;
+    let job = match sys::fork().map_err(|e| format!("fork: {e}"))? {
+        sys::Forked::Child => {
+            let e = exec_job(spec, root_mode, &filters, &argv, &env);
+            eprintln!("sandbox: {e}");
+            sys::exit_now(if e.starts_with("exec") { EXIT_EXEC_FAILED } else { EXIT_SANDBOX_FAILED });
+        }
+        sys::Forked::Parent(pid) => pid,
+    };
+    let mut mask = SigSet::empty();
+    for s in RELAYED.iter().chain([&Signal::SIGCHLD]) {
+        mask.add(*s);
+    }
+    // pid 1 reaps every orphan in the namespace; the job's status is the sandbox's.
+    supervise(job, &mask, |sig| {
+        // -1 from pid 1: every process in the namespace but init itself.
+        let _ = kill(Pid::from_raw(-1), sig);
+    })
+}
+
+fn cstring(s: &str) -> Result<CString, String> {
+    CString::new(s).map_err(|_| format!("{s:?} contains a NUL byte"))
+}
+
+/// Mount flags of `path`'s mount that a less privileged mount namespace may not clear
+/// (the kernel locks them); a read-only remount must repeat them.
+fn locked_flags(path: &Path) -> MsFlags {
+    use nix::sys::statvfs::{FsFlags, statvfs};
+    let Ok(st) = statvfs(path) else { return MsFlags::empty() };
+    let f = st.flags();
+    let mut m = MsFlags::empty();
+    for (fs, ms) in [
+        (FsFlags::ST_NOSUID, MsFlags::MS_NOSUID),
+        (FsFlags::ST_NODEV, MsFlags::MS_NODEV),
+        (FsFlags::ST_NOEXEC, MsFlags::MS_NOEXEC),
+        (FsFlags::ST_NOATIME, MsFlags::MS_NOATIME),
+        (FsFlags::ST_NODIRATIME, MsFlags::MS_NODIRATIME),
+        (FsFlags::ST_RELATIME, MsFlags::MS_RELATIME),
+    ] {
+        if f.contains(fs) {
+            m |= ms;
+        }
+    }
+    m
+}
+
+fn inside(root: &Path, p: &Path) -> PathBuf {
+    root.join(p.strip_prefix("/").unwrap_or(p))
+}
+
+fn mnt(src: Option<&Path>, target: &Path, fstype: Option<&str>, flags: MsFlags, data: Option<&str>) -> Result<(), String> {
+    mount(src, target, fstype, flags, data).map_err(|e| format!("mount {} on {}: {e}", src.map(|s| s.display().to_string()).unwrap_or_else(|| fstype.unwrap_or("").into()), target.display()))
+}
+
+/// Bind `host` read-only at the same path under `root`.
+fn bind_ro(root: &Path, host: &Path) -> Result<(), String> {
+    let Ok(meta) = std::fs::symlink_metadata(host) else { return Ok(()) };
+    let target = inside(root, host);
+    if meta.file_type().is_symlink() {
+        // Merged-/usr systems: /bin -> usr/bin. Recreate the link, bind nothing.
+        let dest = std::fs::read_link(host).map_err(|e| format!("reading link {}: {e}", host.display()))?;
+        if let Some(parent) = target.parent() {
+            std::fs::create_dir_all(parent).map_err(|e| format!("creating {}: {e}", parent.display()))?;
+        }
+        return match std::os::unix::fs::symlink(&dest, &target) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(()),
+            Err(e) => Err(format!("linking {}: {e}", target.display())),
+        };
+    }
+    if !target.exists() {
+        let made = if meta.is_dir() {
+            std::fs::create_dir_all(&target)
+        } else {
+            target.parent().map(std::fs::create_dir_all).unwrap_or(Ok(())).and_then(|()| std::fs::write(&target, b""))
+        };
+        if let Err(e) = made {
+            // Under an already read-only bind (an extra path inside /usr, say) a
+            // missing mount point cannot be made; the path is simply not visible.
+            eprintln!("sandbox: {} not visible: {e}", host.display());
+            return Ok(());
+        }
+    }
+    mnt(Some(host), &target, None, MsFlags::MS_BIND | MsFlags::MS_REC, None)?;
+    mnt(
+        None,
+        &target,
+        None,
+        MsFlags::MS_BIND | MsFlags::MS_REMOUNT | MsFlags::MS_RDONLY | MsFlags::MS_NOSUID | MsFlags::MS_NODEV | locked_flags(host),
+        None,
+    )
+}
+
+fn build_root(spec: &SandboxSpec) -> Result<(), String> {
+    let root = spec.new_root.as_path();
+    // Nothing mounted from here on may propagate back to the host.
+    mnt(None, Path::new("/"), None, MsFlags::MS_REC | MsFlags::MS_PRIVATE, None)?;
+    // The new root is an empty tmpfs: only what is bound below exists in it, so the
+    // runner's state dir, keys and config are absent unless a bound path contains them.
+    mnt(None, root, Some("tmpfs"), MsFlags::MS_NOSUID | MsFlags::MS_NODEV, Some("mode=0755,size=16m"))?;
+    for p in DEFAULT_RO_PATHS.iter().map(PathBuf::from).chain(spec.ro_paths.iter().cloned()) {
+        bind_ro(root, &p)?;
+    }
+    // Hidden paths under bound directories (e.g. /etc/byoc-runner) are covered.
+    for hidden in &spec.hidden_paths {
+        let target = inside(root, hidden);
+        match std::fs::symlink_metadata(&target) {
+            Ok(m) if m.is_dir() => mnt(
+                None,
+                &target,
+                Some("tmpfs"),
+                MsFlags::MS_RDONLY | MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
+                Some("mode=000,size=4k"),
+            )?,
+            Ok(_) => mnt(Some(Path::new("/dev/null")), &target, None, MsFlags::MS_BIND, None)?,
+            Err(_) => {}
+        }
+    }
+    // /dev: a tmpfs with the harmless device nodes bound in.
+    let dev = root.join("dev");
+    std::fs::create_dir_all(&dev).map_err(|e| format!("creating {}: {e}", dev.display()))?;
+    mnt(None, &dev, Some("tmpfs"), MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC, Some("mode=0755,size=64k"))?;
+    for node in ["null", "zero", "full", "random", "urandom"] {
+        let target = dev.join(node);
+        std::fs::write(&target, b"").map_err(|e| format!("creating {}: {e}", target.display()))?;
+        mnt(Some(&Path::new("/dev").join(node)), &target, None, MsFlags::MS_BIND, None)?;
+    }
+    for (link, dest) in [("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")] {
+        let _ = std::os::unix::fs::symlink(dest, dev.join(link));
+    }
+    let shm = dev.join("shm");
+    std::fs::create_dir_all(&shm).map_err(|e| format!("creating {}: {e}", shm.display()))?;
+    mnt(None, &shm, Some("tmpfs"), MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC, Some("mode=1777,size=64m"))?;
+    // /proc of the new pid namespace: the runner's processes do not appear in it.
+    let proc_dir = root.join("proc");
+    std::fs::create_dir_all(&proc_dir).map_err(|e| format!("creating {}: {e}", proc_dir.display()))?;
+    mnt(None, &proc_dir, Some("proc"), MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC, None)?;
+    // A private /tmp and the job's working directory are the only writable places.
+    let tmp = root.join("tmp");
+    std::fs::create_dir_all(&tmp).map_err(|e| format!("creating {}: {e}", tmp.display()))?;
+    let tmp_opts = format!("mode=1777,size={}m", spec.tmp_size_mib);
+    mnt(None, &tmp, Some("tmpfs"), MsFlags::MS_NOSUID | MsFlags::MS_NODEV, Some(&tmp_opts))?;
+    let work = inside(root, Path::new(SANDBOX_WORK_DIR));
+    std::fs::create_dir_all(&work).map_err(|e| format!("creating {}: {e}", work.display()))?;
+    mnt(Some(&spec.work_dir), &work, None, MsFlags::MS_BIND, None)?;
+    mnt(
+        None,
+        &work,
+        None,
+        MsFlags::MS_BIND | MsFlags::MS_REMOUNT | MsFlags::MS_NOSUID | MsFlags::MS_NODEV | locked_flags(&spec.work_dir),
+        None,
+    )?;
+    // Switch to the new root and drop every path to the old one.
+    let old = root.join(".old");
+    std::fs::create_dir_all(&old).map_err(|e| format!("creating {}: {e}", old.display()))?;
+    nix::unistd::pivot_root(root, &old).map_err(|e| format!("pivot_root: {e}"))?;
+    nix::unistd::chdir("/").map_err(|e| format!("chdir /: {e}"))?;
+    umount2("/.old", MntFlags::MNT_DETACH).map_err(|e| format!("detaching the old root: {e}"))?;
+    std::fs::remove_dir("/.old").map_err(|e| format!("removing /.old: {e}"))?;
+    // The root tmpfs itself becomes read-only.
+    mnt(None, Path::new("/"), None, MsFlags::MS_REMOUNT | MsFlags::MS_RDONLY | MsFlags::MS_NOSUID | MsFlags::MS_NODEV, None)
+}
+
+/// In the job process: restrictions only, then exec. Returns only on failure.
+fn exec_job(
+    spec: &SandboxSpec,
+    root_mode: bool,
+    filters: &[seccompiler::BpfProgram],
+    argv: &[CString],
+    env: &[CString],
+) -> String {
+    let step = || -> Result<(), String> {
+        // Signals back to normal for the job (the helper and init block them).
+        sigprocmask(SigmaskHow::SIG_SETMASK, Some(&SigSet::empty()), None).map_err(|e| format!("signal mask: {e}"))?;
+        nix::unistd::chdir(SANDBOX_WORK_DIR).map_err(|e| format!("chdir {SANDBOX_WORK_DIR}: {e}"))?;
+        use nix::sys::resource::{Resource, getrlimit, setrlimit};
+        let (_, hard) = getrlimit(Resource::RLIMIT_NOFILE).map_err(|e| format!("getrlimit: {e}"))?;
+        let nofile = spec.nofile.min(hard);
+        setrlimit(Resource::RLIMIT_NOFILE, nofile, nofile).map_err(|e| format!("RLIMIT_NOFILE: {e}"))?;
+        setrlimit(Resource::RLIMIT_CORE, 0, 0).map_err(|e| format!("RLIMIT_CORE: {e}"))?;
+        // Capabilities: none now, none by exec as (inner) root, none by ambient raise.
+        caps::clear(None, caps::CapSet::Ambient).map_err(|e| format!("clearing ambient caps: {e}"))?;
+        caps::clear(None, caps::CapSet::Inheritable).map_err(|e| format!("clearing inheritable caps: {e}"))?;
+        for cap in caps::all() {
+            caps::drop(None, caps::CapSet::Bounding, cap).map_err(|e| format!("dropping {cap} from the bounding set: {e}"))?;
+        }
+        sys::lock_securebits().map_err(|e| format!("securebits: {e}"))?;
+        if root_mode {
+            // A distinct unprivileged uid: inner 1000 is the host's `host_uid`.
+            let id = SANDBOX_INNER_ID;
+            nix::unistd::setgroups(&[]).map_err(|e| format!("setgroups: {e}"))?;
+            nix::unistd::setresgid(Gid::from_raw(id), Gid::from_raw(id), Gid::from_raw(id)).map_err(|e| format!("setresgid: {e}"))?;
+            nix::unistd::setresuid(Uid::from_raw(id), Uid::from_raw(id), Uid::from_raw(id)).map_err(|e| format!("setresuid: {e}"))?;
+        }
+        caps::clear(None, caps::CapSet::Effective).map_err(|e| format!("clearing effective caps: {e}"))?;
+        caps::clear(None, caps::CapSet::Permitted).map_err(|e| format!("clearing permitted caps: {e}"))?;
+        nix::sys::prctl::set_no_new_privs().map_err(|e| format!("no_new_privs: {e}"))?;
+        landlock_rules()?;
+        // Last: after it, the calls above would be refused.
+        crate::seccomp::apply(filters).map_err(|e| e.to_string())?;
+        Ok(())
+    };
+    if let Err(e) = step() {
+        return e;
+    }
+    match nix::unistd::execve(&argv[0], argv, env) {
+        Err(e) => format!("exec {}: {e}", argv[0].to_string_lossy()),
+        Ok(never) => match never {},
+    }
+}
+
+/// Landlock (where the kernel has it): read and execute anywhere in the sandbox's
+/// root, write only in the working directory, /tmp and /dev/shm (and to /dev/null).
+fn landlock_rules() -> Result<(), String> {
+    use landlock::{ABI, Access, AccessFs, Ruleset, RulesetAttr, RulesetCreatedAttr, path_beneath_rules};
+    let abi = ABI::V5;
+    let err = |e: &dyn std::fmt::Display| format!("landlock: {e}");
+    Ruleset::default()
+        .handle_access(AccessFs::from_all(abi))
+        .map_err(|e| err(&e))?
+        .create()
+        .map_err(|e| err(&e))?
+        .add_rules(path_beneath_rules(["/"], AccessFs::from_read(abi)))
+        .map_err(|e| err(&e))?
+        .add_rules(path_beneath_rules([SANDBOX_WORK_DIR, "/tmp", "/dev/shm"], AccessFs::from_all(abi)))
+        .map_err(|e| err(&e))?
+        .add_rules(path_beneath_rules(["/dev/null", "/dev/zero", "/dev/full"], AccessFs::from_all(abi)))
+        .map_err(|e| err(&e))?
+        .restrict_self()
+        .map_err(|e| err(&e))?;
+    Ok(())
+}

@@ -1,0 +1,117 @@
+//! `byoc-runner sandbox-probe`: run inside a sandbox, it reports what a job can see and
+//! do. Every check is phrased so that `held: true` means the sandbox held.
+
+use std::path::Path;
+
+use serde::Serialize;
+
+#[derive(Debug, Serialize)]
+pub struct Check {
+    pub name: String,
+    pub held: bool,
+    pub detail: String,
+}
+
+#[derive(Debug, Serialize)]
+pub struct Report {
+    pub checks: Vec<Check>,
+    pub uid: u32,
+    pub hostname: String,
+    pub env_names: Vec<String>,
+    pub pid: u32,
+}
+
+pub struct ProbeArgs<'a> {
+    pub runner_pid: i32,
+    pub state_dir: &'a Path,
+    pub identity_key: &'a Path,
+    pub config_dir: &'a Path,
+}
+
+fn refused<T, E: std::fmt::Display>(r: Result<T, E>) -> (bool, String) {
+    match r {
+        Ok(_) => (false, "allowed".into()),
+        Err(e) => (true, format!("refused: {e}")),
+    }
+}
+
+fn status_field(name: &str) -> String {
+    std::fs::read_to_string("/proc/self/status")
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix(&format!("{name}:")).map(|v| v.trim().to_string()))
+        .unwrap_or_default()
+}
+
+pub fn run(args: &ProbeArgs<'_>) -> Report {
+    use nix::unistd::Pid;
+    let mut checks = Vec::new();
+    let mut add = |name: &str, (held, detail): (bool, String)| {
+        checks.push(Check { name: name.into(), held, detail });
+    };
+    add(
+        "state_dir_absent",
+        if args.state_dir.exists() { (false, "visible".into()) } else { (true, "absent".into()) },
+    );
+    add("identity_key_unreadable", refused(std::fs::read(args.identity_key)));
+    add(
+        "config_dir_hidden",
+        match std::fs::read_dir(args.config_dir) {
+            Ok(mut d) => match d.next() {
+                None => (true, "empty".into()),
+                Some(_) => (false, "listable with entries".into()),
+            },
+            Err(e) => (true, format!("refused: {e}")),
+        },
+    );
+    let runner = Pid::from_raw(args.runner_pid);
+    add(
+        "runner_process_invisible",
+        if Path::new(&format!("/proc/{}", args.runner_pid)).exists() {
+            (false, "visible in /proc".into())
+        } else {
+            (true, "not in /proc".into())
+        },
+    );
+    add("runner_unsignalable", refused(nix::sys::signal::kill(runner, None)));
+    add("ptrace_attach_refused", refused(nix::sys::ptrace::attach(runner)));
+    add("ptrace_traceme_refused", refused(nix::sys::ptrace::traceme()));
+    for p in ["/probe", "/usr/probe", "/etc/probe", "/bin/probe", "/var/probe", "/opt/probe"] {
+        add(&format!("write_refused:{p}"), refused(std::fs::write(p, b"x")));
+    }
+    for p in ["/work/probe", "/tmp/probe"] {
+        let r = std::fs::write(p, b"x");
+        add(&format!("write_allowed:{p}"), (r.is_ok(), format!("{r:?}")));
+    }
+    add(
+        "mount_refused",
+        refused(nix::mount::mount(
+            None::<&str>,
+            "/tmp",
+            Some("tmpfs"),
+            nix::mount::MsFlags::empty(),
+            None::<&str>,
+        )),
+    );
+    add("unshare_refused", refused(nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWUSER)));
+    add("setuid_refused", refused(nix::unistd::setuid(nix::unistd::Uid::from_raw(12345))));
+    add("module_load_refused", refused(nix::kmod::init_module(&[], c"")));
+    add("chroot_refused", refused(nix::unistd::chroot("/tmp")));
+    let cap_eff = status_field("CapEff");
+    add("no_effective_capabilities", (cap_eff.trim_start_matches('0').is_empty(), format!("CapEff {cap_eff}")));
+    let cap_bnd = status_field("CapBnd");
+    add("empty_bounding_set", (cap_bnd.trim_start_matches('0').is_empty(), format!("CapBnd {cap_bnd}")));
+    let nnp = status_field("NoNewPrivs");
+    add("no_new_privs", (nnp == "1", format!("NoNewPrivs {nnp}")));
+    let seccomp = status_field("Seccomp");
+    add("seccomp_filter", (seccomp == "2", format!("Seccomp {seccomp}")));
+    let mut env_names: Vec<String> = std::env::vars_os().map(|(k, _)| k.to_string_lossy().into_owned()).collect();
+    env_names.sort();
+    Report {
+        checks,
+        uid: nix::unistd::getuid().as_raw(),
+        hostname: nix::unistd::gethostname().map(|h| h.to_string_lossy().into_owned()).unwrap_or_default(),
+        env_names,
+        pid: std::process::id(),
+    }
+}

@@ -1,0 +1,112 @@
+//! The job's system-call filter: everything is allowed except what lets a job reach
+//! beyond its sandbox or the kernel's privileged interfaces. Denied calls fail with
+//! EPERM (tools handle that better than being killed).
+
+use std::collections::BTreeMap;
+
+use seccompiler::{
+    BpfProgram, SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompFilter, SeccompRule,
+};
+
+#[derive(Debug, thiserror::Error)]
+#[error("building the seccomp filter: {0}")]
+pub struct SeccompError(String);
+
+/// Denied outright.
+const DENIED: &[i64] = &[
+    libc::SYS_ptrace,
+    libc::SYS_process_vm_readv,
+    libc::SYS_process_vm_writev,
+    libc::SYS_mount,
+    libc::SYS_umount2,
+    libc::SYS_pivot_root,
+    libc::SYS_chroot,
+    libc::SYS_open_tree,
+    libc::SYS_move_mount,
+    libc::SYS_fsopen,
+    libc::SYS_fsconfig,
+    libc::SYS_fsmount,
+    libc::SYS_fspick,
+    libc::SYS_mount_setattr,
+    libc::SYS_unshare,
+    libc::SYS_setns,
+    libc::SYS_kexec_load,
+    libc::SYS_kexec_file_load,
+    libc::SYS_init_module,
+    libc::SYS_finit_module,
+    libc::SYS_delete_module,
+    libc::SYS_bpf,
+    libc::SYS_perf_event_open,
+    libc::SYS_keyctl,
+    libc::SYS_add_key,
+    libc::SYS_request_key,
+    libc::SYS_userfaultfd,
+    libc::SYS_open_by_handle_at,
+    libc::SYS_name_to_handle_at,
+    libc::SYS_swapon,
+    libc::SYS_swapoff,
+    libc::SYS_reboot,
+    libc::SYS_acct,
+    libc::SYS_quotactl,
+    libc::SYS_syslog,
+    libc::SYS_settimeofday,
+    libc::SYS_clock_settime,
+    libc::SYS_clock_adjtime,
+    libc::SYS_adjtimex,
+    libc::SYS_iopl,
+    libc::SYS_ioperm,
+    libc::SYS_lookup_dcookie,
+];
+
+/// `clone` is allowed, but not with a flag that creates a namespace.
+const NAMESPACE_FLAGS: &[u64] = &[
+    libc::CLONE_NEWNS as u64,
+    libc::CLONE_NEWUSER as u64,
+    libc::CLONE_NEWPID as u64,
+    libc::CLONE_NEWNET as u64,
+    libc::CLONE_NEWIPC as u64,
+    libc::CLONE_NEWUTS as u64,
+    libc::CLONE_NEWCGROUP as u64,
+    0x80, // CLONE_NEWTIME
+];
+
+fn arch() -> seccompiler::TargetArch {
+    #[cfg(target_arch = "aarch64")]
+    return seccompiler::TargetArch::aarch64;
+    #[cfg(not(target_arch = "aarch64"))]
+    seccompiler::TargetArch::x86_64
+}
+
+/// The filters to install, in order. Two programs because their actions differ:
+/// `clone3` answers ENOSYS (its flags sit in memory a filter cannot read, and ENOSYS
+/// makes libc fall back to `clone`, whose flags the main filter checks).
+pub fn job_filters() -> Result<Vec<BpfProgram>, SeccompError> {
+    let err = |e: &dyn std::fmt::Display| SeccompError(e.to_string());
+    let mut rules: BTreeMap<i64, Vec<SeccompRule>> = DENIED.iter().map(|s| (*s, vec![])).collect();
+    let clone_rules = NAMESPACE_FLAGS
+        .iter()
+        .map(|flag| {
+            let cond = SeccompCondition::new(0, SeccompCmpArgLen::Qword, SeccompCmpOp::MaskedEq(*flag), *flag)
+                .map_err(|e| err(&e))?;
+            SeccompRule::new(vec![cond]).map_err(|e| err(&e))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    rules.insert(libc::SYS_clone, clone_rules);
+    let main = SeccompFilter::new(rules, SeccompAction::Allow, SeccompAction::Errno(libc::EPERM as u32), arch())
+        .map_err(|e| err(&e))?;
+    let clone3 = SeccompFilter::new(
+        [(libc::SYS_clone3, vec![])].into_iter().collect(),
+        SeccompAction::Allow,
+        SeccompAction::Errno(libc::ENOSYS as u32),
+        arch(),
+    )
+    .map_err(|e| err(&e))?;
+    Ok(vec![main.try_into().map_err(|e| err(&e))?, clone3.try_into().map_err(|e| err(&e))?])
+}
+
+pub fn apply(filters: &[BpfProgram]) -> Result<(), SeccompError> {
+    for f in filters {
+        seccompiler::apply_filter(f).map_err(|e| SeccompError(e.to_string()))?;
+    }
+    Ok(())
+}

@@ -1,0 +1,105 @@
+//! Running a process executor's command inside the sandbox: per-job cgroup, the
+//! helper's spec, and the explanation of how it ended (which limit, if any, killed it).
+
+use std::os::unix::fs::DirBuilderExt as _;
+use std::path::PathBuf;
+
+use byoc_sandbox::cgroup::JobCgroup;
+use byoc_sandbox::helper::{EXIT_EXEC_FAILED, EXIT_SANDBOX_FAILED};
+use byoc_sandbox::spec::SANDBOX_WORK_DIR;
+use tokio::process::Command;
+
+use crate::{ExecContext, ExecOutcome, JobStatus, SandboxSettings};
+
+/// A command to run in the sandbox: program and args as seen inside, and the complete
+/// environment (nothing else is inherited).
+pub struct Job {
+    pub argv: Vec<String>,
+    pub env: Vec<(String, String)>,
+    pub network: bool,
+}
+
+/// Inside the sandbox the working directory is always here.
+pub fn work_dir_inside() -> PathBuf {
+    PathBuf::from(SANDBOX_WORK_DIR)
+}
+
+pub async fn run(job: Job, settings: SandboxSettings, mut ctx: ExecContext<'_>) -> ExecOutcome {
+    let new_root = settings.roots_dir.join(&ctx.job_id);
+    if let Err(e) = std::fs::DirBuilder::new().recursive(true).mode(0o700).create(&new_root) {
+        return ExecOutcome::failed(format!("creating sandbox root {}: {e}", new_root.display()));
+    }
+    // As root the job runs as the unprivileged `host_uid`: it must own its directory.
+    if nix::unistd::geteuid().is_root()
+        && let Err(e) = std::os::unix::fs::chown(&ctx.work_dir, Some(settings.host_uid), Some(settings.host_gid))
+    {
+        return ExecOutcome::failed(format!("handing {} to the job's uid: {e}", ctx.work_dir.display()));
+    }
+    let cgroup = if settings.cgroups {
+        match JobCgroup::create(&ctx.job_id, settings.limits) {
+            Ok(cg) => {
+                let line = format!("[sandbox] cgroup {:?} limits: {}\n", cg.version, cg.applied.join(", "));
+                let _ = ctx.output.write(line.as_bytes());
+                Some(cg)
+            }
+            Err(e) => {
+                let _ = ctx.output.write(format!("[sandbox] cgroup limits not applied: {e}\n").as_bytes());
+                None
+            }
+        }
+    } else {
+        let _ = ctx.output.write(b"[sandbox] cgroup limits disabled by configuration\n");
+        None
+    };
+    let spec = byoc_sandbox::SandboxSpec {
+        argv: job.argv,
+        env: job.env,
+        work_dir: ctx.work_dir.clone(),
+        new_root: new_root.clone(),
+        ro_paths: settings.ro_paths.clone(),
+        hidden_paths: settings.hidden_paths.clone(),
+        network: job.network,
+        tmp_size_mib: settings.tmp_size_mib,
+        nofile: settings.nofile,
+        host_uid: settings.host_uid,
+        host_gid: settings.host_gid,
+        cgroup_procs: cgroup.as_ref().map(|c| c.procs.clone()).unwrap_or_default(),
+        hostname: "byoc-job".into(),
+    };
+    let spec_bytes = serde_json::to_vec(&spec).expect("sandbox spec serialises");
+    let mut cmd = Command::new(&settings.helper);
+    cmd.args(&settings.helper_args).env_clear().current_dir("/");
+    ctx.sandbox = None;
+    let mut outcome = crate::process::run_process_group(cmd, ctx, Some(spec_bytes)).await;
+
+    if let Some(cg) = &cgroup {
+        if outcome.status != JobStatus::Succeeded && cg.oom_killed() {
+            outcome.status = JobStatus::Failed;
+            outcome.error = Some(format!(
+                "killed: the job exceeded its memory limit of {} MiB",
+                settings.limits.memory_bytes / (1024 * 1024)
+            ));
+        } else if outcome.status != JobStatus::Succeeded && cg.pids_limited() {
+            outcome.error = Some(format!(
+                "{}; the job hit its limit of {} processes",
+                outcome.error.unwrap_or_else(|| "failed".into()),
+                settings.limits.pids
+            ));
+        }
+        // Whatever is left (nothing, normally: init's exit killed the namespace) dies.
+        cg.kill_all_and_remove();
+    }
+    if outcome.status == JobStatus::Failed {
+        match outcome.exit_code {
+            Some(EXIT_SANDBOX_FAILED) => {
+                outcome.error = Some("the sandbox could not be built; the job log says why".into())
+            }
+            Some(EXIT_EXEC_FAILED) if outcome.error.as_deref().is_some_and(|e| e.starts_with("exited")) => {
+                outcome.error = Some("the job's program could not be executed in the sandbox; the job log says why".into())
+            }
+            _ => {}
+        }
+    }
+    let _ = std::fs::remove_dir(&new_root);
+    outcome
+}
