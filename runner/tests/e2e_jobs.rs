@@ -114,21 +114,16 @@ async fn every_envelope_rejection_has_its_reason_code() {
 #[tokio::test]
 async fn cancel_kills_the_whole_tree_and_reports_cancelled() {
     let e = env().await;
-    let pids = e.dir.path().join("pids");
+    // One child in the job's process group, one that left it with setsid, and a shell
+    // that ignores SIGINT: all must be gone after the cancel.
     let id =
-        e.cp.enqueue(script(&format!(
-            "sleep 300 & echo $! >> {p}; sleep 300 & echo $! >> {p}; echo ready; trap '' INT; wait; wait",
-            p = pids.display()
-        )))
-        .unwrap();
+        e.cp.enqueue(script("sleep 3101 & setsid sleep 3102 & echo ready; trap '' INT; wait; wait")).unwrap();
     e.log_contains(&id, "ready").await;
-    assert_eq!(std::fs::read_to_string(&pids).unwrap().lines().count(), 2);
+    assert_eq!(processes_matching("sleep 310").len(), 2, "both children should be running");
     e.cp.cancel(&id).unwrap();
     let v = e.finished(&id).await;
     assert_eq!(v.result.unwrap().status, JobStatus::Cancelled);
-    for pid in std::fs::read_to_string(&pids).unwrap().lines() {
-        assert!(!alive(pid.parse().unwrap()), "process {pid} outlived the cancelled job");
-    }
+    assert_eq!(gone("sleep 310").await, Vec::<i32>::new(), "processes outlived the cancelled job");
 }
 
 #[tokio::test]
@@ -150,30 +145,23 @@ async fn log_upload_recovers_from_416() {
     let id = e.cp.enqueue(script("for i in $(seq 1 2000); do echo \"line $i\"; done")).unwrap();
     let v = e.finished(&id).await;
     let expected: String = (1..=2000).map(|i| format!("line {i}\n")).collect();
-    assert_eq!(String::from_utf8(e.cp.log(&id).unwrap()).unwrap(), expected);
+    assert_eq!(e.output(&id), expected);
     assert!(v.log_416s >= 1, "the lost acknowledgements should have caused a 416: {v:?}");
-    assert_eq!(v.result.unwrap().log_size, expected.len() as u64);
+    assert_eq!(v.result.unwrap().log_size, e.cp.log(&id).unwrap().len() as u64);
 }
 
 #[tokio::test]
 async fn responses_cut_mid_body_are_retried_without_duplicates() {
     let e = env().await;
-    let ran = e.dir.path().join("ran");
     e.cp.set_faults(byoc_control_plane::Faults { cut_rate: 0.3, ..Default::default() }).await.unwrap();
-    let ids: Vec<String> = (0..6)
-        .map(|i| {
-            e.cp.enqueue(script(&format!("echo \"$BYOC_JOB_ID\" >> {}; echo job {i}", ran.display())))
-                .unwrap()
-        })
-        .collect();
+    let ids: Vec<String> = (0..6).map(|i| e.cp.enqueue(script(&format!("echo job {i}"))).unwrap()).collect();
     for (i, id) in ids.iter().enumerate() {
         let v = e.finished(id).await;
         assert_eq!(v.result.unwrap().status, JobStatus::Succeeded);
-        assert_eq!(e.cp.log(id).unwrap(), format!("job {i}\n").as_bytes());
+        assert_eq!(e.output(id), format!("job {i}\n"));
     }
-    let runs = std::fs::read_to_string(&ran).unwrap();
     for id in &ids {
-        assert_eq!(runs.lines().filter(|l| l == id).count(), 1, "job {id} did not run exactly once");
+        assert_eq!(started_count(&e.runner.state_dir, id), 1, "job {id} did not run exactly once");
     }
 }
 
@@ -196,7 +184,7 @@ fn run_local_runs_a_job_file_without_a_control_plane() {
         false,
     );
     assert_eq!(ok.status.code(), Some(0));
-    assert_eq!(String::from_utf8_lossy(&ok.stdout), "hi vendor\n");
+    assert_eq!(job_output(&ok.stdout), "hi vendor\n");
 
     let failing =
         run_local(&serde_json::json!({"kind": "action.script", "spec": {"script": "echo no; exit 7"}}), true);
@@ -204,7 +192,7 @@ fn run_local_runs_a_job_file_without_a_control_plane() {
     let v: serde_json::Value = serde_json::from_slice(&failing.stdout).unwrap();
     assert_eq!(v["status"], "failed");
     assert_eq!(v["exit_code"], 7);
-    assert_eq!(v["log"], "no\n");
+    assert_eq!(job_output(v["log"].as_str().unwrap().as_bytes()), "no\n");
 
     let timeout = run_local(
         &serde_json::json!({"kind": "action.script", "spec": {"script": "sleep 300"}, "timeout_secs": 1}),
@@ -244,22 +232,22 @@ async fn slow_control_plane_answers_do_not_break_jobs() {
     let id = e.cp.enqueue(script("echo slow but fine")).unwrap();
     let v = e.finished(&id).await;
     assert_eq!(v.result.unwrap().status, JobStatus::Succeeded);
-    assert_eq!(e.cp.log(&id).unwrap(), b"slow but fine\n");
+    assert_eq!(e.output(&id), "slow but fine\n");
     assert_eq!(v.claims, 1);
 }
 
 #[tokio::test]
 async fn a_job_re_offered_while_its_claim_is_retried_runs_once() {
     let e = env().await;
-    let ran = e.dir.path().join("ran");
     // Claims fail for longer than the control plane's offer timeout (3 s here), so the
     // same envelope is offered again while the first claim is still being retried.
     e.cp.set_faults(byoc_control_plane::Faults { fail_claims: 8, ..Default::default() }).await.unwrap();
     // The job lasts long enough that a second claim would land while it runs.
-    let id = e.cp.enqueue(script(&format!("echo run >> {}; sleep 4", ran.display()))).unwrap();
+    let id = e.cp.enqueue(script("echo run; sleep 4")).unwrap();
     let v = e.finished(&id).await;
     assert_eq!(v.result.unwrap().status, JobStatus::Succeeded);
-    assert_eq!(std::fs::read_to_string(&ran).unwrap(), "run\n", "the job ran more than once");
+    assert_eq!(started_count(&e.runner.state_dir, &id), 1, "the job ran more than once");
+    assert_eq!(e.output(&id), "run\n");
     let show = e.cli_json(&["jobs", "show", &id]);
     assert_eq!(show["phase"], "reported");
     assert!(e.runner.log().contains("duplicate delivery"), "the re-offer never arrived:\n{}", e.runner.log());

@@ -40,7 +40,7 @@ async fn https_with_a_custom_ca_through_an_https_proxy() {
     let id = cp.enqueue(script("echo over tls")).unwrap();
     let v = cp.wait_for(&id, WAIT, |v| v.result.is_some()).await.expect("job finished");
     assert_eq!(v.result.unwrap().status, JobStatus::Succeeded);
-    assert_eq!(cp.log(&id).unwrap(), b"over tls\n");
+    assert_eq!(job_output(&cp.log(&id).unwrap()), "over tls\n");
     assert!(proxy.tunnels() >= 1, "the runner did not go through HTTPS_PROXY");
     runner.kill9().await;
 }

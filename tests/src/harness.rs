@@ -26,6 +26,10 @@ pub struct RunnerOptions {
     pub extra: String,
     /// Environment for the runner process (e.g. HTTPS_PROXY).
     pub env: Vec<(String, String)>,
+    /// Host directories jobs may read inside the sandbox.
+    pub sandbox_ro_paths: Vec<PathBuf>,
+    /// Appended to the `[sandbox]` table.
+    pub sandbox_extra: String,
 }
 
 impl Default for RunnerOptions {
@@ -41,6 +45,8 @@ impl Default for RunnerOptions {
             control_plane_extra: String::new(),
             extra: String::new(),
             env: Vec::new(),
+            sandbox_ro_paths: Vec::new(),
+            sandbox_extra: String::new(),
         }
     }
 }
@@ -103,6 +109,10 @@ kill_grace_secs = {kg}
 [jobs.groups]
 actions = {al}
 
+[sandbox]
+extra_ro_paths = {ro}
+{sandbox_extra}
+
 [logging]
 target = "stderr"
 level = "info"
@@ -121,6 +131,8 @@ level = "info"
             kg = opts.kill_grace_secs,
             al = opts.actions_limit,
             extra = opts.extra,
+            ro = serde_json::to_string(&opts.sandbox_ro_paths).unwrap_or_else(|_| "[]".into()),
+            sandbox_extra = opts.sandbox_extra,
         );
         std::fs::write(&config_path, config)?;
         Ok(RunnerProcess {

@@ -281,6 +281,12 @@ fn build_root(spec: &SandboxSpec) -> Result<(), String> {
     // The new root is an empty tmpfs: only what is bound below exists in it, so the
     // runner's state dir, keys and config are absent unless a bound path contains them.
     mnt(None, root, Some("tmpfs"), MsFlags::MS_NOSUID | MsFlags::MS_NODEV, Some("mode=0755,size=16m"))?;
+    // A private /tmp, mounted before the read-only binds so an extra path under /tmp
+    // can still be bound into it.
+    let tmp = root.join("tmp");
+    std::fs::create_dir_all(&tmp).map_err(|e| format!("creating {}: {e}", tmp.display()))?;
+    let tmp_opts = format!("mode=1777,size={}m", spec.tmp_size_mib);
+    mnt(None, &tmp, Some("tmpfs"), MsFlags::MS_NOSUID | MsFlags::MS_NODEV, Some(&tmp_opts))?;
     for p in DEFAULT_RO_PATHS.iter().map(PathBuf::from).chain(spec.ro_paths.iter().cloned()) {
         bind_ro(root, &p)?;
     }
@@ -318,11 +324,7 @@ fn build_root(spec: &SandboxSpec) -> Result<(), String> {
     let proc_dir = root.join("proc");
     std::fs::create_dir_all(&proc_dir).map_err(|e| format!("creating {}: {e}", proc_dir.display()))?;
     mnt(None, &proc_dir, Some("proc"), MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC, None)?;
-    // A private /tmp and the job's working directory are the only writable places.
-    let tmp = root.join("tmp");
-    std::fs::create_dir_all(&tmp).map_err(|e| format!("creating {}: {e}", tmp.display()))?;
-    let tmp_opts = format!("mode=1777,size={}m", spec.tmp_size_mib);
-    mnt(None, &tmp, Some("tmpfs"), MsFlags::MS_NOSUID | MsFlags::MS_NODEV, Some(&tmp_opts))?;
+    // The job's working directory is, with /tmp, the only writable place.
     let work = inside(root, Path::new(SANDBOX_WORK_DIR));
     std::fs::create_dir_all(&work).map_err(|e| format!("creating {}: {e}", work.display()))?;
     mnt(Some(&spec.work_dir), &work, None, MsFlags::MS_BIND, None)?;

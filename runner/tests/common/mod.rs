@@ -24,9 +24,66 @@ pub async fn start_cp() -> ControlPlane {
         .expect("control plane starts")
 }
 
+/// Options every suite uses: jobs may read the test's directory (files the test
+/// writes to steer a job) and the directory of the runner binary (the sandbox probe).
+pub fn test_options(dir: &Path) -> RunnerOptions {
+    use std::os::unix::fs::PermissionsExt as _;
+    // The sandboxed job runs as an unprivileged uid: let it traverse the test dir.
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+    RunnerOptions {
+        sandbox_ro_paths: vec![dir.to_path_buf(), Path::new(BIN).parent().unwrap().to_path_buf()],
+        ..Default::default()
+    }
+}
+
+/// A job log without the lines the sandbox adds (which limits were applied).
+pub fn job_output(log: &[u8]) -> String {
+    String::from_utf8_lossy(log).lines().filter(|l| !l.starts_with("[sandbox] ")).map(|l| format!("{l}\n")).collect()
+}
+
+/// How many times the runner journaled `started` for a job: 1 means it ran once.
+pub fn started_count(state_dir: &Path, job_id: &str) -> usize {
+    std::fs::read_to_string(state_dir.join("journal.jsonl"))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v["event"] == "started" && v["job_id"] == job_id)
+        .count()
+}
+
+/// Processes on the host whose command line contains `needle`.
+pub fn processes_matching(needle: &str) -> Vec<i32> {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| {
+            let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            String::from_utf8_lossy(&cmd).replace('\0', " ").contains(needle) && alive(*pid)
+        })
+        .collect()
+}
+
+/// Wait (bounded) until no host process matches `needle`; returns the survivors.
+pub async fn gone(needle: &str) -> Vec<i32> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let left = processes_matching(needle);
+        if left.is_empty() || tokio::time::Instant::now() > deadline {
+            return left;
+        }
+        // The kernel finishes killing a pid namespace asynchronously; re-check shortly.
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 pub async fn env_with(opts: RunnerOptions) -> Env {
     let cp = start_cp().await;
     let dir = tempfile::tempdir().expect("tempdir");
+    let base = test_options(dir.path());
+    let opts = RunnerOptions {
+        sandbox_ro_paths: [base.sandbox_ro_paths, opts.sandbox_ro_paths.clone()].concat(),
+        ..opts
+    };
     let runner = RunnerProcess::start(Path::new(BIN), dir.path(), &cp, &opts).expect("runner starts");
     assert!(wait_polling(&cp, WAIT).await, "runner never polled; log:\n{}", runner.log());
     Env { cp, runner, dir }
@@ -72,6 +129,11 @@ impl Env {
                 self.runner.log()
             ),
         }
+    }
+
+    /// The job's own output as uploaded: its log without the runner's `[sandbox]` lines.
+    pub fn output(&self, job_id: &str) -> String {
+        job_output(&self.cp.log(job_id).unwrap_or_default())
     }
 
     /// Wait until the job's uploaded log contains `needle` (woken by each upload).
