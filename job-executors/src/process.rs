@@ -28,7 +28,11 @@ enum Ending {
 /// Spawn `cmd` in a fresh process group and supervise it to the end. `stdin_data`, if
 /// any, is written to the child's stdin and closed (the sandbox helper's spec);
 /// otherwise stdin is /dev/null.
-pub async fn run_process_group(mut cmd: Command, ctx: ExecContext<'_>, stdin_data: Option<Vec<u8>>) -> ExecOutcome {
+pub async fn run_process_group(
+    mut cmd: Command,
+    ctx: ExecContext<'_>,
+    stdin_data: Option<Vec<u8>>,
+) -> ExecOutcome {
     cmd.stdin(if stdin_data.is_some() { Stdio::piped() } else { Stdio::null() })
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())

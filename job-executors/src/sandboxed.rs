@@ -31,7 +31,8 @@ pub async fn run(job: Job, settings: SandboxSettings, mut ctx: ExecContext<'_>) 
     }
     // As root the job runs as the unprivileged `host_uid`: it must own its directory.
     if nix::unistd::geteuid().is_root()
-        && let Err(e) = std::os::unix::fs::chown(&ctx.work_dir, Some(settings.host_uid), Some(settings.host_gid))
+        && let Err(e) =
+            std::os::unix::fs::chown(&ctx.work_dir, Some(settings.host_uid), Some(settings.host_gid))
     {
         return ExecOutcome::failed(format!("handing {} to the job's uid: {e}", ctx.work_dir.display()));
     }
@@ -95,7 +96,9 @@ pub async fn run(job: Job, settings: SandboxSettings, mut ctx: ExecContext<'_>) 
                 outcome.error = Some("the sandbox could not be built; the job log says why".into())
             }
             Some(EXIT_EXEC_FAILED) if outcome.error.as_deref().is_some_and(|e| e.starts_with("exited")) => {
-                outcome.error = Some("the job's program could not be executed in the sandbox; the job log says why".into())
+                outcome.error = Some(
+                    "the job's program could not be executed in the sandbox; the job log says why".into(),
+                )
             }
             _ => {}
         }

@@ -95,7 +95,10 @@ impl Executor for Script {
                 ("PATH".into(), DEFAULT_PATH.into()),
                 ("HOME".into(), dir.display().to_string()),
                 ("BYOC_JOB_ID".into(), ctx.job_id.clone()),
-                (crate::outputs::OUTPUT_ENV.into(), dir.join(crate::outputs::OUTPUT_FILE).display().to_string()),
+                (
+                    crate::outputs::OUTPUT_ENV.into(),
+                    dir.join(crate::outputs::OUTPUT_FILE).display().to_string(),
+                ),
             ];
             env.extend(self.env.iter().map(|(k, v)| (k.clone(), v.clone())));
             env.extend(self.secret_env.iter().map(|(k, v)| (k.clone(), v.clone())));

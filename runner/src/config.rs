@@ -232,7 +232,12 @@ impl Config {
             cgroups: f.get("cgroups").unwrap_or(true),
             tmp_size_mib: f.ranged("tmp_size_mib", 1024, 1..=1024 * 1024),
             nofile: f.ranged("nofile", 4096, 64..=1_048_576),
-            extra_ro_paths: f.get::<Vec<String>>("extra_ro_paths").unwrap_or_default().into_iter().map(PathBuf::from).collect(),
+            extra_ro_paths: f
+                .get::<Vec<String>>("extra_ro_paths")
+                .unwrap_or_default()
+                .into_iter()
+                .map(PathBuf::from)
+                .collect(),
             uid: f.ranged("uid", 65534, 1..=u32::MAX as u64) as u32,
             gid: f.ranged("gid", 65534, 1..=u32::MAX as u64) as u32,
         };

@@ -125,7 +125,8 @@ pub async fn run(config: Config) -> Result<(), DaemonError> {
     );
     let client = CpClient::new(&config.control_plane)?.with_identity(enrollment.runner_id.clone(), key);
 
-    let helper = std::env::current_exe().map_err(|e| DaemonError::StateDir { path: "current executable".into(), source: e })?;
+    let helper = std::env::current_exe()
+        .map_err(|e| DaemonError::StateDir { path: "current executable".into(), source: e })?;
     let sandbox = crate::pipeline::sandbox_settings(&config, helper);
     match &sandbox {
         Some(s) => tracing::info!(
@@ -134,7 +135,9 @@ pub async fn run(config: Config) -> Result<(), DaemonError> {
             pids = s.limits.pids,
             "job sandbox enabled"
         ),
-        None => tracing::warn!("job sandbox DISABLED by configuration: jobs run with the runner's privileges"),
+        None => {
+            tracing::warn!("job sandbox DISABLED by configuration: jobs run with the runner's privileges")
+        }
     }
     let rt: Rt = Arc::new(Runtime {
         sandbox,

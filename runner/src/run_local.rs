@@ -76,7 +76,10 @@ pub fn local_sandbox(roots: &Path) -> Result<byoc_job_executors::SandboxSettings
         tmp_size_mib: 1024,
         nofile: 4096,
         ro_paths: vec![],
-        hidden_paths: vec![PathBuf::from(crate::config::DEFAULT_STATE_DIR), PathBuf::from("/etc/byoc-runner")],
+        hidden_paths: vec![
+            PathBuf::from(crate::config::DEFAULT_STATE_DIR),
+            PathBuf::from("/etc/byoc-runner"),
+        ],
         host_uid: 65534,
         host_gid: 65534,
     })
@@ -90,7 +93,8 @@ pub async fn run(
     sandboxed: bool,
 ) -> Result<ExecOutcome, RunLocalError> {
     let dir = tempfile::Builder::new().prefix("byoc-run-local-").tempdir().map_err(RunLocalError::WorkDir)?;
-    let roots = tempfile::Builder::new().prefix("byoc-run-local-root-").tempdir().map_err(RunLocalError::WorkDir)?;
+    let roots =
+        tempfile::Builder::new().prefix("byoc-run-local-root-").tempdir().map_err(RunLocalError::WorkDir)?;
     let sandbox = if sandboxed { Some(local_sandbox(roots.path())?) } else { None };
     let cancel = CancellationToken::new();
     let c = cancel.clone();

@@ -83,7 +83,10 @@ impl RunnerProcess {
         opts: &RunnerOptions,
     ) -> std::io::Result<Self> {
         let state_dir = dir.join("state");
-        let config_path = dir.join("runner.toml");
+        // In a directory of its own: the runner hides its config dir from jobs.
+        let config_dir = dir.join("config");
+        std::fs::create_dir_all(&config_dir)?;
+        let config_path = config_dir.join("runner.toml");
         let config = format!(
             r#"[control_plane]
 url = "{url}"

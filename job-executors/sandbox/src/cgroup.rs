@@ -81,7 +81,8 @@ impl JobCgroup {
             Some(Version::V2) => Self::create_v2(job_id, limits),
             Some(Version::V1) => Self::create_v1(job_id, limits),
             None => Err(CgroupError::Unavailable(
-                "neither cgroup v2 with the memory controller nor v1 memory/pids hierarchies are mounted".into(),
+                "neither cgroup v2 with the memory controller nor v1 memory/pids hierarchies are mounted"
+                    .into(),
             )),
         }
     }
@@ -209,7 +210,10 @@ impl JobCgroup {
                 for pid in std::fs::read_to_string(procs).unwrap_or_default().split_whitespace() {
                     if let Ok(pid) = pid.parse::<i32>() {
                         any = true;
-                        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL);
+                        let _ = nix::sys::signal::kill(
+                            nix::unistd::Pid::from_raw(pid),
+                            nix::sys::signal::Signal::SIGKILL,
+                        );
                     }
                 }
             }

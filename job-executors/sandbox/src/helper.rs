@@ -133,7 +133,8 @@ fn read_spec() -> Result<SandboxSpec, String> {
 fn write_id_maps(child: Pid, root_mode: bool, spec: &SandboxSpec) -> Result<(), String> {
     let proc_dir = PathBuf::from(format!("/proc/{child}"));
     let write = |file: &str, text: String| {
-        std::fs::write(proc_dir.join(file), &text).map_err(|e| format!("writing {file} ({}): {e}", text.trim()))
+        std::fs::write(proc_dir.join(file), &text)
+            .map_err(|e| format!("writing {file} ({}): {e}", text.trim()))
     };
     if root_mode {
         write("uid_map", format!("0 0 1\n{SANDBOX_INNER_ID} {} 1\n", spec.host_uid))?;
@@ -181,7 +182,8 @@ fn init(spec: &SandboxSpec, ready: &OwnedFd, root_mode: bool) -> Result<i32, Str
     // are only restrictions.
     let filters = crate::seccomp::job_filters().map_err(|e| e.to_string())?;
     let argv: Vec<CString> = spec.argv.iter().map(|a| cstring(a)).collect::<Result<_, _>>()?;
-    let env: Vec<CString> = spec.env.iter().map(|(k, v)| cstring(&format!("{k}={v}"))).collect::<Result<_, _>>()?;
+    let env: Vec<CString> =
+        spec.env.iter().map(|(k, v)| cstring(&format!("{k}={v}"))).collect::<Result<_, _>>()?;
     let job = match sys::fork().map_err(|e| format!("fork: {e}"))? {
         sys::Forked::Child => {
             let e = exec_job(spec, root_mode, &filters, &argv, &env);
@@ -231,8 +233,20 @@ fn inside(root: &Path, p: &Path) -> PathBuf {
     root.join(p.strip_prefix("/").unwrap_or(p))
 }
 
-fn mnt(src: Option<&Path>, target: &Path, fstype: Option<&str>, flags: MsFlags, data: Option<&str>) -> Result<(), String> {
-    mount(src, target, fstype, flags, data).map_err(|e| format!("mount {} on {}: {e}", src.map(|s| s.display().to_string()).unwrap_or_else(|| fstype.unwrap_or("").into()), target.display()))
+fn mnt(
+    src: Option<&Path>,
+    target: &Path,
+    fstype: Option<&str>,
+    flags: MsFlags,
+    data: Option<&str>,
+) -> Result<(), String> {
+    mount(src, target, fstype, flags, data).map_err(|e| {
+        format!(
+            "mount {} on {}: {e}",
+            src.map(|s| s.display().to_string()).unwrap_or_else(|| fstype.unwrap_or("").into()),
+            target.display()
+        )
+    })
 }
 
 /// Bind `host` read-only at the same path under `root`.
@@ -255,7 +269,11 @@ fn bind_ro(root: &Path, host: &Path) -> Result<(), String> {
         let made = if meta.is_dir() {
             std::fs::create_dir_all(&target)
         } else {
-            target.parent().map(std::fs::create_dir_all).unwrap_or(Ok(())).and_then(|()| std::fs::write(&target, b""))
+            target
+                .parent()
+                .map(std::fs::create_dir_all)
+                .unwrap_or(Ok(()))
+                .and_then(|()| std::fs::write(&target, b""))
         };
         if let Err(e) = made {
             // Under an already read-only bind (an extra path inside /usr, say) a
@@ -269,7 +287,12 @@ fn bind_ro(root: &Path, host: &Path) -> Result<(), String> {
         None,
         &target,
         None,
-        MsFlags::MS_BIND | MsFlags::MS_REMOUNT | MsFlags::MS_RDONLY | MsFlags::MS_NOSUID | MsFlags::MS_NODEV | locked_flags(host),
+        MsFlags::MS_BIND
+            | MsFlags::MS_REMOUNT
+            | MsFlags::MS_RDONLY
+            | MsFlags::MS_NOSUID
+            | MsFlags::MS_NODEV
+            | locked_flags(host),
         None,
     )
 }
@@ -314,12 +337,23 @@ fn build_root(spec: &SandboxSpec) -> Result<(), String> {
         std::fs::write(&target, b"").map_err(|e| format!("creating {}: {e}", target.display()))?;
         mnt(Some(&Path::new("/dev").join(node)), &target, None, MsFlags::MS_BIND, None)?;
     }
-    for (link, dest) in [("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")] {
+    for (link, dest) in [
+        ("fd", "/proc/self/fd"),
+        ("stdin", "/proc/self/fd/0"),
+        ("stdout", "/proc/self/fd/1"),
+        ("stderr", "/proc/self/fd/2"),
+    ] {
         let _ = std::os::unix::fs::symlink(dest, dev.join(link));
     }
     let shm = dev.join("shm");
     std::fs::create_dir_all(&shm).map_err(|e| format!("creating {}: {e}", shm.display()))?;
-    mnt(None, &shm, Some("tmpfs"), MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC, Some("mode=1777,size=64m"))?;
+    mnt(
+        None,
+        &shm,
+        Some("tmpfs"),
+        MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
+        Some("mode=1777,size=64m"),
+    )?;
     // /proc of the new pid namespace: the runner's processes do not appear in it.
     let proc_dir = root.join("proc");
     std::fs::create_dir_all(&proc_dir).map_err(|e| format!("creating {}: {e}", proc_dir.display()))?;
@@ -332,7 +366,11 @@ fn build_root(spec: &SandboxSpec) -> Result<(), String> {
         None,
         &work,
         None,
-        MsFlags::MS_BIND | MsFlags::MS_REMOUNT | MsFlags::MS_NOSUID | MsFlags::MS_NODEV | locked_flags(&spec.work_dir),
+        MsFlags::MS_BIND
+            | MsFlags::MS_REMOUNT
+            | MsFlags::MS_NOSUID
+            | MsFlags::MS_NODEV
+            | locked_flags(&spec.work_dir),
         None,
     )?;
     // Switch to the new root and drop every path to the old one.
@@ -343,7 +381,13 @@ fn build_root(spec: &SandboxSpec) -> Result<(), String> {
     umount2("/.old", MntFlags::MNT_DETACH).map_err(|e| format!("detaching the old root: {e}"))?;
     std::fs::remove_dir("/.old").map_err(|e| format!("removing /.old: {e}"))?;
     // The root tmpfs itself becomes read-only.
-    mnt(None, Path::new("/"), None, MsFlags::MS_REMOUNT | MsFlags::MS_RDONLY | MsFlags::MS_NOSUID | MsFlags::MS_NODEV, None)
+    mnt(
+        None,
+        Path::new("/"),
+        None,
+        MsFlags::MS_REMOUNT | MsFlags::MS_RDONLY | MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
+        None,
+    )
 }
 
 /// In the job process: restrictions only, then exec. Returns only on failure.
@@ -356,7 +400,8 @@ fn exec_job(
 ) -> String {
     let step = || -> Result<(), String> {
         // Signals back to normal for the job (the helper and init block them).
-        sigprocmask(SigmaskHow::SIG_SETMASK, Some(&SigSet::empty()), None).map_err(|e| format!("signal mask: {e}"))?;
+        sigprocmask(SigmaskHow::SIG_SETMASK, Some(&SigSet::empty()), None)
+            .map_err(|e| format!("signal mask: {e}"))?;
         nix::unistd::chdir(SANDBOX_WORK_DIR).map_err(|e| format!("chdir {SANDBOX_WORK_DIR}: {e}"))?;
         use nix::sys::resource::{Resource, getrlimit, setrlimit};
         let (_, hard) = getrlimit(Resource::RLIMIT_NOFILE).map_err(|e| format!("getrlimit: {e}"))?;
@@ -365,17 +410,21 @@ fn exec_job(
         setrlimit(Resource::RLIMIT_CORE, 0, 0).map_err(|e| format!("RLIMIT_CORE: {e}"))?;
         // Capabilities: none now, none by exec as (inner) root, none by ambient raise.
         caps::clear(None, caps::CapSet::Ambient).map_err(|e| format!("clearing ambient caps: {e}"))?;
-        caps::clear(None, caps::CapSet::Inheritable).map_err(|e| format!("clearing inheritable caps: {e}"))?;
+        caps::clear(None, caps::CapSet::Inheritable)
+            .map_err(|e| format!("clearing inheritable caps: {e}"))?;
         for cap in caps::all() {
-            caps::drop(None, caps::CapSet::Bounding, cap).map_err(|e| format!("dropping {cap} from the bounding set: {e}"))?;
+            caps::drop(None, caps::CapSet::Bounding, cap)
+                .map_err(|e| format!("dropping {cap} from the bounding set: {e}"))?;
         }
         sys::lock_securebits().map_err(|e| format!("securebits: {e}"))?;
         if root_mode {
             // A distinct unprivileged uid: inner 1000 is the host's `host_uid`.
             let id = SANDBOX_INNER_ID;
             nix::unistd::setgroups(&[]).map_err(|e| format!("setgroups: {e}"))?;
-            nix::unistd::setresgid(Gid::from_raw(id), Gid::from_raw(id), Gid::from_raw(id)).map_err(|e| format!("setresgid: {e}"))?;
-            nix::unistd::setresuid(Uid::from_raw(id), Uid::from_raw(id), Uid::from_raw(id)).map_err(|e| format!("setresuid: {e}"))?;
+            nix::unistd::setresgid(Gid::from_raw(id), Gid::from_raw(id), Gid::from_raw(id))
+                .map_err(|e| format!("setresgid: {e}"))?;
+            nix::unistd::setresuid(Uid::from_raw(id), Uid::from_raw(id), Uid::from_raw(id))
+                .map_err(|e| format!("setresuid: {e}"))?;
         }
         caps::clear(None, caps::CapSet::Effective).map_err(|e| format!("clearing effective caps: {e}"))?;
         caps::clear(None, caps::CapSet::Permitted).map_err(|e| format!("clearing permitted caps: {e}"))?;

@@ -49,21 +49,17 @@ pub fn run(args: &ProbeArgs<'_>) -> Report {
     let mut add = |name: &str, (held, detail): (bool, String)| {
         checks.push(Check { name: name.into(), held, detail });
     };
-    add(
-        "state_dir_absent",
-        if args.state_dir.exists() { (false, "visible".into()) } else { (true, "absent".into()) },
-    );
-    add("identity_key_unreadable", refused(std::fs::read(args.identity_key)));
-    add(
-        "config_dir_hidden",
-        match std::fs::read_dir(args.config_dir) {
-            Ok(mut d) => match d.next() {
-                None => (true, "empty".into()),
-                Some(_) => (false, "listable with entries".into()),
-            },
-            Err(e) => (true, format!("refused: {e}")),
+    // Hidden: absent, or masked (an empty, inaccessible directory).
+    let hidden = |dir: &Path| match std::fs::read_dir(dir) {
+        Ok(mut d) => match d.next() {
+            None => (true, "masked (empty)".into()),
+            Some(_) => (false, "listable with entries".into()),
         },
-    );
+        Err(e) => (true, format!("not listable: {e}")),
+    };
+    add("state_dir_hidden", hidden(args.state_dir));
+    add("identity_key_unreadable", refused(std::fs::read(args.identity_key)));
+    add("config_dir_hidden", hidden(args.config_dir));
     let runner = Pid::from_raw(args.runner_pid);
     add(
         "runner_process_invisible",
@@ -98,14 +94,18 @@ pub fn run(args: &ProbeArgs<'_>) -> Report {
     add("module_load_refused", refused(nix::kmod::init_module(&[], c"")));
     add("chroot_refused", refused(nix::unistd::chroot("/tmp")));
     let cap_eff = status_field("CapEff");
-    add("no_effective_capabilities", (cap_eff.trim_start_matches('0').is_empty(), format!("CapEff {cap_eff}")));
+    add(
+        "no_effective_capabilities",
+        (cap_eff.trim_start_matches('0').is_empty(), format!("CapEff {cap_eff}")),
+    );
     let cap_bnd = status_field("CapBnd");
     add("empty_bounding_set", (cap_bnd.trim_start_matches('0').is_empty(), format!("CapBnd {cap_bnd}")));
     let nnp = status_field("NoNewPrivs");
     add("no_new_privs", (nnp == "1", format!("NoNewPrivs {nnp}")));
     let seccomp = status_field("Seccomp");
     add("seccomp_filter", (seccomp == "2", format!("Seccomp {seccomp}")));
-    let mut env_names: Vec<String> = std::env::vars_os().map(|(k, _)| k.to_string_lossy().into_owned()).collect();
+    let mut env_names: Vec<String> =
+        std::env::vars_os().map(|(k, _)| k.to_string_lossy().into_owned()).collect();
     env_names.sort();
     Report {
         checks,

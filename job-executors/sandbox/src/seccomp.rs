@@ -86,14 +86,16 @@ pub fn job_filters() -> Result<Vec<BpfProgram>, SeccompError> {
     let clone_rules = NAMESPACE_FLAGS
         .iter()
         .map(|flag| {
-            let cond = SeccompCondition::new(0, SeccompCmpArgLen::Qword, SeccompCmpOp::MaskedEq(*flag), *flag)
-                .map_err(|e| err(&e))?;
+            let cond =
+                SeccompCondition::new(0, SeccompCmpArgLen::Qword, SeccompCmpOp::MaskedEq(*flag), *flag)
+                    .map_err(|e| err(&e))?;
             SeccompRule::new(vec![cond]).map_err(|e| err(&e))
         })
         .collect::<Result<Vec<_>, _>>()?;
     rules.insert(libc::SYS_clone, clone_rules);
-    let main = SeccompFilter::new(rules, SeccompAction::Allow, SeccompAction::Errno(libc::EPERM as u32), arch())
-        .map_err(|e| err(&e))?;
+    let main =
+        SeccompFilter::new(rules, SeccompAction::Allow, SeccompAction::Errno(libc::EPERM as u32), arch())
+            .map_err(|e| err(&e))?;
     let clone3 = SeccompFilter::new(
         [(libc::SYS_clone3, vec![])].into_iter().collect(),
         SeccompAction::Allow,

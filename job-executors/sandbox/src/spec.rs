@@ -7,7 +7,8 @@ use serde::{Deserialize, Serialize};
 /// Where the job's working directory appears inside the sandbox.
 pub const SANDBOX_WORK_DIR: &str = "/work";
 /// Host directories visible (read-only) inside every sandbox, when they exist.
-pub const DEFAULT_RO_PATHS: &[&str] = &["/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/opt"];
+pub const DEFAULT_RO_PATHS: &[&str] =
+    &["/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/opt"];
 /// The unprivileged uid/gid the job runs as (inside the sandbox) when the helper can
 /// map one, i.e. when the runner runs as root.
 pub const SANDBOX_INNER_ID: u32 = 1000;

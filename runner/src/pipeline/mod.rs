@@ -51,7 +51,10 @@ pub type Rt = Arc<Runtime>;
 pub const ROOTS_DIR: &str = "roots";
 
 /// Sandbox settings from the configuration: the helper is this very binary.
-pub fn sandbox_settings(config: &Config, helper: std::path::PathBuf) -> Option<byoc_job_executors::SandboxSettings> {
+pub fn sandbox_settings(
+    config: &Config,
+    helper: std::path::PathBuf,
+) -> Option<byoc_job_executors::SandboxSettings> {
     let s = &config.sandbox;
     if !s.enabled {
         return None;

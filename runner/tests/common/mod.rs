@@ -25,20 +25,21 @@ pub async fn start_cp() -> ControlPlane {
 }
 
 /// Options every suite uses: jobs may read the test's directory (files the test
-/// writes to steer a job) and the directory of the runner binary (the sandbox probe).
+/// writes to steer a job, the sandbox probe).
 pub fn test_options(dir: &Path) -> RunnerOptions {
     use std::os::unix::fs::PermissionsExt as _;
     // The sandboxed job runs as an unprivileged uid: let it traverse the test dir.
     std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755)).unwrap();
-    RunnerOptions {
-        sandbox_ro_paths: vec![dir.to_path_buf(), Path::new(BIN).parent().unwrap().to_path_buf()],
-        ..Default::default()
-    }
+    RunnerOptions { sandbox_ro_paths: vec![dir.to_path_buf()], ..Default::default() }
 }
 
 /// A job log without the lines the sandbox adds (which limits were applied).
 pub fn job_output(log: &[u8]) -> String {
-    String::from_utf8_lossy(log).lines().filter(|l| !l.starts_with("[sandbox] ")).map(|l| format!("{l}\n")).collect()
+    String::from_utf8_lossy(log)
+        .lines()
+        .filter(|l| !l.starts_with("[sandbox] "))
+        .map(|l| format!("{l}\n"))
+        .collect()
 }
 
 /// How many times the runner journaled `started` for a job: 1 means it ran once.

@@ -1,0 +1,142 @@
+//! The job sandbox, end to end through the real daemon: a probe reports what a job
+//! can see and do, limits are enforced with a reason that names them, nothing of a job
+//! survives a timeout or a cancel, and network can be switched off.
+
+#![allow(clippy::unwrap_used)] // a failed unwrap is a failed test
+
+mod common;
+
+use byoc_control_plane::EnqueueRequest;
+use byoc_control_plane::harness::RunnerOptions;
+use byoc_protocol::JobStatus;
+use common::*;
+
+#[tokio::test]
+async fn probe_inside_the_sandbox_finds_every_escape_closed() {
+    let e = env().await;
+    let runner_pid = e.runner.pid().unwrap();
+    // The probe is this binary; place it where jobs may read (the test dir is bound
+    // read-only; the build dir may sit under a path the sandbox uses, such as /work).
+    let probe = e.dir.path().join("probe");
+    if std::fs::hard_link(BIN, &probe).is_err() {
+        std::fs::copy(BIN, &probe).unwrap();
+    }
+    let id =
+        e.cp.enqueue(EnqueueRequest::new(
+            "action.script",
+            serde_json::json!({
+                "script": format!(
+                    "exec {} sandbox-probe --runner-pid {runner_pid} --state-dir {} --config-dir {}",
+                    probe.display(),
+                    e.runner.state_dir.display(),
+                    e.runner.config_path.parent().unwrap().display()
+                ),
+                "env": {"DECLARED": "yes"},
+            }),
+        ))
+        .unwrap();
+    let v = e.finished(&id).await;
+    let out = e.output(&id);
+    assert_eq!(v.result.unwrap().status, JobStatus::Succeeded, "{out}");
+    let report: serde_json::Value =
+        serde_json::from_str(out.trim()).unwrap_or_else(|_| panic!("probe printed {out}"));
+    let checks = report["checks"].as_array().unwrap();
+    assert!(checks.len() >= 20, "{report}");
+    let failed: Vec<&serde_json::Value> = checks.iter().filter(|c| c["held"] != true).collect();
+    assert!(failed.is_empty(), "escapes possible: {failed:#?}");
+    // Only the declared environment.
+    let mut env: Vec<&str> =
+        report["env_names"].as_array().unwrap().iter().map(|v| v.as_str().unwrap()).collect();
+    env.sort();
+    // PWD is the shell's own; nothing of the runner's environment is there.
+    assert_eq!(env, ["BYOC_JOB_ID", "BYOC_OUTPUT", "DECLARED", "HOME", "PATH", "PWD"]);
+    assert_eq!(report["hostname"], "byoc-job");
+    // Running as root, the runner gives jobs a distinct unprivileged uid.
+    assert_eq!(report["uid"], 1000);
+    // The identity key itself is untouched by all this.
+    assert!(e.runner.state_dir.join("identity.key").exists());
+}
+
+#[tokio::test]
+async fn memory_limit_kills_the_job_and_says_so() {
+    let e = env_with(RunnerOptions { sandbox_extra: "memory_mib = 64".into(), ..Default::default() }).await;
+    // `tail` keeps a whole newline-free "line" in memory.
+    let id =
+        e.cp.enqueue(script("set -e; head -c 400000000 /dev/zero | tail > /dev/null; echo survived"))
+            .unwrap();
+    let v = e.finished(&id).await;
+    let r = v.result.unwrap();
+    assert_eq!(r.status, JobStatus::Failed, "{:?}", e.output(&id));
+    assert!(r.error.as_deref().unwrap_or("").contains("memory limit of 64 MiB"), "{:?}", r.error);
+    assert!(
+        String::from_utf8_lossy(&e.cp.log(&id).unwrap())
+            .contains("[sandbox] cgroup V1 limits: memory 64 MiB")
+    );
+}
+
+#[tokio::test]
+async fn pids_limit_stops_a_fork_bomb_and_says_so() {
+    let e = env_with(RunnerOptions { sandbox_extra: "pids = 16".into(), ..Default::default() }).await;
+    let mut req = script("for i in $(seq 1 40); do sleep 3301 & done; wait");
+    req.timeout_secs = 60;
+    let id = e.cp.enqueue(req).unwrap();
+    let v = e.finished(&id).await;
+    let r = v.result.unwrap();
+    assert_eq!(r.status, JobStatus::Failed, "{:?}", e.output(&id));
+    assert!(r.error.as_deref().unwrap_or("").contains("limit of 16 processes"), "{:?}", r.error);
+    assert_eq!(gone("sleep 3301").await, Vec::<i32>::new(), "the fork bomb outlived its job");
+}
+
+#[tokio::test]
+async fn a_timeout_leaves_no_process_behind_even_one_that_left_the_group() {
+    let e = env().await;
+    let mut req = script("setsid sleep 3401 & (trap '' TERM INT; exec sleep 3402) & echo ready; wait");
+    req.timeout_secs = 2;
+    let id = e.cp.enqueue(req).unwrap();
+    e.log_contains(&id, "ready").await;
+    assert_eq!(processes_matching("sleep 340").len(), 2);
+    let v = e.finished(&id).await;
+    assert_eq!(v.result.unwrap().status, JobStatus::TimedOut);
+    assert_eq!(gone("sleep 340").await, Vec::<i32>::new(), "processes outlived the job");
+}
+
+#[tokio::test]
+async fn network_can_be_switched_off_per_job() {
+    let e = env().await;
+    let port = e.cp.runner_url().rsplit(':').next().unwrap().to_string();
+    let probe = format!(
+        "if (exec 3<>/dev/tcp/127.0.0.1/{port}) 2>/dev/null; then echo connected; else echo refused; fi"
+    );
+    let on =
+        e.cp.enqueue(EnqueueRequest::new(
+            "action.script",
+            serde_json::json!({"script": probe, "interpreter": "/bin/bash"}),
+        ))
+        .unwrap();
+    let off =
+        e.cp.enqueue(EnqueueRequest::new(
+            "action.script",
+            serde_json::json!({"script": probe, "interpreter": "/bin/bash", "network": false}),
+        ))
+        .unwrap();
+    e.finished(&on).await;
+    e.finished(&off).await;
+    assert_eq!(e.output(&on), "connected\n");
+    assert_eq!(e.output(&off), "refused\n");
+}
+
+#[tokio::test]
+async fn a_missing_program_fails_with_a_clear_reason() {
+    let e = env().await;
+    let id =
+        e.cp.enqueue(EnqueueRequest::new(
+            "action.script",
+            serde_json::json!({"script": "true", "interpreter": "/nonexistent/shell"}),
+        ))
+        .unwrap();
+    let v = e.finished(&id).await;
+    let r = v.result.unwrap();
+    assert_eq!(r.status, JobStatus::Failed);
+    assert!(r.error.unwrap().contains("could not be executed"), "{}", e.output(&id));
+    assert!(e.output(&id).contains("exec /nonexistent/shell"));
+}
