@@ -82,6 +82,25 @@ fn unit_stop_timeout_covers_the_default_drain_grace() {
     assert!(stop > default_drain, "TimeoutStopSec {stop} must exceed the default drain grace");
 }
 
+#[test]
+fn unit_leaves_the_sandbox_what_it_needs() {
+    let text = std::fs::read_to_string(unit_path()).unwrap();
+    let settings: Vec<&str> = text.lines().filter(|l| !l.starts_with('#')).collect();
+    // These overmount /proc, and the kernel then refuses each sandbox's own /proc.
+    for forbidden in ["ProtectKernelTunables=", "ProtectKernelLogs=", "ProtectProc=", "ProcSubset="] {
+        assert!(!settings.iter().any(|l| l.starts_with(forbidden)), "{forbidden} breaks the job sandbox");
+    }
+    let ns = settings.iter().find_map(|l| l.strip_prefix("RestrictNamespaces=")).unwrap();
+    for needed in ["user", "mnt", "pid", "ipc", "uts", "net"] {
+        assert!(ns.split_whitespace().any(|n| n == needed), "RestrictNamespaces must allow {needed}");
+    }
+    let allow = settings.iter().find(|l| l.starts_with("SystemCallFilter=") && !l.contains('~')).unwrap();
+    for needed in ["@mount", "sethostname", "setresuid", "seccomp", "landlock_restrict_self"] {
+        assert!(allow.contains(needed), "the system-call allow list lacks {needed}");
+    }
+    assert!(settings.contains(&"Delegate=yes"), "per-job cgroups need a delegated subtree");
+}
+
 /// The wrapper puts the runner in a private mount namespace with its own journald,
 /// whose journal lands in `journal_dir` for journalctl to read.
 fn journald_wrapper(dir: &Path, journal_dir: &Path) -> PathBuf {

@@ -135,13 +135,27 @@ impl JobCgroup {
     }
 
     fn create_v2(job_id: &str, limits: Limits) -> Result<JobCgroup, CgroupError> {
-        // Under systemd (Delegate=yes) the runner's own cgroup holds the runner, so
-        // jobs go in a sibling subtree `<own>/jobs/…` with controllers enabled; a
-        // cgroup with processes cannot also hand controllers to children.
+        // Under systemd (Delegate=yes) the runner owns its unit's cgroup. A cgroup with
+        // processes cannot hand controllers to children ("no internal processes"), so
+        // the runner first moves itself into `<own>/supervisor`, then jobs go under
+        // `<own>/byoc-jobs/job-<id>` with memory, pids and cpu enabled.
         let own = own_path(None).unwrap_or_else(|| "/".into());
         let base = Path::new(ROOT).join(own.trim_start_matches('/'));
         let jobs = base.join("byoc-jobs");
         if !jobs.exists() {
+            if own != "/" {
+                let supervisor = base.join("supervisor");
+                if !supervisor.exists() {
+                    std::fs::create_dir(&supervisor).map_err(io("creating", &supervisor))?;
+                }
+                let procs = std::fs::read_to_string(base.join("cgroup.procs")).unwrap_or_default();
+                let target = supervisor.join("cgroup.procs");
+                for pid in procs.split_whitespace() {
+                    std::fs::write(&target, pid).map_err(io("moving the runner into", &target))?;
+                }
+                let ctl = base.join("cgroup.subtree_control");
+                std::fs::write(&ctl, "+memory +pids +cpu").map_err(io("enabling controllers in", &ctl))?;
+            }
             std::fs::create_dir(&jobs).map_err(io("creating", &jobs))?;
         }
         let subtree = jobs.join("cgroup.subtree_control");

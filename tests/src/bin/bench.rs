@@ -26,6 +26,83 @@ struct Args {
     idle_secs: u64,
     #[arg(long)]
     runner_bin: Option<PathBuf>,
+    /// Runs for the sandbox start-overhead figure.
+    #[arg(long, default_value_t = 200)]
+    sandbox_runs: usize,
+}
+
+/// Wall clock in microseconds.
+fn now_us() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_micros() as u64)
+        .unwrap_or(0)
+}
+
+/// The child's first act: print the wall clock in µs (a bash builtin, no extra process).
+const FIRST_INSTRUCTION: &str = "echo ${EPOCHREALTIME/./}";
+
+async fn plain_spawn_us() -> anyhow::Result<u64> {
+    let t0 = now_us();
+    let out = tokio::process::Command::new("/bin/bash")
+        .args(["-c", FIRST_INSTRUCTION])
+        .env_clear()
+        .output()
+        .await?;
+    let t1: u64 = String::from_utf8_lossy(&out.stdout).trim().parse()?;
+    Ok(t1.saturating_sub(t0))
+}
+
+/// Spawn to first instruction through the sandbox, including the per-job cgroup.
+async fn sandboxed_spawn_us(
+    runner_bin: &std::path::Path,
+    dir: &std::path::Path,
+    n: usize,
+) -> anyhow::Result<u64> {
+    use tokio::io::AsyncWriteExt as _;
+    let work = dir.join(format!("work-{n}"));
+    let root = dir.join(format!("root-{n}"));
+    std::fs::create_dir_all(&work)?;
+    std::fs::create_dir_all(&root)?;
+    use std::os::unix::fs::PermissionsExt as _;
+    std::fs::set_permissions(&work, std::fs::Permissions::from_mode(0o777))?;
+    let t0 = now_us();
+    let limits = byoc_sandbox::cgroup::Limits { memory_bytes: 512 << 20, pids: 256, cpu_millis: 1000 };
+    let cgroup = byoc_sandbox::cgroup::JobCgroup::create(&format!("bench-{n}"), limits).ok();
+    let spec = byoc_sandbox::SandboxSpec {
+        argv: vec!["/bin/bash".into(), "-c".into(), FIRST_INSTRUCTION.into()],
+        env: vec![("PATH".into(), "/usr/bin:/bin".into())],
+        work_dir: work.clone(),
+        new_root: root.clone(),
+        ro_paths: vec![],
+        hidden_paths: vec![],
+        network: true,
+        tmp_size_mib: 64,
+        nofile: 1024,
+        host_uid: 65534,
+        host_gid: 65534,
+        cgroup_procs: cgroup.as_ref().map(|c| c.procs.clone()).unwrap_or_default(),
+        hostname: "byoc-job".into(),
+    };
+    let mut child = tokio::process::Command::new(runner_bin)
+        .arg("sandbox-exec")
+        .env_clear()
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()?;
+    let mut stdin = child.stdin.take().context("stdin")?;
+    stdin.write_all(&serde_json::to_vec(&spec)?).await?;
+    drop(stdin);
+    let out = child.wait_with_output().await?;
+    if let Some(cg) = cgroup {
+        cg.kill_all_and_remove();
+    }
+    let text = String::from_utf8_lossy(&out.stdout);
+    let t1: u64 = text.trim().parse().with_context(|| {
+        format!("sandboxed child printed {text:?}, stderr {:?}", String::from_utf8_lossy(&out.stderr))
+    })?;
+    Ok(t1.saturating_sub(t0))
 }
 
 fn percentile(sorted: &[u64], p: f64) -> u64 {
@@ -54,6 +131,27 @@ async fn main() -> anyhow::Result<()> {
     if !runner_bin.exists() {
         bail!("runner binary {} not found", runner_bin.display());
     }
+    // Sandbox start overhead: spawn → the child's first instruction, plain vs sandboxed.
+    let sdir = tempfile::tempdir()?;
+    let mut plain = Vec::with_capacity(args.sandbox_runs);
+    let mut sandboxed = Vec::with_capacity(args.sandbox_runs);
+    for n in 0..args.sandbox_runs {
+        plain.push(plain_spawn_us().await?);
+        sandboxed.push(sandboxed_spawn_us(&runner_bin, sdir.path(), n).await?);
+    }
+    plain.sort_unstable();
+    sandboxed.sort_unstable();
+    let (p50p, p50s) = (percentile(&plain, 0.5), percentile(&sandboxed, 0.5));
+    println!(
+        "sandbox start, spawn -> first instruction (n={}): plain p50 {:.2} ms p99 {:.2} ms; sandboxed (cgroup + namespaces + mounts + seccomp + Landlock) p50 {:.2} ms p99 {:.2} ms; overhead p50 {:.2} ms (target <= 10 ms)",
+        args.sandbox_runs,
+        p50p as f64 / 1000.0,
+        percentile(&plain, 0.99) as f64 / 1000.0,
+        p50s as f64 / 1000.0,
+        percentile(&sandboxed, 0.99) as f64 / 1000.0,
+        p50s.saturating_sub(p50p) as f64 / 1000.0
+    );
+
     let cp = ControlPlane::start(ControlPlaneConfig::default()).await?;
     let dir = tempfile::tempdir()?;
     let opts = RunnerOptions { heartbeat_secs: 15, ..Default::default() };
@@ -83,7 +181,13 @@ async fn main() -> anyhow::Result<()> {
             .wait_for(&id, Duration::from_secs(30), |v| v.result.is_some())
             .await
             .context("job did not finish")?;
-        let log = String::from_utf8_lossy(&cp.log(&id).unwrap_or_default()).trim().to_string();
+        // The last line is the job's; a `[sandbox]` line about its limits comes first.
+        let log = String::from_utf8_lossy(&cp.log(&id).unwrap_or_default())
+            .trim()
+            .lines()
+            .last()
+            .unwrap_or("")
+            .to_string();
         let child_ms: u64 = log.parse().with_context(|| format!("job printed {log:?}"))?;
         to_child.push(child_ms.saturating_sub(enqueued));
         if let Some(p) = v.pickup_ms {
