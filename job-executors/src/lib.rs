@@ -12,6 +12,7 @@ use std::time::Duration;
 pub use byoc_protocol::JobStatus;
 use tokio_util::sync::CancellationToken;
 
+pub mod container;
 pub mod mask;
 pub mod noop;
 pub mod outputs;
@@ -51,6 +52,17 @@ pub struct SandboxSettings {
     pub host_gid: u32,
 }
 
+/// How `action.container` reaches the Docker Engine, and the limits it applies.
+#[derive(Debug, Clone)]
+pub struct ContainerSettings {
+    pub docker_socket: PathBuf,
+    pub memory_bytes: u64,
+    pub pids: u64,
+    /// Host uid/gid the container's process runs as.
+    pub uid: u32,
+    pub gid: u32,
+}
+
 pub struct ExecContext<'a> {
     pub job_id: String,
     /// The job's private working directory (created 0700 by the runner).
@@ -61,6 +73,8 @@ pub struct ExecContext<'a> {
     pub cancel: CancellationToken,
     pub output: &'a mut dyn OutputSink,
     pub sandbox: Option<SandboxSettings>,
+    /// `None`: container actions are refused.
+    pub containers: Option<ContainerSettings>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -100,9 +114,10 @@ pub async fn run_masked(exec: &dyn Executor, ctx: ExecContext<'_>) -> ExecOutcom
         Ok(m) => m,
         Err(e) => return ExecOutcome::failed(e.to_string()),
     };
-    let ExecContext { job_id, work_dir, timeout, kill_grace, cancel, output, sandbox } = ctx;
+    let ExecContext { job_id, work_dir, timeout, kill_grace, cancel, output, sandbox, containers } = ctx;
     let mut sink = mask::MaskingSink::new(masker.clone(), output);
-    let inner = ExecContext { job_id, work_dir, timeout, kill_grace, cancel, output: &mut sink, sandbox };
+    let inner =
+        ExecContext { job_id, work_dir, timeout, kill_grace, cancel, output: &mut sink, sandbox, containers };
     let mut outcome = exec.run(inner).await;
     if let Err(e) = sink.flush_end() {
         outcome = ExecOutcome { error: Some(format!("writing job log: {e}")), ..ExecOutcome::failed("") };
@@ -136,6 +151,10 @@ pub fn build(kind: &str, spec: &serde_json::Value) -> Result<Box<dyn Executor>, 
     match kind {
         "runner.noop" => Ok(Box::new(
             noop::Noop::from_spec(spec).map_err(|reason| SpecError::Invalid { kind: kind.into(), reason })?,
+        )),
+        "action.container" => Ok(Box::new(
+            container::Container::from_spec(spec)
+                .map_err(|reason| SpecError::Invalid { kind: kind.into(), reason })?,
         )),
         "action.script" => Ok(Box::new(
             script::Script::from_spec(spec)

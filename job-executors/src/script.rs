@@ -160,6 +160,7 @@ mod tests {
             cancel,
             output: &mut out,
             sandbox: None,
+            containers: None,
         };
         let outcome = crate::run_masked(s, ctx).await;
         (outcome, String::from_utf8_lossy(&out).into_owned())

@@ -20,7 +20,7 @@ pub const MAX_PAYLOAD_BYTES: usize = 256 * 1024;
 pub const LOG_OFFSET_HEADER: &str = "x-log-offset";
 
 /// Job kinds this protocol version defines. A runner rejects anything else.
-pub const KNOWN_KINDS: &[&str] = &["runner.noop", "action.script"];
+pub const KNOWN_KINDS: &[&str] = &["runner.noop", "action.script", "action.container"];
 
 /// Concurrency group of a job kind: jobs in different groups run side by side,
 /// each group has its own limit (deploys one at a time, actions alongside them).

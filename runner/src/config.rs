@@ -22,6 +22,7 @@ pub struct Config {
     pub jobs: JobsConfig,
     pub logging: LoggingConfig,
     pub sandbox: SandboxConfig,
+    pub containers: ContainersConfig,
     /// Where the configuration was read from (hidden from jobs).
     pub source: PathBuf,
     /// SHA-256 of the effective configuration (file plus overrides), for the audit trail.
@@ -91,6 +92,13 @@ pub struct SandboxConfig {
 }
 
 #[derive(Debug, Clone)]
+pub struct ContainersConfig {
+    /// Run `action.container` jobs through the Docker Engine.
+    pub enabled: bool,
+    pub docker_socket: PathBuf,
+}
+
+#[derive(Debug, Clone)]
 pub struct LoggingConfig {
     pub target: LogTarget,
     pub level: String,
@@ -133,6 +141,7 @@ impl Config {
         let jobs_t = top.table("jobs");
         let logging_t = top.table("logging");
         let sandbox_t = top.table("sandbox");
+        let containers_t = top.table("containers");
         top.finish();
 
         let mut f = Fields::new("control_plane", cp_t, &mut problems);
@@ -247,6 +256,20 @@ impl Config {
                 problems.push(format!("sandbox.extra_ro_paths: {} must be an absolute path", p.display()));
             }
         }
+        let mut f = Fields::new("containers", containers_t, &mut problems);
+        let containers = ContainersConfig {
+            enabled: f.get("enabled").unwrap_or(true),
+            docker_socket: PathBuf::from(
+                f.get::<String>("docker_socket").unwrap_or_else(|| "/var/run/docker.sock".into()),
+            ),
+        };
+        f.finish();
+        if !containers.docker_socket.is_absolute() {
+            problems.push(format!(
+                "containers.docker_socket: {} must be an absolute path",
+                containers.docker_socket.display()
+            ));
+        }
         if backoff_initial > backoff_max {
             problems.push("poll.backoff_initial_ms: larger than poll.backoff_max_secs".into());
         }
@@ -279,6 +302,7 @@ impl Config {
             },
             logging: LoggingConfig { target, level },
             sandbox,
+            containers,
             source: PathBuf::from(source_name),
             digest,
         })

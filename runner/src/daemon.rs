@@ -139,8 +139,10 @@ pub async fn run(config: Config) -> Result<(), DaemonError> {
             tracing::warn!("job sandbox DISABLED by configuration: jobs run with the runner's privileges")
         }
     }
+    let containers = crate::pipeline::container_settings(&config);
     let rt: Rt = Arc::new(Runtime {
         sandbox,
+        containers,
         runner_id: enrollment.runner_id.clone(),
         install_id: enrollment.install_id.clone(),
         state_dir: state_dir.clone(),

@@ -117,6 +117,13 @@ pub async fn run(
         cancel,
         output,
         sandbox,
+        containers: Some(byoc_job_executors::ContainerSettings {
+            docker_socket: PathBuf::from("/var/run/docker.sock"),
+            memory_bytes: 2048 << 20,
+            pids: 1024,
+            uid: 65534,
+            gid: 65534,
+        }),
     };
     let outcome = byoc_job_executors::run_masked(exec, ctx).await;
     ctrl_c.abort();

@@ -10,7 +10,7 @@
 pub mod cgroup;
 pub mod helper;
 pub mod probe;
-mod seccomp;
+pub mod seccomp;
 pub mod spec;
 mod sys;
 

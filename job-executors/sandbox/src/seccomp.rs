@@ -112,3 +112,101 @@ pub fn apply(filters: &[BpfProgram]) -> Result<(), SeccompError> {
     }
     Ok(())
 }
+
+/// The same policy as a Docker seccomp profile (JSON), for `action.container`: allow by
+/// default, EPERM for the denied calls and for `clone` with a namespace flag, ENOSYS
+/// for `clone3`. Syscall names come from the kernel's numbers via the libc table below.
+pub fn docker_profile() -> String {
+    let names: Vec<&str> = DENIED.iter().filter_map(|n| syscall_name(*n)).collect();
+    let clone_rules: Vec<serde_json::Value> = NAMESPACE_FLAGS
+        .iter()
+        .map(|f| {
+            serde_json::json!({
+                "names": ["clone"],
+                "action": "SCMP_ACT_ERRNO",
+                "errnoRet": libc::EPERM,
+                "args": [{"index": 0, "value": f, "valueTwo": f, "op": "SCMP_CMP_MASKED_EQ"}]
+            })
+        })
+        .collect();
+    let mut syscalls = vec![
+        serde_json::json!({"names": names, "action": "SCMP_ACT_ERRNO", "errnoRet": libc::EPERM}),
+        serde_json::json!({"names": ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": libc::ENOSYS}),
+    ];
+    syscalls.extend(clone_rules);
+    serde_json::json!({
+        "defaultAction": "SCMP_ACT_ALLOW",
+        "architectures": ["SCMP_ARCH_X86_64", "SCMP_ARCH_AARCH64"],
+        "syscalls": syscalls,
+    })
+    .to_string()
+}
+
+fn syscall_name(nr: i64) -> Option<&'static str> {
+    Some(match nr {
+        libc::SYS_ptrace => "ptrace",
+        libc::SYS_process_vm_readv => "process_vm_readv",
+        libc::SYS_process_vm_writev => "process_vm_writev",
+        libc::SYS_mount => "mount",
+        libc::SYS_umount2 => "umount2",
+        libc::SYS_pivot_root => "pivot_root",
+        libc::SYS_chroot => "chroot",
+        libc::SYS_open_tree => "open_tree",
+        libc::SYS_move_mount => "move_mount",
+        libc::SYS_fsopen => "fsopen",
+        libc::SYS_fsconfig => "fsconfig",
+        libc::SYS_fsmount => "fsmount",
+        libc::SYS_fspick => "fspick",
+        libc::SYS_mount_setattr => "mount_setattr",
+        libc::SYS_unshare => "unshare",
+        libc::SYS_setns => "setns",
+        libc::SYS_kexec_load => "kexec_load",
+        libc::SYS_kexec_file_load => "kexec_file_load",
+        libc::SYS_init_module => "init_module",
+        libc::SYS_finit_module => "finit_module",
+        libc::SYS_delete_module => "delete_module",
+        libc::SYS_bpf => "bpf",
+        libc::SYS_perf_event_open => "perf_event_open",
+        libc::SYS_keyctl => "keyctl",
+        libc::SYS_add_key => "add_key",
+        libc::SYS_request_key => "request_key",
+        libc::SYS_userfaultfd => "userfaultfd",
+        libc::SYS_open_by_handle_at => "open_by_handle_at",
+        libc::SYS_name_to_handle_at => "name_to_handle_at",
+        libc::SYS_swapon => "swapon",
+        libc::SYS_swapoff => "swapoff",
+        libc::SYS_reboot => "reboot",
+        libc::SYS_acct => "acct",
+        libc::SYS_quotactl => "quotactl",
+        libc::SYS_syslog => "syslog",
+        libc::SYS_settimeofday => "settimeofday",
+        libc::SYS_clock_settime => "clock_settime",
+        libc::SYS_clock_adjtime => "clock_adjtime",
+        libc::SYS_adjtimex => "adjtimex",
+        libc::SYS_iopl => "iopl",
+        libc::SYS_ioperm => "ioperm",
+        libc::SYS_lookup_dcookie => "lookup_dcookie",
+        _ => return None,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_denied_call_has_a_name_in_the_docker_profile() {
+        for nr in DENIED {
+            assert!(syscall_name(*nr).is_some(), "syscall {nr} has no name");
+        }
+        let profile: serde_json::Value = serde_json::from_str(&docker_profile()).unwrap();
+        let names = profile["syscalls"][0]["names"].as_array().unwrap();
+        assert_eq!(names.len(), DENIED.len());
+        assert!(names.iter().any(|n| n == "ptrace") && names.iter().any(|n| n == "unshare"));
+    }
+
+    #[test]
+    fn filters_build_for_this_architecture() {
+        assert_eq!(job_filters().unwrap().len(), 2);
+    }
+}

@@ -49,6 +49,7 @@ pub async fn execute(rt: &Rt, job: ClaimedJob) -> Result<FinishedJob, JournalErr
                 cancel,
                 output: &mut spool,
                 sandbox: rt.sandbox.clone(),
+                containers: rt.containers.clone(),
             };
             outcome = byoc_job_executors::run_masked(job.verified.executor.as_ref(), ctx).await;
             done.cancel();

@@ -40,6 +40,7 @@ pub struct Runtime {
     pub abort: CancellationToken,
     /// How process jobs are sandboxed (None: disabled by configuration).
     pub sandbox: Option<byoc_job_executors::SandboxSettings>,
+    pub containers: Option<byoc_job_executors::ContainerSettings>,
     /// Cancelled when the daemon stops for good: reporting loops give up (the journal
     /// keeps what was not reported, for the next start).
     pub stop_reporting: CancellationToken,
@@ -49,6 +50,18 @@ pub type Rt = Arc<Runtime>;
 
 /// The directory under the state dir where per-job sandbox root mount points live.
 pub const ROOTS_DIR: &str = "roots";
+
+/// Container settings from the configuration (limits shared with the sandbox).
+pub fn container_settings(config: &Config) -> Option<byoc_job_executors::ContainerSettings> {
+    let c = &config.containers;
+    c.enabled.then(|| byoc_job_executors::ContainerSettings {
+        docker_socket: c.docker_socket.clone(),
+        memory_bytes: config.sandbox.memory_mib * 1024 * 1024,
+        pids: config.sandbox.pids,
+        uid: config.sandbox.uid,
+        gid: config.sandbox.gid,
+    })
+}
 
 /// Sandbox settings from the configuration: the helper is this very binary.
 pub fn sandbox_settings(

@@ -206,3 +206,53 @@ pub fn alive(pid: i32) -> bool {
         Err(_) => false,
     }
 }
+
+/// Build a local Docker image offline (`docker import` of a rootfs): static busybox
+/// with its applets, plus `extra` (host file, path in the image) copies.
+pub fn import_image(tag: &str, extra: &[(&Path, &Path)]) -> String {
+    let busybox = Path::new("/bin/busybox");
+    assert!(busybox.exists(), "busybox-static is required (apt-get install busybox-static)");
+    let root = tempfile::tempdir().unwrap();
+    let bin = root.path().join("bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    std::fs::copy(busybox, bin.join("busybox")).unwrap();
+    let list = std::process::Command::new(busybox).arg("--list").output().unwrap();
+    for applet in String::from_utf8_lossy(&list.stdout).lines() {
+        let _ = std::os::unix::fs::symlink("busybox", bin.join(applet));
+    }
+    for dir in ["tmp", "work", "etc", "proc", "sys", "dev"] {
+        std::fs::create_dir_all(root.path().join(dir)).unwrap();
+    }
+    // As in any real image; Docker copies the image's /tmp mode onto its tmpfs.
+    use std::os::unix::fs::PermissionsExt as _;
+    std::fs::set_permissions(root.path().join("tmp"), std::fs::Permissions::from_mode(0o1777)).unwrap();
+    for (file, at) in extra {
+        let dest = root.path().join(at.strip_prefix("/").unwrap());
+        std::fs::create_dir_all(dest.parent().unwrap()).unwrap();
+        std::fs::copy(file, &dest).unwrap();
+    }
+    let mut tar = std::process::Command::new("tar")
+        .arg("-C")
+        .arg(root.path())
+        .args(["-cf", "-", "."])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let out = std::process::Command::new("docker")
+        .args(["import", "-", tag])
+        .stdin(tar.stdout.take().unwrap())
+        .output()
+        .expect("docker is required");
+    assert!(tar.wait().unwrap().success(), "tar of the image rootfs failed");
+    assert!(out.status.success(), "docker import failed: {}", String::from_utf8_lossy(&out.stderr));
+    tag.to_string()
+}
+
+/// Containers (running or not) labelled as this job's.
+pub fn job_containers(job_id: &str) -> Vec<String> {
+    let out = std::process::Command::new("docker")
+        .args(["ps", "-a", "-q", "--filter", &format!("label=byoc-runner.job={job_id}")])
+        .output()
+        .expect("docker is required");
+    String::from_utf8_lossy(&out.stdout).split_whitespace().map(str::to_string).collect()
+}

@@ -1,0 +1,278 @@
+//! `action.container`: run an image through the Docker Engine API, locked down.
+//!
+//! ```json
+//! {"image": "registry.example/tools/migrate@sha256:…", "command": ["migrate", "up"],
+//!  "env": {"NAME": "value"}, "secret_env": {"TOKEN": "…"}, "network": true}
+//! ```
+//!
+//! The container is never privileged: all capabilities dropped, read-only root
+//! filesystem, `no-new-privileges`, memory (no swap) and pids limits, an unprivileged
+//! user, the job's working directory at `/work` and a private `/tmp`; network per the
+//! spec. Output streams through the same masking as scripts. Timeout and cancellation
+//! send SIGINT, then stop (SIGTERM, then SIGKILL) after the grace; the container is
+//! removed whatever happens. Images must already be in the local engine: the runner
+//! never pulls (artifact sync puts them in the install's registry).
+
+use std::collections::{BTreeMap, HashMap};
+
+use bollard::Docker;
+use bollard::models::{ContainerCreateBody, HostConfig};
+use bollard::query_parameters::{
+    CreateContainerOptionsBuilder, KillContainerOptionsBuilder, LogsOptionsBuilder,
+    RemoveContainerOptionsBuilder, StopContainerOptionsBuilder,
+};
+use futures_util::StreamExt as _;
+use serde::Deserialize;
+
+use crate::{ContainerSettings, ExecContext, ExecFuture, ExecOutcome, Executor, JobStatus};
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Container {
+    pub image: String,
+    #[serde(default)]
+    pub command: Vec<String>,
+    #[serde(default)]
+    pub entrypoint: Option<Vec<String>>,
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    #[serde(default)]
+    pub secret_env: BTreeMap<String, String>,
+    #[serde(default = "default_network")]
+    pub network: bool,
+}
+
+fn default_network() -> bool {
+    true
+}
+
+impl Container {
+    pub fn from_spec(spec: &serde_json::Value) -> Result<Self, String> {
+        let c: Container = serde_json::from_value(spec.clone()).map_err(|e| e.to_string())?;
+        if c.image.is_empty() || c.image.len() > 512 || c.image.chars().any(|ch| ch.is_whitespace()) {
+            return Err(format!("image {:?} is not a valid reference", c.image));
+        }
+        for (name, value) in &c.secret_env {
+            if value.len() < crate::mask::MIN_SECRET_LEN {
+                return Err(format!("secret_env {name}: too short to be masked reliably"));
+            }
+        }
+        for name in c.env.keys().chain(c.secret_env.keys()) {
+            let ok = !name.is_empty()
+                && !name.starts_with(|ch: char| ch.is_ascii_digit())
+                && name.chars().all(|ch| ch.is_ascii_alphanumeric() || ch == '_');
+            if !ok {
+                return Err(format!("environment variable name {name:?} is not valid"));
+            }
+        }
+        Ok(c)
+    }
+}
+
+impl Executor for Container {
+    fn run<'a>(&'a self, ctx: ExecContext<'a>) -> ExecFuture<'a> {
+        Box::pin(async move {
+            let Some(settings) = ctx.containers.clone() else {
+                return ExecOutcome::failed(
+                    "container actions are not enabled on this runner ([containers] in the config)",
+                );
+            };
+            let outputs_path = ctx.work_dir.join(crate::outputs::OUTPUT_FILE);
+            let mut outcome = run_container(self, &settings, ctx).await;
+            match crate::outputs::read(&outputs_path, &crate::mask::Masker::none()) {
+                Ok(o) => outcome.outputs = o,
+                Err(e) => {
+                    outcome.error = Some(e.to_string());
+                    outcome.status = JobStatus::Failed;
+                }
+            }
+            outcome
+        })
+    }
+
+    fn secrets(&self) -> Vec<Vec<u8>> {
+        self.secret_env.values().map(|v| v.as_bytes().to_vec()).collect()
+    }
+}
+
+fn docker_error(what: &str, e: bollard::errors::Error) -> String {
+    format!("docker {what}: {e}")
+}
+
+async fn run_container(spec: &Container, settings: &ContainerSettings, ctx: ExecContext<'_>) -> ExecOutcome {
+    let socket = settings.docker_socket.display().to_string();
+    let docker = match Docker::connect_with_unix(&socket, 120, bollard::API_DEFAULT_VERSION) {
+        Ok(d) => d,
+        Err(e) => return ExecOutcome::failed(format!("connecting to the Docker Engine at {socket}: {e}")),
+    };
+    // Engines speak older API versions than the client's default: agree on one.
+    let docker = match docker.negotiate_version().await {
+        Ok(d) => d,
+        Err(e) => return ExecOutcome::failed(format!("connecting to the Docker Engine at {socket}: {e}")),
+    };
+    if let Err(e) = docker.inspect_image(&spec.image).await {
+        return ExecOutcome::failed(match e {
+            bollard::errors::Error::DockerResponseServerError { status_code: 404, .. } => format!(
+                "image {} is not in the local engine; the runner never pulls images (sync it into the install's registry first)",
+                spec.image
+            ),
+            e => docker_error("inspecting the image", e),
+        });
+    }
+    if nix::unistd::geteuid().is_root()
+        && let Err(e) = std::os::unix::fs::chown(&ctx.work_dir, Some(settings.uid), Some(settings.gid))
+    {
+        return ExecOutcome::failed(format!(
+            "handing {} to the container's uid: {e}",
+            ctx.work_dir.display()
+        ));
+    }
+    let mut env = vec![
+        format!("BYOC_JOB_ID={}", ctx.job_id),
+        "HOME=/work".to_string(),
+        format!("{}=/work/{}", crate::outputs::OUTPUT_ENV, crate::outputs::OUTPUT_FILE),
+    ];
+    env.extend(spec.env.iter().chain(&spec.secret_env).map(|(k, v)| format!("{k}={v}")));
+    let host_config = HostConfig {
+        privileged: Some(false),
+        cap_drop: Some(vec!["ALL".into()]),
+        readonly_rootfs: Some(true),
+        // The same system-call policy as the process sandbox.
+        security_opt: Some(vec![
+            "no-new-privileges".into(),
+            format!("seccomp={}", byoc_sandbox::seccomp::docker_profile()),
+        ]),
+        memory: Some(settings.memory_bytes as i64),
+        memory_swap: Some(settings.memory_bytes as i64),
+        pids_limit: Some(settings.pids as i64),
+        network_mode: Some(if spec.network { "bridge".into() } else { "none".into() }),
+        binds: Some(vec![format!("{}:/work:rw", ctx.work_dir.display())]),
+        tmpfs: Some(HashMap::from([("/tmp".to_string(), "rw,nosuid,nodev,mode=1777,size=256m".to_string())])),
+        ..Default::default()
+    };
+    let body = ContainerCreateBody {
+        image: Some(spec.image.clone()),
+        cmd: (!spec.command.is_empty()).then(|| spec.command.clone()),
+        entrypoint: spec.entrypoint.clone(),
+        env: Some(env),
+        working_dir: Some("/work".into()),
+        user: Some(format!("{}:{}", settings.uid, settings.gid)),
+        network_disabled: Some(!spec.network),
+        labels: Some(HashMap::from([("byoc-runner.job".to_string(), ctx.job_id.clone())])),
+        host_config: Some(host_config),
+        ..Default::default()
+    };
+    let name = format!("byoc-job-{}", ctx.job_id);
+    // A container left by an earlier, interrupted attempt of this job goes first.
+    let _ =
+        docker.remove_container(&name, Some(RemoveContainerOptionsBuilder::new().force(true).build())).await;
+    let id = match docker
+        .create_container(Some(CreateContainerOptionsBuilder::new().name(&name).build()), body)
+        .await
+    {
+        Ok(r) => r.id,
+        Err(e) => return ExecOutcome::failed(docker_error("creating the container", e)),
+    };
+    let outcome = supervise(&docker, &id, settings, ctx).await;
+    if let Err(e) = docker
+        .remove_container(&id, Some(RemoveContainerOptionsBuilder::new().force(true).v(true).build()))
+        .await
+    {
+        tracing::warn!(container = %id, error = %e, "could not remove the job's container");
+    }
+    outcome
+}
+
+#[derive(PartialEq)]
+enum Ending {
+    Exited,
+    TimedOut,
+    Cancelled,
+}
+
+async fn supervise(
+    docker: &Docker,
+    id: &str,
+    settings: &ContainerSettings,
+    ctx: ExecContext<'_>,
+) -> ExecOutcome {
+    if let Err(e) = docker.start_container(id, None).await {
+        return ExecOutcome::failed(docker_error("starting the container", e));
+    }
+    let mut logs = docker
+        .logs(id, Some(LogsOptionsBuilder::new().follow(true).stdout(true).stderr(true).build()))
+        .boxed();
+    let deadline = tokio::time::sleep(ctx.timeout);
+    tokio::pin!(deadline);
+    let mut ending = Ending::Exited;
+    let mut sink_error = None;
+    let mut escalated = false;
+    loop {
+        tokio::select! {
+            item = logs.next() => match item {
+                Some(Ok(chunk)) => {
+                    if let Err(e) = ctx.output.write(&chunk.into_bytes()) {
+                        sink_error.get_or_insert(e);
+                    }
+                }
+                // The log stream ends when the container stops.
+                Some(Err(_)) | None => break,
+            },
+            _ = &mut deadline, if !escalated => {
+                ending = Ending::TimedOut;
+                escalated = true;
+                stop(docker, id, ctx.kill_grace).await;
+            }
+            _ = ctx.cancel.cancelled(), if !escalated => {
+                ending = Ending::Cancelled;
+                escalated = true;
+                stop(docker, id, ctx.kill_grace).await;
+            }
+        }
+    }
+    let state = match docker.inspect_container(id, None).await {
+        Ok(info) => info.state,
+        Err(e) => return ExecOutcome::failed(docker_error("inspecting the finished container", e)),
+    };
+    let state = state.unwrap_or_default();
+    let exit_code = state.exit_code.map(|c| c as i32);
+    let (status, error) = match ending {
+        Ending::TimedOut => {
+            (JobStatus::TimedOut, Some(format!("job exceeded its timeout of {}s", ctx.timeout.as_secs())))
+        }
+        Ending::Cancelled => (JobStatus::Cancelled, Some("job was cancelled".into())),
+        Ending::Exited if state.oom_killed == Some(true) => (
+            JobStatus::Failed,
+            Some(format!(
+                "killed: the container exceeded its memory limit of {} MiB",
+                settings.memory_bytes / (1024 * 1024)
+            )),
+        ),
+        Ending::Exited => match exit_code {
+            Some(0) => (JobStatus::Succeeded, None),
+            Some(c) => (JobStatus::Failed, Some(format!("exited with code {c}"))),
+            None => (JobStatus::Failed, Some("the container ended without an exit code".into())),
+        },
+    };
+    let (status, error) = match sink_error {
+        Some(e) if status == JobStatus::Succeeded => {
+            (JobStatus::Failed, Some(format!("writing job log to the spool: {e}")))
+        }
+        _ => (status, error),
+    };
+    ExecOutcome { status, exit_code, error, outputs: serde_json::json!({}) }
+}
+
+/// SIGINT first (tools release locks), then Docker's stop: SIGTERM, SIGKILL after the grace.
+async fn stop(docker: &Docker, id: &str, grace: std::time::Duration) {
+    let _ =
+        docker.kill_container(id, Some(KillContainerOptionsBuilder::new().signal("SIGINT").build())).await;
+    let exited = async {
+        let mut wait = docker.wait_container(id, None).boxed();
+        let _ = wait.next().await;
+    };
+    if tokio::time::timeout(grace, exited).await.is_err() {
+        let t = grace.as_secs().max(1) as i32;
+        let _ = docker.stop_container(id, Some(StopContainerOptionsBuilder::new().t(t).build())).await;
+    }
+}

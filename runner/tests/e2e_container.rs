@@ -1,0 +1,142 @@
+//! `action.container` end to end against the real Docker Engine on this machine, with
+//! images built offline (`docker import`): locked-down containers, the sandbox probe
+//! inside one, masking, outputs, limits, cancellation, and no container left behind.
+
+#![allow(clippy::unwrap_used)] // a failed unwrap is a failed test
+
+mod common;
+
+use std::path::Path;
+
+use byoc_control_plane::EnqueueRequest;
+use byoc_control_plane::harness::RunnerOptions;
+use byoc_protocol::JobStatus;
+use common::*;
+
+fn container(spec: serde_json::Value) -> EnqueueRequest {
+    EnqueueRequest::new("action.container", spec)
+}
+
+#[tokio::test]
+async fn a_container_runs_locked_down_with_masking_and_outputs() {
+    let image = import_image("byoc-test/busybox:basic", &[]);
+    let e = env().await;
+    let id = e
+        .cp
+        .enqueue(container(serde_json::json!({
+            "image": image,
+            "command": ["sh", "-c", "echo \"hi $WHO\"; echo \"token $TOKEN\"; id -u; echo result=ok >> \"$BYOC_OUTPUT\"; touch /etc/x 2>&1 || true"],
+            "env": {"WHO": "container"},
+            "secret_env": {"TOKEN": "tok-container-4242"}
+        })))
+        .unwrap();
+    let v = e.finished(&id).await;
+    let r = v.result.unwrap();
+    let out = e.output(&id);
+    assert_eq!(r.status, JobStatus::Succeeded, "{out} {:?}", r.error);
+    assert!(out.contains("hi container"), "{out}");
+    assert!(out.contains("token ***") && !out.contains("tok-container-4242"), "{out}");
+    assert!(out.contains("65534"), "runs as the unprivileged uid: {out}");
+    assert!(out.contains("Read-only file system"), "root filesystem must be read-only: {out}");
+    assert_eq!(r.outputs, serde_json::json!({"result": "ok"}));
+    assert!(job_containers(&id).is_empty(), "container left behind");
+}
+
+#[tokio::test]
+async fn probe_inside_a_container_finds_every_escape_closed() {
+    let e = env().await;
+    // The probe is this binary; its shared libraries go into the image with it.
+    let ldd = std::process::Command::new("ldd").arg(BIN).output().unwrap();
+    let libs: Vec<std::path::PathBuf> = String::from_utf8_lossy(&ldd.stdout)
+        .split_whitespace()
+        .filter(|w| w.starts_with('/'))
+        .map(std::path::PathBuf::from)
+        .collect();
+    // At /probe: the build dir may sit under /work, where the job's directory is mounted.
+    let mut files: Vec<(&Path, &Path)> = libs.iter().map(|p| (p.as_path(), p.as_path())).collect();
+    files.push((Path::new(BIN), Path::new("/probe")));
+    let image = import_image("byoc-test/probe:1", &files);
+    let runner_pid = e.runner.pid().unwrap().to_string();
+    let id =
+        e.cp.enqueue(container(serde_json::json!({
+            "image": image,
+            "command": ["/probe", "sandbox-probe", "--runner-pid", runner_pid,
+                        "--state-dir", e.runner.state_dir.display().to_string(),
+                        "--config-dir", e.runner.config_path.parent().unwrap().display().to_string()],
+            "env": {"DECLARED": "yes"}
+        })))
+        .unwrap();
+    let v = e.finished(&id).await;
+    let out = e.output(&id);
+    let r = v.result.unwrap();
+    assert_eq!(r.status, JobStatus::Succeeded, "{out} {:?}", r.error);
+    let report: serde_json::Value =
+        serde_json::from_str(out.trim()).unwrap_or_else(|_| panic!("probe printed {out}"));
+    let failed: Vec<&serde_json::Value> =
+        report["checks"].as_array().unwrap().iter().filter(|c| c["held"] != true).collect();
+    assert!(failed.is_empty(), "escapes possible from the container: {failed:#?}");
+    let env: Vec<&str> =
+        report["env_names"].as_array().unwrap().iter().map(|v| v.as_str().unwrap()).collect();
+    for name in &env {
+        assert!(
+            ["BYOC_JOB_ID", "BYOC_OUTPUT", "DECLARED", "HOME", "PATH", "HOSTNAME"].contains(name),
+            "unexpected variable {name} in the container"
+        );
+    }
+    assert_eq!(report["uid"], 65534);
+    assert!(job_containers(&id).is_empty());
+}
+
+#[tokio::test]
+async fn cancelling_a_container_stops_and_removes_it() {
+    let image = import_image("byoc-test/busybox:basic", &[]);
+    let e = env().await;
+    let id =
+        e.cp.enqueue(container(serde_json::json!({
+            "image": image,
+            "command": ["sh", "-c", "trap '' INT TERM; echo ready; while true; do sleep 1; done"]
+        })))
+        .unwrap();
+    e.log_contains(&id, "ready").await;
+    assert_eq!(job_containers(&id).len(), 1);
+    e.cp.cancel(&id).unwrap();
+    let v = e.finished(&id).await;
+    assert_eq!(v.result.unwrap().status, JobStatus::Cancelled);
+    assert!(job_containers(&id).is_empty(), "cancelled container left behind");
+}
+
+#[tokio::test]
+async fn container_memory_limit_names_itself_and_network_can_be_off() {
+    let image = import_image("byoc-test/busybox:basic", &[]);
+    let e = env_with(RunnerOptions { sandbox_extra: "memory_mib = 64".into(), ..Default::default() }).await;
+    let hog =
+        e.cp.enqueue(container(serde_json::json!({
+            "image": image,
+            "command": ["sh", "-c", "set -e; head -c 400000000 /dev/zero | tail > /dev/null"]
+        })))
+        .unwrap();
+    let offline =
+        e.cp.enqueue(container(serde_json::json!({
+            "image": image, "network": false,
+            "command": ["sh", "-c", "ls /sys/class/net 2>/dev/null || cat /proc/net/dev"]
+        })))
+        .unwrap();
+    let r = e.finished(&hog).await.result.unwrap();
+    assert_eq!(r.status, JobStatus::Failed);
+    assert!(r.error.as_deref().unwrap_or("").contains("memory limit of 64 MiB"), "{:?}", r.error);
+    let r = e.finished(&offline).await.result.unwrap();
+    assert_eq!(r.status, JobStatus::Succeeded);
+    let out = e.output(&offline);
+    assert!(!out.contains("eth0"), "network was not switched off: {out}");
+}
+
+#[tokio::test]
+async fn an_image_missing_locally_is_refused_without_pulling() {
+    let e = env().await;
+    let id =
+        e.cp.enqueue(container(serde_json::json!({"image": "byoc-test/never-built:1", "command": ["true"]})))
+            .unwrap();
+    let r = e.finished(&id).await.result.unwrap();
+    assert_eq!(r.status, JobStatus::Failed);
+    assert!(r.error.unwrap().contains("never pulls"));
+}
