@@ -29,6 +29,71 @@ struct Args {
     /// Runs for the sandbox start-overhead figure.
     #[arg(long, default_value_t = 200)]
     sandbox_runs: usize,
+    /// Warm runs for the container start figure (0 skips it; needs Docker and busybox).
+    #[arg(long, default_value_t = 20)]
+    container_runs: usize,
+}
+
+/// Import a busybox image offline under `tag` (never pulled).
+fn import_busybox(tag: &str) -> anyhow::Result<()> {
+    let root = tempfile::tempdir()?;
+    let bin = root.path().join("bin");
+    std::fs::create_dir_all(&bin)?;
+    std::fs::copy("/bin/busybox", bin.join("busybox")).context("busybox-static is required")?;
+    for applet in ["sh", "echo", "true"] {
+        std::os::unix::fs::symlink("busybox", bin.join(applet))?;
+    }
+    std::fs::create_dir_all(root.path().join("tmp"))?;
+    let status = std::process::Command::new("sh")
+        .arg("-c")
+        .arg(format!("tar -C {} -cf - . | docker import - {tag} >/dev/null", root.path().display()))
+        .status()?;
+    anyhow::ensure!(status.success(), "docker import failed");
+    Ok(())
+}
+
+struct FirstWrite(Option<std::time::Instant>);
+
+impl byoc_job_executors::OutputSink for FirstWrite {
+    fn write(&mut self, _: &[u8]) -> std::io::Result<()> {
+        self.0.get_or_insert_with(std::time::Instant::now);
+        Ok(())
+    }
+}
+
+/// Time from asking the executor to run a container to its first output byte.
+async fn container_start_ms(image: &str, dir: &std::path::Path) -> anyhow::Result<f64> {
+    let exec = byoc_job_executors::build(
+        "action.container",
+        &serde_json::json!({"image": image, "command": ["echo", "up"]}),
+    )?;
+    let work = tempfile::tempdir_in(dir)?;
+    let mut sink = FirstWrite(None);
+    let t0 = std::time::Instant::now();
+    let ctx = byoc_job_executors::ExecContext {
+        job_id: format!("bench-{}", byoc_protocol::random_hex(4)),
+        work_dir: work.path().to_path_buf(),
+        timeout: Duration::from_secs(60),
+        kill_grace: Duration::from_secs(2),
+        cancel: Default::default(),
+        output: &mut sink,
+        sandbox: None,
+        containers: Some(byoc_job_executors::ContainerSettings {
+            docker_socket: "/var/run/docker.sock".into(),
+            memory_bytes: 256 << 20,
+            pids: 64,
+            uid: 65534,
+            gid: 65534,
+        }),
+    };
+    let outcome = exec.run(ctx).await;
+    anyhow::ensure!(
+        outcome.status == byoc_protocol::JobStatus::Succeeded,
+        "container failed: {:?}",
+        outcome.error
+    );
+    let first = sink.0.context("no output")?;
+    Ok(first.duration_since(t0).as_secs_f64() * 1000.0)
 }
 
 /// Wall clock in microseconds.
@@ -151,6 +216,33 @@ async fn main() -> anyhow::Result<()> {
         percentile(&sandboxed, 0.99) as f64 / 1000.0,
         p50s.saturating_sub(p50p) as f64 / 1000.0
     );
+
+    if args.container_runs > 0 {
+        let mut cold = Vec::new();
+        let mut warm = Vec::new();
+        for i in 0..3 {
+            let tag = format!("byoc-bench/busybox:cold-{}-{i}", byoc_protocol::random_hex(3));
+            import_busybox(&tag)?;
+            cold.push(container_start_ms(&tag, sdir.path()).await?);
+            if i == 0 {
+                for _ in 0..args.container_runs {
+                    warm.push(container_start_ms(&tag, sdir.path()).await?);
+                }
+            }
+            let _ = std::process::Command::new("docker").args(["rmi", "-f", &tag]).output();
+        }
+        let med = |v: &mut Vec<f64>| {
+            v.sort_by(|a, b| a.total_cmp(b));
+            v[v.len() / 2]
+        };
+        println!(
+            "container action start, run -> first output byte: cold (first run of a freshly imported image) median {:.0} ms (n={}); warm median {:.0} ms (n={})",
+            med(&mut cold),
+            cold.len(),
+            med(&mut warm),
+            warm.len()
+        );
+    }
 
     let cp = ControlPlane::start(ControlPlaneConfig::default()).await?;
     let dir = tempfile::tempdir()?;
