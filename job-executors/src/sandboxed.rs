@@ -106,3 +106,44 @@ pub async fn run(job: Job, settings: SandboxSettings, mut ctx: ExecContext<'_>) 
     let _ = std::fs::remove_dir(&new_root);
     outcome
 }
+
+/// Build one sandbox around `/bin/true` (no cgroup) to prove this host can: run at
+/// daemon start so a host without user namespaces fails loudly once, not every job.
+pub async fn self_test(settings: &SandboxSettings, scratch: &std::path::Path) -> Result<(), String> {
+    let work = scratch.join("selftest-work");
+    let root = scratch.join("selftest-root");
+    for d in [&work, &root] {
+        std::fs::create_dir_all(d).map_err(|e| format!("creating {}: {e}", d.display()))?;
+    }
+    let spec = byoc_sandbox::SandboxSpec {
+        argv: vec!["/bin/true".into()],
+        env: vec![],
+        work_dir: work.clone(),
+        new_root: root.clone(),
+        ro_paths: settings.ro_paths.clone(),
+        hidden_paths: settings.hidden_paths.clone(),
+        network: true,
+        tmp_size_mib: 1,
+        nofile: settings.nofile,
+        host_uid: settings.host_uid,
+        host_gid: settings.host_gid,
+        cgroup_procs: vec![],
+        hostname: "byoc-selftest".into(),
+    };
+    let mut child = Command::new(&settings.helper)
+        .args(&settings.helper_args)
+        .env_clear()
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("starting {}: {e}", settings.helper.display()))?;
+    if let Some(mut stdin) = child.stdin.take() {
+        use tokio::io::AsyncWriteExt as _;
+        let _ = stdin.write_all(&serde_json::to_vec(&spec).expect("spec serialises")).await;
+    }
+    let out = child.wait_with_output().await.map_err(|e| format!("waiting for the sandbox helper: {e}"))?;
+    let _ = std::fs::remove_dir(&work);
+    let _ = std::fs::remove_dir(&root);
+    if out.status.success() { Ok(()) } else { Err(String::from_utf8_lossy(&out.stderr).trim().to_string()) }
+}

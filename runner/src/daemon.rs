@@ -60,6 +60,10 @@ pub enum DaemonError {
     InstallMismatch { enrolled: String, configured: String },
     #[error("installing signal handlers: {0}")]
     Signals(std::io::Error),
+    #[error(
+        "the job sandbox cannot be built on this host: {0}. Check that user namespaces are enabled (sysctl user.max_user_namespaces > 0) and the unit allows them, or set [sandbox] enabled = false to run jobs unsandboxed"
+    )]
+    Sandbox(String),
 }
 
 pub fn unix_now() -> i64 {
@@ -128,6 +132,9 @@ pub async fn run(config: Config) -> Result<(), DaemonError> {
     let helper = std::env::current_exe()
         .map_err(|e| DaemonError::StateDir { path: "current executable".into(), source: e })?;
     let sandbox = crate::pipeline::sandbox_settings(&config, helper);
+    if let Some(s) = &sandbox {
+        crate::pipeline::sandbox_self_test(s, &state_dir).await.map_err(DaemonError::Sandbox)?;
+    }
     match &sandbox {
         Some(s) => tracing::info!(
             cgroup = ?byoc_sandbox::cgroup::detect(),
@@ -329,6 +336,8 @@ fn recover(rt: &Rt, tasks: &mut JoinSet<()>) -> Result<(), DaemonError> {
                 outputs: serde_json::Value::Null,
             })?;
             let _ = std::fs::remove_dir_all(rt.state_dir.join(execute::WORK_DIR).join(&job_id));
+            // The sandbox's mount point (its namespace died with the runner).
+            let _ = std::fs::remove_dir(rt.state_dir.join(crate::pipeline::ROOTS_DIR).join(&job_id));
         }
         let rt = rt.clone();
         let span = tracing::info_span!("job", job_id = %job_id, install_id = %rt.install_id);

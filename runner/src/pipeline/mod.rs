@@ -51,6 +51,14 @@ pub type Rt = Arc<Runtime>;
 /// The directory under the state dir where per-job sandbox root mount points live.
 pub const ROOTS_DIR: &str = "roots";
 
+/// Prove the sandbox can be built here before taking any job.
+pub async fn sandbox_self_test(
+    settings: &byoc_job_executors::SandboxSettings,
+    state_dir: &std::path::Path,
+) -> Result<(), String> {
+    byoc_job_executors::sandboxed::self_test(settings, &state_dir.join(ROOTS_DIR)).await
+}
+
 /// Container settings from the configuration (limits shared with the sandbox).
 pub fn container_settings(config: &Config) -> Option<byoc_job_executors::ContainerSettings> {
     let c = &config.containers;
