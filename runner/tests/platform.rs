@@ -153,6 +153,16 @@ async fn logs_reach_journald_with_structured_unprefixed_fields() {
     runner.spawn(Some(cp.bootstrap_token())).unwrap();
     assert!(wait_polling(&cp, WAIT).await, "runner never polled:\n{}", runner.log());
 
+    // A job that prints its secret and fails mentioning it: the journal must not see it.
+    let secret = "journald-secret-9Xq7";
+    let leaky = cp
+        .enqueue(byoc_control_plane::EnqueueRequest::new(
+            "action.script",
+            serde_json::json!({"script": "echo \"$S\"; echo \"bad $S\" >&2; exit 3", "secret_env": {"S": secret}}),
+        ))
+        .unwrap();
+    let v = cp.wait_for(&leaky, WAIT, |v| v.result.is_some()).await.expect("job finished");
+    assert_eq!(v.result.unwrap().status, JobStatus::Failed);
     let id = cp.enqueue(script("echo hi")).unwrap();
     let v = cp.wait_for(&id, WAIT, |v| v.result.is_some()).await.expect("job finished");
     assert_eq!(v.result.unwrap().status, JobStatus::Succeeded);
@@ -179,6 +189,19 @@ async fn logs_reach_journald_with_structured_unprefixed_fields() {
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     };
+    let everything = Command::new("journalctl")
+        .arg("--directory")
+        .arg(&journal)
+        .args(["-o", "json", "--no-pager"])
+        .output()
+        .unwrap();
+    for p in byoc_job_executors::mask::patterns_for(secret.as_bytes()) {
+        assert!(
+            !everything.stdout.windows(p.len()).any(|w| w == p.as_slice()),
+            "the journal holds a secret encoding"
+        );
+    }
+    assert!(String::from_utf8_lossy(&everything.stdout).contains(&leaky), "the failed job is in the journal");
     runner.kill9().await;
     if let Ok(pid) = std::fs::read_to_string(dir.path().join("journald.pid")) {
         let _ = nix::sys::signal::kill(
