@@ -52,19 +52,7 @@ impl Container {
         if c.image.is_empty() || c.image.len() > 512 || c.image.chars().any(|ch| ch.is_whitespace()) {
             return Err(format!("image {:?} is not a valid reference", c.image));
         }
-        for (name, value) in &c.secret_env {
-            if value.len() < crate::mask::MIN_SECRET_LEN {
-                return Err(format!("secret_env {name}: too short to be masked reliably"));
-            }
-        }
-        for name in c.env.keys().chain(c.secret_env.keys()) {
-            let ok = !name.is_empty()
-                && !name.starts_with(|ch: char| ch.is_ascii_digit())
-                && name.chars().all(|ch| ch.is_ascii_alphanumeric() || ch == '_');
-            if !ok {
-                return Err(format!("environment variable name {name:?} is not valid"));
-            }
-        }
+        crate::validate_env(&c.env, &c.secret_env)?;
         Ok(c)
     }
 }
@@ -274,5 +262,29 @@ async fn stop(docker: &Docker, id: &str, grace: std::time::Duration) {
     if tokio::time::timeout(grace, exited).await.is_err() {
         let t = grace.as_secs().max(1) as i32;
         let _ = docker.stop_container(id, Some(StopContainerOptionsBuilder::new().t(t).build())).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rejects_bad_specs() {
+        for spec in [
+            serde_json::json!({}),
+            serde_json::json!({"image": ""}),
+            serde_json::json!({"image": "has space"}),
+            serde_json::json!({"image": "x", "env": {"1BAD": "v"}}),
+            serde_json::json!({"image": "x", "secret_env": {"T": "abc"}}),
+            serde_json::json!({"image": "x", "privileged": true}),
+        ] {
+            assert!(Container::from_spec(&spec).is_err(), "{spec} accepted");
+        }
+        let ok =
+            Container::from_spec(&serde_json::json!({"image": "x@sha256:00", "secret_env": {"T": "abcd"}}))
+                .unwrap();
+        assert!(ok.network);
+        assert_eq!(ok.secrets(), vec![b"abcd".to_vec()]);
     }
 }

@@ -107,6 +107,34 @@ pub trait Executor: Send + Sync {
     }
 }
 
+/// Check a job's declared environment: valid names, no name in both maps, secret values
+/// long enough to mask.
+pub fn validate_env(
+    env: &std::collections::BTreeMap<String, String>,
+    secret_env: &std::collections::BTreeMap<String, String>,
+) -> Result<(), String> {
+    for (name, value) in secret_env {
+        if value.len() < mask::MIN_SECRET_LEN {
+            return Err(format!(
+                "secret_env {name}: values shorter than {} bytes cannot be masked reliably",
+                mask::MIN_SECRET_LEN
+            ));
+        }
+        if env.contains_key(name) {
+            return Err(format!("{name} is in both env and secret_env"));
+        }
+    }
+    for name in env.keys().chain(secret_env.keys()) {
+        let valid = !name.is_empty()
+            && !name.starts_with(|c: char| c.is_ascii_digit())
+            && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+        if !valid {
+            return Err(format!("environment variable name {name:?} is not valid"));
+        }
+    }
+    Ok(())
+}
+
 /// Run an executor with its secrets masked everywhere its output goes: the log stream
 /// (before the sink sees a byte), the error text and the outputs.
 pub async fn run_masked(exec: &dyn Executor, ctx: ExecContext<'_>) -> ExecOutcome {

@@ -54,25 +54,7 @@ impl Script {
         if !s.interpreter.is_absolute() {
             return Err(format!("interpreter {:?} must be an absolute path", s.interpreter));
         }
-        for (name, value) in &s.secret_env {
-            if value.len() < crate::mask::MIN_SECRET_LEN {
-                return Err(format!(
-                    "secret_env {name}: values shorter than {} bytes cannot be masked reliably",
-                    crate::mask::MIN_SECRET_LEN
-                ));
-            }
-            if s.env.contains_key(name) {
-                return Err(format!("{name} is in both env and secret_env"));
-            }
-        }
-        for name in s.env.keys().chain(s.secret_env.keys()) {
-            let valid = !name.is_empty()
-                && !name.starts_with(|c: char| c.is_ascii_digit())
-                && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
-            if !valid {
-                return Err(format!("environment variable name {name:?} is not valid"));
-            }
-        }
+        crate::validate_env(&s.env, &s.secret_env)?;
         Ok(s)
     }
 }
