@@ -1,0 +1,4 @@
+//! The audit log's formats and checks, shared by the runner (writer, offline
+//! verifier) and the control plane (acknowledgement by cosignature).
+
+pub mod merkle;
