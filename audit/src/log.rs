@@ -1,0 +1,326 @@
+//! The audit log on disk (one writer) and its records.
+//!
+//! `<dir>/log.jsonl`: one record per line, its canonical bytes being the line as
+//! written (leaf = SHA-256(0x00 || line)); never re-serialised when verified.
+//! `<dir>/checkpoints.jsonl`: a signed checkpoint after every commit and at least
+//! every 60 s when idle. `<dir>/cosigned.jsonl`: checkpoints the control plane
+//! acknowledged with its cosignature. `<dir>/runner.pub`, `<dir>/control-plane.pub`:
+//! the keys an offline verifier needs (trust them, or pin them with `--trust`).
+
+use std::collections::BTreeMap;
+use std::fs::{File, OpenOptions};
+use std::io::{BufRead as _, BufReader, Seek as _, SeekFrom, Write as _};
+use std::path::{Path, PathBuf};
+
+use ed25519_dalek::SigningKey;
+use serde::{Deserialize, Serialize};
+
+use crate::merkle::{self, Frontier, Hash};
+use crate::note::{self, Checkpoint};
+
+pub const LOG: &str = "log.jsonl";
+pub const CHECKPOINTS: &str = "checkpoints.jsonl";
+pub const COSIGNED: &str = "cosigned.jsonl";
+pub const RUNNER_PUB: &str = "runner.pub";
+pub const CONTROL_PLANE_PUB: &str = "control-plane.pub";
+/// A checkpoint is signed at least this often while the runner runs.
+pub const IDLE_CHECKPOINT_SECS: u64 = 60;
+/// Name of the control plane's cosigning key in notes.
+pub const CONTROL_PLANE_KEY_NAME: &str = "byoc-control-plane";
+
+/// One audit record. Field order is the canonical order. Never secrets, tokens,
+/// credentials or plan contents: only names, codes and digests.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Record {
+    pub seq: u64,
+    pub time_ms: u64,
+    pub install: String,
+    pub event: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub job: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kind: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub operation: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub role: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub status: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exit_code: Option<i32>,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub digests: BTreeMap<String, String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub detail: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct StoredCheckpoint {
+    pub size: u64,
+    pub note: String,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum AuditError {
+    #[error("{op} {path}: {source}")]
+    Io { op: &'static str, path: PathBuf, source: std::io::Error },
+    #[error(
+        "audit log {path} is damaged at line {line}: {reason}; keep it as evidence, the runner will not write past it"
+    )]
+    Corrupt { path: PathBuf, line: u64, reason: String },
+}
+
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+fn fsync_dir(dir: &Path) -> std::io::Result<()> {
+    File::open(dir)?.sync_all()
+}
+
+fn append_line(file: &mut File, path: &Path, line: &[u8]) -> Result<(), AuditError> {
+    let io = |e| AuditError::Io { op: "appending to", path: path.to_path_buf(), source: e };
+    file.write_all(line).map_err(io)?;
+    file.write_all(b"\n").map_err(io)?;
+    Ok(())
+}
+
+pub struct AuditWriter {
+    dir: PathBuf,
+    log: File,
+    checkpoints: File,
+    leaves: Vec<Hash>,
+    frontier: Frontier,
+    origin: String,
+    key_name: String,
+    key: SigningKey,
+    install: String,
+    last_checkpoint_ms: u64,
+}
+
+/// What opening found.
+#[derive(Debug, Default)]
+pub struct Opened {
+    /// Bytes of a torn final record that were cut (and recorded as `audit_tail_cut`).
+    pub cut_bytes: u64,
+}
+
+impl AuditWriter {
+    /// Open (or create) the log in `dir`, replaying it; a torn tail is cut and the cut
+    /// is itself recorded. `control_plane_keys` are written for offline verification.
+    pub fn open(
+        dir: &Path,
+        key: SigningKey,
+        runner_id: &str,
+        install: &str,
+        control_plane_keys: &[String],
+    ) -> Result<(AuditWriter, Opened), AuditError> {
+        let io = |op, path: &Path| {
+            let path = path.to_path_buf();
+            move |e| AuditError::Io { op, path, source: e }
+        };
+        std::fs::create_dir_all(dir).map_err(io("creating", dir))?;
+        let pub_path = dir.join(RUNNER_PUB);
+        std::fs::write(&pub_path, format!("{}\n", base64_key(&key))).map_err(io("writing", &pub_path))?;
+        let cp_path = dir.join(CONTROL_PLANE_PUB);
+        std::fs::write(&cp_path, control_plane_keys.join("\n") + "\n").map_err(io("writing", &cp_path))?;
+        let log_path = dir.join(LOG);
+        let mut log = OpenOptions::new()
+            .read(true)
+            .append(true)
+            .create(true)
+            .open(&log_path)
+            .map_err(io("opening", &log_path))?;
+        let mut leaves = Vec::new();
+        let mut frontier = Frontier::default();
+        let mut good = 0u64;
+        let mut torn: Option<(u64, String)> = None;
+        let mut reader = BufReader::new(&log);
+        let mut buf = Vec::new();
+        loop {
+            buf.clear();
+            let n = reader.read_until(b'\n', &mut buf).map_err(io("reading", &log_path))?;
+            if n == 0 {
+                break;
+            }
+            if let Some((line, reason)) = torn.take() {
+                return Err(AuditError::Corrupt { path: log_path, line, reason });
+            }
+            let line_no = leaves.len() as u64 + 1;
+            let complete = buf.ends_with(b"\n");
+            let body = buf.strip_suffix(b"\n").unwrap_or(&buf);
+            match serde_json::from_slice::<Record>(body) {
+                Ok(r) if complete && r.seq == leaves.len() as u64 => {
+                    let h = merkle::leaf_hash(body);
+                    leaves.push(h);
+                    frontier.push(h);
+                    good += n as u64;
+                }
+                Ok(r) if complete => {
+                    return Err(AuditError::Corrupt {
+                        path: log_path,
+                        line: line_no,
+                        reason: format!("sequence {} where {} was expected", r.seq, leaves.len()),
+                    });
+                }
+                Ok(_) => torn = Some((line_no, "last record has no newline".into())),
+                Err(e) => torn = Some((line_no, e.to_string())),
+            }
+        }
+        drop(reader);
+        let total = log.seek(SeekFrom::End(0)).map_err(io("reading", &log_path))?;
+        let cut = total - good;
+        if cut > 0 {
+            log.set_len(good).map_err(io("truncating", &log_path))?;
+            log.sync_all().map_err(io("syncing", &log_path))?;
+        }
+        let ck_path = dir.join(CHECKPOINTS);
+        let checkpoints =
+            OpenOptions::new().append(true).create(true).open(&ck_path).map_err(io("opening", &ck_path))?;
+        fsync_dir(dir).map_err(io("syncing", dir))?;
+        let mut w = AuditWriter {
+            dir: dir.to_path_buf(),
+            log,
+            checkpoints,
+            leaves,
+            frontier,
+            origin: format!("byoc-runner/{install}/{runner_id}"),
+            key_name: format!("byoc-runner/{runner_id}"),
+            key,
+            install: install.to_string(),
+            last_checkpoint_ms: 0,
+        };
+        if cut > 0 {
+            w.append(Record {
+                event: "audit_tail_cut".into(),
+                detail: Some(format!("cut {cut} bytes of a torn record after a crash")),
+                ..Default::default()
+            })?;
+        }
+        Ok((w, Opened { cut_bytes: cut }))
+    }
+
+    pub fn size(&self) -> u64 {
+        self.leaves.len() as u64
+    }
+
+    pub fn leaves(&self) -> &[Hash] {
+        &self.leaves
+    }
+
+    pub fn key_name(&self) -> &str {
+        &self.key_name
+    }
+
+    /// Append one record, fsync it, then sign and fsync a checkpoint. Returns its seq.
+    pub fn append(&mut self, record: Record) -> Result<u64, AuditError> {
+        let seq = self.append_batch(vec![record])?;
+        Ok(seq)
+    }
+
+    /// Group commit: all records written, one fsync, one checkpoint. Returns the last seq.
+    pub fn append_batch(&mut self, records: Vec<Record>) -> Result<u64, AuditError> {
+        let path = self.dir.join(LOG);
+        let mut hashes = Vec::with_capacity(records.len());
+        for mut r in records {
+            r.seq = (self.leaves.len() + hashes.len()) as u64;
+            r.time_ms = now_ms();
+            r.install = self.install.clone();
+            let bytes = serde_json::to_vec(&r).expect("record serialises");
+            append_line(&mut self.log, &path, &bytes)?;
+            hashes.push(merkle::leaf_hash(&bytes));
+        }
+        self.log.sync_data().map_err(|e| AuditError::Io { op: "syncing", path: path.clone(), source: e })?;
+        for h in hashes {
+            self.leaves.push(h);
+            self.frontier.push(h);
+        }
+        self.checkpoint()?;
+        Ok(self.size() - 1)
+    }
+
+    /// Sign and store a checkpoint of the current tree.
+    pub fn checkpoint(&mut self) -> Result<StoredCheckpoint, AuditError> {
+        let note = self.sign_at(self.size());
+        let stored = StoredCheckpoint { size: self.size(), note };
+        let path = self.dir.join(CHECKPOINTS);
+        let line = serde_json::to_vec(&stored).expect("checkpoint serialises");
+        append_line(&mut self.checkpoints, &path, &line)?;
+        self.checkpoints.sync_data().map_err(|e| AuditError::Io { op: "syncing", path, source: e })?;
+        self.last_checkpoint_ms = now_ms();
+        Ok(stored)
+    }
+
+    /// The idle heartbeat: a checkpoint when none was signed for 60 s.
+    pub fn checkpoint_if_idle(&mut self) -> Result<(), AuditError> {
+        if now_ms().saturating_sub(self.last_checkpoint_ms) >= IDLE_CHECKPOINT_SECS * 1000 {
+            self.checkpoint()?;
+        }
+        Ok(())
+    }
+
+    /// A signed note for the first `size` records (any size up to the current one).
+    pub fn sign_at(&self, size: u64) -> String {
+        let root = if size == self.size() {
+            self.frontier.root()
+        } else {
+            merkle::root(&self.leaves[..size as usize])
+        };
+        let cp = Checkpoint { origin: self.origin.clone(), size, root, time: now_ms() / 1000 };
+        note::sign(&cp, &self.key_name, &self.key)
+    }
+
+    /// Raw record lines `[from, to)` for upload.
+    pub fn read_lines(&self, from: u64, to: u64) -> Result<Vec<String>, AuditError> {
+        read_lines(&self.dir, from, to)
+    }
+
+    /// Store a checkpoint the control plane cosigned.
+    pub fn store_cosigned(&self, size: u64, note: &str) -> Result<(), AuditError> {
+        let path = self.dir.join(COSIGNED);
+        let mut f = OpenOptions::new().append(true).create(true).open(&path).map_err(|e| AuditError::Io {
+            op: "opening",
+            path: path.clone(),
+            source: e,
+        })?;
+        let line =
+            serde_json::to_vec(&StoredCheckpoint { size, note: note.to_string() }).expect("serialises");
+        append_line(&mut f, &path, &line)?;
+        f.sync_data().map_err(|e| AuditError::Io { op: "syncing", path, source: e })
+    }
+}
+
+fn base64_key(key: &SigningKey) -> String {
+    use base64::Engine as _;
+    base64::engine::general_purpose::STANDARD.encode(key.verifying_key().as_bytes())
+}
+
+pub fn read_lines(dir: &Path, from: u64, to: u64) -> Result<Vec<String>, AuditError> {
+    let path = dir.join(LOG);
+    let f = File::open(&path).map_err(|e| AuditError::Io { op: "opening", path: path.clone(), source: e })?;
+    BufReader::new(f)
+        .lines()
+        .skip(from as usize)
+        .take((to - from) as usize)
+        .map(|l| l.map_err(|e| AuditError::Io { op: "reading", path: path.clone(), source: e }))
+        .collect()
+}
+
+/// Highest size the control plane acknowledged (0 if none).
+pub fn acknowledged_size(dir: &Path) -> u64 {
+    read_checkpoints(&dir.join(COSIGNED)).iter().map(|c| c.size).max().unwrap_or(0)
+}
+
+pub fn read_checkpoints(path: &Path) -> Vec<StoredCheckpoint> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect()
+}
