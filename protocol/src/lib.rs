@@ -418,3 +418,22 @@ mod tests {
         assert_eq!(job_group("oci.sync"), "syncs");
     }
 }
+
+/// New audit records for the control plane to acknowledge (`POST /v1/audit`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct AuditUploadRequest {
+    /// The acknowledged size these records continue from.
+    pub from: u64,
+    /// Record lines exactly as in the runner's log (their bytes are the leaves).
+    pub records: Vec<String>,
+    /// The runner's signed checkpoint (C2SP signed note) at `from + records.len()`.
+    pub checkpoint: String,
+    /// Consistency proof (base64 hashes) from the acknowledged checkpoint to this one.
+    pub proof: Vec<String>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct AuditUploadResponse {
+    /// The same checkpoint with the control plane's cosignature line added.
+    pub cosigned: String,
+}

@@ -253,6 +253,16 @@ impl CpClient {
         Ok(resp.offset)
     }
 
+    pub async fn audit(
+        &self,
+        req: &byoc_protocol::AuditUploadRequest,
+    ) -> Result<byoc_protocol::AuditUploadResponse, ClientError> {
+        let r = self
+            .authed("audit upload", Method::POST, "/v1/audit", Some(req), None, self.request_timeout)
+            .await?;
+        Self::json("audit upload", r).await
+    }
+
     pub async fn result(&self, job_id: &str, result: &JobResult) -> Result<(), ClientError> {
         let path = format!("/v1/jobs/{}/result", path_segment(job_id));
         self.authed("result", Method::POST, &path, Some(result), None, self.request_timeout).await?;

@@ -58,6 +58,8 @@ pub enum DaemonError {
         "state dir belongs to install {enrolled:?} but the config says {configured:?}; use the right state_dir or re-enroll"
     )]
     InstallMismatch { enrolled: String, configured: String },
+    #[error("opening the audit log: {0}")]
+    Audit(String),
     #[error("installing signal handlers: {0}")]
     Signals(std::io::Error),
     #[error(
@@ -127,6 +129,35 @@ pub async fn run(config: Config) -> Result<(), DaemonError> {
         config_digest = %config.digest,
         "runner starting"
     );
+    let cp_keys: Vec<String> =
+        config.control_plane.public_keys.values().map(|k| byoc_protocol::b64(k.as_bytes())).collect();
+    let (audit, audit_cut) = crate::audit::Audit::open(
+        &state_dir,
+        key.clone(),
+        &enrollment.runner_id,
+        &enrollment.install_id,
+        &cp_keys,
+    )
+    .map_err(|e| DaemonError::Audit(e.to_string()))?;
+    if audit_cut > 0 {
+        tracing::warn!(
+            bytes = audit_cut,
+            "cut a torn record from the end of the audit log (crash mid-write); the cut is recorded"
+        );
+    }
+    let mut started = byoc_audit::log::Record {
+        event: "runner_started".into(),
+        detail: Some(format!("byoc-runner {}", env!("CARGO_PKG_VERSION"))),
+        ..Default::default()
+    };
+    started.digests.insert("config_sha256".into(), config.digest.clone());
+    audit.record(started).map_err(|e| DaemonError::Audit(e.to_string()))?;
+    if created {
+        let mut r = byoc_audit::log::Record { event: "key_created".into(), ..Default::default() };
+        r.digests
+            .insert("public_key_sha256".into(), byoc_protocol::sha256_hex(key.verifying_key().as_bytes()));
+        audit.record(r).map_err(|e| DaemonError::Audit(e.to_string()))?;
+    }
     let client = CpClient::new(&config.control_plane)?.with_identity(enrollment.runner_id.clone(), key);
 
     let helper = std::env::current_exe()
@@ -154,6 +185,7 @@ pub async fn run(config: Config) -> Result<(), DaemonError> {
         install_id: enrollment.install_id.clone(),
         state_dir: state_dir.clone(),
         journal,
+        audit,
         client,
         abort: CancellationToken::new(),
         stop_reporting: CancellationToken::new(),
@@ -167,6 +199,18 @@ pub async fn run(config: Config) -> Result<(), DaemonError> {
     let mut tasks: JoinSet<()> = JoinSet::new();
     recover(&rt, &mut tasks)?;
 
+    let audit_task = tokio::spawn(crate::audit::upload_loop(rt.clone()));
+    let idle = rt.clone();
+    let idle_task = tokio::spawn(async move {
+        // Idle heartbeat checkpoints make a silently cut tail visible as a gap.
+        let mut tick = tokio::time::interval(Duration::from_secs(10));
+        loop {
+            tick.tick().await;
+            if let Err(e) = idle.audit.checkpoint_if_idle() {
+                tracing::error!(error = %e, "audit checkpoint failed");
+            }
+        }
+    });
     let health = Arc::new(AtomicU64::new(now_ms()));
     spawn_watchdog(&rt, health.clone(), drain.clone());
     sd_notify(&[sd_notify::NotifyState::Ready, sd_notify::NotifyState::Status("polling for jobs")]);
@@ -218,6 +262,22 @@ pub async fn run(config: Config) -> Result<(), DaemonError> {
             }
         }
     }
+    if let Err(e) =
+        rt.audit.record(byoc_audit::log::Record { event: "runner_stopped".into(), ..Default::default() })
+    {
+        tracing::error!(error = %e, "could not audit the stop");
+    }
+    // Give the control plane a moment to acknowledge the last records.
+    let _ = tokio::time::timeout(Duration::from_secs(3), async {
+        while byoc_audit::log::acknowledged_size(rt.audit.dir()) < rt.audit.size() {
+            rt.audit.changed.notify_waiters();
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    rt.stop_reporting.cancel();
+    idle_task.abort();
+    let _ = audit_task.await;
     let _ = std::fs::remove_file(state_dir.join(PID_FILE));
     tracing::info!("runner stopped");
     Ok(())
@@ -321,7 +381,7 @@ fn recover(rt: &Rt, tasks: &mut JoinSet<()>) -> Result<(), DaemonError> {
                 .unwrap_or((0, byoc_protocol::sha256_hex(b"")));
             let started = rt.journal.job(&job_id).and_then(|j| j.started_at_ms);
             tracing::warn!(job_id = %job_id, was = phase.as_str(), "job was interrupted by a runner restart; reporting it, not re-running it");
-            rt.journal.append(Event::Finished {
+            rt.transition(Event::Finished {
                 job_id: job_id.clone(),
                 status: byoc_protocol::JobStatus::Interrupted,
                 exit_code: None,
@@ -510,7 +570,7 @@ fn reject(rt: &Rt, tasks: &mut JoinSet<()>, r: Rejection) {
         detail = %r.detail,
         "job rejected"
     );
-    if let Err(e) = rt.journal.append(Event::Rejected {
+    if let Err(e) = rt.transition(Event::Rejected {
         delivery_id: r.delivery_id.clone(),
         job_id: r.job_id.clone(),
         nonce: r.nonce.clone(),

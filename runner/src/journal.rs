@@ -281,6 +281,8 @@ pub enum JournalError {
     Corrupt { path: PathBuf, line: usize, reason: String },
     #[error("appending to job journal {path}: {source}")]
     Append { path: PathBuf, source: std::io::Error },
+    #[error("appending to the audit log: {0}")]
+    Audit(String),
 }
 
 pub struct Journal {

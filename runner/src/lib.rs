@@ -4,6 +4,7 @@
 //! A job's path through the code is `pipeline::{poll, verify, claim, execute, report}`;
 //! `daemon` wires the stages to the control plane and to the durable `journal`.
 
+pub mod audit;
 pub mod cli;
 pub mod client;
 pub mod config;

@@ -163,6 +163,11 @@ impl ControlPlane {
     pub fn runners(&self) -> Vec<RunnerView> {
         self.shared.lock().runners()
     }
+    /// Audit records acknowledged for a runner.
+    pub fn audit_size(&self, runner_id: &str) -> u64 {
+        self.shared.lock().audit_size(runner_id)
+    }
+
     pub fn request_counts(&self) -> std::collections::BTreeMap<String, u64> {
         self.shared.lock().requests.clone()
     }
@@ -293,6 +298,7 @@ fn runner_router(shared: Arc<Shared>) -> Router {
         .route("/v1/jobs/{job}/heartbeat", post(heartbeat))
         .route("/v1/jobs/{job}/log", put(append_log))
         .route("/v1/jobs/{job}/result", post(result))
+        .route("/v1/audit", post(audit_upload))
         .layer(axum::middleware::from_fn_with_state(shared.clone(), faults_layer))
         .with_state(shared)
 }
@@ -466,6 +472,15 @@ async fn result(
     let runner = runner_id(&sh, &headers)?;
     let duplicate = sh.update(|s| s.result(&runner, &job, res))?;
     Ok(Json(serde_json::json!({ "duplicate": duplicate })))
+}
+
+async fn audit_upload(
+    AxState(sh): Sh,
+    headers: HeaderMap,
+    Json(req): Json<byoc_protocol::AuditUploadRequest>,
+) -> Result<Json<byoc_protocol::AuditUploadResponse>, CpError> {
+    let runner = runner_id(&sh, &headers)?;
+    Ok(Json(sh.update(|s| s.audit_upload(&runner, req))?))
 }
 
 // ---- admin API -------------------------------------------------------------------

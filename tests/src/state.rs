@@ -218,6 +218,14 @@ pub struct State {
     deliveries: HashMap<String, Delivery>,
     queue: VecDeque<String>,
     pub requests: BTreeMap<String, u64>,
+    /// Acknowledged audit records per runner (leaf hashes and the record lines).
+    audit: HashMap<String, AuditCopy>,
+}
+
+#[derive(Default)]
+struct AuditCopy {
+    leaves: Vec<byoc_audit::merkle::Hash>,
+    records: Vec<String>,
 }
 
 impl State {
@@ -239,6 +247,7 @@ impl State {
             deliveries: HashMap::new(),
             queue: VecDeque::new(),
             requests: BTreeMap::new(),
+            audit: HashMap::new(),
         }
     }
 
@@ -565,6 +574,79 @@ impl State {
         let job = self.jobs.get_mut(job_id).ok_or_else(|| CpError::NotFound(job_id.into()))?;
         job.cancel_requested = true;
         Ok(())
+    }
+
+    /// Check new audit records and the runner's checkpoint, then cosign it: records
+    /// continue exactly from what was acknowledged, the checkpoint is signed by the
+    /// runner's identity key, its root is the tree of every record received, and the
+    /// consistency proof links it to the previous acknowledged checkpoint.
+    pub fn audit_upload(
+        &mut self,
+        runner_id: &str,
+        req: byoc_protocol::AuditUploadRequest,
+    ) -> Result<byoc_protocol::AuditUploadResponse, CpError> {
+        use byoc_audit::{merkle, note};
+        let key = self.runners.get(runner_id).ok_or(CpError::Unauthorized("unknown runner"))?.public_key;
+        let copy = self.audit.entry(runner_id.to_string()).or_default();
+        let acked = copy.leaves.len() as u64;
+        if req.from > acked {
+            return Err(CpError::Conflict(format!("acknowledged size is {acked}, not {}", req.from)));
+        }
+        // A runner that lost our last answer (killed before storing the cosignature)
+        // sends from an older size: the overlap must be byte-identical.
+        let mut leaves = copy.leaves.clone();
+        for (i, line) in req.records.iter().enumerate() {
+            let idx = req.from + i as u64;
+            let r: byoc_audit::log::Record =
+                serde_json::from_str(line).map_err(|e| CpError::BadRequest(format!("record {idx}: {e}")))?;
+            if r.seq != idx {
+                return Err(CpError::BadRequest(format!("record {idx} carries seq {}", r.seq)));
+            }
+            let h = merkle::leaf_hash(line.as_bytes());
+            if idx < acked {
+                if copy.leaves[idx as usize] != h {
+                    return Err(CpError::Conflict(format!("record {idx} differs from the one acknowledged")));
+                }
+            } else {
+                leaves.push(h);
+            }
+        }
+        let name = format!("byoc-runner/{runner_id}");
+        let cp = note::open(&req.checkpoint, &[(&name, &key)])
+            .map_err(|e| CpError::BadRequest(format!("checkpoint: {e}")))?;
+        if cp.size != leaves.len() as u64 || cp.root != merkle::root(&leaves) {
+            return Err(CpError::BadRequest("checkpoint does not match the records".into()));
+        }
+        let proof: Vec<merkle::Hash> = req
+            .proof
+            .iter()
+            .map(|h| byoc_protocol::unb64("proof", h).ok().and_then(|b| b.try_into().ok()))
+            .collect::<Option<_>>()
+            .ok_or_else(|| CpError::BadRequest("bad proof hash".into()))?;
+        let from = req.from;
+        if from > 0
+            && !merkle::verify_consistency(
+                from,
+                cp.size,
+                &merkle::root(&copy.leaves[..from as usize]),
+                &cp.root,
+                &proof,
+            )
+        {
+            return Err(CpError::BadRequest("consistency proof does not verify".into()));
+        }
+        copy.leaves = leaves;
+        let skip = (acked - from) as usize;
+        copy.records.extend(req.records.into_iter().skip(skip));
+        let cosigned =
+            note::cosign(&req.checkpoint, byoc_audit::log::CONTROL_PLANE_KEY_NAME, &self.signing_key)
+                .map_err(|e| CpError::BadRequest(e.to_string()))?;
+        Ok(byoc_protocol::AuditUploadResponse { cosigned })
+    }
+
+    /// How many audit records of this runner were acknowledged.
+    pub fn audit_size(&self, runner_id: &str) -> u64 {
+        self.audit.get(runner_id).map(|a| a.leaves.len() as u64).unwrap_or(0)
     }
 
     pub fn view(&self, job_id: &str) -> Option<JobView> {

@@ -23,7 +23,7 @@ pub enum ClaimOutcome {
 /// before the next poll, so a replay of the same nonce is refused deterministically.
 pub fn record_received(rt: &Rt, job: &VerifiedJob) -> Result<(), JournalError> {
     let p = &job.payload;
-    rt.journal.append(Event::Received {
+    rt.transition(Event::Received {
         job_id: p.job_id.clone(),
         delivery_id: job.delivery_id.clone(),
         nonce: p.nonce.clone(),
@@ -42,7 +42,7 @@ pub async fn claim(rt: &Rt, job: VerifiedJob) -> Result<ClaimOutcome, JournalErr
     loop {
         let refused = match rt.client.claim(&job_id, &job.delivery_id).await {
             Ok(c) => {
-                rt.journal.append(Event::Claimed { job_id: job_id.clone(), lease_secs: c.lease_secs })?;
+                rt.transition(Event::Claimed { job_id: job_id.clone(), lease_secs: c.lease_secs })?;
                 return Ok(ClaimOutcome::Claimed(Box::new(ClaimedJob {
                     verified: job,
                     lease_secs: c.lease_secs,
@@ -66,7 +66,7 @@ pub async fn claim(rt: &Rt, job: VerifiedJob) -> Result<ClaimOutcome, JournalErr
         };
         if let Some(detail) = refused {
             tracing::warn!(reason = %detail, "job not claimed; it will not run");
-            rt.journal.append(Event::ClaimRefused { job_id, detail: detail.clone() })?;
+            rt.transition(Event::ClaimRefused { job_id, detail: detail.clone() })?;
             return Ok(ClaimOutcome::NotClaimed { detail });
         }
         tokio::select! {

@@ -24,7 +24,7 @@ pub async fn execute(rt: &Rt, job: ClaimedJob) -> Result<FinishedJob, JournalErr
     let job_id = job.verified.payload.job_id.clone();
     let work_dir = rt.state_dir.join(WORK_DIR).join(&job_id);
     let started_at_ms = now_ms();
-    rt.journal.append(Event::Started { job_id: job_id.clone(), started_at_ms })?;
+    rt.transition(Event::Started { job_id: job_id.clone(), started_at_ms })?;
     tracing::info!("job started");
 
     let outcome;
@@ -70,7 +70,7 @@ pub async fn execute(rt: &Rt, job: ClaimedJob) -> Result<FinishedJob, JournalErr
     {
         tracing::warn!(error = %e, path = %work_dir.display(), "could not remove the job's working directory");
     }
-    rt.journal.append(Event::Finished {
+    rt.transition(Event::Finished {
         job_id: job_id.clone(),
         status: outcome.status,
         exit_code: outcome.exit_code,

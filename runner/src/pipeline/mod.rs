@@ -35,6 +35,7 @@ pub struct Runtime {
     pub install_id: String,
     pub state_dir: PathBuf,
     pub journal: Journal,
+    pub audit: crate::audit::Audit,
     pub client: CpClient,
     /// Cancelled on the second SIGTERM: every running job is cancelled.
     pub abort: CancellationToken,
@@ -47,6 +48,16 @@ pub struct Runtime {
 }
 
 pub type Rt = Arc<Runtime>;
+
+impl Runtime {
+    /// Journal a job transition, then audit it; both are fsynced before the caller acts.
+    pub fn transition(&self, event: crate::journal::Event) -> Result<(), crate::journal::JournalError> {
+        let record = crate::audit::record_for(&event);
+        self.journal.append(event)?;
+        self.audit.record(record).map_err(|e| crate::journal::JournalError::Audit(e.to_string()))?;
+        Ok(())
+    }
+}
 
 /// The directory under the state dir where per-job sandbox root mount points live.
 pub const ROOTS_DIR: &str = "roots";

@@ -61,7 +61,7 @@ pub async fn report(rt: &Rt, job_id: &str) -> Result<Reported, JournalError> {
         };
         match outcome {
             Ok(None) => {
-                rt.journal.append(Event::Reported { job_id: job_id.to_string() })?;
+                rt.transition(Event::Reported { job_id: job_id.to_string() })?;
                 tracing::info!(status = result.status.as_str(), "result acknowledged");
                 return Ok(Reported::Acknowledged);
             }
