@@ -202,6 +202,28 @@ async fn logs_reach_journald_with_structured_unprefixed_fields() {
         );
     }
     assert!(String::from_utf8_lossy(&everything.stdout).contains(&leaky), "the failed job is in the journal");
+    // Audit records are mirrored with AUDIT_* fields: `journalctl AUDIT_EVENT=…` finds them.
+    let audit = Command::new("journalctl")
+        .arg("--directory")
+        .arg(&journal)
+        .args(["-o", "json", "--no-pager", "AUDIT_EVENT=job_finished"])
+        .output()
+        .unwrap();
+    let audit: Vec<serde_json::Value> = audit
+        .stdout
+        .split(|b| *b == b'\n')
+        .filter(|l| !l.is_empty())
+        .filter_map(|l| serde_json::from_slice(l).ok())
+        .collect();
+    let rec = audit
+        .iter()
+        .find(|r| {
+            r["JOB_ID"] == leaky
+                || r["JOB_ID"].as_array().is_some_and(|a| a.contains(&serde_json::json!(leaky)))
+        })
+        .expect("an AUDIT_EVENT=job_finished record for the job");
+    assert!(rec["AUDIT_SEQ"].as_str().is_some_and(|s| s.parse::<u64>().is_ok()), "{rec}");
+    assert_eq!(rec["STATUS"], "failed");
     runner.kill9().await;
     if let Ok(pid) = std::fs::read_to_string(dir.path().join("journald.pid")) {
         let _ = nix::sys::signal::kill(
