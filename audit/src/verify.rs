@@ -300,6 +300,60 @@ mod tests {
         assert_eq!(r.acknowledged_size, 20);
     }
 
+    #[test]
+    fn a_torn_tail_is_cut_recorded_and_the_log_still_verifies() {
+        let dir = tempfile::tempdir().unwrap();
+        let key = byoc_protocol::generate_signing_key();
+        {
+            let (mut w, _) = AuditWriter::open(dir.path(), key.clone(), "rn-1", "inst-1", &[]).unwrap();
+            for _ in 0..3 {
+                w.append(Record { event: "job_started".into(), ..Default::default() }).unwrap();
+            }
+        }
+        // A crash mid-write leaves half a record.
+        let mut f = std::fs::OpenOptions::new().append(true).open(dir.path().join(LOG)).unwrap();
+        std::io::Write::write_all(&mut f, br#"{"seq":3,"time_ms":1,"inst"#).unwrap();
+        drop(f);
+        let (w, opened) = AuditWriter::open(dir.path(), key.clone(), "rn-1", "inst-1", &[]).unwrap();
+        assert_eq!(opened.cut_bytes, 26);
+        assert_eq!(w.size(), 4);
+        let last = crate::log::read_lines(dir.path(), 3, 4).unwrap();
+        assert!(last[0].contains("audit_tail_cut"), "{last:?}");
+        let trust = Trust { runner: key.verifying_key(), control_plane: vec![] };
+        assert_eq!(verify_dir(dir.path(), &trust).unwrap().records, 4);
+    }
+
+    #[test]
+    fn a_long_silence_between_checkpoints_is_a_gap_unless_the_runner_restarted() {
+        let dir = tempfile::tempdir().unwrap();
+        let key = byoc_protocol::generate_signing_key();
+        let (mut w, _) = AuditWriter::open(dir.path(), key.clone(), "rn-1", "inst-1", &[]).unwrap();
+        w.append(Record { event: "job_started".into(), ..Default::default() }).unwrap();
+        let trust = Trust { runner: key.verifying_key(), control_plane: vec![] };
+        // A checkpoint signed ten minutes later with nothing in between.
+        let later = |size: u64, w: &AuditWriter| {
+            let body = w.sign_at(size).split("\n\n").next().unwrap().to_string() + "\n";
+            let mut cp = Checkpoint::parse_body(&body).unwrap();
+            cp.time += 600;
+            serde_json::to_string(&StoredCheckpoint { size, note: note::sign(&cp, "byoc-runner/rn-1", &key) })
+                .unwrap()
+        };
+        let path = dir.path().join(CHECKPOINTS);
+        let original = std::fs::read_to_string(&path).unwrap();
+        std::fs::write(&path, format!("{original}{}\n", later(1, &w))).unwrap();
+        assert!(matches!(verify_dir(dir.path(), &trust), Err(VerifyError::IdleGap { .. })));
+        // With a restart recorded in between, the silence is explained.
+        std::fs::write(&path, &original).unwrap();
+        w.append(Record { event: "runner_started".into(), ..Default::default() }).unwrap();
+        let with_restart = std::fs::read_to_string(&path).unwrap();
+        let mut lines: Vec<String> = with_restart.lines().map(str::to_string).collect();
+        let last = lines.pop().unwrap();
+        let s: StoredCheckpoint = serde_json::from_str(&last).unwrap();
+        lines.push(later(s.size, &w));
+        std::fs::write(&path, lines.join("\n") + "\n").unwrap();
+        verify_dir(dir.path(), &trust).unwrap();
+    }
+
     /// 10,000 random edits of the kinds an attacker or a failing disk makes; every one
     /// must be caught.
     #[test]
