@@ -145,13 +145,19 @@ pub async fn run(config: Config) -> Result<(), DaemonError> {
             "cut a torn record from the end of the audit log (crash mid-write); the cut is recorded"
         );
     }
-    let mut started = byoc_audit::log::Record {
+    let started = byoc_audit::log::Record {
         event: "runner_started".into(),
         detail: Some(format!("byoc-runner {}", env!("CARGO_PKG_VERSION"))),
         ..Default::default()
     };
-    started.digests.insert("config_sha256".into(), config.digest.clone());
     audit.record(started).map_err(|e| DaemonError::Audit(e.to_string()))?;
+    let mut loaded = byoc_audit::log::Record {
+        event: "config_loaded".into(),
+        detail: Some(config.source.display().to_string()),
+        ..Default::default()
+    };
+    loaded.digests.insert("config_sha256".into(), config.digest.clone());
+    audit.record(loaded).map_err(|e| DaemonError::Audit(e.to_string()))?;
     if created {
         let mut r = byoc_audit::log::Record { event: "key_created".into(), ..Default::default() };
         r.digests

@@ -76,6 +76,10 @@ async fn jobs_are_audited_acknowledged_and_verifiable_offline() {
     let finished = records.iter().find(|r| r.event == "job_finished").unwrap();
     assert_eq!(finished.job.as_deref(), Some(ok.as_str()));
     assert_eq!(finished.digests["log_sha256"], e.cp.job(&ok).unwrap().log_sha256);
+    let loaded = records.iter().find(|r| r.event == "config_loaded").unwrap();
+    assert_eq!(loaded.digests["config_sha256"].len(), 64);
+    // Never secrets or tokens: nothing resembling the bootstrap or access tokens.
+    assert!(!lines.iter().any(|l| l.contains("bt-") || l.contains("at-")), "a token reached the audit log");
 
     // Verify offline, as the customer would.
     let out = audit_cli(&e, &["verify", "-o", "json"]);
