@@ -460,8 +460,16 @@ async fn poll_loop(
             draining: false,
             version: env!("CARGO_PKG_VERSION").to_string(),
         };
+        // A poll sent while some group was full names only the free groups; if a slot
+        // frees while it is held, poll again at once so that group's jobs are not kept
+        // waiting for the hold to run out.
+        let narrowed = req.free_groups.len() < slots.limits.len();
+        let slot_freed = slots.changed.notified();
+        tokio::pin!(slot_freed);
+        slot_freed.as_mut().enable();
         let polled = tokio::select! {
             r = rt.client.poll(&req) => r,
+            _ = &mut slot_freed, if narrowed => continue,
             _ = drain.cancelled() => return,
         };
         match polled {

@@ -296,3 +296,22 @@ async fn a_secret_never_reaches_spool_upload_result_or_runner_log() {
         }
     }
 }
+
+#[tokio::test]
+async fn a_slot_freed_during_a_held_poll_is_used_at_once() {
+    // One action at a time, polls held the full 30 s.
+    let e =
+        env_with(byoc_control_plane::harness::RunnerOptions { actions_limit: 1, ..Default::default() }).await;
+    let go = e.dir.path().join("go");
+    let first =
+        e.cp.enqueue(script(&format!("echo waiting; while [ ! -f {} ]; do sleep 0.05; done", go.display())))
+            .unwrap();
+    e.log_contains(&first, "waiting").await;
+    // The runner now polls for the other groups only; this action job must wait...
+    let second = e.cp.enqueue(script("echo second")).unwrap();
+    std::fs::write(&go, "1").unwrap();
+    e.finished(&first).await;
+    // ...but not for the 30 s hold of the poll in flight when the slot freed.
+    let v = e.cp.wait_for(&second, std::time::Duration::from_secs(20), |v| v.result.is_some()).await;
+    assert!(v.is_some(), "the freed slot was not used until the held poll ended");
+}

@@ -207,6 +207,20 @@ async fn main() -> anyhow::Result<()> {
         runner.state_dir.display(),
         String::from_utf8_lossy(&status.stdout)
     );
+    // The customer's check of what the vendor did: offline, from the files alone.
+    let verify = std::process::Command::new(&runner_bin)
+        .args(["audit", "verify", "--state-dir"])
+        .arg(&runner.state_dir)
+        .output()?;
+    println!(
+        "$ byoc-runner audit verify --state-dir {}\n{}{}",
+        runner.state_dir.display(),
+        String::from_utf8_lossy(&verify.stdout),
+        String::from_utf8_lossy(&verify.stderr)
+    );
+    if !verify.status.success() {
+        failures += 1;
+    }
     if failures > 0 {
         eprintln!(
             "demo FAILED: {failures} job(s) did not end as expected; runner log: {}",
