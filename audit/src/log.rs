@@ -126,10 +126,23 @@ impl AuditWriter {
             move |e| AuditError::Io { op, path, source: e }
         };
         std::fs::create_dir_all(dir).map_err(io("creating", dir))?;
+        // Keys an offline verifier needs. Control-plane keys accumulate: after a key
+        // rotation the old cosignatures must still verify.
         let pub_path = dir.join(RUNNER_PUB);
-        std::fs::write(&pub_path, format!("{}\n", base64_key(&key))).map_err(io("writing", &pub_path))?;
+        write_durably(&pub_path, &format!("{}\n", base64_key(&key))).map_err(io("writing", &pub_path))?;
         let cp_path = dir.join(CONTROL_PLANE_PUB);
-        std::fs::write(&cp_path, control_plane_keys.join("\n") + "\n").map_err(io("writing", &cp_path))?;
+        let mut cp_keys: Vec<String> = std::fs::read_to_string(&cp_path)
+            .unwrap_or_default()
+            .lines()
+            .filter(|l| !l.trim().is_empty())
+            .map(str::to_string)
+            .collect();
+        for k in control_plane_keys {
+            if !cp_keys.contains(k) {
+                cp_keys.push(k.clone());
+            }
+        }
+        write_durably(&cp_path, &(cp_keys.join("\n") + "\n")).map_err(io("writing", &cp_path))?;
         let log_path = dir.join(LOG);
         let mut log = OpenOptions::new()
             .read(true)
@@ -296,6 +309,16 @@ impl AuditWriter {
     }
 }
 
+/// Temp file, fsync, rename, fsync the directory.
+fn write_durably(path: &Path, text: &str) -> std::io::Result<()> {
+    let tmp = path.with_extension("tmp");
+    let mut f = File::create(&tmp)?;
+    f.write_all(text.as_bytes())?;
+    f.sync_all()?;
+    std::fs::rename(&tmp, path)?;
+    fsync_dir(path.parent().unwrap_or(Path::new(".")))
+}
+
 fn base64_key(key: &SigningKey) -> String {
     use base64::Engine as _;
     base64::engine::general_purpose::STANDARD.encode(key.verifying_key().as_bytes())
@@ -323,4 +346,18 @@ pub fn read_checkpoints(path: &Path) -> Vec<StoredCheckpoint> {
         .lines()
         .filter_map(|l| serde_json::from_str(l).ok())
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn control_plane_keys_accumulate_across_rotations() {
+        let dir = tempfile::tempdir().unwrap();
+        let key = byoc_protocol::generate_signing_key();
+        AuditWriter::open(dir.path(), key.clone(), "rn", "i", &["old".into()]).unwrap();
+        AuditWriter::open(dir.path(), key, "rn", "i", &["new".into()]).unwrap();
+        assert_eq!(std::fs::read_to_string(dir.path().join(CONTROL_PLANE_PUB)).unwrap(), "old\nnew\n");
+    }
 }

@@ -159,22 +159,14 @@ pub fn verify_dir(dir: &Path, trust: &Trust) -> Result<Report, VerifyError> {
     let records = leaves.len() as u64;
 
     // Sizes first: a checkpoint beyond the log is truncation (acknowledged ones above all).
-    for s in &cosigned {
+    // Acknowledged checkpoints first: their truncation is the one the control plane can prove.
+    for s in cosigned.iter().chain(&checkpoints) {
         if s.cp.size > records {
-            return Err(VerifyError::Truncated {
-                what: format!("the acknowledged checkpoint on line {} of {COSIGNED}", s.line),
-                size: s.cp.size,
-                records,
-            });
-        }
-    }
-    for s in &checkpoints {
-        if s.cp.size > records {
-            return Err(VerifyError::Truncated {
-                what: format!("the checkpoint on line {} of {CHECKPOINTS}", s.line),
-                size: s.cp.size,
-                records,
-            });
+            let what = match s.file {
+                COSIGNED => format!("the acknowledged checkpoint on line {} of {COSIGNED}", s.line),
+                _ => format!("the checkpoint on line {} of {}", s.line, s.file),
+            };
+            return Err(VerifyError::Truncated { what, size: s.cp.size, records });
         }
     }
     let covered = checkpoints.iter().map(|s| s.cp.size).max().unwrap_or(0);

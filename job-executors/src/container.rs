@@ -38,12 +38,8 @@ pub struct Container {
     pub env: BTreeMap<String, String>,
     #[serde(default)]
     pub secret_env: BTreeMap<String, String>,
-    #[serde(default = "default_network")]
+    #[serde(default = "crate::default_true")]
     pub network: bool,
-}
-
-fn default_network() -> bool {
-    true
 }
 
 impl Container {

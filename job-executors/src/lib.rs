@@ -107,6 +107,11 @@ pub trait Executor: Send + Sync {
     }
 }
 
+/// Serde default for switches that are on unless a spec turns them off (network).
+pub(crate) fn default_true() -> bool {
+    true
+}
+
 /// Check a job's declared environment: valid names, no name in both maps, secret values
 /// long enough to mask.
 pub fn validate_env(

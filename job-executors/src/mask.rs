@@ -24,7 +24,7 @@ pub enum MaskError {
     TooShort,
 }
 
-/// Every byte string that reveals `secret`, longest first is not required.
+/// Every byte string that reveals `secret` (the secret and its encoded forms).
 pub fn patterns_for(secret: &[u8]) -> Vec<Vec<u8>> {
     let mut out = vec![secret.to_vec()];
     for engine in

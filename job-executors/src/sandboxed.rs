@@ -87,8 +87,11 @@ pub async fn run(job: Job, settings: SandboxSettings, mut ctx: ExecContext<'_>) 
                 settings.limits.pids
             ));
         }
+    }
+    if let Some(cg) = cgroup {
         // Whatever is left (nothing, normally: init's exit killed the namespace) dies.
-        cg.kill_all_and_remove();
+        // Removal retries briefly while the kernel finishes: keep it off the runtime.
+        let _ = tokio::task::spawn_blocking(move || cg.kill_all_and_remove()).await;
     }
     if outcome.status == JobStatus::Failed {
         match outcome.exit_code {

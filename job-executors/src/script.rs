@@ -33,12 +33,8 @@ pub struct Script {
     pub secret_env: BTreeMap<String, String>,
     /// Network access (default on: tools must reach cloud APIs). Off gives the job an
     /// empty network namespace.
-    #[serde(default = "default_network")]
+    #[serde(default = "crate::default_true")]
     pub network: bool,
-}
-
-fn default_network() -> bool {
-    true
 }
 
 fn default_interpreter() -> PathBuf {

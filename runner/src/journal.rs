@@ -11,7 +11,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::{File, OpenOptions};
-use std::io::{BufRead as _, BufReader, Seek as _, SeekFrom, Write as _};
+use std::io::{BufRead as _, BufReader, Read as _, Seek as _, SeekFrom, Write as _};
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, MutexGuard};
 
@@ -371,12 +371,18 @@ impl Journal {
 pub fn read_index(state_dir: &Path) -> Result<Index, JournalError> {
     let path = state_dir.join(JOURNAL_FILE);
     let file = File::open(&path).map_err(|e| JournalError::Open { path: path.clone(), source: e })?;
+    let mut bytes = Vec::new();
+    BufReader::new(file)
+        .read_to_end(&mut bytes)
+        .map_err(|e| JournalError::Open { path: path.clone(), source: e })?;
     let mut index = Index::default();
-    for (i, line) in BufReader::new(file).split(b'\n').enumerate() {
-        let line = line.map_err(|e| JournalError::Open { path: path.clone(), source: e })?;
-        match serde_json::from_slice::<Line>(&line) {
+    let complete = bytes.ends_with(b"\n");
+    let lines: Vec<&[u8]> = bytes.split(|b| *b == b'\n').filter(|l| !l.is_empty()).collect();
+    for (i, line) in lines.iter().enumerate() {
+        match serde_json::from_slice::<Line>(line) {
             Ok(l) => index.apply(&l),
-            Err(_) if line.is_empty() => {}
+            // The daemon may be in the middle of writing the last line.
+            Err(_) if i + 1 == lines.len() && !complete => {}
             Err(e) => return Err(JournalError::Corrupt { path, line: i + 1, reason: e.to_string() }),
         }
     }
@@ -423,6 +429,24 @@ mod tests {
         assert_eq!(rec.phase, Phase::Started);
         assert_eq!(rec.started_at_ms, Some(5));
         assert!(j.with_index(|i| i.nonces.contains_key("n1")));
+    }
+
+    #[test]
+    fn the_read_only_replay_skips_a_line_being_written_but_not_damage() {
+        let dir = tempfile::tempdir().unwrap();
+        let (j, _) = Journal::open(dir.path()).unwrap();
+        j.append(received("a", "n1")).unwrap();
+        drop(j);
+        let path = dir.path().join(JOURNAL_FILE);
+        let good = std::fs::read(&path).unwrap();
+        let mut torn = good.clone();
+        torn.extend_from_slice(b"{\"ts\":1,\"ev");
+        std::fs::write(&path, &torn).unwrap();
+        assert!(read_index(dir.path()).unwrap().jobs.contains_key("a"));
+        let mut damaged = b"garbage\n".to_vec();
+        damaged.extend_from_slice(&good);
+        std::fs::write(&path, &damaged).unwrap();
+        assert!(matches!(read_index(dir.path()), Err(JournalError::Corrupt { line: 1, .. })));
     }
 
     #[test]

@@ -145,15 +145,4 @@ impl Uploader {
         }
         Ok(())
     }
-
-    /// Learn the server's offset without sending data (an empty append at offset 0
-    /// answers 416 with the real offset when it is not 0).
-    pub async fn sync_offset(&mut self, client: &CpClient) -> Result<(), UploadError> {
-        match client.append_log(&self.job_id, self.uploaded, &[]).await {
-            Ok(o) => self.uploaded = o,
-            Err(ClientError::LogOffset { server_offset }) => self.uploaded = server_offset,
-            Err(e) => return Err(e.into()),
-        }
-        Ok(())
-    }
 }
