@@ -202,8 +202,14 @@ pub async fn run(config: Config) -> Result<(), DaemonError> {
     let drain = CancellationToken::new();
     spawn_signal_handler(rt.clone(), drain.clone())?;
 
+    let slots = Arc::new(Slots {
+        limits: rt.config.jobs.groups.clone(),
+        running: Mutex::new(BTreeMap::new()),
+        changed: Notify::new(),
+        in_hand: Mutex::new(Default::default()),
+    });
     let mut tasks: JoinSet<()> = JoinSet::new();
-    recover(&rt, &mut tasks)?;
+    recover(&rt, &slots, &mut tasks)?;
 
     let audit_task = tokio::spawn(crate::audit::upload_loop(rt.clone()));
     let idle = rt.clone();
@@ -222,12 +228,6 @@ pub async fn run(config: Config) -> Result<(), DaemonError> {
     sd_notify(&[sd_notify::NotifyState::Ready, sd_notify::NotifyState::Status("polling for jobs")]);
     tracing::info!("enrolled and polling");
 
-    let slots = Arc::new(Slots {
-        limits: rt.config.jobs.groups.clone(),
-        running: Mutex::new(BTreeMap::new()),
-        changed: Notify::new(),
-        in_hand: Mutex::new(Default::default()),
-    });
     poll_loop(&rt, &slots, &mut tasks, &drain, &health).await;
 
     // Drain.
@@ -373,7 +373,33 @@ fn hostname() -> String {
 /// After a crash: started-but-unfinished jobs become `interrupted` (they are not run
 /// again: the runner cannot know what they already did), then every finished job that
 /// was never acknowledged is reported.
-fn recover(rt: &Rt, tasks: &mut JoinSet<()>) -> Result<(), DaemonError> {
+fn recover(rt: &Rt, slots: &Arc<Slots>, tasks: &mut JoinSet<()>) -> Result<(), DaemonError> {
+    // Received but not claimed (as far as the journal knows): the claim may have reached
+    // the control plane before the crash, in which case it will never offer the job
+    // again. Claim it again (claims are idempotent per runner) and, having no spec to
+    // run (payloads are not stored), report it interrupted rather than leave it hanging.
+    let unclaimed: Vec<(String, String)> = rt.journal.with_index(|i| {
+        i.jobs
+            .values()
+            .filter(|j| j.phase == Phase::Received)
+            .map(|j| (j.job_id.clone(), j.delivery_id.clone()))
+            .collect()
+    });
+    for (job_id, delivery_id) in unclaimed {
+        slots.in_hand.lock().unwrap_or_else(|e| e.into_inner()).insert(job_id.clone());
+        let in_hand = InHand { slots: slots.clone(), job_id: job_id.clone() };
+        let rt = rt.clone();
+        let span = tracing::info_span!("job", job_id = %job_id, install_id = %rt.install_id);
+        tasks.spawn(tracing::Instrument::instrument(
+            async move {
+                let _in_hand = in_hand;
+                if let Err(e) = settle_unclaimed(&rt, &job_id, &delivery_id).await {
+                    tracing::error!(error = %e, "journal write failed while settling an unclaimed job");
+                }
+            },
+            span,
+        ));
+    }
     let pending: Vec<(String, Phase)> = rt.journal.with_index(|i| {
         i.jobs
             .values()
@@ -417,6 +443,51 @@ fn recover(rt: &Rt, tasks: &mut JoinSet<()>) -> Result<(), DaemonError> {
         ));
     }
     Ok(())
+}
+
+async fn settle_unclaimed(
+    rt: &Rt,
+    job_id: &str,
+    delivery_id: &str,
+) -> Result<(), crate::journal::JournalError> {
+    let mut backoff = Backoff::new(rt.config.poll.backoff_initial, rt.config.poll.backoff_max);
+    let claimed = loop {
+        match rt.client.claim(job_id, delivery_id).await {
+            Ok(c) => break Ok(c.lease_secs),
+            Err(e) if e.is_transient() => tokio::select! {
+                _ = tokio::time::sleep(backoff.next_delay()) => {}
+                _ = rt.stop_reporting.cancelled() => return Ok(()),
+            },
+            Err(e) => break Err(e.to_string()),
+        }
+    };
+    match claimed {
+        Err(detail) => {
+            rt.transition(Event::ClaimRefused { job_id: job_id.into(), detail })?;
+            Ok(())
+        }
+        Ok(lease_secs) => {
+            tracing::warn!(
+                "job was received but not started before a runner restart; reporting it, not running it"
+            );
+            rt.transition(Event::Claimed { job_id: job_id.into(), lease_secs })?;
+            rt.transition(Event::Finished {
+                job_id: job_id.into(),
+                status: byoc_protocol::JobStatus::Interrupted,
+                exit_code: None,
+                error: Some(
+                    "the runner restarted after receiving the job and before starting it; it was not run"
+                        .into(),
+                ),
+                log_size: 0,
+                log_sha256: byoc_protocol::sha256_hex(b""),
+                started_at_ms: None,
+                finished_at_ms: now_ms(),
+                outputs: serde_json::Value::Null,
+            })?;
+            report::report(rt, job_id).await.map(|_| ())
+        }
+    }
 }
 
 async fn poll_loop(

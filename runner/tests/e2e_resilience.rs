@@ -202,3 +202,32 @@ async fn used_bootstrap_token_is_refused_with_a_clear_error() {
     assert_eq!(cp.runners().len(), 1);
     first.kill9().await;
 }
+
+#[tokio::test]
+async fn a_claim_answered_after_the_runner_died_is_settled_as_interrupted_on_restart() {
+    let (mut e, notify) = env_with_notify().await;
+    e.runner.signal(Signal::SIGTERM);
+    wait_notify(&notify, "STOPPING=1").await;
+    assert!(e.runner.wait_exit(WAIT).await.unwrap().success());
+    // The runner journaled `received` and sent the claim; the control plane recorded it;
+    // the runner died before the answer came back (no `claimed` in its journal).
+    let id = e.cp.enqueue(script("echo must-not-run")).unwrap();
+    let delivery = e.cp.simulate_lost_claim_answer(&id).unwrap();
+    let line = serde_json::json!({
+        "ts": 1, "event": "received", "job_id": id, "delivery_id": delivery,
+        "nonce": e.cp.job(&id).unwrap().nonce, "expires_at": i64::MAX, "kind": "action.script",
+        "operation": "trigger", "entity": "action", "payload_sha256": "00", "timeout_secs": 60
+    });
+    let journal = e.runner.state_dir.join("journal.jsonl");
+    let mut text = std::fs::read_to_string(&journal).unwrap();
+    text.push_str(&format!("{line}\n"));
+    std::fs::write(&journal, text).unwrap();
+
+    e.runner.spawn(None).unwrap();
+    let v = e.finished(&id).await;
+    let r = v.result.unwrap();
+    assert_eq!(r.status, JobStatus::Interrupted);
+    assert!(r.error.unwrap().contains("it was not run"));
+    assert_eq!(started_count(&e.runner.state_dir, &id), 0, "the job was run");
+    assert_eq!(e.output(&id), "");
+}

@@ -148,6 +148,9 @@ impl ControlPlane {
     pub fn redeliver(&self, job_id: &str) -> Result<(), CpError> {
         self.shared.update(|s| s.redeliver(job_id))
     }
+    pub fn simulate_lost_claim_answer(&self, job_id: &str) -> Result<String, CpError> {
+        self.shared.update(|s| s.simulate_lost_claim_answer(job_id))
+    }
     pub fn cancel(&self, job_id: &str) -> Result<(), CpError> {
         self.shared.update(|s| s.cancel(job_id))
     }

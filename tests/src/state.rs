@@ -416,6 +416,23 @@ impl State {
         Ok(())
     }
 
+    /// Test support: the runner took this delivery and its claim arrived, but the runner
+    /// died before it heard the answer. Returns the delivery id.
+    pub fn simulate_lost_claim_answer(&mut self, job_id: &str) -> Result<String, CpError> {
+        let (id, target) = self
+            .deliveries
+            .iter()
+            .find(|(_, d)| d.job_id == job_id)
+            .map(|(id, d)| (id.clone(), d.target_runner.clone()))
+            .ok_or_else(|| CpError::NotFound(job_id.into()))?;
+        self.queue.retain(|q| *q != id);
+        let job = self.jobs.get_mut(job_id).ok_or_else(|| CpError::NotFound(job_id.into()))?;
+        job.state = JobState::Claimed;
+        job.claimed_by = Some(target);
+        job.claims += 1;
+        Ok(id)
+    }
+
     pub fn record_poll(&mut self, runner_id: &str, poll: &PollRequest) {
         if let Some(r) = self.runners.get_mut(runner_id) {
             r.last_poll = Some(poll.clone());
