@@ -239,6 +239,20 @@ impl AuditWriter {
 
     /// Group commit: all records written, one fsync, one checkpoint. Returns the last seq.
     pub fn append_batch(&mut self, records: Vec<Record>) -> Result<u64, AuditError> {
+        self.lock_commit()?;
+        let done = self.append_batch_locked(records);
+        let _ = self.log.unlock();
+        done
+    }
+
+    /// An exclusive lock on the log for one commit (its records and their checkpoint):
+    /// a verifier snapshots under the shared lock, so on a live log it never sees
+    /// records whose checkpoint is still being written (see `verify::verify_dir`).
+    fn lock_commit(&self) -> Result<(), AuditError> {
+        self.log.lock().map_err(|e| AuditError::Io { op: "locking", path: self.dir.join(LOG), source: e })
+    }
+
+    fn append_batch_locked(&mut self, records: Vec<Record>) -> Result<u64, AuditError> {
         let path = self.dir.join(LOG);
         let mut hashes = Vec::with_capacity(records.len());
         for mut r in records {
@@ -254,12 +268,19 @@ impl AuditWriter {
             self.leaves.push(h);
             self.frontier.push(h);
         }
-        self.checkpoint()?;
+        self.checkpoint_locked()?;
         Ok(self.size() - 1)
     }
 
     /// Sign and store a checkpoint of the current tree.
     pub fn checkpoint(&mut self) -> Result<StoredCheckpoint, AuditError> {
+        self.lock_commit()?;
+        let done = self.checkpoint_locked();
+        let _ = self.log.unlock();
+        done
+    }
+
+    fn checkpoint_locked(&mut self) -> Result<StoredCheckpoint, AuditError> {
         let note = self.sign_at(self.size());
         let stored = StoredCheckpoint { size: self.size(), note };
         let path = self.dir.join(CHECKPOINTS);

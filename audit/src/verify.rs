@@ -115,8 +115,22 @@ fn read_signed(
 }
 
 pub fn verify_dir(dir: &Path, trust: &Trust) -> Result<Report, VerifyError> {
-    let checkpoints = read_signed(dir, CHECKPOINTS, trust, false)?;
-    let cosigned = read_signed(dir, COSIGNED, trust, true)?;
+    let path = dir.join(LOG);
+    let io = |e: std::io::Error| VerifyError::Io { path: path.display().to_string(), reason: e.to_string() };
+    let f = std::fs::File::open(&path).map_err(io)?;
+    // A consistent snapshot of a log the runner may be appending to: under a shared lock
+    // (the writer holds the exclusive one for each commit of records + checkpoint) read
+    // the checkpoints and the log's length, then verify only that prefix. The log is
+    // append-only, so the prefix cannot change after the lock is released.
+    f.lock_shared().map_err(io)?;
+    let snapshot = (|| {
+        let checkpoints = read_signed(dir, CHECKPOINTS, trust, false)?;
+        let cosigned = read_signed(dir, COSIGNED, trust, true)?;
+        let len = f.metadata().map_err(io)?.len();
+        Ok((checkpoints, cosigned, len))
+    })();
+    let _ = f.unlock();
+    let (checkpoints, cosigned, len) = snapshot?;
     let origin = checkpoints.first().map(|s| s.cp.origin.clone());
     for s in checkpoints.iter().chain(&cosigned) {
         if Some(&s.cp.origin) != origin.as_ref() {
@@ -129,10 +143,7 @@ pub fn verify_dir(dir: &Path, trust: &Trust) -> Result<Report, VerifyError> {
     }
 
     // Records: parse, sequence, leaf hashes.
-    let path = dir.join(LOG);
-    let f = std::fs::File::open(&path)
-        .map_err(|e| VerifyError::Io { path: path.display().to_string(), reason: e.to_string() })?;
-    let mut reader = BufReader::with_capacity(1 << 20, f);
+    let mut reader = BufReader::with_capacity(1 << 20, std::io::Read::take(f, len));
     let mut leaves: Vec<Hash> = Vec::new();
     let mut restarts: Vec<u64> = Vec::new();
     let mut buf = Vec::new();
@@ -280,6 +291,38 @@ mod tests {
             out.push(b'\n');
         }
         out
+    }
+
+    #[test]
+    fn a_log_being_appended_to_verifies_at_every_moment() {
+        // The customer verifies while the runner writes: records land before their
+        // checkpoint, so an unlocked reader sees an uncovered tail now and then.
+        let dir = tempfile::tempdir().unwrap();
+        let key = byoc_protocol::generate_signing_key();
+        let trust = Trust { runner: key.verifying_key(), control_plane: vec![] };
+        let (mut w, _) = AuditWriter::open(dir.path(), key, "rn-1", "inst-1", &[]).unwrap();
+        w.append(Record { event: "runner_started".into(), ..Default::default() }).unwrap();
+        let writing = std::sync::atomic::AtomicBool::new(true);
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                for i in 0..400 {
+                    w.append(Record {
+                        event: "job_finished".into(),
+                        job: Some(format!("j{i}")),
+                        ..Default::default()
+                    })
+                    .unwrap();
+                }
+                writing.store(false, std::sync::atomic::Ordering::SeqCst);
+            });
+            let mut verified = 0;
+            while writing.load(std::sync::atomic::Ordering::SeqCst) {
+                verify_dir(dir.path(), &trust).unwrap();
+                verified += 1;
+            }
+            assert!(verified > 0);
+        });
+        assert_eq!(verify_dir(dir.path(), &trust).unwrap().records, 401);
     }
 
     #[test]

@@ -117,6 +117,14 @@ async fn run_container(spec: &Container, settings: &ContainerSettings, ctx: Exec
         format!("{}=/work/{}", crate::outputs::OUTPUT_ENV, crate::outputs::OUTPUT_FILE),
     ];
     env.extend(spec.env.iter().chain(&spec.secret_env).map(|(k, v)| format!("{k}={v}")));
+    // A container cannot reach the host's loopback credential endpoint: it gets the
+    // session as of its start. The role's values win over same-named job variables.
+    if let Some(creds) = &ctx.credentials {
+        env.retain(|kv| {
+            !creds.static_env.iter().any(|(k, _)| kv.split_once('=').is_some_and(|(n, _)| n == k))
+        });
+        env.extend(creds.static_env.iter().map(|(k, v)| format!("{k}={v}")));
+    }
     let host_config = HostConfig {
         privileged: Some(false),
         cap_drop: Some(vec!["ALL".into()]),

@@ -75,6 +75,32 @@ pub struct ExecContext<'a> {
     pub sandbox: Option<SandboxSettings>,
     /// `None`: container actions are refused.
     pub containers: Option<ContainerSettings>,
+    /// The assumed role's credentials, for jobs that asked for a role (`None`: the job
+    /// gets no AWS credentials at all).
+    pub credentials: Option<JobCredentials>,
+}
+
+/// How a job reaches its role's credentials. Both forms' secrets are in `feed`, so
+/// they are masked wherever the job's output goes.
+#[derive(Clone)]
+pub struct JobCredentials {
+    /// For process jobs on the host network: the per-job credential endpoint
+    /// (`AWS_CONTAINER_CREDENTIALS_FULL_URI` + token), refreshed as sessions expire.
+    pub endpoint_env: Vec<(String, String)>,
+    /// For containers (which cannot reach the host's loopback): the session as of the
+    /// job's start.
+    pub static_env: Vec<(String, String)>,
+    /// Every credential secret handed out so far, growing on refresh.
+    pub feed: mask::SecretFeed,
+}
+
+impl std::fmt::Debug for JobCredentials {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Names only: values are secrets.
+        let names: Vec<&str> =
+            self.endpoint_env.iter().chain(&self.static_env).map(|(k, _)| k.as_str()).collect();
+        f.debug_struct("JobCredentials").field("env", &names).finish()
+    }
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -143,15 +169,35 @@ pub fn validate_env(
 /// Run an executor with its secrets masked everywhere its output goes: the log stream
 /// (before the sink sees a byte), the error text and the outputs.
 pub async fn run_masked(exec: &dyn Executor, ctx: ExecContext<'_>) -> ExecOutcome {
-    let masker = match mask::Masker::new(&exec.secrets()) {
-        Ok(m) => m,
+    let ExecContext {
+        job_id,
+        work_dir,
+        timeout,
+        kill_grace,
+        cancel,
+        output,
+        sandbox,
+        containers,
+        credentials,
+    } = ctx;
+    let feed = credentials.as_ref().map(|c| c.feed.clone()).unwrap_or_default();
+    let mut sink = match mask::MaskingSink::with_feed(exec.secrets(), feed, output) {
+        Ok(s) => s,
         Err(e) => return ExecOutcome::failed(e.to_string()),
     };
-    let ExecContext { job_id, work_dir, timeout, kill_grace, cancel, output, sandbox, containers } = ctx;
-    let mut sink = mask::MaskingSink::new(masker.clone(), output);
-    let inner =
-        ExecContext { job_id, work_dir, timeout, kill_grace, cancel, output: &mut sink, sandbox, containers };
+    let inner = ExecContext {
+        job_id,
+        work_dir,
+        timeout,
+        kill_grace,
+        cancel,
+        output: &mut sink,
+        sandbox,
+        containers,
+        credentials,
+    };
     let mut outcome = exec.run(inner).await;
+    let masker = sink.current_masker();
     if let Err(e) = sink.flush_end() {
         outcome = ExecOutcome { error: Some(format!("writing job log: {e}")), ..ExecOutcome::failed("") };
     }

@@ -71,6 +71,9 @@ fn percent_encode(bytes: &[u8], form: bool) -> Vec<u8> {
 pub struct Masker {
     matcher: Option<AhoCorasick>,
     hold_back: usize,
+    patterns: std::sync::Arc<Vec<Vec<u8>>>,
+    /// Bytes some pattern starts with: only a tail starting with one can be held.
+    first_bytes: std::sync::Arc<[bool; 256]>,
 }
 
 impl Masker {
@@ -84,18 +87,48 @@ impl Masker {
             patterns.extend(patterns_for(s));
         }
         if patterns.is_empty() {
-            return Ok(Masker { matcher: None, hold_back: 0 });
+            return Ok(Masker::none());
         }
         let longest = patterns.iter().map(Vec::len).max().unwrap_or(1);
         let matcher = AhoCorasick::builder()
             .match_kind(MatchKind::LeftmostLongest)
             .build(&patterns)
             .expect("literal patterns always build");
-        Ok(Masker { matcher: Some(matcher), hold_back: longest - 1 })
+        let mut first_bytes = [false; 256];
+        for p in &patterns {
+            first_bytes[p[0] as usize] = true;
+        }
+        Ok(Masker {
+            matcher: Some(matcher),
+            hold_back: longest - 1,
+            patterns: std::sync::Arc::new(patterns),
+            first_bytes: std::sync::Arc::new(first_bytes),
+        })
     }
 
     pub fn none() -> Masker {
-        Masker { matcher: None, hold_back: 0 }
+        Masker {
+            matcher: None,
+            hold_back: 0,
+            patterns: Default::default(),
+            first_bytes: std::sync::Arc::new([false; 256]),
+        }
+    }
+
+    /// Where the tail that might still become a secret starts: the earliest position
+    /// (within the last `hold_back` bytes) from which the rest is a proper prefix of a
+    /// pattern. Holding back only that keeps ordinary output flowing (a line without
+    /// any secret's beginning is passed on at once, even when secrets are long).
+    fn undecided_from(&self, data: &[u8]) -> usize {
+        let start = data.len().saturating_sub(self.hold_back);
+        (start..data.len())
+            .find(|&p| {
+                self.first_bytes[data[p] as usize] && {
+                    let tail = &data[p..];
+                    self.patterns.iter().any(|pat| pat.len() > tail.len() && pat.starts_with(tail))
+                }
+            })
+            .unwrap_or(data.len())
     }
 
     /// Mask a complete string (errors, outputs).
@@ -113,7 +146,7 @@ impl Masker {
             out.extend_from_slice(data);
             return data.len();
         };
-        let limit = if last { data.len() } else { data.len().saturating_sub(self.hold_back) };
+        let limit = if last { data.len() } else { self.undecided_from(data) };
         let mut pos = 0;
         for found in m.find_iter(data) {
             if found.start() >= limit {
@@ -129,20 +162,88 @@ impl Masker {
     }
 }
 
+/// Secrets that become known while a job runs (a refreshed role session's keys). A
+/// secret is added here *before* it is handed to the job, so every byte the job could
+/// print after learning it is masked.
+#[derive(Clone, Default)]
+pub struct SecretFeed {
+    inner: std::sync::Arc<std::sync::Mutex<(u64, Vec<Vec<u8>>)>>,
+}
+
+impl SecretFeed {
+    pub fn add(&self, secret: impl Into<Vec<u8>>) {
+        let mut g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        g.0 += 1;
+        g.1.push(secret.into());
+    }
+
+    fn generation(&self) -> u64 {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner()).0
+    }
+
+    pub fn secrets(&self) -> Vec<Vec<u8>> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner()).1.clone()
+    }
+}
+
 /// An output sink that masks secrets before passing bytes on.
 pub struct MaskingSink<'a> {
     masker: Masker,
     inner: &'a mut dyn OutputSink,
     pending: Vec<u8>,
+    /// Secrets fixed at start, plus the feed of ones learned later and the feed
+    /// generation the masker was last built for.
+    feed: Option<(Vec<Vec<u8>>, SecretFeed, u64)>,
 }
 
 impl<'a> MaskingSink<'a> {
     pub fn new(masker: Masker, inner: &'a mut dyn OutputSink) -> Self {
-        MaskingSink { masker, inner, pending: Vec::new() }
+        MaskingSink { masker, inner, pending: Vec::new(), feed: None }
+    }
+
+    /// A sink whose masker grows with `feed`.
+    pub fn with_feed(
+        base: Vec<Vec<u8>>,
+        feed: SecretFeed,
+        inner: &'a mut dyn OutputSink,
+    ) -> Result<Self, MaskError> {
+        let mut all = base.clone();
+        all.extend(feed.secrets());
+        let generation = feed.generation();
+        Ok(MaskingSink {
+            masker: Masker::new(&all)?,
+            inner,
+            pending: Vec::new(),
+            feed: Some((base, feed, generation)),
+        })
+    }
+
+    /// The masker as of now (every secret so far), for errors and outputs.
+    pub fn current_masker(&mut self) -> Masker {
+        self.refresh();
+        self.masker.clone()
+    }
+
+    fn refresh(&mut self) {
+        if let Some((base, feed, seen)) = &mut self.feed {
+            let generation = feed.generation();
+            if generation != *seen {
+                let mut all = base.clone();
+                all.extend(feed.secrets());
+                // Fed secrets are credentials, never short; a too-short one is skipped
+                // rather than unmasking everything.
+                let usable: Vec<Vec<u8>> = all.into_iter().filter(|s| s.len() >= MIN_SECRET_LEN).collect();
+                if let Ok(m) = Masker::new(&usable) {
+                    self.masker = m;
+                }
+                *seen = generation;
+            }
+        }
     }
 
     /// Emit what was held back. Call once, when the output has ended.
     pub fn flush_end(&mut self) -> std::io::Result<()> {
+        self.refresh();
         let data = std::mem::take(&mut self.pending);
         let mut out = Vec::with_capacity(data.len());
         self.masker.process(&data, true, &mut out);
@@ -152,6 +253,7 @@ impl<'a> MaskingSink<'a> {
 
 impl OutputSink for MaskingSink<'_> {
     fn write(&mut self, chunk: &[u8]) -> std::io::Result<()> {
+        self.refresh();
         self.pending.extend_from_slice(chunk);
         let mut out = Vec::with_capacity(self.pending.len());
         let consumed = self.masker.process(&self.pending, false, &mut out);
@@ -264,6 +366,51 @@ mod tests {
             let out = mask_in_chunks(&masker, input, &[cut]);
             assert_eq!(out, b"before *** after", "cut at {cut}");
         }
+    }
+
+    struct Shared(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+    impl OutputSink for Shared {
+        fn write(&mut self, chunk: &[u8]) -> std::io::Result<()> {
+            self.0.lock().unwrap().extend_from_slice(chunk);
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn output_is_held_back_only_while_it_could_begin_a_secret() {
+        let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let mut inner = Shared(seen.clone());
+        let secret = "a-long-session-token-".repeat(40);
+        let mut sink = MaskingSink::new(Masker::new(&[secret.as_str()]).unwrap(), &mut inner);
+        // Nothing here can start a secret: passed on at once despite an 840-byte secret.
+        sink.write(b"waiting\n").unwrap();
+        assert_eq!(seen.lock().unwrap().as_slice(), b"waiting\n");
+        // A tail that may begin the secret waits for more output.
+        sink.write(b"value: a-long-sess").unwrap();
+        assert_eq!(seen.lock().unwrap().as_slice(), b"waiting\nvalue: ");
+        sink.write(&secret.as_bytes()["a-long-sess".len()..]).unwrap();
+        sink.write(b" done\n").unwrap();
+        sink.flush_end().unwrap();
+        assert_eq!(String::from_utf8_lossy(&seen.lock().unwrap()), "waiting\nvalue: *** done\n");
+    }
+
+    #[test]
+    fn secrets_fed_while_running_are_masked_from_then_on() {
+        let mut out = Vec::new();
+        let feed = SecretFeed::default();
+        let mut sink =
+            MaskingSink::with_feed(vec![b"fixed-secret".to_vec()], feed.clone(), &mut out).unwrap();
+        sink.write(b"before: fixed-secret late-secret-1 ").unwrap();
+        feed.add(b"late-secret-2".to_vec());
+        sink.write(b"after: late-secret-2 ").unwrap();
+        let b64 = base64::engine::general_purpose::STANDARD.encode(b"late-secret-2");
+        sink.write(format!("{b64} end").as_bytes()).unwrap();
+        let m = sink.current_masker();
+        sink.flush_end().unwrap();
+        let text = String::from_utf8(out).unwrap();
+        // The base64 form's last characters mix in what follows the secret: not masked.
+        assert_eq!(text, "before: *** late-secret-1 after: *** ***g== end");
+        assert_eq!(m.mask_str("x late-secret-2 fixed-secret"), "x *** ***");
     }
 
     #[test]

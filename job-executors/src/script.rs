@@ -80,6 +80,18 @@ impl Executor for Script {
             ];
             env.extend(self.env.iter().map(|(k, v)| (k.clone(), v.clone())));
             env.extend(self.secret_env.iter().map(|(k, v)| (k.clone(), v.clone())));
+            // The role's credential endpoint (refreshed as sessions expire) needs the
+            // host's network; its values win over same-named job variables.
+            if let Some(creds) = &ctx.credentials {
+                if self.network {
+                    env.retain(|(k, _)| !creds.endpoint_env.iter().any(|(n, _)| n == k));
+                    env.extend(creds.endpoint_env.iter().cloned());
+                } else {
+                    let _ = ctx.output.write(
+                        b"[runner] network = false: the job's role credentials are not reachable without a network\n",
+                    );
+                }
+            }
             let argv = vec![self.interpreter.display().to_string(), dir.join("script").display().to_string()];
             let mut outcome = match ctx.sandbox.clone() {
                 Some(settings) => {
@@ -139,6 +151,7 @@ mod tests {
             output: &mut out,
             sandbox: None,
             containers: None,
+            credentials: None,
         };
         let outcome = crate::run_masked(s, ctx).await;
         (outcome, String::from_utf8_lossy(&out).into_owned())

@@ -6,6 +6,8 @@
 use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD as B64;
 use ed25519_dalek::{Signature, Signer as _, SigningKey, Verifier as _, VerifyingKey};
+use std::collections::BTreeMap;
+
 use serde::{Deserialize, Serialize};
 use sha2::{Digest as _, Sha256};
 
@@ -114,6 +116,47 @@ pub struct JobPayload {
     /// Executor-specific specification (see `job-executors`).
     #[serde(default)]
     pub spec: serde_json::Value,
+    /// The app's role definitions and operation-role matrix, signed with the job. Needed
+    /// when `requested_role` is set: the runner re-derives the role from it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub app_config: Option<AppConfig>,
+    /// The role inputs that belong to this job rather than the app (see docs/ROLES.md).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub role_request: Option<RoleRequest>,
+}
+
+/// The app config files that decide roles, as the vendor wrote them (TOML text).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AppConfig {
+    /// Role files (`permissions/*.toml`: provision, maintenance, deprovision, custom),
+    /// by file name.
+    #[serde(default)]
+    pub permissions: BTreeMap<String, String>,
+    /// `break_glass.toml` (`[[role]]` entries).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub break_glass: Option<String>,
+    /// `operation_roles.toml`: defaults per operation and principal/operation rules.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub operation_roles: Option<String>,
+}
+
+/// Per-job role inputs, highest precedence first.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RoleRequest {
+    /// The entity's name (`api` of component `api`): principals are `entity:name`.
+    #[serde(default)]
+    pub entity_name: String,
+    /// A role named when the job was triggered (honoured only if the customer enabled it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub runtime_override: Option<String>,
+    /// The action's break-glass role (actions only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub break_glass_role: Option<String>,
+    /// The role the entity's own config names.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub entity_role: Option<String>,
 }
 
 /// Signed job envelope as delivered by a poll.
@@ -181,6 +224,14 @@ pub enum RejectReason {
     AlreadyFinished,
     UnknownKind,
     InvalidSpec,
+    /// The role the control plane proposed is not what the customer's chain yields.
+    RoleMismatch,
+    /// The role is switched off by the customer (or break-glass not switched on).
+    RoleDisabled,
+    /// The role is not defined, or the install stack has no ARN for it.
+    RoleUnknown,
+    /// The customer paused this runner.
+    Paused,
 }
 
 impl RejectReason {
@@ -198,6 +249,10 @@ impl RejectReason {
             Self::AlreadyFinished => "already_finished",
             Self::UnknownKind => "unknown_kind",
             Self::InvalidSpec => "invalid_spec",
+            Self::RoleMismatch => "role_mismatch",
+            Self::RoleDisabled => "role_disabled",
+            Self::RoleUnknown => "role_unknown",
+            Self::Paused => "paused",
         }
     }
 
@@ -214,6 +269,10 @@ impl RejectReason {
         Self::AlreadyFinished,
         Self::UnknownKind,
         Self::InvalidSpec,
+        Self::RoleMismatch,
+        Self::RoleDisabled,
+        Self::RoleUnknown,
+        Self::Paused,
     ];
 }
 
@@ -273,6 +332,11 @@ pub struct PollRequest {
     pub running_jobs: Vec<String>,
     pub draining: bool,
     pub version: String,
+    /// The customer paused this runner on the VM (it refuses new jobs with `paused`).
+    #[serde(default)]
+    pub paused: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pause_reason: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -371,6 +435,8 @@ mod tests {
             requested_role: None,
             timeout_secs: 10,
             spec: serde_json::Value::Null,
+            app_config: None,
+            role_request: None,
         }
     }
 

@@ -83,6 +83,13 @@ pub fn record_for(event: &Event) -> Record {
             r.operation = Some(operation.clone());
             r.digests.insert("payload_sha256".into(), payload_sha256.clone());
         }
+        Event::Refused { job_id, reason, detail, role, .. } => {
+            r.event = "job_rejected".into();
+            r.job = Some(job_id.clone());
+            r.role = role.clone();
+            r.reason = Some(reason.code().into());
+            r.detail = Some(detail.chars().take(300).collect());
+        }
         Event::Rejected { job_id, reason, detail, .. } => {
             r.event = "job_rejected".into();
             r.job = job_id.clone();

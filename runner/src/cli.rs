@@ -86,6 +86,27 @@ enum Cmd {
         #[command(subcommand)]
         cmd: AuditCmd,
     },
+    /// Pause the runner: it refuses new jobs (reason `paused`) until `resume`; running
+    /// jobs finish. Survives restarts. Needs root or roles.admin_group.
+    Pause {
+        #[command(flatten)]
+        state: StateArgs,
+        /// Why (shown to the vendor in heartbeats and kept in the audit log).
+        #[arg(long)]
+        reason: Option<String>,
+    },
+    /// Undo `pause`.
+    Resume(StateArgs),
+    /// List the lifecycle roles: enabled or not, ARN, where the switch came from, last
+    /// assumed.
+    Roles {
+        #[command(flatten)]
+        state: StateArgs,
+        /// Read the switches now (install stack or switches file) instead of showing the
+        /// daemon's last reading.
+        #[arg(long)]
+        refresh: bool,
+    },
     /// Configuration commands.
     Config {
         #[command(subcommand)]
@@ -174,6 +195,16 @@ enum AuditCmd {
 
 #[derive(Subcommand)]
 enum ConfigCmd {
+    /// Check this host can run the runner: the config, the state dir's disk, DNS, TCP and
+    /// TLS to the control plane (through the proxy if set), clock skew, the instance
+    /// metadata service, the install stack and its role ARNs, journald and the sandbox.
+    /// Each line is ok/warn/FAIL/skip with what to do; exit 1 if any check fails.
+    Check {
+        #[arg(long, env = "BYOC_RUNNER_CONFIG", default_value = DEFAULT_CONFIG_PATH)]
+        config: PathBuf,
+        #[arg(long, short = 'o', value_enum, default_value_t = Output::Text)]
+        output: Output,
+    },
     /// Validate the configuration and print every problem (no network).
     Validate {
         #[arg(long, env = "BYOC_RUNNER_CONFIG", default_value = DEFAULT_CONFIG_PATH)]
@@ -218,6 +249,10 @@ pub fn main() -> i32 {
         Cmd::Audit { cmd } => edge(|| audit(cmd)),
         Cmd::RunLocal { job_file, output, no_sandbox } => run_local(&job_file, output, !no_sandbox),
         Cmd::Config { cmd: ConfigCmd::Validate { config, output } } => validate(&config, output),
+        Cmd::Config { cmd: ConfigCmd::Check { config, output } } => config_check(&config, output),
+        Cmd::Pause { state, reason } => edge(|| pause(&state, reason)),
+        Cmd::Resume(state) => edge(|| resume(&state)),
+        Cmd::Roles { state, refresh } => edge(|| roles(&state, refresh)),
     }
 }
 
@@ -288,6 +323,30 @@ fn validate(path: &Path, output: Output) -> i32 {
     }
 }
 
+fn config_check(path: &Path, output: Output) -> i32 {
+    let rt = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: starting the async runtime: {e}");
+            return 1;
+        }
+    };
+    let checks = rt.block_on(crate::doctor::run(path));
+    let failed = checks.iter().any(|c| c.status == crate::doctor::Status::Fail);
+    if output == Output::Json {
+        println!("{}", serde_json::json!({ "ok": !failed, "checks": checks }));
+    } else {
+        for c in &checks {
+            println!("{:<5} {:<16} {}", c.status.label(), c.name, c.detail);
+            if let Some(fix) = &c.fix {
+                println!("{:<22} fix: {fix}", "");
+            }
+        }
+        println!("{}", if failed { "some checks failed" } else { "all checks passed" });
+    }
+    i32::from(failed)
+}
+
 fn state_dir(s: &StateArgs) -> PathBuf {
     if let Some(d) = &s.state_dir {
         return d.clone();
@@ -333,11 +392,112 @@ fn status(s: &StateArgs) -> anyhow::Result<()> {
         "unreported:     {}",
         if st.jobs_unreported.is_empty() { "-".into() } else { st.jobs_unreported.join(", ") }
     );
+    match &st.paused {
+        Some(p) => println!(
+            "paused:         yes, by {} since {}{}",
+            p.by,
+            inspect::format_ms(p.paused_at_ms),
+            p.reason.as_deref().map(|r| format!(" ({r})")).unwrap_or_default()
+        ),
+        None => println!("paused:         no"),
+    }
     match &st.last_rejection {
         Some(r) => {
             println!("rejections:     {} (last: {} at {})", st.rejections, r.reason, inspect::format_ms(r.ts))
         }
         None => println!("rejections:     0"),
+    }
+    Ok(())
+}
+
+fn admin_group(s: &StateArgs) -> Option<String> {
+    Config::load(&s.config).ok().and_then(|c| c.roles.admin_group)
+}
+
+fn pause(s: &StateArgs, reason: Option<String>) -> anyhow::Result<()> {
+    use crate::roles::pause;
+    let who = pause::authorize(admin_group(s).as_deref())?;
+    let dir = state_dir(s);
+    anyhow::ensure!(
+        dir.is_dir(),
+        "state dir {} does not exist (is the runner installed here?)",
+        dir.display()
+    );
+    let p = pause::pause(&dir, reason, who)?;
+    if s.output == Output::Json {
+        return print_json(&serde_json::json!({ "paused": true, "pause": p }));
+    }
+    println!(
+        "paused by {}{}: new jobs are refused (reason code `paused`) until `byoc-runner resume`; running jobs finish",
+        p.by,
+        p.reason.as_deref().map(|r| format!(" ({r})")).unwrap_or_default()
+    );
+    Ok(())
+}
+
+fn resume(s: &StateArgs) -> anyhow::Result<()> {
+    use crate::roles::pause;
+    pause::authorize(admin_group(s).as_deref())?;
+    let was = pause::resume(&state_dir(s))?;
+    if s.output == Output::Json {
+        return print_json(&serde_json::json!({ "paused": false, "was_paused": was }));
+    }
+    println!(
+        "{}",
+        if was { "resumed: the runner takes new jobs again" } else { "the runner was not paused" }
+    );
+    Ok(())
+}
+
+fn roles(s: &StateArgs, refresh: bool) -> anyhow::Result<()> {
+    let dir = state_dir(s);
+    let mut status = crate::roles::RolesStatus::load(&dir).unwrap_or_default();
+    if refresh {
+        let config = Config::load(&s.config).map_err(|e| anyhow::anyhow!("{e}"))?;
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+        rt.block_on(async {
+            let sdk = crate::roles::sdk_config(&config).await;
+            let source = crate::roles::switch_source(&config, sdk.as_ref());
+            let snapshot = source.read().await?;
+            status.refresh(&snapshot, source.describe());
+            anyhow::Ok(())
+        })?;
+    }
+    if s.output == Output::Json {
+        return print_json(&status);
+    }
+    if status.roles.is_empty() {
+        println!(
+            "no roles known yet: they are learned from the first job that asks for a role (switch source: {})",
+            if status.switch_source.is_empty() { "not read yet" } else { &status.switch_source }
+        );
+        return Ok(());
+    }
+    println!(
+        "switches: {} (read {})",
+        status.switch_source,
+        status.switches_read_ms.map(inspect::format_ms).unwrap_or_else(|| "never".into())
+    );
+    println!(
+        "{:<36} {:<12} {:<8} {:<21} {:<24} SWITCH",
+        "ROLE", "TYPE", "ENABLED", "LAST ASSUMED", "LAST JOB"
+    );
+    for r in &status.roles {
+        println!(
+            "{:<36} {:<12} {:<8} {:<21} {:<24} {}",
+            r.name,
+            r.role_type.as_str(),
+            if r.enabled { "yes" } else { "no" },
+            r.last_assumed_ms.map(inspect::format_ms).unwrap_or_else(|| "-".into()),
+            r.last_job.as_deref().unwrap_or("-"),
+            r.source
+        );
+        if let Some(arn) = &r.arn {
+            println!("    arn: {arn}");
+        }
+        if let Some(how) = r.how_to_enable.as_ref().filter(|_| !r.enabled) {
+            println!("    to enable: {how}");
+        }
     }
     Ok(())
 }

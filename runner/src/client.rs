@@ -93,6 +93,22 @@ impl CpClient {
         })
     }
 
+    /// Reach the control plane without credentials (`config check`): any HTTP answer
+    /// proves DNS, TCP, TLS (and the proxy) work. Returns the status and the server's
+    /// `Date` header.
+    pub async fn probe(&self) -> Result<(u16, Option<String>), ClientError> {
+        let resp = self
+            .http
+            .get(self.url("/"))
+            .timeout(self.request_timeout)
+            .send()
+            .await
+            .map_err(|e| transport("probe", e))?;
+        let date =
+            resp.headers().get(reqwest::header::DATE).and_then(|d| d.to_str().ok()).map(str::to_string);
+        Ok((resp.status().as_u16(), date))
+    }
+
     /// Use this enrolled identity for authenticated calls.
     pub fn with_identity(mut self, runner_id: String, key: SigningKey) -> Self {
         self.identity = Some((runner_id, key));

@@ -23,6 +23,8 @@ pub struct Config {
     pub logging: LoggingConfig,
     pub sandbox: SandboxConfig,
     pub containers: ContainersConfig,
+    pub aws: AwsConfig,
+    pub roles: RolesConfig,
     /// Where the configuration was read from (hidden from jobs).
     pub source: PathBuf,
     /// SHA-256 of the effective configuration (file plus overrides), for the audit trail.
@@ -98,6 +100,37 @@ pub struct ContainersConfig {
     pub docker_socket: PathBuf,
 }
 
+/// How the runner reaches AWS under its own identity (its instance role on EC2; the
+/// standard credential chain).
+#[derive(Debug, Clone, Default)]
+pub struct AwsConfig {
+    pub region: Option<String>,
+    /// A different endpoint for every AWS API (VPC endpoints; a local test server).
+    pub endpoint_url: Option<String>,
+    /// For role-name templates (`{{.cloud_account.aws.account_id}}`).
+    pub account_id: Option<String>,
+}
+
+/// The customer's lifecycle-role settings.
+#[derive(Debug, Clone)]
+pub struct RolesConfig {
+    /// The CloudFormation install stack whose parameters switch roles and whose
+    /// outputs hold their ARNs.
+    pub stack_name: Option<String>,
+    /// For installs not managed by CloudFormation: a local switches file.
+    pub switches_file: Option<PathBuf>,
+    /// ExternalId the lifecycle roles' trust policies require.
+    pub external_id: Option<String>,
+    pub session_min: Duration,
+    pub session_max: Duration,
+    /// Re-assume a job's role when its session has less than this left.
+    pub refresh_before: Duration,
+    /// Group (besides root) allowed to pause and resume the runner.
+    pub admin_group: Option<String>,
+    /// Install name for role-name templates (`{{.install.name}}`).
+    pub install_name: Option<String>,
+}
+
 #[derive(Debug, Clone)]
 pub struct LoggingConfig {
     pub target: LogTarget,
@@ -142,6 +175,8 @@ impl Config {
         let logging_t = top.table("logging");
         let sandbox_t = top.table("sandbox");
         let containers_t = top.table("containers");
+        let aws_t = top.table("aws");
+        let roles_t = top.table("roles");
         top.finish();
 
         let mut f = Fields::new("control_plane", cp_t, &mut problems);
@@ -270,6 +305,45 @@ impl Config {
                 containers.docker_socket.display()
             ));
         }
+        let mut f = Fields::new("aws", aws_t, &mut problems);
+        let aws = AwsConfig {
+            region: f.get("region"),
+            endpoint_url: f.get("endpoint_url"),
+            account_id: f.get("account_id"),
+        };
+        f.finish();
+        if let Some(u) = &aws.endpoint_url
+            && let Err(e) = validate_url(u, true)
+        {
+            problems.push(format!("aws.endpoint_url: {e}"));
+        }
+        let mut f = Fields::new("roles", roles_t, &mut problems);
+        let roles = RolesConfig {
+            stack_name: f.get("stack_name"),
+            switches_file: f.get::<String>("switches_file").map(PathBuf::from),
+            external_id: f.get("external_id"),
+            // STS accepts 900 s at least; lower values exist for tests of refresh.
+            session_min: f.secs("session_min_secs", 900, 1..=43_200),
+            session_max: f.secs("session_max_secs", 3600, 1..=43_200),
+            refresh_before: f.secs("refresh_before_secs", 300, 0..=3600),
+            admin_group: f.get("admin_group"),
+            install_name: f.get("install_name"),
+        };
+        f.finish();
+        if roles.stack_name.is_some() && roles.switches_file.is_some() {
+            problems.push("roles: set stack_name or switches_file, not both".into());
+        }
+        if let Some(p) = &roles.switches_file
+            && !p.is_absolute()
+        {
+            problems.push(format!("roles.switches_file: {} must be an absolute path", p.display()));
+        }
+        if roles.session_min > roles.session_max {
+            problems.push("roles.session_min_secs: larger than roles.session_max_secs".into());
+        }
+        if roles.stack_name.is_some() && aws.region.is_none() {
+            problems.push("aws.region: required when roles.stack_name is set".into());
+        }
         if backoff_initial > backoff_max {
             problems.push("poll.backoff_initial_ms: larger than poll.backoff_max_secs".into());
         }
@@ -303,6 +377,8 @@ impl Config {
             logging: LoggingConfig { target, level },
             sandbox,
             containers,
+            aws,
+            roles,
             source: PathBuf::from(source_name),
             digest,
         })
@@ -500,6 +576,33 @@ mod tests {
             assert!(all.contains(needle), "missing {needle:?} in:\n{all}");
         }
         assert_eq!(err.problems.len(), 8, "{all}");
+    }
+
+    #[test]
+    fn role_settings_are_validated_together() {
+        let bad = format!(
+            "{}\n[aws]\nendpoint_url = \"ftp://x\"\n[roles]\nstack_name = \"s\"\nswitches_file = \"roles.toml\"\nsession_min_secs = 4000\nsession_max_secs = 3600\n",
+            minimal()
+        );
+        let all = Config::parse(&bad, "t", []).unwrap_err().problems.join("\n");
+        for needle in [
+            "aws.endpoint_url",
+            "not both",
+            "roles.switches_file: roles.toml must be an absolute path",
+            "session_min_secs: larger than",
+            "aws.region: required when roles.stack_name is set",
+        ] {
+            assert!(all.contains(needle), "missing {needle:?} in:\n{all}");
+        }
+        let good = format!(
+            "{}\n[aws]\nregion = \"eu-west-1\"\n[roles]\nstack_name = \"byoc-install\"\nexternal_id = \"x\"\nadmin_group = \"ops\"\n",
+            minimal()
+        );
+        let c = Config::parse(&good, "t", []).unwrap();
+        assert_eq!(c.roles.stack_name.as_deref(), Some("byoc-install"));
+        assert_eq!(c.roles.session_min, Duration::from_secs(900));
+        assert_eq!(c.roles.session_max, Duration::from_secs(3600));
+        assert_eq!(c.aws.region.as_deref(), Some("eu-west-1"));
     }
 
     #[test]

@@ -26,7 +26,7 @@ use crate::identity::{self, Enrollment};
 use crate::journal::{Event, Journal, Phase, now_ms};
 use crate::pipeline::claim::{self, ClaimOutcome};
 use crate::pipeline::verify::Verifier;
-use crate::pipeline::{Backoff, PolledJob, Rejection, Rt, Runtime, execute, report};
+use crate::pipeline::{Backoff, PolledJob, Rejection, Rt, Runtime, execute, report, resolve_role};
 use crate::spool;
 
 /// Environment variable that may carry the bootstrap token instead of a file.
@@ -184,9 +184,16 @@ pub async fn run(config: Config) -> Result<(), DaemonError> {
         }
     }
     let containers = crate::pipeline::container_settings(&config);
+    let roles = crate::roles::Roles::from_config(&config, &enrollment.install_id, &state_dir)
+        .await
+        .map_err(|e| DaemonError::StateDir { path: "credential endpoint on 127.0.0.1".into(), source: e })?;
+    prepare_control_dir(&state_dir, config.roles.admin_group.as_deref())?;
+    tracing::info!(switches = %roles.source.describe(), sts = roles.assumer.is_some(), "lifecycle roles");
     let rt: Rt = Arc::new(Runtime {
         sandbox,
         containers,
+        roles,
+        pause: Mutex::new(None),
         runner_id: enrollment.runner_id.clone(),
         install_id: enrollment.install_id.clone(),
         state_dir: state_dir.clone(),
@@ -210,6 +217,7 @@ pub async fn run(config: Config) -> Result<(), DaemonError> {
     });
     let mut tasks: JoinSet<()> = JoinSet::new();
     recover(&rt, &slots, &mut tasks)?;
+    rt.check_pause();
 
     let audit_task = tokio::spawn(crate::audit::upload_loop(rt.clone()));
     let idle = rt.clone();
@@ -218,6 +226,8 @@ pub async fn run(config: Config) -> Result<(), DaemonError> {
         let mut tick = tokio::time::interval(Duration::from_secs(10));
         loop {
             tick.tick().await;
+            // A pause written by the CLI is audited within one tick even when no job comes.
+            idle.check_pause();
             if let Err(e) = idle.audit.checkpoint_if_idle() {
                 tracing::error!(error = %e, "audit checkpoint failed");
             }
@@ -286,6 +296,28 @@ pub async fn run(config: Config) -> Result<(), DaemonError> {
     let _ = audit_task.await;
     let _ = std::fs::remove_file(state_dir.join(PID_FILE));
     tracing::info!("runner stopped");
+    Ok(())
+}
+
+/// `control/` holds the customer's pause file. With `roles.admin_group` its group may
+/// write there (0770), so the group can pause without root.
+fn prepare_control_dir(state_dir: &Path, admin_group: Option<&str>) -> Result<(), DaemonError> {
+    use std::os::unix::fs::PermissionsExt as _;
+    let dir = state_dir.join(crate::roles::pause::CONTROL_DIR);
+    let err = |e| DaemonError::StateDir { path: dir.display().to_string(), source: e };
+    std::fs::DirBuilder::new().recursive(true).mode(0o700).create(&dir).map_err(err)?;
+    if let Some(name) = admin_group {
+        match nix::unistd::Group::from_name(name) {
+            Ok(Some(g)) => {
+                std::os::unix::fs::chown(&dir, None, Some(g.gid.as_raw())).map_err(err)?;
+                std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o770)).map_err(err)?;
+                // The group must also reach control/ through the state dir.
+                let _ = std::os::unix::fs::chown(state_dir, None, Some(g.gid.as_raw()));
+                let _ = std::fs::set_permissions(state_dir, std::fs::Permissions::from_mode(0o710));
+            }
+            _ => tracing::warn!(group = name, "roles.admin_group does not exist; only root can pause"),
+        }
+    }
     Ok(())
 }
 
@@ -517,6 +549,7 @@ async fn poll_loop(
             }
             continue;
         }
+        let pause = rt.check_pause();
         let running_jobs: Vec<String> = rt.journal.with_index(|i| {
             i.jobs
                 .values()
@@ -530,6 +563,8 @@ async fn poll_loop(
             running_jobs,
             draining: false,
             version: env!("CARGO_PKG_VERSION").to_string(),
+            paused: pause.is_some(),
+            pause_reason: pause.and_then(|p| p.reason),
         };
         // A poll sent while some group was full names only the free groups; if a slot
         // frees while it is held, poll again at once so that group's jobs are not kept
@@ -562,7 +597,10 @@ async fn poll_loop(
 }
 
 async fn handle_delivery(rt: &Rt, slots: &Arc<Slots>, tasks: &mut JoinSet<()>, polled: PolledJob) {
+    let pause = rt.check_pause();
     let verifier = Verifier {
+        install: &rt.roles.install,
+        paused: pause.as_ref(),
         keys: &rt.config.control_plane.public_keys,
         runner_id: &rt.runner_id,
         install_id: &rt.install_id,
@@ -602,7 +640,45 @@ async fn handle_delivery(rt: &Rt, slots: &Arc<Slots>, tasks: &mut JoinSet<()>, p
         async move {
             let _in_hand = in_hand;
             let job_id = job.payload.job_id.clone();
-            let result = match claim::claim(&rt, job).await {
+            let scoped = match resolve_role::scope(&rt, job).await {
+                Ok(scoped) => scoped,
+                Err(refused) => {
+                    let (job, rejection) = *refused;
+                    if let Err(e) = refuse_received(&rt, &job, rejection).await {
+                        tracing::error!(error = %e, "job journal write failed while refusing a job");
+                    }
+                    return;
+                }
+            };
+            if let Some(role) = &scoped.role {
+                let p = &scoped.verified.payload;
+                let mut r = byoc_audit::log::Record {
+                    event: "role_resolved".into(),
+                    job: Some(job_id.clone()),
+                    kind: Some(p.kind.clone()),
+                    operation: Some(p.operation.clone()),
+                    role: Some(role.derived.role.name.clone()),
+                    detail: Some(format!(
+                        "{} by {} {:?}; {}",
+                        role.arn,
+                        role.derived.step.as_str(),
+                        role.derived.reference,
+                        role.switch_source
+                    )),
+                    ..Default::default()
+                };
+                if let Some(app) = &p.app_config {
+                    r.digests.insert(
+                        "app_config_sha256".into(),
+                        byoc_protocol::sha256_hex(&serde_json::to_vec(app).unwrap_or_default()),
+                    );
+                }
+                if let Err(e) = rt.audit.record(r) {
+                    tracing::error!(error = %e, "could not audit the role; not running the job");
+                    return;
+                }
+            }
+            let result = match claim::claim(&rt, scoped).await {
                 Ok(ClaimOutcome::NotClaimed { .. }) => Ok(()),
                 Ok(ClaimOutcome::Claimed(claimed)) => {
                     let finished = execute::execute(&rt, *claimed).await;
@@ -647,6 +723,45 @@ impl Drop for SlotGuard {
     }
 }
 
+/// A received job refused before its claim: journaled (and audited) as refused, then
+/// reported to the control plane like any rejection.
+async fn refuse_received(
+    rt: &Rt,
+    job: &crate::pipeline::VerifiedJob,
+    r: Rejection,
+) -> Result<(), crate::journal::JournalError> {
+    tracing::warn!(reason = r.reason.code(), detail = %r.detail, "job refused");
+    rt.transition(Event::Refused {
+        job_id: job.payload.job_id.clone(),
+        delivery_id: r.delivery_id.clone(),
+        reason: r.reason,
+        detail: r.detail.clone(),
+        role: job.role.as_ref().map(|d| d.role.name.clone()),
+    })?;
+    send_rejection(rt, &r).await;
+    Ok(())
+}
+
+/// Tell the control plane why a delivery was refused (bounded retries).
+async fn send_rejection(rt: &Rt, r: &Rejection) {
+    let mut backoff = Backoff::new(rt.config.poll.backoff_initial, rt.config.poll.backoff_max);
+    for _ in 0..5 {
+        match rt.client.reject(&r.delivery_id, r.reason, &r.detail).await {
+            Ok(()) => return,
+            Err(e) if e.is_transient() => {
+                tokio::select! {
+                    _ = tokio::time::sleep(backoff.next_delay()) => {}
+                    _ = rt.stop_reporting.cancelled() => return,
+                }
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "control plane did not take the rejection report");
+                return;
+            }
+        }
+    }
+}
+
 fn reject(rt: &Rt, tasks: &mut JoinSet<()>, r: Rejection) {
     tracing::warn!(
         reason = r.reason.code(),
@@ -666,24 +781,7 @@ fn reject(rt: &Rt, tasks: &mut JoinSet<()>, r: Rejection) {
         tracing::error!(error = %e, "could not journal a rejection");
     }
     let rt = rt.clone();
-    tasks.spawn(async move {
-        let mut backoff = Backoff::new(rt.config.poll.backoff_initial, rt.config.poll.backoff_max);
-        for _ in 0..5 {
-            match rt.client.reject(&r.delivery_id, r.reason, &r.detail).await {
-                Ok(()) => return,
-                Err(e) if e.is_transient() => {
-                    tokio::select! {
-                        _ = tokio::time::sleep(backoff.next_delay()) => {}
-                        _ = rt.stop_reporting.cancelled() => return,
-                    }
-                }
-                Err(e) => {
-                    tracing::warn!(error = %e, "control plane did not take the rejection report");
-                    return;
-                }
-            }
-        }
-    });
+    tasks.spawn(async move { send_rejection(&rt, &r).await });
 }
 
 fn spawn_signal_handler(rt: Rt, drain: CancellationToken) -> Result<(), DaemonError> {

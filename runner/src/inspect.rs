@@ -62,6 +62,8 @@ pub struct Status {
     pub jobs_by_status: std::collections::BTreeMap<String, usize>,
     pub rejections: usize,
     pub last_rejection: Option<journal::Rejection>,
+    /// The customer's pause, if in force.
+    pub paused: Option<crate::roles::pause::Pause>,
 }
 
 pub fn status(state_dir: &Path) -> Result<Status, InspectError> {
@@ -88,6 +90,7 @@ pub fn status(state_dir: &Path) -> Result<Status, InspectError> {
         jobs_by_status: by_status,
         rejections: index.rejections.len(),
         last_rejection: index.rejections.last().cloned(),
+        paused: crate::roles::pause::read(state_dir),
     })
 }
 

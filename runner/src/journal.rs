@@ -44,6 +44,15 @@ pub enum Event {
         reason: RejectReason,
         detail: String,
     },
+    /// A received job refused before its claim (a role the customer switched off or
+    /// that is not in the install); reported to the control plane as a rejection.
+    Refused {
+        job_id: String,
+        delivery_id: String,
+        reason: RejectReason,
+        detail: String,
+        role: Option<String>,
+    },
     Claimed {
         job_id: String,
         lease_secs: u64,
@@ -89,6 +98,9 @@ pub enum Phase {
     Received,
     Claimed,
     ClaimRefused,
+    /// Received, then refused before it was claimed (a role the customer switched
+    /// off); the refusal was reported instead of a result.
+    Refused,
     Started,
     Finished,
     Reported,
@@ -100,7 +112,7 @@ impl Phase {
             Phase::Received => 0,
             Phase::Claimed => 1,
             Phase::Started => 2,
-            Phase::ClaimRefused | Phase::Finished => 3,
+            Phase::ClaimRefused | Phase::Refused | Phase::Finished => 3,
             Phase::Reported => 4,
         }
     }
@@ -110,6 +122,7 @@ impl Phase {
             Phase::Received => "received",
             Phase::Claimed => "claimed",
             Phase::ClaimRefused => "claim_refused",
+            Phase::Refused => "refused",
             Phase::Started => "started",
             Phase::Finished => "finished",
             Phase::Reported => "reported",
@@ -202,6 +215,21 @@ impl Index {
                         detail: None,
                     },
                 );
+            }
+            Event::Refused { job_id, delivery_id, reason, detail, .. } => {
+                self.set_phase(job_id, Phase::Refused);
+                if let Some(j) = self.jobs.get_mut(job_id)
+                    && j.phase == Phase::Refused
+                {
+                    j.detail = Some(format!("{}: {detail}", reason.code()));
+                }
+                self.rejections.push(Rejection {
+                    ts: line.ts,
+                    delivery_id: delivery_id.clone(),
+                    job_id: Some(job_id.clone()),
+                    reason: *reason,
+                    detail: detail.clone(),
+                });
             }
             Event::Rejected { delivery_id, job_id, nonce, expires_at, reason, detail } => {
                 // A refused envelope's nonce is spent too: the same bytes must not get

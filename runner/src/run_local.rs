@@ -124,6 +124,7 @@ pub async fn run(
             uid: 65534,
             gid: 65534,
         }),
+        credentials: None,
     };
     let outcome = byoc_job_executors::run_masked(exec, ctx).await;
     ctrl_c.abort();

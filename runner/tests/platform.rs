@@ -241,6 +241,81 @@ async fn logs_reach_journald_with_structured_unprefixed_fields() {
     assert!(records.iter().any(|r| r["MESSAGE"] == "result acknowledged"));
 }
 
+fn journal_json(journal: &Path, filter: &[&str]) -> Vec<u8> {
+    Command::new("journalctl")
+        .arg("--directory")
+        .arg(journal)
+        .args(["-o", "json", "--no-pager"])
+        .args(filter)
+        .output()
+        .expect("journalctl is required (apt-get install systemd)")
+        .stdout
+}
+
+#[tokio::test]
+async fn role_credentials_never_reach_journald() {
+    assert!(
+        nix::unistd::geteuid().is_root(),
+        "this test needs root (mount namespace for a private journald)"
+    );
+    let cp = start_cp().await;
+    let moto = common::roles::moto_with_stack(&common::roles::base_params()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let journal = dir.path().join("journal");
+    std::fs::create_dir(&journal).unwrap();
+    let wrapper = journald_wrapper(dir.path(), &journal);
+    // The job reads its `go` file from the test's directory.
+    let opts = RunnerOptions {
+        sandbox_ro_paths: test_options(dir.path()).sandbox_ro_paths,
+        ..common::roles::role_options(&moto, "")
+    };
+    let mut runner = RunnerProcess::prepare(&wrapper, dir.path(), &cp, &opts).unwrap();
+    let cfg = std::fs::read_to_string(&runner.config_path)
+        .unwrap()
+        .replace("target = \"stderr\"", "target = \"journald\"");
+    std::fs::write(&runner.config_path, cfg).unwrap();
+    runner.spawn(Some(cp.bootstrap_token())).unwrap();
+    assert!(wait_polling(&cp, WAIT).await, "runner never polled:\n{}", runner.log());
+
+    let go = dir.path().join("go");
+    let id = cp.enqueue(common::roles::leaky_role_job(&go)).unwrap();
+    let waiting = cp
+        .wait_until(WAIT, |cp| cp.log(&id).is_some_and(|l| String::from_utf8_lossy(&l).contains("waiting")))
+        .await;
+    assert!(waiting, "the job never started:\n{}", runner.log());
+    let (_, secrets) = common::roles::job_credentials(&id).await;
+    std::fs::write(&go, b"").unwrap();
+    let v = cp.wait_for(&id, WAIT, |v| v.result.is_some()).await.expect("job finished");
+    assert_eq!(v.result.unwrap().status, JobStatus::Failed);
+    // The role's audit records are mirrored: the assumption is in the journal...
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while journal_json(&journal, &["AUDIT_EVENT=job_reported"]).is_empty()
+        && tokio::time::Instant::now() < deadline
+    {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let assumed =
+        String::from_utf8_lossy(&journal_json(&journal, &["AUDIT_EVENT=role_assumed"])).into_owned();
+    assert!(assumed.contains(&id) && assumed.contains("inst-demo-maintenance"), "{assumed}");
+    // ... and none of its credentials, in any encoding the masker knows.
+    let everything = journal_json(&journal, &[]);
+    for secret in &secrets {
+        for p in byoc_job_executors::mask::patterns_for(secret.as_bytes()) {
+            assert!(
+                !everything.windows(p.len()).any(|w| w == p.as_slice()),
+                "the journal holds an encoding of a role credential"
+            );
+        }
+    }
+    runner.kill9().await;
+    if let Ok(pid) = std::fs::read_to_string(dir.path().join("journald.pid")) {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(pid.trim().parse().unwrap()),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+    }
+}
+
 #[tokio::test]
 async fn tells_systemd_ready_watchdog_and_stopping() {
     let cp = start_cp().await;

@@ -202,12 +202,14 @@ level = "info"
         std::fs::read_to_string(&self.log_path).unwrap_or_default()
     }
 
-    /// Run a CLI subcommand of the same binary against this runner's config.
+    /// Run a CLI subcommand of the same binary against this runner's config, with the
+    /// runner's environment (e.g. its AWS identity for `roles --refresh`).
     pub fn cli(&self, args: &[&str]) -> std::process::Output {
         Command::new(&self.binary)
             .args(args)
             .arg("--config")
             .arg(&self.config_path)
+            .envs(self.env.iter().cloned())
             .output()
             .expect("running the runner CLI")
     }

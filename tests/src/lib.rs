@@ -7,7 +7,10 @@
 //! side holds.
 
 pub mod admin;
+pub mod app_config;
 pub mod harness;
+pub mod imds;
+pub mod moto;
 pub mod proxy;
 pub mod server;
 pub mod state;

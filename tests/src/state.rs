@@ -77,6 +77,11 @@ pub struct EnqueueRequest {
     pub timeout_secs: u64,
     #[serde(default)]
     pub requested_role: Option<String>,
+    /// The app's role files and matrix, signed with the job.
+    #[serde(default)]
+    pub app_config: Option<byoc_protocol::AppConfig>,
+    #[serde(default)]
+    pub role_request: Option<byoc_protocol::RoleRequest>,
     /// Runner to deliver to; defaults to the only enrolled runner.
     #[serde(default)]
     pub runner_id: Option<String>,
@@ -108,6 +113,8 @@ impl EnqueueRequest {
             spec,
             timeout_secs: default_timeout(),
             requested_role: None,
+            app_config: None,
+            role_request: None,
             runner_id: None,
             ttl_secs: default_ttl(),
             tamper: Tamper::default(),
@@ -347,6 +354,8 @@ impl State {
             requested_role: req.requested_role.clone(),
             timeout_secs: req.timeout_secs,
             spec,
+            app_config: req.app_config.clone(),
+            role_request: req.role_request.clone(),
         };
         let bytes = if t.malformed {
             b"{\"this is\": not a payload".to_vec()

@@ -15,3 +15,14 @@ pub mod spec;
 mod sys;
 
 pub use spec::SandboxSpec;
+
+/// Whether the kernel enforces Landlock (a ruleset can be created; nothing is
+/// restricted by asking).
+pub fn landlock_supported() -> bool {
+    use landlock::{ABI, Access, AccessFs, CompatLevel, Compatible, Ruleset, RulesetAttr};
+    Ruleset::default()
+        .set_compatibility(CompatLevel::HardRequirement)
+        .handle_access(AccessFs::from_all(ABI::V1))
+        .and_then(|r| r.create())
+        .is_ok()
+}

@@ -2,12 +2,13 @@
 //! lease. Transient failures are retried until the envelope expires; a refusal
 //! (cancelled or taken) ends the job here, journaled, without running anything.
 
-use super::{Backoff, Rt, VerifiedJob};
+use super::{Backoff, Rt, ScopedJob, VerifiedJob};
 use crate::client::ClientError;
 use crate::journal::{Event, JournalError};
 
 pub struct ClaimedJob {
     pub verified: VerifiedJob,
+    pub role: Option<super::resolve_role::ScopedRole>,
     pub lease_secs: u64,
 }
 
@@ -36,7 +37,8 @@ pub fn record_received(rt: &Rt, job: &VerifiedJob) -> Result<(), JournalError> {
     })
 }
 
-pub async fn claim(rt: &Rt, job: VerifiedJob) -> Result<ClaimOutcome, JournalError> {
+pub async fn claim(rt: &Rt, scoped: ScopedJob) -> Result<ClaimOutcome, JournalError> {
+    let ScopedJob { verified: job, role } = scoped;
     let job_id = job.payload.job_id.clone();
     let mut backoff = Backoff::new(rt.config.poll.backoff_initial, rt.config.poll.backoff_max);
     loop {
@@ -45,6 +47,7 @@ pub async fn claim(rt: &Rt, job: VerifiedJob) -> Result<ClaimOutcome, JournalErr
                 rt.transition(Event::Claimed { job_id: job_id.clone(), lease_secs: c.lease_secs })?;
                 return Ok(ClaimOutcome::Claimed(Box::new(ClaimedJob {
                     verified: job,
+                    role,
                     lease_secs: c.lease_secs,
                 })));
             }

@@ -7,11 +7,17 @@
 use std::os::unix::fs::DirBuilderExt as _;
 use std::path::PathBuf;
 
-use byoc_job_executors::{ExecContext, ExecOutcome, JobStatus};
+use std::sync::Arc;
+
+use byoc_job_executors::mask::SecretFeed;
+use byoc_job_executors::{ExecContext, ExecOutcome, JobCredentials, JobStatus};
 use tokio_util::sync::CancellationToken;
 
+use super::resolve_role::ScopedRole;
 use super::{ClaimedJob, Rt};
 use crate::journal::{Event, JournalError, now_ms};
+use crate::roles::creds::{JobSession, Registration, rfc3339};
+use crate::roles::sts::{SessionParams, session_duration, sts_identifier, tag_value};
 use crate::spool::{SpoolWriter, Uploader};
 
 pub const WORK_DIR: &str = "work";
@@ -37,6 +43,25 @@ pub async fn execute(rt: &Rt, job: ClaimedJob) -> Result<FinishedJob, JournalErr
                     .unwrap_or((0, byoc_protocol::sha256_hex(b"")));
         }
         Ok(mut spool) => {
+            // The role session lives as long as the executor runs; dropping the
+            // registration revokes the job's credential endpoint token.
+            let (registration, credentials) = match &job.role {
+                None => (None, None),
+                Some(role) => match assume_for_job(rt, &job, role).await {
+                    Ok((reg, creds, note)) => {
+                        let _ = byoc_job_executors::OutputSink::write(&mut spool, note.as_bytes());
+                        (Some(reg), Some(creds))
+                    }
+                    Err(e) => {
+                        let _ = byoc_job_executors::OutputSink::write(
+                            &mut spool,
+                            format!("[runner] {e}\n").as_bytes(),
+                        );
+                        (None, None)
+                    }
+                },
+            };
+            let assume_failed = job.role.is_some() && credentials.is_none();
             let cancel = rt.abort.child_token();
             let done = CancellationToken::new();
             let companion =
@@ -50,8 +75,17 @@ pub async fn execute(rt: &Rt, job: ClaimedJob) -> Result<FinishedJob, JournalErr
                 output: &mut spool,
                 sandbox: rt.sandbox.clone(),
                 containers: rt.containers.clone(),
+                credentials,
             };
-            outcome = byoc_job_executors::run_masked(job.verified.executor.as_ref(), ctx).await;
+            outcome = if assume_failed {
+                ExecOutcome::failed(format!(
+                    "could not assume role {:?}; the job did not run (see the job log)",
+                    job.role.as_ref().map(|r| r.derived.role.name.as_str()).unwrap_or("")
+                ))
+            } else {
+                byoc_job_executors::run_masked(job.verified.executor.as_ref(), ctx).await
+            };
+            drop(registration);
             done.cancel();
             let _ = companion.await;
             match spool.finish() {
@@ -91,6 +125,122 @@ pub async fn execute(rt: &Rt, job: ClaimedJob) -> Result<FinishedJob, JournalErr
         ),
     }
     Ok(FinishedJob { job_id })
+}
+
+/// AssumeRole for the job (audited), then its credential endpoint registration and
+/// the environment that reaches the sandbox. Returns a line for the job log.
+async fn assume_for_job(
+    rt: &Rt,
+    job: &ClaimedJob,
+    role: &ScopedRole,
+) -> Result<(Registration, JobCredentials, String), String> {
+    let p = &job.verified.payload;
+    let roles = &rt.roles;
+    let name = &role.derived.role.name;
+    let (Some(assumer), Some(server)) = (&roles.assumer, &roles.creds) else {
+        return Err(format!("role {name:?} cannot be assumed: aws.region is not configured on this runner"));
+    };
+    let params = SessionParams {
+        role_arn: role.arn.clone(),
+        session_name: sts_identifier("byoc-", &p.job_id),
+        external_id: roles.external_id.clone(),
+        source_identity: sts_identifier("", &p.job_id),
+        tags: vec![
+            ("install".into(), tag_value(&p.install_id)),
+            ("operation".into(), tag_value(&format!("{}.{}", p.entity, p.operation))),
+            ("job".into(), tag_value(&p.job_id)),
+        ],
+        duration_secs: session_duration(p.timeout_secs, roles.session_min_secs, roles.session_max_secs),
+    };
+    let audit = |event: &str, detail: String| {
+        let r = byoc_audit::log::Record {
+            event: event.into(),
+            job: Some(p.job_id.clone()),
+            kind: Some(p.kind.clone()),
+            operation: Some(p.operation.clone()),
+            role: Some(name.clone()),
+            detail: Some(detail),
+            ..Default::default()
+        };
+        rt.audit.record(r).map_err(|e| format!("auditing {event}: {e}"))
+    };
+    let first = match assumer.assume(&params).await {
+        Ok(c) => c,
+        Err(e) => {
+            let msg = format!("AssumeRole {} failed: {}", role.arn, e.message);
+            audit("role_assume_failed", msg.chars().take(300).collect())?;
+            return Err(msg);
+        }
+    };
+    let expires = rfc3339(first.expiration);
+    audit(
+        "role_assumed",
+        format!(
+            "{} session {} for {}s, expires {expires}",
+            role.arn, params.session_name, params.duration_secs
+        ),
+    )?;
+    roles.assumed(name, &p.job_id);
+    let mut static_env = vec![
+        ("AWS_ACCESS_KEY_ID".to_string(), first.access_key_id.clone()),
+        ("AWS_SECRET_ACCESS_KEY".to_string(), first.secret_access_key.clone()),
+        ("AWS_SESSION_TOKEN".to_string(), first.session_token.clone()),
+    ];
+    let feed = SecretFeed::default();
+    let on_refresh = {
+        let rt = rt.clone();
+        let (job_id, role_name) = (p.job_id.clone(), name.clone());
+        Arc::new(move |params: &SessionParams, c: &crate::roles::sts::Credentials| {
+            let r = byoc_audit::log::Record {
+                event: "role_session_refreshed".into(),
+                job: Some(job_id.clone()),
+                role: Some(role_name.clone()),
+                detail: Some(format!(
+                    "{} session {} expires {}",
+                    params.role_arn,
+                    params.session_name,
+                    rfc3339(c.expiration)
+                )),
+                ..Default::default()
+            };
+            if let Err(e) = rt.audit.record(r) {
+                tracing::error!(error = %e, "could not audit a role session refresh");
+            }
+        })
+    };
+    let session = JobSession::new(
+        params.clone(),
+        assumer.clone(),
+        first,
+        roles.refresh_before,
+        feed.clone(),
+        on_refresh,
+    );
+    let reg = server.register(session);
+    feed.add(reg.token.as_bytes().to_vec());
+    let mut endpoint_env = vec![
+        ("AWS_CONTAINER_CREDENTIALS_FULL_URI".to_string(), reg.url.clone()),
+        ("AWS_CONTAINER_AUTHORIZATION_TOKEN".to_string(), reg.token.clone()),
+    ];
+    let mut common =
+        vec![("BYOC_ROLE".to_string(), name.clone()), ("BYOC_ROLE_ARN".to_string(), role.arn.clone())];
+    if let Some(region) = &roles.region {
+        common.push(("AWS_REGION".into(), region.clone()));
+        common.push(("AWS_DEFAULT_REGION".into(), region.clone()));
+    }
+    if let Some(url) = &roles.endpoint_url {
+        common.push(("AWS_ENDPOINT_URL".into(), url.clone()));
+    }
+    endpoint_env.extend(common.iter().cloned());
+    static_env.extend(common);
+    let note = format!(
+        "[runner] assumed role {name} ({}) chosen by {}; session {} expires {expires}, renewed before expiry through the job's credential endpoint\n",
+        role.arn,
+        role.derived.step.as_str(),
+        params.session_name
+    );
+    tracing::info!(role = %name, role_arn = %role.arn, "assumed the job's role");
+    Ok((reg, JobCredentials { endpoint_env, static_env, feed }, note))
 }
 
 fn prepare(rt: &Rt, job_id: &str, work_dir: &PathBuf) -> Result<SpoolWriter, String> {

@@ -1,16 +1,18 @@
 //! A job's path through the runner, one module per stage:
 //!
-//! `poll → verify → claim → execute → report`
+//! `poll → verify → resolve_role → claim → execute → report`
 //!
 //! Each stage consumes the previous stage's type (`PolledJob → VerifiedJob →
-//! ClaimedJob → FinishedJob`), so no stage can be skipped and still compile. Later
-//! stages (role resolution, policy authorization, audit) slot in between `verify` and
-//! `execute` as new types in the chain.
+//! ScopedJob → ClaimedJob → FinishedJob`), so no stage can be skipped and still
+//! compile. `verify` also derives the job's role with the precedence chain and refuses
+//! a proposal that differs; `resolve_role` checks the customer's switches; `execute`
+//! assumes the role. Policy authorization slots in before `execute` the same way.
 
 pub mod claim;
 pub mod execute;
 pub mod poll;
 pub mod report;
+pub mod resolve_role;
 pub mod verify;
 
 use std::path::PathBuf;
@@ -26,6 +28,7 @@ use crate::journal::Journal;
 pub use claim::ClaimedJob;
 pub use execute::FinishedJob;
 pub use poll::PolledJob;
+pub use resolve_role::ScopedJob;
 pub use verify::{Rejection, VerifiedJob};
 
 /// What every stage may use: shared, read-mostly runner context.
@@ -42,6 +45,10 @@ pub struct Runtime {
     /// How process jobs are sandboxed (None: disabled by configuration).
     pub sandbox: Option<byoc_job_executors::SandboxSettings>,
     pub containers: Option<byoc_job_executors::ContainerSettings>,
+    /// Lifecycle roles: switches, STS, the credential endpoint.
+    pub roles: crate::roles::Roles,
+    /// The pause last seen in force (audited when it changes).
+    pub pause: std::sync::Mutex<Option<crate::roles::pause::Pause>>,
     /// Cancelled when the daemon stops for good: reporting loops give up (the journal
     /// keeps what was not reported, for the next start).
     pub stop_reporting: CancellationToken,
@@ -56,6 +63,42 @@ impl Runtime {
         self.journal.append(event)?;
         self.audit.record(record).map_err(|e| crate::journal::JournalError::Audit(e.to_string()))?;
         Ok(())
+    }
+}
+
+impl Runtime {
+    /// The customer's pause as of now. A change since the last look is audited (the
+    /// CLI that writes the pause file cannot write the daemon's audit log).
+    pub fn check_pause(&self) -> Option<crate::roles::pause::Pause> {
+        let now = crate::roles::pause::read(&self.state_dir);
+        let mut last = self.pause.lock().unwrap_or_else(|e| e.into_inner());
+        if *last != now {
+            let record = match &now {
+                Some(p) => {
+                    tracing::warn!(by = %p.by, reason = p.reason.as_deref().unwrap_or(""), "runner paused by the customer: new jobs are refused");
+                    byoc_audit::log::Record {
+                        event: "runner_paused".into(),
+                        reason: Some("paused".into()),
+                        detail: Some(format!(
+                            "by {}{}",
+                            p.by,
+                            p.reason.as_deref().map(|r| format!(": {r}")).unwrap_or_default()
+                        )),
+                        ..Default::default()
+                    }
+                }
+                None => {
+                    tracing::info!("runner resumed by the customer");
+                    byoc_audit::log::Record { event: "runner_resumed".into(), ..Default::default() }
+                }
+            };
+            if let Err(e) = self.audit.record(record) {
+                tracing::error!(error = %e, "could not audit a pause change");
+            } else {
+                *last = now.clone();
+            }
+        }
+        now
     }
 }
 

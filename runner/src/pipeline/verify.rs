@@ -21,6 +21,9 @@ pub struct VerifiedJob {
     pub executor: Box<dyn Executor>,
     pub timeout: Duration,
     pub received_at: Instant,
+    /// The role the precedence chain derived (and the control plane proposed); `None`
+    /// when the job asked for none.
+    pub role: Option<crate::roles::chain::Derived>,
 }
 
 #[derive(Debug, Clone)]
@@ -42,6 +45,10 @@ pub struct Verifier<'a> {
     pub max_timeout: Duration,
     /// Unix seconds.
     pub now: i64,
+    /// Install values for role-name templates.
+    pub install: &'a crate::roles::template::InstallState,
+    /// The customer's pause, if in force: authentic new jobs are refused with `paused`.
+    pub paused: Option<&'a crate::roles::pause::Pause>,
 }
 
 /// A job id names files and URL segments: keep it to a safe alphabet.
@@ -150,7 +157,7 @@ impl Verifier<'_> {
         let payload_sha256 = sha256_hex(&bytes);
         if let Some(job) = journal.jobs.get(&payload.job_id) {
             match job.phase {
-                Phase::Finished | Phase::Reported | Phase::ClaimRefused => {
+                Phase::Finished | Phase::Reported | Phase::ClaimRefused | Phase::Refused => {
                     return Err(reject(
                         RejectReason::AlreadyFinished,
                         format!("job {} already ended here ({})", payload.job_id, job.phase.as_str()),
@@ -191,6 +198,19 @@ impl Verifier<'_> {
                 return Err(reject(RejectReason::InvalidSpec, e.to_string()));
             }
         };
+        if let Some(p) = self.paused {
+            return Err(reject(
+                RejectReason::Paused,
+                format!(
+                    "the customer paused this runner{}{}; it takes no new jobs until `byoc-runner resume`",
+                    if p.by.is_empty() { String::new() } else { format!(" ({})", p.by) },
+                    p.reason.as_deref().map(|r| format!(": {r}")).unwrap_or_default()
+                ),
+            ));
+        }
+        // The vendor proposes a role; the runner derives its own and compares.
+        let role = crate::roles::chain::derive_for_job(&payload, self.install)
+            .map_err(|e| reject(e.reason, e.detail))?;
         Ok(VerifiedJob {
             delivery_id: polled.delivery_id,
             payload,
@@ -198,6 +218,7 @@ impl Verifier<'_> {
             executor,
             timeout,
             received_at: polled.received_at,
+            role,
         })
     }
 }
@@ -237,10 +258,26 @@ mod tests {
             requested_role: None,
             timeout_secs: 60,
             spec: serde_json::Value::Null,
+            app_config: None,
+            role_request: None,
         }
     }
 
+    fn install() -> crate::roles::template::InstallState {
+        crate::roles::template::InstallState::new("inst-1", None, None, None)
+    }
+
     fn verify(f: &Fixture, env: JobEnvelope, index: &Index, now: i64) -> Result<VerifiedJob, Rejection> {
+        verify_paused(f, env, index, now, None)
+    }
+
+    fn verify_paused(
+        f: &Fixture,
+        env: JobEnvelope,
+        index: &Index,
+        now: i64,
+        paused: Option<&crate::roles::pause::Pause>,
+    ) -> Result<VerifiedJob, Rejection> {
         let v = Verifier {
             keys: &f.keys,
             runner_id: "rn-1",
@@ -248,12 +285,61 @@ mod tests {
             max_skew: Duration::from_secs(30),
             max_timeout: Duration::from_secs(3600),
             now,
+            install: &install(),
+            paused,
         };
         v.verify(PolledJob { delivery_id: "dl-1".into(), envelope: env, received_at: Instant::now() }, index)
     }
 
     fn reason(f: &Fixture, p: JobPayload, now: i64) -> RejectReason {
         verify(f, JobEnvelope::sign(&p, &f.key), &Index::default(), now).err().expect("rejected").reason
+    }
+
+    #[test]
+    fn a_pause_refuses_authentic_jobs_only() {
+        let f = fixture();
+        let pause =
+            crate::roles::pause::Pause { paused_at_ms: 1, reason: Some("freeze".into()), by: "alice".into() };
+        let r =
+            verify_paused(&f, JobEnvelope::sign(&payload(), &f.key), &Index::default(), 1100, Some(&pause))
+                .err()
+                .unwrap();
+        assert_eq!(r.reason, RejectReason::Paused);
+        assert!(r.detail.contains("alice") && r.detail.contains("freeze"), "{}", r.detail);
+        // A forgery is still named as such.
+        let rogue = generate_signing_key();
+        let r =
+            verify_paused(&f, JobEnvelope::sign(&payload(), &rogue), &Index::default(), 1100, Some(&pause))
+                .err()
+                .unwrap();
+        assert_eq!(r.reason, RejectReason::UnknownKey);
+    }
+
+    #[test]
+    fn the_proposed_role_is_checked_before_anything_is_journaled() {
+        let f = fixture();
+        let app = crate::roles::model::tests::app();
+        let with_role = |role: &str| JobPayload {
+            entity: "component".into(),
+            operation: "deploy".into(),
+            requested_role: Some(role.into()),
+            app_config: Some(app.clone()),
+            role_request: Some(byoc_protocol::RoleRequest {
+                entity_name: "api".into(),
+                ..Default::default()
+            }),
+            ..payload()
+        };
+        let ok =
+            verify(&f, JobEnvelope::sign(&with_role("inst-1-maintenance"), &f.key), &Index::default(), 1100)
+                .ok()
+                .unwrap();
+        assert_eq!(ok.role.unwrap().role.name, "inst-1-maintenance");
+        assert_eq!(reason(&f, with_role("inst-1-provision"), 1100), RejectReason::RoleMismatch);
+        assert_eq!(
+            reason(&f, JobPayload { app_config: None, ..with_role("inst-1-maintenance") }, 1100),
+            RejectReason::RoleUnknown
+        );
     }
 
     #[test]

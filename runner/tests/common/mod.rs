@@ -2,6 +2,8 @@
 //! loopback port and the real `byoc-runner` binary in a temp dir.
 #![allow(dead_code, clippy::unwrap_used)]
 
+pub mod roles;
+
 use std::path::Path;
 use std::time::Duration;
 

@@ -88,6 +88,7 @@ async fn container_start_ms(image: &str, dir: &std::path::Path) -> anyhow::Resul
             uid: 65534,
             gid: 65534,
         }),
+        credentials: None,
     };
     let outcome = exec.run(ctx).await;
     anyhow::ensure!(

@@ -36,8 +36,41 @@ struct Args {
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct Plan {
+    /// The install's AWS side (lifecycle roles); a moto server stands in for AWS.
+    #[serde(default)]
+    install: Option<Install>,
     job: Vec<PlannedJob>,
 }
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Install {
+    /// CloudFormation template (JSON) of the install stack: role switches and ARNs.
+    stack_template: PathBuf,
+    /// Directory with `permissions/*.toml`, `break_glass.toml`, `operation_roles.toml`.
+    app_config: PathBuf,
+    external_id: String,
+}
+
+/// The role a job asks for, and the per-job inputs of the precedence chain.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PlannedRole {
+    entity: String,
+    operation: String,
+    #[serde(default)]
+    entity_name: String,
+    requested: String,
+    #[serde(default)]
+    runtime_override: Option<String>,
+    #[serde(default)]
+    break_glass_role: Option<String>,
+    #[serde(default)]
+    entity_role: Option<String>,
+}
+
+const DEMO_STACK: &str = "byoc-install-demo";
+const DEMO_ACCOUNT: &str = "123456789012";
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -50,6 +83,11 @@ struct PlannedJob {
     tamper: Tamper,
     #[serde(default)]
     replay_of: Option<usize>,
+    #[serde(default)]
+    role: Option<PlannedRole>,
+    /// Install stack parameters to change (a stack update) before this job is sent.
+    #[serde(default)]
+    stack: std::collections::BTreeMap<String, String>,
 }
 
 #[derive(Deserialize)]
@@ -100,7 +138,43 @@ async fn main() -> anyhow::Result<()> {
         None => tmp.path().to_path_buf(),
     };
     println!("control plane  {} (admin {})", cp.runner_url(), cp.admin_url());
-    let mut runner = RunnerProcess::start(&runner_bin, &dir, &cp, &RunnerOptions::default())?;
+    let mut options = RunnerOptions::default();
+    let mut aws = None;
+    if let Some(install) = &plan.install {
+        let moto = byoc_control_plane::moto::MotoServer::start().await;
+        let path = base.join(&install.stack_template);
+        let template: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?,
+        )
+        .with_context(|| format!("parsing {}", path.display()))?;
+        let params: std::collections::BTreeMap<String, String> = [
+            ("InstallId".to_string(), cp.install_id()),
+            (
+                "RunnerInstanceRoleArn".to_string(),
+                format!("arn:aws:iam::{DEMO_ACCOUNT}:role/byoc-runner-instance"),
+            ),
+            ("ExternalId".to_string(), install.external_id.clone()),
+        ]
+        .into_iter()
+        .collect();
+        let list: Vec<(&str, &str)> = params.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+        moto.put_stack("CreateStack", DEMO_STACK, &template, &list).await;
+        println!("aws (moto)     {} (install stack {DEMO_STACK})", moto.url());
+        options.extra = format!(
+            "\n[aws]\nregion = \"us-east-1\"\nendpoint_url = \"{}\"\n\n[roles]\nstack_name = \"{DEMO_STACK}\"\nexternal_id = \"{}\"\n",
+            moto.url(),
+            install.external_id
+        );
+        // The runner's own identity (its instance role on EC2).
+        options.env = vec![
+            ("AWS_ACCESS_KEY_ID".into(), "demo-runner-identity".into()),
+            ("AWS_SECRET_ACCESS_KEY".into(), "demo-runner-identity-secret".into()),
+            ("AWS_EC2_METADATA_DISABLED".into(), "true".into()),
+        ];
+        let app = byoc_control_plane::app_config::load(&base.join(&install.app_config))?;
+        aws = Some((moto, template, params, app));
+    }
+    let mut runner = RunnerProcess::start(&runner_bin, &dir, &cp, &options)?;
     println!("runner         {} (state {})", runner_bin.display(), runner.state_dir.display());
     if !wait_polling(&cp, Duration::from_secs(30)).await {
         bail!("the runner did not enroll and poll within 30 s; its log:\n{}", runner.log());
@@ -112,7 +186,24 @@ async fn main() -> anyhow::Result<()> {
     let mut names: Vec<String> = Vec::new();
     let started = Instant::now();
     for (i, job) in plan.job.iter().enumerate() {
-        let name = job.file.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+        let mut name = job.file.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+        if !job.stack.is_empty() {
+            let Some((moto, template, params, _)) = aws.as_mut() else {
+                bail!("job {i}: `stack` needs an [install] section");
+            };
+            // Every earlier job must have been decided under the old switches.
+            for id in &ids {
+                cp.wait_for(id, wait, |v| outcome(v).is_some())
+                    .await
+                    .context("an earlier job never settled")?;
+            }
+            params.extend(job.stack.clone());
+            let list: Vec<(&str, &str)> = params.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+            moto.put_stack("UpdateStack", DEMO_STACK, template, &list).await;
+            let change: Vec<String> = job.stack.iter().map(|(k, v)| format!("{k}={v}")).collect();
+            println!("customer updated the install stack: {}", change.join(", "));
+            name = format!("{name} (stack updated)");
+        }
         let id = if let Some(orig) = job.replay_of {
             let orig_id =
                 ids.get(orig).with_context(|| format!("job {i}: replay_of {orig} is not an earlier job"))?;
@@ -131,6 +222,21 @@ async fn main() -> anyhow::Result<()> {
             let mut req = EnqueueRequest::new(&jf.kind, jf.spec);
             req.timeout_secs = jf.timeout_secs;
             req.tamper = job.tamper.clone();
+            if let Some(role) = &job.role {
+                let Some((_, _, _, app)) = aws.as_ref() else {
+                    bail!("job {i}: `role` needs an [install] section");
+                };
+                req.entity = role.entity.clone();
+                req.operation = role.operation.clone();
+                req.requested_role = Some(role.requested.clone());
+                req.app_config = Some(app.clone());
+                req.role_request = Some(byoc_protocol::RoleRequest {
+                    entity_name: role.entity_name.clone(),
+                    runtime_override: role.runtime_override.clone(),
+                    break_glass_role: role.break_glass_role.clone(),
+                    entity_role: role.entity_role.clone(),
+                });
+            }
             names.push(if job.tamper.unknown_key { format!("{name} (forged)") } else { name });
             cp.enqueue(req).map_err(|e| anyhow::anyhow!("{e}"))?
         };
@@ -144,7 +250,7 @@ async fn main() -> anyhow::Result<()> {
     }
 
     println!(
-        "{:<20} {:<26} {:<14} {:<26} {:<26} {:>9} {:>9}",
+        "{:<20} {:<32} {:<14} {:<26} {:<26} {:>9} {:>9}",
         "JOB", "EXAMPLE", "KIND", "EXPECTED", "GOT", "DURATION", "PICKUP"
     );
     let mut failures = 0;
@@ -176,7 +282,7 @@ async fn main() -> anyhow::Result<()> {
             None => ("-".into(), "-".into(), "-".into()),
         };
         println!(
-            "{:<20} {:<26} {:<14} {:<26} {:<26} {:>9} {:>9} {}",
+            "{:<20} {:<32} {:<14} {:<26} {:<26} {:>9} {:>9} {}",
             id,
             names[i],
             kind,
@@ -196,6 +302,31 @@ async fn main() -> anyhow::Result<()> {
         other => {
             failures += 1;
             println!("runner did not stop cleanly: {other:?}");
+        }
+    }
+    if aws.is_some() {
+        // The customer's view of the roles: switches, ARNs, last use.
+        let roles = std::process::Command::new(&runner_bin)
+            .args(["roles", "--state-dir"])
+            .arg(&runner.state_dir)
+            .output()?;
+        println!(
+            "\n$ byoc-runner roles --state-dir {}\n{}",
+            runner.state_dir.display(),
+            String::from_utf8_lossy(&roles.stdout)
+        );
+        // What a job with a role saw: its credentials, masked before they were logged.
+        if let Some(i) = plan.job.iter().position(|j| j.role.is_some() && j.expect == "succeeded") {
+            let logs = std::process::Command::new(&runner_bin)
+                .args(["jobs", "logs", &ids[i], "--state-dir"])
+                .arg(&runner.state_dir)
+                .output()?;
+            println!(
+                "$ byoc-runner jobs logs {} --state-dir {}\n{}",
+                ids[i],
+                runner.state_dir.display(),
+                String::from_utf8_lossy(&logs.stdout)
+            );
         }
     }
     let status = std::process::Command::new(&runner_bin)

@@ -1,0 +1,150 @@
+#!/bin/bash
+# byoc-runner install: run by the install stack's user-data (the template embeds this
+# file verbatim after setting the BYOC_* variables), or by hand. Safe to re-run.
+#
+#  1. find the release (the AMI's /opt/byoc-runner/release, or download it over https),
+#  2. verify SHA256SUMS's minisign signature with the pinned release key, then the
+#     package's SHA-256 (nothing unverified is ever installed),
+#  3. install the package (a re-run reinstalls: config and state are kept),
+#  4. write /etc/byoc-runner/runner.toml (control plane, pinned keys, install, stack),
+#  5. fetch the one-time bootstrap token from Secrets Manager under the instance role
+#     (only before the first enrollment; the runner deletes it once enrolled),
+#  6. validate the config, enable and start the unit (Type=notify: `systemctl start`
+#     returns once the runner reports READY, i.e. enrolled and polling),
+#  7. signal the stack: success only after 6, failure with the reason otherwise.
+#
+# The script avoids the dollar-brace form so CloudFormation's Fn::Sub passes it through.
+#
+# Inputs (environment):
+#   BYOC_INSTALL_ID BYOC_CONTROL_PLANE_URL BYOC_CONTROL_PLANE_KEYS (comma-separated)
+#   BYOC_REGION BYOC_STACK_NAME BYOC_SIGNAL_RESOURCE BYOC_EXTERNAL_ID
+#   BYOC_BOOTSTRAP_SECRET (Secrets Manager ARN) BYOC_RELEASE_PUBKEY (minisign key line)
+#   BYOC_RELEASE_URL (https base URL; empty: use BYOC_RELEASE_DIR)
+#   BYOC_RELEASE_DIR (default /opt/byoc-runner/release)
+#   BYOC_ROOT (install into this directory instead of /; for tests)
+set -eo pipefail
+umask 022
+
+ROOT="$BYOC_ROOT"
+RELEASE_DIR="$BYOC_RELEASE_DIR"
+[ -n "$RELEASE_DIR" ] || RELEASE_DIR=/opt/byoc-runner/release
+
+log() {
+    echo "byoc-install: $*" >&2
+    logger -t byoc-install -- "$*" 2>/dev/null || true
+}
+
+signal() {
+    # $1: 0 success, 1 failure; $2: reason (shown in the stack's events).
+    if [ -z "$BYOC_STACK_NAME" ] || [ -z "$BYOC_SIGNAL_RESOURCE" ]; then return 0; fi
+    if command -v cfn-signal >/dev/null; then
+        cfn-signal -e "$1" --reason "$2" --stack "$BYOC_STACK_NAME" --resource "$BYOC_SIGNAL_RESOURCE" --region "$BYOC_REGION" || true
+    elif command -v aws >/dev/null; then
+        status=SUCCESS
+        [ "$1" = 0 ] || status=FAILURE
+        aws cloudformation signal-resource --region "$BYOC_REGION" --stack-name "$BYOC_STACK_NAME" \
+            --logical-resource-id "$BYOC_SIGNAL_RESOURCE" --unique-id "$(hostname)" --status "$status" || true
+    fi
+}
+
+fail() {
+    log "FAILED: $*"
+    signal 1 "$*"
+    exit 1
+}
+
+for v in BYOC_INSTALL_ID BYOC_CONTROL_PLANE_URL BYOC_CONTROL_PLANE_KEYS BYOC_REGION BYOC_RELEASE_PUBKEY; do
+    [ -n "$(eval echo "\$$v")" ] || fail "$v is not set"
+done
+
+work="$(mktemp -d)"
+trap 'rm -rf "$work"' EXIT
+
+# 1. The release: SHA256SUMS, its signature, and the package it names.
+if [ -n "$BYOC_RELEASE_URL" ]; then
+    case "$BYOC_RELEASE_URL" in https://*) ;; *) fail "BYOC_RELEASE_URL must be https://" ;; esac
+    for f in SHA256SUMS SHA256SUMS.minisig; do
+        curl -fsS --proto =https --retry 5 -o "$work/$f" "$BYOC_RELEASE_URL/$f" || fail "downloading $f"
+    done
+else
+    for f in SHA256SUMS SHA256SUMS.minisig; do
+        cp "$RELEASE_DIR/$f" "$work/$f" 2>/dev/null || fail "$RELEASE_DIR/$f not found (no BYOC_RELEASE_URL either)"
+    done
+fi
+
+# 2. Signature first: nothing in SHA256SUMS is trusted before it verifies.
+command -v minisign >/dev/null || fail "minisign is needed to verify the release (the AMI ships it)"
+printf 'untrusted comment: byoc-runner release key\n%s\n' "$BYOC_RELEASE_PUBKEY" > "$work/release.pub"
+minisign -V -q -p "$work/release.pub" -m "$work/SHA256SUMS" >/dev/null 2>&1 ||
+    fail "SHA256SUMS signature does not verify with the pinned release key"
+deb="$(awk '$2 ~ /^byoc-runner_[A-Za-z0-9.+~-]+_[a-z0-9]+\.deb$/ { print $2 }' "$work/SHA256SUMS")"
+[ "$(printf '%s\n' "$deb" | grep -c .)" = 1 ] || fail "SHA256SUMS must name exactly one byoc-runner package"
+if [ -n "$BYOC_RELEASE_URL" ]; then
+    curl -fsS --proto =https --retry 5 -o "$work/$deb" "$BYOC_RELEASE_URL/$deb" || fail "downloading $deb"
+else
+    cp "$RELEASE_DIR/$deb" "$work/$deb" || fail "$RELEASE_DIR/$deb not found"
+fi
+(cd "$work" && grep " $deb\$" SHA256SUMS | sha256sum -c --strict --quiet -) ||
+    fail "$deb does not match its checksum in the signed SHA256SUMS"
+log "release verified: $deb"
+
+# 3. Install (a reinstall of the same version is harmless; conffiles and state stay).
+if [ -n "$ROOT" ]; then
+    dpkg --root="$ROOT" --force-script-chrootless --force-not-root $BYOC_DPKG_OPTS -i "$work/$deb" >/dev/null ||
+        fail "installing $deb"
+else
+    dpkg -i "$work/$deb" >/dev/null || fail "installing $deb"
+fi
+
+# 4. The configuration (written whole, then moved into place).
+gid="$(awk -F: '$1 == "byoc-runner" { print $3 }' "$ROOT/etc/group")"
+uid="$(awk -F: '$1 == "byoc-runner" { print $3 }' "$ROOT/etc/passwd")"
+[ -n "$gid" ] && [ -n "$uid" ] || fail "the package did not create the byoc-runner user"
+keys=""
+for k in $(printf '%s' "$BYOC_CONTROL_PLANE_KEYS" | tr ',' ' '); do
+    keys="$keys\"$k\", "
+done
+conf="$ROOT/etc/byoc-runner/runner.toml"
+{
+    echo "# Written by the install stack's user-data; re-running it rewrites this file."
+    echo "[control_plane]"
+    echo "url = \"$BYOC_CONTROL_PLANE_URL\""
+    echo "public_keys = [$keys]"
+    echo
+    echo "[runner]"
+    echo "install_id = \"$BYOC_INSTALL_ID\""
+    echo "bootstrap_token_file = \"/etc/byoc-runner/bootstrap-token\""
+    echo
+    echo "[aws]"
+    echo "region = \"$BYOC_REGION\""
+    echo
+    echo "[roles]"
+    [ -z "$BYOC_STACK_NAME" ] || echo "stack_name = \"$BYOC_STACK_NAME\""
+    [ -z "$BYOC_EXTERNAL_ID" ] || echo "external_id = \"$BYOC_EXTERNAL_ID\""
+} > "$conf.new"
+chown "0:$gid" "$conf.new"
+chmod 0640 "$conf.new"
+mv "$conf.new" "$conf"
+"$ROOT/usr/bin/byoc-runner" config validate --config "$conf" >/dev/null || fail "the written runner.toml does not validate"
+
+# 5. The bootstrap token, before the first enrollment only.
+if [ ! -e "$ROOT/var/lib/byoc-runner/enrollment.json" ]; then
+    [ -n "$BYOC_BOOTSTRAP_SECRET" ] || fail "not enrolled yet and BYOC_BOOTSTRAP_SECRET is not set"
+    token_file="$ROOT/etc/byoc-runner/bootstrap-token"
+    (
+        umask 077
+        aws secretsmanager get-secret-value --region "$BYOC_REGION" --secret-id "$BYOC_BOOTSTRAP_SECRET" \
+            --query SecretString --output text > "$token_file.new"
+    ) || fail "reading the bootstrap token from Secrets Manager"
+    [ -s "$token_file.new" ] || fail "the bootstrap token secret is empty"
+    chown "$uid:$gid" "$token_file.new"
+    mv "$token_file.new" "$token_file"
+fi
+
+# 6. Start; `systemctl start` of a Type=notify unit returns once the runner is READY.
+systemctl enable byoc-runner >/dev/null 2>&1 || fail "enabling byoc-runner.service"
+systemctl restart byoc-runner || fail "byoc-runner did not become ready (journalctl -u byoc-runner)"
+
+# 7. Tell the stack.
+log "byoc-runner is enrolled and polling"
+signal 0 "byoc-runner is enrolled and polling"

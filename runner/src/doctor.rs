@@ -1,0 +1,547 @@
+//! `byoc-runner config check`: the customer's first diagnostic. Every check prints one
+//! line (ok / warn / fail / skip) and, when something is wrong, what to do about it.
+//! Checks run in the order a start-up would hit them, and a check whose prerequisite
+//! failed is skipped rather than reported as a second failure.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::Serialize;
+
+use crate::config::Config;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Status {
+    Ok,
+    Warn,
+    Fail,
+    Skip,
+}
+
+impl Status {
+    pub fn label(self) -> &'static str {
+        match self {
+            Status::Ok => "ok",
+            Status::Warn => "warn",
+            Status::Fail => "FAIL",
+            Status::Skip => "skip",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Check {
+    pub name: &'static str,
+    pub status: Status,
+    pub detail: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fix: Option<String>,
+}
+
+fn check(name: &'static str, status: Status, detail: impl Into<String>, fix: Option<&str>) -> Check {
+    Check { name, status, detail: detail.into(), fix: fix.map(str::to_string) }
+}
+
+const NET_TIMEOUT: Duration = Duration::from_secs(5);
+/// Skew below this is not worth a word.
+const CLOCK_OK_SECS: i64 = 5;
+const DISK_FAIL_BYTES: u64 = 100 << 20;
+const DISK_WARN_BYTES: u64 = 1 << 30;
+
+pub async fn run(config_path: &Path) -> Vec<Check> {
+    let mut out = Vec::new();
+    let config = match Config::load(config_path) {
+        Ok(c) => {
+            out.push(check(
+                "config",
+                Status::Ok,
+                format!("{} (digest {})", config_path.display(), &c.digest[..12]),
+                None,
+            ));
+            Some(c)
+        }
+        Err(e) => {
+            out.push(check(
+                "config",
+                Status::Fail,
+                e.problems.join("; "),
+                Some(&format!("edit {} (each problem is named above)", config_path.display())),
+            ));
+            None
+        }
+    };
+    match &config {
+        Some(c) => {
+            out.push(state_dir(&c.runner.state_dir));
+            out.extend(control_plane(c).await);
+            out.push(imds(c).await);
+            out.extend(install_stack(c).await);
+        }
+        None => {
+            for name in ["state_dir", "dns", "tcp", "tls", "clock", "imds", "install_stack"] {
+                out.push(check(name, Status::Skip, "needs a valid configuration", None));
+            }
+        }
+    }
+    out.push(journald());
+    out.extend(sandbox(config.as_ref()).await);
+    out
+}
+
+fn state_dir(dir: &Path) -> Check {
+    // The runner creates it on first start; then its parent must take it.
+    let existing =
+        if dir.is_dir() { dir.to_path_buf() } else { dir.parent().unwrap_or(Path::new("/")).to_path_buf() };
+    let free = match nix::sys::statvfs::statvfs(&existing) {
+        Ok(s) => s.blocks_available() * s.fragment_size(),
+        Err(e) => {
+            return check(
+                "state_dir",
+                Status::Fail,
+                format!("{}: {e}", existing.display()),
+                Some("create the state dir's parent, or set runner.state_dir"),
+            );
+        }
+    };
+    let writable = nix::unistd::access(&existing, nix::unistd::AccessFlags::W_OK).is_ok();
+    let gib = free as f64 / (1u64 << 30) as f64;
+    let what = if dir.is_dir() { "exists" } else { "will be created on first start" };
+    if !writable {
+        return check(
+            "state_dir",
+            Status::Fail,
+            format!("{} {what}, but {} is not writable by this user", dir.display(), existing.display()),
+            Some("run as root or the byoc-runner user (the unit's StateDirectory= creates it)"),
+        );
+    }
+    let detail = format!("{} {what}; {gib:.1} GiB free", dir.display());
+    if free < DISK_FAIL_BYTES {
+        check(
+            "state_dir",
+            Status::Fail,
+            detail,
+            Some("free disk space: job logs, the journal and the audit log live here"),
+        )
+    } else if free < DISK_WARN_BYTES {
+        check("state_dir", Status::Warn, detail, Some("less than 1 GiB free: job logs may fill it"))
+    } else {
+        check("state_dir", Status::Ok, detail, None)
+    }
+}
+
+/// The proxy `reqwest` will use for this URL, if any (HTTPS_PROXY unless NO_PROXY
+/// covers the host).
+fn proxy_for(url: &reqwest::Url) -> Option<reqwest::Url> {
+    let var = |n: &str| {
+        std::env::var(n).ok().or_else(|| std::env::var(n.to_lowercase()).ok()).filter(|v| !v.is_empty())
+    };
+    let proxy = var(if url.scheme() == "https" { "HTTPS_PROXY" } else { "HTTP_PROXY" })?;
+    let host = url.host_str().unwrap_or("");
+    let bypass = var("NO_PROXY").is_some_and(|n| {
+        n.split(',').map(str::trim).any(|p| {
+            p == "*"
+                || (!p.is_empty()
+                    && (host == p.trim_start_matches('.')
+                        || host.ends_with(&format!(".{}", p.trim_start_matches('.')))))
+        })
+    });
+    if bypass { None } else { reqwest::Url::parse(&proxy).ok() }
+}
+
+async fn control_plane(c: &Config) -> Vec<Check> {
+    let url = &c.control_plane.url;
+    let via_proxy = proxy_for(url);
+    let target = via_proxy.as_ref().unwrap_or(url);
+    let host = target.host_str().unwrap_or("").trim_start_matches('[').trim_end_matches(']').to_string();
+    let port = target.port_or_known_default().unwrap_or(443);
+    let through = via_proxy
+        .as_ref()
+        .map(|p| format!(" (through proxy {})", p.host_str().unwrap_or("")))
+        .unwrap_or_default();
+    let mut out = Vec::new();
+
+    let addrs: Vec<SocketAddr> =
+        match tokio::time::timeout(NET_TIMEOUT, tokio::net::lookup_host((host.as_str(), port))).await {
+            Ok(Ok(a)) => a.collect(),
+            Ok(Err(e)) => {
+                out.push(check(
+                    "dns",
+                    Status::Fail,
+                    format!("{host}: {e}"),
+                    Some("check the VPC's DNS resolver and the control-plane URL (or the proxy's host)"),
+                ));
+                return skip_rest(out, &["tcp", "tls", "clock"]);
+            }
+            Err(_) => {
+                out.push(check(
+                    "dns",
+                    Status::Fail,
+                    format!("{host}: no answer in 5 s"),
+                    Some("check the VPC's DNS resolver"),
+                ));
+                return skip_rest(out, &["tcp", "tls", "clock"]);
+            }
+        };
+    let Some(first) = addrs.first().copied() else {
+        out.push(check(
+            "dns",
+            Status::Fail,
+            format!("{host}: no addresses"),
+            Some("check the control-plane URL"),
+        ));
+        return skip_rest(out, &["tcp", "tls", "clock"]);
+    };
+    out.push(check("dns", Status::Ok, format!("{host} → {}{through}", first.ip()), None));
+
+    match tokio::time::timeout(NET_TIMEOUT, tokio::net::TcpStream::connect(first)).await {
+        Ok(Ok(_)) => out.push(check("tcp", Status::Ok, format!("connected to {first}{through}"), None)),
+        Ok(Err(e)) => {
+            out.push(check(
+                "tcp",
+                Status::Fail,
+                format!("{first}: {e}"),
+                Some("allow egress to port 443 (security group, NACL, route to a NAT gateway), or set HTTPS_PROXY"),
+            ));
+            return skip_rest(out, &["tls", "clock"]);
+        }
+        Err(_) => {
+            out.push(check(
+                "tcp",
+                Status::Fail,
+                format!("{first}: no answer in 5 s"),
+                Some("allow egress to port 443 (security group, NACL, NAT route)"),
+            ));
+            return skip_rest(out, &["tls", "clock"]);
+        }
+    }
+
+    let probe = match crate::client::CpClient::new(&c.control_plane) {
+        Ok(client) => client.probe().await,
+        Err(e) => Err(e),
+    };
+    let (status, date) = match probe {
+        Ok(p) => p,
+        Err(e) => {
+            out.push(check(
+                "tls",
+                Status::Fail,
+                e.to_string(),
+                Some("a certificate error means the server's chain is not trusted: set control_plane.ca_bundle for a TLS-inspecting proxy"),
+            ));
+            return skip_rest(out, &["clock"]);
+        }
+    };
+    if url.scheme() == "https" {
+        out.push(check(
+            "tls",
+            Status::Ok,
+            format!("HTTPS answered {status}; certificate trusted{through}"),
+            None,
+        ));
+    } else {
+        out.push(check(
+            "tls",
+            Status::Warn,
+            format!("plain HTTP answered {status} (allow_insecure_loopback: development only)"),
+            Some("use an https:// control-plane URL"),
+        ));
+    }
+    out.push(clock(date.as_deref(), c.jobs.max_clock_skew));
+    out
+}
+
+fn skip_rest(mut out: Vec<Check>, names: &[&'static str]) -> Vec<Check> {
+    for n in names {
+        out.push(check(n, Status::Skip, "the previous step failed", None));
+    }
+    out
+}
+
+fn clock(date: Option<&str>, max: Duration) -> Check {
+    let Some(parsed) = date.and_then(|d| {
+        aws_sdk_sts::primitives::DateTime::from_str(d, aws_sdk_sts::primitives::DateTimeFormat::HttpDate).ok()
+    }) else {
+        return check("clock", Status::Warn, "the control plane sent no Date header to compare with", None);
+    };
+    let skew = crate::daemon::unix_now() - parsed.secs();
+    let detail = format!("{skew:+} s against the control plane");
+    let fix = "keep the clock synchronised (chrony with the Amazon Time Sync Service, 169.254.169.123)";
+    if skew.abs() <= CLOCK_OK_SECS {
+        check("clock", Status::Ok, detail, None)
+    } else if skew.unsigned_abs() <= max.as_secs() {
+        check("clock", Status::Warn, detail, Some(fix))
+    } else {
+        check(
+            "clock",
+            Status::Fail,
+            format!("{detail}: jobs will be refused as expired or not yet valid (limit {} s)", max.as_secs()),
+            Some(fix),
+        )
+    }
+}
+
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(x) = src {
+        s.push_str(": ");
+        s.push_str(&x.to_string());
+        src = x.source();
+    }
+    s
+}
+
+/// IMDSv2 at the SDK's endpoint (`AWS_EC2_METADATA_SERVICE_ENDPOINT`, default
+/// 169.254.169.254): a token, then the instance id with it.
+async fn imds(c: &Config) -> Check {
+    let needed = c.roles.stack_name.is_some() && std::env::var_os("AWS_ACCESS_KEY_ID").is_none();
+    if std::env::var("AWS_EC2_METADATA_DISABLED").is_ok_and(|v| v.eq_ignore_ascii_case("true")) {
+        let status = if needed { Status::Fail } else { Status::Skip };
+        return check(
+            "imds",
+            status,
+            "disabled by AWS_EC2_METADATA_DISABLED",
+            needed.then_some("the runner needs its instance role: unset AWS_EC2_METADATA_DISABLED"),
+        );
+    }
+    let base = std::env::var("AWS_EC2_METADATA_SERVICE_ENDPOINT")
+        .unwrap_or_else(|_| "http://169.254.169.254".into());
+    let base = base.trim_end_matches('/').to_string();
+    let http = match reqwest::Client::builder().timeout(Duration::from_secs(2)).no_proxy().build() {
+        Ok(h) => h,
+        Err(e) => return check("imds", Status::Fail, e.to_string(), None),
+    };
+    let result = async {
+        let token = http
+            .put(format!("{base}/latest/api/token"))
+            .header("X-aws-ec2-metadata-token-ttl-seconds", "60")
+            .send()
+            .await
+            .map_err(|e| chain(&e.without_url()))?
+            .error_for_status()
+            .map_err(|e| format!("token: {}", e.without_url()))?
+            .text()
+            .await
+            .map_err(|e| e.to_string())?;
+        http.get(format!("{base}/latest/meta-data/instance-id"))
+            .header("X-aws-ec2-metadata-token", token)
+            .send()
+            .await
+            .map_err(|e| chain(&e.without_url()))?
+            .error_for_status()
+            .map_err(|e| format!("instance-id: {}", e.without_url()))?
+            .text()
+            .await
+            .map_err(|e| e.to_string())
+    }
+    .await;
+    match result {
+        Ok(id) => check("imds", Status::Ok, format!("instance {id} (IMDSv2 at {base})"), None),
+        Err(e) => check(
+            "imds",
+            if needed { Status::Fail } else { Status::Warn },
+            format!("{base}: {e}"),
+            Some(
+                "on EC2: metadata options HttpEndpoint=enabled, HttpTokens=required, hop limit 1; the runner's AWS identity comes from here",
+            ),
+        ),
+    }
+}
+
+async fn install_stack(c: &Config) -> Vec<Check> {
+    let Some(stack) = &c.roles.stack_name else {
+        return match &c.roles.switches_file {
+            Some(path) => match crate::roles::switches::read_switch_file(path) {
+                Ok(f) => {
+                    let on: Vec<&str> = f
+                        .role
+                        .iter()
+                        .filter(|r| r.enabled && r.arn.is_some())
+                        .map(|r| r.name.as_str())
+                        .collect();
+                    vec![check(
+                        "install_stack",
+                        Status::Ok,
+                        format!(
+                            "switches file {}: on: {}",
+                            path.display(),
+                            if on.is_empty() { "none".into() } else { on.join(", ") }
+                        ),
+                        None,
+                    )]
+                }
+                Err(e) => vec![check(
+                    "install_stack",
+                    Status::Fail,
+                    e.to_string(),
+                    Some("fix the switches file (docs/ROLES.md)"),
+                )],
+            },
+            None => vec![check(
+                "install_stack",
+                Status::Warn,
+                "no roles.stack_name or roles.switches_file: every job that asks for a role will be refused",
+                Some("set roles.stack_name to the install stack's name"),
+            )],
+        };
+    };
+    let sdk = crate::roles::sdk_config(c).await;
+    let source = crate::roles::switch_source(c, sdk.as_ref());
+    let snapshot = match tokio::time::timeout(Duration::from_secs(20), source.read()).await {
+        Ok(Ok(s)) => s,
+        Ok(Err(e)) => {
+            return vec![check(
+                "install_stack",
+                Status::Fail,
+                e.to_string(),
+                Some(
+                    "the instance role needs cloudformation:DescribeStacks on its own stack; check roles.stack_name and aws.region",
+                ),
+            )];
+        }
+        Err(_) => {
+            return vec![check(
+                "install_stack",
+                Status::Fail,
+                format!("{stack}: no answer in 20 s"),
+                Some("allow HTTPS egress to the CloudFormation API"),
+            )];
+        }
+    };
+    let crate::roles::switches::Snapshot::Stack(view) = snapshot else {
+        return vec![check("install_stack", Status::Fail, "unexpected switch source", None)];
+    };
+    let arns: Vec<String> = view
+        .outputs
+        .values()
+        .filter_map(|v| crate::roles::switches::arn_role_name(v).map(str::to_string))
+        .collect();
+    let switches: Vec<String> = view
+        .parameters
+        .iter()
+        .filter(|(k, _)| k.starts_with("Enable") && k.ends_with("Role"))
+        .map(|(k, v)| format!("{}={v}", &k[6..k.len() - 4]))
+        .collect();
+    let mut out = vec![check(
+        "install_stack",
+        Status::Ok,
+        format!(
+            "{stack} readable; switches: {}",
+            if switches.is_empty() { "none".into() } else { switches.join(", ") }
+        ),
+        None,
+    )];
+    out.push(if arns.is_empty() {
+        check(
+            "role_arns",
+            Status::Warn,
+            "no lifecycle role ARN among the stack outputs: every role is off",
+            Some("switch roles on with the stack's Enable<Key>Role parameters"),
+        )
+    } else {
+        check("role_arns", Status::Ok, format!("{} role(s) available: {}", arns.len(), arns.join(", ")), None)
+    });
+    out
+}
+
+fn journald() -> Check {
+    let socket = Path::new("/run/systemd/journal/socket");
+    if socket.exists() {
+        check("journald", Status::Ok, "structured logs go to journald (journalctl -u byoc-runner)", None)
+    } else {
+        check(
+            "journald",
+            Status::Warn,
+            "no journald socket: logs go to stderr",
+            Some("run under systemd (the unit in /lib/systemd/system)"),
+        )
+    }
+}
+
+async fn sandbox(config: Option<&Config>) -> Vec<Check> {
+    let mut out = Vec::new();
+    let userns = std::fs::read_to_string("/proc/sys/user/max_user_namespaces")
+        .ok()
+        .and_then(|s| s.trim().parse::<u64>().ok());
+    out.push(match userns {
+        Some(n) if n > 0 => {
+            check("user_namespaces", Status::Ok, format!("user.max_user_namespaces = {n}"), None)
+        }
+        _ => check(
+            "user_namespaces",
+            Status::Fail,
+            "user namespaces are off",
+            Some("sysctl -w user.max_user_namespaces=15000 (and persist it in /etc/sysctl.d)"),
+        ),
+    });
+    out.push(match byoc_sandbox::cgroup::detect() {
+        Some(v) => check("cgroups", Status::Ok, format!("{v:?} (per-job memory, pids and cpu limits)"), None),
+        None => check(
+            "cgroups",
+            Status::Warn,
+            "no usable cgroup hierarchy: jobs run without memory and pids limits",
+            Some("boot with cgroup v2 (systemd.unified_cgroup_hierarchy=1)"),
+        ),
+    });
+    let seccomp = std::fs::read_to_string("/proc/self/status")
+        .is_ok_and(|s| s.lines().any(|l| l.starts_with("Seccomp:")));
+    out.push(if seccomp {
+        check("seccomp", Status::Ok, "available", None)
+    } else {
+        check(
+            "seccomp",
+            Status::Fail,
+            "the kernel has no seccomp",
+            Some("use a kernel built with CONFIG_SECCOMP_FILTER"),
+        )
+    });
+    out.push(if byoc_sandbox::landlock_supported() {
+        check("landlock", Status::Ok, "enabled", None)
+    } else {
+        check(
+            "landlock",
+            Status::Warn,
+            "not enforced by this kernel: jobs lose the filesystem write restriction",
+            Some("boot with lsm=landlock,... (kernel 5.13+)"),
+        )
+    });
+    let Some(c) = config else {
+        out.push(check("sandbox", Status::Skip, "needs a valid configuration", None));
+        return out;
+    };
+    if !c.sandbox.enabled {
+        out.push(check(
+            "sandbox",
+            Status::Warn,
+            "disabled by [sandbox] enabled = false: jobs run with the runner's privileges",
+            Some("set [sandbox] enabled = true"),
+        ));
+        return out;
+    }
+    let helper = std::env::current_exe().unwrap_or_else(|_| PathBuf::from("/usr/bin/byoc-runner"));
+    let scratch = match tempfile::tempdir() {
+        Ok(d) => d,
+        Err(e) => {
+            out.push(check("sandbox", Status::Fail, format!("temp dir: {e}"), None));
+            return out;
+        }
+    };
+    let Some(mut settings) = crate::pipeline::sandbox_settings(c, helper) else {
+        return out;
+    };
+    settings.roots_dir = scratch.path().join("roots");
+    out.push(match byoc_job_executors::sandboxed::self_test(&settings, scratch.path()).await {
+        Ok(()) => check("sandbox", Status::Ok, "a test job ran in a full sandbox (namespaces, new root, seccomp, no capabilities)", None),
+        Err(e) => check("sandbox", Status::Fail, e, Some("the daemon refuses to start without it: check the unit allows namespaces, or see docs/THREAT_MODEL.md")),
+    });
+    if c.containers.enabled {
+        let sock = &c.containers.docker_socket;
+        out.push(match tokio::net::UnixStream::connect(sock).await {
+            Ok(_) => check("docker", Status::Ok, format!("{} reachable", sock.display()), None),
+            Err(e) => check("docker", Status::Warn, format!("{}: {e}: container actions will fail", sock.display()), Some("start Docker and add byoc-runner to the docker group, or set [containers] enabled = false")),
+        });
+    }
+    out
+}

@@ -1,0 +1,275 @@
+//! The per-job credential endpoint: a loopback HTTP server speaking the AWS container
+//! credentials protocol (`AWS_CONTAINER_CREDENTIALS_FULL_URI` plus
+//! `AWS_CONTAINER_AUTHORIZATION_TOKEN`), which every AWS SDK and the CLI already use.
+//! Each job gets its own random token, valid only while the job runs; behind it the
+//! runner re-assumes the job's role before the session expires, so a job that outlives
+//! one session keeps working. New keys enter the job's masking feed before the job
+//! sees them.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use byoc_job_executors::mask::SecretFeed;
+use bytes::Bytes;
+use http_body_util::Full;
+use hyper::{Request, Response, StatusCode};
+
+use super::sts::{Assumer, Credentials, SessionParams};
+
+pub const CREDENTIALS_PATH: &str = "/v1/credentials";
+
+type OnAssume = Arc<dyn Fn(&SessionParams, &Credentials) + Send + Sync>;
+
+/// One job's role session behind the endpoint.
+pub struct JobSession {
+    params: SessionParams,
+    assumer: Arc<dyn Assumer>,
+    current: tokio::sync::Mutex<Credentials>,
+    refresh_before: Duration,
+    feed: SecretFeed,
+    on_refresh: OnAssume,
+}
+
+impl JobSession {
+    pub fn new(
+        params: SessionParams,
+        assumer: Arc<dyn Assumer>,
+        first: Credentials,
+        refresh_before: Duration,
+        feed: SecretFeed,
+        on_refresh: OnAssume,
+    ) -> Self {
+        feed_credentials(&feed, &first);
+        JobSession {
+            params,
+            assumer,
+            current: tokio::sync::Mutex::new(first),
+            refresh_before,
+            feed,
+            on_refresh,
+        }
+    }
+
+    /// Valid credentials: the current session, or a new one when it is about to expire.
+    async fn credentials(&self) -> Result<Credentials, String> {
+        let mut current = self.current.lock().await;
+        let now = crate::daemon::unix_now();
+        if current.expiration - now > self.refresh_before.as_secs() as i64 {
+            return Ok(current.clone());
+        }
+        match self.assumer.assume(&self.params).await {
+            Ok(fresh) => {
+                // Masked before the job can see them.
+                feed_credentials(&self.feed, &fresh);
+                (self.on_refresh)(&self.params, &fresh);
+                *current = fresh.clone();
+                Ok(fresh)
+            }
+            // Still valid for a while: hand out what we have and try again next time.
+            Err(e) if current.expiration > now => {
+                tracing::warn!(error = %e, "refreshing the job's role session failed; the current one is still valid");
+                Ok(current.clone())
+            }
+            Err(e) => Err(e.to_string()),
+        }
+    }
+}
+
+pub fn feed_credentials(feed: &SecretFeed, c: &Credentials) {
+    feed.add(c.access_key_id.as_bytes().to_vec());
+    feed.add(c.secret_access_key.as_bytes().to_vec());
+    feed.add(c.session_token.as_bytes().to_vec());
+}
+
+type Sessions = Arc<Mutex<HashMap<String, Arc<JobSession>>>>;
+
+pub struct CredentialServer {
+    addr: SocketAddr,
+    sessions: Sessions,
+}
+
+/// A job's access to the endpoint; dropping it revokes the token.
+pub struct Registration {
+    pub token: String,
+    pub url: String,
+    sessions: Sessions,
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        self.sessions.lock().unwrap_or_else(|e| e.into_inner()).remove(&self.token);
+    }
+}
+
+impl CredentialServer {
+    /// Listen on a free loopback port; serve until the runtime ends.
+    pub async fn start() -> std::io::Result<CredentialServer> {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        let sessions: Sessions = Arc::default();
+        let served = sessions.clone();
+        tokio::spawn(async move {
+            loop {
+                let Ok((stream, _)) = listener.accept().await else { continue };
+                let sessions = served.clone();
+                tokio::spawn(async move {
+                    let service = hyper::service::service_fn(move |req| {
+                        let sessions = sessions.clone();
+                        async move { Ok::<_, std::convert::Infallible>(handle(&sessions, req).await) }
+                    });
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
+                        .await;
+                });
+            }
+        });
+        Ok(CredentialServer { addr, sessions })
+    }
+
+    pub fn register(&self, session: JobSession) -> Registration {
+        let token = byoc_protocol::random_hex(32);
+        self.sessions.lock().unwrap_or_else(|e| e.into_inner()).insert(token.clone(), Arc::new(session));
+        Registration {
+            token,
+            url: format!("http://{}{CREDENTIALS_PATH}", self.addr),
+            sessions: self.sessions.clone(),
+        }
+    }
+
+    /// Jobs with a live token (for tests and status).
+    pub fn live_sessions(&self) -> usize {
+        self.sessions.lock().unwrap_or_else(|e| e.into_inner()).len()
+    }
+}
+
+fn reply(status: StatusCode, body: String) -> Response<Full<Bytes>> {
+    let mut r = Response::new(Full::new(Bytes::from(body)));
+    *r.status_mut() = status;
+    r.headers_mut()
+        .insert(hyper::header::CONTENT_TYPE, hyper::header::HeaderValue::from_static("application/json"));
+    r
+}
+
+fn error_body(code: &str, message: &str) -> String {
+    serde_json::json!({ "code": code, "message": message }).to_string()
+}
+
+async fn handle(sessions: &Sessions, req: Request<hyper::body::Incoming>) -> Response<Full<Bytes>> {
+    if req.method() != hyper::Method::GET || req.uri().path() != CREDENTIALS_PATH {
+        return reply(StatusCode::NOT_FOUND, error_body("not_found", "GET /v1/credentials only"));
+    }
+    let token = req.headers().get(hyper::header::AUTHORIZATION).and_then(|v| v.to_str().ok()).unwrap_or("");
+    let token = token.strip_prefix("Bearer ").unwrap_or(token);
+    let session = sessions.lock().unwrap_or_else(|e| e.into_inner()).get(token).cloned();
+    let Some(session) = session else {
+        return reply(
+            StatusCode::UNAUTHORIZED,
+            error_body("unauthorized", "unknown or revoked token (the job has ended)"),
+        );
+    };
+    match session.credentials().await {
+        Ok(c) => reply(
+            StatusCode::OK,
+            serde_json::json!({
+                "AccessKeyId": c.access_key_id,
+                "SecretAccessKey": c.secret_access_key,
+                "Token": c.session_token,
+                "Expiration": rfc3339(c.expiration),
+                "RoleArn": session.params.role_arn,
+            })
+            .to_string(),
+        ),
+        Err(e) => reply(StatusCode::SERVICE_UNAVAILABLE, error_body("assume_role_failed", &e)),
+    }
+}
+
+pub fn rfc3339(unix_secs: i64) -> String {
+    aws_sdk_sts::primitives::DateTime::from_secs(unix_secs)
+        .fmt(aws_sdk_sts::primitives::DateTimeFormat::DateTime)
+        .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    struct Counting {
+        calls: AtomicU32,
+        lifetime: i64,
+    }
+
+    impl Assumer for Counting {
+        fn assume<'a>(&'a self, _p: &'a SessionParams) -> super::super::sts::AssumeFuture<'a> {
+            let n = self.calls.fetch_add(1, Ordering::SeqCst) + 1;
+            let lifetime = self.lifetime;
+            Box::pin(async move {
+                Ok(Credentials {
+                    access_key_id: format!("ASIAKEY{n:013}"),
+                    secret_access_key: format!("secret-{n}-xxxxxxxx"),
+                    session_token: format!("token-{n}-yyyyyyyy"),
+                    expiration: crate::daemon::unix_now() + lifetime,
+                })
+            })
+        }
+    }
+
+    fn params() -> SessionParams {
+        SessionParams {
+            role_arn: "arn:aws:iam::123456789012:role/r".into(),
+            session_name: "byoc-job".into(),
+            external_id: None,
+            source_identity: "job".into(),
+            tags: vec![],
+            duration_secs: 900,
+        }
+    }
+
+    async fn get(url: &str, token: &str) -> (u16, serde_json::Value) {
+        let r = reqwest::Client::new().get(url).header("Authorization", token).send().await.unwrap();
+        (r.status().as_u16(), r.json().await.unwrap())
+    }
+
+    #[tokio::test]
+    async fn serves_refreshes_and_revokes() {
+        let server = CredentialServer::start().await.unwrap();
+        let assumer = Arc::new(Counting { calls: AtomicU32::new(0), lifetime: 30 });
+        let first = assumer.assume(&params()).await.unwrap();
+        let feed = SecretFeed::default();
+        let refreshed = Arc::new(AtomicU32::new(0));
+        let r2 = refreshed.clone();
+        let session = JobSession::new(
+            params(),
+            assumer.clone(),
+            first,
+            Duration::from_secs(10),
+            feed.clone(),
+            Arc::new(move |_, _| {
+                r2.fetch_add(1, Ordering::SeqCst);
+            }),
+        );
+        let reg = server.register(session);
+        let (status, body) = get(&reg.url, &reg.token).await;
+        assert_eq!(status, 200);
+        assert_eq!(body["AccessKeyId"], "ASIAKEY0000000000001");
+        assert!(body["Expiration"].as_str().unwrap().ends_with('Z'));
+        // Wrong token.
+        assert_eq!(get(&reg.url, "nope").await.0, 401);
+        // Less than refresh_before left: a new session, fed to the masker first.
+        {
+            let s = server.sessions.lock().unwrap().get(&reg.token).cloned().unwrap();
+            s.current.lock().await.expiration = crate::daemon::unix_now() + 5;
+        }
+        let (_, body) = get(&reg.url, &format!("Bearer {}", reg.token)).await;
+        assert_eq!(body["AccessKeyId"], "ASIAKEY0000000000002");
+        assert_eq!(refreshed.load(Ordering::SeqCst), 1);
+        assert!(feed.secrets().iter().any(|s| s == b"secret-2-xxxxxxxx"));
+        let url = reg.url.clone();
+        let token = reg.token.clone();
+        drop(reg);
+        assert_eq!(get(&url, &token).await.0, 401);
+        assert_eq!(server.live_sessions(), 0);
+    }
+}

@@ -1,0 +1,137 @@
+//! The customer's local pause: `byoc-runner pause` writes a small file in the state
+//! dir's `control/` directory (durably: temp file, fsync, rename, fsync of the
+//! directory); the daemon reads it before every job and refuses new jobs with reason
+//! `paused` while it exists. It survives restarts because it is just a file.
+
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+pub const CONTROL_DIR: &str = "control";
+pub const PAUSE_FILE: &str = "paused.json";
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Pause {
+    pub paused_at_ms: u64,
+    #[serde(default)]
+    pub reason: Option<String>,
+    /// Who paused (user name or uid).
+    pub by: String,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum PauseError {
+    #[error("{op} {path}: {source}")]
+    Io { op: &'static str, path: PathBuf, source: std::io::Error },
+    #[error("pausing and resuming need root{}", group.as_ref().map(|g| format!(" or membership of group {g:?} (roles.admin_group)")).unwrap_or_else(|| " (or set roles.admin_group to allow a group)".into()))]
+    NotAllowed { group: Option<String> },
+    #[error("reason is longer than 500 characters")]
+    ReasonTooLong,
+}
+
+pub fn pause_path(state_dir: &Path) -> PathBuf {
+    state_dir.join(CONTROL_DIR).join(PAUSE_FILE)
+}
+
+/// The pause in force, if any. An unreadable or damaged file counts as paused: the
+/// customer meant to stop the runner, and guessing otherwise would run jobs.
+pub fn read(state_dir: &Path) -> Option<Pause> {
+    let path = pause_path(state_dir);
+    match std::fs::read(&path) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+        Err(e) => Some(Pause {
+            paused_at_ms: 0,
+            reason: Some(format!("pause file unreadable: {e}")),
+            by: "unknown".into(),
+        }),
+        Ok(bytes) => Some(serde_json::from_slice(&bytes).unwrap_or(Pause {
+            paused_at_ms: 0,
+            reason: Some("pause file damaged; treated as paused".into()),
+            by: "unknown".into(),
+        })),
+    }
+}
+
+fn sync_dir(dir: &Path) -> Result<(), PauseError> {
+    std::fs::File::open(dir).and_then(|d| d.sync_all()).map_err(|e| PauseError::Io {
+        op: "syncing",
+        path: dir.into(),
+        source: e,
+    })
+}
+
+pub fn pause(state_dir: &Path, reason: Option<String>, by: String) -> Result<Pause, PauseError> {
+    if reason.as_ref().is_some_and(|r| r.chars().count() > 500) {
+        return Err(PauseError::ReasonTooLong);
+    }
+    let dir = state_dir.join(CONTROL_DIR);
+    std::fs::create_dir_all(&dir).map_err(|e| PauseError::Io {
+        op: "creating",
+        path: dir.clone(),
+        source: e,
+    })?;
+    let p = Pause { paused_at_ms: crate::journal::now_ms(), reason, by };
+    let path = pause_path(state_dir);
+    let tmp = dir.join(format!(".{PAUSE_FILE}.tmp"));
+    let io = |op, e| PauseError::Io { op, path: tmp.clone(), source: e };
+    let mut f = std::fs::File::create(&tmp).map_err(|e| io("creating", e))?;
+    f.write_all(&serde_json::to_vec_pretty(&p).unwrap_or_default()).map_err(|e| io("writing", e))?;
+    f.sync_all().map_err(|e| io("syncing", e))?;
+    std::fs::rename(&tmp, &path).map_err(|e| PauseError::Io {
+        op: "renaming to",
+        path: path.clone(),
+        source: e,
+    })?;
+    sync_dir(&dir)?;
+    Ok(p)
+}
+
+/// Returns whether the runner was paused.
+pub fn resume(state_dir: &Path) -> Result<bool, PauseError> {
+    let path = pause_path(state_dir);
+    match std::fs::remove_file(&path) {
+        Ok(()) => {
+            sync_dir(&state_dir.join(CONTROL_DIR))?;
+            Ok(true)
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
+        Err(e) => Err(PauseError::Io { op: "removing", path, source: e }),
+    }
+}
+
+/// Root, or a member of the configured admin group. Returns who is asking.
+pub fn authorize(admin_group: Option<&str>) -> Result<String, PauseError> {
+    use nix::unistd::{Group, User, getegid, geteuid, getgroups};
+    let uid = geteuid();
+    let who = User::from_uid(uid).ok().flatten().map(|u| u.name).unwrap_or_else(|| format!("uid {uid}"));
+    if uid.is_root() {
+        return Ok(who);
+    }
+    let allowed = admin_group
+        .and_then(|g| Group::from_name(g).ok().flatten())
+        .is_some_and(|g| getegid() == g.gid || getgroups().map(|gs| gs.contains(&g.gid)).unwrap_or(false));
+    if allowed { Ok(who) } else { Err(PauseError::NotAllowed { group: admin_group.map(str::to_string) }) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pause_persists_until_resumed_and_damage_counts_as_paused() {
+        let dir = tempfile::tempdir().unwrap();
+        assert_eq!(read(dir.path()), None);
+        let p = pause(dir.path(), Some("change freeze".into()), "alice".into()).unwrap();
+        assert_eq!(read(dir.path()), Some(p));
+        assert!(resume(dir.path()).unwrap());
+        assert!(!resume(dir.path()).unwrap());
+        assert_eq!(read(dir.path()), None);
+        std::fs::write(pause_path(dir.path()), b"{not json").unwrap();
+        assert!(read(dir.path()).unwrap().reason.unwrap().contains("damaged"));
+        assert!(matches!(
+            pause(dir.path(), Some("x".repeat(501)), "a".into()),
+            Err(PauseError::ReasonTooLong)
+        ));
+    }
+}

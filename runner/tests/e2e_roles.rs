@@ -1,0 +1,388 @@
+//! Lifecycle roles end to end: the real runner binary, the reference control plane and
+//! a moto server standing in for STS and CloudFormation. moto assumes any role and
+//! checks no trust policy, so every refusal here is proven by the AWS calls that never
+//! arrived (moto's request recorder), not by moto saying no.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use byoc_control_plane::EnqueueRequest;
+use byoc_control_plane::moto::{AwsCall, MotoServer};
+use byoc_control_plane::state::JobState;
+use byoc_protocol::{JobStatus, RejectReason, RoleRequest};
+use common::roles::*;
+use common::*;
+
+/// Prints which role the job got and whether the credential endpoint is there.
+const SHOW_ROLE: &str = "echo \"role=$BYOC_ROLE endpoint=${AWS_CONTAINER_CREDENTIALS_FULL_URI:+yes}\"";
+
+struct RolesEnv {
+    env: Env,
+    moto: MotoServer,
+    params: BTreeMap<&'static str, &'static str>,
+}
+
+async fn roles_env(roles_extra: &str) -> RolesEnv {
+    let moto = MotoServer::start().await;
+    let params = base_params();
+    moto.put_stack("CreateStack", STACK, &template(), &stack_params(&params)).await;
+    let env = env_with(role_options(&moto, roles_extra)).await;
+    RolesEnv { env, moto, params }
+}
+
+impl RolesEnv {
+    async fn set(&mut self, param: &'static str, value: &'static str) {
+        self.params.insert(param, value);
+        self.moto.put_stack("UpdateStack", STACK, &template(), &stack_params(&self.params)).await;
+    }
+
+    async fn assumed(&self) -> Vec<AwsCall> {
+        self.moto.calls_of("AssumeRole").await
+    }
+
+    async fn assumed_for(&self, job_id: &str) -> Vec<AwsCall> {
+        self.assumed()
+            .await
+            .into_iter()
+            .filter(|c| c.params.get("SourceIdentity").map(String::as_str) == Some(job_id))
+            .collect()
+    }
+
+    async fn succeeds(&self, req: EnqueueRequest) -> (String, String) {
+        let id = self.env.cp.enqueue(req).unwrap();
+        let v = self.env.finished(&id).await;
+        let r = v.result.unwrap();
+        assert_eq!(r.status, JobStatus::Succeeded, "{id}: {:?}\n{}", r.error, self.env.output(&id));
+        let out = self.env.output(&id);
+        (id, out)
+    }
+
+    async fn refused(&self, req: EnqueueRequest, reason: RejectReason) -> (String, String) {
+        let id = self.env.cp.enqueue(req).unwrap();
+        let v = self.env.rejected(&id).await;
+        let (got, detail) = v.rejections[0].clone();
+        assert_eq!(got, reason, "{id}: {detail}");
+        assert_eq!(v.state, JobState::Rejected);
+        assert!(v.result.is_none());
+        (id, detail)
+    }
+}
+
+fn audit_records(state_dir: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(state_dir.join("audit/log.jsonl"))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect()
+}
+
+#[tokio::test]
+async fn every_step_of_the_precedence_chain_decides_the_role() {
+    let e = roles_env("").await;
+    // Default role for the operation.
+    let (default_job, out) =
+        e.succeeds(role_job("component", "deploy", "inst-demo-maintenance", named("api"), SHOW_ROLE)).await;
+    assert!(out.contains("role=inst-demo-maintenance endpoint=yes"), "{out}");
+    // Matrix rule (operation_roles.toml).
+    let (matrix_job, out) = e
+        .succeeds(role_job("component", "deploy", "inst-demo-eks-upgrade-role", named("cluster"), SHOW_ROLE))
+        .await;
+    assert!(out.contains("role=inst-demo-eks-upgrade-role"), "{out}");
+    // The entity's own role beats the matrix.
+    let entity = RoleRequest { entity_role: Some("provision".into()), ..named("cluster") };
+    let (entity_job, out) =
+        e.succeeds(role_job("component", "deploy", "inst-demo-provision", entity, SHOW_ROLE)).await;
+    assert!(out.contains("role=inst-demo-provision"), "{out}");
+    // A runtime override (templated) beats everything, for a role the customer enabled.
+    let over = RoleRequest {
+        runtime_override: Some("{{.install.id}}-eks-upgrade-role".into()),
+        ..named("healthcheck")
+    };
+    let (override_job, out) =
+        e.succeeds(role_job("action", "trigger", "inst-demo-eks-upgrade-role", over, SHOW_ROLE)).await;
+    assert!(out.contains("role=inst-demo-eks-upgrade-role"), "{out}");
+    // ... and is refused for one the customer did not.
+    let off = RoleRequest { runtime_override: Some("deprovision".into()), ..named("healthcheck") };
+    let (off_job, detail) = e
+        .refused(
+            role_job("action", "trigger", "inst-demo-deprovision", off, SHOW_ROLE),
+            RejectReason::RoleDisabled,
+        )
+        .await;
+    assert!(detail.contains("EnableDeprovisionRole"), "{detail}");
+    // The control plane's proposal must be what the chain yields.
+    let (mismatch_job, detail) = e
+        .refused(
+            role_job("component", "deploy", "inst-demo-provision", named("api"), SHOW_ROLE),
+            RejectReason::RoleMismatch,
+        )
+        .await;
+    assert!(detail.contains("inst-demo-maintenance"), "{detail}");
+    // A role the app does not define.
+    let ghost = RoleRequest { entity_role: Some("ghost-role".into()), ..named("api") };
+    e.refused(role_job("component", "deploy", "ghost-role", ghost, SHOW_ROLE), RejectReason::RoleUnknown)
+        .await;
+    // No role asked for: no AWS credentials at all.
+    let id = e.env.cp.enqueue(script("env | grep -c '^AWS_' || true")).unwrap();
+    e.env.finished(&id).await;
+    assert_eq!(e.env.output(&id).trim(), "0");
+
+    for (job, role) in [
+        (&default_job, "maintenance"),
+        (&matrix_job, "eks-upgrade-role"),
+        (&entity_job, "provision"),
+        (&override_job, "eks-upgrade-role"),
+    ] {
+        let calls = e.assumed_for(job).await;
+        assert_eq!(calls.len(), 1, "{job}");
+        assert_eq!(calls[0].params["RoleArn"], arn(role), "{job}");
+    }
+    for job in [&off_job, &mismatch_job] {
+        assert!(e.assumed_for(job).await.is_empty(), "{job} must not reach STS");
+    }
+    let all = e.assumed().await;
+    assert_eq!(all.len(), 4, "{all:#?}");
+    // The audit log says which step chose each role.
+    let records = audit_records(&e.env.runner.state_dir);
+    let resolved = |job: &str| {
+        records.iter().find(|r| r["event"] == "role_resolved" && r["job"] == job).cloned().unwrap_or_default()
+    };
+    assert!(resolved(&default_job)["detail"].as_str().unwrap().contains("by default"));
+    assert!(resolved(&matrix_job)["detail"].as_str().unwrap().contains("by matrix_rule"));
+    assert!(resolved(&entity_job)["detail"].as_str().unwrap().contains("by entity_role"));
+    assert!(resolved(&override_job)["detail"].as_str().unwrap().contains("by runtime_override"));
+    assert!(records.iter().any(|r| r["event"] == "role_assumed" && r["job"] == default_job.as_str()));
+}
+
+#[tokio::test]
+async fn a_stack_update_that_disables_maintenance_refuses_the_next_deploy_before_any_assume_role() {
+    let mut e = roles_env("").await;
+    let deploy = || EnqueueRequest {
+        timeout_secs: 1200,
+        ..role_job("component", "deploy", "inst-demo-maintenance", named("api"), SHOW_ROLE)
+    };
+    let (first, _) = e.succeeds(deploy()).await;
+    // The session as AWS received it.
+    let calls = e.assumed_for(&first).await;
+    assert_eq!(calls.len(), 1);
+    let p = &calls[0].params;
+    assert_eq!(p["RoleArn"], arn("maintenance"));
+    assert_eq!(p["ExternalId"], EXTERNAL_ID);
+    assert_eq!(p["SourceIdentity"], first);
+    assert_eq!(p["RoleSessionName"], format!("byoc-{first}"));
+    assert_eq!(p["DurationSeconds"], "1200", "bounded by the job's timeout");
+    let tags: BTreeMap<&str, &str> = (1..=3)
+        .map(|i| (p[&format!("Tags.member.{i}.Key")].as_str(), p[&format!("Tags.member.{i}.Value")].as_str()))
+        .collect();
+    assert_eq!(tags["install"], "inst-demo");
+    assert_eq!(tags["operation"], "component.deploy");
+    assert_eq!(tags["job"], first);
+
+    let reads_before = e.moto.calls_of("DescribeStacks").await.len();
+    e.set("EnableMaintenanceRole", "false").await;
+    let (second, detail) = e.refused(deploy(), RejectReason::RoleDisabled).await;
+    assert!(
+        detail.contains("inst-demo-maintenance") && detail.contains("EnableMaintenanceRole=true"),
+        "{detail}"
+    );
+    // The switch was read afresh, and STS never heard of the second job.
+    assert!(e.moto.calls_of("DescribeStacks").await.len() > reads_before);
+    assert!(e.assumed_for(&second).await.is_empty());
+    assert_eq!(e.assumed().await.len(), 1);
+
+    let records = audit_records(&e.env.runner.state_dir);
+    let refusal =
+        records.iter().find(|r| r["event"] == "job_rejected" && r["job"] == second.as_str()).unwrap();
+    assert_eq!(refusal["reason"], "role_disabled");
+    assert_eq!(refusal["role"], "inst-demo-maintenance");
+    let jobs = e.env.cli_json(&["jobs", "show", &second]);
+    assert_eq!(jobs["phase"], "refused");
+
+    // The customer's view: the switch, where it came from, and the last use.
+    let roles = e.env.cli_json(&["roles"]);
+    let m = roles["roles"].as_array().unwrap().iter().find(|r| r["name"] == "inst-demo-maintenance").unwrap();
+    assert_eq!(m["enabled"], false);
+    assert!(m["source"].as_str().unwrap().contains("EnableMaintenanceRole=false"), "{m}");
+    assert_eq!(m["last_job"], first.as_str());
+    let bg = roles["roles"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["name"] == "inst-demo-s3-object-break-glass")
+        .unwrap();
+    assert_eq!(bg["enabled"], false);
+    // Switched back on: `roles --refresh` reads the stack now.
+    e.set("EnableMaintenanceRole", "true").await;
+    let refreshed = e.env.cli_json(&["roles", "--refresh"]);
+    let m =
+        refreshed["roles"].as_array().unwrap().iter().find(|r| r["name"] == "inst-demo-maintenance").unwrap();
+    assert_eq!(m["enabled"], true, "{m}");
+    assert_eq!(m["arn"], arn("maintenance"));
+}
+
+#[tokio::test]
+async fn break_glass_is_refused_until_enabled_then_allowed_then_refused_again() {
+    let mut e = roles_env("").await;
+    let bg = || {
+        let req = RoleRequest {
+            break_glass_role: Some("{{.nuon.install.id}}-s3-object-break-glass".into()),
+            ..named("empty_bucket")
+        };
+        role_job("action", "trigger", "inst-demo-s3-object-break-glass", req, SHOW_ROLE)
+    };
+    let (first, detail) = e.refused(bg(), RejectReason::RoleDisabled).await;
+    assert!(
+        detail.contains("break-glass") && detail.contains("EnableS3ObjectBreakGlassRole=true"),
+        "{detail}"
+    );
+    e.set("EnableS3ObjectBreakGlassRole", "true").await;
+    let (allowed, out) = e.succeeds(bg()).await;
+    assert!(out.contains("role=inst-demo-s3-object-break-glass"), "{out}");
+    e.set("EnableS3ObjectBreakGlassRole", "false").await;
+    let (third, _) = e.refused(bg(), RejectReason::RoleDisabled).await;
+    assert!(e.assumed_for(&first).await.is_empty());
+    assert!(e.assumed_for(&third).await.is_empty());
+    let calls = e.assumed_for(&allowed).await;
+    assert_eq!(calls.len(), 1);
+    assert_eq!(calls[0].params["RoleArn"], arn("s3-object-break-glass"));
+}
+
+#[tokio::test]
+async fn role_credentials_reach_only_the_job() {
+    use base64::Engine as _;
+    let e = roles_env("").await;
+    let go = e.env.dir.path().join("go");
+    let id = e.env.cp.enqueue(leaky_role_job(&go)).unwrap();
+    e.env.log_contains(&id, "waiting").await;
+    // Learn the job's credentials the way the job does: its token, from its environment.
+    let (vars, secrets) = job_credentials(&id).await;
+    assert!(!vars.contains_key("AWS_SECRET_ACCESS_KEY"), "process jobs get the endpoint, not static keys");
+    let token = secrets[3].clone();
+    std::fs::write(&go, b"").unwrap();
+    let view = e.env.finished(&id).await;
+    let result = view.result.clone().unwrap();
+    assert_eq!(result.status, JobStatus::Failed);
+    let log = String::from_utf8_lossy(&e.env.cp.log(&id).unwrap()).into_owned();
+    assert!(log.contains("creds: {") && log.contains("***"), "{log}");
+
+    let mut places: Vec<(String, Vec<u8>)> = vec![
+        ("uploaded log".into(), log.into_bytes()),
+        ("result".into(), serde_json::to_vec(&result).unwrap()),
+        ("runner log (what journald gets)".into(), e.env.runner.log().into_bytes()),
+    ];
+    places.extend(every_file_under(&e.env.runner.state_dir));
+    for secret in &secrets {
+        let encoded = base64::engine::general_purpose::STANDARD.encode(secret);
+        for (place, bytes) in &places {
+            let text = String::from_utf8_lossy(bytes);
+            assert!(!text.contains(secret.as_str()), "a credential leaked into {place}");
+            assert!(!text.contains(&encoded[..encoded.len() - 4]), "a base64 credential leaked into {place}");
+        }
+    }
+    // After the job, its token is revoked.
+    let after = reqwest::Client::new()
+        .get(&vars["AWS_CONTAINER_CREDENTIALS_FULL_URI"])
+        .header("Authorization", &token)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(after.status(), 401);
+}
+
+#[tokio::test]
+async fn a_job_outliving_its_session_still_has_valid_credentials_at_its_end() {
+    // Sessions of 3 s, renewed when less than 1 s is left; the job runs 4 s.
+    let e = roles_env("session_min_secs = 1\nsession_max_secs = 3\nrefresh_before_secs = 1").await;
+    let script = r#"get() { curl -s -H "Authorization: $AWS_CONTAINER_AUTHORIZATION_TOKEN" "$AWS_CONTAINER_CREDENTIALS_FULL_URI"; }
+exp() { printf '%s' "$1" | sed 's/.*"Expiration":"\([^"]*\)".*/\1/'; }
+kid() { printf '%s' "$1" | sed 's/.*"AccessKeyId":"\([^"]*\)".*/\1/' | sha256sum | cut -c1-16; }
+a=$(get)
+sleep 4
+b=$(get)
+{ echo "START_EXP=$(exp "$a")"; echo "END_EXP=$(exp "$b")"; echo "START_KEY=$(kid "$a")"; echo "END_KEY=$(kid "$b")"; echo "END_NOW=$(date -u +%Y-%m-%dT%H:%M:%SZ)"; } >> "$BYOC_OUTPUT""#;
+    let (id, _) =
+        e.succeeds(role_job("component", "deploy", "inst-demo-maintenance", named("api"), script)).await;
+    let out = e.env.cp.job(&id).unwrap().result.unwrap().outputs;
+    let get = |k: &str| out[k].as_str().unwrap_or_default().to_string();
+    assert!(get("END_EXP") > get("END_NOW"), "credentials at the end are still valid: {out}");
+    assert!(get("START_EXP") < get("END_NOW"), "the first session expired during the job: {out}");
+    assert_ne!(get("START_KEY"), get("END_KEY"), "a new session was issued: {out}");
+    let calls = e.assumed_for(&id).await;
+    assert!(calls.len() >= 2, "{calls:#?}");
+    assert!(calls.iter().all(|c| c.params["DurationSeconds"] == "3"));
+    let records = audit_records(&e.env.runner.state_dir);
+    assert!(records.iter().any(|r| r["event"] == "role_session_refreshed" && r["job"] == id.as_str()));
+}
+
+#[tokio::test]
+async fn a_pause_refuses_jobs_survives_a_restart_and_is_audited() {
+    let mut e = env().await;
+    // Not root and not in roles.admin_group: refused.
+    let denied = std::process::Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups", BIN, "pause", "--state-dir"])
+        .arg(&e.runner.state_dir)
+        .output()
+        .expect("setpriv (util-linux)");
+    assert_eq!(denied.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&denied.stderr).contains("need root"), "{denied:?}");
+
+    let out = e.runner.cli(&["pause", "--reason", "change freeze"]);
+    assert!(out.status.success(), "{out:?}");
+    let (id, detail) = {
+        let id = e.cp.enqueue(script("echo should not run")).unwrap();
+        let v = e.rejected(&id).await;
+        (id, v.rejections[0].clone())
+    };
+    assert_eq!(detail.0, RejectReason::Paused);
+    assert!(detail.1.contains("change freeze"), "{}", detail.1);
+    assert_eq!(started_count(&e.runner.state_dir, &id), 0);
+    // Heartbeats say so.
+    assert!(
+        e.cp.wait_until(WAIT, |cp| cp.runners().iter().any(|r| r
+            .last_poll
+            .as_ref()
+            .is_some_and(|p| p.paused && p.pause_reason.as_deref() == Some("change freeze"))))
+            .await
+    );
+
+    // A restart keeps the pause.
+    e.runner.signal(nix::sys::signal::Signal::SIGTERM);
+    assert!(e.runner.wait_exit(WAIT).await.is_some());
+    e.runner.spawn(None).unwrap();
+    let id = e.cp.enqueue(script("echo should not run either")).unwrap();
+    assert_eq!(e.rejected(&id).await.rejections[0].0, RejectReason::Paused);
+    let status = e.cli_json(&["status"]);
+    assert_eq!(status["paused"]["reason"], "change freeze");
+
+    let out = e.runner.cli(&["resume"]);
+    assert!(out.status.success(), "{out:?}");
+    let id = e.cp.enqueue(script("echo running again")).unwrap();
+    e.finished(&id).await;
+    assert_eq!(e.output(&id), "running again\n");
+    let records = audit_records(&e.runner.state_dir);
+    let events: Vec<&str> = records.iter().filter_map(|r| r["event"].as_str()).collect();
+    let paused = events.iter().position(|e| *e == "runner_paused").expect("pause audited");
+    let resumed = events.iter().rposition(|e| *e == "runner_resumed").expect("resume audited");
+    assert!(paused < resumed);
+}
+
+#[tokio::test]
+async fn a_container_job_gets_the_sessions_keys_masked() {
+    let image = import_image("byoc-test/busybox:basic", &[]);
+    let e = roles_env("").await;
+    let script = r#"echo "key=$AWS_ACCESS_KEY_ID secret=$AWS_SECRET_ACCESS_KEY role=$BYOC_ROLE"; echo "endpoint=${AWS_CONTAINER_CREDENTIALS_FULL_URI:-none}""#;
+    let req = EnqueueRequest {
+        kind: "action.container".into(),
+        spec: serde_json::json!({"image": image, "command": ["/bin/sh", "-c", script]}),
+        ..role_job("action", "trigger", "inst-demo-maintenance", named("report"), "")
+    };
+    let (id, out) = e.succeeds(req).await;
+    // The container cannot reach the host's loopback endpoint: it gets the session's
+    // keys, masked in its output like every other secret.
+    assert!(out.contains("key=*** secret=*** role=inst-demo-maintenance"), "{out}");
+    assert!(out.contains("endpoint=none"), "{out}");
+    assert_eq!(e.assumed_for(&id).await.len(), 1);
+}

@@ -1,0 +1,340 @@
+//! Installed as customers install it: the .deb built by `packaging/build-deb`, installed
+//! into a throwaway root with dpkg (maintainer scripts run against that root through
+//! DPKG_ROOT), and the user-data script run against such a root with a local, signed
+//! release (and with tampered ones). systemctl, aws and cfn-signal are stand-ins that
+//! record their arguments: nothing leaves the machine.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::os::unix::fs::{MetadataExt as _, PermissionsExt as _};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use common::BIN;
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+fn run(cmd: &mut Command) -> std::process::Output {
+    let out = cmd.output().unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
+    assert!(
+        out.status.success(),
+        "{cmd:?} failed: {}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+/// Build the package from the binary under test (uncompressed: the debug binary is big).
+fn build_deb(out: &Path) -> PathBuf {
+    let o = run(Command::new(repo().join("packaging/build-deb"))
+        .arg(BIN)
+        .arg(out)
+        .arg("0.1.0-test1")
+        .env("BYOC_DEB_COMPRESSION", "none"));
+    PathBuf::from(String::from_utf8_lossy(&o.stdout).trim())
+}
+
+/// An empty root dpkg can install into: its database, and passwd/group files with root.
+fn throwaway_root() -> tempfile::TempDir {
+    let root = tempfile::tempdir().unwrap();
+    let r = root.path();
+    for d in ["var/lib/dpkg/info", "var/lib/dpkg/updates", "etc"] {
+        std::fs::create_dir_all(r.join(d)).unwrap();
+    }
+    std::fs::write(r.join("var/lib/dpkg/status"), "").unwrap();
+    std::fs::write(r.join("etc/passwd"), "root:x:0:0:root:/root:/bin/sh\n").unwrap();
+    std::fs::write(r.join("etc/group"), "root:x:0:\n").unwrap();
+    std::fs::write(r.join("etc/shadow"), "root:*::0:99999:7:::\n").unwrap();
+    std::fs::write(r.join("etc/gshadow"), "root:*::\n").unwrap();
+    std::fs::set_permissions(r, std::fs::Permissions::from_mode(0o755)).unwrap();
+    root
+}
+
+/// dpkg into the throwaway root (its database has no libc6: dependencies are not ours
+/// to check there).
+fn dpkg_install(root: &Path, deb: &Path) -> std::process::Output {
+    Command::new("dpkg")
+        .arg(format!("--root={}", root.display()))
+        .args(["--force-script-chrootless", "--force-not-root", "--force-depends", "-i"])
+        .arg(deb)
+        .output()
+        .expect("dpkg is required")
+}
+
+fn id_of(root: &Path, file: &str, name: &str) -> u32 {
+    std::fs::read_to_string(root.join(file))
+        .unwrap()
+        .lines()
+        .find_map(|l| {
+            let f: Vec<&str> = l.split(':').collect();
+            (f[0] == name).then(|| f[2].parse().unwrap())
+        })
+        .unwrap_or_else(|| panic!("{name} not in {file}"))
+}
+
+fn mode(p: &Path) -> u32 {
+    std::fs::metadata(p).unwrap().permissions().mode() & 0o7777
+}
+
+#[test]
+fn the_package_installs_its_files_user_and_modes_and_reinstalls_keeping_config() {
+    let out = tempfile::tempdir().unwrap();
+    let deb = build_deb(out.path());
+    // The checksum file names the package.
+    let sums = std::fs::read_to_string(out.path().join("SHA256SUMS")).unwrap();
+    assert!(sums.contains(deb.file_name().unwrap().to_str().unwrap()), "{sums}");
+    // Exactly these paths, nothing else.
+    let listing = run(Command::new("dpkg-deb").arg("-c").arg(&deb));
+    let mut files: Vec<String> = String::from_utf8_lossy(&listing.stdout)
+        .lines()
+        .filter(|l| !l.starts_with('d'))
+        .map(|l| l.split_whitespace().last().unwrap().to_string())
+        .collect();
+    files.sort();
+    assert_eq!(
+        files,
+        [
+            "./etc/byoc-runner/runner.toml.example",
+            "./lib/systemd/system/byoc-runner.service",
+            "./usr/bin/byoc-runner",
+            "./usr/share/doc/byoc-runner/README.md"
+        ]
+    );
+
+    let root = throwaway_root();
+    let r = root.path();
+    let o = dpkg_install(r, &deb);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let gid = id_of(r, "etc/group", "byoc-runner");
+    let uid = id_of(r, "etc/passwd", "byoc-runner");
+    assert!(uid < 1000 && gid < 1000, "a system user and group");
+    let passwd = std::fs::read_to_string(r.join("etc/passwd")).unwrap();
+    assert!(passwd.contains("byoc-runner:x:") && passwd.contains(":/var/lib/byoc-runner:/usr/sbin/nologin"));
+    let etc = r.join("etc/byoc-runner");
+    assert_eq!(mode(&etc), 0o750);
+    assert_eq!((std::fs::metadata(&etc).unwrap().uid(), std::fs::metadata(&etc).unwrap().gid()), (0, gid));
+    assert_eq!(mode(&etc.join("runner.toml.example")), 0o640);
+    assert_eq!(std::fs::metadata(etc.join("runner.toml.example")).unwrap().gid(), gid);
+    assert_eq!(mode(&r.join("usr/bin/byoc-runner")), 0o755);
+    assert_eq!(mode(&r.join("lib/systemd/system/byoc-runner.service")), 0o644);
+    let status = run(Command::new("dpkg").arg(format!("--root={}", r.display())).args(["-s", "byoc-runner"]));
+    assert!(String::from_utf8_lossy(&status.stdout).contains("Status: install ok installed"));
+
+    // The installed unit verifies (with ExecStart pointing into the throwaway root).
+    let unit = std::fs::read_to_string(r.join("lib/systemd/system/byoc-runner.service"))
+        .unwrap()
+        .replace("/usr/bin/byoc-runner", r.join("usr/bin/byoc-runner").to_str().unwrap());
+    let unit_dir = tempfile::tempdir().unwrap();
+    std::fs::write(unit_dir.path().join("byoc-runner.service"), unit).unwrap();
+    let v = Command::new("systemd-analyze")
+        .arg("verify")
+        .arg(unit_dir.path().join("byoc-runner.service"))
+        .output()
+        .expect("systemd-analyze is required");
+    assert!(v.status.success() && v.stderr.is_empty(), "{}", String::from_utf8_lossy(&v.stderr));
+
+    // A customer's config and the runner's state survive a reinstall (an upgrade path).
+    std::fs::write(etc.join("runner.toml"), "# the customer's\n").unwrap();
+    std::fs::write(etc.join("runner.toml.example"), "# edited example\n").unwrap();
+    std::fs::create_dir_all(r.join("var/lib/byoc-runner/audit")).unwrap();
+    std::fs::write(r.join("var/lib/byoc-runner/audit/log.jsonl"), "{}\n").unwrap();
+    let o = dpkg_install(r, &deb);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(std::fs::read_to_string(etc.join("runner.toml")).unwrap(), "# the customer's\n");
+    assert_eq!(mode(&etc.join("runner.toml")), 0o640, "postinst tightens the config's mode");
+    assert_eq!(std::fs::read_to_string(etc.join("runner.toml.example")).unwrap(), "# edited example\n");
+    assert!(r.join("var/lib/byoc-runner/audit/log.jsonl").exists());
+    assert_eq!(id_of(r, "etc/passwd", "byoc-runner"), uid, "the user is not created twice");
+    let passwd = std::fs::read_to_string(r.join("etc/passwd")).unwrap();
+    assert_eq!(passwd.lines().filter(|l| l.starts_with("byoc-runner:")).count(), 1);
+}
+
+struct Release {
+    dir: tempfile::TempDir,
+    pubkey: String,
+    seckey: PathBuf,
+    _keys: tempfile::TempDir,
+}
+
+/// A release directory: the package, SHA256SUMS and its minisign signature.
+fn signed_release() -> Release {
+    let keys = tempfile::tempdir().unwrap();
+    let (pub_path, sec) = (keys.path().join("release.pub"), keys.path().join("release.key"));
+    run(Command::new("minisign").args(["-G", "-W", "-p"]).arg(&pub_path).arg("-s").arg(&sec));
+    let pubkey = std::fs::read_to_string(&pub_path).unwrap().lines().nth(1).unwrap().to_string();
+    let dir = tempfile::tempdir().unwrap();
+    build_deb(dir.path());
+    sign(dir.path(), &sec);
+    Release { dir, pubkey, seckey: sec, _keys: keys }
+}
+
+fn sign(dir: &Path, seckey: &Path) {
+    let _ = std::fs::remove_file(dir.join("SHA256SUMS.minisig"));
+    run(Command::new("minisign").arg("-S").arg("-s").arg(seckey).arg("-m").arg(dir.join("SHA256SUMS")));
+}
+
+/// Stand-ins for systemctl, aws and cfn-signal: each appends its arguments to
+/// `calls.log`; `aws secretsmanager` prints the bootstrap token.
+fn stubs(dir: &Path) -> PathBuf {
+    let bin = dir.join("stub-bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    let log = dir.join("calls.log");
+    for (name, extra) in [
+        ("systemctl", ""),
+        ("cfn-signal", ""),
+        (
+            "aws",
+            "case \"$1 $2\" in \"secretsmanager get-secret-value\") echo bootstrap-token-from-secrets-manager ;; esac\n",
+        ),
+    ] {
+        let script = format!("#!/bin/sh\necho \"{name} $*\" >> {}\n{extra}exit 0\n", log.display());
+        let p = bin.join(name);
+        std::fs::write(&p, script).unwrap();
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    bin
+}
+
+fn user_data(root: &Path, release: &Release, stub_bin: &Path) -> std::process::Output {
+    let path = format!("{}:{}", stub_bin.display(), std::env::var("PATH").unwrap_or_default());
+    Command::new("bash")
+        .arg(repo().join("packaging/user-data.sh"))
+        .env_clear()
+        .env("PATH", path)
+        .env("BYOC_ROOT", root)
+        .env("BYOC_DPKG_OPTS", "--force-depends")
+        .env("BYOC_RELEASE_DIR", release.dir.path())
+        .env("BYOC_RELEASE_PUBKEY", &release.pubkey)
+        .env("BYOC_INSTALL_ID", "inst-demo")
+        .env("BYOC_CONTROL_PLANE_URL", "https://cp.vendor.example")
+        .env("BYOC_CONTROL_PLANE_KEYS", "11qYAYKxCrfVS/7TyWQHOg7hcvPapiMlrwIaaPcHURo=")
+        .env("BYOC_REGION", "eu-west-1")
+        .env("BYOC_STACK_NAME", "byoc-install-demo")
+        .env("BYOC_SIGNAL_RESOURCE", "RunnerInstance")
+        .env("BYOC_EXTERNAL_ID", "ext-123")
+        .env("BYOC_BOOTSTRAP_SECRET", "arn:aws:secretsmanager:eu-west-1:123456789012:secret:bootstrap")
+        .output()
+        .unwrap()
+}
+
+fn calls(dir: &Path) -> String {
+    std::fs::read_to_string(dir.join("calls.log")).unwrap_or_default()
+}
+
+#[test]
+fn user_data_installs_configures_starts_and_then_signals_and_is_safe_to_rerun() {
+    let release = signed_release();
+    let work = tempfile::tempdir().unwrap();
+    let bin = stubs(work.path());
+    let root = throwaway_root();
+    let r = root.path();
+    let o = user_data(r, &release, &bin);
+    assert!(o.status.success(), "user-data failed: {}", String::from_utf8_lossy(&o.stderr));
+
+    let conf = r.join("etc/byoc-runner/runner.toml");
+    let text = std::fs::read_to_string(&conf).unwrap();
+    for needle in [
+        "url = \"https://cp.vendor.example\"",
+        "public_keys = [\"11qYAYKxCrfVS/7TyWQHOg7hcvPapiMlrwIaaPcHURo=\", ]",
+        "install_id = \"inst-demo\"",
+        "stack_name = \"byoc-install-demo\"",
+        "external_id = \"ext-123\"",
+        "region = \"eu-west-1\"",
+    ] {
+        assert!(text.contains(needle), "{needle} not in:\n{text}");
+    }
+    assert_eq!(mode(&conf), 0o640);
+    run(Command::new(BIN).args(["config", "validate", "--config"]).arg(&conf));
+    let token = r.join("etc/byoc-runner/bootstrap-token");
+    assert_eq!(std::fs::read_to_string(&token).unwrap().trim(), "bootstrap-token-from-secrets-manager");
+    assert_eq!(mode(&token), 0o600);
+    assert_eq!(std::fs::metadata(&token).unwrap().uid(), id_of(r, "etc/passwd", "byoc-runner"));
+
+    // The stack hears of success only after the unit was started (and so was READY).
+    let log = calls(work.path());
+    let start = log.find("systemctl restart byoc-runner").expect("the unit was started");
+    let signal = log.find("cfn-signal -e 0").expect("the stack was signalled");
+    assert!(start < signal, "{log}");
+    assert!(log.contains("--stack byoc-install-demo --resource RunnerInstance --region eu-west-1"), "{log}");
+    assert!(log.contains(
+        "aws secretsmanager get-secret-value --region eu-west-1 --secret-id arn:aws:secretsmanager"
+    ));
+
+    // Re-run once enrolled: same config, no second token fetch, signalled again.
+    std::fs::create_dir_all(r.join("var/lib/byoc-runner")).unwrap();
+    std::fs::write(r.join("var/lib/byoc-runner/enrollment.json"), "{}").unwrap();
+    std::fs::remove_file(&token).unwrap();
+    let o = user_data(r, &release, &bin);
+    assert!(o.status.success(), "re-run failed: {}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(std::fs::read_to_string(&conf).unwrap(), text);
+    assert!(!token.exists(), "no token is fetched once enrolled");
+    let log = calls(work.path());
+    assert_eq!(log.matches("aws secretsmanager").count(), 1, "{log}");
+    assert_eq!(log.matches("cfn-signal -e 0").count(), 2, "{log}");
+}
+
+#[test]
+fn user_data_refuses_a_tampered_package_a_tampered_checksum_file_and_a_foreign_key() {
+    let release = signed_release();
+    let deb = std::fs::read_dir(release.dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.extension().is_some_and(|e| e == "deb"))
+        .unwrap();
+    let original = std::fs::read(&deb).unwrap();
+    let sums = std::fs::read_to_string(release.dir.path().join("SHA256SUMS")).unwrap();
+
+    let refused = |why: &str| {
+        let work = tempfile::tempdir().unwrap();
+        let bin = stubs(work.path());
+        let root = throwaway_root();
+        let o = user_data(root.path(), &release, &bin);
+        let stderr = String::from_utf8_lossy(&o.stderr).into_owned();
+        assert!(!o.status.success(), "{why}: user-data succeeded");
+        assert!(stderr.contains(why), "{why} not in: {stderr}");
+        assert!(!root.path().join("usr/bin/byoc-runner").exists(), "{why}: something was installed");
+        let log = calls(work.path());
+        assert!(log.contains("cfn-signal -e 1"), "{why}: the stack was not told: {log}");
+        assert!(!log.contains("systemctl"), "{why}: {log}");
+    };
+
+    // One byte of the package changed: its checksum no longer matches.
+    let mut tampered = original.clone();
+    let last = tampered.len() - 1;
+    tampered[last] ^= 1;
+    std::fs::write(&deb, &tampered).unwrap();
+    refused("does not match its checksum");
+
+    // The checksum file rewritten to match the tampered package: the signature fails.
+    let digest = String::from_utf8_lossy(&run(Command::new("sha256sum").arg(&deb)).stdout)
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .to_string();
+    let name = deb.file_name().unwrap().to_str().unwrap();
+    std::fs::write(release.dir.path().join("SHA256SUMS"), format!("{digest}  {name}\n")).unwrap();
+    refused("signature does not verify");
+
+    // Signed, but by a key other than the pinned one.
+    let other = tempfile::tempdir().unwrap();
+    run(Command::new("minisign")
+        .args(["-G", "-W", "-p"])
+        .arg(other.path().join("k.pub"))
+        .arg("-s")
+        .arg(other.path().join("k.key")));
+    sign(release.dir.path(), &other.path().join("k.key"));
+    refused("signature does not verify");
+
+    // Restored and signed with the pinned key: accepted again (the refusals were real).
+    std::fs::write(&deb, &original).unwrap();
+    std::fs::write(release.dir.path().join("SHA256SUMS"), &sums).unwrap();
+    sign(release.dir.path(), &release.seckey);
+    let work = tempfile::tempdir().unwrap();
+    let root = throwaway_root();
+    let o = user_data(root.path(), &release, &stubs(work.path()));
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+}

@@ -1,0 +1,243 @@
+//! The CloudFormation install stack (`ami/install-stack.yaml`): cfn-lint clean, in step
+//! with the user-data script it embeds, hardened as promised (checked on the template
+//! itself, since moto does not model launch-template options), and created in moto with
+//! the outputs the runner's stack reader uses: a real runner then gets the roles the
+//! customer switched on and is refused the ones switched off.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use byoc_control_plane::moto::{MotoServer, moto_binary};
+use byoc_protocol::RejectReason;
+use common::roles::*;
+use common::*;
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+fn venv_bin(name: &str) -> PathBuf {
+    moto_binary().with_file_name(name)
+}
+
+/// The template as JSON (it uses no YAML tags, so a plain YAML load is exact).
+fn template() -> serde_json::Value {
+    let out = Command::new(venv_bin("python"))
+        .args(["-c", "import json, sys, yaml; print(json.dumps(yaml.safe_load(open(sys.argv[1]))))"])
+        .arg(repo().join("ami/install-stack.yaml"))
+        .output()
+        .expect("the project's .venv (scripts/setup)");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+#[test]
+fn cfn_lint_passes_and_the_template_embeds_the_current_user_data() {
+    let lint = Command::new(venv_bin("cfn-lint"))
+        .arg(repo().join("ami/install-stack.yaml"))
+        .output()
+        .expect("cfn-lint in the project's .venv (scripts/setup)");
+    assert!(
+        lint.status.success(),
+        "cfn-lint: {}{}",
+        String::from_utf8_lossy(&lint.stdout),
+        String::from_utf8_lossy(&lint.stderr)
+    );
+    let check = Command::new(venv_bin("python"))
+        .arg(repo().join("ami/render-install-stack"))
+        .arg("--check")
+        .output()
+        .unwrap();
+    assert!(check.status.success(), "{}", String::from_utf8_lossy(&check.stderr));
+}
+
+#[test]
+fn the_template_is_hardened_as_promised() {
+    let t = template();
+    let r = &t["Resources"];
+    let lt = &r["RunnerLaunchTemplate"]["Properties"]["LaunchTemplateData"];
+    assert_eq!(lt["MetadataOptions"]["HttpTokens"], "required", "IMDSv2 only");
+    assert_eq!(lt["MetadataOptions"]["HttpPutResponseHopLimit"], 1);
+    assert_eq!(lt["BlockDeviceMappings"][0]["Ebs"]["Encrypted"], true);
+    assert_eq!(lt["NetworkInterfaces"][0]["AssociatePublicIpAddress"], false);
+    let sg = &r["RunnerSecurityGroup"]["Properties"];
+    assert!(sg.get("SecurityGroupIngress").is_none(), "no inbound rule");
+    let egress = sg["SecurityGroupEgress"].as_array().unwrap();
+    assert_eq!(egress.len(), 1);
+    assert_eq!((egress[0]["FromPort"].as_i64(), egress[0]["ToPort"].as_i64()), (Some(443), Some(443)));
+    // The bootstrap token lives in Secrets Manager; user-data only names the secret.
+    let user_data = lt["UserData"]["Fn::Base64"]["Fn::Sub"].as_str().unwrap();
+    assert!(!user_data.contains("${BootstrapToken}"));
+    assert!(user_data.contains("BYOC_BOOTSTRAP_SECRET='${BootstrapSecret}'"));
+    assert_eq!(r["BootstrapSecret"]["Properties"]["SecretString"]["Ref"], "BootstrapToken");
+    assert_eq!(t["Parameters"]["BootstrapToken"]["NoEcho"], true);
+    // The instance waits for the runner's signal.
+    assert_eq!(r["RunnerInstance"]["CreationPolicy"]["ResourceSignal"]["Count"], 1);
+    // The runner's identity: assume the install's roles, read its own stack and secret.
+    let statements = r["RunnerInstanceRole"]["Properties"]["Policies"][0]["PolicyDocument"]["Statement"]
+        .as_array()
+        .unwrap()
+        .clone();
+    let actions: Vec<String> = statements
+        .iter()
+        .flat_map(|s| s["Action"].as_array().unwrap().iter().map(|a| a.as_str().unwrap().to_string()))
+        .collect();
+    assert_eq!(
+        actions,
+        [
+            "sts:AssumeRole",
+            "sts:TagSession",
+            "sts:SetSourceIdentity",
+            "cloudformation:DescribeStacks",
+            "cloudformation:SignalResource",
+            "secretsmanager:GetSecretValue"
+        ]
+    );
+    assert_eq!(statements[1]["Resource"]["Ref"], "AWS::StackId");
+    // Every lifecycle role: created only when switched on, trusting only the runner's
+    // role with the ExternalId, its ARN an output under the same condition.
+    for (key, default) in [
+        ("Provision", "true"),
+        ("Maintenance", "true"),
+        ("Deprovision", "false"),
+        ("EksUpgrade", "false"),
+        ("S3ObjectBreakGlass", "false"),
+    ] {
+        assert_eq!(t["Parameters"][format!("Enable{key}Role")]["Default"], default, "{key}");
+        let role = &r[format!("{key}Role")];
+        assert_eq!(role["Condition"], format!("{key}On"));
+        let trust = &role["Properties"]["AssumeRolePolicyDocument"]["Statement"][0];
+        assert_eq!(trust["Principal"]["AWS"]["Fn::GetAtt"][0], "RunnerInstanceRole");
+        assert_eq!(trust["Condition"]["StringEquals"]["sts:ExternalId"]["Ref"], "ExternalId");
+        assert_eq!(t["Outputs"][format!("{key}RoleArn")]["Condition"], format!("{key}On"));
+    }
+}
+
+#[tokio::test]
+async fn the_stack_creates_and_the_runner_reads_its_switches_and_arns() {
+    let moto = MotoServer::start().await;
+    let image = moto
+        .query("ec2", &[("Action".into(), "DescribeImages".into()), ("Version".into(), "2016-11-15".into())])
+        .await;
+    let image_id = image.split("<imageId>").nth(1).and_then(|s| s.split('<').next()).unwrap().to_string();
+    let params = [
+        ("InstallId", "inst-demo"),
+        ("ControlPlaneUrl", "https://cp.vendor.example"),
+        ("ControlPlanePublicKeys", "11qYAYKxCrfVS/7TyWQHOg7hcvPapiMlrwIaaPcHURo="),
+        ("ReleasePublicKey", "RWQexample"),
+        ("ImageId", image_id.as_str()),
+        ("BootstrapToken", "one-time-bootstrap-token-0123"),
+        ("ExternalId", EXTERNAL_ID),
+        ("EnableMaintenanceRole", "true"),
+        ("EnableDeprovisionRole", "false"),
+    ];
+    moto.put_stack("CreateStack", STACK, &template(), &params).await;
+    let described = moto
+        .query(
+            "cloudformation",
+            &[("Action".into(), "DescribeStacks".into()), ("StackName".into(), STACK.into())],
+        )
+        .await;
+    assert!(described.contains("CREATE_COMPLETE"), "{described}");
+    assert!(described.contains(":role/inst-demo-maintenance<"), "{described}");
+    assert!(described.contains(":role/inst-demo-provision<"));
+    for off in ["deprovision", "eks-upgrade-role", "s3-object-break-glass"] {
+        assert!(!described.contains(&format!(":role/inst-demo-{off}<")), "{off} must not exist");
+    }
+
+    // The runner, pointed at this stack, gets what is on and is refused what is off.
+    let e = env_with(role_options(&moto, "")).await;
+    let id =
+        e.cp.enqueue(role_job(
+            "component",
+            "deploy",
+            "inst-demo-maintenance",
+            named("api"),
+            "echo \"as $BYOC_ROLE_ARN\"",
+        ))
+        .unwrap();
+    let v = e.finished(&id).await;
+    assert_eq!(v.result.unwrap().status, byoc_protocol::JobStatus::Succeeded, "{}", e.runner.log());
+    assert!(e.output(&id).contains("as arn:aws:iam::123456789012:role/inst-demo-maintenance"));
+    let id =
+        e.cp.enqueue(role_job("sandbox", "deprovision", "inst-demo-deprovision", named(""), "echo no"))
+            .unwrap();
+    let v = e.rejected(&id).await;
+    assert_eq!(v.rejections[0].0, RejectReason::RoleDisabled, "{:?}", v.rejections);
+    assert!(v.rejections[0].1.contains("EnableDeprovisionRole"), "{}", v.rejections[0].1);
+    assert!(
+        moto.calls_of("AssumeRole")
+            .await
+            .iter()
+            .all(|c| c.params["RoleArn"].ends_with("/inst-demo-maintenance"))
+    );
+}
+
+/// The Packer template as JSON (python-hcl2 from the project's .venv).
+fn packer_template() -> serde_json::Value {
+    let out = Command::new(venv_bin("python"))
+        .args(["-c", "import hcl2, json, sys; print(json.dumps(hcl2.load(open(sys.argv[1]))))"])
+        .arg(repo().join("ami/runner.pkr.hcl"))
+        .output()
+        .expect("the project's .venv (scripts/setup)");
+    assert!(
+        out.status.success(),
+        "the Packer template does not parse: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+#[test]
+fn the_packer_template_parses_pins_versions_and_verifies_all_it_installs() {
+    let t = packer_template();
+    let plugin = &t["packer"][0]["required_plugins"][0]["amazon"]["version"];
+    assert!(plugin.as_str().unwrap().starts_with("= "), "the plugin version is pinned: {plugin}");
+    let vars: serde_json::Map<String, serde_json::Value> =
+        t["variable"].as_array().unwrap().iter().flat_map(|v| v.as_object().unwrap().clone()).collect();
+    for tool in ["terraform", "helm", "kubectl"] {
+        let version = vars[&format!("{tool}_version")]["default"].as_str().unwrap();
+        assert!(
+            version.split('.').count() == 3 && version.split('.').all(|p| p.parse::<u32>().is_ok()),
+            "{tool} {version}"
+        );
+        let sha = &vars[&format!("{tool}_sha256")];
+        assert!(
+            sha.get("default").is_none(),
+            "{tool}: a checksum is pinned by ami/pin-tools, never defaulted"
+        );
+        assert!(sha["validation"][0]["condition"].as_str().unwrap().contains("^[0-9a-f]{64}$"));
+    }
+    let source = &t["source"][0]["amazon-ebs"]["runner"];
+    assert_eq!(source["metadata_options"][0]["http_tokens"], "required");
+    assert_eq!(source["imds_support"], "v2.0");
+    assert_eq!(source["encrypt_boot"], true);
+    assert_eq!(source["launch_block_device_mappings"][0]["encrypted"], true);
+    // Every download is checked against its pinned checksum before it is installed, and
+    // the package's signature and checksum before dpkg sees it.
+    let steps: Vec<String> = t["build"][0]["provisioner"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|p| p.get("shell"))
+        .flat_map(|s| s["inline"].as_array().unwrap().iter().map(|l| l.as_str().unwrap().to_string()))
+        .collect();
+    let pos = |needle: &str| {
+        steps.iter().position(|l| l.contains(needle)).unwrap_or_else(|| panic!("no step with {needle}"))
+    };
+    assert!(pos("minisign -V") < pos("sha256sum -c --strict SHA256SUMS"));
+    assert!(pos("sha256sum -c --strict SHA256SUMS") < pos("dpkg -i"));
+    for (download, check, install) in [
+        ("-o terraform.zip", "$TF_SHA256  terraform.zip", "install -m 0755 terraform"),
+        ("-o helm.tgz", "$HELM_SHA256  helm.tgz", "install -m 0755 linux-amd64/helm"),
+        ("-o kubectl", "$KUBECTL_SHA256  kubectl", "install -m 0755 kubectl"),
+    ] {
+        assert!(pos(download) < pos(check) && pos(check) < pos(install), "{download}");
+        assert!(steps[pos(download)].contains("--proto =https"));
+    }
+    assert!(steps.iter().any(|l| l.contains("user.max_user_namespaces")), "the sandbox's sysctl");
+    assert!(steps.iter().any(|l| l.contains("mask ssh.service")), "no SSH in the image");
+}

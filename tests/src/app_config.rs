@@ -1,0 +1,33 @@
+//! Loading an app's role config from a directory (`permissions/*.toml`,
+//! `break_glass.toml`, `operation_roles.toml`) into the form jobs carry.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::Context as _;
+
+/// The examples shipped with the repository (`examples/`).
+pub fn examples_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../examples")
+}
+
+pub fn load(dir: &Path) -> anyhow::Result<byoc_protocol::AppConfig> {
+    let read = |p: PathBuf| std::fs::read_to_string(&p).with_context(|| format!("reading {}", p.display()));
+    let mut permissions = std::collections::BTreeMap::new();
+    let perm_dir = dir.join("permissions");
+    for entry in std::fs::read_dir(&perm_dir).with_context(|| format!("reading {}", perm_dir.display()))? {
+        let path = entry?.path();
+        if path.extension().is_some_and(|e| e == "toml") {
+            let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+            permissions.insert(name, read(path)?);
+        }
+    }
+    let optional = |name: &str| {
+        let p = dir.join(name);
+        if p.exists() { read(p).map(Some) } else { Ok(None) }
+    };
+    Ok(byoc_protocol::AppConfig {
+        permissions,
+        break_glass: optional("break_glass.toml")?,
+        operation_roles: optional("operation_roles.toml")?,
+    })
+}

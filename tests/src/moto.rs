@@ -1,0 +1,154 @@
+//! A `moto` server (AWS API emulator from PyPI) on a free loopback port, for the
+//! suites that need STS and CloudFormation. `scripts/setup` installs it into the
+//! project's `.venv`. Its request recorder tells a test exactly which AWS calls the
+//! runner made (moto itself assumes any role, so the runner's own refusals are proven
+//! by the calls that never arrived).
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use base64::Engine as _;
+
+pub struct MotoServer {
+    pub port: u16,
+    child: Child,
+    http: reqwest::Client,
+    _logs: tempfile::TempDir,
+}
+
+/// `BYOC_MOTO_SERVER`, else the project's `.venv/bin/moto_server`.
+pub fn moto_binary() -> PathBuf {
+    std::env::var_os("BYOC_MOTO_SERVER")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.venv/bin/moto_server"))
+}
+
+/// One request AWS received: the Query API action and its parameters.
+#[derive(Debug, Clone)]
+pub struct AwsCall {
+    pub action: String,
+    pub params: BTreeMap<String, String>,
+}
+
+impl MotoServer {
+    /// Start and wait until it accepts connections; recording is on from the start.
+    pub async fn start() -> MotoServer {
+        let bin = moto_binary();
+        assert!(
+            bin.exists(),
+            "moto_server not found at {} (run scripts/setup, or set BYOC_MOTO_SERVER)",
+            bin.display()
+        );
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .expect("a free loopback port");
+        let logs = tempfile::tempdir().expect("tempdir");
+        let log = std::fs::File::create(logs.path().join("moto.log")).expect("moto log");
+        let child = Command::new(&bin)
+            .args(["-H", "127.0.0.1", "-p", &port.to_string()])
+            // The recorder writes to a file (default: in the working directory): one
+            // per server, or parallel tests would read each other's calls.
+            .current_dir(logs.path())
+            .env("MOTO_RECORDER_FILEPATH", logs.path().join("recording.jsonl"))
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().expect("log fd"))
+            .stderr(log)
+            .spawn()
+            .expect("moto_server starts");
+        let m = MotoServer { port, child, http: reqwest::Client::new(), _logs: logs };
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+        loop {
+            if m.http.post(format!("{}/moto-api/recorder/start-recording", m.url())).send().await.is_ok() {
+                break;
+            }
+            assert!(tokio::time::Instant::now() < deadline, "moto_server did not start on port {port}");
+            // Readiness of another process: nothing to wait on but its port.
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        m
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    /// Every call recorded so far, in order.
+    pub async fn calls(&self) -> Vec<AwsCall> {
+        let text = self
+            .http
+            .get(format!("{}/moto-api/recorder/download-recording", self.url()))
+            .send()
+            .await
+            .expect("moto recorder")
+            .text()
+            .await
+            .expect("recording");
+        text.lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter_map(|v| {
+                let body = v["body"].as_str()?;
+                let raw = base64::engine::general_purpose::STANDARD.decode(body).ok()?;
+                let params: BTreeMap<String, String> =
+                    url::form_urlencoded::parse(&raw).into_owned().collect();
+                Some(AwsCall { action: params.get("Action")?.clone(), params })
+            })
+            .collect()
+    }
+
+    pub async fn calls_of(&self, action: &str) -> Vec<AwsCall> {
+        self.calls().await.into_iter().filter(|c| c.action == action).collect()
+    }
+
+    /// A Query API call as the test itself (moto does not check signatures, but routes
+    /// by the credential scope's service name).
+    pub async fn query(&self, service: &str, params: &[(String, String)]) -> String {
+        let body: String = url::form_urlencoded::Serializer::new(String::new()).extend_pairs(params).finish();
+        let auth = format!(
+            "AWS4-HMAC-SHA256 Credential=testing/20260101/us-east-1/{service}/aws4_request, SignedHeaders=host, Signature=00"
+        );
+        let r = self
+            .http
+            .post(format!("{}/", self.url()))
+            .header("Content-Type", "application/x-www-form-urlencoded; charset=utf-8")
+            .header("Authorization", auth)
+            .body(body)
+            .send()
+            .await
+            .expect("moto answers");
+        let status = r.status();
+        let text = r.text().await.unwrap_or_default();
+        assert!(status.is_success(), "{service} call failed: {status} {text}");
+        text
+    }
+
+    /// CreateStack or UpdateStack with a JSON template and parameters.
+    pub async fn put_stack(
+        &self,
+        action: &str,
+        stack: &str,
+        template: &serde_json::Value,
+        params: &[(&str, &str)],
+    ) {
+        let mut p: Vec<(String, String)> = vec![
+            ("Action".into(), action.into()),
+            ("Version".into(), "2010-05-15".into()),
+            ("StackName".into(), stack.into()),
+            ("TemplateBody".into(), template.to_string()),
+        ];
+        for (i, (k, v)) in params.iter().enumerate() {
+            p.push((format!("Parameters.member.{}.ParameterKey", i + 1), k.to_string()));
+            p.push((format!("Parameters.member.{}.ParameterValue", i + 1), v.to_string()));
+        }
+        self.query("cloudformation", &p).await;
+    }
+}
+
+impl Drop for MotoServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
