@@ -12,6 +12,7 @@ pub mod harness;
 pub mod imds;
 pub mod moto;
 pub mod proxy;
+pub mod registry;
 pub mod server;
 pub mod state;
 pub mod tls;

@@ -1,0 +1,749 @@
+//! One registry as the OCI distribution API sees it: authentication (Basic, or Bearer
+//! tokens from the registry's realm), retries with backoff on 5xx, 429 and cut
+//! connections, and the handful of endpoints a copy needs.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use bytes::Bytes;
+use reqwest::header::{HeaderMap, HeaderValue};
+use reqwest::{Method, RequestBuilder, Response, StatusCode};
+use url::Url;
+
+use crate::error::{Side, SyncError};
+use crate::reference::{Digest, is_loopback_host};
+
+/// Manifests larger than this are refused (the spec recommends registries accept 4 MiB).
+pub const MAX_MANIFEST_BYTES: usize = 4 << 20;
+
+pub const OCI_INDEX: &str = "application/vnd.oci.image.index.v1+json";
+pub const OCI_MANIFEST: &str = "application/vnd.oci.image.manifest.v1+json";
+pub const DOCKER_LIST: &str = "application/vnd.docker.distribution.manifest.list.v2+json";
+pub const DOCKER_MANIFEST: &str = "application/vnd.docker.distribution.manifest.v2+json";
+const ACCEPT: &str = "application/vnd.oci.image.index.v1+json, application/vnd.oci.image.manifest.v1+json, application/vnd.docker.distribution.manifest.list.v2+json, application/vnd.docker.distribution.manifest.v2+json";
+
+/// A registry credential. Debug never shows the secret.
+#[derive(Clone)]
+pub enum Credential {
+    /// Username and password or token: sent as Basic auth, or to the registry's token realm.
+    Basic { username: String, secret: String },
+    /// A ready registry bearer token.
+    Bearer(String),
+}
+
+impl std::fmt::Debug for Credential {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Credential::Basic { username, .. } => write!(f, "Basic({username}, <secret>)"),
+            Credential::Bearer(_) => f.write_str("Bearer(<secret>)"),
+        }
+    }
+}
+
+impl Credential {
+    pub fn secret(&self) -> &str {
+        match self {
+            Credential::Basic { secret, .. } => secret,
+            Credential::Bearer(t) => t,
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+enum Challenge {
+    Basic,
+    Bearer { realm: String, service: Option<String> },
+}
+
+/// Retry policy for requests that can be repeated.
+#[derive(Debug, Clone, Copy)]
+pub struct Retry {
+    pub attempts: u32,
+    pub first_backoff: Duration,
+    pub max_backoff: Duration,
+}
+
+impl Default for Retry {
+    fn default() -> Self {
+        Retry { attempts: 6, first_backoff: Duration::from_millis(200), max_backoff: Duration::from_secs(10) }
+    }
+}
+
+impl Retry {
+    pub fn backoff(&self, attempt: u32) -> Duration {
+        let exp = self.first_backoff.saturating_mul(1u32 << attempt.min(16));
+        let capped = exp.min(self.max_backoff);
+        // Jitter in [50%, 100%]: concurrent blob copies do not retry in lockstep.
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.subsec_nanos())
+            .unwrap_or(0);
+        capped.mul_f64(0.5 + (nanos % 1000) as f64 / 2000.0)
+    }
+}
+
+pub struct Registry {
+    pub side: Side,
+    /// `host[:port]` as references name it.
+    pub name: String,
+    base: Url,
+    http: reqwest::Client,
+    credential: Option<Credential>,
+    challenge: Mutex<Option<Challenge>>,
+    tokens: Mutex<HashMap<String, String>>,
+    pub retry: Retry,
+}
+
+/// What a request needs access to (for Bearer token scopes).
+#[derive(Debug, Clone)]
+pub struct Scope(pub String);
+
+impl Scope {
+    pub fn pull(repo: &str) -> Scope {
+        Scope(format!("repository:{repo}:pull"))
+    }
+    pub fn push(repo: &str) -> Scope {
+        Scope(format!("repository:{repo}:pull,push"))
+    }
+    pub fn mount(repo: &str, from: &str) -> Scope {
+        Scope(format!("repository:{repo}:pull,push repository:{from}:pull"))
+    }
+}
+
+pub struct Manifest {
+    pub bytes: Bytes,
+    pub media_type: String,
+    pub digest: Digest,
+}
+
+impl Registry {
+    /// `base_url` overrides where `name` is reached (e.g. ECR's host mapped to a local
+    /// registry in tests); otherwise loopback is plain HTTP and everything else HTTPS.
+    pub fn new(
+        side: Side,
+        name: &str,
+        base_url: Option<&str>,
+        credential: Option<Credential>,
+        http: reqwest::Client,
+    ) -> Result<Registry, SyncError> {
+        let base = match base_url {
+            Some(u) => u.to_string(),
+            None if is_loopback_host(name) => format!("http://{name}"),
+            None => format!("https://{name}"),
+        };
+        let base = Url::parse(&base).map_err(|e| SyncError::Invalid {
+            what: format!("{side} registry {name}"),
+            reason: format!("{base:?} is not a URL: {e}"),
+        })?;
+        Ok(Registry {
+            side,
+            name: name.to_string(),
+            base,
+            http,
+            credential,
+            challenge: Mutex::new(None),
+            tokens: Mutex::new(HashMap::new()),
+            retry: Retry::default(),
+        })
+    }
+
+    /// The HTTP client both sides share: rustls, the system's roots, no overall timeout
+    /// (blobs can be large) but a connect timeout and TCP keepalive.
+    pub fn http_client() -> Result<reqwest::Client, SyncError> {
+        reqwest::Client::builder()
+            .connect_timeout(Duration::from_secs(15))
+            .read_timeout(Duration::from_secs(120))
+            .tcp_keepalive(Duration::from_secs(30))
+            .pool_max_idle_per_host(16)
+            .user_agent(concat!("byoc-runner/", env!("CARGO_PKG_VERSION")))
+            .build()
+            .map_err(|e| SyncError::Invalid { what: "HTTP client".into(), reason: e.to_string() })
+    }
+
+    pub fn url(&self, path: &str) -> Url {
+        let mut u = self.base.clone();
+        u.set_path(path);
+        u
+    }
+
+    /// Resolve a `Location` header (often relative) against the registry.
+    pub fn location(&self, resp: &Response, what: &str) -> Result<Url, SyncError> {
+        let loc = resp
+            .headers()
+            .get(reqwest::header::LOCATION)
+            .and_then(|v| v.to_str().ok())
+            .ok_or_else(|| self.err_transport(what, "the registry sent no Location header".into()))?;
+        self.base.join(loc).map_err(|e| self.err_transport(what, format!("bad Location {loc:?}: {e}")))
+    }
+
+    pub fn err_transport(&self, what: &str, reason: String) -> SyncError {
+        SyncError::Transport { side: self.side, registry: self.name.clone(), what: what.into(), reason }
+    }
+
+    fn auth_header(&self, scope: &Scope) -> Option<HeaderValue> {
+        use base64::Engine as _;
+        let token = self.tokens.lock().ok()?.get(&scope.0).cloned();
+        let value = match (token, &self.credential, self.challenge.lock().ok()?.clone()) {
+            (Some(t), _, _) => format!("Bearer {t}"),
+            (None, Some(Credential::Bearer(t)), _) => format!("Bearer {t}"),
+            (None, Some(Credential::Basic { username, secret }), Some(Challenge::Basic)) => format!(
+                "Basic {}",
+                base64::engine::general_purpose::STANDARD.encode(format!("{username}:{secret}"))
+            ),
+            _ => return None,
+        };
+        let mut v = HeaderValue::from_str(&value).ok()?;
+        v.set_sensitive(true);
+        Some(v)
+    }
+
+    /// Send a request built by `build`, authenticating on a 401 challenge and retrying
+    /// 5xx, 429 and transport errors with backoff (`retry = false` for requests whose
+    /// body cannot be replayed). Returns the response for any other status.
+    pub async fn send(
+        &self,
+        what: &str,
+        scope: &Scope,
+        retry: bool,
+        build: impl Fn(&reqwest::Client) -> RequestBuilder,
+    ) -> Result<Response, SyncError> {
+        let mut authenticated = false;
+        let mut attempt = 0u32;
+        loop {
+            let mut req = build(&self.http);
+            if let Some(h) = self.auth_header(scope) {
+                req = req.header(reqwest::header::AUTHORIZATION, h);
+            }
+            let result = req.send().await;
+            let retryable_failure = match result {
+                Ok(resp) if resp.status() == StatusCode::UNAUTHORIZED && !authenticated => {
+                    authenticated = true;
+                    self.authenticate(&resp, scope, what).await?;
+                    continue;
+                }
+                Ok(resp) if resp.status() == StatusCode::UNAUTHORIZED => {
+                    return Err(self.unauthorized(what));
+                }
+                Ok(resp)
+                    if retry
+                        && (resp.status().is_server_error() || resp.status() == StatusCode::TOO_MANY_REQUESTS) =>
+                {
+                    let wait = retry_after(resp.headers());
+                    let status = resp.status().as_u16();
+                    let body = body_excerpt(resp).await;
+                    (format!("HTTP {status}: {body}"), wait, Some((status, body)))
+                }
+                Ok(resp) => return Ok(resp),
+                Err(e) if retry => (error_chain(&e), None, None),
+                Err(e) => return Err(self.err_transport(what, error_chain(&e))),
+            };
+            let (reason, wait, status) = retryable_failure;
+            attempt += 1;
+            if attempt >= self.retry.attempts {
+                return Err(match status {
+                    Some((status, body)) => SyncError::Status {
+                        side: self.side,
+                        registry: self.name.clone(),
+                        what: format!("{what} (after {attempt} attempts)"),
+                        status,
+                        body,
+                    },
+                    None => self.err_transport(what, format!("{reason} (after {attempt} attempts)")),
+                });
+            }
+            let delay = wait.unwrap_or_else(|| self.retry.backoff(attempt - 1)).min(self.retry.max_backoff);
+            tracing::debug!(side = %self.side, registry = %self.name, what, reason, ?delay, "retrying");
+            tokio::time::sleep(delay).await;
+        }
+    }
+
+    fn unauthorized(&self, what: &str) -> SyncError {
+        let hint = match (self.side, &self.credential) {
+            (Side::Source, None) => "the job carries no source credential".to_string(),
+            (Side::Source, Some(_)) => "the one-time token is wrong, expired or already used".to_string(),
+            (Side::Destination, None) => "no destination credential".to_string(),
+            (Side::Destination, Some(_)) => {
+                "the destination rejected the authorization token (for ECR: GetAuthorizationToken under the job's role)"
+                    .to_string()
+            }
+        };
+        SyncError::Unauthorized { side: self.side, registry: self.name.clone(), what: what.into(), hint }
+    }
+
+    async fn authenticate(&self, resp: &Response, scope: &Scope, what: &str) -> Result<(), SyncError> {
+        let header = resp
+            .headers()
+            .get(reqwest::header::WWW_AUTHENTICATE)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("")
+            .to_string();
+        let challenge = parse_challenge(&header).ok_or_else(|| self.unauthorized(what))?;
+        if let Ok(mut c) = self.challenge.lock() {
+            *c = Some(challenge.clone());
+        }
+        match (challenge, &self.credential) {
+            (_, None) => Err(self.unauthorized(what)),
+            (Challenge::Basic, Some(Credential::Basic { .. })) => Ok(()),
+            (Challenge::Basic, Some(Credential::Bearer(_))) => Err(self.unauthorized(what)),
+            // A ready bearer token that was refused: nothing to exchange it for.
+            (Challenge::Bearer { .. }, Some(Credential::Bearer(_))) => Err(self.unauthorized(what)),
+            (Challenge::Bearer { realm, service }, Some(Credential::Basic { username, secret })) => {
+                let token = self.fetch_token(&realm, service.as_deref(), scope, username, secret, what).await?;
+                if let Ok(mut t) = self.tokens.lock() {
+                    t.insert(scope.0.clone(), token);
+                }
+                Ok(())
+            }
+        }
+    }
+
+    async fn fetch_token(
+        &self,
+        realm: &str,
+        service: Option<&str>,
+        scope: &Scope,
+        username: &str,
+        secret: &str,
+        what: &str,
+    ) -> Result<String, SyncError> {
+        let mut url = Url::parse(realm)
+            .map_err(|e| self.err_transport(what, format!("token realm {realm:?} is not a URL: {e}")))?;
+        {
+            let mut q = url.query_pairs_mut();
+            if let Some(s) = service {
+                q.append_pair("service", s);
+            }
+            for s in scope.0.split(' ') {
+                q.append_pair("scope", s);
+            }
+        }
+        let resp = self
+            .http
+            .get(url)
+            .basic_auth(username, Some(secret))
+            .send()
+            .await
+            .map_err(|e| self.err_transport(what, format!("token endpoint: {}", error_chain(&e))))?;
+        match resp.status() {
+            s if s.is_success() => {}
+            StatusCode::UNAUTHORIZED | StatusCode::FORBIDDEN => return Err(self.unauthorized(what)),
+            s => {
+                return Err(SyncError::Status {
+                    side: self.side,
+                    registry: self.name.clone(),
+                    what: format!("{what} (token endpoint)"),
+                    status: s.as_u16(),
+                    body: body_excerpt(resp).await,
+                });
+            }
+        }
+        #[derive(serde::Deserialize)]
+        struct TokenResponse {
+            token: Option<String>,
+            access_token: Option<String>,
+        }
+        let t: TokenResponse = resp
+            .json()
+            .await
+            .map_err(|e| self.err_transport(what, format!("token endpoint answer: {e}")))?;
+        t.token
+            .or(t.access_token)
+            .ok_or_else(|| self.err_transport(what, "token endpoint answered without a token".into()))
+    }
+
+    /// Map a non-success status to the error for `what`.
+    pub async fn fail(&self, resp: Response, what: &str) -> SyncError {
+        let (side, registry, what) = (self.side, self.name.clone(), what.to_string());
+        match resp.status() {
+            StatusCode::UNAUTHORIZED => self.unauthorized(&what),
+            StatusCode::FORBIDDEN => SyncError::Forbidden { side, registry, what },
+            StatusCode::NOT_FOUND => SyncError::NotFound { side, registry, what },
+            s => SyncError::Status { side, registry, what, status: s.as_u16(), body: body_excerpt(resp).await },
+        }
+    }
+
+    /// GET a manifest by tag or digest; `None` if the registry does not have it. The
+    /// bytes are bounded and, when fetched by digest, verified against it.
+    pub async fn get_manifest(&self, repo: &str, reference: &str) -> Result<Option<Manifest>, SyncError> {
+        let what = format!("manifest {repo}:{reference}");
+        let url = self.url(&format!("/v2/{repo}/manifests/{reference}"));
+        let resp = self
+            .send(&what, &Scope::pull(repo), true, |c| c.get(url.clone()).header("Accept", ACCEPT))
+            .await?;
+        if resp.status() == StatusCode::NOT_FOUND {
+            return Ok(None);
+        }
+        if !resp.status().is_success() {
+            return Err(self.fail(resp, &what).await);
+        }
+        let media_type = resp
+            .headers()
+            .get(reqwest::header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .map(|s| s.split(';').next().unwrap_or("").trim().to_string())
+            .unwrap_or_default();
+        let bytes = read_bounded(resp, MAX_MANIFEST_BYTES)
+            .await
+            .map_err(|e| self.err_transport(&what, e))?;
+        let digest = Digest::of(&bytes);
+        if let Ok(expected) = Digest::parse(reference)
+            && expected != digest
+        {
+            return Err(SyncError::DigestMismatch {
+                side: self.side,
+                registry: self.name.clone(),
+                what,
+                expected: expected.to_string(),
+                actual: digest.to_string(),
+            });
+        }
+        Ok(Some(Manifest { bytes, media_type, digest }))
+    }
+
+    /// HEAD a manifest: its digest if present.
+    pub async fn head_manifest(&self, repo: &str, reference: &str) -> Result<Option<String>, SyncError> {
+        let what = format!("manifest {repo}:{reference}");
+        let url = self.url(&format!("/v2/{repo}/manifests/{reference}"));
+        let resp = self
+            .send(&what, &Scope::pull(repo), true, |c| c.head(url.clone()).header("Accept", ACCEPT))
+            .await?;
+        match resp.status() {
+            StatusCode::NOT_FOUND => Ok(None),
+            s if s.is_success() => Ok(Some(
+                resp.headers()
+                    .get("Docker-Content-Digest")
+                    .and_then(|v| v.to_str().ok())
+                    .unwrap_or("")
+                    .to_string(),
+            )),
+            _ => Err(self.fail(resp, &what).await),
+        }
+    }
+
+    /// PUT a manifest under a tag or its digest. Returns whether the registry said it
+    /// processed the manifest's `subject` (the referrers API is supported).
+    pub async fn put_manifest(
+        &self,
+        repo: &str,
+        reference: &str,
+        media_type: &str,
+        bytes: &Bytes,
+    ) -> Result<bool, SyncError> {
+        let what = format!("pushing manifest {repo}:{reference}");
+        let url = self.url(&format!("/v2/{repo}/manifests/{reference}"));
+        let resp = self
+            .send(&what, &Scope::push(repo), true, |c| {
+                c.put(url.clone()).header("Content-Type", media_type).body(bytes.clone())
+            })
+            .await?;
+        if !resp.status().is_success() {
+            return Err(self.fail(resp, &what).await);
+        }
+        Ok(resp.headers().contains_key("OCI-Subject"))
+    }
+
+    /// The size of a blob if the repository has it.
+    pub async fn blob_size(&self, repo: &str, digest: &Digest) -> Result<Option<u64>, SyncError> {
+        let what = format!("blob {digest} in {repo}");
+        let url = self.url(&format!("/v2/{repo}/blobs/{digest}"));
+        let resp = self.send(&what, &Scope::pull(repo), true, |c| c.head(url.clone())).await?;
+        match resp.status() {
+            StatusCode::NOT_FOUND => Ok(None),
+            s if s.is_success() => Ok(Some(resp.content_length().unwrap_or(0))),
+            _ => Err(self.fail(resp, &what).await),
+        }
+    }
+
+    /// GET a blob from `offset` (a Range request when non-zero). The response must be
+    /// 200 from 0, or 206 starting exactly at `offset`.
+    pub async fn get_blob(&self, repo: &str, digest: &Digest, offset: u64) -> Result<Response, SyncError> {
+        let what = format!("blob {digest} in {repo}");
+        let url = self.url(&format!("/v2/{repo}/blobs/{digest}"));
+        let resp = self
+            .send(&what, &Scope::pull(repo), true, |c| {
+                let r = c.get(url.clone());
+                if offset > 0 { r.header("Range", format!("bytes={offset}-")) } else { r }
+            })
+            .await?;
+        match resp.status() {
+            StatusCode::OK if offset == 0 => Ok(resp),
+            StatusCode::PARTIAL_CONTENT if offset > 0 => {
+                let start = resp
+                    .headers()
+                    .get("Content-Range")
+                    .and_then(|v| v.to_str().ok())
+                    .and_then(|v| v.strip_prefix("bytes "))
+                    .and_then(|v| v.split('-').next())
+                    .and_then(|v| v.parse::<u64>().ok());
+                if start == Some(offset) {
+                    Ok(resp)
+                } else {
+                    Err(self.err_transport(&what, format!("resuming at byte {offset}: the range answered starts at {start:?}")))
+                }
+            }
+            StatusCode::OK => Err(self.err_transport(
+                &what,
+                format!("resuming at byte {offset}: the registry does not serve byte ranges"),
+            )),
+            _ => Err(self.fail(resp, &what).await),
+        }
+    }
+
+    /// Ask the registry to mount a blob from another repository it holds. `true` if
+    /// mounted; otherwise the registry may have opened an upload, which is cancelled.
+    pub async fn mount(&self, repo: &str, digest: &Digest, from: &str) -> Result<bool, SyncError> {
+        let what = format!("mounting blob {digest} from {from} into {repo}");
+        let mut url = self.url(&format!("/v2/{repo}/blobs/uploads/"));
+        url.query_pairs_mut().append_pair("mount", digest.as_str()).append_pair("from", from);
+        let resp = self
+            .send(&what, &Scope::mount(repo, from), true, |c| c.post(url.clone()).header("Content-Length", "0"))
+            .await?;
+        match resp.status() {
+            StatusCode::CREATED => Ok(true),
+            StatusCode::ACCEPTED => {
+                if let Ok(loc) = self.location(&resp, &what) {
+                    self.cancel_upload(repo, &loc).await;
+                }
+                Ok(false)
+            }
+            _ => Err(self.fail(resp, &what).await),
+        }
+    }
+
+    pub async fn start_upload(&self, repo: &str) -> Result<Url, SyncError> {
+        let what = format!("starting a blob upload to {repo}");
+        let url = self.url(&format!("/v2/{repo}/blobs/uploads/"));
+        let resp = self
+            .send(&what, &Scope::push(repo), true, |c| c.post(url.clone()).header("Content-Length", "0"))
+            .await?;
+        if resp.status() != StatusCode::ACCEPTED {
+            return Err(self.fail(resp, &what).await);
+        }
+        self.location(&resp, &what)
+    }
+
+    /// Where an upload stands: the number of bytes the registry holds and the URL to
+    /// continue at; `None` if the upload is gone (registries cancel an upload whose
+    /// chunk was cut, distribution 2.8 among them).
+    pub async fn upload_status(&self, repo: &str, upload: &Url) -> Result<Option<(u64, Url)>, SyncError> {
+        let what = format!("upload status in {repo}");
+        let resp = self.send(&what, &Scope::push(repo), true, |c| c.get(upload.clone())).await?;
+        match resp.status() {
+            StatusCode::NO_CONTENT => {
+                let held = resp
+                    .headers()
+                    .get("Range")
+                    .and_then(|v| v.to_str().ok())
+                    .and_then(|v| v.rsplit('-').next())
+                    .and_then(|v| v.parse::<u64>().ok())
+                    .map(|end| end + 1)
+                    .unwrap_or(0);
+                Ok(Some((held, self.location(&resp, &what)?)))
+            }
+            StatusCode::NOT_FOUND | StatusCode::BAD_REQUEST => Ok(None),
+            _ => Err(self.fail(resp, &what).await),
+        }
+    }
+
+    /// Complete an upload (with the last bytes in `body`, possibly empty).
+    pub async fn finish_upload(
+        &self,
+        repo: &str,
+        upload: &Url,
+        digest: &Digest,
+        body: Bytes,
+    ) -> Result<(), SyncError> {
+        let what = format!("completing the upload of blob {digest} to {repo}");
+        let mut url = upload.clone();
+        url.query_pairs_mut().append_pair("digest", digest.as_str());
+        let resp = self
+            .send(&what, &Scope::push(repo), true, |c| {
+                c.put(url.clone())
+                    .header("Content-Type", "application/octet-stream")
+                    .header("Content-Length", body.len().to_string())
+                    .body(body.clone())
+            })
+            .await?;
+        if resp.status() != StatusCode::CREATED {
+            return Err(self.fail(resp, &what).await);
+        }
+        Ok(())
+    }
+
+    /// Best effort: an abandoned upload is cleaned up by the registry eventually anyway.
+    pub async fn cancel_upload(&self, repo: &str, upload: &Url) {
+        let _ = self
+            .send("cancelling an upload", &Scope::push(repo), false, |c| {
+                c.request(Method::DELETE, upload.clone())
+            })
+            .await;
+    }
+
+    /// The digest's referrers via the referrers API, or `None` when the registry does
+    /// not implement it (callers then use the tag schema).
+    pub async fn referrers_api(&self, repo: &str, digest: &Digest) -> Result<Option<Bytes>, SyncError> {
+        let what = format!("referrers of {digest} in {repo}");
+        let url = self.url(&format!("/v2/{repo}/referrers/{digest}"));
+        let resp = self
+            .send(&what, &Scope::pull(repo), true, |c| c.get(url.clone()).header("Accept", OCI_INDEX))
+            .await?;
+        let is_index = resp
+            .headers()
+            .get(reqwest::header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.starts_with(OCI_INDEX));
+        match resp.status() {
+            StatusCode::OK if is_index => Ok(Some(
+                read_bounded(resp, MAX_MANIFEST_BYTES).await.map_err(|e| self.err_transport(&what, e))?,
+            )),
+            StatusCode::OK | StatusCode::NOT_FOUND | StatusCode::METHOD_NOT_ALLOWED => Ok(None),
+            _ => Err(self.fail(resp, &what).await),
+        }
+    }
+
+    /// Send a chunk without retry (its body is a one-shot stream): the caller checks
+    /// the upload's status and resumes.
+    pub async fn patch_upload(
+        &self,
+        repo: &str,
+        upload: &Url,
+        start: u64,
+        len: u64,
+        body: reqwest::Body,
+    ) -> Result<Url, SyncError> {
+        let what = format!("uploading bytes {start}..{} to {repo}", start + len);
+        let body = std::sync::Mutex::new(Some(body));
+        let resp = self
+            .send(&what, &Scope::push(repo), false, |c| {
+                let b = body.lock().ok().and_then(|mut b| b.take()).unwrap_or_else(|| reqwest::Body::from(""));
+                c.patch(upload.clone())
+                    .header("Content-Type", "application/octet-stream")
+                    .header("Content-Length", len.to_string())
+                    .header("Content-Range", format!("{start}-{}", start + len - 1))
+                    .body(b)
+            })
+            .await?;
+        if resp.status() != StatusCode::ACCEPTED {
+            return Err(self.fail(resp, &what).await);
+        }
+        self.location(&resp, &what)
+    }
+}
+
+fn parse_challenge(h: &str) -> Option<Challenge> {
+    let (scheme, params) = h.trim().split_once(' ').unwrap_or((h.trim(), ""));
+    if scheme.eq_ignore_ascii_case("basic") {
+        return Some(Challenge::Basic);
+    }
+    if !scheme.eq_ignore_ascii_case("bearer") {
+        return None;
+    }
+    let mut realm = None;
+    let mut service = None;
+    for (k, v) in parse_params(params) {
+        match k.as_str() {
+            "realm" => realm = Some(v),
+            "service" => service = Some(v),
+            _ => {}
+        }
+    }
+    Some(Challenge::Bearer { realm: realm?, service })
+}
+
+/// `k="v", k2="v,2"`: values may be quoted and contain commas.
+fn parse_params(s: &str) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    let mut rest = s.trim();
+    while !rest.is_empty() {
+        let Some((k, after)) = rest.split_once('=') else { break };
+        let key = k.trim().trim_start_matches(',').trim().to_ascii_lowercase();
+        let after = after.trim_start();
+        let (value, next) = if let Some(q) = after.strip_prefix('"') {
+            match q.find('"') {
+                Some(end) => (q[..end].to_string(), &q[end + 1..]),
+                None => (q.to_string(), ""),
+            }
+        } else {
+            match after.find(',') {
+                Some(end) => (after[..end].trim().to_string(), &after[end..]),
+                None => (after.trim().to_string(), ""),
+            }
+        };
+        out.push((key, value));
+        rest = next.trim_start().trim_start_matches(',').trim_start();
+    }
+    out
+}
+
+fn retry_after(h: &HeaderMap) -> Option<Duration> {
+    h.get("Retry-After")?.to_str().ok()?.trim().parse::<u64>().ok().map(Duration::from_secs)
+}
+
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        let c_s = c.to_string();
+        if !s.contains(&c_s) {
+            s.push_str(": ");
+            s.push_str(&c_s);
+        }
+        cur = c.source();
+    }
+    s
+}
+
+async fn body_excerpt(resp: Response) -> String {
+    let b = read_bounded(resp, 64 << 10).await.unwrap_or_default();
+    let s = String::from_utf8_lossy(&b);
+    let s = s.trim();
+    if s.len() > 300 { format!("{}…", &s[..s.floor_char_boundary(300)]) } else { s.to_string() }
+}
+
+async fn read_bounded(mut resp: Response, max: usize) -> Result<Bytes, String> {
+    let mut out = bytes::BytesMut::new();
+    while let Some(chunk) = resp.chunk().await.map_err(|e| error_chain(&e))? {
+        if out.len() + chunk.len() > max {
+            return Err(format!("larger than {max} bytes"));
+        }
+        out.extend_from_slice(&chunk);
+    }
+    Ok(out.freeze())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn challenges_parse() {
+        let c = parse_challenge(
+            r#"Bearer realm="https://auth.example.com/token",service="registry.example.com",scope="repository:a/b:pull,push""#,
+        );
+        match c {
+            Some(Challenge::Bearer { realm, service }) => {
+                assert_eq!(realm, "https://auth.example.com/token");
+                assert_eq!(service.as_deref(), Some("registry.example.com"));
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(parse_challenge(r#"Basic realm="Registry Realm""#), Some(Challenge::Basic)));
+        assert!(parse_challenge("Negotiate").is_none());
+        assert!(parse_challenge("Bearer service=x").is_none());
+    }
+
+    #[test]
+    fn credentials_never_print_their_secret() {
+        let c = Credential::Basic { username: "u".into(), secret: "s3cr3t-token".into() };
+        assert!(!format!("{c:?}").contains("s3cr3t"));
+        assert!(!format!("{:?}", Credential::Bearer("s3cr3t-token".into())).contains("s3cr3t"));
+    }
+
+    #[test]
+    fn backoff_grows_and_is_capped() {
+        let r = Retry { attempts: 5, first_backoff: Duration::from_millis(100), max_backoff: Duration::from_secs(1) };
+        assert!(r.backoff(0) <= Duration::from_millis(100) && r.backoff(0) >= Duration::from_millis(50));
+        assert!(r.backoff(10) <= Duration::from_secs(1) && r.backoff(10) >= Duration::from_millis(500));
+    }
+}

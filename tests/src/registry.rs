@@ -1,0 +1,405 @@
+//! Local OCI registries for the artifact-sync suites: Debian's `docker-registry`
+//! (distribution 2.8) on a free loopback port with its own storage, optionally behind
+//! htpasswd basic auth; artifact builders that push with plain HTTP calls (independent
+//! of the runner's client); and a TCP relay that cuts one connection mid-transfer.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use sha2::Digest as _;
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::net::{TcpListener, TcpStream};
+
+pub const OCI_MANIFEST: &str = "application/vnd.oci.image.manifest.v1+json";
+pub const OCI_INDEX: &str = "application/vnd.oci.image.index.v1+json";
+pub const OCI_CONFIG: &str = "application/vnd.oci.image.config.v1+json";
+pub const OCI_LAYER: &str = "application/vnd.oci.image.layer.v1.tar";
+pub const HELM_CONFIG: &str = "application/vnd.cncf.helm.config.v1+json";
+pub const HELM_CHART: &str = "application/vnd.cncf.helm.chart.content.v1.tar+gzip";
+pub const TF_MODULE_CONFIG: &str = "application/vnd.opentofu.modulepkg";
+pub const TF_MODULE_LAYER: &str = "archive/zip";
+pub const COSIGN_SIG: &str = "application/vnd.dev.cosign.artifact.sig.v1+json";
+pub const SBOM: &str = "application/spdx+json";
+
+pub fn digest_of(b: &[u8]) -> String {
+    format!("sha256:{}", hex_encode(&sha2::Sha256::digest(b)))
+}
+
+fn hex_encode(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// `docker-registry` from Debian (`scripts/setup` installs it).
+pub fn registry_binary() -> PathBuf {
+    std::env::var_os("BYOC_DOCKER_REGISTRY").map(PathBuf::from).unwrap_or_else(|| "/usr/bin/docker-registry".into())
+}
+
+pub struct LocalRegistry {
+    pub port: u16,
+    pub dir: tempfile::TempDir,
+    pub auth: Option<(String, String)>,
+    child: Child,
+    http: reqwest::Client,
+}
+
+impl Drop for LocalRegistry {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct Pushed {
+    pub digest: String,
+    pub media_type: String,
+    pub bytes: Vec<u8>,
+    pub size: u64,
+}
+
+impl Pushed {
+    pub fn descriptor(&self) -> serde_json::Value {
+        serde_json::json!({"mediaType": self.media_type, "digest": self.digest, "size": self.size})
+    }
+}
+
+impl LocalRegistry {
+    /// Start and wait until `/v2/` answers. `auth`: htpasswd basic auth with this user.
+    pub async fn start(auth: Option<(&str, &str)>) -> LocalRegistry {
+        let bin = registry_binary();
+        assert!(bin.exists(), "{} not found (run scripts/setup, or set BYOC_DOCKER_REGISTRY)", bin.display());
+        let dir = tempfile::tempdir().expect("tempdir");
+        let port = free_port();
+        let mut config = format!(
+            "version: 0.1\nlog:\n  level: error\n  accesslog:\n    disabled: true\nstorage:\n  filesystem:\n    rootdirectory: {}\n  delete:\n    enabled: true\nhttp:\n  addr: 127.0.0.1:{port}\n  secret: byoc-test-secret\n",
+            dir.path().join("data").display()
+        );
+        if let Some((user, pass)) = auth {
+            let out = Command::new("htpasswd").args(["-Bbn", user, pass]).output().expect("htpasswd (apache2-utils) runs");
+            assert!(out.status.success(), "htpasswd: {}", String::from_utf8_lossy(&out.stderr));
+            std::fs::write(dir.path().join("htpasswd"), &out.stdout).expect("htpasswd file");
+            config.push_str(&format!(
+                "auth:\n  htpasswd:\n    realm: byoc-test\n    path: {}\n",
+                dir.path().join("htpasswd").display()
+            ));
+        }
+        std::fs::write(dir.path().join("config.yml"), config).expect("registry config");
+        let log = std::fs::File::create(dir.path().join("registry.log")).expect("registry log");
+        let child = Command::new(&bin)
+            .args(["serve", &dir.path().join("config.yml").display().to_string()])
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().expect("log fd"))
+            .stderr(log)
+            .spawn()
+            .expect("docker-registry starts");
+        let r = LocalRegistry {
+            port,
+            dir,
+            auth: auth.map(|(u, p)| (u.to_string(), p.to_string())),
+            child,
+            http: reqwest::Client::new(),
+        };
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            if r.http.get(format!("{}/v2/", r.url())).send().await.is_ok() {
+                break;
+            }
+            assert!(tokio::time::Instant::now() < deadline, "docker-registry did not start on port {port}");
+            // Readiness of another process: nothing to wait on but its port.
+            tokio::time::sleep(Duration::from_millis(30)).await;
+        }
+        r
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    pub fn host(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
+    /// Where the registry keeps a blob's bytes (to corrupt it behind its back).
+    pub fn blob_path(&self, digest: &str) -> PathBuf {
+        let hex = digest.trim_start_matches("sha256:");
+        self.dir.path().join(format!("data/docker/registry/v2/blobs/sha256/{}/{hex}/data", &hex[..2]))
+    }
+
+    fn req(&self, m: reqwest::Method, path: &str) -> reqwest::RequestBuilder {
+        let url = if path.starts_with("http") { path.to_string() } else { format!("{}{path}", self.url()) };
+        let r = self.http.request(m, url);
+        match &self.auth {
+            Some((u, p)) => r.basic_auth(u, Some(p)),
+            None => r,
+        }
+    }
+
+    /// Push a blob in one request (POST, then PUT with the body).
+    pub async fn push_blob(&self, repo: &str, body: impl Into<reqwest::Body>, digest: &str, size: u64) {
+        let r = self.req(reqwest::Method::POST, &format!("/v2/{repo}/blobs/uploads/")).send().await.expect("POST upload");
+        assert_eq!(r.status(), 202, "starting an upload: {}", r.text().await.unwrap_or_default());
+        let loc = r.headers()["location"].to_str().expect("location").to_string();
+        let sep = if loc.contains('?') { '&' } else { '?' };
+        let r = self
+            .req(reqwest::Method::PUT, &format!("{loc}{sep}digest={digest}"))
+            .header("Content-Length", size.to_string())
+            .header("Content-Type", "application/octet-stream")
+            .body(body)
+            .send()
+            .await
+            .expect("PUT blob");
+        assert_eq!(r.status(), 201, "pushing blob {digest}: {}", r.text().await.unwrap_or_default());
+    }
+
+    pub async fn push_bytes(&self, repo: &str, media_type: &str, bytes: Vec<u8>) -> Pushed {
+        let digest = digest_of(&bytes);
+        let size = bytes.len() as u64;
+        self.push_blob(repo, bytes.clone(), &digest, size).await;
+        Pushed { digest, media_type: media_type.into(), bytes, size }
+    }
+
+    pub async fn push_manifest(&self, repo: &str, reference: Option<&str>, media_type: &str, m: serde_json::Value) -> Pushed {
+        let bytes = serde_json::to_vec(&m).expect("manifest json");
+        let digest = digest_of(&bytes);
+        let r = self
+            .req(reqwest::Method::PUT, &format!("/v2/{repo}/manifests/{}", reference.unwrap_or(&digest)))
+            .header("Content-Type", media_type)
+            .body(bytes.clone())
+            .send()
+            .await
+            .expect("PUT manifest");
+        assert_eq!(r.status(), 201, "pushing manifest: {}", r.text().await.unwrap_or_default());
+        Pushed { digest, media_type: media_type.into(), size: bytes.len() as u64, bytes }
+    }
+
+    /// An image manifest (or artifact, with `artifact_type`) over `layers`.
+    pub async fn push_image(
+        &self,
+        repo: &str,
+        tag: Option<&str>,
+        config: Pushed,
+        layers: &[Pushed],
+        artifact_type: Option<&str>,
+        subject: Option<&Pushed>,
+    ) -> Pushed {
+        let mut m = serde_json::json!({
+            "schemaVersion": 2,
+            "mediaType": OCI_MANIFEST,
+            "config": config.descriptor(),
+            "layers": layers.iter().map(Pushed::descriptor).collect::<Vec<_>>(),
+        });
+        if let Some(t) = artifact_type {
+            m["artifactType"] = t.into();
+        }
+        if let Some(s) = subject {
+            m["subject"] = s.descriptor();
+        }
+        self.push_manifest(repo, tag, OCI_MANIFEST, m).await
+    }
+
+    /// A runnable-looking image: a config and `layers` random layers of `size` bytes.
+    pub async fn push_random_image(&self, repo: &str, tag: Option<&str>, layers: usize, size: usize, seed: u64) -> Pushed {
+        let mut ls = Vec::new();
+        for i in 0..layers {
+            ls.push(self.push_bytes(repo, OCI_LAYER, random_bytes(size, seed * 1000 + i as u64)).await);
+        }
+        let config = serde_json::json!({"architecture": "amd64", "os": "linux", "rootfs": {"type": "layers", "diff_ids": ls.iter().map(|l| l.digest.clone()).collect::<Vec<_>>()}, "seed": seed});
+        let config = self.push_bytes(repo, OCI_CONFIG, serde_json::to_vec(&config).expect("json")).await;
+        self.push_image(repo, tag, config, &ls, None, None).await
+    }
+
+    pub async fn push_index(&self, repo: &str, tag: Option<&str>, children: &[(Pushed, &str)]) -> Pushed {
+        let manifests: Vec<serde_json::Value> = children
+            .iter()
+            .map(|(p, arch)| {
+                let mut d = p.descriptor();
+                d["platform"] = serde_json::json!({"architecture": arch, "os": "linux"});
+                d
+            })
+            .collect();
+        let m = serde_json::json!({"schemaVersion": 2, "mediaType": OCI_INDEX, "manifests": manifests});
+        self.push_manifest(repo, tag, OCI_INDEX, m).await
+    }
+
+    /// A referrer (signature, SBOM) of `subject`, listed under the referrers tag
+    /// schema as a registry without the referrers API (distribution 2.8) needs.
+    pub async fn push_referrer(&self, repo: &str, subject: &Pushed, artifact_type: &str, content: &[u8]) -> Pushed {
+        let empty = self.push_bytes(repo, "application/vnd.oci.empty.v1+json", b"{}".to_vec()).await;
+        let layer = self.push_bytes(repo, artifact_type, content.to_vec()).await;
+        let r = self.push_image(repo, None, empty, &[layer], Some(artifact_type), Some(subject)).await;
+        let tag = format!("sha256-{}", subject.digest.trim_start_matches("sha256:"));
+        let mut entries = self.index_entries(repo, &tag).await;
+        let mut d = r.descriptor();
+        d["artifactType"] = artifact_type.into();
+        entries.push(d);
+        let idx = serde_json::json!({"schemaVersion": 2, "mediaType": OCI_INDEX, "manifests": entries});
+        self.push_manifest(repo, Some(&tag), OCI_INDEX, idx).await;
+        r
+    }
+
+    /// The manifests an index under `reference` lists (empty if there is none).
+    pub async fn index_entries(&self, repo: &str, reference: &str) -> Vec<serde_json::Value> {
+        match self.manifest(repo, reference).await {
+            Some((_, b)) => serde_json::from_slice::<serde_json::Value>(&b).expect("index json")["manifests"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default(),
+            None => vec![],
+        }
+    }
+
+    /// A manifest's digest and bytes, or `None` if absent.
+    pub async fn manifest(&self, repo: &str, reference: &str) -> Option<(String, Vec<u8>)> {
+        let r = self
+            .req(reqwest::Method::GET, &format!("/v2/{repo}/manifests/{reference}"))
+            .header("Accept", format!("{OCI_MANIFEST}, {OCI_INDEX}"))
+            .send()
+            .await
+            .expect("GET manifest");
+        if r.status() == 404 {
+            return None;
+        }
+        assert!(r.status().is_success(), "GET manifest {reference}: {}", r.status());
+        let b = r.bytes().await.expect("manifest body").to_vec();
+        Some((digest_of(&b), b))
+    }
+
+    pub async fn has_blob(&self, repo: &str, digest: &str) -> bool {
+        let r = self.req(reqwest::Method::HEAD, &format!("/v2/{repo}/blobs/{digest}")).send().await.expect("HEAD blob");
+        r.status().is_success()
+    }
+
+    pub async fn tags(&self, repo: &str) -> Vec<String> {
+        let r = self.req(reqwest::Method::GET, &format!("/v2/{repo}/tags/list")).send().await.expect("tags");
+        if r.status() == 404 {
+            return vec![];
+        }
+        let v: serde_json::Value = r.json().await.expect("tags json");
+        v["tags"].as_array().map(|a| a.iter().filter_map(|t| t.as_str().map(String::from)).collect()).unwrap_or_default()
+    }
+}
+
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("a free loopback port")
+}
+
+/// Incompressible bytes from a seed (xorshift: fast, reproducible).
+pub fn random_bytes(n: usize, seed: u64) -> Vec<u8> {
+    let mut out = vec![0u8; n];
+    fill_random(&mut out, seed);
+    out
+}
+
+pub fn fill_random(buf: &mut [u8], seed: u64) {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    for chunk in buf.chunks_mut(8) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let b = x.to_le_bytes();
+        chunk.copy_from_slice(&b[..chunk.len()]);
+    }
+}
+
+/// Which way a [`CutRelay`] cuts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Cut {
+    /// After this many bytes from the registry to the client (a download).
+    Downstream(u64),
+    /// After this many bytes from the client to the registry (an upload).
+    Upstream(u64),
+}
+
+/// A TCP relay in front of a registry that cuts exactly one connection, once it has
+/// carried the given number of bytes in the given direction; later connections pass.
+pub struct CutRelay {
+    pub addr: SocketAddr,
+    pub cuts: Arc<AtomicU64>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for CutRelay {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl CutRelay {
+    pub async fn start(target: SocketAddr, cut: Cut) -> CutRelay {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("relay bind");
+        let addr = listener.local_addr().expect("relay addr");
+        let cuts = Arc::new(AtomicU64::new(0));
+        let fired = Arc::new(AtomicBool::new(false));
+        let counter = cuts.clone();
+        let task = tokio::spawn(async move {
+            let mut conns = tokio::task::JoinSet::new();
+            loop {
+                tokio::select! {
+                    accepted = listener.accept() => {
+                        let Ok((client, _)) = accepted else { continue };
+                        let (fired, counter) = (fired.clone(), counter.clone());
+                        conns.spawn(async move {
+                            if let Ok(server) = TcpStream::connect(target).await {
+                                relay(client, server, cut, fired, counter).await;
+                            }
+                        });
+                    }
+                    Some(_) = conns.join_next(), if !conns.is_empty() => {}
+                }
+            }
+        });
+        CutRelay { addr, cuts, task }
+    }
+
+    pub fn host(&self) -> String {
+        self.addr.to_string()
+    }
+}
+
+async fn relay(client: TcpStream, server: TcpStream, cut: Cut, fired: Arc<AtomicBool>, cuts: Arc<AtomicU64>) {
+    let (cr, cw) = client.into_split();
+    let (sr, sw) = server.into_split();
+    let (up_limit, down_limit) = match cut {
+        Cut::Upstream(n) => (Some(n), None),
+        Cut::Downstream(n) => (None, Some(n)),
+    };
+    // Either direction ending (or being cut) closes the whole connection.
+    tokio::select! {
+        _ = pump(cr, sw, up_limit, fired.clone(), cuts.clone()) => {}
+        _ = pump(sr, cw, down_limit, fired, cuts) => {}
+    }
+}
+
+async fn pump(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    limit: Option<u64>,
+    fired: Arc<AtomicBool>,
+    cuts: Arc<AtomicU64>,
+) {
+    let mut buf = vec![0u8; 64 << 10];
+    let mut carried = 0u64;
+    loop {
+        let n = match from.read(&mut buf).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => n,
+        };
+        if let Some(limit) = limit
+            && carried + n as u64 > limit
+            && !fired.swap(true, Ordering::SeqCst)
+        {
+            let keep = (limit - carried) as usize;
+            let _ = to.write_all(&buf[..keep]).await;
+            cuts.fetch_add(1, Ordering::SeqCst);
+            return;
+        }
+        carried += n as u64;
+        if to.write_all(&buf[..n]).await.is_err() {
+            return;
+        }
+    }
+}
