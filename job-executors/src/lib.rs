@@ -15,6 +15,7 @@ use tokio_util::sync::CancellationToken;
 pub mod container;
 pub mod mask;
 pub mod noop;
+pub mod oci;
 pub mod outputs;
 pub mod process;
 pub mod sandboxed;
@@ -63,6 +64,35 @@ pub struct ContainerSettings {
     pub gid: u32,
 }
 
+/// Where `oci.sync` finds registries and how hard it pushes.
+#[derive(Debug, Clone)]
+pub struct OciSettings {
+    /// Registry host → base URL (a private endpoint; in tests, ECR's host mapped to a
+    /// local registry). Unlisted hosts: HTTPS, or plain HTTP on loopback.
+    pub registry_endpoints: std::collections::BTreeMap<String, String>,
+    /// Blobs copied at once.
+    pub parallel: usize,
+    /// Bytes per upload chunk.
+    pub chunk_size: u64,
+}
+
+impl Default for OciSettings {
+    fn default() -> Self {
+        OciSettings { registry_endpoints: Default::default(), parallel: 4, chunk_size: 64 << 20 }
+    }
+}
+
+/// Audit records an executor makes itself (the runner fills in job, kind, operation
+/// and role). Never secrets: names, codes, references and digests.
+pub trait JobAudit: Send + Sync {
+    fn record(
+        &self,
+        event: &str,
+        detail: String,
+        digests: std::collections::BTreeMap<String, String>,
+    ) -> Result<(), String>;
+}
+
 pub struct ExecContext<'a> {
     pub job_id: String,
     /// The job's private working directory (created 0700 by the runner).
@@ -78,6 +108,8 @@ pub struct ExecContext<'a> {
     /// The assumed role's credentials, for jobs that asked for a role (`None`: the job
     /// gets no AWS credentials at all).
     pub credentials: Option<JobCredentials>,
+    pub oci: OciSettings,
+    pub audit: Option<std::sync::Arc<dyn JobAudit>>,
 }
 
 /// How a job reaches its role's credentials. Both forms' secrets are in `feed`, so
@@ -179,6 +211,8 @@ pub async fn run_masked(exec: &dyn Executor, ctx: ExecContext<'_>) -> ExecOutcom
         sandbox,
         containers,
         credentials,
+        oci,
+        audit,
     } = ctx;
     let feed = credentials.as_ref().map(|c| c.feed.clone()).unwrap_or_default();
     let mut sink = match mask::MaskingSink::with_feed(exec.secrets(), feed, output) {
@@ -195,6 +229,8 @@ pub async fn run_masked(exec: &dyn Executor, ctx: ExecContext<'_>) -> ExecOutcom
         sandbox,
         containers,
         credentials,
+        oci,
+        audit,
     };
     let mut outcome = exec.run(inner).await;
     let masker = sink.current_masker();
@@ -237,6 +273,10 @@ pub fn build(kind: &str, spec: &serde_json::Value) -> Result<Box<dyn Executor>, 
         )),
         "action.script" => Ok(Box::new(
             script::Script::from_spec(spec)
+                .map_err(|reason| SpecError::Invalid { kind: kind.into(), reason })?,
+        )),
+        "oci.sync" => Ok(Box::new(
+            oci::OciSync::from_spec(spec)
                 .map_err(|reason| SpecError::Invalid { kind: kind.into(), reason })?,
         )),
         other => Err(SpecError::UnknownKind(other.into())),

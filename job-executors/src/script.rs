@@ -152,6 +152,8 @@ mod tests {
             sandbox: None,
             containers: None,
             credentials: None,
+            oci: Default::default(),
+            audit: None,
         };
         let outcome = crate::run_masked(s, ctx).await;
         (outcome, String::from_utf8_lossy(&out).into_owned())

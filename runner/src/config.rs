@@ -25,6 +25,7 @@ pub struct Config {
     pub containers: ContainersConfig,
     pub aws: AwsConfig,
     pub roles: RolesConfig,
+    pub oci: OciConfig,
     /// Where the configuration was read from (hidden from jobs).
     pub source: PathBuf,
     /// SHA-256 of the effective configuration (file plus overrides), for the audit trail.
@@ -111,6 +112,16 @@ pub struct AwsConfig {
     pub account_id: Option<String>,
 }
 
+/// How `oci.sync` jobs reach registries.
+#[derive(Debug, Clone, Default)]
+pub struct OciConfig {
+    /// Registry host → base URL: a private endpoint for a registry (for ECR, say, a VPC
+    /// endpoint), or in tests ECR's host mapped to a local registry.
+    pub registry_endpoints: std::collections::BTreeMap<String, String>,
+    pub parallel: usize,
+    pub chunk_bytes: u64,
+}
+
 /// The customer's lifecycle-role settings.
 #[derive(Debug, Clone)]
 pub struct RolesConfig {
@@ -177,6 +188,7 @@ impl Config {
         let containers_t = top.table("containers");
         let aws_t = top.table("aws");
         let roles_t = top.table("roles");
+        let oci_t = top.table("oci");
         top.finish();
 
         let mut f = Fields::new("control_plane", cp_t, &mut problems);
@@ -344,6 +356,19 @@ impl Config {
         if roles.stack_name.is_some() && aws.region.is_none() {
             problems.push("aws.region: required when roles.stack_name is set".into());
         }
+        let mut f = Fields::new("oci", oci_t, &mut problems);
+        let oci = OciConfig {
+            registry_endpoints: f.get("registry_endpoints").unwrap_or_default(),
+            parallel: f.ranged("parallel", 4, 1..=32) as usize,
+            // ECR wants chunks of 5 MiB at least (but the last).
+            chunk_bytes: f.ranged("chunk_mib", 64, 5..=1024) << 20,
+        };
+        f.finish();
+        for (host, u) in &oci.registry_endpoints {
+            if let Err(e) = validate_url(u, true) {
+                problems.push(format!("oci.registry_endpoints.{host:?}: {e}"));
+            }
+        }
         if backoff_initial > backoff_max {
             problems.push("poll.backoff_initial_ms: larger than poll.backoff_max_secs".into());
         }
@@ -379,6 +404,7 @@ impl Config {
             containers,
             aws,
             roles,
+            oci,
             source: PathBuf::from(source_name),
             digest,
         })

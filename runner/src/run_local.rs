@@ -125,6 +125,8 @@ pub async fn run(
             gid: 65534,
         }),
         credentials: None,
+        oci: Default::default(),
+        audit: None,
     };
     let outcome = byoc_job_executors::run_masked(exec, ctx).await;
     ctrl_c.abort();

@@ -31,11 +31,24 @@ fn copier(src_host: &str, dst_host: &str, secret: &str, options: Options) -> Cop
     Copier::new(Arc::new(src), Arc::new(dst), options)
 }
 
-async fn sync(p: &Pair, repo: &str, root: &Pushed, dst_repo: &str, tags: &[&str]) -> Result<Report, SyncError> {
-    sync_with(&copier(&p.src.host(), &p.dst.host(), TOKEN, Options::default()), repo, root, dst_repo, tags).await
+async fn sync(
+    p: &Pair,
+    repo: &str,
+    root: &Pushed,
+    dst_repo: &str,
+    tags: &[&str],
+) -> Result<Report, SyncError> {
+    sync_with(&copier(&p.src.host(), &p.dst.host(), TOKEN, Options::default()), repo, root, dst_repo, tags)
+        .await
 }
 
-async fn sync_with(c: &Copier, repo: &str, root: &Pushed, dst_repo: &str, tags: &[&str]) -> Result<Report, SyncError> {
+async fn sync_with(
+    c: &Copier,
+    repo: &str,
+    root: &Pushed,
+    dst_repo: &str,
+    tags: &[&str],
+) -> Result<Report, SyncError> {
     let d = Digest::parse(&root.digest).unwrap();
     let tags: Vec<String> = tags.iter().map(|t| t.to_string()).collect();
     c.copy(repo, &root.digest, Some(&d), dst_repo, &tags).await
@@ -74,7 +87,10 @@ async fn a_multi_arch_index_is_copied_with_every_platform() {
     let p = pair().await;
     let amd = p.src.push_random_image("vendor/multi", None, 2, 50_000, 2).await;
     let arm = p.src.push_random_image("vendor/multi", None, 2, 50_000, 3).await;
-    let idx = p.src.push_index("vendor/multi", Some("2.0"), &[(amd.clone(), "amd64"), (arm.clone(), "arm64")]).await;
+    let idx = p
+        .src
+        .push_index("vendor/multi", Some("2.0"), &[(amd.clone(), "amd64"), (arm.clone(), "arm64")])
+        .await;
     let r = sync(&p, "vendor/multi", &idx, "install/multi", &["2.0"]).await.unwrap();
     assert_copied(&p, "vendor/multi", &idx, "install/multi", "2.0").await;
     for child in [&amd, &arm] {
@@ -89,17 +105,29 @@ async fn a_multi_arch_index_is_copied_with_every_platform() {
 #[tokio::test]
 async fn helm_charts_and_terraform_modules_are_copied_as_oci_artifacts() {
     let p = pair().await;
-    let cfg = p.src.push_bytes("vendor/charts/api", HELM_CONFIG, br#"{"name":"api","version":"1.2.3","apiVersion":"v2"}"#.to_vec()).await;
+    let cfg = p
+        .src
+        .push_bytes(
+            "vendor/charts/api",
+            HELM_CONFIG,
+            br#"{"name":"api","version":"1.2.3","apiVersion":"v2"}"#.to_vec(),
+        )
+        .await;
     let chart = p.src.push_bytes("vendor/charts/api", HELM_CHART, random_bytes(40_000, 4)).await;
-    let chart_m = p.src.push_image("vendor/charts/api", Some("1.2.3"), cfg, &[chart.clone()], None, None).await;
+    let chart_m =
+        p.src.push_image("vendor/charts/api", Some("1.2.3"), cfg, &[chart.clone()], None, None).await;
     let r = sync(&p, "vendor/charts/api", &chart_m, "install/charts/api", &["1.2.3"]).await.unwrap();
     assert_copied(&p, "vendor/charts/api", &chart_m, "install/charts/api", "1.2.3").await;
     assert!(p.dst.has_blob("install/charts/api", &chart.digest).await);
     assert_eq!(r.blobs_moved, 2);
 
-    let cfg = p.src.push_bytes("vendor/modules/vpc", "application/vnd.oci.empty.v1+json", b"{}".to_vec()).await;
+    let cfg =
+        p.src.push_bytes("vendor/modules/vpc", "application/vnd.oci.empty.v1+json", b"{}".to_vec()).await;
     let zip = p.src.push_bytes("vendor/modules/vpc", TF_MODULE_LAYER, random_bytes(20_000, 5)).await;
-    let module = p.src.push_image("vendor/modules/vpc", Some("0.4.0"), cfg, &[zip.clone()], Some(TF_MODULE_CONFIG), None).await;
+    let module = p
+        .src
+        .push_image("vendor/modules/vpc", Some("0.4.0"), cfg, &[zip.clone()], Some(TF_MODULE_CONFIG), None)
+        .await;
     sync(&p, "vendor/modules/vpc", &module, "install/modules/vpc", &["0.4.0"]).await.unwrap();
     assert_copied(&p, "vendor/modules/vpc", &module, "install/modules/vpc", "0.4.0").await;
     assert!(p.dst.has_blob("install/modules/vpc", &zip.digest).await);
@@ -131,7 +159,8 @@ async fn referrers_are_copied_and_listed_under_the_tag_schema() {
     assert_eq!(listed[0]["artifactType"], COSIGN_SIG);
 
     // Without referrers the artifact alone is copied.
-    let plain = copier(&p.src.host(), &p.dst.host(), TOKEN, Options { referrers: false, ..Options::default() });
+    let plain =
+        copier(&p.src.host(), &p.dst.host(), TOKEN, Options { referrers: false, ..Options::default() });
     let r = sync_with(&plain, "vendor/signed", &img, "install/unsigned", &["3.0"]).await.unwrap();
     assert_eq!(r.referrers, 0);
     assert!(p.dst.manifest("install/unsigned", &sig.digest).await.is_none());
@@ -150,7 +179,12 @@ async fn a_corrupt_source_blob_fails_the_sync_and_nothing_is_tagged() {
         let mut bytes = std::fs::read(&path).unwrap();
         bytes[size / 2] ^= 0xff;
         std::fs::write(&path, bytes).unwrap();
-        let c = copier(&p.src.host(), &p.dst.host(), TOKEN, Options { chunk_size: 1 << 20, ..Options::default() });
+        let c = copier(
+            &p.src.host(),
+            &p.dst.host(),
+            TOKEN,
+            Options { chunk_size: 1 << 20, ..Options::default() },
+        );
         let err = sync_with(&c, &repo, &img, "install/corrupt", &["1"]).await.unwrap_err();
         assert_eq!(err.code(), "source_digest_mismatch", "{err}");
         assert!(err.to_string().contains(&layer_digest) && err.to_string().contains("source"), "{err}");
@@ -164,9 +198,12 @@ async fn a_corrupt_source_blob_fails_the_sync_and_nothing_is_tagged() {
 async fn a_download_cut_mid_blob_is_resumed_from_where_it_stopped() {
     let p = pair().await;
     let img = p.src.push_random_image("vendor/big", Some("1"), 1, 8_000_000, 9).await;
-    let relay = CutRelay::start(format!("127.0.0.1:{}", p.src.port).parse().unwrap(), Cut::Downstream(3_000_000)).await;
+    let relay =
+        CutRelay::start(format!("127.0.0.1:{}", p.src.port).parse().unwrap(), Cut::Downstream(3_000_000))
+            .await;
     // The relay is on loopback too, so plain HTTP; the source is reached through it.
-    let c = copier(&relay.host(), &p.dst.host(), TOKEN, Options { chunk_size: 2 << 20, ..Options::default() });
+    let c =
+        copier(&relay.host(), &p.dst.host(), TOKEN, Options { chunk_size: 2 << 20, ..Options::default() });
     let r = sync_with(&c, "vendor/big", &img, "install/big", &["1"]).await.unwrap();
     assert_eq!(relay.cuts.load(std::sync::atomic::Ordering::SeqCst), 1);
     assert_copied(&p, "vendor/big", &img, "install/big", "1").await;
@@ -180,8 +217,10 @@ async fn a_download_cut_mid_blob_is_resumed_from_where_it_stopped() {
 async fn an_upload_cut_mid_blob_is_completed_and_verified() {
     let p = pair().await;
     let img = p.src.push_random_image("vendor/up", Some("1"), 1, 6_000_000, 10).await;
-    let relay = CutRelay::start(format!("127.0.0.1:{}", p.dst.port).parse().unwrap(), Cut::Upstream(4_000_000)).await;
-    let c = copier(&p.src.host(), &relay.host(), TOKEN, Options { chunk_size: 2 << 20, ..Options::default() });
+    let relay =
+        CutRelay::start(format!("127.0.0.1:{}", p.dst.port).parse().unwrap(), Cut::Upstream(4_000_000)).await;
+    let c =
+        copier(&p.src.host(), &relay.host(), TOKEN, Options { chunk_size: 2 << 20, ..Options::default() });
     let r = sync_with(&c, "vendor/up", &img, "install/up", &["1"]).await.unwrap();
     assert_eq!(relay.cuts.load(std::sync::atomic::Ordering::SeqCst), 1);
     assert_copied(&p, "vendor/up", &img, "install/up", "1").await;
@@ -208,9 +247,7 @@ async fn a_missing_artifact_or_a_different_digest_is_refused() {
     let img = p.src.push_random_image("vendor/api", Some("1"), 1, 1000, 12).await;
     let other = p.src.push_random_image("vendor/api", Some("2"), 1, 1000, 13).await;
     let c = copier(&p.src.host(), &p.dst.host(), TOKEN, Options::default());
-    let err = c
-        .copy("vendor/api", "2", Some(&Digest::parse(&img.digest).unwrap()), "install/api", &[])
-        .await;
+    let err = c.copy("vendor/api", "2", Some(&Digest::parse(&img.digest).unwrap()), "install/api", &[]).await;
     // Asked by digest: the digest wins, whatever tag 2 points at.
     assert_eq!(err.unwrap().digest, img.digest);
     let missing = Digest::of(b"nothing");

@@ -91,6 +91,15 @@ impl MotoServer {
             .filter_map(|v| {
                 let body = v["body"].as_str()?;
                 let raw = base64::engine::general_purpose::STANDARD.decode(body).ok()?;
+                // JSON-protocol APIs (ECR) name the action in X-Amz-Target.
+                if let Some(target) = v["headers"]["X-Amz-Target"].as_str() {
+                    let json: serde_json::Value = serde_json::from_slice(&raw).unwrap_or_default();
+                    let params = json
+                        .as_object()
+                        .map(|o| o.iter().map(|(k, v)| (k.clone(), v.to_string())).collect())
+                        .unwrap_or_default();
+                    return Some(AwsCall { action: target.rsplit('.').next()?.to_string(), params });
+                }
                 let params: BTreeMap<String, String> =
                     url::form_urlencoded::parse(&raw).into_owned().collect();
                 Some(AwsCall { action: params.get("Action")?.clone(), params })
@@ -100,6 +109,27 @@ impl MotoServer {
 
     pub async fn calls_of(&self, action: &str) -> Vec<AwsCall> {
         self.calls().await.into_iter().filter(|c| c.action == action).collect()
+    }
+
+    /// A JSON-protocol call (ECR) as the test itself.
+    pub async fn json_call(&self, service: &str, target: &str, body: serde_json::Value) -> serde_json::Value {
+        let auth = format!(
+            "AWS4-HMAC-SHA256 Credential=testing/20260101/us-east-1/{service}/aws4_request, SignedHeaders=host, Signature=00"
+        );
+        let r = self
+            .http
+            .post(format!("{}/", self.url()))
+            .header("Content-Type", "application/x-amz-json-1.1")
+            .header("X-Amz-Target", target)
+            .header("Authorization", auth)
+            .body(body.to_string())
+            .send()
+            .await
+            .expect("moto answers");
+        let status = r.status();
+        let text = r.text().await.unwrap_or_default();
+        assert!(status.is_success(), "{target} failed: {status} {text}");
+        serde_json::from_str(&text).unwrap_or_default()
     }
 
     /// A Query API call as the test itself (moto does not check signatures, but routes

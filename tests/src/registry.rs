@@ -35,7 +35,9 @@ fn hex_encode(b: &[u8]) -> String {
 
 /// `docker-registry` from Debian (`scripts/setup` installs it).
 pub fn registry_binary() -> PathBuf {
-    std::env::var_os("BYOC_DOCKER_REGISTRY").map(PathBuf::from).unwrap_or_else(|| "/usr/bin/docker-registry".into())
+    std::env::var_os("BYOC_DOCKER_REGISTRY")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| "/usr/bin/docker-registry".into())
 }
 
 pub struct LocalRegistry {
@@ -79,7 +81,10 @@ impl LocalRegistry {
             dir.path().join("data").display()
         );
         if let Some((user, pass)) = auth {
-            let out = Command::new("htpasswd").args(["-Bbn", user, pass]).output().expect("htpasswd (apache2-utils) runs");
+            let out = Command::new("htpasswd")
+                .args(["-Bbn", user, pass])
+                .output()
+                .expect("htpasswd (apache2-utils) runs");
             assert!(out.status.success(), "htpasswd: {}", String::from_utf8_lossy(&out.stderr));
             std::fs::write(dir.path().join("htpasswd"), &out.stdout).expect("htpasswd file");
             config.push_str(&format!(
@@ -140,7 +145,11 @@ impl LocalRegistry {
 
     /// Push a blob in one request (POST, then PUT with the body).
     pub async fn push_blob(&self, repo: &str, body: impl Into<reqwest::Body>, digest: &str, size: u64) {
-        let r = self.req(reqwest::Method::POST, &format!("/v2/{repo}/blobs/uploads/")).send().await.expect("POST upload");
+        let r = self
+            .req(reqwest::Method::POST, &format!("/v2/{repo}/blobs/uploads/"))
+            .send()
+            .await
+            .expect("POST upload");
         assert_eq!(r.status(), 202, "starting an upload: {}", r.text().await.unwrap_or_default());
         let loc = r.headers()["location"].to_str().expect("location").to_string();
         let sep = if loc.contains('?') { '&' } else { '?' };
@@ -162,7 +171,13 @@ impl LocalRegistry {
         Pushed { digest, media_type: media_type.into(), bytes, size }
     }
 
-    pub async fn push_manifest(&self, repo: &str, reference: Option<&str>, media_type: &str, m: serde_json::Value) -> Pushed {
+    pub async fn push_manifest(
+        &self,
+        repo: &str,
+        reference: Option<&str>,
+        media_type: &str,
+        m: serde_json::Value,
+    ) -> Pushed {
         let bytes = serde_json::to_vec(&m).expect("manifest json");
         let digest = digest_of(&bytes);
         let r = self
@@ -202,7 +217,14 @@ impl LocalRegistry {
     }
 
     /// A runnable-looking image: a config and `layers` random layers of `size` bytes.
-    pub async fn push_random_image(&self, repo: &str, tag: Option<&str>, layers: usize, size: usize, seed: u64) -> Pushed {
+    pub async fn push_random_image(
+        &self,
+        repo: &str,
+        tag: Option<&str>,
+        layers: usize,
+        size: usize,
+        seed: u64,
+    ) -> Pushed {
         let mut ls = Vec::new();
         for i in 0..layers {
             ls.push(self.push_bytes(repo, OCI_LAYER, random_bytes(size, seed * 1000 + i as u64)).await);
@@ -227,7 +249,13 @@ impl LocalRegistry {
 
     /// A referrer (signature, SBOM) of `subject`, listed under the referrers tag
     /// schema as a registry without the referrers API (distribution 2.8) needs.
-    pub async fn push_referrer(&self, repo: &str, subject: &Pushed, artifact_type: &str, content: &[u8]) -> Pushed {
+    pub async fn push_referrer(
+        &self,
+        repo: &str,
+        subject: &Pushed,
+        artifact_type: &str,
+        content: &[u8],
+    ) -> Pushed {
         let empty = self.push_bytes(repo, "application/vnd.oci.empty.v1+json", b"{}".to_vec()).await;
         let layer = self.push_bytes(repo, artifact_type, content.to_vec()).await;
         let r = self.push_image(repo, None, empty, &[layer], Some(artifact_type), Some(subject)).await;
@@ -269,7 +297,11 @@ impl LocalRegistry {
     }
 
     pub async fn has_blob(&self, repo: &str, digest: &str) -> bool {
-        let r = self.req(reqwest::Method::HEAD, &format!("/v2/{repo}/blobs/{digest}")).send().await.expect("HEAD blob");
+        let r = self
+            .req(reqwest::Method::HEAD, &format!("/v2/{repo}/blobs/{digest}"))
+            .send()
+            .await
+            .expect("HEAD blob");
         r.status().is_success()
     }
 
@@ -279,12 +311,18 @@ impl LocalRegistry {
             return vec![];
         }
         let v: serde_json::Value = r.json().await.expect("tags json");
-        v["tags"].as_array().map(|a| a.iter().filter_map(|t| t.as_str().map(String::from)).collect()).unwrap_or_default()
+        v["tags"]
+            .as_array()
+            .map(|a| a.iter().filter_map(|t| t.as_str().map(String::from)).collect())
+            .unwrap_or_default()
     }
 }
 
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("a free loopback port")
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free loopback port")
 }
 
 /// Incompressible bytes from a seed (xorshift: fast, reproducible).

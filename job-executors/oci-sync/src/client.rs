@@ -227,7 +227,8 @@ impl Registry {
                 }
                 Ok(resp)
                     if retry
-                        && (resp.status().is_server_error() || resp.status() == StatusCode::TOO_MANY_REQUESTS) =>
+                        && (resp.status().is_server_error()
+                            || resp.status() == StatusCode::TOO_MANY_REQUESTS) =>
                 {
                     let wait = retry_after(resp.headers());
                     let status = resp.status().as_u16();
@@ -289,7 +290,8 @@ impl Registry {
             // A ready bearer token that was refused: nothing to exchange it for.
             (Challenge::Bearer { .. }, Some(Credential::Bearer(_))) => Err(self.unauthorized(what)),
             (Challenge::Bearer { realm, service }, Some(Credential::Basic { username, secret })) => {
-                let token = self.fetch_token(&realm, service.as_deref(), scope, username, secret, what).await?;
+                let token =
+                    self.fetch_token(&realm, service.as_deref(), scope, username, secret, what).await?;
                 if let Ok(mut t) = self.tokens.lock() {
                     t.insert(scope.0.clone(), token);
                 }
@@ -343,10 +345,8 @@ impl Registry {
             token: Option<String>,
             access_token: Option<String>,
         }
-        let t: TokenResponse = resp
-            .json()
-            .await
-            .map_err(|e| self.err_transport(what, format!("token endpoint answer: {e}")))?;
+        let t: TokenResponse =
+            resp.json().await.map_err(|e| self.err_transport(what, format!("token endpoint answer: {e}")))?;
         t.token
             .or(t.access_token)
             .ok_or_else(|| self.err_transport(what, "token endpoint answered without a token".into()))
@@ -359,7 +359,9 @@ impl Registry {
             StatusCode::UNAUTHORIZED => self.unauthorized(&what),
             StatusCode::FORBIDDEN => SyncError::Forbidden { side, registry, what },
             StatusCode::NOT_FOUND => SyncError::NotFound { side, registry, what },
-            s => SyncError::Status { side, registry, what, status: s.as_u16(), body: body_excerpt(resp).await },
+            s => {
+                SyncError::Status { side, registry, what, status: s.as_u16(), body: body_excerpt(resp).await }
+            }
         }
     }
 
@@ -383,9 +385,7 @@ impl Registry {
             .and_then(|v| v.to_str().ok())
             .map(|s| s.split(';').next().unwrap_or("").trim().to_string())
             .unwrap_or_default();
-        let bytes = read_bounded(resp, MAX_MANIFEST_BYTES)
-            .await
-            .map_err(|e| self.err_transport(&what, e))?;
+        let bytes = read_bounded(resp, MAX_MANIFEST_BYTES).await.map_err(|e| self.err_transport(&what, e))?;
         let digest = Digest::of(&bytes);
         if let Ok(expected) = Digest::parse(reference)
             && expected != digest
@@ -479,7 +479,10 @@ impl Registry {
                 if start == Some(offset) {
                     Ok(resp)
                 } else {
-                    Err(self.err_transport(&what, format!("resuming at byte {offset}: the range answered starts at {start:?}")))
+                    Err(self.err_transport(
+                        &what,
+                        format!("resuming at byte {offset}: the range answered starts at {start:?}"),
+                    ))
                 }
             }
             StatusCode::OK => Err(self.err_transport(
@@ -497,7 +500,9 @@ impl Registry {
         let mut url = self.url(&format!("/v2/{repo}/blobs/uploads/"));
         url.query_pairs_mut().append_pair("mount", digest.as_str()).append_pair("from", from);
         let resp = self
-            .send(&what, &Scope::mount(repo, from), true, |c| c.post(url.clone()).header("Content-Length", "0"))
+            .send(&what, &Scope::mount(repo, from), true, |c| {
+                c.post(url.clone()).header("Content-Length", "0")
+            })
             .await?;
         match resp.status() {
             StatusCode::CREATED => Ok(true),
@@ -616,7 +621,8 @@ impl Registry {
         let body = std::sync::Mutex::new(Some(body));
         let resp = self
             .send(&what, &Scope::push(repo), false, |c| {
-                let b = body.lock().ok().and_then(|mut b| b.take()).unwrap_or_else(|| reqwest::Body::from(""));
+                let b =
+                    body.lock().ok().and_then(|mut b| b.take()).unwrap_or_else(|| reqwest::Body::from(""));
                 c.patch(upload.clone())
                     .header("Content-Type", "application/octet-stream")
                     .header("Content-Length", len.to_string())
@@ -742,7 +748,11 @@ mod tests {
 
     #[test]
     fn backoff_grows_and_is_capped() {
-        let r = Retry { attempts: 5, first_backoff: Duration::from_millis(100), max_backoff: Duration::from_secs(1) };
+        let r = Retry {
+            attempts: 5,
+            first_backoff: Duration::from_millis(100),
+            max_backoff: Duration::from_secs(1),
+        };
         assert!(r.backoff(0) <= Duration::from_millis(100) && r.backoff(0) >= Duration::from_millis(50));
         assert!(r.backoff(10) <= Duration::from_secs(1) && r.backoff(10) >= Duration::from_millis(500));
     }

@@ -166,8 +166,14 @@ impl Copier {
             });
         }
         let mut plan = Plan::default();
-        self.walk(&mut plan, src_repo, root.digest.clone(), Some((root.bytes.clone(), root.media_type.clone())), 0)
-            .await?;
+        self.walk(
+            &mut plan,
+            src_repo,
+            root.digest.clone(),
+            Some((root.bytes.clone(), root.media_type.clone())),
+            0,
+        )
+        .await?;
         let total: u64 = plan.blobs.values().sum();
         self.counters.bytes_total.store(total, Ordering::Relaxed);
         self.counters.blobs_total.store(plan.blobs.len() as u64, Ordering::Relaxed);
@@ -175,8 +181,13 @@ impl Copier {
         // Blobs, several at once; the first error stops the rest.
         let mut outcomes = Vec::with_capacity(plan.blobs.len());
         {
-            let mut stream = futures_util::stream::iter(plan.blobs.iter())
-                .map(|(d, size)| async move { (d, *size, self.copy_blob(src_repo, dst_repo, d, *size).await) })
+            // Owned items: a closure over borrowed ones is not `Send` for every lifetime.
+            let blobs: Vec<(Digest, u64)> = plan.blobs.iter().map(|(d, s)| (d.clone(), *s)).collect();
+            let mut stream = futures_util::stream::iter(blobs)
+                .map(|(d, size)| async move {
+                    let r = self.copy_blob(src_repo, dst_repo, &d, size).await;
+                    (d, size, r)
+                })
                 .buffer_unordered(self.options.parallel.max(1));
             while let Some((d, size, r)) = stream.next().await {
                 let outcome = r?;
@@ -340,7 +351,13 @@ impl Copier {
         Ok(())
     }
 
-    async fn copy_blob(&self, src_repo: &str, dst_repo: &str, digest: &Digest, size: u64) -> Result<BlobOutcome, SyncError> {
+    async fn copy_blob(
+        &self,
+        src_repo: &str,
+        dst_repo: &str,
+        digest: &Digest,
+        size: u64,
+    ) -> Result<BlobOutcome, SyncError> {
         if self.dst.blob_size(dst_repo, digest).await?.is_some() {
             return Ok(BlobOutcome::Skipped);
         }
@@ -367,7 +384,13 @@ impl Copier {
         }
     }
 
-    async fn upload_blob(&self, src_repo: &str, dst_repo: &str, digest: &Digest, size: u64) -> Result<(), Upload> {
+    async fn upload_blob(
+        &self,
+        src_repo: &str,
+        dst_repo: &str,
+        digest: &Digest,
+        size: u64,
+    ) -> Result<(), Upload> {
         let mut upload = self.dst.start_upload(dst_repo).await?;
         let reader = Arc::new(tokio::sync::Mutex::new(SourceReader::new(
             self.src.clone(),
@@ -404,7 +427,9 @@ impl Copier {
                     }
                     if matches!(
                         e,
-                        SyncError::Unauthorized { .. } | SyncError::Forbidden { .. } | SyncError::NotFound { .. }
+                        SyncError::Unauthorized { .. }
+                            | SyncError::Forbidden { .. }
+                            | SyncError::NotFound { .. }
                     ) {
                         return Err(Upload::Fatal(e));
                     }
@@ -430,7 +455,9 @@ impl Copier {
                             return Err(Upload::Restart(e.to_string()));
                         }
                         Err(status_err) => {
-                            return Err(Upload::Restart(format!("{e}; then asking the upload's status: {status_err}")));
+                            return Err(Upload::Restart(format!(
+                                "{e}; then asking the upload's status: {status_err}"
+                            )));
                         }
                     }
                 }
@@ -486,7 +513,13 @@ struct Snapshot {
 }
 
 impl SourceReader {
-    fn new(src: Arc<Registry>, repo: &str, digest: Digest, size: u64, counters: Arc<Counters>) -> SourceReader {
+    fn new(
+        src: Arc<Registry>,
+        repo: &str,
+        digest: Digest,
+        size: u64,
+        counters: Arc<Counters>,
+    ) -> SourceReader {
         SourceReader {
             src,
             repo: repo.to_string(),
@@ -600,7 +633,9 @@ fn chunk_stream(
                 Some((Ok(b), (reader, left - n)))
             }
             Ok(None) => {
-                let e = r.src.err_transport(&r.what(), format!("the source ended at byte {} of {}", r.pos, r.size));
+                let e = r
+                    .src
+                    .err_transport(&r.what(), format!("the source ended at byte {} of {}", r.pos, r.size));
                 r.failure = Some(e);
                 drop(r);
                 Some((Err(std::io::Error::other("source ended early")), (reader, 0)))

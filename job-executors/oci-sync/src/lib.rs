@@ -8,6 +8,7 @@
 
 pub mod client;
 pub mod copy;
+pub mod ecr;
 pub mod error;
 pub mod manifest;
 pub mod reference;

@@ -50,11 +50,10 @@ impl Parsed {
         let media_type = doc.media_type.as_deref().filter(|m| !m.is_empty()).unwrap_or(header_type);
         let digest = |d: &Descriptor| Digest::parse(&d.digest);
         match (media_type, doc.manifests, doc.config) {
-            (OCI_INDEX | DOCKER_LIST, Some(children), _) | ("" | "application/json", Some(children), None) => {
-                let out = children
-                    .into_iter()
-                    .map(|d| Ok((digest(&d)?, d)))
-                    .collect::<Result<Vec<_>, String>>()?;
+            (OCI_INDEX | DOCKER_LIST, Some(children), _)
+            | ("" | "application/json", Some(children), None) => {
+                let out =
+                    children.into_iter().map(|d| Ok((digest(&d)?, d))).collect::<Result<Vec<_>, String>>()?;
                 Ok(Parsed::Index(out))
             }
             (OCI_MANIFEST | DOCKER_MANIFEST | "" | "application/json", None, Some(config)) => {
@@ -64,7 +63,9 @@ impl Parsed {
                 }
                 Ok(Parsed::Image(blobs))
             }
-            (m, _, _) => Err(format!("media type {m:?} is not an image manifest or index this runner copies")),
+            (m, _, _) => {
+                Err(format!("media type {m:?} is not an image manifest or index this runner copies"))
+            }
         }
     }
 }
@@ -106,8 +107,12 @@ mod tests {
             Parsed::Image(b) => assert_eq!(b.iter().map(|(_, s)| *s).collect::<Vec<_>>(), vec![3, 5]),
             other => panic!("{other:?}"),
         }
-        let idx = format!(r#"{{"schemaVersion":2,"manifests":[{{"mediaType":"{OCI_MANIFEST}","digest":"{D1}","size":9}}]}}"#);
-        assert!(matches!(Parsed::parse(idx.as_bytes(), OCI_INDEX).unwrap(), Parsed::Index(c) if c.len() == 1));
+        let idx = format!(
+            r#"{{"schemaVersion":2,"manifests":[{{"mediaType":"{OCI_MANIFEST}","digest":"{D1}","size":9}}]}}"#
+        );
+        assert!(
+            matches!(Parsed::parse(idx.as_bytes(), OCI_INDEX).unwrap(), Parsed::Index(c) if c.len() == 1)
+        );
     }
 
     #[test]
@@ -116,7 +121,9 @@ mod tests {
         assert!(Parsed::parse(br#"{"schemaVersion":1}"#, "").unwrap_err().contains("schema 1"));
         let bad_digest = r#"{"schemaVersion":2,"config":{"digest":"md5:x","size":1},"layers":[]}"#;
         assert!(Parsed::parse(bad_digest.as_bytes(), OCI_MANIFEST).is_err());
-        let wrong_type = format!(r#"{{"schemaVersion":2,"mediaType":"text/plain","config":{{"digest":"{D1}","size":1}}}}"#);
+        let wrong_type = format!(
+            r#"{{"schemaVersion":2,"mediaType":"text/plain","config":{{"digest":"{D1}","size":1}}}}"#
+        );
         assert!(Parsed::parse(wrong_type.as_bytes(), "").is_err());
     }
 }

@@ -61,11 +61,14 @@ impl Reference {
             Some((r, d)) => (r, Some(Digest::parse(d).map_err(|e| bad(&e))?)),
             None => (s, None),
         };
-        let (registry, path) = rest.split_once('/').ok_or_else(|| bad("no registry host (host/repository)"))?;
+        let (registry, path) =
+            rest.split_once('/').ok_or_else(|| bad("no registry host (host/repository)"))?;
         if registry.is_empty()
             || !(registry.contains('.') || registry.contains(':') || registry == "localhost")
         {
-            return Err(bad("the first component must be a registry host (with a dot or a port, or localhost)"));
+            return Err(bad(
+                "the first component must be a registry host (with a dot or a port, or localhost)",
+            ));
         }
         if !registry.bytes().all(|b| b.is_ascii_alphanumeric() || b".-:[]".contains(&b)) {
             return Err(bad("registry host has characters a host cannot have"));
@@ -124,7 +127,11 @@ pub fn validate_tag(t: &str) -> Result<(), String> {
         && t.len() <= 128
         && t.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
         && !t.starts_with(['.', '-']);
-    if ok { Ok(()) } else { Err(format!("tag {t:?} is not a valid tag ([A-Za-z0-9_][A-Za-z0-9._-]{{0,127}})")) }
+    if ok {
+        Ok(())
+    } else {
+        Err(format!("tag {t:?} is not a valid tag ([A-Za-z0-9_][A-Za-z0-9._-]{{0,127}})"))
+    }
 }
 
 impl fmt::Display for Reference {

@@ -76,6 +76,18 @@ pub async fn execute(rt: &Rt, job: ClaimedJob) -> Result<FinishedJob, JournalErr
                 sandbox: rt.sandbox.clone(),
                 containers: rt.containers.clone(),
                 credentials,
+                oci: byoc_job_executors::OciSettings {
+                    registry_endpoints: rt.config.oci.registry_endpoints.clone(),
+                    parallel: rt.config.oci.parallel,
+                    chunk_size: rt.config.oci.chunk_bytes,
+                },
+                audit: Some(Arc::new(ExecutorAudit {
+                    rt: rt.clone(),
+                    job_id: job_id.clone(),
+                    kind: job.verified.payload.kind.clone(),
+                    operation: job.verified.payload.operation.clone(),
+                    role: job.role.as_ref().map(|r| r.derived.role.name.clone()),
+                })),
             };
             outcome = if assume_failed {
                 ExecOutcome::failed(format!(
@@ -241,6 +253,36 @@ async fn assume_for_job(
     );
     tracing::info!(role = %name, role_arn = %role.arn, "assumed the job's role");
     Ok((reg, JobCredentials { endpoint_env, static_env, feed }, note))
+}
+
+/// Records an executor makes (one per synced artifact, say), with the job's identity.
+struct ExecutorAudit {
+    rt: Rt,
+    job_id: String,
+    kind: String,
+    operation: String,
+    role: Option<String>,
+}
+
+impl byoc_job_executors::JobAudit for ExecutorAudit {
+    fn record(
+        &self,
+        event: &str,
+        detail: String,
+        digests: std::collections::BTreeMap<String, String>,
+    ) -> Result<(), String> {
+        let r = byoc_audit::log::Record {
+            event: event.into(),
+            job: Some(self.job_id.clone()),
+            kind: Some(self.kind.clone()),
+            operation: Some(self.operation.clone()),
+            role: self.role.clone(),
+            digests,
+            detail: Some(detail.chars().take(500).collect()),
+            ..Default::default()
+        };
+        self.rt.audit.record(r).map(|_| ()).map_err(|e| e.to_string())
+    }
 }
 
 fn prepare(rt: &Rt, job_id: &str, work_dir: &PathBuf) -> Result<SpoolWriter, String> {

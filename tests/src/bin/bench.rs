@@ -89,6 +89,8 @@ async fn container_start_ms(image: &str, dir: &std::path::Path) -> anyhow::Resul
             gid: 65534,
         }),
         credentials: None,
+        oci: Default::default(),
+        audit: None,
     };
     let outcome = exec.run(ctx).await;
     anyhow::ensure!(
