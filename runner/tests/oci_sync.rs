@@ -1,6 +1,7 @@
 //! The artifact-sync engine between two real registries (Debian's docker-registry,
 //! distribution 2.8): the source with basic auth (the vendor's, reached with a
 //! one-time token), the destination open (standing in for the install's ECR).
+#![allow(clippy::unwrap_used)]
 
 use std::sync::Arc;
 
@@ -115,7 +116,7 @@ async fn helm_charts_and_terraform_modules_are_copied_as_oci_artifacts() {
         .await;
     let chart = p.src.push_bytes("vendor/charts/api", HELM_CHART, random_bytes(40_000, 4)).await;
     let chart_m =
-        p.src.push_image("vendor/charts/api", Some("1.2.3"), cfg, &[chart.clone()], None, None).await;
+        p.src.push_image("vendor/charts/api", Some("1.2.3"), cfg, std::slice::from_ref(&chart), None, None).await;
     let r = sync(&p, "vendor/charts/api", &chart_m, "install/charts/api", &["1.2.3"]).await.unwrap();
     assert_copied(&p, "vendor/charts/api", &chart_m, "install/charts/api", "1.2.3").await;
     assert!(p.dst.has_blob("install/charts/api", &chart.digest).await);
@@ -126,7 +127,7 @@ async fn helm_charts_and_terraform_modules_are_copied_as_oci_artifacts() {
     let zip = p.src.push_bytes("vendor/modules/vpc", TF_MODULE_LAYER, random_bytes(20_000, 5)).await;
     let module = p
         .src
-        .push_image("vendor/modules/vpc", Some("0.4.0"), cfg, &[zip.clone()], Some(TF_MODULE_CONFIG), None)
+        .push_image("vendor/modules/vpc", Some("0.4.0"), cfg, std::slice::from_ref(&zip), Some(TF_MODULE_CONFIG), None)
         .await;
     sync(&p, "vendor/modules/vpc", &module, "install/modules/vpc", &["0.4.0"]).await.unwrap();
     assert_copied(&p, "vendor/modules/vpc", &module, "install/modules/vpc", "0.4.0").await;

@@ -162,7 +162,7 @@ mod tests {
         assert_eq!(r.digest.as_ref().map(Digest::as_str), Some(D));
         assert!(r.is_loopback());
         let r = Reference::parse("123.dkr.ecr.us-east-1.amazonaws.com/a/b").unwrap();
-        assert_eq!((r.tag, r.digest, r.is_loopback()), (None, None, false));
+        assert_eq!((r.is_loopback(), r.tag, r.digest), (false, None, None));
         assert_eq!(Reference::parse("localhost/x:y").unwrap().to_string(), "localhost/x:y");
     }
 
