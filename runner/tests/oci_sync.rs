@@ -115,8 +115,10 @@ async fn helm_charts_and_terraform_modules_are_copied_as_oci_artifacts() {
         )
         .await;
     let chart = p.src.push_bytes("vendor/charts/api", HELM_CHART, random_bytes(40_000, 4)).await;
-    let chart_m =
-        p.src.push_image("vendor/charts/api", Some("1.2.3"), cfg, std::slice::from_ref(&chart), None, None).await;
+    let chart_m = p
+        .src
+        .push_image("vendor/charts/api", Some("1.2.3"), cfg, std::slice::from_ref(&chart), None, None)
+        .await;
     let r = sync(&p, "vendor/charts/api", &chart_m, "install/charts/api", &["1.2.3"]).await.unwrap();
     assert_copied(&p, "vendor/charts/api", &chart_m, "install/charts/api", "1.2.3").await;
     assert!(p.dst.has_blob("install/charts/api", &chart.digest).await);
@@ -127,7 +129,14 @@ async fn helm_charts_and_terraform_modules_are_copied_as_oci_artifacts() {
     let zip = p.src.push_bytes("vendor/modules/vpc", TF_MODULE_LAYER, random_bytes(20_000, 5)).await;
     let module = p
         .src
-        .push_image("vendor/modules/vpc", Some("0.4.0"), cfg, std::slice::from_ref(&zip), Some(TF_MODULE_CONFIG), None)
+        .push_image(
+            "vendor/modules/vpc",
+            Some("0.4.0"),
+            cfg,
+            std::slice::from_ref(&zip),
+            Some(TF_MODULE_CONFIG),
+            None,
+        )
         .await;
     sync(&p, "vendor/modules/vpc", &module, "install/modules/vpc", &["0.4.0"]).await.unwrap();
     assert_copied(&p, "vendor/modules/vpc", &module, "install/modules/vpc", "0.4.0").await;
@@ -268,4 +277,33 @@ async fn blobs_are_mounted_within_one_registry() {
     let r = sync_with(&c, "shared/base", &img, "install/base", &["1"]).await.unwrap();
     assert_eq!((r.blobs_mounted, r.blobs_moved, r.bytes_read), (3, 0, 0), "{r:?}");
     assert!(p.dst.manifest("install/base", "1").await.is_some());
+}
+
+#[tokio::test]
+async fn busy_registries_are_retried_and_a_forbidden_destination_is_named() {
+    use byoc_control_plane::registry::StatusRelay;
+    let p = pair().await;
+    let img = p.src.push_random_image("vendor/api", Some("1"), 2, 50_000, 15).await;
+    for status in [503, 429] {
+        // The first three connections to the source are refused with `status`.
+        let relay = StatusRelay::start(format!("127.0.0.1:{}", p.src.port).parse().unwrap(), status, 3).await;
+        let mut c = copier(&relay.host(), &p.dst.host(), TOKEN, Options::default());
+        Arc::get_mut(&mut c.src).unwrap().retry.first_backoff = std::time::Duration::from_millis(10);
+        let r = sync_with(&c, "vendor/api", &img, &format!("install/busy{status}"), &["1"]).await.unwrap();
+        assert_eq!(relay.served.load(std::sync::atomic::Ordering::SeqCst), 3, "{status}");
+        assert_eq!(r.blobs_moved, 3);
+    }
+    // A destination that keeps saying 503 gives up with the status and the side.
+    let relay = StatusRelay::start(format!("127.0.0.1:{}", p.dst.port).parse().unwrap(), 503, u64::MAX).await;
+    let mut c = copier(&p.src.host(), &relay.host(), TOKEN, Options::default());
+    Arc::get_mut(&mut c.dst).unwrap().retry.first_backoff = std::time::Duration::from_millis(5);
+    let err = sync_with(&c, "vendor/api", &img, "install/down", &["1"]).await.unwrap_err();
+    assert_eq!(err.code(), "destination_http_error", "{err}");
+    assert!(err.to_string().contains("503") && err.to_string().contains("attempts"), "{err}");
+    // 403 is not retried: the credential is not allowed, say so.
+    let relay = StatusRelay::start(format!("127.0.0.1:{}", p.dst.port).parse().unwrap(), 403, u64::MAX).await;
+    let c = copier(&p.src.host(), &relay.host(), TOKEN, Options { parallel: 1, ..Options::default() });
+    let err = sync_with(&c, "vendor/api", &img, "install/denied", &["1"]).await.unwrap_err();
+    assert_eq!(err.code(), "destination_forbidden", "{err}");
+    assert_eq!(relay.served.load(std::sync::atomic::Ordering::SeqCst), 1, "403 must not be retried");
 }

@@ -441,3 +441,67 @@ async fn pump(
         }
     }
 }
+
+/// A TCP relay in front of a registry that answers the first `times` connections with
+/// an HTTP status of its own (503, 429, 403…) and closes them; later connections pass.
+pub struct StatusRelay {
+    pub addr: SocketAddr,
+    pub served: Arc<AtomicU64>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for StatusRelay {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl StatusRelay {
+    pub async fn start(target: SocketAddr, status: u16, times: u64) -> StatusRelay {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("relay bind");
+        let addr = listener.local_addr().expect("relay addr");
+        let served = Arc::new(AtomicU64::new(0));
+        let counter = served.clone();
+        let task = tokio::spawn(async move {
+            let mut conns = tokio::task::JoinSet::new();
+            loop {
+                tokio::select! {
+                    accepted = listener.accept() => {
+                        let Ok((mut client, _)) = accepted else { continue };
+                        let counter = counter.clone();
+                        conns.spawn(async move {
+                            if counter.fetch_add(1, Ordering::SeqCst) < times {
+                                // Read the request head, answer, close.
+                                let mut buf = vec![0u8; 16 << 10];
+                                let _ = client.read(&mut buf).await;
+                                let head = format!(
+                                    "HTTP/1.1 {status} Injected\r\nRetry-After: 0\r\nContent-Type: application/json\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{{}}"
+                                );
+                                let _ = client.write_all(head.as_bytes()).await;
+                                let _ = client.shutdown().await;
+                                return;
+                            }
+                            counter.fetch_sub(1, Ordering::SeqCst);
+                            if let Ok(server) = TcpStream::connect(target).await {
+                                let (cr, cw) = client.into_split();
+                                let (sr, sw) = server.into_split();
+                                let never = Arc::new(AtomicBool::new(true));
+                                let cuts = Arc::new(AtomicU64::new(0));
+                                tokio::select! {
+                                    _ = pump(cr, sw, None, never.clone(), cuts.clone()) => {}
+                                    _ = pump(sr, cw, None, never, cuts) => {}
+                                }
+                            }
+                        });
+                    }
+                    Some(_) = conns.join_next(), if !conns.is_empty() => {}
+                }
+            }
+        });
+        StatusRelay { addr, served, task }
+    }
+
+    pub fn host(&self) -> String {
+        self.addr.to_string()
+    }
+}

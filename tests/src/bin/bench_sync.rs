@@ -40,14 +40,25 @@ async fn push_image(reg: &LocalRegistry, repo: &str, mib: usize, layers: usize, 
         reg.push_blob(repo, buf, &digest, per as u64).await;
         ls.push(Pushed { digest, media_type: OCI_LAYER.into(), bytes: vec![], size: per as u64 });
     }
-    let config = reg.push_bytes(repo, OCI_CONFIG, format!(r#"{{"architecture":"amd64","os":"linux","seed":{seed}}}"#).into_bytes()).await;
+    let config = reg
+        .push_bytes(
+            repo,
+            OCI_CONFIG,
+            format!(r#"{{"architecture":"amd64","os":"linux","seed":{seed}}}"#).into_bytes(),
+        )
+        .await;
     reg.push_image(repo, Some("1"), config, &ls, None, None).await
 }
 
 fn timed(cmd: &mut Command) -> anyhow::Result<Duration> {
     let t = Instant::now();
     let out = cmd.output().with_context(|| format!("running {cmd:?}"))?;
-    ensure!(out.status.success(), "{cmd:?} failed: {}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    ensure!(
+        out.status.success(),
+        "{cmd:?} failed: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
     Ok(t.elapsed())
 }
 
@@ -73,9 +84,10 @@ fn median(mut v: Vec<Duration>) -> Duration {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let a = Args::parse();
-    let bin = a.runner_bin.clone().unwrap_or_else(|| {
-        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/release/byoc-runner")
-    });
+    let bin = a
+        .runner_bin
+        .clone()
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/release/byoc-runner"));
     ensure!(bin.exists(), "{} not found: cargo build --release -p byoc-runner", bin.display());
     let src = LocalRegistry::start(None).await;
 
