@@ -39,7 +39,24 @@ struct Plan {
     /// The install's AWS side (lifecycle roles); a moto server stands in for AWS.
     #[serde(default)]
     install: Option<Install>,
+    /// The vendor's registry and the install's ECR, for `oci.sync` jobs.
+    #[serde(default)]
+    registry: Option<RegistryDemo>,
     job: Vec<PlannedJob>,
+}
+
+/// Two local registries: the vendor's (basic auth, reached with a one-time token) and
+/// one standing in for the install's ECR (moto's registry host mapped to it). An image
+/// with a signature is pushed to the vendor's; job files name it with placeholders:
+/// `${VENDOR_REGISTRY}`, `${IMAGE_DIGEST}`, `${SOURCE_USER}`, `${SOURCE_TOKEN}`.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RegistryDemo {
+    vendor_user: String,
+    image_repository: String,
+    image_tag: String,
+    layers: usize,
+    layer_bytes: usize,
 }
 
 #[derive(Deserialize)]
@@ -88,6 +105,9 @@ struct PlannedJob {
     /// Install stack parameters to change (a stack update) before this job is sent.
     #[serde(default)]
     stack: std::collections::BTreeMap<String, String>,
+    /// Send only once every earlier job has settled.
+    #[serde(default)]
+    after_earlier: bool,
 }
 
 #[derive(Deserialize)]
@@ -174,6 +194,47 @@ async fn main() -> anyhow::Result<()> {
         let app = byoc_control_plane::app_config::load(&base.join(&install.app_config))?;
         aws = Some((moto, template, params, app));
     }
+    let mut placeholders: Vec<(String, String)> = Vec::new();
+    let mut registries = None;
+    if let Some(r) = &plan.registry {
+        if aws.is_none() {
+            bail!("[registry] needs an [install] section (ECR is reached under the job's role)");
+        }
+        use rand::Rng as _;
+        let token: String = format!("otk-{:032x}", rand::rng().random::<u128>());
+        let vendor = byoc_control_plane::registry::LocalRegistry::start(Some((&r.vendor_user, &token))).await;
+        let ecr = byoc_control_plane::registry::LocalRegistry::start(None).await;
+        let image = vendor
+            .push_random_image(&r.image_repository, Some(&r.image_tag), r.layers, r.layer_bytes, 42)
+            .await;
+        vendor
+            .push_referrer(
+                &r.image_repository,
+                &image,
+                byoc_control_plane::registry::COSIGN_SIG,
+                b"demo-signature",
+            )
+            .await;
+        let ecr_host = format!("{DEMO_ACCOUNT}.dkr.ecr.us-east-1.amazonaws.com");
+        println!(
+            "vendor registry {} ({}:{} {}, signed)",
+            vendor.host(),
+            r.image_repository,
+            r.image_tag,
+            image.digest
+        );
+        println!("install ECR     {ecr_host} -> {}", ecr.url());
+        options
+            .extra
+            .push_str(&format!("\n[oci]\nregistry_endpoints = {{ \"{ecr_host}\" = \"{}\" }}\n", ecr.url()));
+        placeholders = vec![
+            ("${VENDOR_REGISTRY}".into(), vendor.host()),
+            ("${IMAGE_DIGEST}".into(), image.digest.clone()),
+            ("${SOURCE_USER}".into(), r.vendor_user.clone()),
+            ("${SOURCE_TOKEN}".into(), token),
+        ];
+        registries = Some((vendor, ecr));
+    }
     let mut runner = RunnerProcess::start(&runner_bin, &dir, &cp, &options)?;
     println!("runner         {} (state {})", runner_bin.display(), runner.state_dir.display());
     if !wait_polling(&cp, Duration::from_secs(30)).await {
@@ -187,6 +248,13 @@ async fn main() -> anyhow::Result<()> {
     let started = Instant::now();
     for (i, job) in plan.job.iter().enumerate() {
         let mut name = job.file.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+        if job.after_earlier {
+            for id in &ids {
+                cp.wait_for(id, wait, |v| outcome(v).is_some())
+                    .await
+                    .context("an earlier job never settled")?;
+            }
+        }
         if !job.stack.is_empty() {
             let Some((moto, template, params, _)) = aws.as_mut() else {
                 bail!("job {i}: `stack` needs an [install] section");
@@ -215,8 +283,11 @@ async fn main() -> anyhow::Result<()> {
             orig_id.clone()
         } else {
             let path = base.join(&job.file);
-            let text =
+            let mut text =
                 std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+            for (k, v) in &placeholders {
+                text = text.replace(k, v);
+            }
             let jf: JobFile =
                 serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
             let mut req = EnqueueRequest::new(&jf.kind, jf.spec);
@@ -329,6 +400,28 @@ async fn main() -> anyhow::Result<()> {
             );
         }
     }
+    // What each artifact sync moved: the second moves nothing, everything is there.
+    for (i, job) in plan.job.iter().enumerate() {
+        let Some(v) = cp.job(&ids[i]) else { continue };
+        if v.kind != "oci.sync" {
+            continue;
+        }
+        if let Some(r) = &v.result {
+            let o = &r.outputs;
+            println!(
+                "{} oci.sync {}: {} -> {}, {} bytes moved, {} bytes skipped, {} referrers{}",
+                ids[i],
+                job.expect,
+                o["source"].as_str().unwrap_or("-"),
+                o["destination"].as_str().unwrap_or("-"),
+                o["bytes_moved"],
+                o["bytes_skipped"],
+                o["referrers"],
+                r.error.as_deref().map(|e| format!(" ({e})")).unwrap_or_default()
+            );
+        }
+    }
+    drop(registries);
     let status = std::process::Command::new(&runner_bin)
         .args(["status", "--state-dir"])
         .arg(&runner.state_dir)
