@@ -307,3 +307,30 @@ async fn busy_registries_are_retried_and_a_forbidden_destination_is_named() {
     assert_eq!(err.code(), "destination_forbidden", "{err}");
     assert_eq!(relay.served.load(std::sync::atomic::Ordering::SeqCst), 1, "403 must not be retried");
 }
+
+#[tokio::test]
+async fn referrers_are_found_through_the_referrers_api_where_the_source_has_it() {
+    use byoc_control_plane::registry::ReferrersFront;
+    let p = pair().await;
+    let img = p.src.push_random_image("vendor/oci11", Some("1"), 1, 5_000, 16).await;
+    let sig = p.src.push_referrer("vendor/oci11", &img, COSIGN_SIG, b"signature").await;
+    // The front hides the tag schema: the API is the only way to find the signature.
+    let front = ReferrersFront::start(&p.src).await;
+    let c = copier(&front.host(), &p.dst.host(), TOKEN, Options::default());
+    let r = sync_with(&c, "vendor/oci11", &img, "install/oci11", &["1"]).await.unwrap();
+    assert_eq!(r.referrers, 1, "{r:?}");
+    assert!(front.api_calls.load(std::sync::atomic::Ordering::SeqCst) >= 1);
+    assert!(p.dst.manifest("install/oci11", &sig.digest).await.is_some());
+    // The destination (no API) lists it under the tag schema.
+    let listed = p.dst.index_entries("install/oci11", &format!("sha256-{}", &img.digest[7..])).await;
+    assert_eq!(listed[0]["digest"], sig.digest.as_str());
+
+    // A destination with the API indexes referrers from their `subject` itself: no
+    // fallback tag is written there.
+    let dst_front = ReferrersFront::start(&p.dst).await;
+    let c = copier(&front.host(), &dst_front.host(), TOKEN, Options::default());
+    let r = sync_with(&c, "vendor/oci11", &img, "install/oci11-api", &["1"]).await.unwrap();
+    assert_eq!(r.referrers, 1);
+    assert!(p.dst.manifest("install/oci11-api", &sig.digest).await.is_some());
+    assert_eq!(p.dst.tags("install/oci11-api").await, vec!["1".to_string()]);
+}

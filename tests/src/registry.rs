@@ -505,3 +505,105 @@ impl StatusRelay {
         self.addr.to_string()
     }
 }
+
+/// An OCI 1.1 front for a distribution 2.8 registry: `GET /v2/<repo>/referrers/<digest>`
+/// is answered from the backend's `sha256-<hex>` tag, and that tag itself is hidden,
+/// so a client can only find referrers through the referrers API. Everything else is
+/// forwarded.
+pub struct ReferrersFront {
+    pub addr: SocketAddr,
+    /// Referrers API requests answered.
+    pub api_calls: Arc<AtomicU64>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for ReferrersFront {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl ReferrersFront {
+    pub async fn start(backend: &LocalRegistry) -> ReferrersFront {
+        use axum::body::Body;
+        use axum::extract::{Request, State};
+        use axum::response::Response;
+        #[derive(Clone)]
+        struct Front {
+            backend: String,
+            auth: Option<(String, String)>,
+            http: reqwest::Client,
+            calls: Arc<AtomicU64>,
+        }
+        async fn handle(State(f): State<Front>, req: Request) -> Response {
+            let path = req.uri().path().to_string();
+            let query = req.uri().query().map(|q| format!("?{q}")).unwrap_or_default();
+            let parts: Vec<&str> = path.trim_start_matches("/v2/").rsplitn(3, '/').collect();
+            // parts (reversed): [reference, kind, repo]
+            let status = |s: u16| Response::builder().status(s).body(Body::empty()).unwrap_or_default();
+            if parts.len() == 3 && parts[1] == "referrers" && req.method() == axum::http::Method::GET {
+                f.calls.fetch_add(1, Ordering::SeqCst);
+                let tag = parts[0].replace("sha256:", "sha256-");
+                let mut r = f
+                    .http
+                    .get(format!("{}/v2/{}/manifests/{tag}", f.backend, parts[2]))
+                    .header("Accept", OCI_INDEX);
+                if let Some((u, p)) = &f.auth {
+                    r = r.basic_auth(u, Some(p));
+                }
+                let body = match r.send().await {
+                    Ok(resp) if resp.status().is_success() => resp.bytes().await.unwrap_or_default().to_vec(),
+                    _ => serde_json::to_vec(
+                        &serde_json::json!({"schemaVersion": 2, "mediaType": OCI_INDEX, "manifests": []}),
+                    )
+                    .unwrap_or_default(),
+                };
+                return Response::builder()
+                    .header("Content-Type", OCI_INDEX)
+                    .body(Body::from(body))
+                    .unwrap_or_default();
+            }
+            if parts.len() == 3 && parts[1] == "manifests" && parts[0].starts_with("sha256-") {
+                return status(404);
+            }
+            let (head, body) = req.into_parts();
+            let mut r = f.http.request(head.method.clone(), format!("{}{path}{query}", f.backend));
+            for (k, v) in &head.headers {
+                if k != axum::http::header::HOST {
+                    r = r.header(k, v);
+                }
+            }
+            let bytes = axum::body::to_bytes(body, usize::MAX).await.unwrap_or_default();
+            let resp = match r.body(bytes).send().await {
+                Ok(resp) => resp,
+                Err(_) => return status(502),
+            };
+            let mut out = Response::builder().status(resp.status().as_u16());
+            for (k, v) in resp.headers() {
+                out = out.header(k.as_str(), v.as_bytes());
+            }
+            out.body(Body::from(resp.bytes().await.unwrap_or_default())).unwrap_or_default()
+        }
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("front bind");
+        let addr = listener.local_addr().expect("front addr");
+        let calls = Arc::new(AtomicU64::new(0));
+        let front = Front {
+            backend: backend.url(),
+            auth: backend.auth.clone(),
+            http: reqwest::Client::builder()
+                .redirect(reqwest::redirect::Policy::none())
+                .build()
+                .expect("client"),
+            calls: calls.clone(),
+        };
+        let app = axum::Router::new().fallback(handle).with_state(front);
+        let task = tokio::spawn(async move {
+            let _ = axum::serve(listener, app).await;
+        });
+        ReferrersFront { addr, api_calls: calls, task }
+    }
+
+    pub fn host(&self) -> String {
+        self.addr.to_string()
+    }
+}
