@@ -334,3 +334,34 @@ async fn referrers_are_found_through_the_referrers_api_where_the_source_has_it()
     assert!(p.dst.manifest("install/oci11-api", &sig.digest).await.is_some());
     assert_eq!(p.dst.tags("install/oci11-api").await, vec!["1".to_string()]);
 }
+
+#[tokio::test]
+async fn a_bearer_token_realm_is_used_with_the_one_time_token_and_scoped_per_repository() {
+    use byoc_control_plane::registry::TokenFront;
+    let p = pair().await;
+    // The vendor side behind a token realm (the open destination registry serves as
+    // its backend here; the basic-auth source is not needed).
+    let img = p.dst.push_random_image("vendor/hub", Some("1"), 2, 20_000, 17).await;
+    let front = TokenFront::start(&p.dst, USER, TOKEN).await;
+    let c = copier(&front.host(), &p.src.host(), TOKEN, Options::default());
+    // Destination: the basic-auth registry, with its own credential.
+    let http = Registry::http_client().unwrap();
+    let dst_cred = Credential::Basic { username: USER.into(), secret: TOKEN.into() };
+    let dst = Registry::new(Side::Destination, &p.src.host(), None, Some(dst_cred), http).unwrap();
+    let c = Copier::new(c.src.clone(), Arc::new(dst), Options::default());
+    let r = sync_with(&c, "vendor/hub", &img, "install/hub", &["1"]).await.unwrap();
+    assert_eq!(r.blobs_moved, 3);
+    assert_eq!(p.src.manifest("install/hub", "1").await.unwrap().0, img.digest);
+    let issued = front.issued.lock().unwrap().clone();
+    assert!(!issued.is_empty());
+    assert!(
+        issued.iter().all(|(_, scopes)| scopes == &vec!["repository:vendor/hub:pull".to_string()]),
+        "{issued:?}"
+    );
+
+    // The wrong one-time token is refused at the realm: a source error, no token leaked.
+    let wrong = copier(&front.host(), &p.src.host(), "wrong-token-00000000", Options::default());
+    let err = sync_with(&wrong, "vendor/hub", &img, "install/hub2", &["1"]).await.unwrap_err();
+    assert_eq!(err.code(), "source_unauthorized", "{err}");
+    assert!(!err.to_string().contains("wrong-token"));
+}

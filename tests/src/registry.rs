@@ -607,3 +607,154 @@ impl ReferrersFront {
         self.addr.to_string()
     }
 }
+
+/// A Bearer-token front (as Docker Hub, GHCR or Harbor authenticate) over an open
+/// registry: requests without a token get `401` with a `WWW-Authenticate: Bearer
+/// realm=…` challenge; `GET /token?service=…&scope=…` with the right Basic credential
+/// issues a token for those scopes; requests with a token whose scopes do not cover
+/// them get 401 again. Everything authorized is forwarded.
+pub struct TokenFront {
+    pub addr: SocketAddr,
+    /// Tokens issued, with the scopes they were issued for.
+    pub issued: Arc<std::sync::Mutex<Vec<(String, Vec<String>)>>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for TokenFront {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl TokenFront {
+    pub async fn start(backend: &LocalRegistry, user: &str, password: &str) -> TokenFront {
+        use axum::body::Body;
+        use axum::extract::{Request, State};
+        use axum::response::Response;
+        #[derive(Clone)]
+        struct Front {
+            backend: String,
+            me: String,
+            basic: String,
+            http: reqwest::Client,
+            issued: Arc<std::sync::Mutex<Vec<(String, Vec<String>)>>>,
+        }
+        fn needed_scope(path: &str, method: &axum::http::Method) -> Option<String> {
+            let rest = path.strip_prefix("/v2/")?;
+            let i = ["/manifests/", "/blobs/", "/referrers/", "/tags/"]
+                .iter()
+                .filter_map(|m| rest.find(m))
+                .min()?;
+            let action = if method == axum::http::Method::GET || method == axum::http::Method::HEAD {
+                "pull"
+            } else {
+                "push"
+            };
+            Some(format!("repository:{}:{action}", &rest[..i]))
+        }
+        async fn handle(State(f): State<Front>, req: Request) -> Response {
+            let path = req.uri().path().to_string();
+            let query = req.uri().query().unwrap_or("").to_string();
+            let resp = |s: u16, h: Option<(&str, String)>, body: Vec<u8>| {
+                let mut b = Response::builder().status(s);
+                if let Some((k, v)) = h {
+                    b = b.header(k, v);
+                }
+                b.body(Body::from(body)).unwrap_or_default()
+            };
+            if path == "/token" {
+                let auth = req.headers().get("authorization").and_then(|v| v.to_str().ok()).unwrap_or("");
+                if auth != f.basic {
+                    return resp(401, None, b"{\"errors\":[{\"code\":\"UNAUTHORIZED\"}]}".to_vec());
+                }
+                let scopes: Vec<String> = url::form_urlencoded::parse(query.as_bytes())
+                    .filter(|(k, _)| k == "scope")
+                    .map(|(_, v)| v.into_owned())
+                    .collect();
+                let token = format!("tok-{}", f.issued.lock().map(|i| i.len()).unwrap_or(0));
+                if let Ok(mut i) = f.issued.lock() {
+                    i.push((token.clone(), scopes));
+                }
+                return resp(
+                    200,
+                    Some(("Content-Type", "application/json".into())),
+                    format!("{{\"token\":\"{token}\"}}").into_bytes(),
+                );
+            }
+            let challenge = || {
+                resp(
+                    401,
+                    Some((
+                        "WWW-Authenticate",
+                        format!("Bearer realm=\"{}/token\",service=\"test-registry\"", f.me),
+                    )),
+                    b"{\"errors\":[{\"code\":\"UNAUTHORIZED\"}]}".to_vec(),
+                )
+            };
+            let bearer = req
+                .headers()
+                .get("authorization")
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.strip_prefix("Bearer "))
+                .map(str::to_string);
+            let Some(token) = bearer else { return challenge() };
+            if let Some(need) = needed_scope(&path, req.method()) {
+                let (repo_need, action) = need.rsplit_once(':').unwrap_or((&need, ""));
+                let granted = f.issued.lock().map(|i| {
+                    i.iter().any(|(t, scopes)| {
+                        *t == token
+                            && scopes.iter().flat_map(|s| s.split(' ')).any(|s| {
+                                s.rsplit_once(':').is_some_and(|(r, acts)| {
+                                    r == repo_need && acts.split(',').any(|a| a == action)
+                                })
+                            })
+                    })
+                });
+                if !granted.unwrap_or(false) {
+                    return challenge();
+                }
+            }
+            let (head, body) = req.into_parts();
+            let q = if query.is_empty() { String::new() } else { format!("?{query}") };
+            let mut r = f.http.request(head.method.clone(), format!("{}{path}{q}", f.backend));
+            for (k, v) in &head.headers {
+                if k != axum::http::header::HOST && k != axum::http::header::AUTHORIZATION {
+                    r = r.header(k, v);
+                }
+            }
+            let bytes = axum::body::to_bytes(body, usize::MAX).await.unwrap_or_default();
+            let Ok(up) = r.body(bytes).send().await else { return resp(502, None, vec![]) };
+            let mut out = Response::builder().status(up.status().as_u16());
+            for (k, v) in up.headers() {
+                out = out.header(k.as_str(), v.as_bytes());
+            }
+            out.body(Body::from(up.bytes().await.unwrap_or_default())).unwrap_or_default()
+        }
+        use base64::Engine as _;
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("front bind");
+        let addr = listener.local_addr().expect("front addr");
+        let issued = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let front = Front {
+            backend: backend.url(),
+            me: format!("http://{addr}"),
+            basic: format!(
+                "Basic {}",
+                base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}"))
+            ),
+            http: reqwest::Client::builder()
+                .redirect(reqwest::redirect::Policy::none())
+                .build()
+                .expect("client"),
+            issued: issued.clone(),
+        };
+        let app = axum::Router::new().fallback(handle).with_state(front);
+        let task = tokio::spawn(async move {
+            let _ = axum::serve(listener, app).await;
+        });
+        TokenFront { addr, issued, task }
+    }
+
+    pub fn host(&self) -> String {
+        self.addr.to_string()
+    }
+}
