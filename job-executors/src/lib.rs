@@ -74,11 +74,18 @@ pub struct OciSettings {
     pub parallel: usize,
     /// Bytes per upload chunk.
     pub chunk_size: u64,
+    /// Extra CA roots (PEM) for registries (the runner's `control_plane.ca_bundle`).
+    pub ca_bundle: Option<std::path::PathBuf>,
 }
 
 impl Default for OciSettings {
     fn default() -> Self {
-        OciSettings { registry_endpoints: Default::default(), parallel: 4, chunk_size: 64 << 20 }
+        OciSettings {
+            registry_endpoints: Default::default(),
+            parallel: 4,
+            chunk_size: 64 << 20,
+            ca_bundle: None,
+        }
     }
 }
 

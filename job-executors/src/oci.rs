@@ -126,7 +126,7 @@ impl OciSync {
             ),
         );
         let settings: &OciSettings = &ctx.oci;
-        let http = Registry::http_client()?;
+        let http = Registry::http_client_with_ca(settings.ca_bundle.as_deref())?;
         let src = Registry::new(
             Side::Source,
             &self.source.registry,

@@ -144,6 +144,9 @@ struct SyncArgs {
     /// Upload chunk size in MiB.
     #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..=1024))]
     chunk_mib: u64,
+    /// Extra CA roots (PEM) to trust for both registries.
+    #[arg(long)]
+    ca_bundle: Option<PathBuf>,
     /// Reach registry HOST at URL instead (repeatable): HOST=URL.
     #[arg(long = "endpoint", value_name = "HOST=URL")]
     endpoints: Vec<String>,
@@ -363,7 +366,7 @@ fn sync(a: SyncArgs) -> i32 {
     };
     let result = rt.block_on(async {
         use byoc_oci_sync::{Copier, Options, Registry, Side};
-        let http = Registry::http_client()?;
+        let http = Registry::http_client_with_ca(a.ca_bundle.as_deref())?;
         let s = Registry::new(
             Side::Source,
             &src.registry,

@@ -365,3 +365,33 @@ async fn a_bearer_token_realm_is_used_with_the_one_time_token_and_scoped_per_rep
     assert_eq!(err.code(), "source_unauthorized", "{err}");
     assert!(!err.to_string().contains("wrong-token"));
 }
+
+#[tokio::test]
+async fn an_https_registry_is_trusted_through_the_ca_bundle_and_refused_without_it() {
+    let pki = byoc_control_plane::tls::test_pki().unwrap();
+    let (tls, dst) = tokio::join!(
+        LocalRegistry::start_tls(&pki.server_cert_pem, &pki.server_key_pem),
+        LocalRegistry::start(None)
+    );
+    let img = tls.push_random_image("vendor/tls", Some("1"), 1, 10_000, 18).await;
+    let dir = tempfile::tempdir().unwrap();
+    let ca = dir.path().join("ca.pem");
+    std::fs::write(&ca, &pki.ca_pem).unwrap();
+    // The vendor's host name, reached at the TLS registry (its certificate is for 127.0.0.1).
+    let url = format!("https://127.0.0.1:{}", tls.port);
+    let copier_with = |http: reqwest::Client| {
+        let src =
+            Registry::new(Side::Source, "registry.vendor.test", Some(&url), None, http.clone()).unwrap();
+        let d = Registry::new(Side::Destination, &dst.host(), None, None, http).unwrap();
+        Copier::new(Arc::new(src), Arc::new(d), Options::default())
+    };
+    let mut untrusting = copier_with(Registry::http_client().unwrap());
+    Arc::get_mut(&mut untrusting.src).unwrap().retry.attempts = 1;
+    let err = sync_with(&untrusting, "vendor/tls", &img, "install/tls", &["1"]).await.unwrap_err();
+    assert_eq!(err.code(), "source_unreachable", "{err}");
+    assert!(err.to_string().to_lowercase().contains("certificate"), "{err}");
+    let trusting = copier_with(Registry::http_client_with_ca(Some(&ca)).unwrap());
+    let r = sync_with(&trusting, "vendor/tls", &img, "install/tls", &["1"]).await.unwrap();
+    assert_eq!(r.source, format!("registry.vendor.test/vendor/tls@{}", img.digest));
+    assert_eq!(dst.manifest("install/tls", "1").await.unwrap().0, img.digest);
+}

@@ -46,6 +46,7 @@ pub struct LocalRegistry {
     pub auth: Option<(String, String)>,
     child: Child,
     http: reqwest::Client,
+    scheme: &'static str,
 }
 
 impl Drop for LocalRegistry {
@@ -72,6 +73,15 @@ impl Pushed {
 impl LocalRegistry {
     /// Start and wait until `/v2/` answers. `auth`: htpasswd basic auth with this user.
     pub async fn start(auth: Option<(&str, &str)>) -> LocalRegistry {
+        Self::start_with(auth, None).await
+    }
+
+    /// Serving HTTPS with this certificate and key (PEM) instead of plain HTTP.
+    pub async fn start_tls(cert_pem: &str, key_pem: &str) -> LocalRegistry {
+        Self::start_with(None, Some((cert_pem, key_pem))).await
+    }
+
+    async fn start_with(auth: Option<(&str, &str)>, tls: Option<(&str, &str)>) -> LocalRegistry {
         let bin = registry_binary();
         assert!(bin.exists(), "{} not found (run scripts/setup, or set BYOC_DOCKER_REGISTRY)", bin.display());
         let dir = tempfile::tempdir().expect("tempdir");
@@ -80,6 +90,15 @@ impl LocalRegistry {
             "version: 0.1\nlog:\n  level: error\n  accesslog:\n    disabled: true\nstorage:\n  filesystem:\n    rootdirectory: {}\n  delete:\n    enabled: true\nhttp:\n  addr: 127.0.0.1:{port}\n  secret: byoc-test-secret\n",
             dir.path().join("data").display()
         );
+        if let Some((cert, key)) = tls {
+            std::fs::write(dir.path().join("tls.crt"), cert).expect("cert");
+            std::fs::write(dir.path().join("tls.key"), key).expect("key");
+            config.push_str(&format!(
+                "  tls:\n    certificate: {}\n    key: {}\n",
+                dir.path().join("tls.crt").display(),
+                dir.path().join("tls.key").display()
+            ));
+        }
         if let Some((user, pass)) = auth {
             let out = Command::new("htpasswd")
                 .args(["-Bbn", user, pass])
@@ -101,12 +120,20 @@ impl LocalRegistry {
             .stderr(log)
             .spawn()
             .expect("docker-registry starts");
+        let http = match tls {
+            // The harness pushes test content; the runner's side is what checks certificates.
+            Some(_) => {
+                reqwest::Client::builder().tls_danger_accept_invalid_certs(true).build().expect("client")
+            }
+            None => reqwest::Client::new(),
+        };
         let r = LocalRegistry {
             port,
             dir,
             auth: auth.map(|(u, p)| (u.to_string(), p.to_string())),
             child,
-            http: reqwest::Client::new(),
+            http,
+            scheme: if tls.is_some() { "https" } else { "http" },
         };
         let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
         loop {
@@ -121,7 +148,7 @@ impl LocalRegistry {
     }
 
     pub fn url(&self) -> String {
-        format!("http://127.0.0.1:{}", self.port)
+        format!("{}://127.0.0.1:{}", self.scheme, self.port)
     }
 
     pub fn host(&self) -> String {

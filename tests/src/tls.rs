@@ -7,6 +7,9 @@ use std::sync::Arc;
 pub struct TestPki {
     pub ca_pem: String,
     pub server: Arc<rustls::ServerConfig>,
+    /// The server certificate and key as PEM (for servers configured from files).
+    pub server_cert_pem: String,
+    pub server_key_pem: String,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -29,6 +32,7 @@ pub fn test_pki() -> Result<TestPki, PkiError> {
     let server_cert = params.signed_by(&server_key, &issuer).map_err(|e| err(&e))?;
 
     let key = rustls::pki_types::PrivateKeyDer::try_from(server_key.serialize_der()).map_err(|e| err(&e))?;
+    let server_key_pem = server_key.serialize_pem();
     let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
     let server = rustls::ServerConfig::builder_with_provider(provider)
         .with_safe_default_protocol_versions()
@@ -36,5 +40,10 @@ pub fn test_pki() -> Result<TestPki, PkiError> {
         .with_no_client_auth()
         .with_single_cert(vec![server_cert.der().clone()], key)
         .map_err(|e| err(&e))?;
-    Ok(TestPki { ca_pem: ca_cert.pem(), server: Arc::new(server) })
+    Ok(TestPki {
+        ca_pem: ca_cert.pem(),
+        server: Arc::new(server),
+        server_cert_pem: server_cert.pem(),
+        server_key_pem,
+    })
 }

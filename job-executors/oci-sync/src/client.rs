@@ -151,8 +151,22 @@ impl Registry {
     /// The HTTP client both sides share: rustls, the system's roots, no overall timeout
     /// (blobs can be large) but a connect timeout and TCP keepalive.
     pub fn http_client() -> Result<reqwest::Client, SyncError> {
-        reqwest::Client::builder()
-            .connect_timeout(Duration::from_secs(15))
+        Self::http_client_with_ca(None)
+    }
+
+    /// Same, trusting the extra CA roots in a PEM bundle as well (a TLS-inspecting
+    /// proxy, a private registry); `HTTPS_PROXY`/`NO_PROXY` are honoured either way.
+    pub fn http_client_with_ca(ca_bundle: Option<&std::path::Path>) -> Result<reqwest::Client, SyncError> {
+        let mut b = reqwest::Client::builder();
+        if let Some(path) = ca_bundle {
+            let bad =
+                |reason: String| SyncError::Invalid { what: format!("CA bundle {}", path.display()), reason };
+            let pem = std::fs::read(path).map_err(|e| bad(e.to_string()))?;
+            b = b.tls_certs_merge(
+                reqwest::Certificate::from_pem_bundle(&pem).map_err(|e| bad(e.to_string()))?,
+            );
+        }
+        b.connect_timeout(Duration::from_secs(15))
             .read_timeout(Duration::from_secs(120))
             .tcp_keepalive(Duration::from_secs(30))
             .pool_max_idle_per_host(16)

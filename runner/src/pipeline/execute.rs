@@ -80,6 +80,7 @@ pub async fn execute(rt: &Rt, job: ClaimedJob) -> Result<FinishedJob, JournalErr
                     registry_endpoints: rt.config.oci.registry_endpoints.clone(),
                     parallel: rt.config.oci.parallel,
                     chunk_size: rt.config.oci.chunk_bytes,
+                    ca_bundle: rt.config.control_plane.ca_bundle.clone(),
                 },
                 audit: Some(Arc::new(ExecutorAudit {
                     rt: rt.clone(),
