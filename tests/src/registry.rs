@@ -640,10 +640,13 @@ impl ReferrersFront {
 /// realm=…` challenge; `GET /token?service=…&scope=…` with the right Basic credential
 /// issues a token for those scopes; requests with a token whose scopes do not cover
 /// them get 401 again. Everything authorized is forwarded.
+/// Tokens a [`TokenFront`] issued, each with the scopes it was issued for.
+pub type IssuedTokens = Arc<std::sync::Mutex<Vec<(String, Vec<String>)>>>;
+
 pub struct TokenFront {
     pub addr: SocketAddr,
     /// Tokens issued, with the scopes they were issued for.
-    pub issued: Arc<std::sync::Mutex<Vec<(String, Vec<String>)>>>,
+    pub issued: IssuedTokens,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -664,7 +667,7 @@ impl TokenFront {
             me: String,
             basic: String,
             http: reqwest::Client,
-            issued: Arc<std::sync::Mutex<Vec<(String, Vec<String>)>>>,
+            issued: IssuedTokens,
         }
         fn needed_scope(path: &str, method: &axum::http::Method) -> Option<String> {
             let rest = path.strip_prefix("/v2/")?;
