@@ -111,10 +111,55 @@ enum Cmd {
     /// two registries with the engine `oci.sync` jobs use. Loopback registries are
     /// plain HTTP; others HTTPS. Secrets come from the environment or files, never argv.
     Sync(SyncArgs),
+    /// The policies that decide plans and manifests: list them, or test an input.
+    Policy {
+        #[command(subcommand)]
+        cmd: PolicyCmd,
+    },
     /// Configuration commands.
     Config {
         #[command(subcommand)]
         cmd: ConfigCmd,
+    },
+}
+
+#[derive(Subcommand)]
+enum PolicyCmd {
+    /// The built-in rules (at the customer's levels), the customer's own policies and
+    /// the parameters.
+    List {
+        /// The customer's policy directory (`*.rego`, `policies.toml`).
+        #[arg(long, default_value = crate::policy::DEFAULT_POLICY_DIR)]
+        policies: PathBuf,
+        #[arg(long, short = 'o', value_enum, default_value_t = Output::Text)]
+        output: Output,
+    },
+    /// Evaluate every policy over an input and print the violations and the verdict.
+    /// Exit 0 if allowed, 1 if denied, 64 on unusable input.
+    Test {
+        /// A terraform plan (`terraform show -json PLAN`), or manifests as JSON (an
+        /// object, an array, or a List).
+        #[arg(long)]
+        input: PathBuf,
+        /// terraform, helm or kubernetes (default: terraform if the input has
+        /// `format_version`, else kubernetes).
+        #[arg(long)]
+        source: Option<String>,
+        /// Lifecycle phase the decision is for.
+        #[arg(long, default_value = "maintenance")]
+        phase: String,
+        #[arg(long, default_value = "component.deploy")]
+        operation: String,
+        #[arg(long, default_value = crate::policy::DEFAULT_POLICY_DIR)]
+        policies: PathBuf,
+        /// A vendor policy file to include (repeatable), as the app config would bring it.
+        #[arg(long = "vendor-policy")]
+        vendor_policies: Vec<PathBuf>,
+        /// Per-policy time limit, milliseconds.
+        #[arg(long, default_value_t = 5000)]
+        time_limit_ms: u64,
+        #[arg(long, short = 'o', value_enum, default_value_t = Output::Text)]
+        output: Output,
     },
 }
 
@@ -294,6 +339,185 @@ pub fn main() -> i32 {
         Cmd::Resume(state) => edge(|| resume(&state)),
         Cmd::Roles { state, refresh } => edge(|| roles(&state, refresh)),
         Cmd::Sync(args) => sync(args),
+        Cmd::Policy { cmd: PolicyCmd::List { policies, output } } => policy_list(&policies, output),
+        Cmd::Policy {
+            cmd:
+                PolicyCmd::Test {
+                    input,
+                    source,
+                    phase,
+                    operation,
+                    policies,
+                    vendor_policies,
+                    time_limit_ms,
+                    output,
+                },
+        } => policy_test(PolicyTest {
+            input,
+            source,
+            phase,
+            operation,
+            policies,
+            vendor_policies,
+            time_limit: std::time::Duration::from_millis(time_limit_ms),
+            output,
+        }),
+    }
+}
+
+fn load_policies(dir: &Path) -> Result<crate::policy::CustomerPolicies, i32> {
+    crate::policy::load(dir).map_err(|problems| {
+        eprintln!("error: the policy directory {} has problems:", dir.display());
+        for p in problems {
+            eprintln!("  {p}");
+        }
+        EX_USAGE
+    })
+}
+
+fn policy_list(dir: &Path, output: Output) -> i32 {
+    let c = match load_policies(dir) {
+        Ok(c) => c,
+        Err(code) => return code,
+    };
+    let entry = |p: &byoc_policy::Policy| {
+        serde_json::json!({
+            "name": p.name, "origin": p.origin, "enforcement": p.enforcement, "digest": p.digest(),
+            "description": crate::policy::description(p),
+        })
+    };
+    match output {
+        Output::Json => {
+            let v = serde_json::json!({
+                "dir": c.dir, "builtin": c.builtin.iter().map(entry).collect::<Vec<_>>(), "builtin_off": c.off,
+                "customer": c.own.iter().map(entry).collect::<Vec<_>>(), "params": c.params,
+            });
+            println!("{v}");
+        }
+        Output::Text => {
+            println!("{:<36} {:<9} {:<10} DESCRIPTION", "POLICY", "ORIGIN", "LEVEL");
+            let level = |e: byoc_policy::Enforcement| match e {
+                byoc_policy::Enforcement::Mandatory => "mandatory",
+                byoc_policy::Enforcement::Advisory => "advisory",
+            };
+            for p in &c.builtin {
+                println!(
+                    "{:<36} {:<9} {:<10} {}",
+                    p.name,
+                    "builtin",
+                    level(p.enforcement),
+                    crate::policy::description(p)
+                );
+            }
+            for id in &c.off {
+                println!(
+                    "{:<36} {:<9} {:<10} switched off in {}",
+                    format!("builtin/{id}"),
+                    "builtin",
+                    "off",
+                    crate::policy::SETTINGS_FILE
+                );
+            }
+            for p in &c.own {
+                println!("{:<36} {:<9} {:<10} {}", p.name, "customer", level(p.enforcement), p.digest());
+            }
+            println!("\nparameters (data.byoc.params): {}", c.params);
+            println!("vendor policies arrive with each job, in the signed app config");
+        }
+    }
+    0
+}
+
+struct PolicyTest {
+    input: PathBuf,
+    source: Option<String>,
+    phase: String,
+    operation: String,
+    policies: PathBuf,
+    vendor_policies: Vec<PathBuf>,
+    time_limit: std::time::Duration,
+    output: Output,
+}
+
+fn policy_test(t: PolicyTest) -> i32 {
+    use byoc_policy::{Context, Limits, Source, Verdict};
+    let usage = |msg: String| {
+        eprintln!("error: {msg}");
+        EX_USAGE
+    };
+    let c = match load_policies(&t.policies) {
+        Ok(c) => c,
+        Err(code) => return code,
+    };
+    let vendor = match crate::policy::load_files(&t.vendor_policies, byoc_policy::Origin::Vendor) {
+        Ok(v) => v,
+        Err(e) => return usage(e),
+    };
+    let bytes = match std::fs::read(&t.input) {
+        Ok(b) => b,
+        Err(e) => return usage(format!("reading {}: {e}", t.input.display())),
+    };
+    let source = match t.source.as_deref() {
+        Some(s) => match Source::parse(s) {
+            Ok(s) => s,
+            Err(e) => return usage(e),
+        },
+        None => {
+            let looks_like_plan = serde_json::from_slice::<serde_json::Value>(&bytes)
+                .ok()
+                .is_some_and(|v| v.get("format_version").is_some());
+            if looks_like_plan { Source::Terraform } else { Source::Kubernetes }
+        }
+    };
+    let limits = Limits { time_per_policy: t.time_limit, ..Limits::default() };
+    let doc = match byoc_policy::parse_document(source, &bytes, &limits) {
+        Ok(d) => d,
+        Err(e) => return usage(format!("{}: {e}", t.input.display())),
+    };
+    let ctx = Context { source, phase: t.phase, operation: t.operation, install: String::new() };
+    let decision = byoc_policy::evaluate(&c.with_vendor(vendor), &c.params, &ctx, &doc, &bytes, &limits);
+    match t.output {
+        Output::Json => println!("{}", serde_json::to_string(&decision).unwrap_or_default()),
+        Output::Text => {
+            for v in &decision.violations {
+                println!(
+                    "DENY  {} [{}] {}: {}",
+                    v.policy,
+                    v.rule,
+                    if v.address.is_empty() { "-" } else { &v.address },
+                    v.message
+                );
+            }
+            for w in &decision.warnings {
+                println!(
+                    "WARN  {} [{}] {}: {}",
+                    w.policy,
+                    w.rule,
+                    if w.address.is_empty() { "-" } else { &w.address },
+                    w.message
+                );
+            }
+            for e in &decision.errors {
+                println!("ERROR {}: {}", e.policy, e.reason);
+            }
+            println!(
+                "{} policies, {} violations, {} warnings, {} errors: {} ({} ms; input {})",
+                decision.policies.len(),
+                decision.violations.len(),
+                decision.warnings.len(),
+                decision.errors.len(),
+                match decision.verdict {
+                    Verdict::Allow => "ALLOW",
+                    Verdict::Deny => "DENY",
+                },
+                decision.elapsed_ms,
+                decision.input_digest
+            );
+        }
+    }
+    match decision.verdict {
+        Verdict::Allow => 0,
+        Verdict::Deny => 1,
     }
 }
 

@@ -17,6 +17,7 @@ pub mod inspect;
 pub mod journal;
 pub mod logging;
 pub mod pipeline;
+pub mod policy;
 pub mod roles;
 pub mod run_local;
 pub mod spool;

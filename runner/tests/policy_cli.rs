@@ -1,0 +1,141 @@
+//! `byoc-runner policy list|test`: the customer's directory, vendor policies, verdicts
+//! and exit codes, over the example plans and manifests in `examples/policy/`.
+#![allow(clippy::unwrap_used)]
+
+use std::path::PathBuf;
+use std::process::Command;
+
+fn examples() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../examples/policy")
+}
+
+fn run(args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_byoc-runner")).arg("policy").args(args).output().unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into(),
+        String::from_utf8_lossy(&out.stderr).into(),
+    )
+}
+
+fn customer_dir(settings: &str, policies: &[(&str, &str)]) -> tempfile::TempDir {
+    let d = tempfile::tempdir().unwrap();
+    std::fs::write(d.path().join("policies.toml"), settings).unwrap();
+    for (name, text) in policies {
+        std::fs::write(d.path().join(name), text).unwrap();
+    }
+    d
+}
+
+const NO_PUBLIC_BUCKETS: &str = "package main\nimport rego.v1\ndeny contains msg if {\n  rc := input.resource_changes[_]\n  rc.type == \"aws_s3_bucket\"\n  rc.change.after.tags[\"cost-center\"] == \"42\"\n  msg := sprintf(\"%s: cost center 42 is closed\", [rc.address])\n}\n";
+
+#[test]
+fn list_shows_the_pack_at_the_customers_levels_and_their_policies() {
+    let d = customer_dir(
+        "[params]\nrequired_tags = [\"owner\"]\n[builtin]\nrequired_tags = \"advisory\"\ncontainer_limits = \"off\"\n[enforcement]\n\"buckets.rego\" = \"advisory\"\n",
+        &[("buckets.rego", NO_PUBLIC_BUCKETS)],
+    );
+    let (code, out, err) = run(&["list", "--policies", d.path().to_str().unwrap(), "-o", "json"]);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let builtin = v["builtin"].as_array().unwrap();
+    assert_eq!(builtin.len(), 6);
+    let tags = builtin.iter().find(|p| p["name"] == "builtin/required_tags").unwrap();
+    assert_eq!(tags["enforcement"], "advisory");
+    assert!(tags["description"].as_str().unwrap().contains("required tags"));
+    assert_eq!(v["builtin_off"][0], "container_limits");
+    assert_eq!(v["customer"][0]["name"], "customer/buckets.rego");
+    assert_eq!(v["customer"][0]["enforcement"], "advisory");
+    assert_eq!(v["params"]["required_tags"][0], "owner");
+    let (code, out, _) = run(&["list", "--policies", d.path().to_str().unwrap()]);
+    assert_eq!(code, 0);
+    assert!(
+        out.contains("builtin/public_ingress")
+            && out.contains("customer/buckets.rego")
+            && out.contains("off"),
+        "{out}"
+    );
+}
+
+#[test]
+fn test_prints_violations_and_the_verdict_and_exits_by_it() {
+    let empty = tempfile::tempdir().unwrap();
+    let plan = examples().join("plan-open-ingress.json");
+    let (code, out, err) =
+        run(&["test", "--input", plan.to_str().unwrap(), "--policies", empty.path().to_str().unwrap()]);
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(out.contains("DENY  builtin/public_ingress [public_ingress] aws_security_group.web"), "{out}");
+    assert!(
+        out.contains("DENY  builtin/database_protection [database_protection] aws_db_instance.main"),
+        "{out}"
+    );
+    assert!(out.contains(": DENY ("), "{out}");
+    let (code, out, _) = run(&[
+        "test",
+        "--input",
+        plan.to_str().unwrap(),
+        "--policies",
+        empty.path().to_str().unwrap(),
+        "-o",
+        "json",
+    ]);
+    assert_eq!(code, 1);
+    let d: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(d["verdict"], "deny");
+    assert_eq!(d["violations"].as_array().unwrap().len(), 2);
+    assert!(d["input_digest"].as_str().unwrap().starts_with("sha256:"));
+
+    // Allowed: exit 0. Then the customer's own policy denies what everything else allows.
+    let tags = examples().join("plan-tags-only.json");
+    let (code, out, _) =
+        run(&["test", "--input", tags.to_str().unwrap(), "--policies", empty.path().to_str().unwrap()]);
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains(": ALLOW ("), "{out}");
+    let strict = customer_dir("", &[("buckets.rego", NO_PUBLIC_BUCKETS)]);
+    let (code, out, _) =
+        run(&["test", "--input", tags.to_str().unwrap(), "--policies", strict.path().to_str().unwrap()]);
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("DENY  customer/buckets.rego") && out.contains("cost center 42 is closed"), "{out}");
+}
+
+#[test]
+fn vendor_policies_and_manifests() {
+    let empty = tempfile::tempdir().unwrap();
+    let ms = examples().join("manifests.json");
+    let vendor = examples().join("require-replicas.rego");
+    let (code, out, _) = run(&[
+        "test",
+        "--input",
+        ms.to_str().unwrap(),
+        "--policies",
+        empty.path().to_str().unwrap(),
+        "--vendor-policy",
+        vendor.to_str().unwrap(),
+        "-o",
+        "json",
+    ]);
+    assert_eq!(code, 1);
+    let d: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let rules: Vec<&str> =
+        d["violations"].as_array().unwrap().iter().map(|v| v["rule"].as_str().unwrap()).collect();
+    assert!(rules.contains(&"require-replicas"), "{rules:?}");
+    assert!(rules.contains(&"public_ingress"), "{rules:?}");
+    assert!(rules.contains(&"container_limits"), "{rules:?}");
+}
+
+#[test]
+fn bad_directories_and_inputs_are_usage_errors() {
+    let bad = customer_dir("[builtin]\nno_such_rule = \"off\"\nrequired_tags = \"sometimes\"\n", &[]);
+    let (code, _, err) = run(&["list", "--policies", bad.path().to_str().unwrap()]);
+    assert_eq!(code, 64);
+    assert!(err.contains("no_such_rule") && err.contains("sometimes"), "{err}");
+    let empty = tempfile::tempdir().unwrap();
+    let junk = empty.path().join("junk.json");
+    std::fs::write(&junk, "not json").unwrap();
+    let (code, _, err) =
+        run(&["test", "--input", junk.to_str().unwrap(), "--policies", empty.path().to_str().unwrap()]);
+    assert_eq!(code, 64);
+    assert!(err.contains("not JSON"), "{err}");
+    let (code, _, err) = run(&["test", "--input", "/nonexistent.json", "--source", "cloudformation"]);
+    assert_eq!(code, 64, "{err}");
+}
