@@ -126,13 +126,23 @@ impl Default for Limits {
     }
 }
 
-/// What the policies are asked about, as parsed JSON.
+/// What the policies are asked about, parsed once into the evaluator's values.
 #[derive(Debug, Clone)]
 pub enum Document {
     /// `terraform show -json` of a saved plan.
-    Plan(serde_json::Value),
+    Plan(regorus::Value),
     /// Rendered manifests (helm template, kubectl manifests), one object each.
-    Manifests(Vec<serde_json::Value>),
+    Manifests(Vec<regorus::Value>),
+}
+
+impl Document {
+    pub fn plan(v: serde_json::Value) -> Document {
+        Document::Plan(regorus::Value::from(v))
+    }
+
+    pub fn manifests(v: Vec<serde_json::Value>) -> Document {
+        Document::Manifests(v.into_iter().map(regorus::Value::from).collect())
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -185,7 +195,8 @@ pub struct Decision {
 }
 
 /// Parse `bytes` as `source` expects: a plan (JSON object) or manifests (a JSON array
-/// of objects, one object, or a `{"items": [...]}` list).
+/// of objects, one object, or a `{"items": [...]}` list). One parse, straight into the
+/// evaluator's values.
 pub fn parse_document(source: Source, bytes: &[u8], limits: &Limits) -> Result<Document, String> {
     if bytes.len() > limits.max_input_bytes {
         return Err(format!(
@@ -194,25 +205,29 @@ pub fn parse_document(source: Source, bytes: &[u8], limits: &Limits) -> Result<D
             limits.max_input_bytes
         ));
     }
-    let v: serde_json::Value =
-        serde_json::from_slice(bytes).map_err(|e| format!("input is not JSON: {e}"))?;
+    let v: regorus::Value = serde_json::from_slice(bytes).map_err(|e| format!("input is not JSON: {e}"))?;
+    let key = |v: &regorus::Value, k: &str| {
+        v.as_object().ok().and_then(|o| o.get(&regorus::Value::from(k)).cloned())
+    };
     match source {
         Source::Terraform => {
-            if !v.get("resource_changes").is_some_and(|r| r.is_array()) && v.get("format_version").is_none() {
+            let changes_ok = key(&v, "resource_changes").is_some_and(|r| r.as_array().is_ok());
+            if !changes_ok && key(&v, "format_version").is_none() {
                 return Err("input is not a terraform plan (no format_version or resource_changes)".into());
             }
             Ok(Document::Plan(v))
         }
         Source::Helm | Source::Kubernetes => {
-            let items = match v {
-                serde_json::Value::Array(a) => a,
-                serde_json::Value::Object(ref o) if o.get("items").is_some_and(|i| i.is_array()) => {
-                    o["items"].as_array().cloned().unwrap_or_default()
-                }
-                o @ serde_json::Value::Object(_) => vec![o],
-                _ => return Err("manifests must be a JSON object or array of objects".into()),
+            let items: Vec<regorus::Value> = if let Ok(a) = v.as_array() {
+                a.iter().cloned().collect()
+            } else if let Some(items) = key(&v, "items").filter(|i| i.as_array().is_ok()) {
+                items.as_array().map(|a| a.iter().cloned().collect()).unwrap_or_default()
+            } else if v.as_object().is_ok() {
+                vec![v]
+            } else {
+                return Err("manifests must be a JSON object or array of objects".into());
             };
-            if items.iter().any(|m| !m.is_object() || m.get("kind").is_none()) {
+            if items.iter().any(|m| key(m, "kind").is_none()) {
                 return Err("every manifest must be an object with a kind".into());
             }
             Ok(Document::Manifests(items))
@@ -230,22 +245,24 @@ pub fn evaluate(
     limits: &Limits,
 ) -> Decision {
     let started = Instant::now();
-    let byoc = serde_json::to_value(ctx).unwrap_or_default();
-    // Built-ins see one input; conftest-style policies see the plan, or each manifest.
+    let byoc = regorus::Value::from(serde_json::to_value(ctx).unwrap_or_default());
+    // Built-ins see one input; conftest-style policies see the plan (the same value,
+    // with `byoc` added), or each manifest on its own.
     let (pack_input, conftest_inputs) = match doc {
         Document::Plan(plan) => {
             let mut p = plan.clone();
-            if let Some(o) = p.as_object_mut() {
-                o.insert("byoc".into(), byoc.clone());
+            if let Ok(o) = p.as_object_mut() {
+                o.insert(regorus::Value::from("byoc"), byoc);
             }
             (p.clone(), vec![p])
         }
-        Document::Manifests(ms) => (serde_json::json!({"byoc": byoc, "manifests": ms}), ms.clone()),
+        Document::Manifests(ms) => {
+            let mut o = std::collections::BTreeMap::new();
+            o.insert(regorus::Value::from("byoc"), byoc);
+            o.insert(regorus::Value::from("manifests"), regorus::Value::from(ms.clone()));
+            (regorus::Value::from(o), ms.clone())
+        }
     };
-    let to_value =
-        |v: &serde_json::Value| regorus::Value::from_json_str(&v.to_string()).map_err(|e| e.to_string());
-    let pack_input = to_value(&pack_input);
-    let conftest_inputs: Vec<_> = conftest_inputs.iter().map(to_value).collect();
     let data = serde_json::json!({"byoc": {"params": params}});
 
     let mut d = Decision {
@@ -265,12 +282,50 @@ pub fn evaluate(
         errors: vec![],
         elapsed_ms: 0,
     };
-    for p in policies {
-        let inputs: Vec<&Result<regorus::Value, String>> = match p.origin {
-            Origin::Builtin => vec![&pack_input],
-            _ => conftest_inputs.iter().collect(),
-        };
-        match eval_policy(p, &data, &inputs, limits) {
+    // Policies are independent (one engine each): evaluate them on every core, then
+    // collect the results in policy order so the decision does not depend on timing.
+    let threads =
+        std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1).min(policies.len()).max(1);
+    let results: Vec<Result<Findings, String>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..threads)
+            .map(|t| {
+                let (pack_input, conftest_inputs, data) = (&pack_input, &conftest_inputs, &data);
+                scope.spawn(move || {
+                    policies
+                        .iter()
+                        .enumerate()
+                        .filter(|(i, _)| i % threads == t)
+                        .map(|(i, p)| {
+                            let scoped;
+                            let inputs: Vec<&regorus::Value> = match (p.origin, type_scope(p)) {
+                                (Origin::Builtin, Some(types)) if matches!(doc, Document::Plan(_)) => {
+                                    scoped = only_types(pack_input, &types);
+                                    vec![&scoped]
+                                }
+                                (Origin::Builtin, _) => vec![pack_input],
+                                _ => conftest_inputs.iter().collect(),
+                            };
+                            (i, eval_policy(p, data, &inputs, limits))
+                        })
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        let mut all: Vec<(usize, Result<Findings, String>)> =
+            handles.into_iter().flat_map(|h| h.join().unwrap_or_else(|_| vec![])).collect();
+        all.sort_by_key(|(i, _)| *i);
+        all.into_iter().map(|(_, r)| r).collect()
+    });
+    if results.len() != policies.len() {
+        // A panicking evaluation thread: deny rather than decide on a partial set.
+        d.errors.push(PolicyError {
+            policy: "(evaluator)".into(),
+            origin: Origin::Builtin,
+            reason: "a policy evaluation thread failed".into(),
+        });
+    }
+    for (p, result) in policies.iter().zip(results) {
+        match result {
             Ok((denials, warns)) => {
                 for f in denials {
                     match p.enforcement {
@@ -292,10 +347,58 @@ pub fn evaluate(
 
 type Findings = (Vec<Finding>, Vec<Finding>);
 
+/// Built-in rules that only look at resources of the types they name: they are given
+/// only those resource changes (most of a large plan is other types), which keeps a
+/// 10,000-change plan well inside its time budget.
+const SCOPED_BY_TYPE: [&str; 4] =
+    ["database_protection", "public_ingress", "storage_encryption", "iam_in_maintenance"];
+
+/// The `"aws_…"` type names a scoped built-in rule's source mentions.
+fn type_scope(p: &Policy) -> Option<std::collections::BTreeSet<String>> {
+    let id = p.name.strip_prefix("builtin/")?;
+    if !SCOPED_BY_TYPE.contains(&id) {
+        return None;
+    }
+    Some(
+        p.text
+            .split('"')
+            .skip(1)
+            .step_by(2)
+            .filter(|lit| {
+                lit.starts_with("aws_")
+                    && lit.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
+            })
+            .map(str::to_string)
+            .collect(),
+    )
+}
+
+/// The plan with only the resource changes of `types` (everything else shared).
+fn only_types(plan: &regorus::Value, types: &std::collections::BTreeSet<String>) -> regorus::Value {
+    let key = regorus::Value::from("resource_changes");
+    let ty = regorus::Value::from("type");
+    let mut out = plan.clone();
+    let Ok(o) = out.as_object_mut() else { return out };
+    let Some(changes) = o.get(&key).and_then(|c| c.as_array().ok()) else { return out };
+    let kept: Vec<regorus::Value> = changes
+        .iter()
+        .filter(|rc| {
+            rc.as_object()
+                .ok()
+                .and_then(|m| m.get(&ty))
+                .and_then(|t| t.as_string().ok())
+                .is_some_and(|t| types.contains(t.as_ref()))
+        })
+        .cloned()
+        .collect();
+    o.insert(key, regorus::Value::from(kept));
+    out
+}
+
 fn eval_policy(
     p: &Policy,
     data: &serde_json::Value,
-    inputs: &[&Result<regorus::Value, String>],
+    inputs: &[&regorus::Value],
     limits: &Limits,
 ) -> Result<Findings, String> {
     let new_engine = |v0: bool| {
@@ -322,13 +425,14 @@ fn eval_policy(
     engine.add_data_json(&data.to_string()).map_err(|e| format!("parameters: {e}"))?;
     let mut denials = Vec::new();
     let mut warns = Vec::new();
+    // The built-in pack defines only `deny`; conftest policies may use all three.
+    let rules: &[(&str, bool)] = match p.origin {
+        Origin::Builtin => &[("deny", true)],
+        _ => &[("deny", true), ("violation", true), ("warn", false)],
+    };
     for input in inputs {
-        let input = match input {
-            Ok(v) => v.clone(),
-            Err(e) => return Err(format!("input: {e}")),
-        };
-        engine.set_input(input);
-        for (rule, denying) in [("deny", true), ("violation", true), ("warn", false)] {
+        engine.set_input((*input).clone());
+        for &(rule, denying) in rules {
             // A query, not eval_rule: a rule the policy does not define is simply
             // undefined (no result), not an error.
             let results = engine
@@ -376,4 +480,27 @@ fn finding(p: &Policy, item: serde_json::Value) -> Finding {
         other => (default_rule, String::new(), other.to_string()),
     };
     Finding { policy: p.name.clone(), origin: p.origin, enforcement: p.enforcement, rule, address, message }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn scoped_rules_name_their_types_and_others_see_everything() {
+        let pack = builtin_pack();
+        let scope = |id: &str| {
+            type_scope(pack.iter().find(|p| p.name == format!("builtin/{id}")).unwrap_or(&pack[0]))
+        };
+        let db = scope("database_protection").unwrap_or_default();
+        assert!(
+            db.contains("aws_db_instance")
+                && db.contains("aws_dynamodb_table")
+                && !db.contains("aws_s3_bucket")
+        );
+        let storage = scope("storage_encryption").unwrap_or_default();
+        assert!(storage.contains("aws_s3_bucket_server_side_encryption_configuration"));
+        assert!(scope("required_tags").is_none());
+        assert!(scope("container_limits").is_none());
+    }
 }

@@ -10,7 +10,7 @@ fn plan(changes: Vec<Value>) -> Document {
 }
 
 fn plan_with_config(changes: Vec<Value>, configuration: Value) -> Document {
-    Document::Plan(json!({
+    Document::plan(json!({
         "format_version": "1.2",
         "terraform_version": "1.9.5",
         "resource_changes": changes,
@@ -33,7 +33,7 @@ fn rc_unknown(address: &str, actions: &[&str], after: Value, after_unknown: Valu
 }
 
 fn manifests(ms: Vec<Value>) -> Document {
-    Document::Manifests(ms)
+    Document::manifests(ms)
 }
 
 fn deployment(name: &str, containers: Value) -> Value {

@@ -7,17 +7,23 @@ import rego.v1
 
 open_cidrs := {"0.0.0.0/0", "::/0"}
 
-changing contains rc if {
-	rc := input.resource_changes[_]
+# Indexes, not whole resources: a set of large objects costs a deep comparison per
+# member.
+changing contains i if {
+	some i, rc in input.resource_changes
+	sg_types[rc.type]
 	some a in rc.change.actions
 	a in {"create", "update"}
 }
+
+sg_types := {"aws_security_group", "aws_security_group_rule", "aws_vpc_security_group_ingress_rule"}
 
 violation(rc, what) := {"rule": "public_ingress", "address": rc.address, "msg": sprintf("%s %s", [rc.address, what])}
 
 # Inline ingress blocks of aws_security_group.
 deny contains violation(rc, sprintf("allows ingress from %s", [cidr])) if {
-	rc := changing[_]
+	some i in changing
+	rc := input.resource_changes[i]
 	rc.type == "aws_security_group"
 	rule := rc.change.after.ingress[_]
 	cidr := array.concat(object.get(rule, "cidr_blocks", []), object.get(rule, "ipv6_cidr_blocks", []))[_]
@@ -25,7 +31,8 @@ deny contains violation(rc, sprintf("allows ingress from %s", [cidr])) if {
 }
 
 deny contains violation(rc, "has ingress rules unknown until apply") if {
-	rc := changing[_]
+	some i in changing
+	rc := input.resource_changes[i]
 	rc.type == "aws_security_group"
 	unknown_ingress(object.get(rc.change, "after_unknown", {}))
 }
@@ -46,7 +53,8 @@ unknown_list(x) if {
 }
 
 deny contains violation(rc, sprintf("allows ingress from %s", [cidr])) if {
-	rc := changing[_]
+	some i in changing
+	rc := input.resource_changes[i]
 	rc.type == "aws_security_group_rule"
 	rc.change.after.type == "ingress"
 	cidr := array.concat(object.get(rc.change.after, "cidr_blocks", []), object.get(rc.change.after, "ipv6_cidr_blocks", []))[_]
@@ -54,7 +62,8 @@ deny contains violation(rc, sprintf("allows ingress from %s", [cidr])) if {
 }
 
 deny contains violation(rc, "allows ingress from CIDRs unknown until apply") if {
-	rc := changing[_]
+	some i in changing
+	rc := input.resource_changes[i]
 	rc.type == "aws_security_group_rule"
 	rc.change.after.type == "ingress"
 	some key in ["cidr_blocks", "ipv6_cidr_blocks"]
@@ -62,7 +71,8 @@ deny contains violation(rc, "allows ingress from CIDRs unknown until apply") if 
 }
 
 deny contains violation(rc, sprintf("allows ingress from %s", [cidr])) if {
-	rc := changing[_]
+	some i in changing
+	rc := input.resource_changes[i]
 	rc.type == "aws_vpc_security_group_ingress_rule"
 	some key in ["cidr_ipv4", "cidr_ipv6"]
 	cidr := object.get(rc.change.after, key, null)
@@ -70,7 +80,8 @@ deny contains violation(rc, sprintf("allows ingress from %s", [cidr])) if {
 }
 
 deny contains violation(rc, "allows ingress from a CIDR unknown until apply") if {
-	rc := changing[_]
+	some i in changing
+	rc := input.resource_changes[i]
 	rc.type == "aws_vpc_security_group_ingress_rule"
 	some key in ["cidr_ipv4", "cidr_ipv6"]
 	object.get(object.get(rc.change, "after_unknown", {}), key, false) == true

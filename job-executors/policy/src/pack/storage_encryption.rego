@@ -5,8 +5,10 @@ package byoc.builtin.storage_encryption
 
 import rego.v1
 
-creating contains rc if {
-	rc := input.resource_changes[_]
+# Indexes, not whole resources (a set of large objects compares them deeply).
+creating contains i if {
+	some i, rc in input.resource_changes
+	flag[rc.type]
 	some a in rc.change.actions
 	a in {"create", "update"}
 }
@@ -14,7 +16,8 @@ creating contains rc if {
 flag := {"aws_ebs_volume": "encrypted", "aws_db_instance": "storage_encrypted", "aws_rds_cluster": "storage_encrypted", "aws_docdb_cluster": "storage_encrypted", "aws_neptune_cluster": "storage_encrypted", "aws_efs_file_system": "encrypted"}
 
 deny contains v if {
-	rc := creating[_]
+	some i in creating
+	rc := input.resource_changes[i]
 	key := flag[rc.type]
 	not object.get(rc.change.after, key, false) == true
 	not object.get(object.get(rc.change, "after_unknown", {}), key, false) == true
@@ -22,7 +25,8 @@ deny contains v if {
 }
 
 deny contains v if {
-	rc := creating[_]
+	some i in creating
+	rc := input.resource_changes[i]
 	key := flag[rc.type]
 	object.get(object.get(rc.change, "after_unknown", {}), key, false) == true
 	v := {"rule": "storage_encryption", "address": rc.address, "msg": sprintf("%s: %s is unknown until apply", [rc.address, key])}
