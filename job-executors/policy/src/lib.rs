@@ -286,28 +286,30 @@ pub fn evaluate(
     // collect the results in policy order so the decision does not depend on timing.
     let threads =
         std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1).min(policies.len()).max(1);
+    // Each thread takes the next policy not yet taken, so one slow policy does not hold
+    // up a fixed share of the others.
+    let next = std::sync::atomic::AtomicUsize::new(0);
     let results: Vec<Result<Findings, String>> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..threads)
-            .map(|t| {
-                let (pack_input, conftest_inputs, data) = (&pack_input, &conftest_inputs, &data);
+            .map(|_| {
+                let (pack_input, conftest_inputs, data, next) = (&pack_input, &conftest_inputs, &data, &next);
                 scope.spawn(move || {
-                    policies
-                        .iter()
-                        .enumerate()
-                        .filter(|(i, _)| i % threads == t)
-                        .map(|(i, p)| {
-                            let scoped;
-                            let inputs: Vec<&regorus::Value> = match (p.origin, type_scope(p)) {
-                                (Origin::Builtin, Some(types)) if matches!(doc, Document::Plan(_)) => {
-                                    scoped = only_types(pack_input, &types);
-                                    vec![&scoped]
-                                }
-                                (Origin::Builtin, _) => vec![pack_input],
-                                _ => conftest_inputs.iter().collect(),
-                            };
-                            (i, eval_policy(p, data, &inputs, limits))
-                        })
-                        .collect::<Vec<_>>()
+                    let mut done = Vec::new();
+                    loop {
+                        let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        let Some(p) = policies.get(i) else { break };
+                        let scoped;
+                        let inputs: Vec<&regorus::Value> = match (p.origin, type_scope(p)) {
+                            (Origin::Builtin, Some(types)) if matches!(doc, Document::Plan(_)) => {
+                                scoped = only_types(pack_input, &types);
+                                vec![&scoped]
+                            }
+                            (Origin::Builtin, _) => vec![pack_input],
+                            _ => conftest_inputs.iter().collect(),
+                        };
+                        done.push((i, eval_policy(p, data, &inputs, limits)));
+                    }
+                    done
                 })
             })
             .collect();

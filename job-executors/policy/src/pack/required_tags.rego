@@ -8,19 +8,21 @@ required := object.get(object.get(data, ["byoc", "params"], {}), "required_tags"
 
 deny contains v if {
 	count(required) > 0
-	some rc in input.resource_changes
+	rc := input.resource_changes[_]
+	some a in rc.change.actions
+	a in {"create", "update"}
 	after := rc.change.after
 	is_object(after)
 	_ = after.tags
-	some a in rc.change.actions
-	a in {"create", "update"}
-	# tags_all (provider default_tags included) when known, plus tags.
-	tags := object.union(tag_map(after.tags), tag_map(object.get(after, "tags_all", null)))
-	missing := [t | some t in required; not tags[t]]
+	tags := effective_tags(rc)
+	missing := [t | t := required[_]; not tags[t]]
 	count(missing) > 0
 	v := {"rule": "required_tags", "address": rc.address, "msg": sprintf("%s lacks required tags %v", [rc.address, missing])}
 }
 
-tag_map(x) := x if is_object(x)
-
-tag_map(x) := {} if not is_object(x)
+# tags_all (provider default_tags included) when known, else tags.
+effective_tags(rc) := rc.change.after.tags_all if {
+	is_object(rc.change.after.tags_all)
+} else := object.get(rc.change.after, "tags", {}) if {
+	is_object(object.get(rc.change.after, "tags", {}))
+} else := {}
