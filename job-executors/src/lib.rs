@@ -20,6 +20,7 @@ pub mod outputs;
 pub mod process;
 pub mod sandboxed;
 pub mod script;
+pub mod terraform;
 
 /// Where job output goes (the runner's on-disk spool). Writes are small and local.
 pub trait OutputSink: Send {
@@ -89,6 +90,48 @@ impl Default for OciSettings {
     }
 }
 
+/// Where `terraform` jobs find the tool and keep saved plans.
+#[derive(Debug, Clone)]
+pub struct TerraformSettings {
+    /// The terraform binary (absolute, visible inside the sandbox: under /usr or a
+    /// `sandbox.extra_ro_paths` directory).
+    pub binary: PathBuf,
+    /// Saved plans of plan-only jobs, by workspace and digest (the runner's state dir).
+    pub plans_dir: PathBuf,
+    /// A saved plan older than this is stale and refused.
+    pub plan_max_age: Duration,
+    /// `TF_CLI_CONFIG_FILE`: provider mirror settings for air-gapped installs.
+    pub cli_config_file: Option<PathBuf>,
+    /// `TF_PLUGIN_CACHE_DIR`.
+    pub plugin_cache_dir: Option<PathBuf>,
+}
+
+impl Default for TerraformSettings {
+    fn default() -> Self {
+        TerraformSettings {
+            binary: PathBuf::from("/usr/bin/terraform"),
+            plans_dir: PathBuf::from("/var/lib/byoc-runner/plans"),
+            plan_max_age: Duration::from_secs(3600),
+            cli_config_file: None,
+            plugin_cache_dir: None,
+        }
+    }
+}
+
+/// What policy decisions of this job are made with: every policy that applies (built-in
+/// pack at the customer's levels, the vendor's from the signed app config, the
+/// customer's own) and the job's place in the lifecycle.
+#[derive(Debug, Clone)]
+pub struct PolicyScope {
+    pub policies: Vec<byoc_policy::Policy>,
+    pub params: serde_json::Value,
+    /// The role type the job runs under (provision, maintenance, …; `none` without one).
+    pub phase: String,
+    pub operation: String,
+    pub install: String,
+    pub limits: byoc_policy::Limits,
+}
+
 /// Audit records an executor makes itself (the runner fills in job, kind, operation
 /// and role). Never secrets: names, codes, references and digests.
 pub trait JobAudit: Send + Sync {
@@ -117,6 +160,9 @@ pub struct ExecContext<'a> {
     pub credentials: Option<JobCredentials>,
     pub oci: OciSettings,
     pub audit: Option<std::sync::Arc<dyn JobAudit>>,
+    pub terraform: TerraformSettings,
+    /// `None`: jobs that need a policy decision are refused.
+    pub policy: Option<PolicyScope>,
 }
 
 /// How a job reaches its role's credentials. Both forms' secrets are in `feed`, so
@@ -220,6 +266,8 @@ pub async fn run_masked(exec: &dyn Executor, ctx: ExecContext<'_>) -> ExecOutcom
         credentials,
         oci,
         audit,
+        terraform,
+        policy,
     } = ctx;
     let feed = credentials.as_ref().map(|c| c.feed.clone()).unwrap_or_default();
     let mut sink = match mask::MaskingSink::with_feed(exec.secrets(), feed, output) {
@@ -238,6 +286,8 @@ pub async fn run_masked(exec: &dyn Executor, ctx: ExecContext<'_>) -> ExecOutcom
         credentials,
         oci,
         audit,
+        terraform,
+        policy,
     };
     let mut outcome = exec.run(inner).await;
     let masker = sink.current_masker();
@@ -280,6 +330,10 @@ pub fn build(kind: &str, spec: &serde_json::Value) -> Result<Box<dyn Executor>, 
         )),
         "action.script" => Ok(Box::new(
             script::Script::from_spec(spec)
+                .map_err(|reason| SpecError::Invalid { kind: kind.into(), reason })?,
+        )),
+        "terraform" => Ok(Box::new(
+            terraform::Terraform::from_spec(spec)
                 .map_err(|reason| SpecError::Invalid { kind: kind.into(), reason })?,
         )),
         "oci.sync" => Ok(Box::new(

@@ -154,6 +154,8 @@ mod tests {
             credentials: None,
             oci: Default::default(),
             audit: None,
+            terraform: Default::default(),
+            policy: None,
         };
         let outcome = crate::run_masked(s, ctx).await;
         (outcome, String::from_utf8_lossy(&out).into_owned())

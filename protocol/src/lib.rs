@@ -139,6 +139,20 @@ pub struct AppConfig {
     /// `operation_roles.toml`: defaults per operation and principal/operation rules.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub operation_roles: Option<String>,
+    /// The vendor's policies (Rego, conftest-compatible), by file name. They are
+    /// evaluated with the built-in pack and the customer's own; they cannot switch
+    /// either off.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub policies: BTreeMap<String, VendorPolicy>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VendorPolicy {
+    pub rego: String,
+    /// `mandatory` (default: violations deny) or `advisory` (they warn).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub enforcement: Option<String>,
 }
 
 /// Per-job role inputs, highest precedence first.

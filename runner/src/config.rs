@@ -26,6 +26,8 @@ pub struct Config {
     pub aws: AwsConfig,
     pub roles: RolesConfig,
     pub oci: OciConfig,
+    pub terraform: TerraformConfig,
+    pub policy: PolicyConfig,
     /// Where the configuration was read from (hidden from jobs).
     pub source: PathBuf,
     /// SHA-256 of the effective configuration (file plus overrides), for the audit trail.
@@ -112,6 +114,23 @@ pub struct AwsConfig {
     pub account_id: Option<String>,
 }
 
+/// The terraform tool on this VM.
+#[derive(Debug, Clone)]
+pub struct TerraformConfig {
+    pub binary: PathBuf,
+    pub plan_max_age: Duration,
+    pub cli_config_file: Option<PathBuf>,
+    pub plugin_cache_dir: Option<PathBuf>,
+}
+
+/// The customer's policies and the evaluation limits.
+#[derive(Debug, Clone)]
+pub struct PolicyConfig {
+    pub dir: PathBuf,
+    pub time_limit: Duration,
+    pub max_input_bytes: usize,
+}
+
 /// How `oci.sync` jobs reach registries.
 #[derive(Debug, Clone, Default)]
 pub struct OciConfig {
@@ -189,6 +208,8 @@ impl Config {
         let aws_t = top.table("aws");
         let roles_t = top.table("roles");
         let oci_t = top.table("oci");
+        let terraform_t = top.table("terraform");
+        let policy_t = top.table("policy");
         top.finish();
 
         let mut f = Fields::new("control_plane", cp_t, &mut problems);
@@ -364,6 +385,27 @@ impl Config {
             chunk_bytes: f.ranged("chunk_mib", 64, 5..=1024) << 20,
         };
         f.finish();
+        let mut f = Fields::new("terraform", terraform_t, &mut problems);
+        let terraform = TerraformConfig {
+            binary: PathBuf::from(f.get::<String>("binary").unwrap_or_else(|| "/usr/bin/terraform".into())),
+            plan_max_age: f.secs("plan_max_age_secs", 3600, 60..=7 * 86_400),
+            cli_config_file: f.get::<String>("cli_config_file").map(PathBuf::from),
+            plugin_cache_dir: f.get::<String>("plugin_cache_dir").map(PathBuf::from),
+        };
+        f.finish();
+        if !terraform.binary.is_absolute() {
+            problems
+                .push(format!("terraform.binary: {} must be an absolute path", terraform.binary.display()));
+        }
+        let mut f = Fields::new("policy", policy_t, &mut problems);
+        let policy = PolicyConfig {
+            dir: PathBuf::from(
+                f.get::<String>("dir").unwrap_or_else(|| crate::policy::DEFAULT_POLICY_DIR.into()),
+            ),
+            time_limit: Duration::from_millis(f.ranged("time_limit_ms", 10_000, 10..=600_000)),
+            max_input_bytes: (f.ranged("max_input_mib", 64, 1..=1024) << 20) as usize,
+        };
+        f.finish();
         for (host, u) in &oci.registry_endpoints {
             if let Err(e) = validate_url(u, true) {
                 problems.push(format!("oci.registry_endpoints.{host:?}: {e}"));
@@ -405,6 +447,8 @@ impl Config {
             aws,
             roles,
             oci,
+            terraform,
+            policy,
             source: PathBuf::from(source_name),
             digest,
         })

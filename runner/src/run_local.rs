@@ -127,6 +127,8 @@ pub async fn run(
         credentials: None,
         oci: Default::default(),
         audit: None,
+        terraform: Default::default(),
+        policy: None,
     };
     let outcome = byoc_job_executors::run_masked(exec, ctx).await;
     ctrl_c.abort();

@@ -25,9 +25,21 @@ pub fn load(dir: &Path) -> anyhow::Result<byoc_protocol::AppConfig> {
         let p = dir.join(name);
         if p.exists() { read(p).map(Some) } else { Ok(None) }
     };
+    // The vendor's policies: `policies/*.rego`, mandatory.
+    let mut policies = std::collections::BTreeMap::new();
+    if let Ok(entries) = std::fs::read_dir(dir.join("policies")) {
+        for entry in entries.flatten() {
+            let path = entry.path();
+            if path.extension().is_some_and(|e| e == "rego") {
+                let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+                policies.insert(name, byoc_protocol::VendorPolicy { rego: read(path)?, enforcement: None });
+            }
+        }
+    }
     Ok(byoc_protocol::AppConfig {
         permissions,
         break_glass: optional("break_glass.toml")?,
         operation_roles: optional("operation_roles.toml")?,
+        policies,
     })
 }

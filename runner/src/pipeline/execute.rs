@@ -21,6 +21,8 @@ use crate::roles::sts::{SessionParams, session_duration, sts_identifier, tag_val
 use crate::spool::{SpoolWriter, Uploader};
 
 pub const WORK_DIR: &str = "work";
+/// Saved plans of plan-only terraform jobs.
+pub const PLANS_DIR: &str = "plans";
 
 pub struct FinishedJob {
     pub job_id: String,
@@ -66,6 +68,11 @@ pub async fn execute(rt: &Rt, job: ClaimedJob) -> Result<FinishedJob, JournalErr
             let done = CancellationToken::new();
             let companion =
                 tokio::spawn(heartbeat_and_upload(rt.clone(), job_id.clone(), cancel.clone(), done.clone()));
+            // Only jobs that are decided by policy load it (and may note its problems).
+            let policy = match job.verified.payload.kind.as_str() {
+                "terraform" => policy_scope(rt, &job, &mut spool),
+                _ => None,
+            };
             let ctx = ExecContext {
                 job_id: job_id.clone(),
                 work_dir: work_dir.clone(),
@@ -82,6 +89,14 @@ pub async fn execute(rt: &Rt, job: ClaimedJob) -> Result<FinishedJob, JournalErr
                     chunk_size: rt.config.oci.chunk_bytes,
                     ca_bundle: rt.config.control_plane.ca_bundle.clone(),
                 },
+                terraform: byoc_job_executors::TerraformSettings {
+                    binary: rt.config.terraform.binary.clone(),
+                    plans_dir: rt.state_dir.join(PLANS_DIR),
+                    plan_max_age: rt.config.terraform.plan_max_age,
+                    cli_config_file: rt.config.terraform.cli_config_file.clone(),
+                    plugin_cache_dir: rt.config.terraform.plugin_cache_dir.clone(),
+                },
+                policy,
                 audit: Some(Arc::new(ExecutorAudit {
                     rt: rt.clone(),
                     job_id: job_id.clone(),
@@ -254,6 +269,59 @@ async fn assume_for_job(
     );
     tracing::info!(role = %name, role_arn = %role.arn, "assumed the job's role");
     Ok((reg, JobCredentials { endpoint_env, static_env, feed }, note))
+}
+
+/// The policies this job's decisions are made with: the built-in pack at the customer's
+/// levels, the vendor's from the signed app config, the customer's own. `None` (and a
+/// line in the job log) when the customer's directory has problems: decisions then deny.
+fn policy_scope(rt: &Rt, job: &ClaimedJob, log: &mut SpoolWriter) -> Option<byoc_job_executors::PolicyScope> {
+    let p = &job.verified.payload;
+    let customer = match crate::policy::load(&rt.config.policy.dir) {
+        Ok(c) => c,
+        Err(problems) => {
+            let line = format!(
+                "[runner] the customer's policy directory {} has problems, so policy decisions deny: {}\n",
+                rt.config.policy.dir.display(),
+                problems.join("; ")
+            );
+            let _ = byoc_job_executors::OutputSink::write(log, line.as_bytes());
+            return None;
+        }
+    };
+    let vendor = p
+        .app_config
+        .as_ref()
+        .map(|a| {
+            a.policies
+                .iter()
+                .map(|(name, v)| byoc_policy::Policy {
+                    name: format!("vendor/{name}"),
+                    origin: byoc_policy::Origin::Vendor,
+                    // Anything but an explicit "advisory" is mandatory.
+                    enforcement: match v.enforcement.as_deref() {
+                        Some("advisory") => byoc_policy::Enforcement::Advisory,
+                        _ => byoc_policy::Enforcement::Mandatory,
+                    },
+                    text: v.rego.clone(),
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    Some(byoc_job_executors::PolicyScope {
+        policies: customer.with_vendor(vendor),
+        params: customer.params.clone(),
+        phase: job
+            .role
+            .as_ref()
+            .map(|r| r.derived.role.role_type.as_str().to_string())
+            .unwrap_or_else(|| "none".into()),
+        operation: format!("{}.{}", p.entity, p.operation),
+        install: p.install_id.clone(),
+        limits: byoc_policy::Limits {
+            time_per_policy: rt.config.policy.time_limit,
+            max_input_bytes: rt.config.policy.max_input_bytes,
+        },
+    })
 }
 
 /// Records an executor makes (one per synced artifact, say), with the job's identity.

@@ -1,0 +1,277 @@
+//! `terraform` jobs end to end: the real runner (sandboxed), the reference control
+//! plane, moto for the job's role, and a stand-in `terraform`
+//! (`tests/fixtures/terraform/terraform`) that follows the CLI contract and reports
+//! every call in the job log, so a test proves what ran and what never did.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use byoc_control_plane::EnqueueRequest;
+use byoc_control_plane::moto::MotoServer;
+use byoc_protocol::{JobStatus, VendorPolicy};
+use common::roles::*;
+use common::*;
+
+fn fixtures() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/terraform")
+}
+
+fn example(name: &str) -> String {
+    std::fs::read_to_string(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../examples/policy").join(name))
+        .unwrap()
+}
+
+struct TfEnv {
+    env: Env,
+    _moto: MotoServer,
+    policies: tempfile::TempDir,
+    _tools: tempfile::TempDir,
+}
+
+async fn tf_env() -> TfEnv {
+    let moto = moto_with_stack(&base_params()).await;
+    let policies = tempfile::tempdir().unwrap();
+    // The stand-in is copied out of the source tree: inside the sandbox the job's own
+    // directory is mounted at /work, which would hide a checkout under /work.
+    let tools = tempfile::tempdir().unwrap();
+    {
+        use std::os::unix::fs::PermissionsExt as _;
+        std::fs::set_permissions(tools.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    std::fs::copy(fixtures().join("terraform"), tools.path().join("terraform")).unwrap();
+    let mut opts = role_options(&moto, "");
+    opts.extra.push_str(&format!(
+        "\n[terraform]\nbinary = \"{}\"\n\n[policy]\ndir = \"{}\"\n",
+        tools.path().join("terraform").display(),
+        policies.path().display()
+    ));
+    opts.sandbox_ro_paths.push(tools.path().to_path_buf());
+    let env = env_with(opts).await;
+    TfEnv { env, _moto: moto, policies, _tools: tools }
+}
+
+const OUTPUTS: &str = r#"{"endpoint": {"sensitive": false, "type": "string", "value": "assets.example"}, "admin_password": {"sensitive": true, "type": "string", "value": "s3cr3t-admin-pass"}}"#;
+
+fn job(mode: &str, plan: &str, extra_files: &[(&str, &str)], extra: serde_json::Value) -> EnqueueRequest {
+    let mut files = serde_json::json!({
+        "main.tf": "resource \"aws_s3_bucket\" \"assets\" {}\n",
+        "fake-plan.json": plan,
+        "fake-outputs.json": OUTPUTS,
+    });
+    for (k, v) in extra_files {
+        files[*k] = (*v).into();
+    }
+    let mut spec = serde_json::json!({"mode": mode, "files": files, "workspace": "api"});
+    for (k, v) in extra.as_object().into_iter().flatten() {
+        spec[k] = v.clone();
+    }
+    EnqueueRequest {
+        timeout_secs: 300,
+        ..role_job("component", "deploy", "inst-demo-maintenance", named("api"), "")
+    }
+    .with_kind("terraform", spec)
+}
+
+trait WithKind {
+    fn with_kind(self, kind: &str, spec: serde_json::Value) -> EnqueueRequest;
+}
+
+impl WithKind for EnqueueRequest {
+    fn with_kind(mut self, kind: &str, spec: serde_json::Value) -> EnqueueRequest {
+        self.kind = kind.into();
+        self.spec = spec;
+        self
+    }
+}
+
+fn audit(e: &TfEnv, event: &str) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(e.env.runner.state_dir.join("audit/log.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|r| r["event"] == event)
+        .collect()
+}
+
+async fn run(e: &TfEnv, req: EnqueueRequest) -> (String, byoc_protocol::JobResult, String) {
+    let id = e.env.cp.enqueue(req).unwrap();
+    let r = e.env.finished(&id).await.result.unwrap();
+    let log = e.env.output(&id);
+    (id, r, log)
+}
+
+#[tokio::test]
+async fn an_allowed_plan_is_applied_exactly_and_its_outputs_masked() {
+    let e = tf_env().await;
+    let (id, r, log) =
+        run(&e, job("apply", &example("plan-tags-only.json"), &[], serde_json::json!({}))).await;
+    assert_eq!(r.status, JobStatus::Succeeded, "{:?}\n{log}", r.error);
+    let digest = r.outputs["plan_digest"].as_str().unwrap().to_string();
+    for step in [
+        "fake-terraform: init",
+        "fake-terraform: plan -out=plan.tfplan",
+        "fake-terraform: show -json",
+        "fake-terraform: output -json",
+    ] {
+        assert!(log.contains(step), "{step} missing:\n{log}");
+    }
+    // The file applied is the file the policies saw.
+    assert!(log.contains(&format!("fake-terraform: apply plan.tfplan sha256={}", &digest[7..])), "{log}");
+    assert_eq!(r.outputs["verdict"], "allow");
+    assert_eq!(r.outputs["summary"]["counts"]["update"], 1);
+    assert_eq!(r.outputs["summary"]["addresses"]["update"][0], "aws_s3_bucket.assets");
+    assert_eq!(r.outputs["outputs"]["endpoint"], "assets.example");
+    assert_eq!(r.outputs["outputs"]["admin_password"], "***");
+    // The plan's contents never leave the VM: the summary has addresses, not values.
+    let result = serde_json::to_string(&r).unwrap();
+    assert!(!result.contains("acme-assets") && !result.contains("s3cr3t-admin-pass"), "{result}");
+    assert!(!log.contains("acme-assets"), "the plan JSON must not reach the job log:\n{log}");
+    let decisions = audit(&e, "policy_decision");
+    assert_eq!(decisions.len(), 1);
+    assert_eq!(decisions[0]["job"], id.as_str());
+    assert_eq!(decisions[0]["digests"]["plan"], digest.as_str());
+    assert!(
+        decisions[0]["digests"]["policy:builtin/public_ingress"].as_str().unwrap().starts_with("sha256:")
+    );
+    assert!(decisions[0]["detail"].as_str().unwrap().starts_with("allow"));
+}
+
+#[tokio::test]
+async fn a_denied_plan_is_never_applied() {
+    let e = tf_env().await;
+    let (_, r, log) =
+        run(&e, job("apply", &example("plan-open-ingress.json"), &[], serde_json::json!({}))).await;
+    assert_eq!(r.status, JobStatus::Failed);
+    assert_eq!(r.outputs["reason"], "policy_denied");
+    let err = r.error.unwrap();
+    assert!(
+        err.contains("public_ingress@aws_security_group.web")
+            && err.contains("database_protection@aws_db_instance.main"),
+        "{err}"
+    );
+    assert!(log.contains("fake-terraform: show -json"), "{log}");
+    assert!(!log.contains("fake-terraform: apply"), "apply must not run:\n{log}");
+    let d = &audit(&e, "policy_decision")[0];
+    let detail = d["detail"].as_str().unwrap();
+    assert!(
+        detail.starts_with("deny") && detail.contains("public_ingress@aws_security_group.web"),
+        "{detail}"
+    );
+}
+
+#[tokio::test]
+async fn the_customers_policy_wins_over_the_vendors() {
+    let e = tf_env().await;
+    std::fs::write(
+        e.policies.path().join("no-cost-center-42.rego"),
+        "package main\nimport rego.v1\ndeny contains msg if {\n  rc := input.resource_changes[_]\n  rc.change.after.tags[\"cost-center\"] == \"42\"\n  msg := sprintf(\"%s: cost center 42 is closed\", [rc.address])\n}\n",
+    )
+    .unwrap();
+    let mut req = job("apply", &example("plan-tags-only.json"), &[], serde_json::json!({}));
+    // The vendor's policy allows everything (and is mandatory).
+    req.app_config.as_mut().unwrap().policies = BTreeMap::from([(
+        "allow-all.rego".to_string(),
+        VendorPolicy {
+            rego: "package main\nimport rego.v1\ndeny contains msg if { false; msg := \"never\" }\n".into(),
+            enforcement: None,
+        },
+    )]);
+    let (_, r, log) = run(&e, req).await;
+    assert_eq!(r.status, JobStatus::Failed, "{log}");
+    assert_eq!(r.outputs["violations"][0]["policy"], "customer/no-cost-center-42.rego");
+    assert!(!log.contains("fake-terraform: apply"), "{log}");
+}
+
+#[tokio::test]
+async fn a_plan_changed_after_the_decision_is_not_applied() {
+    let e = tf_env().await;
+    let (_, r, log) = run(
+        &e,
+        job(
+            "apply",
+            &example("plan-tags-only.json"),
+            &[("fake-tamper-after-show", "")],
+            serde_json::json!({}),
+        ),
+    )
+    .await;
+    assert_eq!(r.status, JobStatus::Failed);
+    assert_eq!(r.outputs["reason"], "plan_tampered", "{:?}", r.error);
+    assert!(log.contains("tampered with plan.tfplan"), "{log}");
+    assert!(!log.contains("fake-terraform: apply"), "{log}");
+    assert_eq!(audit(&e, "plan_tampered").len(), 1);
+}
+
+#[tokio::test]
+async fn cancelling_an_apply_sends_sigint_first() {
+    let e = tf_env().await;
+    let req =
+        job("apply", &example("plan-tags-only.json"), &[("fake-apply-seconds", "60")], serde_json::json!({}));
+    let id = e.env.cp.enqueue(req).unwrap();
+    e.env.log_contains(&id, "applying (slowly)").await;
+    e.env.cp.cancel(&id).unwrap();
+    let r = e.env.finished(&id).await.result.unwrap();
+    assert_eq!(r.status, JobStatus::Cancelled);
+    let log = e.env.output(&id);
+    assert!(
+        log.contains("fake-terraform: received SIGINT: stopping gracefully, releasing the state lock"),
+        "{log}"
+    );
+}
+
+#[tokio::test]
+async fn a_saved_plan_is_applied_by_digest_and_only_by_its_digest() {
+    let e = tf_env().await;
+    let (_, r, log) = run(&e, job("plan", &example("plan-tags-only.json"), &[], serde_json::json!({}))).await;
+    assert_eq!(r.status, JobStatus::Succeeded, "{:?}\n{log}", r.error);
+    assert!(!log.contains("fake-terraform: apply"), "{log}");
+    let digest = r.outputs["plan_digest"].as_str().unwrap().to_string();
+
+    // A later job applies exactly that plan (the fixture it carries would plan differently).
+    let req =
+        job("apply", &example("plan-open-ingress.json"), &[], serde_json::json!({"plan_digest": digest}));
+    let (_, r, log) = run(&e, req).await;
+    assert_eq!(r.status, JobStatus::Succeeded, "{:?}\n{log}", r.error);
+    assert!(!log.contains("fake-terraform: plan"), "no new plan:\n{log}");
+    assert!(log.contains(&format!("applying saved plan {digest}")), "{log}");
+    assert!(log.contains(&format!("fake-terraform: apply plan.tfplan sha256={}", &digest[7..])), "{log}");
+
+    let other = format!("sha256:{}", "0".repeat(64));
+    let (_, r, log) = run(
+        &e,
+        job("apply", &example("plan-tags-only.json"), &[], serde_json::json!({"plan_digest": other})),
+    )
+    .await;
+    assert_eq!(r.status, JobStatus::Failed);
+    assert_eq!(r.outputs["reason"], "plan_unknown", "{:?}", r.error);
+    assert!(!log.contains("fake-terraform: apply"), "{log}");
+}
+
+#[tokio::test]
+async fn destroy_goes_through_the_same_gate() {
+    let e = tf_env().await;
+    let destroy = r#"{"format_version": "1.2", "resource_changes": [
+        {"address": "aws_s3_bucket.assets", "type": "aws_s3_bucket", "name": "assets",
+         "change": {"actions": ["delete"], "before": {"bucket": "acme-assets"}, "after": null, "after_unknown": {}}},
+        {"address": "aws_db_instance.main", "type": "aws_db_instance", "name": "main",
+         "change": {"actions": ["delete"], "before": {"identifier": "main"}, "after": null, "after_unknown": {}}}
+    ]}"#;
+    // Deleting a database outside deprovision is denied.
+    let (_, r, log) = run(
+        &e,
+        job(
+            "destroy",
+            &example("plan-tags-only.json"),
+            &[("fake-destroy-plan.json", destroy)],
+            serde_json::json!({}),
+        ),
+    )
+    .await;
+    assert_eq!(r.status, JobStatus::Failed, "{log}");
+    assert!(log.contains("fake-terraform: plan -destroy"), "{log}");
+    assert!(r.error.unwrap().contains("database_protection@aws_db_instance.main"));
+    assert!(!log.contains("fake-terraform: apply"), "{log}");
+}
