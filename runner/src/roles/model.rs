@@ -445,6 +445,7 @@ pub(crate) mod tests {
                 "[defaults]\n\"component.teardown\" = \"deprovision\"\n\n[[rule]]\nprincipal = \"component:cluster\"\noperation = \"deploy\"\nrole = \"{{.install.id}}-eks-upgrade-role\"\n\n[[rule]]\nprincipal = \"action:*\"\noperation = \"*\"\nrole = \"maintenance\"\n"
                     .into(),
             ),
+            policies: Default::default(),
         }
     }
 
