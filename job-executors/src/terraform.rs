@@ -565,7 +565,7 @@ mod tests {
             (serde_json::json!({"files": {}}), "files"),
             (serde_json::json!({"workspace": "Bad Name"}), "workspace"),
             (serde_json::json!({"vars": {"a b": "1"}}), "variable name"),
-            (serde_json::json!({"secret_vars": {"pw": "short"}}), "masked"),
+            (serde_json::json!({"secret_vars": {"pw": "abc"}}), "masked"),
             (serde_json::json!({"plan_digest": "sha256:xyz"}), "plan_digest"),
             (
                 serde_json::json!({"mode": "plan", "plan_digest": format!("sha256:{}", "a".repeat(64))}),

@@ -42,6 +42,10 @@ struct Plan {
     /// The vendor's registry and the install's ECR, for `oci.sync` jobs.
     #[serde(default)]
     registry: Option<RegistryDemo>,
+    /// The terraform the runner uses (no real one can be downloaded on the build
+    /// machines: the demo uses the tests' stand-in, which says so in every job log).
+    #[serde(default)]
+    terraform: Option<TerraformDemo>,
     job: Vec<PlannedJob>,
 }
 
@@ -49,6 +53,13 @@ struct Plan {
 /// one standing in for the install's ECR (moto's registry host mapped to it). An image
 /// with a signature is pushed to the vendor's; job files name it with placeholders:
 /// `${VENDOR_REGISTRY}`, `${IMAGE_DIGEST}`, `${SOURCE_USER}`, `${SOURCE_TOKEN}`.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TerraformDemo {
+    /// Relative to the plan file.
+    binary: PathBuf,
+}
+
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RegistryDemo {
@@ -235,6 +246,26 @@ async fn main() -> anyhow::Result<()> {
         ];
         registries = Some((vendor, ecr));
     }
+    // Copied out of the source tree: inside the sandbox the job's directory is /work.
+    let tools = tempfile::tempdir()?;
+    let policies = tempfile::tempdir()?;
+    if let Some(t) = &plan.terraform {
+        use std::os::unix::fs::PermissionsExt as _;
+        std::fs::set_permissions(tools.path(), std::fs::Permissions::from_mode(0o755))?;
+        let bin = tools.path().join("terraform");
+        std::fs::copy(base.join(&t.binary), &bin)
+            .with_context(|| format!("copying {}", t.binary.display()))?;
+        options.extra.push_str(&format!(
+            "\n[terraform]\nbinary = \"{}\"\n\n[policy]\ndir = \"{}\"\n",
+            bin.display(),
+            policies.path().display()
+        ));
+        options.sandbox_ro_paths.push(tools.path().to_path_buf());
+        println!(
+            "terraform       {} (the tests' stand-in: no terraform can be downloaded here)",
+            t.binary.display()
+        );
+    }
     let mut runner = RunnerProcess::start(&runner_bin, &dir, &cp, &options)?;
     println!("runner         {} (state {})", runner_bin.display(), runner.state_dir.display());
     if !wait_polling(&cp, Duration::from_secs(30)).await {
@@ -287,6 +318,14 @@ async fn main() -> anyhow::Result<()> {
                 std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
             for (k, v) in &placeholders {
                 text = text.replace(k, v);
+            }
+            // "${FILE:path}": that file's content as a JSON string (paths relative to the plan).
+            while let Some(start) = text.find("\"${FILE:") {
+                let Some(len) = text[start..].find("}\"") else { break };
+                let rel = &text[start + 8..start + len];
+                let content =
+                    std::fs::read_to_string(base.join(rel)).with_context(|| format!("reading {rel}"))?;
+                text.replace_range(start..start + len + 2, &serde_json::to_string(&content)?);
             }
             let jf: JobFile =
                 serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
@@ -400,9 +439,24 @@ async fn main() -> anyhow::Result<()> {
             );
         }
     }
-    // What each artifact sync moved: the second moves nothing, everything is there.
+    // What each artifact sync moved (the second moves nothing) and what policy decided.
     for (i, job) in plan.job.iter().enumerate() {
         let Some(v) = cp.job(&ids[i]) else { continue };
+        if v.kind == "terraform"
+            && let Some(r) = &v.result
+        {
+            let o = &r.outputs;
+            println!(
+                "{} terraform {}: policy {} on plan {} (changes {}){}",
+                ids[i],
+                r.status.as_str(),
+                o["verdict"].as_str().unwrap_or("-"),
+                o["plan_digest"].as_str().unwrap_or("-"),
+                o["summary"]["counts"],
+                r.error.as_deref().map(|e| format!("; {e}")).unwrap_or_default()
+            );
+            continue;
+        }
         if v.kind != "oci.sync" {
             continue;
         }
