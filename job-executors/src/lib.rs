@@ -130,6 +130,85 @@ pub struct PolicyScope {
     pub operation: String,
     pub install: String,
     pub limits: byoc_policy::Limits,
+    /// Evaluate in a separate process with a hard memory limit (`None`: in-process,
+    /// bounded by time and input size only).
+    pub evaluator: Option<Evaluator>,
+}
+
+/// The separate evaluator: `program args… --memory-mib N`, an `EvalRequest` on stdin,
+/// the decision as JSON on stdout.
+#[derive(Debug, Clone)]
+pub struct Evaluator {
+    pub program: PathBuf,
+    pub args: Vec<String>,
+    pub memory_mib: u64,
+}
+
+impl PolicyScope {
+    /// Decide about `input` (a plan's JSON). Whatever goes wrong denies, with the reason.
+    pub async fn decide(&self, ctx: byoc_policy::Context, input: &[u8]) -> byoc_policy::Decision {
+        let Ok(text) = std::str::from_utf8(input) else {
+            return byoc_policy::denied(&self.policies, input, "(input)", "input is not UTF-8 JSON".into());
+        };
+        let req = byoc_policy::EvalRequest {
+            policies: self.policies.clone(),
+            params: self.params.clone(),
+            context: ctx,
+            input: text.to_string(),
+            time_per_policy_ms: self.limits.time_per_policy.as_millis() as u64,
+            max_input_bytes: self.limits.max_input_bytes,
+        };
+        let Some(ev) = &self.evaluator else {
+            return tokio::task::spawn_blocking(move || req.evaluate()).await.unwrap_or_else(|e| {
+                byoc_policy::denied(&self.policies, input, "(evaluator)", format!("evaluation failed: {e}"))
+            });
+        };
+        match run_evaluator(ev, &req, self.limits.time_per_policy * (self.policies.len() as u32 + 1)).await {
+            Ok(d) => d,
+            Err(reason) => byoc_policy::denied(&self.policies, input, "(evaluator)", reason),
+        }
+    }
+}
+
+async fn run_evaluator(
+    ev: &Evaluator,
+    req: &byoc_policy::EvalRequest,
+    budget: Duration,
+) -> Result<byoc_policy::Decision, String> {
+    use tokio::io::AsyncWriteExt as _;
+    let body = serde_json::to_vec(req).map_err(|e| format!("encoding the request: {e}"))?;
+    let mut child = tokio::process::Command::new(&ev.program)
+        .args(&ev.args)
+        .arg("--memory-mib")
+        .arg(ev.memory_mib.to_string())
+        .env_clear()
+        // Fewer malloc arenas: the address-space limit is about data, not reservations.
+        .env("MALLOC_ARENA_MAX", "2")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .map_err(|e| format!("starting the policy evaluator {}: {e}", ev.program.display()))?;
+    let mut stdin = child.stdin.take().ok_or("no stdin for the evaluator")?;
+    let writer = async move {
+        let _ = stdin.write_all(&body).await;
+    };
+    let (_, out) = tokio::join!(writer, tokio::time::timeout(budget, child.wait_with_output()));
+    let out = out
+        .map_err(|_| format!("the policy evaluator ran longer than {}s and was stopped", budget.as_secs()))?
+        .map_err(|e| format!("waiting for the policy evaluator: {e}"))?;
+    if !out.status.success() {
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        let last = stderr.lines().last().unwrap_or("").chars().take(200).collect::<String>();
+        return Err(format!(
+            "the policy evaluator ended without a decision ({}): it exceeded its {} MiB memory limit or failed{}",
+            out.status,
+            ev.memory_mib,
+            if last.is_empty() { String::new() } else { format!(" ({last})") }
+        ));
+    }
+    serde_json::from_slice(&out.stdout).map_err(|e| format!("the policy evaluator's answer: {e}"))
 }
 
 /// Audit records an executor makes itself (the runner fills in job, kind, operation

@@ -405,11 +405,13 @@ impl Terraform {
             .map_err(|e| ExecOutcome::failed(format!("reading the plan JSON: {e}")))?;
         // The plan's JSON has values the control plane must not see: drop it now.
         let _ = std::fs::remove_file(module.join(PLAN_JSON));
-        let doc = byoc_policy::parse_document(byoc_policy::Source::Terraform, &plan_bytes, &policy.limits)
-            .map_err(|e| {
-                failed("plan_unreadable", format!("terraform show -json: {e}"), serde_json::Value::Null)
-            })?;
-        let plan_value: serde_json::Value = serde_json::from_slice(&plan_bytes).unwrap_or_default();
+        let plan_value: serde_json::Value = serde_json::from_slice(&plan_bytes).map_err(|e| {
+            failed(
+                "plan_unreadable",
+                format!("terraform show -json is not JSON: {e}"),
+                serde_json::Value::Null,
+            )
+        })?;
         let summary = summary(&plan_value);
         let ctx = byoc_policy::Context {
             source: byoc_policy::Source::Terraform,
@@ -417,8 +419,7 @@ impl Terraform {
             operation: policy.operation.clone(),
             install: policy.install.clone(),
         };
-        let decision =
-            byoc_policy::evaluate(&policy.policies, &policy.params, &ctx, &doc, &plan_bytes, &policy.limits);
+        let decision = policy.decide(ctx, &plan_bytes).await;
         audit_decision(run.ctx, &decision, &plan_digest);
         for v in &decision.violations {
             run.log(&format!("[policy] DENY {} [{}] {}: {}\n", v.policy, v.rule, v.address, v.message));

@@ -71,6 +71,13 @@ enum Cmd {
     /// Internal: build a job sandbox from the spec on stdin and exec the job.
     #[command(hide = true)]
     SandboxExec,
+    /// Internal: evaluate the policy request on stdin under an address-space limit and
+    /// print the decision.
+    #[command(hide = true)]
+    PolicyEval {
+        #[arg(long)]
+        memory_mib: u64,
+    },
     /// Internal: report, from inside a sandbox, what a job can see and do (JSON).
     #[command(hide = true)]
     SandboxProbe {
@@ -311,6 +318,7 @@ pub fn main() -> i32 {
     match cli.cmd {
         // First and without a runtime: the helper must stay single-threaded.
         Cmd::SandboxExec => byoc_sandbox::helper::sandbox_exec_main(),
+        Cmd::PolicyEval { memory_mib } => policy_eval(memory_mib),
         Cmd::SandboxProbe { runner_pid, state_dir, config_dir } => {
             let key = state_dir.join(crate::identity::KEY_FILE);
             let report = byoc_sandbox::probe::run(&byoc_sandbox::probe::ProbeArgs {
@@ -518,6 +526,42 @@ fn policy_test(t: PolicyTest) -> i32 {
     match decision.verdict {
         Verdict::Allow => 0,
         Verdict::Deny => 1,
+    }
+}
+
+/// The evaluator process: limit our own address space first (no unsafe needed: the
+/// limit applies to this process from here on), then read, evaluate, answer. Running
+/// out of memory aborts, which the caller turns into a denial.
+fn policy_eval(memory_mib: u64) -> i32 {
+    use nix::sys::resource::{Resource, setrlimit};
+    let bytes = memory_mib.saturating_mul(1 << 20);
+    if let Err(e) = setrlimit(Resource::RLIMIT_AS, bytes, bytes) {
+        eprintln!("error: setting the memory limit: {e}");
+        return 71;
+    }
+    let mut text = String::new();
+    if let Err(e) = std::io::Read::read_to_string(&mut std::io::stdin(), &mut text) {
+        eprintln!("error: reading the request: {e}");
+        return EX_DATAERR;
+    }
+    let req: byoc_policy::EvalRequest = match serde_json::from_str(&text) {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("error: not an evaluation request: {e}");
+            return EX_DATAERR;
+        }
+    };
+    drop(text);
+    let decision = req.evaluate();
+    match serde_json::to_string(&decision) {
+        Ok(s) => {
+            println!("{s}");
+            0
+        }
+        Err(e) => {
+            eprintln!("error: encoding the decision: {e}");
+            1
+        }
     }
 }
 

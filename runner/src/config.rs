@@ -129,6 +129,8 @@ pub struct PolicyConfig {
     pub dir: PathBuf,
     pub time_limit: Duration,
     pub max_input_bytes: usize,
+    /// Address-space limit of the separate evaluator process.
+    pub memory_mib: u64,
 }
 
 /// How `oci.sync` jobs reach registries.
@@ -404,6 +406,7 @@ impl Config {
             ),
             time_limit: Duration::from_millis(f.ranged("time_limit_ms", 10_000, 10..=600_000)),
             max_input_bytes: (f.ranged("max_input_mib", 64, 1..=1024) << 20) as usize,
+            memory_mib: f.ranged("memory_mib", 2048, 256..=65_536),
         };
         f.finish();
         for (host, u) in &oci.registry_endpoints {

@@ -32,6 +32,10 @@ struct TfEnv {
 }
 
 async fn tf_env() -> TfEnv {
+    tf_env_with("").await
+}
+
+async fn tf_env_with(policy_extra: &str) -> TfEnv {
     let moto = moto_with_stack(&base_params()).await;
     let policies = tempfile::tempdir().unwrap();
     // The stand-in is copied out of the source tree: inside the sandbox the job's own
@@ -44,7 +48,7 @@ async fn tf_env() -> TfEnv {
     std::fs::copy(fixtures().join("terraform"), tools.path().join("terraform")).unwrap();
     let mut opts = role_options(&moto, "");
     opts.extra.push_str(&format!(
-        "\n[terraform]\nbinary = \"{}\"\n\n[policy]\ndir = \"{}\"\n",
+        "\n[terraform]\nbinary = \"{}\"\n\n[policy]\ndir = \"{}\"\n{policy_extra}\n",
         tools.path().join("terraform").display(),
         policies.path().display()
     ));
@@ -274,4 +278,22 @@ async fn destroy_goes_through_the_same_gate() {
     assert!(log.contains("fake-terraform: plan -destroy"), "{log}");
     assert!(r.error.unwrap().contains("database_protection@aws_db_instance.main"));
     assert!(!log.contains("fake-terraform: apply"), "{log}");
+}
+
+#[tokio::test]
+async fn a_policy_that_exhausts_its_memory_limit_denies() {
+    let e = tf_env_with("memory_mib = 256").await;
+    std::fs::write(
+        e.policies.path().join("hungry.rego"),
+        "package main\nimport rego.v1\ndeny contains msg if {\n  xs := [sprintf(\"%d-padding-padding-padding\", [i]) | some i in numbers.range(1, 50000000)]\n  count(xs) < 0\n  msg := \"never\"\n}\n",
+    )
+    .unwrap();
+    let (_, r, log) =
+        run(&e, job("apply", &example("plan-tags-only.json"), &[], serde_json::json!({}))).await;
+    assert_eq!(r.status, JobStatus::Failed, "{log}");
+    assert_eq!(r.outputs["reason"], "policy_denied");
+    assert!(log.contains("256 MiB memory limit"), "{log}");
+    assert!(!log.contains("fake-terraform: apply"), "{log}");
+    let d = &audit(&e, "policy_decision")[0];
+    assert!(d["detail"].as_str().unwrap().contains("error:(evaluator)"), "{d}");
 }

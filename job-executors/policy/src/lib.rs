@@ -53,7 +53,7 @@ pub enum Enforcement {
     Mandatory,
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Policy {
     pub name: String,
     pub origin: Origin,
@@ -102,7 +102,7 @@ pub fn builtin_pack() -> Vec<Policy> {
 }
 
 /// What the decision is about (goes into `input.byoc`).
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Context {
     pub source: Source,
     /// Lifecycle phase: provision, maintenance, deprovision, break_glass, custom.
@@ -145,14 +145,14 @@ impl Document {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Verdict {
     Allow,
     Deny,
 }
 
-#[derive(Debug, Clone, Serialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct Finding {
     pub policy: String,
     pub origin: Origin,
@@ -164,14 +164,14 @@ pub struct Finding {
     pub message: String,
 }
 
-#[derive(Debug, Clone, Serialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct PolicyError {
     pub policy: String,
     pub origin: Origin,
     pub reason: String,
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct PolicyRef {
     pub name: String,
     pub origin: Origin,
@@ -179,7 +179,7 @@ pub struct PolicyRef {
     pub digest: String,
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Decision {
     pub verdict: Verdict,
     /// SHA-256 of the input document's bytes as given.
@@ -192,6 +192,56 @@ pub struct Decision {
     /// Policies that failed to load or evaluate, or ran out of time: each denies.
     pub errors: Vec<PolicyError>,
     pub elapsed_ms: u64,
+}
+
+/// One evaluation as a self-contained request: what a separate, memory-limited
+/// evaluator process (`byoc-runner policy-eval`) reads on stdin.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct EvalRequest {
+    pub policies: Vec<Policy>,
+    pub params: serde_json::Value,
+    pub context: Context,
+    /// The document's bytes (a plan's JSON, or manifests as JSON).
+    pub input: String,
+    pub time_per_policy_ms: u64,
+    pub max_input_bytes: usize,
+}
+
+impl EvalRequest {
+    /// Evaluate here. A document that does not parse is a denial with the reason.
+    pub fn evaluate(&self) -> Decision {
+        let limits = Limits {
+            time_per_policy: Duration::from_millis(self.time_per_policy_ms),
+            max_input_bytes: self.max_input_bytes,
+        };
+        match parse_document(self.context.source, self.input.as_bytes(), &limits) {
+            Ok(doc) => {
+                evaluate(&self.policies, &self.params, &self.context, &doc, self.input.as_bytes(), &limits)
+            }
+            Err(reason) => denied(&self.policies, self.input.as_bytes(), "(input)", reason),
+        }
+    }
+}
+
+/// A decision that denies without evaluating: the input or the evaluator failed.
+pub fn denied(policies: &[Policy], input: &[u8], what: &str, reason: String) -> Decision {
+    Decision {
+        verdict: Verdict::Deny,
+        input_digest: format!("sha256:{}", hex::encode(sha2::Sha256::digest(input))),
+        policies: policies
+            .iter()
+            .map(|p| PolicyRef {
+                name: p.name.clone(),
+                origin: p.origin,
+                enforcement: p.enforcement,
+                digest: p.digest(),
+            })
+            .collect(),
+        violations: vec![],
+        warnings: vec![],
+        errors: vec![PolicyError { policy: what.into(), origin: Origin::Builtin, reason }],
+        elapsed_ms: 0,
+    }
 }
 
 /// Parse `bytes` as `source` expects: a plan (JSON object) or manifests (a JSON array

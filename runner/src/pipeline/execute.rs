@@ -321,6 +321,12 @@ fn policy_scope(rt: &Rt, job: &ClaimedJob, log: &mut SpoolWriter) -> Option<byoc
             time_per_policy: rt.config.policy.time_limit,
             max_input_bytes: rt.config.policy.max_input_bytes,
         },
+        // This very binary, as `policy-eval`, under an address-space limit.
+        evaluator: std::env::current_exe().ok().map(|program| byoc_job_executors::Evaluator {
+            program,
+            args: vec!["policy-eval".into()],
+            memory_mib: rt.config.policy.memory_mib,
+        }),
     })
 }
 
