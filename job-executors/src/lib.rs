@@ -13,6 +13,7 @@ pub use byoc_protocol::JobStatus;
 use tokio_util::sync::CancellationToken;
 
 pub mod container;
+pub mod helm;
 pub mod mask;
 pub mod noop;
 pub mod oci;
@@ -90,12 +91,12 @@ impl Default for OciSettings {
     }
 }
 
-/// Where `terraform` jobs find the tool and keep saved plans.
+/// Where `terraform` and `helm` jobs find their tools (absolute paths, visible inside
+/// the sandbox: under /usr or a `sandbox.extra_ro_paths` directory) and keep saved plans.
 #[derive(Debug, Clone)]
-pub struct TerraformSettings {
-    /// The terraform binary (absolute, visible inside the sandbox: under /usr or a
-    /// `sandbox.extra_ro_paths` directory).
-    pub binary: PathBuf,
+pub struct ToolSettings {
+    pub terraform: PathBuf,
+    pub helm: PathBuf,
     /// Saved plans of plan-only jobs, by workspace and digest (the runner's state dir).
     pub plans_dir: PathBuf,
     /// A saved plan older than this is stale and refused.
@@ -106,10 +107,11 @@ pub struct TerraformSettings {
     pub plugin_cache_dir: Option<PathBuf>,
 }
 
-impl Default for TerraformSettings {
+impl Default for ToolSettings {
     fn default() -> Self {
-        TerraformSettings {
-            binary: PathBuf::from("/usr/bin/terraform"),
+        ToolSettings {
+            terraform: PathBuf::from("/usr/bin/terraform"),
+            helm: PathBuf::from("/usr/bin/helm"),
             plans_dir: PathBuf::from("/var/lib/byoc-runner/plans"),
             plan_max_age: Duration::from_secs(3600),
             cli_config_file: None,
@@ -239,7 +241,7 @@ pub struct ExecContext<'a> {
     pub credentials: Option<JobCredentials>,
     pub oci: OciSettings,
     pub audit: Option<std::sync::Arc<dyn JobAudit>>,
-    pub terraform: TerraformSettings,
+    pub tools: ToolSettings,
     /// `None`: jobs that need a policy decision are refused.
     pub policy: Option<PolicyScope>,
 }
@@ -345,7 +347,7 @@ pub async fn run_masked(exec: &dyn Executor, ctx: ExecContext<'_>) -> ExecOutcom
         credentials,
         oci,
         audit,
-        terraform,
+        tools,
         policy,
     } = ctx;
     let feed = credentials.as_ref().map(|c| c.feed.clone()).unwrap_or_default();
@@ -365,7 +367,7 @@ pub async fn run_masked(exec: &dyn Executor, ctx: ExecContext<'_>) -> ExecOutcom
         credentials,
         oci,
         audit,
-        terraform,
+        tools,
         policy,
     };
     let mut outcome = exec.run(inner).await;
@@ -410,6 +412,9 @@ pub fn build(kind: &str, spec: &serde_json::Value) -> Result<Box<dyn Executor>, 
         "action.script" => Ok(Box::new(
             script::Script::from_spec(spec)
                 .map_err(|reason| SpecError::Invalid { kind: kind.into(), reason })?,
+        )),
+        "helm" => Ok(Box::new(
+            helm::Helm::from_spec(spec).map_err(|reason| SpecError::Invalid { kind: kind.into(), reason })?,
         )),
         "terraform" => Ok(Box::new(
             terraform::Terraform::from_spec(spec)

@@ -154,7 +154,7 @@ mod tests {
             credentials: None,
             oci: Default::default(),
             audit: None,
-            terraform: Default::default(),
+            tools: Default::default(),
             policy: None,
         };
         let outcome = crate::run_masked(s, ctx).await;

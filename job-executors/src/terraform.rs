@@ -16,7 +16,7 @@ use tokio::process::Command;
 
 use crate::{ExecContext, ExecFuture, ExecOutcome, Executor, JobStatus};
 
-const DEFAULT_PATH: &str = "/usr/local/bin:/usr/bin:/bin";
+pub(crate) const DEFAULT_PATH: &str = "/usr/local/bin:/usr/bin:/bin";
 const MODULE_DIR: &str = "module";
 const PLAN_FILE: &str = "plan.tfplan";
 const PLAN_JSON: &str = "plan.json";
@@ -74,7 +74,7 @@ fn valid_var(s: &str) -> bool {
 }
 
 /// A relative path that stays inside the module directory.
-fn safe_relative(p: &str) -> bool {
+pub(crate) fn safe_relative(p: &str) -> bool {
     let path = Path::new(p);
     !p.is_empty()
         && p.len() <= 512
@@ -132,7 +132,7 @@ fn sha256_file(p: &Path) -> std::io::Result<String> {
 
 /// As root the sandboxed tool runs as the unprivileged `host_uid`: it must own what it
 /// writes to (the module directory, the plan file).
-fn hand_over(ctx: &ExecContext<'_>, path: &Path) -> std::io::Result<()> {
+pub(crate) fn hand_over(ctx: &ExecContext<'_>, path: &Path) -> std::io::Result<()> {
     let Some(s) = &ctx.sandbox else { return Ok(()) };
     if !nix::unistd::geteuid().is_root() {
         return Ok(());
@@ -149,10 +149,12 @@ fn hand_over(ctx: &ExecContext<'_>, path: &Path) -> std::io::Result<()> {
 /// A step failed: the outcome to return (and what it says, already in the log).
 type Step<T> = Result<T, ExecOutcome>;
 
-struct Run<'c, 'a> {
-    ctx: &'c mut ExecContext<'a>,
-    started: Instant,
-    env: Vec<(String, String)>,
+pub(crate) struct Run<'c, 'a> {
+    /// The tool's name in log lines and errors.
+    pub(crate) tool: &'static str,
+    pub(crate) ctx: &'c mut ExecContext<'a>,
+    pub(crate) started: Instant,
+    pub(crate) env: Vec<(String, String)>,
 }
 
 impl Run<'_, '_> {
@@ -165,8 +167,8 @@ impl Run<'_, '_> {
     }
 
     /// Run one command (sandboxed when the sandbox is on) with the job's output.
-    async fn cmd(&mut self, what: &str, argv: Vec<String>) -> Step<()> {
-        self.log(&format!("[terraform] {what}\n"));
+    pub(crate) async fn cmd(&mut self, what: &str, argv: Vec<String>) -> Step<()> {
+        self.log(&format!("[{}] {what}\n", self.tool));
         if self.remaining().is_zero() {
             return Err(ExecOutcome {
                 status: JobStatus::TimedOut,
@@ -187,7 +189,7 @@ impl Run<'_, '_> {
             credentials: self.ctx.credentials.clone(),
             oci: self.ctx.oci.clone(),
             audit: self.ctx.audit.clone(),
-            terraform: self.ctx.terraform.clone(),
+            tools: self.ctx.tools.clone(),
             policy: None,
         };
         let outcome = match sub.sandbox.clone() {
@@ -205,13 +207,13 @@ impl Run<'_, '_> {
             Ok(())
         } else {
             let error =
-                format!("terraform {what}: {}", outcome.error.clone().unwrap_or_else(|| "failed".into()));
+                format!("{} {what}: {}", self.tool, outcome.error.clone().unwrap_or_else(|| "failed".into()));
             Err(ExecOutcome { error: Some(error), ..outcome })
         }
     }
 
     fn tf(&self, args: &[&str]) -> Vec<String> {
-        let mut v = vec![self.ctx.terraform.binary.display().to_string(), format!("-chdir={MODULE_DIR}")];
+        let mut v = vec![self.ctx.tools.terraform.display().to_string(), format!("-chdir={MODULE_DIR}")];
         v.extend(args.iter().map(|s| s.to_string()));
         v
     }
@@ -222,12 +224,12 @@ impl Run<'_, '_> {
             "/bin/sh".into(),
             "-c".into(),
             format!("exec \"$0\" -chdir={MODULE_DIR} {args} > {MODULE_DIR}/{file}"),
-            self.ctx.terraform.binary.display().to_string(),
+            self.ctx.tools.terraform.display().to_string(),
         ]
     }
 }
 
-fn failed(reason: &str, error: String, mut outputs: serde_json::Value) -> ExecOutcome {
+pub(crate) fn failed(reason: &str, error: String, mut outputs: serde_json::Value) -> ExecOutcome {
     if let Some(o) = outputs.as_object_mut() {
         o.insert("reason".into(), reason.into());
     } else {
@@ -312,10 +314,10 @@ impl Terraform {
             ("TF_INPUT".into(), "0".into()),
             ("CHECKPOINT_DISABLE".into(), "1".into()),
         ];
-        if let Some(f) = &ctx.terraform.cli_config_file {
+        if let Some(f) = &ctx.tools.cli_config_file {
             env.push(("TF_CLI_CONFIG_FILE".into(), f.display().to_string()));
         }
-        if let Some(d) = &ctx.terraform.plugin_cache_dir {
+        if let Some(d) = &ctx.tools.plugin_cache_dir {
             env.push(("TF_PLUGIN_CACHE_DIR".into(), d.display().to_string()));
         }
         for (k, v) in self.spec.vars.iter().chain(&self.spec.secret_vars) {
@@ -325,7 +327,7 @@ impl Terraform {
             env.retain(|(k, _)| !creds.endpoint_env.iter().any(|(n, _)| n == k));
             env.extend(creds.endpoint_env.iter().cloned());
         }
-        let mut run = Run { ctx, started: Instant::now(), env };
+        let mut run = Run { tool: "terraform", ctx, started: Instant::now(), env };
         match self.steps(&mut run, &policy, &module).await {
             Ok(o) | Err(o) => o,
         }
@@ -346,7 +348,7 @@ impl Terraform {
         let plan_path = module.join(PLAN_FILE);
         match &self.spec.plan_digest {
             Some(want) => {
-                let saved = self.saved_plan(&run.ctx.terraform.plans_dir, want);
+                let saved = self.saved_plan(&run.ctx.tools.plans_dir, want);
                 let age =
                     std::fs::metadata(&saved).and_then(|m| m.modified()).ok().and_then(|t| t.elapsed().ok());
                 let Some(age) = age else {
@@ -356,13 +358,13 @@ impl Terraform {
                         serde_json::Value::Null,
                     ));
                 };
-                if age > run.ctx.terraform.plan_max_age {
+                if age > run.ctx.tools.plan_max_age {
                     return Err(failed(
                         "plan_stale",
                         format!(
                             "saved plan {want} is {}s old (the limit is {}s): plan again",
                             age.as_secs(),
-                            run.ctx.terraform.plan_max_age.as_secs()
+                            run.ctx.tools.plan_max_age.as_secs()
                         ),
                         serde_json::Value::Null,
                     ));
@@ -420,16 +422,7 @@ impl Terraform {
             install: policy.install.clone(),
         };
         let decision = policy.decide(ctx, &plan_bytes).await;
-        audit_decision(run.ctx, &decision, &plan_digest);
-        for v in &decision.violations {
-            run.log(&format!("[policy] DENY {} [{}] {}: {}\n", v.policy, v.rule, v.address, v.message));
-        }
-        for w in &decision.warnings {
-            run.log(&format!("[policy] WARN {} [{}] {}: {}\n", w.policy, w.rule, w.address, w.message));
-        }
-        for e in &decision.errors {
-            run.log(&format!("[policy] ERROR {}: {}\n", e.policy, e.reason));
-        }
+        report_decision(run, &decision, "plan", &plan_digest);
         let base = serde_json::json!({
             "plan_digest": plan_digest,
             "input_digest": decision.input_digest,
@@ -452,7 +445,7 @@ impl Terraform {
         }
         run.log(&format!("[policy] ALLOW plan {plan_digest} ({} policies)\n", decision.policies.len()));
         if self.spec.mode == Mode::Plan {
-            let saved = self.saved_plan(&run.ctx.terraform.plans_dir, &plan_digest);
+            let saved = self.saved_plan(&run.ctx.tools.plans_dir, &plan_digest);
             let keep = saved
                 .parent()
                 .map(std::fs::create_dir_all)
@@ -505,11 +498,25 @@ impl Terraform {
 
 /// The decision, in the audit log: plan digest, policy digests, verdict, every
 /// violation with its rule and resource address.
-fn audit_decision(ctx: &ExecContext<'_>, d: &byoc_policy::Decision, plan_digest: &str) {
+/// The decision in the job log (each violation, warning and error) and the audit log.
+pub(crate) fn report_decision(run: &mut Run<'_, '_>, d: &byoc_policy::Decision, subject: &str, digest: &str) {
+    audit_decision(run.ctx, d, subject, digest);
+    for v in &d.violations {
+        run.log(&format!("[policy] DENY {} [{}] {}: {}\n", v.policy, v.rule, v.address, v.message));
+    }
+    for w in &d.warnings {
+        run.log(&format!("[policy] WARN {} [{}] {}: {}\n", w.policy, w.rule, w.address, w.message));
+    }
+    for e in &d.errors {
+        run.log(&format!("[policy] ERROR {}: {}\n", e.policy, e.reason));
+    }
+}
+
+fn audit_decision(ctx: &ExecContext<'_>, d: &byoc_policy::Decision, subject: &str, digest: &str) {
     let Some(audit) = &ctx.audit else { return };
     let mut digests = BTreeMap::new();
-    digests.insert("plan".to_string(), plan_digest.to_string());
-    digests.insert("plan_json".to_string(), d.input_digest.clone());
+    digests.insert(subject.to_string(), digest.to_string());
+    digests.insert(format!("{subject}_json"), d.input_digest.clone());
     for p in &d.policies {
         digests.insert(format!("policy:{}", p.name), p.digest.clone());
     }

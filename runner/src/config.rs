@@ -27,6 +27,7 @@ pub struct Config {
     pub roles: RolesConfig,
     pub oci: OciConfig,
     pub terraform: TerraformConfig,
+    pub helm: HelmConfig,
     pub policy: PolicyConfig,
     /// Where the configuration was read from (hidden from jobs).
     pub source: PathBuf,
@@ -123,6 +124,12 @@ pub struct TerraformConfig {
     pub plugin_cache_dir: Option<PathBuf>,
 }
 
+/// The helm tool on this VM.
+#[derive(Debug, Clone)]
+pub struct HelmConfig {
+    pub binary: PathBuf,
+}
+
 /// The customer's policies and the evaluation limits.
 #[derive(Debug, Clone)]
 pub struct PolicyConfig {
@@ -211,6 +218,7 @@ impl Config {
         let roles_t = top.table("roles");
         let oci_t = top.table("oci");
         let terraform_t = top.table("terraform");
+        let helm_t = top.table("helm");
         let policy_t = top.table("policy");
         top.finish();
 
@@ -399,6 +407,14 @@ impl Config {
             problems
                 .push(format!("terraform.binary: {} must be an absolute path", terraform.binary.display()));
         }
+        let mut f = Fields::new("helm", helm_t, &mut problems);
+        let helm = HelmConfig {
+            binary: PathBuf::from(f.get::<String>("binary").unwrap_or_else(|| "/usr/bin/helm".into())),
+        };
+        f.finish();
+        if !helm.binary.is_absolute() {
+            problems.push(format!("helm.binary: {} must be an absolute path", helm.binary.display()));
+        }
         let mut f = Fields::new("policy", policy_t, &mut problems);
         let policy = PolicyConfig {
             dir: PathBuf::from(
@@ -451,6 +467,7 @@ impl Config {
             roles,
             oci,
             terraform,
+            helm,
             policy,
             source: PathBuf::from(source_name),
             digest,

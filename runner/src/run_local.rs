@@ -127,7 +127,7 @@ pub async fn run(
         credentials: None,
         oci: Default::default(),
         audit: None,
-        terraform: Default::default(),
+        tools: Default::default(),
         policy: None,
     };
     let outcome = byoc_job_executors::run_masked(exec, ctx).await;

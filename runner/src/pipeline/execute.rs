@@ -70,7 +70,7 @@ pub async fn execute(rt: &Rt, job: ClaimedJob) -> Result<FinishedJob, JournalErr
                 tokio::spawn(heartbeat_and_upload(rt.clone(), job_id.clone(), cancel.clone(), done.clone()));
             // Only jobs that are decided by policy load it (and may note its problems).
             let policy = match job.verified.payload.kind.as_str() {
-                "terraform" => policy_scope(rt, &job, &mut spool),
+                "terraform" | "helm" => policy_scope(rt, &job, &mut spool),
                 _ => None,
             };
             let ctx = ExecContext {
@@ -89,8 +89,9 @@ pub async fn execute(rt: &Rt, job: ClaimedJob) -> Result<FinishedJob, JournalErr
                     chunk_size: rt.config.oci.chunk_bytes,
                     ca_bundle: rt.config.control_plane.ca_bundle.clone(),
                 },
-                terraform: byoc_job_executors::TerraformSettings {
-                    binary: rt.config.terraform.binary.clone(),
+                tools: byoc_job_executors::ToolSettings {
+                    terraform: rt.config.terraform.binary.clone(),
+                    helm: rt.config.helm.binary.clone(),
                     plans_dir: rt.state_dir.join(PLANS_DIR),
                     plan_max_age: rt.config.terraform.plan_max_age,
                     cli_config_file: rt.config.terraform.cli_config_file.clone(),

@@ -91,7 +91,7 @@ async fn container_start_ms(image: &str, dir: &std::path::Path) -> anyhow::Resul
         credentials: None,
         oci: Default::default(),
         audit: None,
-        terraform: Default::default(),
+        tools: Default::default(),
         policy: None,
     };
     let outcome = exec.run(ctx).await;

@@ -1,0 +1,439 @@
+//! `helm`: render, decide, deploy. The `helm` CLI runs in the sandbox with the job's
+//! role credentials and kubeconfig: `template` (into a file, never the job log) → the
+//! policy decision over the rendered manifests (audited) → `upgrade --install --atomic
+//! --wait --timeout`; `uninstall`; `rollback`. The result carries the release status
+//! and a summary of what changed against the manifest deployed before.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Instant;
+
+use serde::Deserialize;
+use sha2::Digest as _;
+
+use crate::terraform::{Run, failed};
+use crate::{ExecContext, ExecFuture, ExecOutcome, Executor, JobStatus};
+
+const CHART_DIR: &str = "chart";
+const RENDERED: &str = "rendered.yaml";
+const DEPLOYED: &str = "deployed.yaml";
+const STATUS: &str = "status.json";
+const VALUES: &str = "values.json";
+const SECRET_VALUES: &str = "secret-values.json";
+const KUBECONFIG: &str = "kubeconfig";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+enum Action {
+    Upgrade,
+    Uninstall,
+    Rollback,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Spec {
+    action: Action,
+    release: String,
+    namespace: String,
+    /// The chart: files of a local chart (relative path → content), or an OCI reference
+    /// in the install's registry (`oci://…`) with a version.
+    #[serde(default)]
+    files: BTreeMap<String, String>,
+    #[serde(default)]
+    oci: Option<String>,
+    #[serde(default)]
+    version: Option<String>,
+    #[serde(default)]
+    values: serde_json::Value,
+    /// Written to a file of their own and masked wherever output goes.
+    #[serde(default)]
+    secret_values: BTreeMap<String, String>,
+    /// Kubeconfig (secret): written to a 0600 file for the tool.
+    #[serde(default)]
+    kubeconfig: Option<String>,
+    #[serde(default = "default_wait")]
+    wait_secs: u64,
+    /// For rollback: the revision to return to (0: the previous one).
+    #[serde(default)]
+    revision: u32,
+}
+
+fn default_wait() -> u64 {
+    300
+}
+
+pub struct Helm {
+    spec: Spec,
+}
+
+fn dns_label(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 53
+        && s.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !s.starts_with('-')
+        && !s.ends_with('-')
+}
+
+impl Helm {
+    pub fn from_spec(spec: &serde_json::Value) -> Result<Self, String> {
+        let s: Spec = serde_json::from_value(spec.clone()).map_err(|e| e.to_string())?;
+        if !dns_label(&s.release) {
+            return Err(format!("release {:?}: 1-53 of [a-z0-9-]", s.release));
+        }
+        if !dns_label(&s.namespace) {
+            return Err(format!("namespace {:?}: a DNS label", s.namespace));
+        }
+        if s.action == Action::Upgrade {
+            match (&s.oci, s.files.is_empty()) {
+                (Some(r), true) if r.starts_with("oci://") && s.version.is_some() => {}
+                (Some(_), true) => return Err("oci: an oci:// reference with a version".into()),
+                (None, false) => {}
+                _ => return Err("upgrade needs the chart: files, or oci + version".into()),
+            }
+        }
+        if let Some(bad) = s.files.keys().find(|p| !crate::terraform::safe_relative(p)) {
+            return Err(format!("files: {bad:?} is not a relative path inside the chart"));
+        }
+        if let Some((k, _)) = s.secret_values.iter().find(|(_, v)| v.len() < crate::mask::MIN_SECRET_LEN) {
+            return Err(format!(
+                "secret_values {k}: shorter than {} bytes cannot be masked",
+                crate::mask::MIN_SECRET_LEN
+            ));
+        }
+        if !(s.values.is_null() || s.values.is_object()) {
+            return Err("values must be an object".into());
+        }
+        if s.wait_secs == 0 || s.wait_secs > 3600 {
+            return Err("wait_secs: 1..=3600".into());
+        }
+        Ok(Helm { spec: s })
+    }
+}
+
+/// Multi-document YAML → manifest objects (empty documents skipped).
+pub fn parse_manifests(yaml: &str) -> Result<Vec<serde_json::Value>, String> {
+    let mut out = Vec::new();
+    for (i, doc) in serde_norway::Deserializer::from_str(yaml).enumerate() {
+        let v = serde_json::Value::deserialize(doc).map_err(|e| format!("document {}: {e}", i + 1))?;
+        match v {
+            serde_json::Value::Null => {}
+            serde_json::Value::Object(_) => out.push(v),
+            _ => return Err(format!("document {} is not a Kubernetes object", i + 1)),
+        }
+    }
+    Ok(out)
+}
+
+fn identity(m: &serde_json::Value) -> String {
+    format!(
+        "{}/{}/{}",
+        m["kind"].as_str().unwrap_or("?"),
+        m["metadata"]["namespace"].as_str().unwrap_or("-"),
+        m["metadata"]["name"].as_str().unwrap_or("?")
+    )
+}
+
+/// What the new manifests add, change and remove against the deployed ones (object
+/// identities only: no values leave the VM).
+fn diff_summary(before: &[serde_json::Value], after: &[serde_json::Value]) -> serde_json::Value {
+    let digest = |m: &serde_json::Value| hex::encode(sha2::Sha256::digest(m.to_string().as_bytes()));
+    let b: BTreeMap<String, String> = before.iter().map(|m| (identity(m), digest(m))).collect();
+    let a: BTreeMap<String, String> = after.iter().map(|m| (identity(m), digest(m))).collect();
+    let keys: BTreeSet<&String> = b.keys().chain(a.keys()).collect();
+    let (mut added, mut changed, mut removed, mut unchanged) = (vec![], vec![], vec![], 0);
+    for k in keys {
+        match (b.get(k), a.get(k)) {
+            (None, Some(_)) => added.push(k.clone()),
+            (Some(_), None) => removed.push(k.clone()),
+            (Some(x), Some(y)) if x != y => changed.push(k.clone()),
+            _ => unchanged += 1,
+        }
+    }
+    serde_json::json!({"added": added, "changed": changed, "removed": removed, "unchanged": unchanged})
+}
+
+impl Helm {
+    async fn go(&self, ctx: &mut ExecContext<'_>) -> ExecOutcome {
+        let s = &self.spec;
+        let dir = ctx.work_dir.clone();
+        let write = |name: &str, content: &[u8], mode: u32| -> std::io::Result<()> {
+            use std::os::unix::fs::OpenOptionsExt as _;
+            let p = dir.join(name);
+            if let Some(parent) = p.parent() {
+                std::fs::create_dir_all(parent)?;
+            }
+            let mut f =
+                std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(mode).open(p)?;
+            std::io::Write::write_all(&mut f, content)
+        };
+        for (rel, content) in &s.files {
+            if let Err(e) = write(&format!("{CHART_DIR}/{rel}"), content.as_bytes(), 0o644) {
+                return ExecOutcome::failed(format!("writing chart file {rel}: {e}"));
+            }
+        }
+        let values = if s.values.is_null() { serde_json::json!({}) } else { s.values.clone() };
+        // JSON is YAML: helm reads both.
+        let mut files = vec![(VALUES, values.to_string(), 0o644)];
+        if !s.secret_values.is_empty() {
+            files.push((SECRET_VALUES, serde_json::to_string(&s.secret_values).unwrap_or_default(), 0o600));
+        }
+        if let Some(k) = &s.kubeconfig {
+            files.push((KUBECONFIG, k.clone(), 0o600));
+        }
+        for (name, content, mode) in &files {
+            if let Err(e) = write(name, content.as_bytes(), *mode) {
+                return ExecOutcome::failed(format!("writing {name}: {e}"));
+            }
+        }
+        if let Err(e) = crate::terraform::hand_over(ctx, &dir) {
+            return ExecOutcome::failed(format!("handing the chart to the job's uid: {e}"));
+        }
+        let inside = match &ctx.sandbox {
+            Some(_) => crate::sandboxed::work_dir_inside(),
+            None => ctx.work_dir.clone(),
+        };
+        let mut env: Vec<(String, String)> = vec![
+            ("PATH".into(), crate::terraform::DEFAULT_PATH.into()),
+            ("HOME".into(), inside.display().to_string()),
+            ("BYOC_JOB_ID".into(), ctx.job_id.clone()),
+            ("HELM_CACHE_HOME".into(), inside.join(".helm/cache").display().to_string()),
+            ("HELM_CONFIG_HOME".into(), inside.join(".helm/config").display().to_string()),
+            ("HELM_DATA_HOME".into(), inside.join(".helm/data").display().to_string()),
+        ];
+        if s.kubeconfig.is_some() {
+            env.push(("KUBECONFIG".into(), inside.join(KUBECONFIG).display().to_string()));
+        }
+        if let Some(creds) = &ctx.credentials {
+            env.retain(|(k, _)| !creds.endpoint_env.iter().any(|(n, _)| n == k));
+            env.extend(creds.endpoint_env.iter().cloned());
+        }
+        let helm = ctx.tools.helm.display().to_string();
+        let mut run = Run { tool: "helm", ctx, started: Instant::now(), env };
+        match self.steps(&mut run, &helm).await {
+            Ok(o) | Err(o) => o,
+        }
+    }
+
+    fn chart_args(&self) -> Vec<String> {
+        let s = &self.spec;
+        let mut v = match &s.oci {
+            Some(r) => vec![r.clone(), "--version".into(), s.version.clone().unwrap_or_default()],
+            None => vec![format!("./{CHART_DIR}")],
+        };
+        v.extend(["--namespace".into(), s.namespace.clone(), "-f".into(), VALUES.into()]);
+        if !s.secret_values.is_empty() {
+            v.extend(["-f".into(), SECRET_VALUES.into()]);
+        }
+        v
+    }
+
+    async fn steps(&self, run: &mut Run<'_, '_>, helm: &str) -> Result<ExecOutcome, ExecOutcome> {
+        let s = &self.spec;
+        let wait = format!("{}s", s.wait_secs);
+        let ns = ["--namespace".to_string(), s.namespace.clone()];
+        let sh = |args: String, file: &str| {
+            vec!["/bin/sh".to_string(), "-c".into(), format!("exec \"$0\" {args} > {file}"), helm.to_string()]
+        };
+        let argv = |a: Vec<String>| [vec![helm.to_string()], a].concat();
+        match s.action {
+            Action::Uninstall => {
+                run.cmd(
+                    "uninstall",
+                    argv(
+                        [
+                            vec![
+                                "uninstall".into(),
+                                s.release.clone(),
+                                "--wait".into(),
+                                "--timeout".into(),
+                                wait,
+                            ],
+                            ns.to_vec(),
+                        ]
+                        .concat(),
+                    ),
+                )
+                .await?;
+                return Ok(ExecOutcome {
+                    status: JobStatus::Succeeded,
+                    exit_code: Some(0),
+                    error: None,
+                    outputs: serde_json::json!({"release": s.release, "uninstalled": true}),
+                });
+            }
+            Action::Rollback => {
+                run.cmd(
+                    "rollback",
+                    argv(
+                        [
+                            vec![
+                                "rollback".into(),
+                                s.release.clone(),
+                                s.revision.to_string(),
+                                "--wait".into(),
+                                "--timeout".into(),
+                                wait,
+                            ],
+                            ns.to_vec(),
+                        ]
+                        .concat(),
+                    ),
+                )
+                .await?;
+            }
+            Action::Upgrade => {
+                let chart = self.chart_args().iter().map(|a| format!("'{a}'")).collect::<Vec<_>>().join(" ");
+                run.cmd("template", sh(format!("template '{}' {chart}", s.release), RENDERED)).await?;
+                let rendered = std::fs::read_to_string(run.ctx.work_dir.join(RENDERED))
+                    .map_err(|e| ExecOutcome::failed(format!("reading the rendered manifests: {e}")))?;
+                let _ = std::fs::remove_file(run.ctx.work_dir.join(RENDERED));
+                let manifests = parse_manifests(&rendered).map_err(|e| {
+                    failed("manifests_unreadable", format!("helm template: {e}"), serde_json::Value::Null)
+                })?;
+                // What is deployed now (absent on the first install).
+                let before = match run
+                    .cmd(
+                        "get manifest",
+                        sh(format!("get manifest '{}' --namespace '{}'", s.release, s.namespace), DEPLOYED),
+                    )
+                    .await
+                {
+                    Ok(()) => std::fs::read_to_string(run.ctx.work_dir.join(DEPLOYED))
+                        .ok()
+                        .and_then(|t| parse_manifests(&t).ok())
+                        .unwrap_or_default(),
+                    Err(o) if o.status == JobStatus::Failed => vec![],
+                    Err(o) => return Err(o),
+                };
+                let diff = diff_summary(&before, &manifests);
+                let bytes = serde_json::to_vec(&manifests).unwrap_or_default();
+                let Some(policy) = run.ctx.policy.clone() else {
+                    return Err(failed(
+                        "policy_unavailable",
+                        "no policy context: helm releases are decided by policy".into(),
+                        serde_json::Value::Null,
+                    ));
+                };
+                let pctx = byoc_policy::Context {
+                    source: byoc_policy::Source::Helm,
+                    phase: policy.phase.clone(),
+                    operation: policy.operation.clone(),
+                    install: policy.install.clone(),
+                };
+                let decision = policy.decide(pctx, &bytes).await;
+                let digest = decision.input_digest.clone();
+                crate::terraform::report_decision(run, &decision, "manifests", &digest);
+                let base = serde_json::json!({"release": s.release, "manifests_digest": decision.input_digest, "diff": diff, "verdict": decision.verdict,
+                    "violations": decision.violations.iter().map(|v| serde_json::json!({"rule": v.rule, "address": v.address, "policy": v.policy})).collect::<Vec<_>>()});
+                if decision.verdict == byoc_policy::Verdict::Deny {
+                    let what: Vec<String> = decision
+                        .violations
+                        .iter()
+                        .map(|v| format!("{}@{}", v.rule, v.address))
+                        .chain(decision.errors.iter().map(|e| format!("{} failed", e.policy)))
+                        .collect();
+                    return Err(failed(
+                        "policy_denied",
+                        format!("policy denied the release: {}", what.join(", ")),
+                        base,
+                    ));
+                }
+                let mut up = vec!["upgrade".to_string(), "--install".into(), s.release.clone()];
+                up.extend(self.chart_args());
+                up.extend(["--atomic".into(), "--wait".into(), "--timeout".into(), wait]);
+                run.cmd("upgrade --install", argv(up)).await?;
+                let mut out = base;
+                out["status"] = self.status(run, helm).await?;
+                return Ok(ExecOutcome {
+                    status: JobStatus::Succeeded,
+                    exit_code: Some(0),
+                    error: None,
+                    outputs: out,
+                });
+            }
+        }
+        let status = self.status(run, helm).await?;
+        Ok(ExecOutcome {
+            status: JobStatus::Succeeded,
+            exit_code: Some(0),
+            error: None,
+            outputs: serde_json::json!({"release": s.release, "status": status}),
+        })
+    }
+
+    async fn status(&self, run: &mut Run<'_, '_>, helm: &str) -> Result<serde_json::Value, ExecOutcome> {
+        let s = &self.spec;
+        let argv = vec![
+            "/bin/sh".to_string(),
+            "-c".into(),
+            format!("exec \"$0\" status '{}' --namespace '{}' -o json > {STATUS}", s.release, s.namespace),
+            helm.to_string(),
+        ];
+        run.cmd("status", argv).await?;
+        let raw = std::fs::read(run.ctx.work_dir.join(STATUS))
+            .map_err(|e| ExecOutcome::failed(format!("reading the status: {e}")))?;
+        let v: serde_json::Value = serde_json::from_slice(&raw)
+            .map_err(|e| ExecOutcome::failed(format!("helm status -o json: {e}")))?;
+        // Name, revision and state only: the status also carries the rendered values.
+        Ok(
+            serde_json::json!({"revision": v["version"], "status": v["info"]["status"], "last_deployed": v["info"]["last_deployed"]}),
+        )
+    }
+}
+
+impl Executor for Helm {
+    fn run<'a>(&'a self, mut ctx: ExecContext<'a>) -> ExecFuture<'a> {
+        Box::pin(async move { self.go(&mut ctx).await })
+    }
+
+    fn secrets(&self) -> Vec<Vec<u8>> {
+        let mut v: Vec<Vec<u8>> = self.spec.secret_values.values().map(|v| v.as_bytes().to_vec()).collect();
+        if let Some(k) = &self.spec.kubeconfig {
+            // Kubeconfig tokens and keys: mask the lines' values.
+            for line in k.lines() {
+                if let Some((_, val)) = line.split_once(':')
+                    && val.trim().len() >= 16
+                {
+                    v.push(val.trim().as_bytes().to_vec());
+                }
+            }
+        }
+        v
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn multi_document_yaml_parses_and_diffs_by_identity() {
+        let y = "---\napiVersion: v1\nkind: Service\nmetadata: {name: api, namespace: acme}\nspec: {type: ClusterIP}\n---\n# empty\n---\napiVersion: apps/v1\nkind: Deployment\nmetadata:\n  name: api\n  namespace: acme\nspec:\n  replicas: 2\n";
+        let ms = parse_manifests(y).unwrap_or_default();
+        assert_eq!(ms.len(), 2);
+        assert_eq!(ms[1]["spec"]["replicas"], 2);
+        let mut after = ms.clone();
+        after[1]["spec"]["replicas"] = 3.into();
+        after.push(serde_json::json!({"kind": "ConfigMap", "metadata": {"name": "c", "namespace": "acme"}}));
+        let d = diff_summary(&ms, &after[1..]);
+        assert_eq!(d["changed"][0], "Deployment/acme/api");
+        assert_eq!(d["added"][0], "ConfigMap/acme/c");
+        assert_eq!(d["removed"][0], "Service/acme/api");
+        assert!(parse_manifests("- a\n- b\n").is_err());
+    }
+
+    #[test]
+    fn specs_are_validated() {
+        let ok = serde_json::json!({"action": "upgrade", "release": "api", "namespace": "acme", "files": {"Chart.yaml": "name: api"}});
+        assert!(Helm::from_spec(&ok).is_ok());
+        for bad in [
+            serde_json::json!({"action": "upgrade", "release": "API", "namespace": "acme", "files": {"a": ""}}),
+            serde_json::json!({"action": "upgrade", "release": "api", "namespace": "acme"}),
+            serde_json::json!({"action": "upgrade", "release": "api", "namespace": "acme", "oci": "oci://x/y"}),
+            serde_json::json!({"action": "upgrade", "release": "api", "namespace": "acme", "files": {"../x": ""}}),
+            serde_json::json!({"action": "upgrade", "release": "api", "namespace": "acme", "files": {"a": ""}, "secret_values": {"p": "x"}}),
+        ] {
+            assert!(Helm::from_spec(&bad).is_err(), "{bad}");
+        }
+    }
+}

@@ -1,0 +1,177 @@
+//! `helm` jobs end to end: the real runner (sandboxed), the reference control plane,
+//! moto for the job's role, and a stand-in `helm` (`tests/fixtures/helm/helm`) that
+//! follows the CLI contract and reports every call in the job log.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::path::PathBuf;
+
+use byoc_control_plane::EnqueueRequest;
+use byoc_control_plane::moto::MotoServer;
+use byoc_protocol::JobStatus;
+use common::roles::*;
+use common::*;
+
+struct HelmEnv {
+    env: Env,
+    _moto: MotoServer,
+    _tools: tempfile::TempDir,
+    _policies: tempfile::TempDir,
+}
+
+async fn helm_env() -> HelmEnv {
+    let moto = moto_with_stack(&base_params()).await;
+    let policies = tempfile::tempdir().unwrap();
+    std::fs::write(
+        policies.path().join("policies.toml"),
+        "[params]\napproved_registries = [\"123456789012.dkr.ecr.us-east-1.amazonaws.com/\"]\n",
+    )
+    .unwrap();
+    // Out of the source tree: inside the sandbox the job's directory is /work.
+    let tools = tempfile::tempdir().unwrap();
+    {
+        use std::os::unix::fs::PermissionsExt as _;
+        std::fs::set_permissions(tools.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    let src = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/helm/helm");
+    std::fs::copy(src, tools.path().join("helm")).unwrap();
+    let mut opts = role_options(&moto, "");
+    opts.extra.push_str(&format!(
+        "\n[helm]\nbinary = \"{}\"\n\n[policy]\ndir = \"{}\"\n",
+        tools.path().join("helm").display(),
+        policies.path().display()
+    ));
+    opts.sandbox_ro_paths.push(tools.path().to_path_buf());
+    HelmEnv { env: env_with(opts).await, _moto: moto, _tools: tools, _policies: policies }
+}
+
+const IMAGE: &str = "123456789012.dkr.ecr.us-east-1.amazonaws.com/acme/api@sha256:c47e51d395243e4e9f3eba53a895914fb027ed030c37670b9bb7aaa4a0cb57b1";
+
+fn rendered(image: &str, service_type: &str) -> String {
+    format!(
+        "---\n# Source: api/templates/deployment.yaml\napiVersion: apps/v1\nkind: Deployment\nmetadata:\n  name: api\n  namespace: acme\nspec:\n  replicas: 2\n  template:\n    spec:\n      containers:\n        - name: api\n          image: {image}\n          resources:\n            limits: {{cpu: 500m, memory: 256Mi}}\n---\n# Source: api/templates/service.yaml\napiVersion: v1\nkind: Service\nmetadata:\n  name: api\n  namespace: acme\nspec:\n  type: {service_type}\n"
+    )
+}
+
+fn job(action: &str, files: &[(&str, String)], extra: serde_json::Value) -> EnqueueRequest {
+    let mut spec = serde_json::json!({"action": action, "release": "api", "namespace": "acme",
+        "values": {"replicas": 2}, "secret_values": {"dbPassword": "pg-secret-7f3a9c"}});
+    if !files.is_empty() {
+        spec["files"] = files
+            .iter()
+            .map(|(k, v)| (k.to_string(), serde_json::Value::from(v.clone())))
+            .collect::<serde_json::Map<_, _>>()
+            .into();
+    }
+    for (k, v) in extra.as_object().into_iter().flatten() {
+        spec[k] = v.clone();
+    }
+    let mut req = role_job("component", "deploy", "inst-demo-maintenance", named("api"), "");
+    req.kind = "helm".into();
+    req.spec = spec;
+    req.timeout_secs = 300;
+    req
+}
+
+fn chart(rendered: String) -> Vec<(&'static str, String)> {
+    vec![
+        ("Chart.yaml", "apiVersion: v2\nname: api\nversion: 1.2.3\n".into()),
+        ("fake-rendered.yaml", rendered),
+    ]
+}
+
+async fn run(e: &HelmEnv, req: EnqueueRequest) -> (byoc_protocol::JobResult, String) {
+    let id = e.env.cp.enqueue(req).unwrap();
+    let r = e.env.finished(&id).await.result.unwrap();
+    let log = e.env.output(&id);
+    (r, log)
+}
+
+fn audit(e: &HelmEnv, event: &str) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(e.env.runner.state_dir.join("audit/log.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|r| r["event"] == event)
+        .collect()
+}
+
+#[tokio::test]
+async fn an_allowed_release_is_deployed_atomically_with_its_status_and_diff() {
+    let e = helm_env().await;
+    let mut files = chart(rendered(IMAGE, "ClusterIP"));
+    // What the previous release deployed: the service was a NodePort, and a ConfigMap.
+    files.push((
+        "fake-deployed.yaml",
+        format!(
+            "{}---\napiVersion: v1\nkind: ConfigMap\nmetadata: {{name: old, namespace: acme}}\n",
+            rendered(IMAGE, "NodePort")
+        ),
+    ));
+    let (r, log) = run(&e, job("upgrade", &files, serde_json::json!({}))).await;
+    assert_eq!(r.status, JobStatus::Succeeded, "{:?}\n{log}", r.error);
+    assert!(log.contains("fake-helm: template api ./chart"), "{log}");
+    let up = log.lines().find(|l| l.starts_with("fake-helm: upgrade")).unwrap_or_default();
+    for flag in [
+        "--install",
+        "--atomic",
+        "--wait",
+        "--timeout 300s",
+        "-f values.json",
+        "-f secret-values.json",
+        "--namespace acme",
+    ] {
+        assert!(up.contains(flag), "{flag} missing: {up}");
+    }
+    assert_eq!(r.outputs["verdict"], "allow");
+    assert_eq!(r.outputs["status"]["revision"], 1);
+    assert_eq!(r.outputs["status"]["status"], "deployed");
+    assert_eq!(r.outputs["diff"]["changed"], serde_json::json!(["Service/acme/api"]));
+    assert_eq!(r.outputs["diff"]["removed"], serde_json::json!(["ConfigMap/acme/old"]));
+    assert_eq!(r.outputs["diff"]["unchanged"], 1);
+    // Secret values and the release's values never reach the result or the log.
+    let result = serde_json::to_string(&r).unwrap();
+    assert!(!result.contains("pg-secret-7f3a9c") && !result.contains("values-are-not-reported"), "{result}");
+    assert!(!log.contains("pg-secret-7f3a9c"), "{log}");
+    let d = &audit(&e, "policy_decision")[0];
+    assert!(d["detail"].as_str().unwrap().starts_with("allow"));
+    assert!(d["digests"]["manifests"].as_str().unwrap().starts_with("sha256:"));
+}
+
+#[tokio::test]
+async fn a_denied_release_is_never_deployed() {
+    let e = helm_env().await;
+    let (r, log) = run(
+        &e,
+        job(
+            "upgrade",
+            &chart(rendered("docker.io/library/nginx:1.27", "LoadBalancer")),
+            serde_json::json!({}),
+        ),
+    )
+    .await;
+    assert_eq!(r.status, JobStatus::Failed);
+    assert_eq!(r.outputs["reason"], "policy_denied");
+    let err = r.error.unwrap();
+    assert!(
+        err.contains("public_ingress@Service/acme/api")
+            && err.contains("approved_registries@Deployment/acme/api"),
+        "{err}"
+    );
+    assert!(log.contains("fake-helm: template"), "{log}");
+    assert!(!log.contains("fake-helm: upgrade"), "upgrade must not run:\n{log}");
+}
+
+#[tokio::test]
+async fn uninstall_and_rollback() {
+    let e = helm_env().await;
+    let (r, log) = run(&e, job("uninstall", &[], serde_json::json!({}))).await;
+    assert_eq!(r.status, JobStatus::Succeeded, "{log}");
+    assert!(log.contains("fake-helm: uninstall api --wait --timeout 300s --namespace acme"), "{log}");
+    assert_eq!(r.outputs["uninstalled"], true);
+    let (r, log) = run(&e, job("rollback", &[], serde_json::json!({"revision": 3}))).await;
+    assert_eq!(r.status, JobStatus::Succeeded, "{log}");
+    assert!(log.contains("fake-helm: rollback api 3 --wait"), "{log}");
+    assert_eq!(r.outputs["status"]["revision"], 1);
+}
