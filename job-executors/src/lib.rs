@@ -14,6 +14,7 @@ use tokio_util::sync::CancellationToken;
 
 pub mod container;
 pub mod helm;
+pub mod kubernetes;
 pub mod mask;
 pub mod noop;
 pub mod oci;
@@ -411,6 +412,10 @@ pub fn build(kind: &str, spec: &serde_json::Value) -> Result<Box<dyn Executor>, 
         )),
         "action.script" => Ok(Box::new(
             script::Script::from_spec(spec)
+                .map_err(|reason| SpecError::Invalid { kind: kind.into(), reason })?,
+        )),
+        "kubernetes" => Ok(Box::new(
+            kubernetes::Kubernetes::from_spec(spec)
                 .map_err(|reason| SpecError::Invalid { kind: kind.into(), reason })?,
         )),
         "helm" => Ok(Box::new(

@@ -512,7 +512,7 @@ pub(crate) fn report_decision(run: &mut Run<'_, '_>, d: &byoc_policy::Decision, 
     }
 }
 
-fn audit_decision(ctx: &ExecContext<'_>, d: &byoc_policy::Decision, subject: &str, digest: &str) {
+pub(crate) fn audit_decision(ctx: &ExecContext<'_>, d: &byoc_policy::Decision, subject: &str, digest: &str) {
     let Some(audit) = &ctx.audit else { return };
     let mut digests = BTreeMap::new();
     digests.insert(subject.to_string(), digest.to_string());

@@ -10,6 +10,7 @@ pub mod admin;
 pub mod app_config;
 pub mod harness;
 pub mod imds;
+pub mod kube_api;
 pub mod moto;
 pub mod proxy;
 pub mod registry;

@@ -70,7 +70,7 @@ pub async fn execute(rt: &Rt, job: ClaimedJob) -> Result<FinishedJob, JournalErr
                 tokio::spawn(heartbeat_and_upload(rt.clone(), job_id.clone(), cancel.clone(), done.clone()));
             // Only jobs that are decided by policy load it (and may note its problems).
             let policy = match job.verified.payload.kind.as_str() {
-                "terraform" | "helm" => policy_scope(rt, &job, &mut spool),
+                "terraform" | "helm" | "kubernetes" => policy_scope(rt, &job, &mut spool),
                 _ => None,
             };
             let ctx = ExecContext {

@@ -1,0 +1,495 @@
+//! `kubernetes`: decide, then server-side apply with our own field manager, prune what
+//! a previous apply of the same component created and this one no longer has (an
+//! inventory ConfigMap per component), wait for readiness (Deployments, StatefulSets,
+//! Jobs), delete on teardown. Policy sees the manifests before anything is sent.
+
+use std::collections::BTreeSet;
+use std::time::{Duration, Instant};
+
+use kube::api::{Api, ApiResource, DeleteParams, DynamicObject, GroupVersionKind, Patch, PatchParams};
+use serde::Deserialize;
+
+use crate::{ExecContext, ExecFuture, ExecOutcome, Executor, JobStatus};
+
+/// Our field manager: what we apply is ours, and conflicts with other managers are
+/// taken over (`force`), as `kubectl apply --server-side --force-conflicts` does.
+pub const FIELD_MANAGER: &str = "byoc-runner";
+const INVENTORY_PREFIX: &str = "byoc-inventory-";
+const POLL: Duration = Duration::from_millis(500);
+
+/// Kinds that live outside namespaces (the ones a component plausibly ships).
+const CLUSTER_SCOPED: [&str; 10] = [
+    "Namespace",
+    "ClusterRole",
+    "ClusterRoleBinding",
+    "CustomResourceDefinition",
+    "StorageClass",
+    "PersistentVolume",
+    "PriorityClass",
+    "IngressClass",
+    "ValidatingWebhookConfiguration",
+    "MutatingWebhookConfiguration",
+];
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+enum Action {
+    Apply,
+    Delete,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Spec {
+    action: Action,
+    /// Names the inventory (`[a-z0-9-]`).
+    component: String,
+    /// Default namespace for namespaced objects that name none.
+    namespace: String,
+    /// Manifests as objects, or as multi-document YAML.
+    #[serde(default)]
+    manifests: Vec<serde_json::Value>,
+    #[serde(default)]
+    manifests_yaml: Option<String>,
+    /// A kubeconfig (secret).
+    kubeconfig: String,
+    #[serde(default = "default_wait")]
+    wait_secs: u64,
+}
+
+fn default_wait() -> u64 {
+    300
+}
+
+/// One object's identity: what the inventory records and prune deletes.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+struct ObjRef {
+    api_version: String,
+    kind: String,
+    namespace: Option<String>,
+    name: String,
+}
+
+impl ObjRef {
+    fn encode(&self) -> String {
+        format!(
+            "{}|{}|{}|{}",
+            self.api_version,
+            self.kind,
+            self.namespace.as_deref().unwrap_or(""),
+            self.name
+        )
+    }
+    fn decode(s: &str) -> Option<ObjRef> {
+        let mut p = s.split('|');
+        let (v, k, ns, n) = (p.next()?, p.next()?, p.next()?, p.next()?);
+        Some(ObjRef {
+            api_version: v.into(),
+            kind: k.into(),
+            namespace: (!ns.is_empty()).then(|| ns.to_string()),
+            name: n.into(),
+        })
+    }
+    fn display(&self) -> String {
+        format!("{}/{}/{}", self.kind, self.namespace.as_deref().unwrap_or("-"), self.name)
+    }
+    fn api_resource(&self) -> ApiResource {
+        let (group, version) = self.api_version.rsplit_once('/').unwrap_or(("", &self.api_version));
+        let gvk = GroupVersionKind::gvk(group, version, &self.kind);
+        ApiResource::from_gvk_with_plural(&gvk, &plural(&self.kind))
+    }
+}
+
+/// Kubernetes' resource names: lower-case kind, pluralised the way the built-in
+/// resources are (Ingress → ingresses, NetworkPolicy → networkpolicies).
+fn plural(kind: &str) -> String {
+    let k = kind.to_ascii_lowercase();
+    if k.ends_with('s') || k.ends_with("ch") || k.ends_with("sh") || k.ends_with('x') {
+        format!("{k}es")
+    } else if let Some(stem) = k.strip_suffix('y').filter(|s| !s.ends_with(['a', 'e', 'i', 'o', 'u'])) {
+        format!("{stem}ies")
+    } else {
+        format!("{k}s")
+    }
+}
+
+pub struct Kubernetes {
+    spec: Spec,
+    objects: Vec<(ObjRef, serde_json::Value)>,
+}
+
+impl Kubernetes {
+    pub fn from_spec(spec: &serde_json::Value) -> Result<Self, String> {
+        let s: Spec = serde_json::from_value(spec.clone()).map_err(|e| e.to_string())?;
+        let label = |v: &str| {
+            !v.is_empty()
+                && v.len() <= 63
+                && v.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        };
+        if !label(&s.component) || !label(&s.namespace) {
+            return Err("component and namespace: DNS labels ([a-z0-9-], 1-63)".into());
+        }
+        let mut manifests = s.manifests.clone();
+        if let Some(y) = &s.manifests_yaml {
+            manifests.extend(crate::helm::parse_manifests(y)?);
+        }
+        if manifests.is_empty() && s.action == Action::Apply {
+            return Err("apply needs manifests".into());
+        }
+        let mut objects = Vec::new();
+        for (i, m) in manifests.into_iter().enumerate() {
+            let get = |k: &str| m.get(k).and_then(|v| v.as_str()).map(str::to_string);
+            let (Some(api_version), Some(kind)) = (get("apiVersion"), get("kind")) else {
+                return Err(format!("manifest {}: apiVersion and kind are required", i + 1));
+            };
+            let Some(name) = m["metadata"]["name"].as_str().map(str::to_string) else {
+                return Err(format!("manifest {} ({kind}): metadata.name is required", i + 1));
+            };
+            let namespace = if CLUSTER_SCOPED.contains(&kind.as_str()) {
+                None
+            } else {
+                Some(m["metadata"]["namespace"].as_str().unwrap_or(&s.namespace).to_string())
+            };
+            let r = ObjRef { api_version, kind, namespace, name };
+            if objects.iter().any(|(o, _)| *o == r) {
+                return Err(format!("{} appears twice", r.display()));
+            }
+            // The namespace it will land in, before policy sees it (addresses match).
+            let mut m = m;
+            if let Some(ns) = &r.namespace {
+                m["metadata"]["namespace"] = ns.clone().into();
+            }
+            objects.push((r, m));
+        }
+        Ok(Kubernetes { spec: s, objects })
+    }
+
+    fn inventory_name(&self) -> String {
+        format!("{INVENTORY_PREFIX}{}", self.spec.component)
+    }
+}
+
+fn api(client: &kube::Client, r: &ObjRef) -> Api<DynamicObject> {
+    let ar = r.api_resource();
+    match &r.namespace {
+        Some(ns) => Api::namespaced_with(client.clone(), ns, &ar),
+        None => Api::all_with(client.clone(), &ar),
+    }
+}
+
+fn is_not_found(e: &kube::Error) -> bool {
+    matches!(e, kube::Error::Api(s) if s.code == 404)
+}
+
+impl Kubernetes {
+    async fn go(&self, ctx: &mut ExecContext<'_>) -> ExecOutcome {
+        let log = |ctx: &mut ExecContext<'_>, line: String| {
+            let _ = ctx.output.write(line.as_bytes());
+        };
+        let failed = crate::terraform::failed;
+        // Policy first: nothing reaches the cluster before the decision.
+        let mut decided = serde_json::Value::Null;
+        if self.spec.action == Action::Apply {
+            let Some(policy) = ctx.policy.clone() else {
+                return failed(
+                    "policy_unavailable",
+                    "no policy context: manifests are decided by policy".into(),
+                    serde_json::Value::Null,
+                );
+            };
+            let manifests: Vec<&serde_json::Value> = self.objects.iter().map(|(_, m)| m).collect();
+            let bytes = serde_json::to_vec(&manifests).unwrap_or_default();
+            let pctx = byoc_policy::Context {
+                source: byoc_policy::Source::Kubernetes,
+                phase: policy.phase.clone(),
+                operation: policy.operation.clone(),
+                install: policy.install.clone(),
+            };
+            let d = policy.decide(pctx, &bytes).await;
+            crate::terraform::audit_decision(ctx, &d, "manifests", &d.input_digest);
+            for v in &d.violations {
+                log(ctx, format!("[policy] DENY {} [{}] {}: {}\n", v.policy, v.rule, v.address, v.message));
+            }
+            for e in &d.errors {
+                log(ctx, format!("[policy] ERROR {}: {}\n", e.policy, e.reason));
+            }
+            decided = serde_json::json!({"verdict": d.verdict, "manifests_digest": d.input_digest});
+            if d.verdict == byoc_policy::Verdict::Deny {
+                let what: Vec<String> = d
+                    .violations
+                    .iter()
+                    .map(|v| format!("{}@{}", v.rule, v.address))
+                    .chain(d.errors.iter().map(|e| format!("{} failed", e.policy)))
+                    .collect();
+                return failed(
+                    "policy_denied",
+                    format!("policy denied the manifests: {}", what.join(", ")),
+                    decided,
+                );
+            }
+        }
+        let client = match client(&self.spec.kubeconfig).await {
+            Ok(c) => c,
+            Err(e) => return failed("cluster_unreachable", e, decided),
+        };
+        // Readiness is waited for up to wait_secs (and never past the job's timeout).
+        let deadline = Instant::now() + ctx.timeout.min(Duration::from_secs(self.spec.wait_secs));
+        let cancel = ctx.cancel.clone();
+        let work = async {
+            match self.spec.action {
+                Action::Apply => self.apply(ctx, &client, deadline).await,
+                Action::Delete => self.delete(ctx, &client).await,
+            }
+        };
+        let result = tokio::select! {
+            r = work => r,
+            _ = cancel.cancelled() => return ExecOutcome { status: JobStatus::Cancelled, exit_code: None, error: Some("job was cancelled".into()), outputs: decided },
+        };
+        match result {
+            Ok(mut out) => {
+                if let (Some(o), Some(d)) = (out.as_object_mut(), decided.as_object()) {
+                    o.extend(d.clone());
+                }
+                ExecOutcome { status: JobStatus::Succeeded, exit_code: Some(0), error: None, outputs: out }
+            }
+            Err((reason, e)) => failed(reason, e, decided),
+        }
+    }
+
+    async fn inventory(&self, client: &kube::Client) -> Result<Vec<ObjRef>, (&'static str, String)> {
+        let cms: Api<DynamicObject> = api(client, &self.inventory_ref());
+        match cms.get_opt(&self.inventory_name()).await {
+            Ok(Some(cm)) => Ok(cm.data["data"]["objects"]
+                .as_str()
+                .unwrap_or("")
+                .lines()
+                .filter_map(ObjRef::decode)
+                .collect()),
+            Ok(None) => Ok(vec![]),
+            Err(e) => Err(("cluster_error", format!("reading the inventory {}: {e}", self.inventory_name()))),
+        }
+    }
+
+    fn inventory_ref(&self) -> ObjRef {
+        ObjRef {
+            api_version: "v1".into(),
+            kind: "ConfigMap".into(),
+            namespace: Some(self.spec.namespace.clone()),
+            name: self.inventory_name(),
+        }
+    }
+
+    async fn apply(
+        &self,
+        ctx: &mut ExecContext<'_>,
+        client: &kube::Client,
+        deadline: Instant,
+    ) -> Result<serde_json::Value, (&'static str, String)> {
+        let previous = self.inventory(client).await?;
+        let pp = PatchParams::apply(FIELD_MANAGER).force();
+        let mut applied = Vec::new();
+        for (r, m) in &self.objects {
+            api(client, r)
+                .patch(&r.name, &pp, &Patch::Apply(m))
+                .await
+                .map_err(|e| ("apply_failed", format!("applying {}: {e}", r.display())))?;
+            let _ = ctx.output.write(format!("[kubernetes] applied {}\n", r.display()).as_bytes());
+            applied.push(r.display());
+        }
+        // What the previous apply created and this one no longer has.
+        let current: BTreeSet<&ObjRef> = self.objects.iter().map(|(r, _)| r).collect();
+        let mut pruned = Vec::new();
+        for r in previous.iter().filter(|r| !current.contains(r)) {
+            match api(client, r).delete(&r.name, &DeleteParams::background()).await {
+                Ok(_) => {}
+                Err(e) if is_not_found(&e) => {}
+                Err(e) => return Err(("prune_failed", format!("pruning {}: {e}", r.display()))),
+            }
+            let _ = ctx.output.write(format!("[kubernetes] pruned {}\n", r.display()).as_bytes());
+            pruned.push(r.display());
+        }
+        self.write_inventory(client, &pp).await?;
+        let ready = self.wait_ready(ctx, client, deadline).await?;
+        Ok(
+            serde_json::json!({"applied": applied, "pruned": pruned, "ready": ready, "field_manager": FIELD_MANAGER}),
+        )
+    }
+
+    async fn write_inventory(
+        &self,
+        client: &kube::Client,
+        pp: &PatchParams,
+    ) -> Result<(), (&'static str, String)> {
+        let lines: Vec<String> = self.objects.iter().map(|(r, _)| r.encode()).collect();
+        let cm = serde_json::json!({
+            "apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": {"name": self.inventory_name(), "namespace": self.spec.namespace,
+                         "labels": {"app.kubernetes.io/managed-by": FIELD_MANAGER}},
+            "data": {"objects": lines.join("\n")}
+        });
+        api(client, &self.inventory_ref())
+            .patch(&self.inventory_name(), pp, &Patch::Apply(&cm))
+            .await
+            .map(|_| ())
+            .map_err(|e| ("apply_failed", format!("writing the inventory: {e}")))
+    }
+
+    /// Deployments, StatefulSets and Jobs until ready (or failed, or the deadline).
+    async fn wait_ready(
+        &self,
+        ctx: &mut ExecContext<'_>,
+        client: &kube::Client,
+        deadline: Instant,
+    ) -> Result<Vec<String>, (&'static str, String)> {
+        let mut ready = Vec::new();
+        for (r, _) in self
+            .objects
+            .iter()
+            .filter(|(r, _)| matches!(r.kind.as_str(), "Deployment" | "StatefulSet" | "Job"))
+        {
+            loop {
+                let obj = api(client, r)
+                    .get_opt(&r.name)
+                    .await
+                    .map_err(|e| ("cluster_error", format!("reading {}: {e}", r.display())))?;
+                match obj.as_ref().map(|o| readiness(&r.kind, o)) {
+                    Some(Ok(true)) => break,
+                    Some(Err(why)) => return Err(("not_ready", format!("{} failed: {why}", r.display()))),
+                    _ => {}
+                }
+                if Instant::now() >= deadline {
+                    return Err((
+                        "not_ready",
+                        format!("{} was not ready within {}s", r.display(), self.spec.wait_secs),
+                    ));
+                }
+                tokio::time::sleep(POLL).await;
+            }
+            let _ = ctx.output.write(format!("[kubernetes] ready {}\n", r.display()).as_bytes());
+            ready.push(r.display());
+        }
+        Ok(ready)
+    }
+
+    async fn delete(
+        &self,
+        ctx: &mut ExecContext<'_>,
+        client: &kube::Client,
+    ) -> Result<serde_json::Value, (&'static str, String)> {
+        let mut targets = self.inventory(client).await?;
+        for (r, _) in &self.objects {
+            if !targets.contains(r) {
+                targets.push(r.clone());
+            }
+        }
+        let mut deleted = Vec::new();
+        for r in targets.iter().rev() {
+            match api(client, r).delete(&r.name, &DeleteParams::background()).await {
+                Ok(_) => deleted.push(r.display()),
+                Err(e) if is_not_found(&e) => {}
+                Err(e) => return Err(("delete_failed", format!("deleting {}: {e}", r.display()))),
+            }
+            let _ = ctx.output.write(format!("[kubernetes] deleted {}\n", r.display()).as_bytes());
+        }
+        match api(client, &self.inventory_ref())
+            .delete(&self.inventory_name(), &DeleteParams::background())
+            .await
+        {
+            Ok(_) => {}
+            Err(e) if is_not_found(&e) => {}
+            Err(e) => return Err(("delete_failed", format!("deleting the inventory: {e}"))),
+        }
+        Ok(serde_json::json!({"deleted": deleted}))
+    }
+}
+
+/// Ready, not yet, or failed (with why).
+fn readiness(kind: &str, o: &DynamicObject) -> Result<bool, String> {
+    let s = &o.data["status"];
+    let spec = &o.data["spec"];
+    let n = |v: &serde_json::Value| v.as_i64().unwrap_or(0);
+    let generation = o.metadata.generation.unwrap_or(0);
+    match kind {
+        "Deployment" => {
+            let want = spec["replicas"].as_i64().unwrap_or(1);
+            Ok(n(&s["observedGeneration"]) >= generation
+                && n(&s["updatedReplicas"]) >= want
+                && n(&s["availableReplicas"]) >= want)
+        }
+        "StatefulSet" => {
+            let want = spec["replicas"].as_i64().unwrap_or(1);
+            Ok(n(&s["observedGeneration"]) >= generation
+                && n(&s["readyReplicas"]) >= want
+                && n(&s["updatedReplicas"]) >= want)
+        }
+        "Job" => {
+            if n(&s["failed"]) > spec["backoffLimit"].as_i64().unwrap_or(6) {
+                return Err(format!("{} pods failed", n(&s["failed"])));
+            }
+            Ok(n(&s["succeeded"]) >= spec["completions"].as_i64().unwrap_or(1))
+        }
+        _ => Ok(true),
+    }
+}
+
+async fn client(kubeconfig: &str) -> Result<kube::Client, String> {
+    let kc = kube::config::Kubeconfig::from_yaml(kubeconfig).map_err(|e| format!("kubeconfig: {e}"))?;
+    let config = kube::Config::from_custom_kubeconfig(kc, &kube::config::KubeConfigOptions::default())
+        .await
+        .map_err(|e| format!("kubeconfig: {e}"))?;
+    kube::Client::try_from(config).map_err(|e| format!("cluster client: {e}"))
+}
+
+impl Executor for Kubernetes {
+    fn run<'a>(&'a self, mut ctx: ExecContext<'a>) -> ExecFuture<'a> {
+        Box::pin(async move { self.go(&mut ctx).await })
+    }
+
+    fn secrets(&self) -> Vec<Vec<u8>> {
+        // Tokens and keys in the kubeconfig.
+        self.spec
+            .kubeconfig
+            .lines()
+            .filter_map(|l| l.split_once(':').map(|(_, v)| v.trim().trim_matches('"')))
+            .filter(|v| v.len() >= 16 && !v.starts_with("http"))
+            .map(|v| v.as_bytes().to_vec())
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn plurals_follow_the_built_in_resources() {
+        for (k, p) in [
+            ("Deployment", "deployments"),
+            ("Ingress", "ingresses"),
+            ("NetworkPolicy", "networkpolicies"),
+            ("ConfigMap", "configmaps"),
+            ("Gateway", "gateways"),
+            ("StorageClass", "storageclasses"),
+        ] {
+            assert_eq!(plural(k), p);
+        }
+    }
+
+    #[test]
+    fn inventory_entries_round_trip() {
+        let r = ObjRef {
+            api_version: "apps/v1".into(),
+            kind: "Deployment".into(),
+            namespace: Some("acme".into()),
+            name: "api".into(),
+        };
+        assert_eq!(ObjRef::decode(&r.encode()), Some(r));
+        let c = ObjRef {
+            api_version: "v1".into(),
+            kind: "Namespace".into(),
+            namespace: None,
+            name: "acme".into(),
+        };
+        assert_eq!(ObjRef::decode(&c.encode()), Some(c));
+    }
+}

@@ -1,0 +1,142 @@
+//! `kubernetes` jobs end to end: the real runner and control plane, moto for the job's
+//! role, and a fake Kubernetes API server (no real one can be had offline) whose
+//! recorded requests show what the executor sent: server-side apply patches with our
+//! field manager, prune deletes, readiness reads.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use byoc_control_plane::EnqueueRequest;
+use byoc_control_plane::kube_api::FakeKubeApi;
+use byoc_control_plane::moto::MotoServer;
+use byoc_protocol::JobStatus;
+use common::roles::*;
+use common::*;
+
+const TOKEN: &str = "cluster-token-9d8e7f6a5b4c3d2e";
+
+struct KubeEnv {
+    env: Env,
+    _moto: MotoServer,
+    api: FakeKubeApi,
+    _policies: tempfile::TempDir,
+}
+
+async fn kube_env() -> KubeEnv {
+    let (moto, api) = tokio::join!(moto_with_stack_owned(), FakeKubeApi::start());
+    let mut opts = role_options(&moto, "");
+    let policies = tempfile::tempdir().unwrap();
+    opts.extra.push_str(&format!("\n[policy]\ndir = \"{}\"\n", policies.path().display()));
+    KubeEnv { env: env_with(opts).await, _moto: moto, api, _policies: policies }
+}
+
+async fn moto_with_stack_owned() -> MotoServer {
+    moto_with_stack(&base_params()).await
+}
+
+fn deployment(name: &str) -> serde_json::Value {
+    serde_json::json!({"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": name},
+        "spec": {"replicas": 2, "template": {"spec": {"containers": [
+            {"name": name, "image": "registry.example/acme/api:1", "resources": {"limits": {"cpu": "1", "memory": "256Mi"}}}]}}}})
+}
+
+fn service(ty: &str) -> serde_json::Value {
+    serde_json::json!({"apiVersion": "v1", "kind": "Service", "metadata": {"name": "api"}, "spec": {"type": ty}})
+}
+
+fn config_map(name: &str) -> serde_json::Value {
+    serde_json::json!({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": name}, "data": {"k": "v"}})
+}
+
+fn job(api: &FakeKubeApi, action: &str, manifests: Vec<serde_json::Value>, wait: u64) -> EnqueueRequest {
+    let mut req = role_job("component", "deploy", "inst-demo-maintenance", named("api"), "");
+    req.kind = "kubernetes".into();
+    req.spec = serde_json::json!({"action": action, "component": "api", "namespace": "acme",
+        "manifests": manifests, "kubeconfig": api.kubeconfig(TOKEN), "wait_secs": wait});
+    req.timeout_secs = 120;
+    req
+}
+
+async fn run(e: &KubeEnv, req: EnqueueRequest) -> (byoc_protocol::JobResult, String) {
+    let id = e.env.cp.enqueue(req).unwrap();
+    let r = e.env.finished(&id).await.result.unwrap();
+    (r, e.env.output(&id))
+}
+
+const DEPLOY: &str = "/apis/apps/v1/namespaces/acme/deployments/api";
+const SVC: &str = "/api/v1/namespaces/acme/services/api";
+const EXTRA: &str = "/api/v1/namespaces/acme/configmaps/extra";
+const INVENTORY: &str = "/api/v1/namespaces/acme/configmaps/byoc-inventory-api";
+
+#[tokio::test]
+async fn apply_is_server_side_with_our_field_manager_then_prunes_what_is_gone() {
+    let e = kube_env().await;
+    let (r, log) =
+        run(&e, job(&e.api, "apply", vec![deployment("api"), service("ClusterIP"), config_map("extra")], 30))
+            .await;
+    assert_eq!(r.status, JobStatus::Succeeded, "{:?}\n{log}", r.error);
+    let patches: Vec<_> = e.api.requests().into_iter().filter(|q| q.method == "PATCH").collect();
+    let paths: Vec<&str> = patches.iter().map(|q| q.path.as_str()).collect();
+    assert_eq!(paths, vec![DEPLOY, SVC, EXTRA, INVENTORY]);
+    for p in &patches {
+        assert_eq!(p.content_type, "application/apply-patch+yaml", "{}", p.path);
+        assert!(
+            p.query.contains("fieldManager=byoc-runner") && p.query.contains("force=true"),
+            "{}",
+            p.query
+        );
+        assert_eq!(p.authorization, format!("Bearer {TOKEN}"));
+    }
+    // Namespaced objects that named no namespace got the job's.
+    assert_eq!(patches[0].body["metadata"]["namespace"], "acme");
+    assert!(e.api.requests().iter().any(|q| q.method == "GET" && q.path == DEPLOY), "readiness was read");
+    assert_eq!(r.outputs["ready"], serde_json::json!(["Deployment/acme/api"]));
+    assert_eq!(r.outputs["verdict"], "allow");
+    let inventory = e.api.object(INVENTORY).unwrap();
+    assert!(inventory["data"]["objects"].as_str().unwrap().contains("v1|ConfigMap|acme|extra"));
+    assert!(!log.contains(TOKEN) && !serde_json::to_string(&r).unwrap().contains(TOKEN));
+
+    // Again without the ConfigMap: it is pruned (deleted), the rest re-applied.
+    let before = e.api.requests().len();
+    let (r, log) = run(&e, job(&e.api, "apply", vec![deployment("api"), service("ClusterIP")], 30)).await;
+    assert_eq!(r.status, JobStatus::Succeeded, "{:?}\n{log}", r.error);
+    let later = &e.api.requests()[before..];
+    let deletes: Vec<&str> = later.iter().filter(|q| q.method == "DELETE").map(|q| q.path.as_str()).collect();
+    assert_eq!(deletes, vec![EXTRA]);
+    assert_eq!(r.outputs["pruned"], serde_json::json!(["ConfigMap/acme/extra"]));
+    assert!(e.api.object(EXTRA).is_none());
+    assert!(!e.api.object(INVENTORY).unwrap()["data"]["objects"].as_str().unwrap().contains("extra"));
+}
+
+#[tokio::test]
+async fn denied_manifests_never_reach_the_cluster() {
+    let e = kube_env().await;
+    let (r, log) = run(&e, job(&e.api, "apply", vec![deployment("api"), service("LoadBalancer")], 30)).await;
+    assert_eq!(r.status, JobStatus::Failed);
+    assert_eq!(r.outputs["reason"], "policy_denied", "{log}");
+    assert!(r.error.unwrap().contains("public_ingress@Service/acme/api"));
+    assert!(e.api.requests().is_empty(), "nothing may be sent: {:?}", e.api.requests());
+}
+
+#[tokio::test]
+async fn teardown_deletes_everything_applied_and_the_inventory() {
+    let e = kube_env().await;
+    let (r, _) = run(&e, job(&e.api, "apply", vec![deployment("api"), config_map("extra")], 30)).await;
+    assert_eq!(r.status, JobStatus::Succeeded);
+    let (r, log) = run(&e, job(&e.api, "delete", vec![], 30)).await;
+    assert_eq!(r.status, JobStatus::Succeeded, "{:?}\n{log}", r.error);
+    let deletes: Vec<String> =
+        e.api.requests().into_iter().filter(|q| q.method == "DELETE").map(|q| q.path).collect();
+    assert_eq!(deletes, vec![EXTRA.to_string(), DEPLOY.to_string(), INVENTORY.to_string()]);
+    assert!(e.api.object(DEPLOY).is_none() && e.api.object(INVENTORY).is_none());
+}
+
+#[tokio::test]
+async fn a_workload_that_never_becomes_ready_fails_the_job() {
+    let e = kube_env().await;
+    e.api.hold_back("api");
+    let (r, log) = run(&e, job(&e.api, "apply", vec![deployment("api")], 2)).await;
+    assert_eq!(r.status, JobStatus::Failed);
+    assert_eq!(r.outputs["reason"], "not_ready", "{:?}\n{log}", r.error);
+    assert!(r.error.unwrap().contains("Deployment/acme/api was not ready within 2s"));
+}

@@ -1,0 +1,171 @@
+//! A fake Kubernetes API server on loopback for the kubernetes executor's suites (no
+//! real API server can be had offline): objects in memory by path, server-side apply
+//! stored as sent (with a generation and, for workloads, a status that says ready
+//! unless the test holds it back), GET, DELETE, 404s as Kubernetes words them, and a
+//! record of every request (method, path, query, content type, body).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::response::Response;
+
+#[derive(Debug, Clone)]
+pub struct Recorded {
+    pub method: String,
+    pub path: String,
+    pub query: String,
+    pub content_type: String,
+    pub body: serde_json::Value,
+    pub authorization: String,
+}
+
+#[derive(Default)]
+struct Inner {
+    objects: BTreeMap<String, serde_json::Value>,
+    requests: Vec<Recorded>,
+    not_ready: BTreeSet<String>,
+}
+
+#[derive(Clone, Default)]
+struct Shared(Arc<Mutex<Inner>>);
+
+pub struct FakeKubeApi {
+    pub addr: SocketAddr,
+    shared: Shared,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for FakeKubeApi {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+fn status(code: u16, reason: &str, message: String) -> Response {
+    let body = serde_json::json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": if code < 300 { "Success" } else { "Failure" }, "reason": reason, "message": message, "code": code});
+    Response::builder()
+        .status(code)
+        .header("Content-Type", "application/json")
+        .body(Body::from(body.to_string()))
+        .unwrap_or_default()
+}
+
+fn json(v: &serde_json::Value) -> Response {
+    Response::builder()
+        .header("Content-Type", "application/json")
+        .body(Body::from(v.to_string()))
+        .unwrap_or_default()
+}
+
+async fn handle(State(s): State<Shared>, req: Request) -> Response {
+    let method = req.method().to_string();
+    let path = req.uri().path().to_string();
+    let query = req.uri().query().unwrap_or("").to_string();
+    let (content_type, authorization) = {
+        let header = |k: &str| req.headers().get(k).and_then(|v| v.to_str().ok()).unwrap_or("").to_string();
+        (header("content-type"), header("authorization"))
+    };
+    let bytes = axum::body::to_bytes(req.into_body(), 16 << 20).await.unwrap_or_default();
+    let body: serde_json::Value = serde_json::from_slice(&bytes).unwrap_or_default();
+    serve(&s, method, path, query, content_type, authorization, body)
+}
+
+/// The synchronous part (the lock is never held across an await).
+fn serve(
+    s: &Shared,
+    method: String,
+    path: String,
+    query: String,
+    content_type: String,
+    authorization: String,
+    body: serde_json::Value,
+) -> Response {
+    let Ok(mut inner) = s.0.lock() else { return status(500, "InternalError", "lock".into()) };
+    inner.requests.push(Recorded {
+        method: method.clone(),
+        path: path.clone(),
+        query,
+        content_type,
+        body: body.clone(),
+        authorization,
+    });
+    match method.as_str() {
+        "GET" => match inner.objects.get(&path) {
+            Some(o) => json(o),
+            None => status(404, "NotFound", format!("{path} not found")),
+        },
+        "DELETE" => match inner.objects.remove(&path) {
+            Some(_) => status(200, "", "deleted".into()),
+            None => status(404, "NotFound", format!("{path} not found")),
+        },
+        "PATCH" => {
+            let generation =
+                inner.objects.get(&path).and_then(|o| o["metadata"]["generation"].as_i64()).unwrap_or(0) + 1;
+            let mut obj = body;
+            obj["metadata"]["generation"] = generation.into();
+            let name = obj["metadata"]["name"].as_str().unwrap_or("").to_string();
+            let held = inner.not_ready.contains(&name);
+            let replicas = obj["spec"]["replicas"].as_i64().unwrap_or(1);
+            match obj["kind"].as_str() {
+                Some("Deployment") | Some("StatefulSet") if !held => {
+                    obj["status"] = serde_json::json!({"observedGeneration": generation, "replicas": replicas,
+                        "updatedReplicas": replicas, "availableReplicas": replicas, "readyReplicas": replicas});
+                }
+                Some("Deployment") | Some("StatefulSet") => {
+                    obj["status"] = serde_json::json!({"observedGeneration": generation, "replicas": replicas, "updatedReplicas": 0, "availableReplicas": 0});
+                }
+                Some("Job") if !held => {
+                    obj["status"] =
+                        serde_json::json!({"succeeded": obj["spec"]["completions"].as_i64().unwrap_or(1)})
+                }
+                _ => {}
+            }
+            inner.objects.insert(path, obj.clone());
+            json(&obj)
+        }
+        _ => status(405, "MethodNotAllowed", method),
+    }
+}
+
+impl FakeKubeApi {
+    pub async fn start() -> FakeKubeApi {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let shared = Shared::default();
+        let app = axum::Router::new().fallback(handle).with_state(shared.clone());
+        let task = tokio::spawn(async move {
+            let _ = axum::serve(listener, app).await;
+        });
+        FakeKubeApi { addr, shared, task }
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// A kubeconfig for this server with a bearer token.
+    pub fn kubeconfig(&self, token: &str) -> String {
+        format!(
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: fake\n  cluster:\n    server: {}\ncontexts:\n- name: fake\n  context:\n    cluster: fake\n    user: job\ncurrent-context: fake\nusers:\n- name: job\n  user:\n    token: {token}\n",
+            self.url()
+        )
+    }
+
+    pub fn requests(&self) -> Vec<Recorded> {
+        self.shared.0.lock().map(|i| i.requests.clone()).unwrap_or_default()
+    }
+
+    pub fn object(&self, path: &str) -> Option<serde_json::Value> {
+        self.shared.0.lock().ok().and_then(|i| i.objects.get(path).cloned())
+    }
+
+    /// Workloads with this name never become ready.
+    pub fn hold_back(&self, name: &str) {
+        if let Ok(mut i) = self.shared.0.lock() {
+            i.not_ready.insert(name.to_string());
+        }
+    }
+}
