@@ -51,14 +51,29 @@ struct Spec {
     manifests: Vec<serde_json::Value>,
     #[serde(default)]
     manifests_yaml: Option<String>,
-    /// A kubeconfig (secret).
-    kubeconfig: String,
+    /// A kubeconfig (secret), or `eks` to derive the credentials from the job's role.
+    #[serde(default)]
+    kubeconfig: Option<String>,
+    #[serde(default)]
+    eks: Option<Eks>,
     #[serde(default = "default_wait")]
     wait_secs: u64,
 }
 
 fn default_wait() -> u64 {
     300
+}
+
+/// An EKS cluster reached with a token signed by the job's role session.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Eks {
+    cluster: String,
+    /// The cluster's API endpoint.
+    server: String,
+    /// Base64 PEM of the cluster's CA (as `DescribeCluster` gives it).
+    #[serde(default)]
+    certificate_authority_data: Option<String>,
 }
 
 /// One object's identity: what the inventory records and prune deletes.
@@ -129,6 +144,12 @@ impl Kubernetes {
         if !label(&s.component) || !label(&s.namespace) {
             return Err("component and namespace: DNS labels ([a-z0-9-], 1-63)".into());
         }
+        match (&s.kubeconfig, &s.eks) {
+            (Some(_), None) => {}
+            (None, Some(e)) if !e.cluster.is_empty() && e.server.starts_with("http") => {}
+            (None, Some(_)) => return Err("eks: cluster and an https:// server are required".into()),
+            _ => return Err("exactly one of kubeconfig or eks".into()),
+        }
         let mut manifests = s.manifests.clone();
         if let Some(y) = &s.manifests_yaml {
             manifests.extend(crate::helm::parse_manifests(y)?);
@@ -162,6 +183,38 @@ impl Kubernetes {
             objects.push((r, m));
         }
         Ok(Kubernetes { spec: s, objects })
+    }
+
+    /// The job's kubeconfig, or one for the EKS cluster with a token signed by the
+    /// job's role session (`aws eks get-token`).
+    fn kubeconfig(&self, ctx: &ExecContext<'_>) -> Result<String, String> {
+        if let Some(k) = &self.spec.kubeconfig {
+            return Ok(k.clone());
+        }
+        let Some(eks) = &self.spec.eks else { return Err("no cluster credentials".into()) };
+        let env =
+            &ctx.credentials.as_ref().ok_or("eks needs the job's role (set requested_role)")?.static_env;
+        let get = |k: &str| env.iter().find(|(n, _)| n == k).map(|(_, v)| v.as_str());
+        let (Some(ak), Some(sk), Some(region)) =
+            (get("AWS_ACCESS_KEY_ID"), get("AWS_SECRET_ACCESS_KEY"), get("AWS_REGION"))
+        else {
+            return Err("the job's role session has no keys or region".into());
+        };
+        let keys = crate::eks::Keys {
+            access_key_id: ak,
+            secret_access_key: sk,
+            session_token: get("AWS_SESSION_TOKEN"),
+        };
+        let token = crate::eks::token(&keys, region, &eks.cluster, std::time::SystemTime::now())?;
+        let ca = eks
+            .certificate_authority_data
+            .as_ref()
+            .map(|c| format!("    certificate-authority-data: {c}\n"))
+            .unwrap_or_default();
+        Ok(format!(
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: eks\n  cluster:\n    server: {}\n{ca}contexts:\n- name: eks\n  context:\n    cluster: eks\n    user: role\ncurrent-context: eks\nusers:\n- name: role\n  user:\n    token: {token}\n",
+            eks.server
+        ))
     }
 
     fn inventory_name(&self) -> String {
@@ -228,7 +281,11 @@ impl Kubernetes {
                 );
             }
         }
-        let client = match client(&self.spec.kubeconfig).await {
+        let kubeconfig = match self.kubeconfig(ctx) {
+            Ok(k) => k,
+            Err(e) => return failed("cluster_credentials", e, decided),
+        };
+        let client = match client(&kubeconfig).await {
             Ok(c) => c,
             Err(e) => return failed("cluster_unreachable", e, decided),
         };
@@ -446,9 +503,12 @@ impl Executor for Kubernetes {
     }
 
     fn secrets(&self) -> Vec<Vec<u8>> {
-        // Tokens and keys in the kubeconfig.
+        // Tokens and keys in the kubeconfig (an EKS token is derived from the role's
+        // session, whose keys are masked already; the token itself is never logged).
         self.spec
             .kubeconfig
+            .as_deref()
+            .unwrap_or("")
             .lines()
             .filter_map(|l| l.split_once(':').map(|(_, v)| v.trim().trim_matches('"')))
             .filter(|v| v.len() >= 16 && !v.starts_with("http"))

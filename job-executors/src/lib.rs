@@ -13,6 +13,7 @@ pub use byoc_protocol::JobStatus;
 use tokio_util::sync::CancellationToken;
 
 pub mod container;
+pub mod eks;
 pub mod helm;
 pub mod kubernetes;
 pub mod mask;

@@ -140,3 +140,33 @@ async fn a_workload_that_never_becomes_ready_fails_the_job() {
     assert_eq!(r.outputs["reason"], "not_ready", "{:?}\n{log}", r.error);
     assert!(r.error.unwrap().contains("Deployment/acme/api was not ready within 2s"));
 }
+
+#[tokio::test]
+async fn an_eks_cluster_is_reached_with_a_token_signed_by_the_jobs_role() {
+    use base64::Engine as _;
+    let e = kube_env().await;
+    let mut req = job(&e.api, "apply", vec![config_map("settings")], 30);
+    req.spec.as_object_mut().unwrap().remove("kubeconfig");
+    req.spec["eks"] = serde_json::json!({"cluster": "acme-prod", "server": e.api.url()});
+    let (r, log) = run(&e, req).await;
+    assert_eq!(r.status, JobStatus::Succeeded, "{:?}\n{log}", r.error);
+    let auth = e.api.requests()[0].authorization.clone();
+    let b64 = auth.strip_prefix("Bearer k8s-aws-v1.").unwrap_or_else(|| panic!("not an EKS token: {auth}"));
+    let url =
+        String::from_utf8(base64::engine::general_purpose::URL_SAFE_NO_PAD.decode(b64).unwrap()).unwrap();
+    assert!(url.starts_with("https://sts.us-east-1.amazonaws.com/?Action=GetCallerIdentity"), "{url}");
+    assert!(
+        url.contains("X-Amz-SignedHeaders=host%3Bx-k8s-aws-id") && url.contains("X-Amz-Security-Token="),
+        "{url}"
+    );
+    assert!(!log.contains(b64) && !serde_json::to_string(&r).unwrap().contains(b64));
+    // Without a role there are no credentials to sign with.
+    let mut req = job(&e.api, "apply", vec![config_map("settings")], 30);
+    req.spec.as_object_mut().unwrap().remove("kubeconfig");
+    req.spec["eks"] = serde_json::json!({"cluster": "acme-prod", "server": e.api.url()});
+    req.requested_role = None;
+    req.app_config = None;
+    req.role_request = None;
+    let (r, _) = run(&e, req).await;
+    assert_eq!(r.outputs["reason"], "cluster_credentials", "{:?}", r.error);
+}

@@ -243,6 +243,15 @@ async fn a_saved_plan_is_applied_by_digest_and_only_by_its_digest() {
     assert!(log.contains(&format!("applying saved plan {digest}")), "{log}");
     assert!(log.contains(&format!("fake-terraform: apply plan.tfplan sha256={}", &digest[7..])), "{log}");
 
+    // Once older than plan_max_age_secs (3600 by default), the saved plan is stale.
+    let saved = e.env.runner.state_dir.join("plans/api").join(format!("{}.tfplan", &digest[7..]));
+    let old = std::time::SystemTime::now() - std::time::Duration::from_secs(7200);
+    std::fs::File::options().write(true).open(&saved).unwrap().set_modified(old).unwrap();
+    let req = job("apply", &example("plan-tags-only.json"), &[], serde_json::json!({"plan_digest": digest}));
+    let (_, r, log) = run(&e, req).await;
+    assert_eq!(r.outputs["reason"], "plan_stale", "{:?}", r.error);
+    assert!(!log.contains("fake-terraform: apply"), "{log}");
+
     let other = format!("sha256:{}", "0".repeat(64));
     let (_, r, log) = run(
         &e,
