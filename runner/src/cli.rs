@@ -165,6 +165,9 @@ enum PolicyCmd {
         /// Per-policy time limit, milliseconds.
         #[arg(long, default_value_t = 5000)]
         time_limit_ms: u64,
+        /// Memory limit of the evaluator process, MiB.
+        #[arg(long, default_value_t = 2048)]
+        memory_mib: u64,
         #[arg(long, short = 'o', value_enum, default_value_t = Output::Text)]
         output: Output,
     },
@@ -358,6 +361,7 @@ pub fn main() -> i32 {
                     policies,
                     vendor_policies,
                     time_limit_ms,
+                    memory_mib,
                     output,
                 },
         } => policy_test(PolicyTest {
@@ -368,6 +372,7 @@ pub fn main() -> i32 {
             policies,
             vendor_policies,
             time_limit: std::time::Duration::from_millis(time_limit_ms),
+            memory_mib,
             output,
         }),
     }
@@ -444,6 +449,7 @@ struct PolicyTest {
     policies: PathBuf,
     vendor_policies: Vec<PathBuf>,
     time_limit: std::time::Duration,
+    memory_mib: u64,
     output: Output,
 }
 
@@ -461,10 +467,18 @@ fn policy_test(t: PolicyTest) -> i32 {
         Ok(v) => v,
         Err(e) => return usage(e),
     };
-    let bytes = match std::fs::read(&t.input) {
+    let mut bytes = match std::fs::read(&t.input) {
         Ok(b) => b,
         Err(e) => return usage(format!("reading {}: {e}", t.input.display())),
     };
+    // Rendered manifests are usually YAML (`helm template`, kustomize): convert them.
+    if serde_json::from_slice::<serde_json::Value>(&bytes).is_err()
+        && let Ok(text) = std::str::from_utf8(&bytes)
+        && let Ok(manifests) = byoc_job_executors::helm::parse_manifests(text)
+        && !manifests.is_empty()
+    {
+        bytes = serde_json::to_vec(&manifests).unwrap_or_default();
+    }
     let source = match t.source.as_deref() {
         Some(s) => match Source::parse(s) {
             Ok(s) => s,
@@ -478,12 +492,28 @@ fn policy_test(t: PolicyTest) -> i32 {
         }
     };
     let limits = Limits { time_per_policy: t.time_limit, ..Limits::default() };
-    let doc = match byoc_policy::parse_document(source, &bytes, &limits) {
-        Ok(d) => d,
-        Err(e) => return usage(format!("{}: {e}", t.input.display())),
-    };
+    if let Err(e) = byoc_policy::parse_document(source, &bytes, &limits) {
+        return usage(format!("{}: {e}", t.input.display()));
+    }
     let ctx = Context { source, phase: t.phase, operation: t.operation, install: String::new() };
-    let decision = byoc_policy::evaluate(&c.with_vendor(vendor), &c.params, &ctx, &doc, &bytes, &limits);
+    // The same evaluator process, under the same memory limit, as jobs use.
+    let scope = byoc_job_executors::PolicyScope {
+        policies: c.with_vendor(vendor),
+        params: c.params.clone(),
+        phase: ctx.phase.clone(),
+        operation: ctx.operation.clone(),
+        install: String::new(),
+        limits,
+        evaluator: std::env::current_exe().ok().map(|program| byoc_job_executors::Evaluator {
+            program,
+            args: vec!["policy-eval".into()],
+            memory_mib: t.memory_mib,
+        }),
+    };
+    let decision = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+        Ok(rt) => rt.block_on(scope.decide(ctx, &bytes)),
+        Err(e) => return usage(format!("starting the runtime: {e}")),
+    };
     match t.output {
         Output::Json => println!("{}", serde_json::to_string(&decision).unwrap_or_default()),
         Output::Text => {

@@ -139,3 +139,39 @@ fn bad_directories_and_inputs_are_usage_errors() {
     let (code, _, err) = run(&["test", "--input", "/nonexistent.json", "--source", "cloudformation"]);
     assert_eq!(code, 64, "{err}");
 }
+
+#[test]
+fn rendered_yaml_is_tested_and_the_evaluator_has_a_memory_limit() {
+    let d = tempfile::tempdir().unwrap();
+    let yaml = d.path().join("rendered.yaml");
+    std::fs::write(
+        &yaml,
+        "---\n# Source: api/templates/service.yaml\napiVersion: v1\nkind: Service\nmetadata:\n  name: api\n  namespace: acme\nspec:\n  type: LoadBalancer\n",
+    )
+    .unwrap();
+    let (code, out, err) =
+        run(&["test", "--input", yaml.to_str().unwrap(), "--policies", d.path().to_str().unwrap()]);
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(out.contains("DENY  builtin/public_ingress [public_ingress] Service/acme/api"), "{out}");
+
+    let hungry = d.path().join("hungry.rego");
+    std::fs::write(
+        &hungry,
+        "package main\nimport rego.v1\ndeny contains msg if {\n  xs := [sprintf(\"%d-padding-padding\", [i]) | some i in numbers.range(1, 50000000)]\n  count(xs) < 0\n  msg := \"never\"\n}\n",
+    )
+    .unwrap();
+    let plan = examples().join("plan-tags-only.json");
+    let (code, out, err) = run(&[
+        "test",
+        "--input",
+        plan.to_str().unwrap(),
+        "--policies",
+        d.path().to_str().unwrap(),
+        "--vendor-policy",
+        hungry.to_str().unwrap(),
+        "--memory-mib",
+        "256",
+    ]);
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(out.contains("256 MiB memory limit"), "{out}");
+}
