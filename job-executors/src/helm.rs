@@ -326,15 +326,9 @@ impl Helm {
                 let base = serde_json::json!({"release": s.release, "manifests_digest": decision.input_digest, "diff": diff, "verdict": decision.verdict,
                     "violations": decision.violations.iter().map(|v| serde_json::json!({"rule": v.rule, "address": v.address, "policy": v.policy})).collect::<Vec<_>>()});
                 if decision.verdict == byoc_policy::Verdict::Deny {
-                    let what: Vec<String> = decision
-                        .violations
-                        .iter()
-                        .map(|v| format!("{}@{}", v.rule, v.address))
-                        .chain(decision.errors.iter().map(|e| format!("{} failed", e.policy)))
-                        .collect();
                     return Err(failed(
                         "policy_denied",
-                        format!("policy denied the release: {}", what.join(", ")),
+                        format!("policy denied the release: {}", decision.denials().join(", ")),
                         base,
                     ));
                 }

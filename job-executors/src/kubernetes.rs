@@ -268,15 +268,9 @@ impl Kubernetes {
             }
             decided = serde_json::json!({"verdict": d.verdict, "manifests_digest": d.input_digest});
             if d.verdict == byoc_policy::Verdict::Deny {
-                let what: Vec<String> = d
-                    .violations
-                    .iter()
-                    .map(|v| format!("{}@{}", v.rule, v.address))
-                    .chain(d.errors.iter().map(|e| format!("{} failed", e.policy)))
-                    .collect();
                 return failed(
                     "policy_denied",
-                    format!("policy denied the manifests: {}", what.join(", ")),
+                    format!("policy denied the manifests: {}", d.denials().join(", ")),
                     decided,
                 );
             }

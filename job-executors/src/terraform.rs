@@ -431,15 +431,9 @@ impl Terraform {
             "violations": decision.violations.iter().map(|v| serde_json::json!({"rule": v.rule, "address": v.address, "policy": v.policy})).collect::<Vec<_>>(),
         });
         if decision.verdict == byoc_policy::Verdict::Deny {
-            let what: Vec<String> = decision
-                .violations
-                .iter()
-                .map(|v| format!("{}@{}", v.rule, v.address))
-                .chain(decision.errors.iter().map(|e| format!("{} failed", e.policy)))
-                .collect();
             return Err(failed(
                 "policy_denied",
-                format!("policy denied the plan: {}", what.join(", ")),
+                format!("policy denied the plan: {}", decision.denials().join(", ")),
                 base,
             ));
         }
@@ -524,12 +518,7 @@ pub(crate) fn audit_decision(ctx: &ExecContext<'_>, d: &byoc_policy::Decision, s
         byoc_policy::Verdict::Allow => "allow",
         byoc_policy::Verdict::Deny => "deny",
     };
-    let items: Vec<String> = d
-        .violations
-        .iter()
-        .map(|v| format!("{}@{}", v.rule, v.address))
-        .chain(d.errors.iter().map(|e| format!("error:{}", e.policy)))
-        .collect();
+    let items = d.denials();
     let detail = format!(
         "{verdict}: {} violations, {} warnings, {} errors [{}]",
         d.violations.len(),

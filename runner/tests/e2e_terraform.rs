@@ -304,5 +304,5 @@ async fn a_policy_that_exhausts_its_memory_limit_denies() {
     assert!(log.contains("256 MiB memory limit"), "{log}");
     assert!(!log.contains("fake-terraform: apply"), "{log}");
     let d = &audit(&e, "policy_decision")[0];
-    assert!(d["detail"].as_str().unwrap().contains("error:(evaluator)"), "{d}");
+    assert!(d["detail"].as_str().unwrap().contains("(evaluator) failed"), "{d}");
 }

@@ -179,6 +179,12 @@ pub struct PolicyRef {
     pub digest: String,
 }
 
+impl PolicyRef {
+    pub fn of(p: &Policy) -> PolicyRef {
+        PolicyRef { name: p.name.clone(), origin: p.origin, enforcement: p.enforcement, digest: p.digest() }
+    }
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Decision {
     pub verdict: Verdict,
@@ -192,6 +198,18 @@ pub struct Decision {
     /// Policies that failed to load or evaluate, or ran out of time: each denies.
     pub errors: Vec<PolicyError>,
     pub elapsed_ms: u64,
+}
+
+impl Decision {
+    /// What denied, one item each: `rule@address` per violation, then `<policy> failed`
+    /// per error (for job errors and audit details).
+    pub fn denials(&self) -> Vec<String> {
+        self.violations
+            .iter()
+            .map(|v| format!("{}@{}", v.rule, v.address))
+            .chain(self.errors.iter().map(|e| format!("{} failed", e.policy)))
+            .collect()
+    }
 }
 
 /// One evaluation as a self-contained request: what a separate, memory-limited
@@ -228,15 +246,7 @@ pub fn denied(policies: &[Policy], input: &[u8], what: &str, reason: String) -> 
     Decision {
         verdict: Verdict::Deny,
         input_digest: format!("sha256:{}", hex::encode(sha2::Sha256::digest(input))),
-        policies: policies
-            .iter()
-            .map(|p| PolicyRef {
-                name: p.name.clone(),
-                origin: p.origin,
-                enforcement: p.enforcement,
-                digest: p.digest(),
-            })
-            .collect(),
+        policies: policies.iter().map(PolicyRef::of).collect(),
         violations: vec![],
         warnings: vec![],
         errors: vec![PolicyError { policy: what.into(), origin: Origin::Builtin, reason }],
@@ -318,15 +328,7 @@ pub fn evaluate(
     let mut d = Decision {
         verdict: Verdict::Allow,
         input_digest: format!("sha256:{}", hex::encode(sha2::Sha256::digest(input_bytes))),
-        policies: policies
-            .iter()
-            .map(|p| PolicyRef {
-                name: p.name.clone(),
-                origin: p.origin,
-                enforcement: p.enforcement,
-                digest: p.digest(),
-            })
-            .collect(),
+        policies: policies.iter().map(PolicyRef::of).collect(),
         violations: vec![],
         warnings: vec![],
         errors: vec![],
