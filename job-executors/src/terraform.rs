@@ -440,12 +440,13 @@ impl Terraform {
         run.log(&format!("[policy] ALLOW plan {plan_digest} ({} policies)\n", decision.policies.len()));
         if self.spec.mode == Mode::Plan {
             let saved = self.saved_plan(&run.ctx.tools.plans_dir, &plan_digest);
-            let keep = saved
-                .parent()
-                .map(std::fs::create_dir_all)
-                .transpose()
+            // The result names this digest: the file and its directory entry are on
+            // disk before the job reports success.
+            let dir = saved.parent().map(Path::to_path_buf).unwrap_or_default();
+            let keep = std::fs::create_dir_all(&dir)
                 .and_then(|_| std::fs::copy(&plan_path, &saved).map(|_| ()))
-                .and_then(|_| std::fs::File::open(&saved)?.sync_all());
+                .and_then(|_| std::fs::File::open(&saved)?.sync_all())
+                .and_then(|_| std::fs::File::open(&dir)?.sync_all());
             if let Err(e) = keep {
                 return Err(ExecOutcome::failed(format!("saving the plan: {e}")));
             }

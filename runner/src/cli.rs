@@ -517,23 +517,14 @@ fn policy_test(t: PolicyTest) -> i32 {
     match t.output {
         Output::Json => println!("{}", serde_json::to_string(&decision).unwrap_or_default()),
         Output::Text => {
-            for v in &decision.violations {
-                println!(
-                    "DENY  {} [{}] {}: {}",
-                    v.policy,
-                    v.rule,
-                    if v.address.is_empty() { "-" } else { &v.address },
-                    v.message
-                );
-            }
-            for w in &decision.warnings {
-                println!(
-                    "WARN  {} [{}] {}: {}",
-                    w.policy,
-                    w.rule,
-                    if w.address.is_empty() { "-" } else { &w.address },
-                    w.message
-                );
+            let findings = decision
+                .violations
+                .iter()
+                .map(|f| ("DENY ", f))
+                .chain(decision.warnings.iter().map(|f| ("WARN ", f)));
+            for (label, f) in findings {
+                let address = if f.address.is_empty() { "-" } else { &f.address };
+                println!("{label} {} [{}] {address}: {}", f.policy, f.rule, f.message);
             }
             for e in &decision.errors {
                 println!("ERROR {}: {}", e.policy, e.reason);

@@ -5,8 +5,6 @@
 
 mod common;
 
-use std::path::PathBuf;
-
 use byoc_control_plane::EnqueueRequest;
 use byoc_control_plane::moto::MotoServer;
 use byoc_protocol::JobStatus;
@@ -28,18 +26,11 @@ async fn helm_env() -> HelmEnv {
         "[params]\napproved_registries = [\"123456789012.dkr.ecr.us-east-1.amazonaws.com/\"]\n",
     )
     .unwrap();
-    // Out of the source tree: inside the sandbox the job's directory is /work.
-    let tools = tempfile::tempdir().unwrap();
-    {
-        use std::os::unix::fs::PermissionsExt as _;
-        std::fs::set_permissions(tools.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
-    }
-    let src = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/helm/helm");
-    std::fs::copy(src, tools.path().join("helm")).unwrap();
+    let (tools, helm) = stand_in("helm");
     let mut opts = role_options(&moto, "");
     opts.extra.push_str(&format!(
         "\n[helm]\nbinary = \"{}\"\n\n[policy]\ndir = \"{}\"\n",
-        tools.path().join("helm").display(),
+        helm.display(),
         policies.path().display()
     ));
     opts.sandbox_ro_paths.push(tools.path().to_path_buf());
@@ -89,12 +80,7 @@ async fn run(e: &HelmEnv, req: EnqueueRequest) -> (byoc_protocol::JobResult, Str
 }
 
 fn audit(e: &HelmEnv, event: &str) -> Vec<serde_json::Value> {
-    std::fs::read_to_string(e.env.runner.state_dir.join("audit/log.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
-        .filter(|r| r["event"] == event)
-        .collect()
+    audit_events(&e.env.runner.state_dir, event)
 }
 
 #[tokio::test]

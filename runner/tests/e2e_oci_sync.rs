@@ -68,11 +68,7 @@ fn sync_job(
 }
 
 fn audit(e: &SyncEnv) -> Vec<serde_json::Value> {
-    std::fs::read_to_string(e.env.runner.state_dir.join("audit/log.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect()
+    audit_records(&e.env.runner.state_dir)
 }
 
 /// The one-time token appears nowhere: job log, result, audit log, runner log, state.

@@ -7,7 +7,6 @@
 mod common;
 
 use std::collections::BTreeMap;
-use std::path::Path;
 
 use byoc_control_plane::EnqueueRequest;
 use byoc_control_plane::moto::{AwsCall, MotoServer};
@@ -69,14 +68,6 @@ impl RolesEnv {
         assert!(v.result.is_none());
         (id, detail)
     }
-}
-
-fn audit_records(state_dir: &Path) -> Vec<serde_json::Value> {
-    std::fs::read_to_string(state_dir.join("audit/log.jsonl"))
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| serde_json::from_str(l).ok())
-        .collect()
 }
 
 #[tokio::test]

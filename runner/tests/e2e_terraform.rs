@@ -15,10 +15,6 @@ use byoc_protocol::{JobStatus, VendorPolicy};
 use common::roles::*;
 use common::*;
 
-fn fixtures() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/terraform")
-}
-
 fn example(name: &str) -> String {
     std::fs::read_to_string(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../examples/policy").join(name))
         .unwrap()
@@ -38,18 +34,11 @@ async fn tf_env() -> TfEnv {
 async fn tf_env_with(policy_extra: &str) -> TfEnv {
     let moto = moto_with_stack(&base_params()).await;
     let policies = tempfile::tempdir().unwrap();
-    // The stand-in is copied out of the source tree: inside the sandbox the job's own
-    // directory is mounted at /work, which would hide a checkout under /work.
-    let tools = tempfile::tempdir().unwrap();
-    {
-        use std::os::unix::fs::PermissionsExt as _;
-        std::fs::set_permissions(tools.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
-    }
-    std::fs::copy(fixtures().join("terraform"), tools.path().join("terraform")).unwrap();
+    let (tools, terraform) = stand_in("terraform");
     let mut opts = role_options(&moto, "");
     opts.extra.push_str(&format!(
         "\n[terraform]\nbinary = \"{}\"\n\n[policy]\ndir = \"{}\"\n{policy_extra}\n",
-        tools.path().join("terraform").display(),
+        terraform.display(),
         policies.path().display()
     ));
     opts.sandbox_ro_paths.push(tools.path().to_path_buf());
@@ -92,12 +81,7 @@ impl WithKind for EnqueueRequest {
 }
 
 fn audit(e: &TfEnv, event: &str) -> Vec<serde_json::Value> {
-    std::fs::read_to_string(e.env.runner.state_dir.join("audit/log.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
-        .filter(|r| r["event"] == event)
-        .collect()
+    audit_events(&e.env.runner.state_dir, event)
 }
 
 async fn run(e: &TfEnv, req: EnqueueRequest) -> (String, byoc_protocol::JobResult, String) {

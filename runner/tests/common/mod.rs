@@ -258,3 +258,30 @@ pub fn job_containers(job_id: &str) -> Vec<String> {
         .expect("docker is required");
     String::from_utf8_lossy(&out.stdout).split_whitespace().map(str::to_string).collect()
 }
+
+/// Every record of the runner's audit log, parsed (a torn last line is skipped).
+pub fn audit_records(state_dir: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(state_dir.join("audit/log.jsonl"))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect()
+}
+
+/// The audit records of one event.
+pub fn audit_events(state_dir: &Path, event: &str) -> Vec<serde_json::Value> {
+    audit_records(state_dir).into_iter().filter(|r| r["event"] == event).collect()
+}
+
+/// A stand-in tool (`tests/fixtures/<name>/<name>`) copied into a directory of its own
+/// that the sandbox may read: inside the sandbox the job's directory is mounted at
+/// /work, which would hide a checkout under /work. Returns the directory and the tool.
+pub fn stand_in(name: &str) -> (tempfile::TempDir, std::path::PathBuf) {
+    use std::os::unix::fs::PermissionsExt as _;
+    let dir = tempfile::tempdir().expect("tempdir");
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures").join(name).join(name);
+    let tool = dir.path().join(name);
+    std::fs::copy(&src, &tool).unwrap_or_else(|e| panic!("copying {}: {e}", src.display()));
+    (dir, tool)
+}
