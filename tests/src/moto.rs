@@ -15,7 +15,7 @@ pub struct MotoServer {
     pub port: u16,
     child: Child,
     http: reqwest::Client,
-    _logs: tempfile::TempDir,
+    logs: tempfile::TempDir,
 }
 
 /// `BYOC_MOTO_SERVER`, else the project's `.venv/bin/moto_server`.
@@ -58,7 +58,7 @@ impl MotoServer {
             .stderr(log)
             .spawn()
             .expect("moto_server starts");
-        let m = MotoServer { port, child, http: reqwest::Client::new(), _logs: logs };
+        let m = MotoServer { port, child, http: reqwest::Client::new(), logs };
         let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
         loop {
             if m.http.post(format!("{}/moto-api/recorder/start-recording", m.url())).send().await.is_ok() {
@@ -139,19 +139,33 @@ impl MotoServer {
         let auth = format!(
             "AWS4-HMAC-SHA256 Credential=testing/20260101/us-east-1/{service}/aws4_request, SignedHeaders=host, Signature=00"
         );
-        let r = self
-            .http
-            .post(format!("{}/", self.url()))
-            .header("Content-Type", "application/x-www-form-urlencoded; charset=utf-8")
-            .header("Authorization", auth)
-            .body(body)
-            .send()
-            .await
-            .expect("moto answers");
-        let status = r.status();
-        let text = r.text().await.unwrap_or_default();
-        assert!(status.is_success(), "{service} call failed: {status} {text}");
-        text
+        // moto answers 5xx now and then while it is still importing a service's backend on
+        // a loaded machine: a server error is retried (a few times), never a client error.
+        let mut attempt = 0;
+        loop {
+            let r = self
+                .http
+                .post(format!("{}/", self.url()))
+                .header("Content-Type", "application/x-www-form-urlencoded; charset=utf-8")
+                .header("Authorization", &auth)
+                .body(body.clone())
+                .send()
+                .await
+                .expect("moto answers");
+            let status = r.status();
+            let text = r.text().await.unwrap_or_default();
+            attempt += 1;
+            if status.is_server_error() && attempt < 4 {
+                tokio::time::sleep(Duration::from_millis(200 * attempt)).await;
+                continue;
+            }
+            assert!(
+                status.is_success(),
+                "{service} call failed: {status} {text}\nmoto's log:\n{}",
+                std::fs::read_to_string(self.logs.path().join("moto.log")).unwrap_or_default()
+            );
+            return text;
+        }
     }
 
     /// CreateStack or UpdateStack with a JSON template and parameters.
