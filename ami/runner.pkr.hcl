@@ -4,13 +4,11 @@
 # install stack's user-data then only configures (it finds the package in
 # /opt/byoc-runner/release and re-verifies it).
 #
-#   ami/pin-tools > ami/tools.pkrvars.hcl        # once per tool bump, with internet access
 #   packer init ami/runner.pkr.hcl
-#   packer build -var-file=ami/tools.pkrvars.hcl \
-#     -var release_dir=dist -var "release_pubkey=$(sed -n 2p release.pub)" ami/runner.pkr.hcl
+#   packer build -var release_dir=dist -var "release_pubkey=$(sed -n 2p release.pub)" ami/runner.pkr.hcl
 #
-# The checksum variables have no defaults on purpose: the build refuses to start until
-# they are pinned, so no tool is ever installed unverified.
+# Every download is checked against a checksum pinned in this file before it is
+# installed; a checksum variable that is not well-formed stops the build.
 
 packer {
   required_plugins {
@@ -41,6 +39,9 @@ variable "release_pubkey" {
   description = "The minisign public key (base64 line) that signed SHA256SUMS."
 }
 
+# Tool pins. Bumping one: `ami/pin-tools` (with internet access) prints the versions and
+# checksums from each project's published checksum files; review and commit them here.
+# Provenance of the values below: ami/README.md.
 variable "terraform_version" {
   type    = string
   default = "1.9.8"
@@ -48,38 +49,41 @@ variable "terraform_version" {
 
 variable "terraform_sha256" {
   type        = string
-  description = "SHA-256 of terraform_<version>_linux_amd64.zip (ami/pin-tools)."
+  description = "SHA-256 of terraform_<version>_linux_amd64.zip, from HashiCorp's terraform_<version>_SHA256SUMS."
+  default     = "186e0145f5e5f2eb97cbd785bc78f21bae4ef15119349f6ad4fa535b83b10df8"
   validation {
     condition     = can(regex("^[0-9a-f]{64}$", var.terraform_sha256))
-    error_message = "Pin terraform_sha256 (64 hex digits): run ami/pin-tools."
+    error_message = "terraform_sha256 must be 64 hex digits (ami/pin-tools)."
   }
 }
 
 variable "helm_version" {
   type    = string
-  default = "3.16.3"
+  default = "3.19.0"
 }
 
 variable "helm_sha256" {
   type        = string
-  description = "SHA-256 of helm-v<version>-linux-amd64.tar.gz (ami/pin-tools)."
+  description = "SHA-256 of helm-v<version>-linux-amd64.tar.gz, from get.helm.sh's .sha256sum file."
+  default     = "a7f81ce08007091b86d8bd696eb4d86b8d0f2e1b9f6c714be62f82f96a594496"
   validation {
     condition     = can(regex("^[0-9a-f]{64}$", var.helm_sha256))
-    error_message = "Pin helm_sha256 (64 hex digits): run ami/pin-tools."
+    error_message = "helm_sha256 must be 64 hex digits (ami/pin-tools)."
   }
 }
 
 variable "kubectl_version" {
   type    = string
-  default = "1.31.3"
+  default = "1.34.7"
 }
 
-variable "kubectl_sha256" {
+variable "kubectl_sha512" {
   type        = string
-  description = "SHA-256 of the kubectl v<version> linux/amd64 binary (ami/pin-tools)."
+  description = "SHA-512 of kubernetes-client-linux-amd64.tar.gz v<version>, as Kubernetes' CHANGELOG publishes it."
+  default     = "a9de2b5a5b71a5d52b712940a268f643fb57edc25889f4e7fd52b04aadc56c2ae06c2e002c3f40cbb10dc1c4e459dce84f62879f12517c27ec53b4b71b2f871d"
   validation {
-    condition     = can(regex("^[0-9a-f]{64}$", var.kubectl_sha256))
-    error_message = "Pin kubectl_sha256 (64 hex digits): run ami/pin-tools."
+    condition     = can(regex("^[0-9a-f]{128}$", var.kubectl_sha512))
+    error_message = "kubectl_sha512 must be 128 hex digits (ami/pin-tools)."
   }
 }
 
@@ -149,7 +153,7 @@ build {
     environment_vars = [
       "TF_VERSION=${var.terraform_version}", "TF_SHA256=${var.terraform_sha256}",
       "HELM_VERSION=${var.helm_version}", "HELM_SHA256=${var.helm_sha256}",
-      "KUBECTL_VERSION=${var.kubectl_version}", "KUBECTL_SHA256=${var.kubectl_sha256}",
+      "KUBECTL_VERSION=${var.kubectl_version}", "KUBECTL_SHA512=${var.kubectl_sha512}",
     ]
     inline = [
       "set -eu",
@@ -160,9 +164,9 @@ build {
       "curl -fsSL --proto =https -o helm.tgz https://get.helm.sh/helm-v$HELM_VERSION-linux-amd64.tar.gz",
       "echo \"$HELM_SHA256  helm.tgz\" | sha256sum -c --strict",
       "tar -xzf helm.tgz linux-amd64/helm && sudo install -m 0755 linux-amd64/helm /usr/local/bin/helm",
-      "curl -fsSL --proto =https -o kubectl https://dl.k8s.io/release/v$KUBECTL_VERSION/bin/linux/amd64/kubectl",
-      "echo \"$KUBECTL_SHA256  kubectl\" | sha256sum -c --strict",
-      "sudo install -m 0755 kubectl /usr/local/bin/kubectl",
+      "curl -fsSL --proto =https -o kubernetes-client.tgz https://dl.k8s.io/v$KUBECTL_VERSION/kubernetes-client-linux-amd64.tar.gz",
+      "echo \"$KUBECTL_SHA512  kubernetes-client.tgz\" | sha512sum -c --strict",
+      "tar -xzf kubernetes-client.tgz kubernetes/client/bin/kubectl && sudo install -m 0755 kubernetes/client/bin/kubectl /usr/local/bin/kubectl",
       "terraform version && helm version --short && kubectl version --client",
     ]
   }

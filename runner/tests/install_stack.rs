@@ -25,9 +25,13 @@ fn venv_bin(name: &str) -> PathBuf {
 
 /// The template as JSON (it uses no YAML tags, so a plain YAML load is exact).
 fn template() -> serde_json::Value {
+    template_at(&repo().join("ami/install-stack.yaml"))
+}
+
+fn template_at(path: &Path) -> serde_json::Value {
     let out = Command::new(venv_bin("python"))
         .args(["-c", "import json, sys, yaml; print(json.dumps(yaml.safe_load(open(sys.argv[1]))))"])
-        .arg(repo().join("ami/install-stack.yaml"))
+        .arg(path)
         .output()
         .expect("the project's .venv (scripts/setup)");
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
@@ -114,6 +118,207 @@ fn the_template_is_hardened_as_promised() {
         assert_eq!(trust["Condition"]["StringEquals"]["sts:ExternalId"]["Ref"], "ExternalId");
         assert_eq!(t["Outputs"][format!("{key}RoleArn")]["Condition"], format!("{key}On"));
     }
+    // Each role carries what the example app's role file gives it.
+    let props = |key: &str| &r[format!("{key}Role")]["Properties"];
+    assert_eq!(
+        props("Provision")["ManagedPolicyArns"][0]["Fn::Sub"],
+        "arn:${AWS::Partition}:iam::aws:policy/PowerUserAccess"
+    );
+    assert_eq!(props("Maintenance")["PermissionsBoundary"]["Ref"], "MaintenanceBoundary");
+    assert_eq!(r["MaintenanceBoundary"]["Type"], "AWS::IAM::ManagedPolicy");
+    assert_eq!(r["MaintenanceBoundary"]["Condition"], "MaintenanceOn");
+    assert_eq!(props("Maintenance")["Policies"][0]["PolicyName"]["Fn::Sub"], "${InstallId}-ecr-push");
+    assert!(props("Maintenance").get("ManagedPolicyArns").is_none(), "the app gives maintenance none");
+    assert!(props("EksUpgrade").get("PermissionsBoundary").is_none(), "no boundary in eks_upgrade.toml");
+    assert_eq!(props("S3ObjectBreakGlass")["Policies"][0]["PolicyName"], "s3-object-operations");
+}
+
+fn render_stack(app: &Path, out: &Path) -> std::process::Output {
+    Command::new(venv_bin("python"))
+        .arg(repo().join("ami/render-install-stack"))
+        .arg("--app")
+        .arg(app)
+        .arg("--out")
+        .arg(out)
+        .output()
+        .unwrap()
+}
+
+fn write_app(dir: &Path, files: &[(&str, &str)]) {
+    for (name, text) in files {
+        let path = dir.join(name);
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(path, text).unwrap();
+    }
+}
+
+/// Another app's role files make another stack: its own switches, defaults, policies,
+/// boundary and outputs, valid for cfn-lint and for CloudFormation (moto), with switch
+/// parameters named exactly as the runner's stack reader looks them up.
+#[tokio::test]
+async fn the_install_stack_is_generated_from_the_apps_role_files() {
+    let dir = tempfile::tempdir().unwrap();
+    let app = dir.path().join("app");
+    let names = [
+        "{{ .nuon.install.id }}-operate",
+        "{{.install.id}}-db-admin",
+        "{{.install.id}}-rotate-keys",
+        "{{.install.id}}-wipe-bucket-role",
+    ];
+    write_app(
+        &app,
+        &[
+            (
+                "permissions/maintenance.toml",
+                &format!(
+                    r#"type = "maintenance"
+name = "{}"
+display_name = "Operate"
+description = "Day-2 changes"
+permissions_boundary = "./boundary.json"
+
+[[policies]]
+managed_policy_name = "ReadOnlyAccess"
+
+[[policies]]
+name = "{{{{.install.id}}}}-logs"
+contents = """
+{{"Version": "2012-10-17", "Statement": [{{"Effect": "Allow", "Action": "s3:PutObject",
+  "Resource": "arn:aws:s3:::{{{{.install.id}}}}-logs/${{aws:username}}/*",
+  "Condition": {{"StringEquals": {{"aws:RequestedRegion": "{{{{.cloud_account.aws.region}}}}"}}}}}}]}}
+"""
+"#,
+                    names[0]
+                ),
+            ),
+            (
+                "permissions/db_admin.toml",
+                &format!(
+                    "type = \"custom\"\nname = \"{}\"\n\n[[policies]]\nmanaged_policy_name = \"arn:aws:iam::aws:policy/AmazonRDSFullAccess\"\n",
+                    names[1]
+                ),
+            ),
+            (
+                "break_glass.toml",
+                &format!(
+                    "[[role]]\nname = \"{}\"\n[[role.policies]]\nmanaged_policy_name = \"IAMFullAccess\"\n\n[[role]]\nname = \"{}\"\n[[role.policies]]\nmanaged_policy_name = \"AmazonS3FullAccess\"\n",
+                    names[2], names[3]
+                ),
+            ),
+            (
+                "boundary.json",
+                r#"{"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}]}"#,
+            ),
+        ],
+    );
+    let out = dir.path().join("stack.yaml");
+    let rendered = render_stack(&app, &out);
+    assert!(rendered.status.success(), "{}", String::from_utf8_lossy(&rendered.stderr));
+    let lint = Command::new(venv_bin("cfn-lint")).arg(&out).output().unwrap();
+    assert!(lint.status.success(), "cfn-lint: {}", String::from_utf8_lossy(&lint.stdout));
+
+    let t = template_at(&out);
+    // Switches named as the runner derives them, with the promised defaults.
+    let expected =
+        [("Operate", "true"), ("DbAdmin", "false"), ("RotateKeys", "false"), ("WipeBucket", "false")];
+    for (name, (key, default)) in names.iter().zip(expected) {
+        assert_eq!(byoc_runner::roles::model::switch_key(name), key);
+        assert_eq!(t["Parameters"][format!("Enable{key}Role")]["Default"], default, "{key}");
+        assert_eq!(t["Outputs"][format!("{key}RoleArn")]["Condition"], format!("{key}On"));
+    }
+    assert!(t["Parameters"].get("EnableProvisionRole").is_none(), "this app has no provision role");
+    let group = t["Metadata"]["AWS::CloudFormation::Interface"]["ParameterGroups"][3]["Parameters"].clone();
+    assert_eq!(
+        group,
+        serde_json::json!([
+            "EnableOperateRole",
+            "EnableDbAdminRole",
+            "EnableRotateKeysRole",
+            "EnableWipeBucketRole"
+        ])
+    );
+    let r = &t["Resources"];
+    let operate = &r["OperateRole"]["Properties"];
+    assert_eq!(operate["PermissionsBoundary"]["Ref"], "OperateBoundary");
+    assert_eq!(r["OperateBoundary"]["Properties"]["PolicyDocument"]["Statement"][0]["Action"], "s3:*");
+    let statement = &operate["Policies"][0]["PolicyDocument"]["Statement"][0];
+    // Templates become Fn::Sub variables; the IAM policy variable stays literal.
+    assert_eq!(statement["Resource"]["Fn::Sub"], "arn:aws:s3:::${InstallId}-logs/${!aws:username}/*");
+    assert_eq!(statement["Condition"]["StringEquals"]["aws:RequestedRegion"]["Fn::Sub"], "${AWS::Region}");
+    assert_eq!(operate["Policies"][0]["PolicyName"]["Fn::Sub"], "${InstallId}-logs");
+    assert_eq!(
+        r["DbAdminRole"]["Properties"]["ManagedPolicyArns"][0],
+        "arn:aws:iam::aws:policy/AmazonRDSFullAccess"
+    );
+
+    // CloudFormation creates exactly the roles switched on.
+    let moto = MotoServer::start().await;
+    let image = moto
+        .query("ec2", &[("Action".into(), "DescribeImages".into()), ("Version".into(), "2016-11-15".into())])
+        .await;
+    let image_id = image.split("<imageId>").nth(1).and_then(|s| s.split('<').next()).unwrap().to_string();
+    let params = [
+        ("InstallId", "inst-gen"),
+        ("ControlPlaneUrl", "https://cp.vendor.example"),
+        ("ControlPlanePublicKeys", "11qYAYKxCrfVS/7TyWQHOg7hcvPapiMlrwIaaPcHURo="),
+        ("ReleasePublicKey", "RWQexample"),
+        ("ImageId", image_id.as_str()),
+        ("BootstrapToken", "one-time-bootstrap-token-0123"),
+        ("ExternalId", EXTERNAL_ID),
+        ("EnableDbAdminRole", "true"),
+        ("EnableWipeBucketRole", "true"),
+    ];
+    moto.put_stack("CreateStack", "byoc-generated", &t, &params).await;
+    let described = moto
+        .query(
+            "cloudformation",
+            &[("Action".into(), "DescribeStacks".into()), ("StackName".into(), "byoc-generated".into())],
+        )
+        .await;
+    assert!(described.contains("CREATE_COMPLETE"), "{described}");
+    for on in ["operate", "db-admin", "wipe-bucket-role"] {
+        assert!(described.contains(&format!(":role/inst-gen-{on}<")), "{on} is switched on: {described}");
+    }
+    assert!(!described.contains(":role/inst-gen-rotate-keys<"), "rotate-keys is off by default");
+}
+
+/// Role files the stack cannot honour are refused with every problem named, and nothing
+/// is written.
+#[test]
+fn role_files_the_stack_cannot_honour_are_refused_with_every_problem() {
+    let dir = tempfile::tempdir().unwrap();
+    let app = dir.path().join("app");
+    write_app(
+        &app,
+        &[
+            (
+                "permissions/a.toml",
+                "type = \"maintenance\"\nname = \"shared-maintenance\"\npermissions_boundary = \"./missing.json\"\n",
+            ),
+            ("permissions/b.toml", "type = \"custom\"\nname = \"{{.install.id}}-{{.install.name}}-ops\"\n"),
+            (
+                "permissions/c.toml",
+                "type = \"custom\"\nname = \"{{.install.id}}-tools\"\n[[policies]]\nmanaged_policy_name = \"X\"\ncontents = \"{}\"\n",
+            ),
+            ("permissions/d.toml", "type = \"custom\"\nname = \"{{.install.id}}-ops-role\"\n"),
+            ("permissions/e.toml", "type = \"owner\"\nname = \"{{.install.id}}-owner\"\n"),
+        ],
+    );
+    let out = dir.path().join("stack.yaml");
+    let rendered = render_stack(&app, &out);
+    let stderr = String::from_utf8_lossy(&rendered.stderr);
+    assert!(!rendered.status.success());
+    for problem in [
+        "a.toml: name 'shared-maintenance' must start with {{.install.id}}-",
+        "a.toml: permissions_boundary ./missing.json not found",
+        "b.toml: name: template field .install.name is not known to the stack",
+        "c.toml: policies[0]: needs managed_policy_name, or name and contents",
+        "d.toml: switch key Ops (parameter EnableOpsRole) is also used by",
+        "e.toml: type must be one of",
+    ] {
+        assert!(stderr.contains(problem), "missing {problem:?} in:\n{stderr}");
+    }
+    assert!(!out.exists(), "nothing is written");
 }
 
 #[tokio::test]
@@ -198,18 +403,26 @@ fn the_packer_template_parses_pins_versions_and_verifies_all_it_installs() {
     assert!(plugin.as_str().unwrap().starts_with("= "), "the plugin version is pinned: {plugin}");
     let vars: serde_json::Map<String, serde_json::Value> =
         t["variable"].as_array().unwrap().iter().flat_map(|v| v.as_object().unwrap().clone()).collect();
-    for tool in ["terraform", "helm", "kubectl"] {
+    // Versions and checksums are pinned in the template itself (provenance: ami/README.md).
+    for (tool, checksum, hex_digits) in [
+        ("terraform", "terraform_sha256", 64),
+        ("helm", "helm_sha256", 64),
+        ("kubectl", "kubectl_sha512", 128),
+    ] {
         let version = vars[&format!("{tool}_version")]["default"].as_str().unwrap();
         assert!(
             version.split('.').count() == 3 && version.split('.').all(|p| p.parse::<u32>().is_ok()),
             "{tool} {version}"
         );
-        let sha = &vars[&format!("{tool}_sha256")];
+        let sum = &vars[checksum];
+        let pinned = sum["default"].as_str().unwrap_or_else(|| panic!("{checksum} is pinned"));
         assert!(
-            sha.get("default").is_none(),
-            "{tool}: a checksum is pinned by ami/pin-tools, never defaulted"
+            pinned.len() == hex_digits
+                && pinned.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)),
+            "{checksum} = {pinned}"
         );
-        assert!(sha["validation"][0]["condition"].as_str().unwrap().contains("^[0-9a-f]{64}$"));
+        let condition = sum["validation"][0]["condition"].as_str().unwrap();
+        assert!(condition.contains(&format!("^[0-9a-f]{{{hex_digits}}}$")), "{condition}");
     }
     let source = &t["source"][0]["amazon-ebs"]["runner"];
     assert_eq!(source["metadata_options"][0]["http_tokens"], "required");
@@ -231,9 +444,21 @@ fn the_packer_template_parses_pins_versions_and_verifies_all_it_installs() {
     assert!(pos("minisign -V") < pos("sha256sum -c --strict SHA256SUMS"));
     assert!(pos("sha256sum -c --strict SHA256SUMS") < pos("dpkg -i"));
     for (download, check, install) in [
-        ("-o terraform.zip", "$TF_SHA256  terraform.zip", "install -m 0755 terraform"),
-        ("-o helm.tgz", "$HELM_SHA256  helm.tgz", "install -m 0755 linux-amd64/helm"),
-        ("-o kubectl", "$KUBECTL_SHA256  kubectl", "install -m 0755 kubectl"),
+        (
+            "-o terraform.zip",
+            "$TF_SHA256  terraform.zip\" | sha256sum -c --strict",
+            "install -m 0755 terraform",
+        ),
+        (
+            "-o helm.tgz",
+            "$HELM_SHA256  helm.tgz\" | sha256sum -c --strict",
+            "install -m 0755 linux-amd64/helm",
+        ),
+        (
+            "-o kubernetes-client.tgz",
+            "$KUBECTL_SHA512  kubernetes-client.tgz\" | sha512sum -c --strict",
+            "install -m 0755 kubernetes/client/bin/kubectl",
+        ),
     ] {
         assert!(pos(download) < pos(check) && pos(check) < pos(install), "{download}");
         assert!(steps[pos(download)].contains("--proto =https"));
