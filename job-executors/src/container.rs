@@ -117,13 +117,26 @@ async fn run_container(spec: &Container, settings: &ContainerSettings, ctx: Exec
         format!("{}=/work/{}", crate::outputs::OUTPUT_ENV, crate::outputs::OUTPUT_FILE),
     ];
     env.extend(spec.env.iter().chain(&spec.secret_env).map(|(k, v)| format!("{k}={v}")));
-    // A container cannot reach the host's loopback credential endpoint: it gets the
-    // session as of its start. The role's values win over same-named job variables.
+    // A container cannot reach the host's loopback credential endpoint: it gets an AWS
+    // config whose credential_process reads a file the runner renews (or, failing
+    // that, the session as of its start). The role's values win over same-named job
+    // variables, and no static key is left to shadow the config.
+    let mut binds = vec![format!("{}:/work:rw", ctx.work_dir.display())];
     if let Some(creds) = &ctx.credentials {
+        let role_env = match &creds.container {
+            Some(c) => {
+                binds.push(format!("{}:{}:ro", c.host_dir.display(), c.mount));
+                binds.push(format!("{}:{}:ro", c.busybox.display(), c.busybox_mount));
+                &c.env
+            }
+            None => &creds.static_env,
+        };
         env.retain(|kv| {
-            !creds.static_env.iter().any(|(k, _)| kv.split_once('=').is_some_and(|(n, _)| n == k))
+            kv.split_once('=').is_none_or(|(n, _)| {
+                !role_env.iter().any(|(k, _)| k == n) && !creds.static_env.iter().any(|(k, _)| k == n)
+            })
         });
-        env.extend(creds.static_env.iter().map(|(k, v)| format!("{k}={v}")));
+        env.extend(role_env.iter().map(|(k, v)| format!("{k}={v}")));
     }
     let host_config = HostConfig {
         privileged: Some(false),
@@ -138,7 +151,7 @@ async fn run_container(spec: &Container, settings: &ContainerSettings, ctx: Exec
         memory_swap: Some(settings.memory_bytes as i64),
         pids_limit: Some(settings.pids as i64),
         network_mode: Some(if spec.network { "bridge".into() } else { "none".into() }),
-        binds: Some(vec![format!("{}:/work:rw", ctx.work_dir.display())]),
+        binds: Some(binds),
         tmpfs: Some(HashMap::from([("/tmp".to_string(), "rw,nosuid,nodev,mode=1777,size=256m".to_string())])),
         ..Default::default()
     };

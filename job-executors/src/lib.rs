@@ -255,11 +255,29 @@ pub struct JobCredentials {
     /// For process jobs on the host network: the per-job credential endpoint
     /// (`AWS_CONTAINER_CREDENTIALS_FULL_URI` + token), refreshed as sessions expire.
     pub endpoint_env: Vec<(String, String)>,
-    /// For containers (which cannot reach the host's loopback): the session as of the
-    /// job's start.
+    /// The session as of the job's start as `AWS_*` keys: for executors that run in
+    /// the daemon (artifact sync, EKS tokens), and for containers when no renewable
+    /// file session could be set up.
     pub static_env: Vec<(String, String)>,
+    /// For containers (which cannot reach the host's loopback): a renewed credentials
+    /// file behind an AWS config file's `credential_process`.
+    pub container: Option<ContainerCredentials>,
     /// Every credential secret handed out so far, growing on refresh.
     pub feed: mask::SecretFeed,
+}
+
+/// Mounts and environment that give a container its renewable role session.
+#[derive(Debug, Clone)]
+pub struct ContainerCredentials {
+    /// Host directory (`config`, `credentials.json`) mounted read-only at `mount`.
+    pub host_dir: std::path::PathBuf,
+    pub mount: String,
+    /// A static busybox mounted read-only at `busybox_mount`; the config's
+    /// `credential_process` runs it.
+    pub busybox: std::path::PathBuf,
+    pub busybox_mount: String,
+    /// `AWS_CONFIG_FILE` and the role's non-secret variables (region, role name).
+    pub env: Vec<(String, String)>,
 }
 
 impl std::fmt::Debug for JobCredentials {

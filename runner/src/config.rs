@@ -168,6 +168,12 @@ pub struct RolesConfig {
     pub admin_group: Option<String>,
     /// Install name for role-name templates (`{{.install.name}}`).
     pub install_name: Option<String>,
+    /// Where container jobs' renewable credential files live (a tmpfs: the keys never
+    /// reach the state dir's disk), one directory per job, mounted into its container.
+    pub container_credentials_dir: PathBuf,
+    /// A statically linked busybox mounted into containers to run their
+    /// `credential_process` (any image, even one without a shell, can use it).
+    pub busybox: PathBuf,
 }
 
 #[derive(Debug, Clone)]
@@ -371,6 +377,11 @@ impl Config {
             refresh_before: f.secs("refresh_before_secs", 300, 0..=3600),
             admin_group: f.get("admin_group"),
             install_name: f.get("install_name"),
+            container_credentials_dir: PathBuf::from(
+                f.get::<String>("container_credentials_dir")
+                    .unwrap_or_else(|| "/run/byoc-runner/credentials".into()),
+            ),
+            busybox: PathBuf::from(f.get::<String>("busybox").unwrap_or_else(|| "/bin/busybox".into())),
         };
         f.finish();
         if roles.stack_name.is_some() && roles.switches_file.is_some() {
@@ -380,6 +391,13 @@ impl Config {
             && !p.is_absolute()
         {
             problems.push(format!("roles.switches_file: {} must be an absolute path", p.display()));
+        }
+        for (key, path) in
+            [("container_credentials_dir", &roles.container_credentials_dir), ("busybox", &roles.busybox)]
+        {
+            if !path.is_absolute() {
+                problems.push(format!("roles.{key}: {} must be an absolute path", path.display()));
+            }
         }
         if roles.session_min > roles.session_max {
             problems.push("roles.session_min_secs: larger than roles.session_max_secs".into());

@@ -360,20 +360,110 @@ async fn a_pause_refuses_jobs_survives_a_restart_and_is_audited() {
     assert!(paused < resumed);
 }
 
+/// Containers cannot reach the loopback endpoint: they get an AWS config whose
+/// `credential_process` prints a file the runner renews. With sessions of 3 s, a
+/// container running past its first session reads a fresh, valid one at its end; a real
+/// SDK (botocore) reads the runner's files; the keys are masked, never static variables,
+/// and gone from the host when the job ends.
 #[tokio::test]
-async fn a_container_job_gets_the_sessions_keys_masked() {
+async fn a_container_outliving_its_session_renews_through_credential_process() {
     let image = import_image("byoc-test/busybox:basic", &[]);
-    let e = roles_env("").await;
-    let script = r#"echo "key=$AWS_ACCESS_KEY_ID secret=$AWS_SECRET_ACCESS_KEY role=$BYOC_ROLE"; echo "endpoint=${AWS_CONTAINER_CREDENTIALS_FULL_URI:-none}""#;
+    let e = roles_env("session_min_secs = 1\nsession_max_secs = 3\nrefresh_before_secs = 1").await;
+    let script = r#"echo "config=$AWS_CONFIG_FILE static=${AWS_SECRET_ACCESS_KEY:-none} endpoint=${AWS_CONTAINER_CREDENTIALS_FULL_URI:-none} role=$BYOC_ROLE"
+get() { /byoc-aws-bin/busybox cat /byoc-aws/credentials.json; }
+exp() { printf '%s' "$1" | sed 's/.*"Expiration":"\([^"]*\)".*/\1/'; }
+kid() { printf '%s' "$1" | sed 's/.*"AccessKeyId":"\([^"]*\)".*/\1/' | sha256sum | cut -c1-16; }
+a=$(get)
+echo "first: $a"
+echo waiting
+until [ -e /work/go ]; do sleep 0.1; done
+sleep 4
+b=$(get)
+{ echo "START_EXP=$(exp "$a")"; echo "END_EXP=$(exp "$b")"; echo "START_KEY=$(kid "$a")"; echo "END_KEY=$(kid "$b")"; echo "END_NOW=$(date -u +%Y-%m-%dT%H:%M:%SZ)"; } >> "$BYOC_OUTPUT""#;
+    let req = EnqueueRequest {
+        kind: "action.container".into(),
+        spec: serde_json::json!({"image": image, "command": ["/bin/sh", "-c", script]}),
+        ..role_job("action", "trigger", "inst-demo-maintenance", named("report"), "")
+    };
+    let id = e.env.cp.enqueue(req).unwrap();
+    e.env.log_contains(&id, "waiting").await;
+
+    // While it runs: the runner's files, as a real SDK reads them.
+    let host_dir = e.env.runner.dir.join("credentials").join(&id);
+    let config = std::fs::read_to_string(host_dir.join("config")).unwrap();
+    assert!(
+        config.contains("credential_process = /byoc-aws-bin/busybox cat /byoc-aws/credentials.json"),
+        "{config}"
+    );
+    let file: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(host_dir.join("credentials.json")).unwrap()).unwrap();
+    let host_config = e.env.dir.path().join("aws-config");
+    std::fs::write(
+        &host_config,
+        config
+            .replace("/byoc-aws-bin/busybox", "/bin/busybox")
+            .replace("/byoc-aws/", &format!("{}/", host_dir.display())),
+    )
+    .unwrap();
+    let sdk = std::process::Command::new(byoc_control_plane::moto::moto_binary().with_file_name("python"))
+        .args(["-c", "import botocore.session; c = botocore.session.get_session().get_credentials(); print(c.method, c.get_frozen_credentials().access_key)"])
+        .env_clear()
+        .env("AWS_CONFIG_FILE", &host_config)
+        .env("AWS_SHARED_CREDENTIALS_FILE", "/dev/null")
+        .env("AWS_EC2_METADATA_DISABLED", "true")
+        .output()
+        .unwrap();
+    let sdk_out = String::from_utf8_lossy(&sdk.stdout);
+    assert!(sdk.status.success(), "{}", String::from_utf8_lossy(&sdk.stderr));
+    assert_eq!(sdk_out.trim(), format!("custom-process {}", file["AccessKeyId"].as_str().unwrap()));
+    std::fs::write(e.env.runner.state_dir.join("work").join(&id).join("go"), b"").unwrap();
+
+    let v = e.env.finished(&id).await;
+    let result = v.result.unwrap();
+    let out = e.env.output(&id);
+    assert_eq!(result.status, JobStatus::Succeeded, "{:?}\n{out}", result.error);
+    assert!(
+        out.contains("config=/byoc-aws/config static=none endpoint=none role=inst-demo-maintenance"),
+        "no static keys, no endpoint: {out}"
+    );
+    assert!(out.contains(r#""AccessKeyId":"***""#) && out.contains(r#""SecretAccessKey":"***""#), "{out}");
+    assert!(!out.contains(file["SecretAccessKey"].as_str().unwrap()));
+    let outputs = result.outputs;
+    let get = |k: &str| outputs[k].as_str().unwrap_or_default().to_string();
+    assert!(get("END_EXP") > get("END_NOW"), "credentials at the end are still valid: {outputs}");
+    assert!(get("START_EXP") < get("END_NOW"), "the first session expired during the job: {outputs}");
+    assert_ne!(get("START_KEY"), get("END_KEY"), "a new session was written: {outputs}");
+    assert!(e.assumed_for(&id).await.len() >= 2);
+    let records = audit_records(&e.env.runner.state_dir);
+    assert!(records.iter().any(|r| r["event"] == "role_session_refreshed" && r["job"] == id.as_str()));
+    // The keys are gone from the host with the job, and never reached the state dir.
+    assert!(!host_dir.exists(), "the job's credentials directory is removed");
+    for (place, bytes) in every_file_under(&e.env.runner.state_dir) {
+        assert!(
+            !String::from_utf8_lossy(&bytes).contains(file["SecretAccessKey"].as_str().unwrap()),
+            "a key leaked into {place}"
+        );
+    }
+}
+
+/// Without a static busybox to run `credential_process`, a container still gets its
+/// role, as the session's keys (masked, valid for the session), and the job log says why
+/// they will not be renewed.
+#[tokio::test]
+async fn without_a_static_busybox_a_container_gets_the_sessions_keys_and_is_told_why() {
+    let image = import_image("byoc-test/busybox:basic", &[]);
+    let e = roles_env("busybox = \"/bin/ls\"").await;
+    let script = r#"echo "key=$AWS_ACCESS_KEY_ID secret=$AWS_SECRET_ACCESS_KEY config=${AWS_CONFIG_FILE:-none} role=$BYOC_ROLE""#;
     let req = EnqueueRequest {
         kind: "action.container".into(),
         spec: serde_json::json!({"image": image, "command": ["/bin/sh", "-c", script]}),
         ..role_job("action", "trigger", "inst-demo-maintenance", named("report"), "")
     };
     let (id, out) = e.succeeds(req).await;
-    // The container cannot reach the host's loopback endpoint: it gets the session's
-    // keys, masked in its output like every other secret.
-    assert!(out.contains("key=*** secret=*** role=inst-demo-maintenance"), "{out}");
-    assert!(out.contains("endpoint=none"), "{out}");
+    assert!(out.contains("key=*** secret=*** config=none role=inst-demo-maintenance"), "{out}");
+    assert!(
+        out.contains("without renewal: /bin/ls is missing or not statically linked (install busybox-static)"),
+        "{out}"
+    );
     assert_eq!(e.assumed_for(&id).await.len(), 1);
 }

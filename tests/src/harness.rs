@@ -11,7 +11,8 @@ use nix::unistd::Pid;
 
 use crate::ControlPlane;
 
-/// Settings for a runner under test; `extra` is appended to the config verbatim.
+/// Settings for a runner under test; `extra` is appended to the config verbatim, with
+/// `@RUNNER_DIR@` replaced by the runner's own temporary directory.
 #[derive(Debug, Clone)]
 pub struct RunnerOptions {
     pub poll_wait_secs: u64,
@@ -133,7 +134,7 @@ level = "info"
             dg = opts.drain_grace_secs,
             kg = opts.kill_grace_secs,
             al = opts.actions_limit,
-            extra = opts.extra,
+            extra = opts.extra.replace("@RUNNER_DIR@", &dir.display().to_string()),
             ro = serde_json::to_string(&opts.sandbox_ro_paths).unwrap_or_else(|_| "[]".into()),
             sandbox_extra = opts.sandbox_extra,
         );

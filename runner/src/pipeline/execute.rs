@@ -10,13 +10,15 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use byoc_job_executors::mask::SecretFeed;
-use byoc_job_executors::{ExecContext, ExecOutcome, JobCredentials, JobStatus};
+use byoc_job_executors::{ContainerCredentials, ExecContext, ExecOutcome, JobCredentials, JobStatus};
 use tokio_util::sync::CancellationToken;
 
 use super::resolve_role::ScopedRole;
 use super::{ClaimedJob, Rt};
 use crate::journal::{Event, JournalError, now_ms};
-use crate::roles::creds::{JobSession, Registration, rfc3339};
+use crate::roles::creds::{
+    CONTAINER_BUSYBOX, CONTAINER_CREDENTIALS_DIR, CredentialFile, JobSession, Registration, rfc3339,
+};
 use crate::roles::sts::{SessionParams, session_duration, sts_identifier, tag_value};
 use crate::spool::{SpoolWriter, Uploader};
 
@@ -162,7 +164,7 @@ async fn assume_for_job(
     rt: &Rt,
     job: &ClaimedJob,
     role: &ScopedRole,
-) -> Result<(Registration, JobCredentials, String), String> {
+) -> Result<(RoleSession, JobCredentials, String), String> {
     let p = &job.verified.payload;
     let roles = &rt.roles;
     let name = &role.derived.role.name;
@@ -245,12 +247,6 @@ async fn assume_for_job(
         feed.clone(),
         on_refresh,
     );
-    let reg = server.register(session);
-    feed.add(reg.token.as_bytes().to_vec());
-    let mut endpoint_env = vec![
-        ("AWS_CONTAINER_CREDENTIALS_FULL_URI".to_string(), reg.url.clone()),
-        ("AWS_CONTAINER_AUTHORIZATION_TOKEN".to_string(), reg.token.clone()),
-    ];
     let mut common =
         vec![("BYOC_ROLE".to_string(), name.clone()), ("BYOC_ROLE_ARN".to_string(), role.arn.clone())];
     if let Some(region) = &roles.region {
@@ -260,16 +256,102 @@ async fn assume_for_job(
     if let Some(url) = &roles.endpoint_url {
         common.push(("AWS_ENDPOINT_URL".into(), url.clone()));
     }
-    endpoint_env.extend(common.iter().cloned());
-    static_env.extend(common);
-    let note = format!(
-        "[runner] assumed role {name} ({}) chosen by {}; session {} expires {expires}, renewed before expiry through the job's credential endpoint\n",
+    static_env.extend(common.iter().cloned());
+    let intro = format!(
+        "[runner] assumed role {name} ({}) chosen by {}; session {} expires {expires}",
         role.arn,
         role.derived.step.as_str(),
         params.session_name
     );
     tracing::info!(role = %name, role_arn = %role.arn, "assumed the job's role");
-    Ok((reg, JobCredentials { endpoint_env, static_env, feed }, note))
+
+    // Containers cannot reach the loopback endpoint: a renewed credentials file instead.
+    if p.kind == "action.container" {
+        let file = if !is_static_elf(&roles.busybox) {
+            Err(format!(
+                "{} is missing or not statically linked (install busybox-static)",
+                roles.busybox.display()
+            ))
+        } else {
+            CredentialFile::start(
+                &roles.container_credentials_dir,
+                &p.job_id,
+                session,
+                roles.region.as_deref(),
+            )
+            .map_err(|e| {
+                format!(
+                    "writing the credentials file under {}: {e}",
+                    roles.container_credentials_dir.display()
+                )
+            })
+        };
+        return Ok(match file {
+            Ok(file) => {
+                let mut env = vec![
+                    ("AWS_CONFIG_FILE".to_string(), format!("{CONTAINER_CREDENTIALS_DIR}/config")),
+                    // The Go SDK v1 reads the config file only when asked to.
+                    ("AWS_SDK_LOAD_CONFIG".to_string(), "1".to_string()),
+                ];
+                env.extend(common);
+                let container = ContainerCredentials {
+                    host_dir: file.dir.clone(),
+                    mount: CONTAINER_CREDENTIALS_DIR.into(),
+                    busybox: roles.busybox.clone(),
+                    busybox_mount: CONTAINER_BUSYBOX.into(),
+                    env,
+                };
+                let note =
+                    format!("{intro}, renewed before expiry through the container's credential_process\n");
+                let creds =
+                    JobCredentials { endpoint_env: vec![], static_env, container: Some(container), feed };
+                (RoleSession { _endpoint: None, _file: Some(file) }, creds, note)
+            }
+            Err(why) => {
+                tracing::warn!(reason = %why, "a container gets its role session's keys without renewal");
+                let note = format!("{intro}; the container gets its keys without renewal: {why}\n");
+                let creds = JobCredentials { endpoint_env: vec![], static_env, container: None, feed };
+                (RoleSession { _endpoint: None, _file: None }, creds, note)
+            }
+        });
+    }
+    let reg = server.register(session);
+    feed.add(reg.token.as_bytes().to_vec());
+    let mut endpoint_env = vec![
+        ("AWS_CONTAINER_CREDENTIALS_FULL_URI".to_string(), reg.url.clone()),
+        ("AWS_CONTAINER_AUTHORIZATION_TOKEN".to_string(), reg.token.clone()),
+    ];
+    endpoint_env.extend(common);
+    let note = format!("{intro}, renewed before expiry through the job's credential endpoint\n");
+    let creds = JobCredentials { endpoint_env, static_env, container: None, feed };
+    Ok((RoleSession { _endpoint: Some(reg), _file: None }, creds, note))
+}
+
+/// What keeps a job's role session alive while it runs: dropping it revokes the
+/// endpoint token, or stops a container's renewal and deletes its credentials file.
+struct RoleSession {
+    _endpoint: Option<Registration>,
+    _file: Option<CredentialFile>,
+}
+
+/// Whether `path` is an x86-64/aarch64 ELF executable without an interpreter (a static
+/// binary runs in any image; a dynamic one needs the image to have its libc).
+fn is_static_elf(path: &std::path::Path) -> bool {
+    let Ok(bytes) = std::fs::read(path) else { return false };
+    // 64-bit little-endian ELF only: e_phoff at 0x20, e_phentsize at 0x36, e_phnum at 0x38.
+    if bytes.len() < 64 || &bytes[..4] != b"\x7fELF" || bytes[4] != 2 || bytes[5] != 1 {
+        return false;
+    }
+    let u16_at = |o: usize| u16::from_le_bytes([bytes[o], bytes[o + 1]]) as usize;
+    let phoff = u64::from_le_bytes(bytes[0x20..0x28].try_into().unwrap_or([0; 8])) as usize;
+    let (entsize, count) = (u16_at(0x36), u16_at(0x38));
+    const PT_INTERP: u32 = 3;
+    (0..count).all(|i| {
+        let at = phoff.saturating_add(i.saturating_mul(entsize));
+        at.checked_add(4)
+            .and_then(|end| bytes.get(at..end))
+            .is_some_and(|t| u32::from_le_bytes([t[0], t[1], t[2], t[3]]) != PT_INTERP)
+    }) && count > 0
 }
 
 /// The policies this job's decisions are made with: the built-in pack at the customer's
@@ -391,5 +473,19 @@ async fn heartbeat_and_upload(rt: Rt, job_id: String, cancel: CancellationToken,
         if let Err(e) = uploader.upload_available(&rt.client).await {
             tracing::debug!(error = %e, "log upload deferred");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::is_static_elf;
+
+    #[test]
+    fn tells_static_executables_from_dynamic_ones_and_non_elf_files() {
+        // The test machines install busybox-static (scripts/setup); /bin/ls is dynamic.
+        assert!(is_static_elf(std::path::Path::new("/bin/busybox")));
+        assert!(!is_static_elf(std::path::Path::new("/bin/ls")));
+        assert!(!is_static_elf(std::path::Path::new("/etc/hostname")));
+        assert!(!is_static_elf(std::path::Path::new("/nonexistent/busybox")));
     }
 }

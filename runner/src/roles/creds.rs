@@ -185,6 +185,117 @@ async fn handle(sessions: &Sessions, req: Request<hyper::body::Incoming>) -> Res
     }
 }
 
+/// Where a container finds its credentials: the per-job directory is mounted read-only
+/// at `CONTAINER_CREDENTIALS_DIR`, a static busybox at `CONTAINER_BUSYBOX` (named busybox: it picks its applet from argv[1] only under that name).
+pub const CONTAINER_CREDENTIALS_DIR: &str = "/byoc-aws";
+pub const CONTAINER_BUSYBOX: &str = "/byoc-aws-bin/busybox";
+
+/// A container's role session, for jobs that cannot reach the loopback endpoint: an AWS
+/// config file whose `credential_process` prints a credentials file that this task
+/// rewrites with a fresh session well before the current one expires. Every AWS SDK and
+/// the CLI re-run `credential_process` when their credentials near expiry, so a
+/// container that outlives one session keeps working. Dropping it stops the renewal
+/// and deletes the directory (the keys live on a tmpfs, never in the state dir).
+pub struct CredentialFile {
+    pub dir: std::path::PathBuf,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for CredentialFile {
+    fn drop(&mut self) {
+        self.task.abort();
+        if let Err(e) = std::fs::remove_dir_all(&self.dir)
+            && e.kind() != std::io::ErrorKind::NotFound
+        {
+            tracing::warn!(error = %e, path = %self.dir.display(), "could not remove a job's credentials directory");
+        }
+    }
+}
+
+impl CredentialFile {
+    /// Write `<parent>/<job>/{config,credentials.json}` and keep the session fresh:
+    /// renewed when less than half its lifetime or `refresh_before` is left, whichever
+    /// comes first, so an SDK never holds keys about to expire.
+    pub fn start(
+        parent: &std::path::Path,
+        job_id: &str,
+        session: JobSession,
+        region: Option<&str>,
+    ) -> std::io::Result<CredentialFile> {
+        use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+        // The parent is the runner's alone; the job's directory must be readable by the
+        // container's user, which may be any uid.
+        std::fs::DirBuilder::new().recursive(true).mode(0o700).create(parent)?;
+        std::fs::set_permissions(parent, std::fs::Permissions::from_mode(0o700))?;
+        let dir = parent.join(job_id);
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::DirBuilder::new().mode(0o755).create(&dir)?;
+        // Explicitly: the service's UMask=0077 would leave it unreadable to the container.
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755))?;
+        let mut config = format!(
+            "# Written by byoc-runner for job {job_id}: the role session, renewed while the job runs.\n[default]\ncredential_process = {CONTAINER_BUSYBOX} cat {CONTAINER_CREDENTIALS_DIR}/credentials.json\n"
+        );
+        if let Some(region) = region {
+            config.push_str(&format!("region = {region}\n"));
+        }
+        write_readable(&dir.join("config"), config.as_bytes())?;
+        let first = session.current.try_lock().map(|c| c.clone()).map_err(std::io::Error::other)?;
+        write_readable(&dir.join("credentials.json"), &process_output(&first))?;
+        let path = dir.join("credentials.json");
+        let task = tokio::spawn(async move {
+            let mut current = first;
+            loop {
+                let lead = session.refresh_before.as_secs().max(session.params.duration_secs as u64 / 2);
+                let wait = (current.expiration - lead as i64 - crate::daemon::unix_now()).max(1) as u64;
+                tokio::time::sleep(Duration::from_secs(wait)).await;
+                match session.assumer.assume(&session.params).await {
+                    Ok(fresh) => {
+                        // Masked before the container can read them.
+                        feed_credentials(&session.feed, &fresh);
+                        if let Err(e) = write_readable(&path, &process_output(&fresh)) {
+                            tracing::error!(error = %e, "could not write a container's renewed credentials");
+                        }
+                        (session.on_refresh)(&session.params, &fresh);
+                        current = fresh;
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "renewing a container's role session failed; retrying");
+                        tokio::time::sleep(Duration::from_secs(5)).await;
+                    }
+                }
+            }
+        });
+        Ok(CredentialFile { dir, task })
+    }
+}
+
+/// The `credential_process` output format (Version 1).
+fn process_output(c: &Credentials) -> Vec<u8> {
+    serde_json::json!({
+        "Version": 1,
+        "AccessKeyId": c.access_key_id,
+        "SecretAccessKey": c.secret_access_key,
+        "SessionToken": c.session_token,
+        "Expiration": rfc3339(c.expiration),
+    })
+    .to_string()
+    .into_bytes()
+}
+
+/// Replace `path` atomically (a reader sees the old file or the new, never a torn one),
+/// world-readable inside its directory: the container's user may be any uid, and only
+/// the runner can traverse the parent.
+fn write_readable(path: &std::path::Path, bytes: &[u8]) -> std::io::Result<()> {
+    use std::io::Write as _;
+    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+    let tmp = path.with_extension("tmp");
+    let mut f = std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&tmp)?;
+    f.write_all(bytes)?;
+    // Set, not requested at open: the service's UMask=0077 would mask it.
+    f.set_permissions(std::fs::Permissions::from_mode(0o444))?;
+    std::fs::rename(&tmp, path)
+}
+
 pub fn rfc3339(unix_secs: i64) -> String {
     aws_sdk_sts::primitives::DateTime::from_secs(unix_secs)
         .fmt(aws_sdk_sts::primitives::DateTimeFormat::DateTime)

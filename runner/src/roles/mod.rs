@@ -126,6 +126,8 @@ pub struct Roles {
     pub refresh_before: std::time::Duration,
     pub region: Option<String>,
     pub endpoint_url: Option<String>,
+    pub container_credentials_dir: PathBuf,
+    pub busybox: PathBuf,
     status_path: PathBuf,
     status: Mutex<RolesStatus>,
 }
@@ -184,6 +186,8 @@ impl Roles {
             refresh_before: config.roles.refresh_before,
             region: config.aws.region.clone(),
             endpoint_url: config.aws.endpoint_url.clone(),
+            container_credentials_dir: config.roles.container_credentials_dir.clone(),
+            busybox: config.roles.busybox.clone(),
             status: Mutex::new(RolesStatus::load(state_dir).unwrap_or_default()),
             status_path,
         })

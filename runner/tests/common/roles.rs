@@ -76,7 +76,7 @@ pub fn stack_params(p: &BTreeMap<&'static str, &'static str>) -> Vec<(&'static s
 pub fn role_options(moto: &MotoServer, roles_extra: &str) -> RunnerOptions {
     RunnerOptions {
         extra: format!(
-            "\n[aws]\nregion = \"us-east-1\"\nendpoint_url = \"{}\"\naccount_id = \"{ACCOUNT}\"\n\n[roles]\nstack_name = \"{STACK}\"\nexternal_id = \"{EXTERNAL_ID}\"\n{roles_extra}\n",
+            "\n[aws]\nregion = \"us-east-1\"\nendpoint_url = \"{}\"\naccount_id = \"{ACCOUNT}\"\n\n[roles]\nstack_name = \"{STACK}\"\nexternal_id = \"{EXTERNAL_ID}\"\ncontainer_credentials_dir = \"@RUNNER_DIR@/credentials\"\n{roles_extra}\n",
             moto.url()
         ),
         // The runner's own identity (its instance role on EC2).
