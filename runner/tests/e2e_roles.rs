@@ -467,3 +467,20 @@ async fn without_a_static_busybox_a_container_gets_the_sessions_keys_and_is_told
     );
     assert_eq!(e.assumed_for(&id).await.len(), 1);
 }
+
+/// A runner killed while a container ran leaves that job's credentials file behind; the
+/// next start removes it (the job is reported interrupted, its session must go too).
+#[tokio::test]
+async fn a_restart_removes_credential_files_left_by_a_killed_runner() {
+    let mut e = roles_env("").await;
+    let stale = e.env.runner.dir.join("credentials").join("job-of-a-killed-runner");
+    std::fs::create_dir_all(&stale).unwrap();
+    std::fs::write(stale.join("credentials.json"), br#"{"Version":1}"#).unwrap();
+    e.env.runner.signal(nix::sys::signal::Signal::SIGKILL);
+    assert!(e.env.runner.wait_exit(WAIT).await.is_some());
+    e.env.runner.spawn(None).unwrap();
+    // Ready once a job runs again; by then the roles machinery has started.
+    let id = e.env.cp.enqueue(script("echo up")).unwrap();
+    e.env.finished(&id).await;
+    assert!(!stale.exists(), "stale credentials removed at start");
+}

@@ -174,6 +174,16 @@ impl Roles {
             Some(_) => Some(creds::CredentialServer::start().await?),
             None => None,
         };
+        // No job runs yet: credential files left by a runner that was killed belong to
+        // jobs that are now interrupted, so their sessions go.
+        match std::fs::remove_dir_all(&config.roles.container_credentials_dir) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => tracing::warn!(
+                error = %e,
+                path = %config.roles.container_credentials_dir.display(),
+                "could not remove credential files of earlier container jobs"
+            ),
+            _ => {}
+        }
         let status_path = state_dir.join(STATUS_FILE);
         Ok(Roles {
             install: install_state(config, install_id),
