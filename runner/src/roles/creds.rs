@@ -186,7 +186,8 @@ async fn handle(sessions: &Sessions, req: Request<hyper::body::Incoming>) -> Res
 }
 
 /// Where a container finds its credentials: the per-job directory is mounted read-only
-/// at `CONTAINER_CREDENTIALS_DIR`, a static busybox at `CONTAINER_BUSYBOX` (named busybox: it picks its applet from argv[1] only under that name).
+/// at `CONTAINER_CREDENTIALS_DIR`, a static busybox at `CONTAINER_BUSYBOX` (named
+/// `busybox`: only under that name does it take its applet from the first argument).
 pub const CONTAINER_CREDENTIALS_DIR: &str = "/byoc-aws";
 pub const CONTAINER_BUSYBOX: &str = "/byoc-aws-bin/busybox";
 
@@ -232,15 +233,10 @@ impl CredentialFile {
         std::fs::DirBuilder::new().mode(0o755).create(&dir)?;
         // Explicitly: the service's UMask=0077 would leave it unreadable to the container.
         std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755))?;
-        let mut config = format!(
-            "# Written by byoc-runner for job {job_id}: the role session, renewed while the job runs.\n[default]\ncredential_process = {CONTAINER_BUSYBOX} cat {CONTAINER_CREDENTIALS_DIR}/credentials.json\n"
-        );
-        if let Some(region) = region {
-            config.push_str(&format!("region = {region}\n"));
-        }
-        write_readable(&dir.join("config"), config.as_bytes())?;
         let first = session.current.try_lock().map(|c| c.clone()).map_err(std::io::Error::other)?;
-        write_readable(&dir.join("credentials.json"), &process_output(&first))?;
+        Self::write_files(&dir, job_id, &first, region).inspect_err(|_| {
+            let _ = std::fs::remove_dir_all(&dir);
+        })?;
         let path = dir.join("credentials.json");
         let task = tokio::spawn(async move {
             let mut current = first;
@@ -266,6 +262,22 @@ impl CredentialFile {
             }
         });
         Ok(CredentialFile { dir, task })
+    }
+
+    fn write_files(
+        dir: &std::path::Path,
+        job_id: &str,
+        first: &Credentials,
+        region: Option<&str>,
+    ) -> std::io::Result<()> {
+        let mut config = format!(
+            "# Written by byoc-runner for job {job_id}: the role session, renewed while the job runs.\n[default]\ncredential_process = {CONTAINER_BUSYBOX} cat {CONTAINER_CREDENTIALS_DIR}/credentials.json\n"
+        );
+        if let Some(region) = region {
+            config.push_str(&format!("region = {region}\n"));
+        }
+        write_readable(&dir.join("config"), config.as_bytes())?;
+        write_readable(&dir.join("credentials.json"), &process_output(first))
     }
 }
 
