@@ -253,28 +253,14 @@ contents = """
 
     // CloudFormation creates exactly the roles switched on.
     let moto = MotoServer::start().await;
-    let image = moto
-        .query("ec2", &[("Action".into(), "DescribeImages".into()), ("Version".into(), "2016-11-15".into())])
-        .await;
-    let image_id = image.split("<imageId>").nth(1).and_then(|s| s.split('<').next()).unwrap().to_string();
-    let params = [
-        ("InstallId", "inst-gen"),
-        ("ControlPlaneUrl", "https://cp.vendor.example"),
-        ("ControlPlanePublicKeys", "11qYAYKxCrfVS/7TyWQHOg7hcvPapiMlrwIaaPcHURo="),
-        ("ReleasePublicKey", "RWQexample"),
-        ("ImageId", image_id.as_str()),
-        ("BootstrapToken", "one-time-bootstrap-token-0123"),
-        ("ExternalId", EXTERNAL_ID),
-        ("EnableDbAdminRole", "true"),
-        ("EnableWipeBucketRole", "true"),
-    ];
-    moto.put_stack("CreateStack", "byoc-generated", &t, &params).await;
-    let described = moto
-        .query(
-            "cloudformation",
-            &[("Action".into(), "DescribeStacks".into()), ("StackName".into(), "byoc-generated".into())],
-        )
-        .await;
+    let described = create_stack(
+        &moto,
+        "byoc-generated",
+        &t,
+        "inst-gen",
+        &[("EnableDbAdminRole", "true"), ("EnableWipeBucketRole", "true")],
+    )
+    .await;
     assert!(described.contains("CREATE_COMPLETE"), "{described}");
     for on in ["operate", "db-admin", "wipe-bucket-role"] {
         assert!(described.contains(&format!(":role/inst-gen-{on}<")), "{on} is switched on: {described}");
@@ -321,31 +307,48 @@ fn role_files_the_stack_cannot_honour_are_refused_with_every_problem() {
     assert!(!out.exists(), "nothing is written");
 }
 
-#[tokio::test]
-async fn the_stack_creates_and_the_runner_reads_its_switches_and_arns() {
-    let moto = MotoServer::start().await;
+/// Create `template` as `stack` in moto with the vendor's parameters for `install_id`
+/// plus `switches`; DescribeStacks' answer.
+async fn create_stack(
+    moto: &MotoServer,
+    stack: &str,
+    template: &serde_json::Value,
+    install_id: &str,
+    switches: &[(&str, &str)],
+) -> String {
     let image = moto
         .query("ec2", &[("Action".into(), "DescribeImages".into()), ("Version".into(), "2016-11-15".into())])
         .await;
     let image_id = image.split("<imageId>").nth(1).and_then(|s| s.split('<').next()).unwrap().to_string();
-    let params = [
-        ("InstallId", "inst-demo"),
+    let mut params = vec![
+        ("InstallId", install_id),
         ("ControlPlaneUrl", "https://cp.vendor.example"),
         ("ControlPlanePublicKeys", "11qYAYKxCrfVS/7TyWQHOg7hcvPapiMlrwIaaPcHURo="),
         ("ReleasePublicKey", "RWQexample"),
         ("ImageId", image_id.as_str()),
         ("BootstrapToken", "one-time-bootstrap-token-0123"),
         ("ExternalId", EXTERNAL_ID),
-        ("EnableMaintenanceRole", "true"),
-        ("EnableDeprovisionRole", "false"),
     ];
-    moto.put_stack("CreateStack", STACK, &template(), &params).await;
-    let described = moto
-        .query(
-            "cloudformation",
-            &[("Action".into(), "DescribeStacks".into()), ("StackName".into(), STACK.into())],
-        )
-        .await;
+    params.extend_from_slice(switches);
+    moto.put_stack("CreateStack", stack, template, &params).await;
+    moto.query(
+        "cloudformation",
+        &[("Action".into(), "DescribeStacks".into()), ("StackName".into(), stack.into())],
+    )
+    .await
+}
+
+#[tokio::test]
+async fn the_stack_creates_and_the_runner_reads_its_switches_and_arns() {
+    let moto = MotoServer::start().await;
+    let described = create_stack(
+        &moto,
+        STACK,
+        &template(),
+        "inst-demo",
+        &[("EnableMaintenanceRole", "true"), ("EnableDeprovisionRole", "false")],
+    )
+    .await;
     assert!(described.contains("CREATE_COMPLETE"), "{described}");
     assert!(described.contains(":role/inst-demo-maintenance<"), "{described}");
     assert!(described.contains(":role/inst-demo-provision<"));
