@@ -542,6 +542,22 @@ async fn sandbox(config: Option<&Config>) -> Vec<Check> {
             Ok(_) => check("docker", Status::Ok, format!("{} reachable", sock.display()), None),
             Err(e) => check("docker", Status::Warn, format!("{}: {e}: container actions will fail", sock.display()), Some("start Docker and add byoc-runner to the docker group, or set [containers] enabled = false")),
         });
+        let busybox = &c.roles.busybox;
+        out.push(if crate::roles::creds::is_static_elf(busybox) {
+            check(
+                "container_credentials",
+                Status::Ok,
+                format!("static {}: containers' role sessions are renewed through credential_process", busybox.display()),
+                None,
+            )
+        } else {
+            check(
+                "container_credentials",
+                Status::Warn,
+                format!("{} is missing or not statically linked: a container job with a role gets one session's keys, not renewed", busybox.display()),
+                Some("apt-get install busybox-static, or point [roles] busybox at a static busybox"),
+            )
+        });
     }
     out
 }

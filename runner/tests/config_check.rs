@@ -84,6 +84,7 @@ async fn a_healthy_install_passes_every_check() {
         "user_namespaces",
         "seccomp",
         "sandbox",
+        "container_credentials",
     ] {
         let (s, detail, _) = status(&checks, name);
         assert_eq!(s, "ok", "{name}: {detail}");
@@ -108,7 +109,7 @@ async fn a_broken_install_fails_with_what_to_do() {
         format!(
             "[control_plane]\nurl = \"https://localhost:{closed}\"\npublic_keys = [\"11qYAYKxCrfVS/7TyWQHOg7hcvPapiMlrwIaaPcHURo=\"]\n\n\
              [runner]\ninstall_id = \"inst-demo\"\nstate_dir = \"{}\"\n\n\
-             [aws]\nregion = \"us-east-1\"\nendpoint_url = \"{}\"\n\n[roles]\nstack_name = \"no-such-stack\"\n",
+             [aws]\nregion = \"us-east-1\"\nendpoint_url = \"{}\"\n\n[roles]\nstack_name = \"no-such-stack\"\nbusybox = \"/bin/ls\"\n",
             dir.path().join("state").display(),
             moto.url()
         ),
@@ -134,6 +135,10 @@ async fn a_broken_install_fails_with_what_to_do() {
     assert!(fix.contains("cloudformation:DescribeStacks"), "{fix}");
     let (s, detail, _) = status(&checks, "imds");
     assert_eq!(s, "warn", "the runner has other credentials here: {detail}");
+    let (s, detail, fix) = status(&checks, "container_credentials");
+    assert_eq!(s, "warn", "{detail}");
+    assert!(detail.contains("/bin/ls is missing or not statically linked"), "{detail}");
+    assert!(fix.contains("busybox-static"), "{fix}");
 
     // Without other credentials, IMDS is the runner's identity: a failure.
     let env: Vec<(String, String)> = env

@@ -267,7 +267,7 @@ async fn assume_for_job(
 
     // Containers cannot reach the loopback endpoint: a renewed credentials file instead.
     if p.kind == "action.container" {
-        let file = if !is_static_elf(&roles.busybox) {
+        let file = if !crate::roles::creds::is_static_elf(&roles.busybox) {
             Err(format!(
                 "{} is missing or not statically linked (install busybox-static)",
                 roles.busybox.display()
@@ -332,26 +332,6 @@ async fn assume_for_job(
 struct RoleSession {
     _endpoint: Option<Registration>,
     _file: Option<CredentialFile>,
-}
-
-/// Whether `path` is an x86-64/aarch64 ELF executable without an interpreter (a static
-/// binary runs in any image; a dynamic one needs the image to have its libc).
-fn is_static_elf(path: &std::path::Path) -> bool {
-    let Ok(bytes) = std::fs::read(path) else { return false };
-    // 64-bit little-endian ELF only: e_phoff at 0x20, e_phentsize at 0x36, e_phnum at 0x38.
-    if bytes.len() < 64 || &bytes[..4] != b"\x7fELF" || bytes[4] != 2 || bytes[5] != 1 {
-        return false;
-    }
-    let u16_at = |o: usize| u16::from_le_bytes([bytes[o], bytes[o + 1]]) as usize;
-    let phoff = u64::from_le_bytes(bytes[0x20..0x28].try_into().unwrap_or([0; 8])) as usize;
-    let (entsize, count) = (u16_at(0x36), u16_at(0x38));
-    const PT_INTERP: u32 = 3;
-    (0..count).all(|i| {
-        let at = phoff.saturating_add(i.saturating_mul(entsize));
-        at.checked_add(4)
-            .and_then(|end| bytes.get(at..end))
-            .is_some_and(|t| u32::from_le_bytes([t[0], t[1], t[2], t[3]]) != PT_INTERP)
-    }) && count > 0
 }
 
 /// The policies this job's decisions are made with: the built-in pack at the customer's
@@ -473,19 +453,5 @@ async fn heartbeat_and_upload(rt: Rt, job_id: String, cancel: CancellationToken,
         if let Err(e) = uploader.upload_available(&rt.client).await {
             tracing::debug!(error = %e, "log upload deferred");
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::is_static_elf;
-
-    #[test]
-    fn tells_static_executables_from_dynamic_ones_and_non_elf_files() {
-        // The test machines install busybox-static (scripts/setup); /bin/ls is dynamic.
-        assert!(is_static_elf(std::path::Path::new("/bin/busybox")));
-        assert!(!is_static_elf(std::path::Path::new("/bin/ls")));
-        assert!(!is_static_elf(std::path::Path::new("/etc/hostname")));
-        assert!(!is_static_elf(std::path::Path::new("/nonexistent/busybox")));
     }
 }
