@@ -484,3 +484,35 @@ async fn a_restart_removes_credential_files_left_by_a_killed_runner() {
     e.env.finished(&id).await;
     assert!(!stale.exists(), "stale credentials removed at start");
 }
+
+/// The runner's own AWS calls (the install stack's switches, AssumeRole) go through the
+/// customer's proxy (`HTTP_PROXY`/`HTTPS_PROXY`, as the AWS SDK's default client reads
+/// them), like its control-plane traffic.
+#[tokio::test]
+async fn the_runners_aws_calls_go_through_the_proxy() {
+    let proxy = byoc_control_plane::proxy::ConnectProxy::start().await.unwrap();
+    let moto = MotoServer::start().await;
+    moto.put_stack("CreateStack", STACK, &template(), &stack_params(&base_params())).await;
+    let mut opts = role_options(&moto, "");
+    opts.env.extend([
+        ("HTTP_PROXY".to_string(), proxy.url()),
+        ("HTTPS_PROXY".to_string(), proxy.url()),
+        ("NO_PROXY".to_string(), String::new()),
+    ]);
+    let env = env_with(opts).await;
+    let id = env
+        .cp
+        .enqueue(role_job("component", "deploy", "inst-demo-maintenance", named("api"), SHOW_ROLE))
+        .unwrap();
+    let v = env.finished(&id).await;
+    assert_eq!(v.result.unwrap().status, JobStatus::Succeeded, "{}", env.output(&id));
+    assert!(env.output(&id).contains("role=inst-demo-maintenance endpoint=yes"));
+    let moto_authority = moto.url().trim_start_matches("http://").trim_end_matches('/').to_string();
+    let through = proxy.targets();
+    assert!(
+        through.contains(&moto_authority),
+        "AWS calls bypassed the proxy: {through:?} (moto at {moto_authority})"
+    );
+    assert_eq!(moto.calls_of("AssumeRole").await.len(), 1);
+    assert!(!moto.calls_of("DescribeStacks").await.is_empty());
+}
