@@ -476,6 +476,9 @@ async fn a_restart_removes_credential_files_left_by_a_killed_runner() {
     let stale = e.env.runner.dir.join("credentials").join("job-of-a-killed-runner");
     std::fs::create_dir_all(&stale).unwrap();
     std::fs::write(stale.join("credentials.json"), br#"{"Version":1}"#).unwrap();
+    // Only job directories go: anything else in a misconfigured directory stays.
+    let unrelated = e.env.runner.dir.join("credentials").join("unrelated.txt");
+    std::fs::write(&unrelated, b"not the runner's").unwrap();
     e.env.runner.signal(nix::sys::signal::Signal::SIGKILL);
     assert!(e.env.runner.wait_exit(WAIT).await.is_some());
     e.env.runner.spawn(None).unwrap();
@@ -483,6 +486,7 @@ async fn a_restart_removes_credential_files_left_by_a_killed_runner() {
     let id = e.env.cp.enqueue(script("echo up")).unwrap();
     e.env.finished(&id).await;
     assert!(!stale.exists(), "stale credentials removed at start");
+    assert!(unrelated.exists(), "nothing else is removed");
 }
 
 /// The runner's own AWS calls (the install stack's switches, AssumeRole) go through the

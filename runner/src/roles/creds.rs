@@ -223,11 +223,20 @@ impl CredentialFile {
         session: JobSession,
         region: Option<&str>,
     ) -> std::io::Result<CredentialFile> {
-        use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
-        // The parent is the runner's alone; the job's directory must be readable by the
-        // container's user, which may be any uid.
+        use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
+        // The parent must be the runner's alone (the job's directory inside is readable
+        // by any uid). It is checked, never chmod-ed: a misconfigured path such as /tmp
+        // is refused rather than changed.
         std::fs::DirBuilder::new().recursive(true).mode(0o700).create(parent)?;
-        std::fs::set_permissions(parent, std::fs::Permissions::from_mode(0o700))?;
+        let meta = std::fs::metadata(parent)?;
+        if meta.uid() != nix::unistd::geteuid().as_raw() || meta.mode() & 0o077 != 0 {
+            return Err(std::io::Error::other(format!(
+                "{} must be a directory of the runner's user with mode 0700 (it is {:o}, uid {})",
+                parent.display(),
+                meta.mode() & 0o7777,
+                meta.uid()
+            )));
+        }
         let dir = parent.join(job_id);
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::DirBuilder::new().mode(0o755).create(&dir)?;
@@ -278,6 +287,19 @@ impl CredentialFile {
         }
         write_readable(&dir.join("config"), config.as_bytes())?;
         write_readable(&dir.join("credentials.json"), &process_output(first))
+    }
+}
+
+/// Remove the job directories (those holding a `credentials.json`) that a killed
+/// runner left in `parent`; nothing else there is touched.
+pub fn remove_stale_credential_files(parent: &std::path::Path) {
+    let Ok(entries) = std::fs::read_dir(parent) else { return };
+    for dir in entries.flatten().map(|e| e.path()) {
+        if dir.join("credentials.json").is_file()
+            && let Err(e) = std::fs::remove_dir_all(&dir)
+        {
+            tracing::warn!(error = %e, path = %dir.display(), "could not remove credentials of an earlier container job");
+        }
     }
 }
 
@@ -382,6 +404,69 @@ mod tests {
         assert!(!is_static_elf(std::path::Path::new("/bin/ls")));
         assert!(!is_static_elf(std::path::Path::new("/etc/hostname")));
         assert!(!is_static_elf(std::path::Path::new("/nonexistent/busybox")));
+    }
+
+    async fn session() -> JobSession {
+        let assumer = Arc::new(Counting { calls: AtomicU32::new(0), lifetime: 3600 });
+        let first = assumer.assume(&params()).await.unwrap();
+        JobSession::new(
+            params(),
+            assumer,
+            first,
+            Duration::from_secs(300),
+            SecretFeed::default(),
+            Arc::new(|_, _| {}),
+        )
+    }
+
+    #[tokio::test]
+    async fn a_credential_file_is_readable_in_its_directory_and_gone_when_dropped() {
+        use std::os::unix::fs::PermissionsExt;
+        let tmp = tempfile::tempdir().unwrap();
+        let parent = tmp.path().join("credentials");
+        let file = CredentialFile::start(&parent, "job-1", session().await, Some("eu-west-1")).unwrap();
+        let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode(&parent), 0o700);
+        assert_eq!(mode(&file.dir), 0o755);
+        let body: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(file.dir.join("credentials.json")).unwrap()).unwrap();
+        assert_eq!(
+            (body["Version"].as_i64(), body["AccessKeyId"].as_str()),
+            (Some(1), Some("ASIAKEY0000000000001"))
+        );
+        assert_eq!(mode(&file.dir.join("credentials.json")), 0o444);
+        assert!(std::fs::read_to_string(file.dir.join("config")).unwrap().contains("region = eu-west-1"));
+        let dir = file.dir.clone();
+        drop(file);
+        assert!(!dir.exists());
+    }
+
+    #[tokio::test]
+    async fn a_credentials_directory_others_can_enter_is_refused_not_changed() {
+        use std::os::unix::fs::PermissionsExt;
+        let tmp = tempfile::tempdir().unwrap();
+        let parent = tmp.path().join("shared");
+        std::fs::create_dir(&parent).unwrap();
+        std::fs::set_permissions(&parent, std::fs::Permissions::from_mode(0o1777)).unwrap();
+        let err = CredentialFile::start(&parent, "job-1", session().await, None).err().unwrap();
+        assert!(err.to_string().contains("mode 0700 (it is 1777"), "{err}");
+        assert_eq!(std::fs::metadata(&parent).unwrap().permissions().mode() & 0o7777, 0o1777);
+        assert!(!parent.join("job-1").exists());
+    }
+
+    #[test]
+    fn only_job_directories_are_removed_as_stale() {
+        let tmp = tempfile::tempdir().unwrap();
+        let stale = tmp.path().join("job-old");
+        std::fs::create_dir(&stale).unwrap();
+        std::fs::write(stale.join("credentials.json"), b"{}").unwrap();
+        let other = tmp.path().join("not-ours");
+        std::fs::create_dir(&other).unwrap();
+        std::fs::write(tmp.path().join("file"), b"x").unwrap();
+        remove_stale_credential_files(tmp.path());
+        assert!(!stale.exists());
+        assert!(other.exists() && tmp.path().join("file").exists());
+        remove_stale_credential_files(&tmp.path().join("missing"));
     }
 
     #[tokio::test]

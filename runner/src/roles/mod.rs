@@ -176,14 +176,7 @@ impl Roles {
         };
         // No job runs yet: credential files left by a runner that was killed belong to
         // jobs that are now interrupted, so their sessions go.
-        match std::fs::remove_dir_all(&config.roles.container_credentials_dir) {
-            Err(e) if e.kind() != std::io::ErrorKind::NotFound => tracing::warn!(
-                error = %e,
-                path = %config.roles.container_credentials_dir.display(),
-                "could not remove credential files of earlier container jobs"
-            ),
-            _ => {}
-        }
+        creds::remove_stale_credential_files(&config.roles.container_credentials_dir);
         let status_path = state_dir.join(STATUS_FILE);
         Ok(Roles {
             install: install_state(config, install_id),
