@@ -288,6 +288,7 @@ fn role_files_the_stack_cannot_honour_are_refused_with_every_problem() {
             ),
             ("permissions/d.toml", "type = \"custom\"\nname = \"{{.install.id}}-ops-role\"\n"),
             ("permissions/e.toml", "type = \"owner\"\nname = \"{{.install.id}}-owner\"\n"),
+            ("permissions/f.toml", "type = \"custom\"\nname = \"{{.install.id}}-{{ .x | upper }}-f\"\n"),
         ],
     );
     let out = dir.path().join("stack.yaml");
@@ -301,6 +302,7 @@ fn role_files_the_stack_cannot_honour_are_refused_with_every_problem() {
         "c.toml: policies[0]: needs managed_policy_name, or name and contents",
         "d.toml: switch key Ops (parameter EnableOpsRole) is also used by",
         "e.toml: type must be one of",
+        "f.toml: name: unsupported template in '{{.install.id}}-{{ .x | upper }}-f' (only field references)",
     ] {
         assert!(stderr.contains(problem), "missing {problem:?} in:\n{stderr}");
     }
