@@ -203,10 +203,7 @@ impl Helm {
         if s.kubeconfig.is_some() {
             env.push(("KUBECONFIG".into(), inside.join(KUBECONFIG).display().to_string()));
         }
-        if let Some(creds) = &ctx.credentials {
-            env.retain(|(k, _)| !creds.endpoint_env.iter().any(|(n, _)| n == k));
-            env.extend(creds.endpoint_env.iter().cloned());
-        }
+        crate::add_role_env(ctx, &mut env, true);
         let helm = ctx.tools.helm.display().to_string();
         let mut run = Run { tool: "helm", ctx, started: Instant::now(), env };
         match self.steps(&mut run, &helm).await {

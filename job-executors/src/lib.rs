@@ -13,8 +13,10 @@ pub use byoc_protocol::JobStatus;
 use tokio_util::sync::CancellationToken;
 
 pub mod container;
+pub mod dns;
 pub mod eks;
 pub mod helm;
+pub mod jobnet;
 pub mod kubernetes;
 pub mod mask;
 pub mod noop;
@@ -55,6 +57,10 @@ pub struct SandboxSettings {
     pub hidden_paths: Vec<PathBuf>,
     pub host_uid: u32,
     pub host_gid: u32,
+    /// The network boundary of networked jobs (`[sandbox.egress]`).
+    pub network: jobnet::NetworkSettings,
+    /// Refuse a job whose cgroup limits cannot be applied (`sandbox.require_limits`).
+    pub require_limits: bool,
 }
 
 /// How `action.container` reaches the Docker Engine, and the limits it applies.
@@ -252,9 +258,11 @@ pub struct ExecContext<'a> {
 /// they are masked wherever the job's output goes.
 #[derive(Clone)]
 pub struct JobCredentials {
-    /// For process jobs on the host network: the per-job credential endpoint
-    /// (`AWS_CONTAINER_CREDENTIALS_FULL_URI` + token), refreshed as sessions expire.
+    /// For sandboxed process jobs: the environment naming the credential endpoint in
+    /// the job's own namespace (`AWS_CONTAINER_CREDENTIALS_FULL_URI` + token) ...
     pub endpoint_env: Vec<(String, String)>,
+    /// ... and what serves it there, renewing the session as it nears expiry.
+    pub endpoint: Option<std::sync::Arc<dyn jobnet::CredentialEndpoint>>,
     /// The session as of the job's start as `AWS_*` keys: for executors that run in
     /// the daemon (artifact sync, EKS tokens), and for containers when no renewable
     /// file session could be set up.
@@ -317,6 +325,30 @@ pub trait Executor: Send + Sync {
     fn secrets(&self) -> Vec<Vec<u8>> {
         Vec::new()
     }
+}
+
+/// Put the job's role credentials into `env` (their names win over the job's own):
+/// in the sandbox, the endpoint served inside the job's namespace; with the sandbox
+/// switched off, the session's keys as of now (no renewal), said in the job's log.
+pub(crate) fn add_role_env(ctx: &mut ExecContext<'_>, env: &mut Vec<(String, String)>, network: bool) {
+    let Some(creds) = &ctx.credentials else { return };
+    let role_env = match (&ctx.sandbox, network) {
+        (Some(_), true) => creds.endpoint_env.clone(),
+        (Some(_), false) => {
+            let _ = ctx.output.write(
+                b"[runner] network = false: the job's role credentials are not reachable without a network\n",
+            );
+            return;
+        }
+        (None, _) => {
+            let _ = ctx.output.write(
+                b"[runner] the sandbox is disabled by configuration: the job gets its role session's keys, not renewed\n",
+            );
+            creds.static_env.clone()
+        }
+    };
+    env.retain(|(k, _)| !role_env.iter().any(|(n, _)| n == k));
+    env.extend(role_env);
 }
 
 /// Serde default for switches that are on unless a spec turns them off (network).

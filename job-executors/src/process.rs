@@ -38,7 +38,10 @@ pub async fn run_process_group(
         .stderr(Stdio::piped())
         .process_group(0)
         .kill_on_drop(true);
-    let mut child = match cmd.spawn() {
+    let spawned = cmd.spawn();
+    // Whatever the command holds for the child (a hand-over channel) is the child's now.
+    drop(cmd);
+    let mut child = match spawned {
         Ok(c) => c,
         Err(e) => return ExecOutcome::failed(format!("starting the job process: {e}")),
     };

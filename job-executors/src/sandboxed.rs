@@ -5,18 +5,34 @@ use std::os::unix::fs::DirBuilderExt as _;
 use std::path::PathBuf;
 
 use byoc_sandbox::cgroup::JobCgroup;
-use byoc_sandbox::helper::{EXIT_EXEC_FAILED, EXIT_SANDBOX_FAILED};
+use byoc_sandbox::helper::{EXIT_EXEC_FAILED, EXIT_NETWORK_FAILED, EXIT_SANDBOX_FAILED};
 use byoc_sandbox::spec::SANDBOX_WORK_DIR;
 use tokio::process::Command;
 
+use crate::jobnet::{self, NetworkUse};
 use crate::{ExecContext, ExecOutcome, JobStatus, SandboxSettings};
 
 /// A command to run in the sandbox: program and args as seen inside, and the complete
-/// environment (nothing else is inherited).
+/// environment (nothing else is inherited). `network`: egress through the user-mode
+/// stack (false: an offline namespace).
 pub struct Job {
     pub argv: Vec<String>,
     pub env: Vec<(String, String)>,
     pub network: bool,
+}
+
+/// Reason codes (in the result's `outputs.reason`) for a job the sandbox refused.
+pub const NETWORK_UNAVAILABLE: &str = "sandbox_network_unavailable";
+pub const LIMITS_UNAVAILABLE: &str = "sandbox_limits_unavailable";
+
+/// A job refused before anything of it ran, with the reason code and what to fix.
+pub fn refused(reason: &str, error: String) -> ExecOutcome {
+    ExecOutcome {
+        status: JobStatus::Failed,
+        exit_code: None,
+        error: Some(error),
+        outputs: serde_json::json!({ "reason": reason }),
+    }
 }
 
 /// Inside the sandbox the working directory is always here.
@@ -36,6 +52,14 @@ pub async fn run(job: Job, settings: SandboxSettings, mut ctx: ExecContext<'_>) 
     {
         return ExecOutcome::failed(format!("handing {} to the job's uid: {e}", ctx.work_dir.display()));
     }
+    let use_ = if job.network { NetworkUse::UserMode } else { NetworkUse::Offline };
+    let _ = ctx.output.write(format!("[sandbox] {}\n", jobnet::describe(use_, &settings.network)).as_bytes());
+    if use_ == NetworkUse::UserMode
+        && let Err(why) = jobnet::check_available(&settings.network)
+    {
+        let _ = ctx.output.write(format!("[sandbox] refused: {why}\n").as_bytes());
+        return refused(NETWORK_UNAVAILABLE, format!("the job's network boundary cannot be built: {why}"));
+    }
     let cgroup = if settings.cgroups {
         match JobCgroup::create(&ctx.job_id, settings.limits) {
             Ok(cg) => {
@@ -43,15 +67,29 @@ pub async fn run(job: Job, settings: SandboxSettings, mut ctx: ExecContext<'_>) 
                 let _ = ctx.output.write(line.as_bytes());
                 Some(cg)
             }
+            Err(e) if settings.require_limits => {
+                let _ = ctx.output.write(format!("[sandbox] refused: cgroup limits cannot be applied: {e}\n").as_bytes());
+                return refused(
+                    LIMITS_UNAVAILABLE,
+                    format!(
+                        "the job's memory/pids/cpu limits cannot be applied ({e}); fix the cgroup delegation \
+                         (the packaged unit has Delegate=yes) or set sandbox.require_limits = false"
+                    ),
+                );
+            }
             Err(e) => {
-                let _ = ctx.output.write(format!("[sandbox] cgroup limits not applied: {e}\n").as_bytes());
+                let _ = ctx.output.write(
+                    format!("[sandbox] cgroup limits not applied (sandbox.require_limits = false): {e}\n").as_bytes(),
+                );
                 None
             }
         }
     } else {
-        let _ = ctx.output.write(b"[sandbox] cgroup limits disabled by configuration\n");
+        let _ = ctx.output.write(b"[sandbox] cgroup limits disabled by configuration (sandbox.cgroups = false)\n");
         None
     };
+    let credentials = ctx.credentials.as_ref().and_then(|c| c.endpoint.clone());
+    let network = jobnet::spec(use_, &settings.network, credentials.is_some());
     let spec = byoc_sandbox::SandboxSpec {
         argv: job.argv,
         env: job.env,
@@ -59,7 +97,7 @@ pub async fn run(job: Job, settings: SandboxSettings, mut ctx: ExecContext<'_>) 
         new_root: new_root.clone(),
         ro_paths: settings.ro_paths.clone(),
         hidden_paths: settings.hidden_paths.clone(),
-        network: job.network,
+        network,
         tmp_size_mib: settings.tmp_size_mib,
         nofile: settings.nofile,
         host_uid: settings.host_uid,
@@ -70,8 +108,29 @@ pub async fn run(job: Job, settings: SandboxSettings, mut ctx: ExecContext<'_>) 
     let spec_bytes = serde_json::to_vec(&spec).expect("sandbox spec serialises");
     let mut cmd = Command::new(&settings.helper);
     cmd.args(&settings.helper_args).env_clear().current_dir("/");
+    // The runner's services inside the job's namespace (DNS, the role's endpoint) are
+    // served on sockets init makes there and hands over on this channel.
+    let services = if use_ == NetworkUse::UserMode {
+        use nix::sys::socket::{AddressFamily, SockFlag, SockType, socketpair};
+        match socketpair(AddressFamily::Unix, SockType::SeqPacket, None, SockFlag::SOCK_CLOEXEC) {
+            Ok((ours, theirs)) => {
+                byoc_sandbox::pass_handover_channel(cmd.as_std_mut(), theirs);
+                Some(jobnet::Services::start(ours, &settings.network, credentials))
+            }
+            Err(e) => {
+                if let Some(cg) = cgroup {
+                    let _ = tokio::task::spawn_blocking(move || cg.kill_all_and_remove()).await;
+                }
+                return refused(NETWORK_UNAVAILABLE, format!("creating the hand-over channel: {e}"));
+            }
+        }
+    } else {
+        None
+    };
     ctx.sandbox = None;
     let mut outcome = crate::process::run_process_group(cmd, ctx, Some(spec_bytes)).await;
+    let network_up = services.as_ref().and_then(|s| s.outcome());
+    drop(services);
 
     if let Some(cg) = &cgroup {
         if outcome.status != JobStatus::Succeeded && cg.oom_killed() {
@@ -95,6 +154,12 @@ pub async fn run(job: Job, settings: SandboxSettings, mut ctx: ExecContext<'_>) 
     }
     if outcome.status == JobStatus::Failed {
         match outcome.exit_code {
+            Some(EXIT_NETWORK_FAILED) if !matches!(network_up, Some(Ok(()))) => {
+                outcome.error = Some(
+                    "the job's network boundary could not be built, so nothing ran; the job log says why".into(),
+                );
+                outcome.outputs = serde_json::json!({ "reason": NETWORK_UNAVAILABLE });
+            }
             Some(EXIT_SANDBOX_FAILED) => {
                 outcome.error = Some("the sandbox could not be built; the job log says why".into())
             }
@@ -125,7 +190,7 @@ pub async fn self_test(settings: &SandboxSettings, scratch: &std::path::Path) ->
         new_root: root.clone(),
         ro_paths: settings.ro_paths.clone(),
         hidden_paths: settings.hidden_paths.clone(),
-        network: true,
+        network: byoc_sandbox::spec::NetworkSpec::Off,
         tmp_size_mib: 1,
         nofile: settings.nofile,
         host_uid: settings.host_uid,

@@ -56,7 +56,7 @@ impl Script {
 }
 
 impl Executor for Script {
-    fn run<'a>(&'a self, ctx: ExecContext<'a>) -> ExecFuture<'a> {
+    fn run<'a>(&'a self, mut ctx: ExecContext<'a>) -> ExecFuture<'a> {
         Box::pin(async move {
             let script_path = ctx.work_dir.join("script");
             if let Err(e) = std::fs::write(&script_path, &self.script) {
@@ -80,18 +80,8 @@ impl Executor for Script {
             ];
             env.extend(self.env.iter().map(|(k, v)| (k.clone(), v.clone())));
             env.extend(self.secret_env.iter().map(|(k, v)| (k.clone(), v.clone())));
-            // The role's credential endpoint (refreshed as sessions expire) needs the
-            // host's network; its values win over same-named job variables.
-            if let Some(creds) = &ctx.credentials {
-                if self.network {
-                    env.retain(|(k, _)| !creds.endpoint_env.iter().any(|(n, _)| n == k));
-                    env.extend(creds.endpoint_env.iter().cloned());
-                } else {
-                    let _ = ctx.output.write(
-                        b"[runner] network = false: the job's role credentials are not reachable without a network\n",
-                    );
-                }
-            }
+            // The role's credential endpoint, served inside the job's namespace.
+            crate::add_role_env(&mut ctx, &mut env, self.network);
             let argv = vec![self.interpreter.display().to_string(), dir.join("script").display().to_string()];
             let mut outcome = match ctx.sandbox.clone() {
                 Some(settings) => {

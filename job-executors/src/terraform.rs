@@ -323,10 +323,7 @@ impl Terraform {
         for (k, v) in self.spec.vars.iter().chain(&self.spec.secret_vars) {
             env.push((format!("TF_VAR_{k}"), v.clone()));
         }
-        if let Some(creds) = &ctx.credentials {
-            env.retain(|(k, _)| !creds.endpoint_env.iter().any(|(n, _)| n == k));
-            env.extend(creds.endpoint_env.iter().cloned());
-        }
+        crate::add_role_env(ctx, &mut env, true);
         let mut run = Run { tool: "terraform", ctx, started: Instant::now(), env };
         match self.steps(&mut run, &policy, &module).await {
             Ok(o) | Err(o) => o,

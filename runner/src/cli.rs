@@ -87,6 +87,10 @@ enum Cmd {
         state_dir: PathBuf,
         #[arg(long, default_value = "/etc/byoc-runner")]
         config_dir: PathBuf,
+        /// Another `host:port` the job must not reach (repeatable), besides IMDS
+        /// (IPv4 and IPv6) and the ECS/EKS credential addresses, always tried.
+        #[arg(long = "unreachable", value_name = "HOST:PORT")]
+        unreachable: Vec<String>,
     },
     /// Inspect and verify the signed audit log (offline).
     Audit {
@@ -322,13 +326,14 @@ pub fn main() -> i32 {
         // First and without a runtime: the helper must stay single-threaded.
         Cmd::SandboxExec => byoc_sandbox::helper::sandbox_exec_main(),
         Cmd::PolicyEval { memory_mib } => policy_eval(memory_mib),
-        Cmd::SandboxProbe { runner_pid, state_dir, config_dir } => {
+        Cmd::SandboxProbe { runner_pid, state_dir, config_dir, unreachable } => {
             let key = state_dir.join(crate::identity::KEY_FILE);
             let report = byoc_sandbox::probe::run(&byoc_sandbox::probe::ProbeArgs {
                 runner_pid,
                 state_dir: &state_dir,
                 identity_key: &key,
                 config_dir: &config_dir,
+                unreachable: &unreachable,
             });
             match serde_json::to_string(&report) {
                 Ok(s) => {
@@ -555,6 +560,15 @@ fn policy_test(t: PolicyTest) -> i32 {
 /// out of memory aborts, which the caller turns into a denial.
 fn policy_eval(memory_mib: u64) -> i32 {
     use nix::sys::resource::{Resource, setrlimit};
+    // The vendor's Rego runs here: give it no network at all (an empty namespace of
+    // its own), whatever builtins the engine grows. Still single-threaded, as unshare
+    // of a user namespace requires. Failing that, no decision: the job is denied.
+    if let Err(e) =
+        nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWUSER | nix::sched::CloneFlags::CLONE_NEWNET)
+    {
+        eprintln!("error: isolating the policy evaluator from the network: {e}");
+        return 71;
+    }
     let bytes = memory_mib.saturating_mul(1 << 20);
     if let Err(e) = setrlimit(Resource::RLIMIT_AS, bytes, bytes) {
         eprintln!("error: setting the memory limit: {e}");

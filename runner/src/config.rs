@@ -95,6 +95,11 @@ pub struct SandboxConfig {
     /// Host uid/gid jobs run as when the runner runs as root.
     pub uid: u32,
     pub gid: u32,
+    /// Refuse a job whose cgroup limits cannot be applied (default), rather than run it
+    /// without memory/pids/cpu limits.
+    pub require_limits: bool,
+    /// `[sandbox.egress]`: the network boundary of networked jobs.
+    pub egress: byoc_job_executors::jobnet::NetworkSettings,
 }
 
 #[derive(Debug, Clone)]
@@ -333,8 +338,13 @@ impl Config {
                 .collect(),
             uid: f.ranged("uid", 65534, 1..=u32::MAX as u64) as u32,
             gid: f.ranged("gid", 65534, 1..=u32::MAX as u64) as u32,
+            require_limits: f.get("require_limits").unwrap_or(true),
+            egress: Default::default(),
         };
+        let egress_t = f.table("egress");
         f.finish();
+        let mut sandbox = sandbox;
+        sandbox.egress = parse_egress(Fields::new("sandbox.egress", egress_t, &mut problems));
         for p in &sandbox.extra_ro_paths {
             if !p.is_absolute() {
                 problems.push(format!("sandbox.extra_ro_paths: {} must be an absolute path", p.display()));
@@ -563,6 +573,84 @@ struct Fields<'p> {
     section: &'static str,
     table: toml::Table,
     problems: &'p mut Vec<String>,
+}
+
+/// `[sandbox.egress]`: every problem reported, none fatal on its own.
+fn parse_egress(mut f: Fields<'_>) -> byoc_job_executors::jobnet::NetworkSettings {
+    use byoc_job_executors::jobnet::{EgressAllow, NetworkSettings};
+    use byoc_sandbox::net::Cidr;
+    let d = NetworkSettings::default();
+    let slirp4netns =
+        f.get::<String>("slirp4netns").map(PathBuf::from).unwrap_or_else(|| d.slirp4netns.clone());
+    let ipv6 = f.get("ipv6").unwrap_or(d.ipv6);
+    let mtu = f.ranged("mtu", u64::from(d.mtu), 1280..=65520) as u32;
+    let ready_timeout = Duration::from_millis(f.ranged("ready_timeout_ms", 10_000, 100..=60_000));
+    let deny_s: Vec<String> = f.get("deny").unwrap_or_default();
+    let allow_s: Option<Vec<String>> = f.get("allow");
+    let ns_s: Vec<String> = f.get("nameservers").unwrap_or_default();
+    if !slirp4netns.is_absolute() {
+        f.problem(format!("sandbox.egress.slirp4netns: {} must be an absolute path", slirp4netns.display()));
+    }
+    let mut deny = Vec::new();
+    for (i, d) in deny_s.iter().enumerate() {
+        match d.parse::<Cidr>() {
+            Ok(c) => deny.push(c),
+            Err(e) => f.problem(format!("sandbox.egress.deny[{i}]: {e}")),
+        }
+    }
+    let blocked = byoc_sandbox::net::always_blocked();
+    let allow = allow_s.map(|entries| {
+        let mut allow = EgressAllow::default();
+        for (i, entry) in entries.iter().enumerate() {
+            let entry = entry.trim();
+            if entry.chars().next().is_some_and(|c| c.is_ascii_digit() || c == ':') || entry.contains('/') {
+                match entry.parse::<Cidr>() {
+                    // A range wholly inside one that is always blocked could never be reached.
+                    Ok(c) => match blocked.iter().find(|b| b.len() <= c.len() && b.contains(c.addr())) {
+                        Some(b) => f.problem(format!(
+                            "sandbox.egress.allow[{i}]: {c} is inside {b}, which no job may ever reach"
+                        )),
+                        None => allow.ranges.push(c),
+                    },
+                    Err(e) => f.problem(format!("sandbox.egress.allow[{i}]: {e}")),
+                }
+            } else if valid_host_pattern(entry) {
+                allow.hosts.push(entry.trim_end_matches('.').to_ascii_lowercase());
+            } else {
+                f.problem(format!(
+                    "sandbox.egress.allow[{i}]: {entry:?} is neither an address range (10.0.0.0/8, 2001:db8::/32) \
+                     nor a host name (sts.us-east-1.amazonaws.com, *.amazonaws.com)"
+                ));
+            }
+        }
+        allow
+    });
+    let mut nameservers = Vec::new();
+    for (i, n) in ns_s.iter().enumerate() {
+        let parsed = n
+            .parse::<std::net::SocketAddr>()
+            .or_else(|_| n.parse::<std::net::IpAddr>().map(|ip| std::net::SocketAddr::new(ip, 53)));
+        match parsed {
+            Ok(a) => nameservers.push(a),
+            Err(_) => f.problem(format!("sandbox.egress.nameservers[{i}]: {n:?} is not an IP address (or IP:port)")),
+        }
+    }
+    f.finish();
+    NetworkSettings { slirp4netns, ipv6, mtu, deny, allow, nameservers, ready_timeout }
+}
+
+/// A host name, or `*.` followed by one: letters, digits, hyphens, dots.
+fn valid_host_pattern(s: &str) -> bool {
+    let name = s.strip_prefix("*.").unwrap_or(s).trim_end_matches('.');
+    !name.is_empty()
+        && name.len() <= 253
+        && name.split('.').all(|l| {
+            !l.is_empty()
+                && l.len() <= 63
+                && !l.starts_with('-')
+                && !l.ends_with('-')
+                && l.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+        })
 }
 
 impl<'p> Fields<'p> {

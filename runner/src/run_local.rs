@@ -82,6 +82,11 @@ pub fn local_sandbox(roots: &Path) -> Result<byoc_job_executors::SandboxSettings
         ],
         host_uid: 65534,
         host_gid: 65534,
+        // The same network boundary as on a customer's VM (slirp4netns required).
+        network: Default::default(),
+        // A vendor's workstation rarely delegates cgroups: run without limits, and
+        // the job's log says so.
+        require_limits: false,
     })
 }
 

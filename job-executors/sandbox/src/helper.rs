@@ -4,11 +4,13 @@
 //! whole tree dies with it:
 //!
 //! ```text
-//! helper (runner's namespaces) ── clone(NEWUSER|NEWNS|NEWPID|NEWIPC|NEWUTS[|NEWNET]) ──▶ init (pid 1)
-//!   writes init's uid/gid maps,                                                         mounts the new root,
-//!   relays signals, exits with the job's status                                         forks the job, reaps,
-//!                                                                                       relays signals, exits
-//!                                                                                       with the job's status
+//! helper (runner's namespaces) ── clone(NEWUSER|NEWNS|NEWPID|NEWIPC|NEWUTS|NEWNET) ──▶ init (pid 1)
+//!   writes init's uid/gid maps,                                                  sets the job's routes and rules,
+//!   starts the user-mode network stack                                           hands the runner its sockets,
+//!   (slirp4netns) for init's namespace,                                          mounts the new root,
+//!   relays signals, exits with the job's status                                  forks the job, reaps,
+//!                                                                                relays signals, exits
+//!                                                                                with the job's status
 //! ```
 //!
 //! When init exits the kernel kills everything left in the pid namespace, so nothing
@@ -28,13 +30,24 @@ use nix::sys::signal::{SigSet, SigmaskHow, Signal, kill, sigprocmask};
 use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
 use nix::unistd::{Gid, Pid, Uid};
 
-use crate::spec::{DEFAULT_RO_PATHS, MAX_SPEC_BYTES, SANDBOX_INNER_ID, SANDBOX_WORK_DIR, SandboxSpec};
+use crate::net::Cidr;
+use crate::netlink::Netlink;
+use crate::spec::{
+    DEFAULT_RO_PATHS, HANDOVER_FD, MAX_SPEC_BYTES, NetworkSpec, SANDBOX_INNER_ID, SANDBOX_WORK_DIR, SandboxSpec,
+    UserModeNet, handover,
+};
 use crate::sys;
 
 /// Exit code when the sandbox could not be built (as container runtimes use).
 pub const EXIT_SANDBOX_FAILED: i32 = 125;
 /// Exit code when the job's program could not be executed.
 pub const EXIT_EXEC_FAILED: i32 = 127;
+/// Exit code when the job's network boundary could not be built (nothing ran).
+pub const EXIT_NETWORK_FAILED: i32 = 122;
+/// Errors that mean the network boundary could not be built start with this.
+const NETWORK_FAILED: &str = "network boundary: ";
+/// Priority of the `prohibit` rules: ahead of the main table (32766).
+const PROHIBIT_PRIORITY: u32 = 100;
 
 const RELAYED: &[Signal] = &[Signal::SIGINT, Signal::SIGTERM, Signal::SIGHUP, Signal::SIGQUIT];
 
@@ -43,9 +56,13 @@ pub fn sandbox_exec_main() -> i32 {
         Ok(code) => code,
         Err(e) => {
             eprintln!("sandbox: {e}");
-            EXIT_SANDBOX_FAILED
+            failure_code(&e)
         }
     }
+}
+
+fn failure_code(e: &str) -> i32 {
+    if e.starts_with(NETWORK_FAILED) { EXIT_NETWORK_FAILED } else { EXIT_SANDBOX_FAILED }
 }
 
 fn helper() -> Result<i32, String> {
@@ -57,13 +74,31 @@ fn helper() -> Result<i32, String> {
     if nix::unistd::getppid() == Pid::from_raw(1) {
         return Err("the runner exited before the sandbox started".into());
     }
-    // 3. Nothing the runner had open (sockets, journal, keys) may leak in.
-    sys::close_fds_from(3).map_err(|e| format!("closing inherited descriptors: {e}"))?;
+    // 3. Nothing the runner had open (sockets, journal, keys) may leak in; only the
+    //    hand-over channel stays, close-on-exec so the network stack does not get it.
+    let user_mode = match &spec.network {
+        NetworkSpec::UserMode(net) => Some(net.clone()),
+        _ => None,
+    };
+    let wants_handover = user_mode.as_ref().is_some_and(|n| n.handover);
+    sys::close_fds_from(if wants_handover { HANDOVER_FD as u32 + 1 } else { HANDOVER_FD as u32 })
+        .map_err(|e| format!("closing inherited descriptors: {e}"))?;
+    let mut channel = if wants_handover {
+        Some(sys::take_handover_fd(HANDOVER_FD).map_err(|e| format!("the hand-over channel: {e}"))?)
+    } else {
+        None
+    };
     // 4. Join the job's cgroup first, so every process of the job is counted and limited.
     let pid = std::process::id().to_string();
     for procs in &spec.cgroup_procs {
         std::fs::write(procs, &pid).map_err(|e| format!("joining cgroup {}: {e}", procs.display()))?;
     }
+    // The ranges the job may never reach, with this host's own addresses, which only
+    // the helper (still in the runner's namespace) can list.
+    let blocked = match &user_mode {
+        Some(net) => Some(blocked_ranges(net)?),
+        None => None,
+    };
     // 5. Signals are handled synchronously (sigwait) by helper and init; block them
     //    before the clone so none is lost in between. The job unblocks them.
     let mut mask = SigSet::empty();
@@ -72,13 +107,15 @@ fn helper() -> Result<i32, String> {
     }
     sigprocmask(SigmaskHow::SIG_BLOCK, Some(&mask), None).map_err(|e| format!("blocking signals: {e}"))?;
     // 6. New namespaces. init waits on the pipe until its id maps exist.
-    let (ready_r, ready_w) = nix::unistd::pipe().map_err(|e| format!("pipe: {e}"))?;
+    //    Close-on-exec: the network stack the helper starts must not hold init's pipe.
+    let (ready_r, ready_w) =
+        nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| format!("pipe: {e}"))?;
     let mut flags = CloneFlags::CLONE_NEWUSER
         | CloneFlags::CLONE_NEWNS
         | CloneFlags::CLONE_NEWPID
         | CloneFlags::CLONE_NEWIPC
         | CloneFlags::CLONE_NEWUTS;
-    if !spec.network {
+    if !matches!(spec.network, NetworkSpec::SharedWithHost) {
         flags |= CloneFlags::CLONE_NEWNET;
     }
     let root_mode = nix::unistd::geteuid().is_root();
@@ -87,11 +124,11 @@ fn helper() -> Result<i32, String> {
         flags,
         Box::new(|| {
             sys::close_raw(write_end);
-            match init(&spec, &ready_r, root_mode) {
+            match init(&spec, &ready_r, root_mode, blocked.as_deref(), channel.take()) {
                 Ok(code) => code as isize,
                 Err(e) => {
                     eprintln!("sandbox: {e}");
-                    EXIT_SANDBOX_FAILED as isize
+                    failure_code(&e) as isize
                 }
             }
         }),
@@ -104,6 +141,19 @@ fn helper() -> Result<i32, String> {
         let _ = kill(child, Signal::SIGKILL);
         return Err(e);
     }
+    // 7b. The job's way out: the user-mode stack joins init's namespaces and brings up
+    //     its interface. It lives as long as this helper (its exit descriptor closes
+    //     when we exit) and sits in the job's cgroup.
+    let _stack = match &user_mode {
+        Some(net) => match start_user_mode_stack(child, net) {
+            Ok(stack) => Some(stack),
+            Err(e) => {
+                let _ = kill(child, Signal::SIGKILL);
+                return Err(format!("{NETWORK_FAILED}{e}"));
+            }
+        },
+        None => None,
+    };
     nix::unistd::write(&ready_w, b"1").map_err(|e| format!("releasing the sandbox init: {e}"))?;
     drop(ready_w);
     // 8. Relay stop signals to init and exit with its status.
@@ -168,13 +218,35 @@ fn supervise(child: Pid, mask: &SigSet, mut relay: impl FnMut(Signal)) -> Result
 }
 
 /// pid 1 of the sandbox.
-fn init(spec: &SandboxSpec, ready: &OwnedFd, root_mode: bool) -> Result<i32, String> {
+fn init(
+    spec: &SandboxSpec,
+    ready: &OwnedFd,
+    root_mode: bool,
+    blocked: Option<&[Cidr]>,
+    channel: Option<OwnedFd>,
+) -> Result<i32, String> {
     // If the helper dies, init dies, and with it the whole pid namespace.
     nix::sys::prctl::set_pdeathsig(Signal::SIGKILL).map_err(|e| format!("PR_SET_PDEATHSIG: {e}"))?;
     let mut b = [0u8; 1];
     match nix::unistd::read(ready, &mut b) {
         Ok(1) => {}
         _ => return Err("the helper did not map our ids".into()),
+    }
+    // The network boundary is complete before anything of the job exists: routes and
+    // rules are set by init, which still holds capabilities in the job's namespaces;
+    // the job holds none and cannot change them.
+    match &spec.network {
+        NetworkSpec::UserMode(net) => {
+            configure_user_mode(net, blocked.unwrap_or_default()).map_err(|e| format!("{NETWORK_FAILED}{e}"))?;
+            if let Some(channel) = channel {
+                hand_over(net, channel).map_err(|e| format!("{NETWORK_FAILED}{e}"))?;
+            }
+        }
+        NetworkSpec::Off => {
+            // Loopback up, so the job's own local services work; nothing else exists.
+            Netlink::open().and_then(|mut nl| nl.link_up(1)).map_err(|e| e.to_string())?;
+        }
+        NetworkSpec::SharedWithHost => {}
     }
     build_root(spec)?;
     nix::unistd::sethostname(&spec.hostname).map_err(|e| format!("sethostname: {e}"))?;
@@ -328,6 +400,11 @@ fn build_root(spec: &SandboxSpec) -> Result<(), String> {
             Err(_) => {}
         }
     }
+    // A networked job resolves names through the runner's forwarder in its namespace,
+    // whatever the host's resolver is (a link-local one would be blocked).
+    if matches!(spec.network, NetworkSpec::UserMode(_)) {
+        override_file(root, Path::new("/etc/resolv.conf"), &crate::net::job_resolv_conf())?;
+    }
     // /dev: a tmpfs with the harmless device nodes bound in.
     let dev = root.join("dev");
     std::fs::create_dir_all(&dev).map_err(|e| format!("creating {}: {e}", dev.display()))?;
@@ -463,4 +540,195 @@ fn landlock_rules() -> Result<(), String> {
         .restrict_self()
         .map_err(|e| err(&e))?;
     Ok(())
+}
+
+/// This job's blocked ranges: the fixed list, the customer's, the host's own addresses.
+fn blocked_ranges(net: &UserModeNet) -> Result<Vec<Cidr>, String> {
+    let mut all = crate::net::always_blocked();
+    all.extend(net.blocked.iter().copied());
+    all.extend(crate::net::host_addresses().map_err(|e| format!("{NETWORK_FAILED}{e}"))?);
+    all.sort();
+    all.dedup();
+    Ok(all)
+}
+
+/// The running user-mode stack; dropping it closes its exit descriptor, and it exits.
+struct UserModeStack {
+    _exit: OwnedFd,
+}
+
+/// Start slirp4netns for `child`'s namespaces and wait until its interface is up.
+fn start_user_mode_stack(child: Pid, net: &UserModeNet) -> Result<UserModeStack, String> {
+    use nix::fcntl::{FcntlArg, FdFlag, OFlag, fcntl};
+    use std::os::fd::AsFd as _;
+    let (ready_r, ready_w) = nix::unistd::pipe2(OFlag::O_CLOEXEC).map_err(|e| format!("pipe: {e}"))?;
+    let (exit_r, exit_w) = nix::unistd::pipe2(OFlag::O_CLOEXEC).map_err(|e| format!("pipe: {e}"))?;
+    // Only these two ends are the stack's to inherit.
+    for fd in [&ready_w, &exit_r] {
+        fcntl(fd, FcntlArg::F_SETFD(FdFlag::empty())).map_err(|e| format!("fcntl: {e}"))?;
+    }
+    // Its messages go to memory, shown only if it fails: never into the job's log.
+    let log = nix::sys::memfd::memfd_create(c"slirp4netns", nix::sys::memfd::MFdFlags::MFD_CLOEXEC)
+        .map_err(|e| format!("memfd_create: {e}"))?;
+    let log_for_child = log.try_clone().map_err(|e| format!("dup: {e}"))?;
+    let mut cmd = std::process::Command::new(&net.slirp4netns);
+    cmd.env_clear()
+        .args(["--configure", "--disable-host-loopback", "--disable-dns", "--enable-sandbox", "--enable-seccomp"])
+        .arg(format!("--mtu={}", net.mtu))
+        .arg(format!("--ready-fd={}", ready_w.as_raw_fd()))
+        .arg(format!("--exit-fd={}", exit_r.as_raw_fd()));
+    if net.ipv6 {
+        cmd.arg("--enable-ipv6");
+    }
+    cmd.arg(child.as_raw().to_string())
+        .arg(crate::net::TAP_NAME)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::from(log_for_child));
+    // The child is reaped by the helper's waitpid loop; the handle is not needed.
+    let spawned = cmd.spawn().map_err(|e| format!("starting {}: {e}", net.slirp4netns.display()));
+    drop(ready_w);
+    drop(exit_r);
+    spawned?;
+    let mut fds = [nix::poll::PollFd::new(ready_r.as_fd(), nix::poll::PollFlags::POLLIN)];
+    let timeout = nix::poll::PollTimeout::try_from(net.ready_timeout_ms.min(60_000) as i32)
+        .unwrap_or(nix::poll::PollTimeout::MAX);
+    let failed = |why: String| {
+        let said = stack_messages(&log);
+        if said.is_empty() { why } else { format!("{why}: {said}") }
+    };
+    match nix::poll::poll(&mut fds, timeout) {
+        Ok(0) => {
+            return Err(failed(format!(
+                "{} did not bring the job's network up within {} ms",
+                net.slirp4netns.display(),
+                net.ready_timeout_ms
+            )));
+        }
+        Ok(_) => {}
+        Err(e) => return Err(format!("waiting for {}: {e}", net.slirp4netns.display())),
+    }
+    let mut b = [0u8; 1];
+    match nix::unistd::read(&ready_r, &mut b) {
+        Ok(1) if b[0] == b'1' => Ok(UserModeStack { _exit: exit_w }),
+        _ => Err(failed(format!("{} exited before the job's network was up", net.slirp4netns.display()))),
+    }
+}
+
+/// What the stack printed (its last lines), for an error message.
+fn stack_messages(log: &OwnedFd) -> String {
+    let mut text = String::new();
+    let _ = nix::unistd::lseek(log, 0, nix::unistd::Whence::SeekSet);
+    let mut file = std::fs::File::from(match log.try_clone() {
+        Ok(fd) => fd,
+        Err(_) => return text,
+    });
+    let _ = (&mut file).take(4096).read_to_string(&mut text);
+    text.lines()
+        .filter(|l| !l.starts_with("WARNING: Support for") && !l.trim().is_empty())
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+/// In init, inside the job's namespaces: IPv6, the blocked ranges, the allow-list.
+fn configure_user_mode(net: &UserModeNet, blocked: &[Cidr]) -> Result<(), String> {
+    use crate::net::{GATEWAY_IPV4, GATEWAY_IPV6, JOB_IPV6};
+    use std::net::IpAddr;
+    let mut nl = Netlink::open().map_err(|e| e.to_string())?;
+    let tap = nix::net::if_::if_nametoindex(crate::net::TAP_NAME)
+        .map_err(|e| format!("the job's interface {}: {e}", crate::net::TAP_NAME))?;
+    nl.link_up(1).map_err(|e| e.to_string())?;
+    if net.ipv6 {
+        nl.add_address(tap, IpAddr::V6(JOB_IPV6), 64).map_err(|e| e.to_string())?;
+        nl.add_route_via(Cidr::new(IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED), 0).unwrap_or(Cidr::host(IpAddr::V6(JOB_IPV6))), IpAddr::V6(GATEWAY_IPV6), Some(tap))
+            .map_err(|e| e.to_string())?;
+    }
+    for range in blocked {
+        match nl.prohibit(*range, PROHIBIT_PRIORITY) {
+            Err(e) if e.errno() != Some(nix::Error::EEXIST) => return Err(e.to_string()),
+            _ => {}
+        }
+    }
+    if let Some(allow) = &net.allow {
+        nl.delete_default_route(false).map_err(|e| e.to_string())?;
+        nl.delete_default_route(true).map_err(|e| e.to_string())?;
+        for range in allow {
+            if !range.is_ipv4() && !net.ipv6 {
+                continue;
+            }
+            let gateway = if range.is_ipv4() { IpAddr::V4(GATEWAY_IPV4) } else { IpAddr::V6(GATEWAY_IPV6) };
+            match nl.add_route_via(*range, gateway, Some(tap)) {
+                Err(e) if e.errno() != Some(nix::Error::EEXIST) => return Err(e.to_string()),
+                _ => {}
+            }
+        }
+    }
+    Ok(())
+}
+
+/// In init: make the sockets the runner serves inside the job's namespace and send
+/// them over the hand-over channel; the job never holds any of them.
+fn hand_over(net: &UserModeNet, channel: OwnedFd) -> Result<(), String> {
+    use nix::sys::socket::{ControlMessage, MsgFlags, sendmsg};
+    use std::os::fd::AsRawFd as _;
+    let dns = crate::net::JOB_DNS;
+    let udp = std::net::UdpSocket::bind(dns).map_err(|e| format!("binding the DNS forwarder's {dns}/udp: {e}"))?;
+    let tcp =
+        std::net::TcpListener::bind(dns).map_err(|e| format!("binding the DNS forwarder's {dns}/tcp: {e}"))?;
+    let nl = Netlink::open().map_err(|e| e.to_string())?;
+    let mut names = vec![handover::DNS_UDP, handover::DNS_TCP, handover::NETLINK];
+    let mut fds = vec![udp.as_raw_fd(), tcp.as_raw_fd(), nl.fd().as_raw_fd()];
+    let creds = if net.credentials {
+        let addr = crate::net::JOB_CREDENTIALS;
+        let l = std::net::TcpListener::bind(addr)
+            .map_err(|e| format!("binding the credential endpoint {addr}: {e}"))?;
+        names.push(handover::CREDENTIALS);
+        fds.push(l.as_raw_fd());
+        Some(l)
+    } else {
+        None
+    };
+    let text = names.join(",");
+    let iov = [std::io::IoSlice::new(text.as_bytes())];
+    sendmsg::<()>(channel.as_raw_fd(), &iov, &[ControlMessage::ScmRights(&fds)], MsgFlags::empty(), None)
+        .map_err(|e| format!("handing the job's sockets to the runner: {e}"))?;
+    drop((udp, tcp, nl, creds, channel));
+    Ok(())
+}
+
+/// Make `path` inside the new root read `content`: bind a file of the root's tmpfs
+/// over it where it exists (under a read-only bind), or create it there.
+fn override_file(root: &Path, path: &Path, content: &str) -> Result<(), String> {
+    let mut target = inside(root, path);
+    // /etc/resolv.conf is often a link (to /run/systemd/resolve/…, not in the sandbox).
+    for _ in 0..8 {
+        match std::fs::read_link(&target) {
+            Ok(dest) => {
+                let base = target.parent().map(Path::to_path_buf).unwrap_or_else(|| root.to_path_buf());
+                let abs = if dest.is_absolute() { inside(root, &dest) } else { base.join(dest) };
+                target = abs;
+            }
+            Err(_) => break,
+        }
+    }
+    if !target.starts_with(root) {
+        return Err(format!("{} leads outside the sandbox's root", path.display()));
+    }
+    let source = root.join(format!(".byoc-{}", path.file_name().and_then(|n| n.to_str()).unwrap_or("file")));
+    std::fs::write(&source, content).map_err(|e| format!("writing {}: {e}", source.display()))?;
+    if target.exists() {
+        mnt(Some(&source), &target, None, MsFlags::MS_BIND, None)?;
+        mnt(
+            None,
+            &target,
+            None,
+            MsFlags::MS_BIND | MsFlags::MS_REMOUNT | MsFlags::MS_RDONLY | MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
+            None,
+        )
+    } else {
+        if let Some(parent) = target.parent() {
+            std::fs::create_dir_all(parent).map_err(|e| format!("creating {}: {e}", parent.display()))?;
+        }
+        std::fs::write(&target, content).map_err(|e| format!("writing {}: {e}", target.display()))
+    }
 }

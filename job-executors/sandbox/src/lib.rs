@@ -9,12 +9,29 @@
 
 pub mod cgroup;
 pub mod helper;
+pub mod net;
+pub mod netlink;
 pub mod probe;
 pub mod seccomp;
 pub mod spec;
 mod sys;
 
 pub use spec::SandboxSpec;
+
+/// Give the helper `cmd` starts the runner's end of the hand-over channel at
+/// [`spec::HANDOVER_FD`].
+pub fn pass_handover_channel(cmd: &mut std::process::Command, fd: std::os::fd::OwnedFd) {
+    sys::pass_fd_as(cmd, fd, spec::HANDOVER_FD);
+}
+
+/// Receive one message of the hand-over channel and its descriptors (non-blocking
+/// when the socket is).
+pub fn receive_with_fds(
+    channel: std::os::fd::BorrowedFd<'_>,
+    buf: &mut [u8],
+) -> std::io::Result<(usize, Vec<std::os::fd::OwnedFd>)> {
+    sys::recv_with_fds(channel, buf)
+}
 
 /// Whether the kernel enforces Landlock (a ruleset can be created; nothing is
 /// restricted by asking).

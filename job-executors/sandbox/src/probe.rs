@@ -26,6 +26,36 @@ pub struct ProbeArgs<'a> {
     pub state_dir: &'a Path,
     pub identity_key: &'a Path,
     pub config_dir: &'a Path,
+    /// More `host:port` addresses the job must not reach (the runner's control plane,
+    /// a service on the host's loopback), besides [`UNREACHABLE`].
+    pub unreachable: &'a [String],
+}
+
+/// Addresses no job may reach: IMDS over IPv4 and IPv6, the ECS and EKS Pod Identity
+/// credential addresses.
+pub const UNREACHABLE: &[&str] =
+    &["169.254.169.254:80", "[fd00:ec2::254]:80", "169.254.170.2:80", "169.254.170.23:80"];
+
+/// Try to connect; `held` when the connection could not be made.
+fn unreachable(target: &str) -> (bool, String) {
+    use std::net::ToSocketAddrs as _;
+    let addrs: Vec<std::net::SocketAddr> = match target.to_socket_addrs() {
+        Ok(a) => a.collect(),
+        Err(e) => return (true, format!("does not resolve: {e}")),
+    };
+    for addr in &addrs {
+        if std::net::TcpStream::connect_timeout(addr, std::time::Duration::from_secs(3)).is_ok() {
+            return (false, format!("connected to {addr}"));
+        }
+    }
+    let errs: Vec<String> = addrs
+        .iter()
+        .map(|a| match std::net::TcpStream::connect_timeout(a, std::time::Duration::from_secs(3)) {
+            Ok(_) => format!("{a}: connected"),
+            Err(e) => format!("{a}: {e}"),
+        })
+        .collect();
+    (true, errs.join("; "))
 }
 
 fn refused<T, E: std::fmt::Display>(r: Result<T, E>) -> (bool, String) {
@@ -104,6 +134,25 @@ pub fn run(args: &ProbeArgs<'_>) -> Report {
     add("no_new_privs", (nnp == "1", format!("NoNewPrivs {nnp}")));
     let seccomp = status_field("Seccomp");
     add("seccomp_filter", (seccomp == "2", format!("Seccomp {seccomp}")));
+    for target in UNREACHABLE.iter().map(|s| s.to_string()).chain(args.unreachable.iter().cloned()) {
+        add(&format!("unreachable:{target}"), unreachable(&target));
+    }
+    add(
+        "routes_unchangeable",
+        refused(crate::netlink::Netlink::open().map_err(|e| e.to_string()).and_then(|mut nl| {
+            nl.prohibit("192.0.2.0/24".parse().unwrap_or(crate::net::Cidr::host(std::net::Ipv4Addr::UNSPECIFIED.into())), 99)
+                .map_err(|e| e.to_string())
+        })),
+    );
+    add(
+        "raw_socket_refused",
+        refused(nix::sys::socket::socket(
+            nix::sys::socket::AddressFamily::Inet,
+            nix::sys::socket::SockType::Raw,
+            nix::sys::socket::SockFlag::empty(),
+            nix::sys::socket::SockProtocol::Icmp,
+        )),
+    );
     let mut env_names: Vec<String> =
         std::env::vars_os().map(|(k, _)| k.to_string_lossy().into_owned()).collect();
     env_names.sort();

@@ -4,6 +4,8 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
+use crate::net::Cidr;
+
 /// Where the job's working directory appears inside the sandbox.
 pub const SANDBOX_WORK_DIR: &str = "/work";
 /// Host directories visible (read-only) inside every sandbox, when they exist.
@@ -31,9 +33,8 @@ pub struct SandboxSpec {
     /// Paths that must not be visible inside (the runner's state and config); masked
     /// if they lie under a bound directory.
     pub hidden_paths: Vec<PathBuf>,
-    /// Keep the host network (default for terraform/helm); false gives an empty
-    /// network namespace with no interfaces but loopback.
-    pub network: bool,
+    /// The job's network: see [`NetworkSpec`].
+    pub network: NetworkSpec,
     pub tmp_size_mib: u64,
     /// RLIMIT_NOFILE for the job.
     pub nofile: u64,
@@ -44,4 +45,53 @@ pub struct SandboxSpec {
     /// limited by the runner; empty when cgroups are unavailable).
     pub cgroup_procs: Vec<PathBuf>,
     pub hostname: String,
+}
+
+/// The descriptor on which the helper (and the sandbox's init) finds the runner's end
+/// of the hand-over channel, when [`UserModeNet::handover`] is set.
+pub const HANDOVER_FD: i32 = 3;
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", deny_unknown_fields)]
+pub enum NetworkSpec {
+    /// An empty network namespace: loopback only, nothing outside.
+    Off,
+    /// The job's own namespace with egress through a user-mode stack, the blocked
+    /// ranges refused ahead of every route.
+    UserMode(UserModeNet),
+    /// The runner's own network namespace. The runner never asks for it; it exists
+    /// for the benchmark that shows what the boundary costs.
+    SharedWithHost,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct UserModeNet {
+    /// The `slirp4netns` program (run by the helper in the runner's namespaces).
+    pub slirp4netns: PathBuf,
+    /// Give the job IPv6 egress too (the blocked IPv6 ranges are refused either way).
+    pub ipv6: bool,
+    pub mtu: u32,
+    /// Refused besides [`crate::net::ALWAYS_BLOCKED`] and the host's own addresses
+    /// (which the helper adds itself).
+    pub blocked: Vec<Cidr>,
+    /// `None`: every destination not blocked. `Some`: only these ranges (and the
+    /// addresses of allowed host names, which the runner routes as the job resolves them).
+    pub allow: Option<Vec<Cidr>>,
+    /// Make the sockets the runner serves inside the namespace (DNS, a netlink socket
+    /// for allowed names' routes, and with `credentials` the role's endpoint) and send
+    /// them on [`HANDOVER_FD`].
+    pub handover: bool,
+    pub credentials: bool,
+    /// How long the user-mode stack may take to come up.
+    pub ready_timeout_ms: u64,
+}
+
+/// What the sandbox's init sends on the hand-over channel: one message whose text names
+/// the descriptors that travel with it, in order.
+pub mod handover {
+    pub const DNS_UDP: &str = "dns_udp";
+    pub const DNS_TCP: &str = "dns_tcp";
+    pub const NETLINK: &str = "netlink";
+    pub const CREDENTIALS: &str = "credentials";
 }

@@ -77,3 +77,76 @@ pub fn close_raw(fd: std::os::fd::RawFd) {
         libc::close(fd);
     }
 }
+
+/// Take ownership of the hand-over channel the runner placed at `fd`, after checking
+/// it is a socket, and mark it close-on-exec (init sends on it; nothing exec'd may
+/// inherit it).
+pub fn take_handover_fd(fd: std::os::fd::RawFd) -> std::io::Result<std::os::fd::OwnedFd> {
+    use std::os::fd::FromRawFd as _;
+    let mut st = std::mem::MaybeUninit::<libc::stat>::uninit();
+    // SAFETY: fstat writes a `struct stat` into the buffer we own and touches nothing else.
+    if unsafe { libc::fstat(fd, st.as_mut_ptr()) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: fstat succeeded, so it initialised the buffer.
+    let st = unsafe { st.assume_init() };
+    if st.st_mode & libc::S_IFMT != libc::S_IFSOCK {
+        return Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("descriptor {fd} is not a socket")));
+    }
+    // SAFETY: the descriptor is open (fstat succeeded) and, by the helper's contract
+    // with the runner, ours alone: nothing else in this process refers to it.
+    let owned = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
+    nix::fcntl::fcntl(&owned, nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::FD_CLOEXEC))?;
+    Ok(owned)
+}
+
+/// Make `fd` appear as descriptor `target` in the program `cmd` starts (the sandbox
+/// helper's hand-over channel), whatever number it has here.
+pub fn pass_fd_as(cmd: &mut std::process::Command, fd: std::os::fd::OwnedFd, target: std::os::fd::RawFd) {
+    use std::os::fd::AsRawFd as _;
+    use std::os::unix::process::CommandExt as _;
+    let raw = fd.as_raw_fd();
+    // SAFETY: the closure runs in the forked child before exec and calls only dup2 and
+    // fcntl, which are async-signal-safe; `fd` stays open in the parent (moved into the
+    // closure, which the Command keeps) until the child has been spawned.
+    unsafe {
+        cmd.pre_exec(move || {
+            let _keep = &fd;
+            if raw == target {
+                // dup2 onto itself keeps close-on-exec: clear it instead.
+                if libc::fcntl(raw, libc::F_SETFD, 0) == -1 {
+                    return Err(std::io::Error::last_os_error());
+                }
+            } else if libc::dup2(raw, target) == -1 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+}
+
+/// Receive one message and the descriptors that came with it (close-on-exec).
+pub fn recv_with_fds(
+    fd: std::os::fd::BorrowedFd<'_>,
+    buf: &mut [u8],
+) -> std::io::Result<(usize, Vec<std::os::fd::OwnedFd>)> {
+    use nix::sys::socket::{ControlMessageOwned, MsgFlags, recvmsg};
+    use std::os::fd::{AsRawFd as _, FromRawFd as _};
+    let mut iov = [std::io::IoSliceMut::new(buf)];
+    let mut space = nix::cmsg_space!([std::os::fd::RawFd; 8]);
+    let msg = recvmsg::<()>(fd.as_raw_fd(), &mut iov, Some(&mut space), MsgFlags::MSG_CMSG_CLOEXEC)?;
+    let mut fds = Vec::new();
+    for c in msg.cmsgs()? {
+        if let ControlMessageOwned::ScmRights(raws) = c {
+            for raw in raws {
+                // SAFETY: the kernel just installed `raw` in our table for this message;
+                // nothing else in the process knows the number, so we own it.
+                fds.push(unsafe { std::os::fd::OwnedFd::from_raw_fd(raw) });
+            }
+        }
+    }
+    if msg.flags.contains(MsgFlags::MSG_CTRUNC) {
+        return Err(std::io::Error::other("descriptors were cut off (more than expected)"));
+    }
+    Ok((msg.bytes, fds))
+}

@@ -17,7 +17,7 @@ use super::resolve_role::ScopedRole;
 use super::{ClaimedJob, Rt};
 use crate::journal::{Event, JournalError, now_ms};
 use crate::roles::creds::{
-    CONTAINER_BUSYBOX, CONTAINER_CREDENTIALS_DIR, CredentialFile, JobSession, Registration, rfc3339,
+    CONTAINER_BUSYBOX, CONTAINER_CREDENTIALS_DIR, CredentialFile, JobEndpoint, JobSession, rfc3339,
 };
 use crate::roles::sts::{SessionParams, session_duration, sts_identifier, tag_value};
 use crate::spool::{SpoolWriter, Uploader};
@@ -47,8 +47,8 @@ pub async fn execute(rt: &Rt, job: ClaimedJob) -> Result<FinishedJob, JournalErr
                     .unwrap_or((0, byoc_protocol::sha256_hex(b"")));
         }
         Ok(mut spool) => {
-            // The role session lives as long as the executor runs; dropping the
-            // registration revokes the job's credential endpoint token.
+            // The role session lives as long as the executor runs; dropping it stops a
+            // container's renewal (a process job's endpoint ends with its sandbox).
             let (registration, credentials) = match &job.role {
                 None => (None, None),
                 Some(role) => match assume_for_job(rt, &job, role).await {
@@ -168,7 +168,7 @@ async fn assume_for_job(
     let p = &job.verified.payload;
     let roles = &rt.roles;
     let name = &role.derived.role.name;
-    let (Some(assumer), Some(server)) = (&roles.assumer, &roles.creds) else {
+    let Some(assumer) = &roles.assumer else {
         return Err(format!("role {name:?} cannot be assumed: aws.region is not configured on this runner"));
     };
     let params = SessionParams {
@@ -303,34 +303,38 @@ async fn assume_for_job(
                 };
                 let note =
                     format!("{intro}, renewed before expiry through the container's credential_process\n");
-                let creds =
-                    JobCredentials { endpoint_env: vec![], static_env, container: Some(container), feed };
-                (RoleSession { _endpoint: None, _file: Some(file) }, creds, note)
+                let creds = JobCredentials {
+                    endpoint_env: vec![],
+                    endpoint: None,
+                    static_env,
+                    container: Some(container),
+                    feed,
+                };
+                (RoleSession { _file: Some(file) }, creds, note)
             }
             Err(why) => {
                 tracing::warn!(reason = %why, "a container gets its role session's keys without renewal");
                 let note = format!("{intro}; the container gets its keys without renewal: {why}\n");
-                let creds = JobCredentials { endpoint_env: vec![], static_env, container: None, feed };
-                (RoleSession { _endpoint: None, _file: None }, creds, note)
+                let creds =
+                    JobCredentials { endpoint_env: vec![], endpoint: None, static_env, container: None, feed };
+                (RoleSession { _file: None }, creds, note)
             }
         });
     }
-    let reg = server.register(session);
-    feed.add(reg.token.as_bytes().to_vec());
-    let mut endpoint_env = vec![
-        ("AWS_CONTAINER_CREDENTIALS_FULL_URI".to_string(), reg.url.clone()),
-        ("AWS_CONTAINER_AUTHORIZATION_TOKEN".to_string(), reg.token.clone()),
-    ];
+    let endpoint = JobEndpoint::new(session);
+    let mut endpoint_env = endpoint.env();
     endpoint_env.extend(common);
-    let note = format!("{intro}, renewed before expiry through the job's credential endpoint\n");
-    let creds = JobCredentials { endpoint_env, static_env, container: None, feed };
-    Ok((RoleSession { _endpoint: Some(reg), _file: None }, creds, note))
+    let note = format!(
+        "{intro}, renewed before expiry through the credential endpoint in the job's own network namespace\n"
+    );
+    let endpoint: Arc<dyn byoc_job_executors::jobnet::CredentialEndpoint> = endpoint;
+    let creds = JobCredentials { endpoint_env, endpoint: Some(endpoint), static_env, container: None, feed };
+    Ok((RoleSession { _file: None }, creds, note))
 }
 
-/// What keeps a job's role session alive while it runs: dropping it revokes the
-/// endpoint token, or stops a container's renewal and deletes its credentials file.
+/// What keeps a container's role session alive while it runs: dropping it stops the
+/// renewal and deletes its credentials file.
 struct RoleSession {
-    _endpoint: Option<Registration>,
     _file: Option<CredentialFile>,
 }
 

@@ -155,6 +155,8 @@ pub fn sandbox_settings(
         hidden_paths: hidden,
         host_uid: s.uid,
         host_gid: s.gid,
+        network: s.egress.clone(),
+        require_limits: s.require_limits,
     })
 }
 

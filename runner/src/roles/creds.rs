@@ -1,14 +1,14 @@
-//! The per-job credential endpoint: a loopback HTTP server speaking the AWS container
+//! The per-job credential endpoint: an HTTP server speaking the AWS container
 //! credentials protocol (`AWS_CONTAINER_CREDENTIALS_FULL_URI` plus
 //! `AWS_CONTAINER_AUTHORIZATION_TOKEN`), which every AWS SDK and the CLI already use.
-//! Each job gets its own random token, valid only while the job runs; behind it the
-//! runner re-assumes the job's role before the session expires, so a job that outlives
-//! one session keeps working. New keys enter the job's masking feed before the job
-//! sees them.
+//! It listens inside the job's own network namespace (127.0.0.1:80 there; the socket is
+//! made by the sandbox and handed to the runner), so only that job can reach it, and
+//! it also wants the job's random token. Behind it the runner re-assumes the job's
+//! role before the session expires, so a job that outlives one session keeps working.
+//! New keys enter the job's masking feed before the job sees them.
 
-use std::collections::HashMap;
-use std::net::SocketAddr;
-use std::sync::{Arc, Mutex};
+use std::future::Future;
+use std::sync::Arc;
 use std::time::Duration;
 
 use byoc_job_executors::mask::SecretFeed;
@@ -83,64 +83,51 @@ pub fn feed_credentials(feed: &SecretFeed, c: &Credentials) {
     feed.add(c.session_token.as_bytes().to_vec());
 }
 
-type Sessions = Arc<Mutex<HashMap<String, Arc<JobSession>>>>;
-
-pub struct CredentialServer {
-    addr: SocketAddr,
-    sessions: Sessions,
+/// One job's credential endpoint, served by the runner on connections accepted inside
+/// the job's own network namespace (a listener its sandbox's init made there): no
+/// other job and nothing on the host can connect to it. The random token stays as a
+/// second lock; it dies with the job.
+pub struct JobEndpoint {
+    token: String,
+    session: Arc<JobSession>,
 }
 
-/// A job's access to the endpoint; dropping it revokes the token.
-pub struct Registration {
-    pub token: String,
-    pub url: String,
-    sessions: Sessions,
-}
-
-impl Drop for Registration {
-    fn drop(&mut self) {
-        self.sessions.lock().unwrap_or_else(|e| e.into_inner()).remove(&self.token);
-    }
-}
-
-impl CredentialServer {
-    /// Listen on a free loopback port; serve until the runtime ends.
-    pub async fn start() -> std::io::Result<CredentialServer> {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-        let addr = listener.local_addr()?;
-        let sessions: Sessions = Arc::default();
-        let served = sessions.clone();
-        tokio::spawn(async move {
-            loop {
-                let Ok((stream, _)) = listener.accept().await else { continue };
-                let sessions = served.clone();
-                tokio::spawn(async move {
-                    let service = hyper::service::service_fn(move |req| {
-                        let sessions = sessions.clone();
-                        async move { Ok::<_, std::convert::Infallible>(handle(&sessions, req).await) }
-                    });
-                    let _ = hyper::server::conn::http1::Builder::new()
-                        .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
-                        .await;
-                });
-            }
-        });
-        Ok(CredentialServer { addr, sessions })
-    }
-
-    pub fn register(&self, session: JobSession) -> Registration {
+impl JobEndpoint {
+    pub fn new(session: JobSession) -> Arc<JobEndpoint> {
         let token = byoc_protocol::random_hex(32);
-        self.sessions.lock().unwrap_or_else(|e| e.into_inner()).insert(token.clone(), Arc::new(session));
-        Registration {
-            token,
-            url: format!("http://{}{CREDENTIALS_PATH}", self.addr),
-            sessions: self.sessions.clone(),
-        }
+        session.feed.add(token.as_bytes().to_vec());
+        Arc::new(JobEndpoint { token, session: Arc::new(session) })
     }
 
-    /// Jobs with a live token (for tests and status).
-    pub fn live_sessions(&self) -> usize {
-        self.sessions.lock().unwrap_or_else(|e| e.into_inner()).len()
+    /// What the job's environment says: where the endpoint is inside its namespace.
+    pub fn env(&self) -> Vec<(String, String)> {
+        vec![
+            (
+                "AWS_CONTAINER_CREDENTIALS_FULL_URI".to_string(),
+                format!("http://{}{CREDENTIALS_PATH}", byoc_sandbox::net::JOB_CREDENTIALS),
+            ),
+            ("AWS_CONTAINER_AUTHORIZATION_TOKEN".to_string(), self.token.clone()),
+        ]
+    }
+
+    async fn handle(&self, req: Request<hyper::body::Incoming>) -> Response<Full<Bytes>> {
+        handle(&self.token, &self.session, req).await
+    }
+}
+
+impl byoc_job_executors::jobnet::CredentialEndpoint for JobEndpoint {
+    fn serve(&self, stream: tokio::net::TcpStream) -> std::pin::Pin<Box<dyn Future<Output = ()> + Send>> {
+        let me = JobEndpoint { token: self.token.clone(), session: self.session.clone() };
+        let me = Arc::new(me);
+        Box::pin(async move {
+            let service = hyper::service::service_fn(move |req| {
+                let me = me.clone();
+                async move { Ok::<_, std::convert::Infallible>(me.handle(req).await) }
+            });
+            let _ = hyper::server::conn::http1::Builder::new()
+                .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
+                .await;
+        })
     }
 }
 
@@ -156,19 +143,19 @@ fn error_body(code: &str, message: &str) -> String {
     serde_json::json!({ "code": code, "message": message }).to_string()
 }
 
-async fn handle(sessions: &Sessions, req: Request<hyper::body::Incoming>) -> Response<Full<Bytes>> {
+async fn handle(
+    expected: &str,
+    session: &JobSession,
+    req: Request<hyper::body::Incoming>,
+) -> Response<Full<Bytes>> {
     if req.method() != hyper::Method::GET || req.uri().path() != CREDENTIALS_PATH {
         return reply(StatusCode::NOT_FOUND, error_body("not_found", "GET /v1/credentials only"));
     }
     let token = req.headers().get(hyper::header::AUTHORIZATION).and_then(|v| v.to_str().ok()).unwrap_or("");
     let token = token.strip_prefix("Bearer ").unwrap_or(token);
-    let session = sessions.lock().unwrap_or_else(|e| e.into_inner()).get(token).cloned();
-    let Some(session) = session else {
-        return reply(
-            StatusCode::UNAUTHORIZED,
-            error_body("unauthorized", "unknown or revoked token (the job has ended)"),
-        );
-    };
+    if !constant_time_eq(token.as_bytes(), expected.as_bytes()) {
+        return reply(StatusCode::UNAUTHORIZED, error_body("unauthorized", "wrong token"));
+    }
     match session.credentials().await {
         Ok(c) => reply(
             StatusCode::OK,
@@ -183,6 +170,10 @@ async fn handle(sessions: &Sessions, req: Request<hyper::body::Incoming>) -> Res
         ),
         Err(e) => reply(StatusCode::SERVICE_UNAVAILABLE, error_body("assume_role_failed", &e)),
     }
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 /// Where a container finds its credentials: the per-job directory is mounted read-only
@@ -470,8 +461,8 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn serves_refreshes_and_revokes() {
-        let server = CredentialServer::start().await.unwrap();
+    async fn serves_and_refreshes_with_the_jobs_token_only() {
+        use byoc_job_executors::jobnet::CredentialEndpoint as _;
         let assumer = Arc::new(Counting { calls: AtomicU32::new(0), lifetime: 30 });
         let first = assumer.assume(&params()).await.unwrap();
         let feed = SecretFeed::default();
@@ -487,26 +478,32 @@ mod tests {
                 r2.fetch_add(1, Ordering::SeqCst);
             }),
         );
-        let reg = server.register(session);
-        let (status, body) = get(&reg.url, &reg.token).await;
+        let endpoint = JobEndpoint::new(session);
+        let env: std::collections::HashMap<String, String> = endpoint.env().into_iter().collect();
+        assert_eq!(env["AWS_CONTAINER_CREDENTIALS_FULL_URI"], "http://127.0.0.1:80/v1/credentials");
+        let token = env["AWS_CONTAINER_AUTHORIZATION_TOKEN"].clone();
+        assert!(feed.secrets().iter().any(|s| s == token.as_bytes()), "the token is masked");
+        // In the runner the listener lives in the job's namespace; here, on loopback.
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}{CREDENTIALS_PATH}", listener.local_addr().unwrap());
+        let serving = endpoint.clone();
+        tokio::spawn(async move {
+            loop {
+                let (stream, _) = listener.accept().await.unwrap();
+                tokio::spawn(serving.serve(stream));
+            }
+        });
+        let (status, body) = get(&url, &token).await;
         assert_eq!(status, 200);
         assert_eq!(body["AccessKeyId"], "ASIAKEY0000000000001");
         assert!(body["Expiration"].as_str().unwrap().ends_with('Z'));
-        // Wrong token.
-        assert_eq!(get(&reg.url, "nope").await.0, 401);
+        assert_eq!(get(&url, "nope").await.0, 401);
+        assert_eq!(get(&url, "").await.0, 401);
         // Less than refresh_before left: a new session, fed to the masker first.
-        {
-            let s = server.sessions.lock().unwrap().get(&reg.token).cloned().unwrap();
-            s.current.lock().await.expiration = crate::daemon::unix_now() + 5;
-        }
-        let (_, body) = get(&reg.url, &format!("Bearer {}", reg.token)).await;
+        endpoint.session.current.lock().await.expiration = crate::daemon::unix_now() + 5;
+        let (_, body) = get(&url, &format!("Bearer {token}")).await;
         assert_eq!(body["AccessKeyId"], "ASIAKEY0000000000002");
         assert_eq!(refreshed.load(Ordering::SeqCst), 1);
         assert!(feed.secrets().iter().any(|s| s == b"secret-2-xxxxxxxx"));
-        let url = reg.url.clone();
-        let token = reg.token.clone();
-        drop(reg);
-        assert_eq!(get(&url, &token).await.0, 401);
-        assert_eq!(server.live_sessions(), 0);
     }
 }

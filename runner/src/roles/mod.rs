@@ -119,7 +119,6 @@ pub struct Roles {
     pub source: Box<dyn SwitchSource>,
     /// `None` without `aws.region`: a job that asks for a role fails with a clear error.
     pub assumer: Option<Arc<dyn sts::Assumer>>,
-    pub creds: Option<creds::CredentialServer>,
     pub external_id: Option<String>,
     pub session_min_secs: u64,
     pub session_max_secs: u64,
@@ -170,10 +169,6 @@ impl Roles {
         let assumer: Option<Arc<dyn sts::Assumer>> = sdk.as_ref().map(|s| {
             Arc::new(sts::StsAssumer { client: aws_sdk_sts::Client::new(s) }) as Arc<dyn sts::Assumer>
         });
-        let creds = match &assumer {
-            Some(_) => Some(creds::CredentialServer::start().await?),
-            None => None,
-        };
         // No job runs yet: credential files left by a runner that was killed belong to
         // jobs that are now interrupted, so their sessions go.
         creds::remove_stale_credential_files(&config.roles.container_credentials_dir);
@@ -182,7 +177,6 @@ impl Roles {
             install: install_state(config, install_id),
             source: switch_source(config, sdk.as_ref()),
             assumer,
-            creds,
             external_id: config.roles.external_id.clone(),
             session_min_secs: config.roles.session_min.as_secs(),
             session_max_secs: config.roles.session_max.as_secs(),

@@ -1,0 +1,217 @@
+//! The few rtnetlink requests the network boundary needs: bring a link up, add an
+//! address, add or delete a route, add a `prohibit` rule. Each request waits for the
+//! kernel's acknowledgement, so a failure is reported, never assumed away.
+//!
+//! A netlink socket acts on the network namespace it was created in; the sandbox's
+//! init opens one inside the job's namespace (and hands a copy to the runner, which
+//! adds routes for allowed host names as the job resolves them).
+
+use std::net::IpAddr;
+use std::os::fd::{AsRawFd as _, OwnedFd};
+
+use nix::sys::socket::{
+    AddressFamily, MsgFlags, NetlinkAddr, SockFlag, SockProtocol, SockType, recv, sendto, socket,
+};
+
+use crate::net::Cidr;
+
+const NLMSG_ERROR: u16 = 2;
+const RTM_NEWLINK: u16 = 16;
+const RTM_NEWADDR: u16 = 20;
+const RTM_NEWROUTE: u16 = 24;
+const RTM_DELROUTE: u16 = 25;
+const RTM_NEWRULE: u16 = 32;
+
+const NLM_F_REQUEST: u16 = 0x1;
+const NLM_F_ACK: u16 = 0x4;
+const NLM_F_EXCL: u16 = 0x200;
+const NLM_F_CREATE: u16 = 0x400;
+
+const AF_INET: u8 = 2;
+const AF_INET6: u8 = 10;
+
+const RT_TABLE_MAIN: u8 = 254;
+const RTPROT_STATIC: u8 = 4;
+const RT_SCOPE_UNIVERSE: u8 = 0;
+const RTN_UNICAST: u8 = 1;
+const FR_ACT_PROHIBIT: u8 = 8;
+
+const RTA_DST: u16 = 1;
+const RTA_OIF: u16 = 4;
+const RTA_GATEWAY: u16 = 5;
+const FRA_DST: u16 = 1;
+const FRA_PRIORITY: u16 = 6;
+const IFA_ADDRESS: u16 = 1;
+const IFA_LOCAL: u16 = 2;
+const IFA_F_NODAD: u8 = 0x02;
+const IFF_UP: u32 = 0x1;
+
+#[derive(Debug, thiserror::Error)]
+pub enum NetlinkError {
+    #[error("opening a netlink socket: {0}")]
+    Open(nix::Error),
+    #[error("{what}: {source}")]
+    Io { what: String, source: nix::Error },
+    #[error("{what}: the kernel answered {errno}")]
+    Refused { what: String, errno: nix::Error },
+    #[error("{what}: no acknowledgement from the kernel")]
+    NoAck { what: String },
+}
+
+impl NetlinkError {
+    /// The kernel's error number, when it refused the request.
+    pub fn errno(&self) -> Option<nix::Error> {
+        match self {
+            NetlinkError::Refused { errno, .. } => Some(*errno),
+            _ => None,
+        }
+    }
+}
+
+/// A NETLINK_ROUTE socket in the namespace it was opened in.
+pub struct Netlink {
+    fd: OwnedFd,
+    seq: u32,
+}
+
+fn family(ip: IpAddr) -> u8 {
+    if ip.is_ipv4() { AF_INET } else { AF_INET6 }
+}
+
+fn ip_bytes(ip: IpAddr) -> Vec<u8> {
+    match ip {
+        IpAddr::V4(a) => a.octets().to_vec(),
+        IpAddr::V6(a) => a.octets().to_vec(),
+    }
+}
+
+fn attr(buf: &mut Vec<u8>, kind: u16, data: &[u8]) {
+    let len = 4 + data.len();
+    buf.extend_from_slice(&(len as u16).to_ne_bytes());
+    buf.extend_from_slice(&kind.to_ne_bytes());
+    buf.extend_from_slice(data);
+    buf.resize(buf.len().next_multiple_of(4), 0);
+}
+
+/// `struct rtmsg` (route requests).
+fn rtmsg(family: u8, dst_len: u8, kind: u8) -> Vec<u8> {
+    let mut m = vec![family, dst_len, 0, 0, RT_TABLE_MAIN, RTPROT_STATIC, RT_SCOPE_UNIVERSE, kind];
+    m.extend_from_slice(&0u32.to_ne_bytes());
+    m
+}
+
+impl Netlink {
+    pub fn open() -> Result<Netlink, NetlinkError> {
+        let fd = socket(AddressFamily::Netlink, SockType::Raw, SockFlag::SOCK_CLOEXEC, SockProtocol::NetlinkRoute)
+            .map_err(NetlinkError::Open)?;
+        Ok(Netlink { fd, seq: 0 })
+    }
+
+    /// A socket opened elsewhere (in a job's namespace, received from its init).
+    pub fn from_fd(fd: OwnedFd) -> Netlink {
+        Netlink { fd, seq: 1 << 16 }
+    }
+
+    pub fn fd(&self) -> &OwnedFd {
+        &self.fd
+    }
+
+    /// Send one request and wait for the kernel's acknowledgement.
+    fn request(&mut self, what: &str, kind: u16, flags: u16, body: &[u8]) -> Result<(), NetlinkError> {
+        self.seq = self.seq.wrapping_add(1);
+        let seq = self.seq;
+        let mut msg = Vec::with_capacity(16 + body.len());
+        msg.extend_from_slice(&((16 + body.len()) as u32).to_ne_bytes());
+        msg.extend_from_slice(&kind.to_ne_bytes());
+        msg.extend_from_slice(&(flags | NLM_F_REQUEST | NLM_F_ACK).to_ne_bytes());
+        msg.extend_from_slice(&seq.to_ne_bytes());
+        msg.extend_from_slice(&0u32.to_ne_bytes());
+        msg.extend_from_slice(body);
+        let io = |source| NetlinkError::Io { what: what.to_string(), source };
+        sendto(self.fd.as_raw_fd(), &msg, &NetlinkAddr::new(0, 0), MsgFlags::empty()).map_err(io)?;
+        let mut buf = vec![0u8; 8192];
+        // Answers to earlier requests cannot be pending (each waited for its own), but
+        // skip anything that is not ours rather than misread it.
+        for _ in 0..16 {
+            let n = recv(self.fd.as_raw_fd(), &mut buf, MsgFlags::empty()).map_err(io)?;
+            let mut off = 0;
+            while off + 16 <= n {
+                let len = u32::from_ne_bytes([buf[off], buf[off + 1], buf[off + 2], buf[off + 3]]) as usize;
+                let typ = u16::from_ne_bytes([buf[off + 4], buf[off + 5]]);
+                let rseq = u32::from_ne_bytes([buf[off + 8], buf[off + 9], buf[off + 10], buf[off + 11]]);
+                if len < 16 || off + len > n {
+                    break;
+                }
+                if typ == NLMSG_ERROR && rseq == seq && len >= 20 {
+                    let code = i32::from_ne_bytes([buf[off + 16], buf[off + 17], buf[off + 18], buf[off + 19]]);
+                    return if code == 0 {
+                        Ok(())
+                    } else {
+                        Err(NetlinkError::Refused { what: what.to_string(), errno: nix::Error::from_raw(-code) })
+                    };
+                }
+                off += len.next_multiple_of(4);
+            }
+        }
+        Err(NetlinkError::NoAck { what: what.to_string() })
+    }
+
+    pub fn link_up(&mut self, ifindex: u32) -> Result<(), NetlinkError> {
+        let mut body = vec![0u8, 0];
+        body.extend_from_slice(&0u16.to_ne_bytes());
+        body.extend_from_slice(&(ifindex as i32).to_ne_bytes());
+        body.extend_from_slice(&IFF_UP.to_ne_bytes());
+        body.extend_from_slice(&IFF_UP.to_ne_bytes());
+        self.request(&format!("bringing link {ifindex} up"), RTM_NEWLINK, 0, &body)
+    }
+
+    /// An address on a link, without duplicate address detection (nobody else is on
+    /// the link but the user-mode stack, and DAD would delay IPv6 by a second).
+    pub fn add_address(&mut self, ifindex: u32, addr: IpAddr, prefix: u8) -> Result<(), NetlinkError> {
+        let mut body = vec![family(addr), prefix, IFA_F_NODAD, RT_SCOPE_UNIVERSE];
+        body.extend_from_slice(&ifindex.to_ne_bytes());
+        attr(&mut body, IFA_LOCAL, &ip_bytes(addr));
+        attr(&mut body, IFA_ADDRESS, &ip_bytes(addr));
+        self.request(
+            &format!("adding address {addr}/{prefix}"),
+            RTM_NEWADDR,
+            NLM_F_CREATE | NLM_F_EXCL,
+            &body,
+        )
+    }
+
+    /// A route to `dst` through `gateway` (on `ifindex`, or wherever the gateway is on
+    /// a link) in the main table.
+    pub fn add_route_via(&mut self, dst: Cidr, gateway: IpAddr, ifindex: Option<u32>) -> Result<(), NetlinkError> {
+        let mut body = rtmsg(family(dst.addr()), dst.len(), RTN_UNICAST);
+        if dst.len() > 0 {
+            attr(&mut body, RTA_DST, &ip_bytes(dst.addr()));
+        }
+        attr(&mut body, RTA_GATEWAY, &ip_bytes(gateway));
+        if let Some(ifindex) = ifindex {
+            attr(&mut body, RTA_OIF, &ifindex.to_ne_bytes());
+        }
+        self.request(&format!("adding a route to {dst} via {gateway}"), RTM_NEWROUTE, NLM_F_CREATE | NLM_F_EXCL, &body)
+    }
+
+    /// Remove the default route of one family (`v6`) from the main table; absent is fine.
+    pub fn delete_default_route(&mut self, v6: bool) -> Result<(), NetlinkError> {
+        let body = rtmsg(if v6 { AF_INET6 } else { AF_INET }, 0, RTN_UNICAST);
+        match self.request("deleting the default route", RTM_DELROUTE, 0, &body) {
+            Err(e) if e.errno() == Some(nix::Error::ESRCH) => Ok(()),
+            other => other,
+        }
+    }
+
+    /// A rule ahead of every routing table (`priority` lower than main's 32766) that
+    /// refuses `dst` with EACCES: no route, however specific, can lead there.
+    pub fn prohibit(&mut self, dst: Cidr, priority: u32) -> Result<(), NetlinkError> {
+        let mut body = vec![family(dst.addr()), dst.len(), 0, 0, 0, 0, 0, FR_ACT_PROHIBIT];
+        body.extend_from_slice(&0u32.to_ne_bytes());
+        if dst.len() > 0 {
+            attr(&mut body, FRA_DST, &ip_bytes(dst.addr()));
+        }
+        attr(&mut body, FRA_PRIORITY, &priority.to_ne_bytes());
+        self.request(&format!("adding a rule that prohibits {dst}"), RTM_NEWRULE, NLM_F_CREATE | NLM_F_EXCL, &body)
+    }
+}

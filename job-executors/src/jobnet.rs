@@ -1,0 +1,275 @@
+//! The job's network, seen from the runner: the customer's egress settings, the
+//! one-line description each job's log and `started` record carry, the check that the
+//! boundary can be built at all, and the services the runner provides inside a job's
+//! namespace once the sandbox's init hands over their sockets: the DNS forwarder (and
+//! the allow-list's routes for names) and the role's credential endpoint.
+
+use std::net::SocketAddr;
+use std::os::fd::{AsFd as _, OwnedFd};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use byoc_sandbox::net::Cidr;
+use byoc_sandbox::spec::{NetworkSpec, UserModeNet, handover};
+
+/// The customer's `[sandbox.egress]`: what networked jobs may reach beyond the ranges
+/// that are always blocked. Never taken from a job.
+#[derive(Debug, Clone)]
+pub struct NetworkSettings {
+    /// The user-mode network stack.
+    pub slirp4netns: PathBuf,
+    pub ipv6: bool,
+    pub mtu: u32,
+    /// More ranges no job may reach.
+    pub deny: Vec<Cidr>,
+    /// `None`: any destination that is not blocked.
+    pub allow: Option<EgressAllow>,
+    /// Resolvers the job's DNS forwarder asks; empty: the host's `/etc/resolv.conf`.
+    pub nameservers: Vec<SocketAddr>,
+    pub ready_timeout: Duration,
+}
+
+impl Default for NetworkSettings {
+    fn default() -> Self {
+        NetworkSettings {
+            slirp4netns: PathBuf::from("/usr/bin/slirp4netns"),
+            ipv6: true,
+            mtu: 65520,
+            deny: Vec::new(),
+            allow: None,
+            nameservers: Vec::new(),
+            ready_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// An egress allow-list: address ranges, and host names (exact, or `*.suffix`).
+#[derive(Debug, Clone, Default)]
+pub struct EgressAllow {
+    pub ranges: Vec<Cidr>,
+    pub hosts: Vec<String>,
+}
+
+impl EgressAllow {
+    pub fn len(&self) -> usize {
+        self.ranges.len() + self.hosts.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// How a job's code reaches the network.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NetworkUse {
+    /// No job code runs on the host (the runner itself does the work: noop, artifact
+    /// sync, kubernetes API calls).
+    InRunner,
+    /// Its own namespace with no way out.
+    Offline,
+    /// Its own namespace, egress through the user-mode stack.
+    UserMode,
+}
+
+/// One line for the job's log and its `started` audit record.
+pub fn describe(use_: NetworkUse, settings: &NetworkSettings) -> String {
+    match use_ {
+        NetworkUse::InRunner => "network: the runner's own (no job code runs on the host)".into(),
+        NetworkUse::Offline => "network: none (own namespace, loopback only)".into(),
+        NetworkUse::UserMode => {
+            let egress = match &settings.allow {
+                None => "egress to any address not blocked".to_string(),
+                Some(a) => format!(
+                    "egress allow-list {} entr{}",
+                    a.len(),
+                    if a.len() == 1 { "y" } else { "ies" }
+                ),
+            };
+            let deny = if settings.deny.is_empty() {
+                String::new()
+            } else {
+                format!(", {} more range(s) denied", settings.deny.len())
+            };
+            format!(
+                "network: user-mode ({}), {egress}{deny}, metadata and host blocked{}",
+                settings.slirp4netns.file_name().and_then(|n| n.to_str()).unwrap_or("slirp4netns"),
+                if settings.ipv6 { ", IPv4+IPv6" } else { ", IPv4 only" }
+            )
+        }
+    }
+}
+
+/// Whether the boundary can be built here; the reason and what to install if not.
+/// Cheap (run before each networked job): the stack's program and the TUN device.
+pub fn check_available(settings: &NetworkSettings) -> Result<(), String> {
+    use std::os::unix::fs::PermissionsExt as _;
+    let stack = &settings.slirp4netns;
+    match std::fs::metadata(stack) {
+        Ok(m) if m.is_file() && m.permissions().mode() & 0o111 != 0 => {}
+        Ok(_) => return Err(format!("{} is not an executable file", stack.display())),
+        Err(e) => {
+            return Err(format!(
+                "the user-mode network stack {} is missing ({e}); install it: apt-get install slirp4netns",
+                stack.display()
+            ));
+        }
+    }
+    if let Err(e) = std::fs::OpenOptions::new().read(true).write(true).open("/dev/net/tun") {
+        return Err(format!(
+            "/dev/net/tun cannot be opened ({e}); the runner's unit needs DeviceAllow=/dev/net/tun rw \
+             (the packaged unit has it) and the tun module loaded"
+        ));
+    }
+    Ok(())
+}
+
+/// The helper's network spec for a job.
+pub fn spec(use_: NetworkUse, settings: &NetworkSettings, credentials: bool) -> NetworkSpec {
+    match use_ {
+        NetworkUse::InRunner | NetworkUse::Offline => NetworkSpec::Off,
+        NetworkUse::UserMode => NetworkSpec::UserMode(UserModeNet {
+            slirp4netns: settings.slirp4netns.clone(),
+            ipv6: settings.ipv6,
+            mtu: settings.mtu,
+            blocked: settings.deny.clone(),
+            allow: settings.allow.as_ref().map(|a| a.ranges.clone()),
+            handover: true,
+            credentials,
+            ready_timeout_ms: settings.ready_timeout.as_millis() as u64,
+        }),
+    }
+}
+
+/// Serves the AWS container credentials protocol for one job on connections from
+/// inside its namespace (the runner implements it over the job's role session).
+pub trait CredentialEndpoint: Send + Sync {
+    fn serve(&self, stream: tokio::net::TcpStream) -> std::pin::Pin<Box<dyn Future<Output = ()> + Send>>;
+}
+
+/// The sockets init made inside the job's namespace.
+struct Handover {
+    dns_udp: tokio::net::UdpSocket,
+    dns_tcp: tokio::net::TcpListener,
+    netlink: OwnedFd,
+    credentials: Option<tokio::net::TcpListener>,
+}
+
+/// Wait for init's message on the channel; `None` when the channel closed without one
+/// (the sandbox failed before its network was up).
+async fn receive(channel: OwnedFd) -> std::io::Result<Option<Handover>> {
+    // A seqpacket socket, registered with the runtime through UnixStream only for its
+    // readiness: the message (and its descriptors) is read with recvmsg.
+    let channel = std::os::unix::net::UnixStream::from(channel);
+    channel.set_nonblocking(true)?;
+    let channel = tokio::net::UnixStream::from_std(channel)?;
+    let mut buf = [0u8; 256];
+    let (n, fds) = loop {
+        channel.readable().await?;
+        match channel.try_io(tokio::io::Interest::READABLE, || {
+            byoc_sandbox::receive_with_fds(channel.as_fd(), &mut buf)
+        }) {
+            Ok(r) => break r,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+            Err(e) => return Err(e),
+        }
+    };
+    if n == 0 && fds.is_empty() {
+        return Ok(None);
+    }
+    let names: Vec<&str> = std::str::from_utf8(&buf[..n]).unwrap_or("").split(',').collect();
+    if names.len() != fds.len() {
+        return Err(std::io::Error::other(format!("{} names for {} descriptors", names.len(), fds.len())));
+    }
+    let mut by_name: std::collections::HashMap<&str, OwnedFd> = names.into_iter().zip(fds).collect();
+    let mut take = |name: &str| {
+        by_name.remove(name).ok_or_else(|| std::io::Error::other(format!("the sandbox did not send {name}")))
+    };
+    let tcp = |fd: OwnedFd| -> std::io::Result<tokio::net::TcpListener> {
+        let l = std::net::TcpListener::from(fd);
+        l.set_nonblocking(true)?;
+        tokio::net::TcpListener::from_std(l)
+    };
+    let udp = std::net::UdpSocket::from(take(handover::DNS_UDP)?);
+    udp.set_nonblocking(true)?;
+    Ok(Some(Handover {
+        dns_udp: tokio::net::UdpSocket::from_std(udp)?,
+        dns_tcp: tcp(take(handover::DNS_TCP)?)?,
+        netlink: take(handover::NETLINK)?,
+        credentials: take(handover::CREDENTIALS).ok().map(tcp).transpose()?,
+    }))
+}
+
+/// The runner's services inside one job's namespace, running until dropped.
+pub struct Services {
+    task: tokio::task::JoinHandle<()>,
+    arrived: tokio::sync::watch::Receiver<Option<Result<(), String>>>,
+}
+
+impl Drop for Services {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl Services {
+    /// Start serving as soon as the sandbox hands over its sockets on `channel`.
+    pub fn start(
+        channel: OwnedFd,
+        settings: &NetworkSettings,
+        credentials: Option<Arc<dyn CredentialEndpoint>>,
+    ) -> Services {
+        let (tx, arrived) = tokio::sync::watch::channel(None);
+        let settings = settings.clone();
+        let task = tokio::spawn(async move {
+            let handover = match receive(channel).await {
+                Ok(Some(h)) => h,
+                Ok(None) => {
+                    let _ = tx.send(Some(Err("the sandbox ended before its network was up".into())));
+                    return;
+                }
+                Err(e) => {
+                    let _ = tx.send(Some(Err(format!("receiving the job's sockets: {e}"))));
+                    return;
+                }
+            };
+            let upstreams = if settings.nameservers.is_empty() {
+                crate::dns::nameservers_from_resolv_conf(
+                    &std::fs::read_to_string("/etc/resolv.conf").unwrap_or_default(),
+                )
+            } else {
+                settings.nameservers.clone()
+            };
+            let allowed_names = settings.allow.as_ref().map(|a| a.hosts.clone());
+            let router = allowed_names.is_some().then(|| {
+                crate::dns::Router::new(byoc_sandbox::netlink::Netlink::from_fd(handover.netlink), settings.ipv6)
+            });
+            let forwarder = Arc::new(crate::dns::Forwarder { upstreams, allowed_names, router });
+            let _ = tx.send(Some(Ok(())));
+            let creds = async {
+                let (Some(listener), Some(endpoint)) = (handover.credentials, credentials) else {
+                    return std::future::pending().await;
+                };
+                let mut conns = tokio::task::JoinSet::new();
+                loop {
+                    if let Ok((stream, _)) = listener.accept().await {
+                        while conns.try_join_next().is_some() {}
+                        conns.spawn(endpoint.serve(stream));
+                    }
+                }
+            };
+            tokio::join!(
+                forwarder.clone().serve_udp(handover.dns_udp),
+                forwarder.serve_tcp(handover.dns_tcp),
+                creds
+            );
+        });
+        Services { task, arrived }
+    }
+
+    /// Whether the sandbox handed over its sockets (`None`: not yet, or never).
+    pub fn outcome(&self) -> Option<Result<(), String>> {
+        self.arrived.borrow().clone()
+    }
+}
