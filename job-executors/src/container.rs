@@ -8,7 +8,17 @@
 //! The container is never privileged: all capabilities dropped, read-only root
 //! filesystem, `no-new-privileges`, memory (no swap) and pids limits, an unprivileged
 //! user, the job's working directory at `/work` and a private `/tmp`; network per the
-//! spec. Output streams through the same masking as scripts. Timeout and cancellation
+//! spec.
+//!
+//! A networked container gets the same boundary as a sandboxed process: a Docker
+//! network of its own (no other container on it; names resolved by the engine's
+//! embedded DNS), and a network namespace whose `prohibit` rules refuse the link-local
+//! range (IMDS, the ECS/EKS credential addresses), IMDS over IPv6, the host's
+//! addresses and the network's gateway, plus the customer's egress settings. Docker
+//! cannot join a namespace we built, so a holder container (a static busybox
+//! sleeping, no capabilities) owns the namespace, a short-lived configurator joins it
+//! with only CAP_NET_ADMIN to set the rules and exits, and then the job joins it with
+//! no capabilities at all: it cannot change them. Output streams through the same masking as scripts. Timeout and cancellation
 //! send SIGINT, then stop (SIGTERM, then SIGKILL) after the grace; the container is
 //! removed whatever happens. Images must already be in the local engine: the runner
 //! never pulls (artifact sync puts them in the install's registry).
@@ -54,6 +64,10 @@ impl Container {
 }
 
 impl Executor for Container {
+    fn placement(&self) -> crate::Placement {
+        crate::Placement::Container { network: self.network }
+    }
+
     fn run<'a>(&'a self, ctx: ExecContext<'a>) -> ExecFuture<'a> {
         Box::pin(async move {
             let Some(settings) = ctx.containers.clone() else {
@@ -64,7 +78,13 @@ impl Executor for Container {
             let outputs_path = ctx.work_dir.join(crate::outputs::OUTPUT_FILE);
             let mut outcome = run_container(self, &settings, ctx).await;
             match crate::outputs::read(&outputs_path, &crate::mask::Masker::none()) {
-                Ok(o) => outcome.outputs = o,
+                Ok(mut o) => {
+                    // A refusal's reason code stays; the container cannot have written any.
+                    if let (Some(reason), Some(map)) = (outcome.outputs.get("reason"), o.as_object_mut()) {
+                        map.insert("reason".into(), reason.clone());
+                    }
+                    outcome.outputs = o
+                }
                 Err(e) => {
                     outcome.error = Some(e.to_string());
                     outcome.status = JobStatus::Failed;
@@ -138,6 +158,29 @@ async fn run_container(spec: &Container, settings: &ContainerSettings, ctx: Exec
         });
         env.extend(role_env.iter().map(|(k, v)| format!("{k}={v}")));
     }
+    // The job's network: its own, with the blocked ranges refused before it starts.
+    let net = if spec.network {
+        match JobNetwork::build(&docker, spec, settings, &ctx.job_id).await {
+            Ok(n) => {
+                let _ = ctx.output.write(format!("[sandbox] {}\n", describe_network(settings)).as_bytes());
+                Some(n)
+            }
+            Err(e) => {
+                let _ = ctx.output.write(format!("[sandbox] refused: {e}\n").as_bytes());
+                return crate::sandboxed::refused(
+                    crate::sandboxed::NETWORK_UNAVAILABLE,
+                    format!("the container's network boundary could not be built, so nothing ran: {e}"),
+                );
+            }
+        }
+    } else {
+        let _ = ctx.output.write(b"[sandbox] network: none (container without a network)\n");
+        None
+    };
+    let network_mode = match &net {
+        Some(n) => format!("container:{}", n.holder),
+        None => "none".into(),
+    };
     let host_config = HostConfig {
         privileged: Some(false),
         cap_drop: Some(vec!["ALL".into()]),
@@ -150,7 +193,7 @@ async fn run_container(spec: &Container, settings: &ContainerSettings, ctx: Exec
         memory: Some(settings.memory_bytes as i64),
         memory_swap: Some(settings.memory_bytes as i64),
         pids_limit: Some(settings.pids as i64),
-        network_mode: Some(if spec.network { "bridge".into() } else { "none".into() }),
+        network_mode: Some(network_mode),
         binds: Some(binds),
         tmpfs: Some(HashMap::from([("/tmp".to_string(), "rw,nosuid,nodev,mode=1777,size=256m".to_string())])),
         ..Default::default()
@@ -176,7 +219,12 @@ async fn run_container(spec: &Container, settings: &ContainerSettings, ctx: Exec
         .await
     {
         Ok(r) => r.id,
-        Err(e) => return ExecOutcome::failed(docker_error("creating the container", e)),
+        Err(e) => {
+            if let Some(n) = net {
+                n.remove(&docker).await;
+            }
+            return ExecOutcome::failed(docker_error("creating the container", e));
+        }
     };
     let outcome = supervise(&docker, &id, settings, ctx).await;
     if let Err(e) = docker
@@ -185,7 +233,296 @@ async fn run_container(spec: &Container, settings: &ContainerSettings, ctx: Exec
     {
         tracing::warn!(container = %id, error = %e, "could not remove the job's container");
     }
+    if let Some(n) = net {
+        n.remove(&docker).await;
+    }
     outcome
+}
+
+/// Whether `path` is an x86-64/aarch64 ELF executable without an interpreter (a static
+/// binary runs in any image; a dynamic one needs the image to have its libc).
+pub fn is_static_elf(path: &std::path::Path) -> bool {
+    let Ok(bytes) = std::fs::read(path) else { return false };
+    // 64-bit little-endian ELF only: e_phoff at 0x20, e_phentsize at 0x36, e_phnum at 0x38.
+    if bytes.len() < 64 || &bytes[..4] != b"\x7fELF" || bytes[4] != 2 || bytes[5] != 1 {
+        return false;
+    }
+    let u16_at = |o: usize| u16::from_le_bytes([bytes[o], bytes[o + 1]]) as usize;
+    let phoff = u64::from_le_bytes(bytes[0x20..0x28].try_into().unwrap_or([0; 8])) as usize;
+    let (entsize, count) = (u16_at(0x36), u16_at(0x38));
+    const PT_INTERP: u32 = 3;
+    (0..count).all(|i| {
+        let at = phoff.saturating_add(i.saturating_mul(entsize));
+        at.checked_add(4)
+            .and_then(|end| bytes.get(at..end))
+            .is_some_and(|t| u32::from_le_bytes([t[0], t[1], t[2], t[3]]) != PT_INTERP)
+    }) && count > 0
+}
+
+/// Where the static busybox appears in the holder and the configurator.
+const NET_BUSYBOX: &str = "/byoc-net/busybox";
+/// The routing table whose only route prohibits everything; the blocked ranges'
+/// rules lead there, ahead of the main table.
+const PROHIBIT_TABLE: u32 = 199;
+
+/// Whether a networked container's boundary can be built: a static busybox to hold
+/// and configure its namespace.
+pub fn check_network(settings: &ContainerSettings) -> Result<(), String> {
+    if is_static_elf(&settings.busybox) {
+        Ok(())
+    } else {
+        Err(format!(
+            "{} is missing or not a static executable; networked containers need it to set up their \
+             network boundary (apt-get install busybox-static, or set roles.busybox)",
+            settings.busybox.display()
+        ))
+    }
+}
+
+pub fn describe_network(settings: &ContainerSettings) -> String {
+    let egress = match &settings.network.allow {
+        None => "egress to any address not blocked".to_string(),
+        Some(a) => format!("egress allow-list {} entr{}", a.len(), if a.len() == 1 { "y" } else { "ies" }),
+    };
+    format!("network: own Docker network, {egress}, metadata and host blocked")
+}
+
+/// A networked container's namespace: its Docker network and the holder container.
+struct JobNetwork {
+    network: String,
+    holder: String,
+}
+
+fn labels(job_id: &str) -> HashMap<String, String> {
+    HashMap::from([("byoc-runner.job".to_string(), job_id.to_string())])
+}
+
+impl JobNetwork {
+    async fn build(
+        docker: &Docker,
+        spec: &Container,
+        settings: &ContainerSettings,
+        job_id: &str,
+    ) -> Result<JobNetwork, String> {
+        use bollard::models::NetworkCreateRequest;
+        check_network(settings)?;
+        let name = format!("byoc-job-{job_id}");
+        // Whatever an interrupted attempt of this job left goes first.
+        let _ = docker
+            .remove_container(
+                &format!("{name}-net"),
+                Some(RemoveContainerOptionsBuilder::new().force(true).build()),
+            )
+            .await;
+        let _ = docker.remove_network(&name).await;
+        docker
+            .create_network(NetworkCreateRequest {
+                name: name.clone(),
+                driver: Some("bridge".into()),
+                internal: Some(false),
+                labels: Some(labels(job_id)),
+                options: Some(HashMap::from([(
+                    "com.docker.network.bridge.enable_icc".to_string(),
+                    "false".to_string(),
+                )])),
+                ..Default::default()
+            })
+            .await
+            .map_err(|e| docker_error("creating the job's network", e))?;
+        let mut net = JobNetwork { network: name.clone(), holder: String::new() };
+        match net.finish(docker, spec, settings, job_id).await {
+            Ok(()) => Ok(net),
+            Err(e) => {
+                net.remove(docker).await;
+                Err(e)
+            }
+        }
+    }
+
+    async fn finish(
+        &mut self,
+        docker: &Docker,
+        spec: &Container,
+        settings: &ContainerSettings,
+        job_id: &str,
+    ) -> Result<(), String> {
+        let info = docker
+            .inspect_network(&self.network, None)
+            .await
+            .map_err(|e| docker_error("inspecting the job's network", e))?;
+        let gateways: Vec<std::net::IpAddr> = info
+            .ipam
+            .and_then(|i| i.config)
+            .unwrap_or_default()
+            .iter()
+            .filter_map(|c| c.gateway.as_deref()?.parse().ok())
+            .collect();
+        let Some(gateway) = gateways.iter().find(|g| g.is_ipv4()).copied() else {
+            return Err("the job's Docker network has no IPv4 gateway".into());
+        };
+        let busybox_bind = format!("{}:{NET_BUSYBOX}:ro", settings.busybox.display());
+        // The holder: owns the namespace, does nothing, holds no capability.
+        let holder = ContainerCreateBody {
+            image: Some(spec.image.clone()),
+            entrypoint: Some(vec![NET_BUSYBOX.into(), "sleep".into(), "2147483647".into()]),
+            cmd: Some(vec![]),
+            user: Some(format!("{}:{}", settings.uid, settings.gid)),
+            labels: Some(labels(job_id)),
+            host_config: Some(HostConfig {
+                network_mode: Some(self.network.clone()),
+                cap_drop: Some(vec!["ALL".into()]),
+                readonly_rootfs: Some(true),
+                security_opt: Some(vec!["no-new-privileges".into()]),
+                binds: Some(vec![busybox_bind.clone()]),
+                memory: Some(16 << 20),
+                pids_limit: Some(4),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let holder_name = format!("{}-net", self.network);
+        self.holder = docker
+            .create_container(Some(CreateContainerOptionsBuilder::new().name(&holder_name).build()), holder)
+            .await
+            .map_err(|e| docker_error("creating the network holder", e))?
+            .id;
+        docker
+            .start_container(&self.holder, None)
+            .await
+            .map_err(|e| docker_error("starting the network holder", e))?;
+        // The configurator: joins the holder's namespace with CAP_NET_ADMIN only, sets
+        // the rules, exits.
+        let mut blocked = byoc_sandbox::net::always_blocked();
+        blocked.extend(settings.network.deny.iter().copied());
+        blocked.extend(byoc_sandbox::net::host_addresses()?);
+        blocked.extend(gateways.iter().map(|g| byoc_sandbox::net::Cidr::host(*g)));
+        blocked.sort();
+        blocked.dedup();
+        let allow = match &settings.network.allow {
+            None => None,
+            Some(a) => {
+                let mut ranges = a.ranges.clone();
+                // Names are resolved once, here: a container's DNS is Docker's.
+                for host in &a.hosts {
+                    if host.starts_with("*.") {
+                        continue;
+                    }
+                    if let Ok(addrs) = tokio::net::lookup_host((host.as_str(), 443)).await {
+                        ranges.extend(addrs.map(|a| byoc_sandbox::net::Cidr::host(a.ip())));
+                    }
+                }
+                Some(ranges)
+            }
+        };
+        let script = configure_script(&blocked, allow.as_deref(), gateway);
+        let configurator = ContainerCreateBody {
+            image: Some(spec.image.clone()),
+            entrypoint: Some(vec![NET_BUSYBOX.into(), "sh".into(), "-c".into(), script]),
+            cmd: Some(vec![]),
+            user: Some("0:0".into()),
+            labels: Some(labels(job_id)),
+            network_disabled: Some(false),
+            host_config: Some(HostConfig {
+                network_mode: Some(format!("container:{}", self.holder)),
+                cap_drop: Some(vec!["ALL".into()]),
+                cap_add: Some(vec!["NET_ADMIN".into()]),
+                readonly_rootfs: Some(true),
+                security_opt: Some(vec!["no-new-privileges".into()]),
+                binds: Some(vec![busybox_bind]),
+                memory: Some(32 << 20),
+                pids_limit: Some(16),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let cname = format!("{}-netcfg", self.network);
+        let _ = docker
+            .remove_container(&cname, Some(RemoveContainerOptionsBuilder::new().force(true).build()))
+            .await;
+        let cid = docker
+            .create_container(Some(CreateContainerOptionsBuilder::new().name(&cname).build()), configurator)
+            .await
+            .map_err(|e| docker_error("creating the network configurator", e))?
+            .id;
+        let result = async {
+            docker
+                .start_container(&cid, None)
+                .await
+                .map_err(|e| docker_error("starting the network configurator", e))?;
+            let mut wait = docker.wait_container(&cid, None).boxed();
+            let code = match tokio::time::timeout(std::time::Duration::from_secs(60), wait.next()).await {
+                Ok(Some(Ok(r))) => r.status_code,
+                // bollard reports a non-zero exit as an error carrying the code.
+                Ok(Some(Err(bollard::errors::Error::DockerContainerWaitError { code, .. }))) => code,
+                Ok(Some(Err(e))) => return Err(docker_error("waiting for the network configurator", e)),
+                Ok(None) | Err(_) => return Err("the network configurator did not finish".into()),
+            };
+            if code != 0 {
+                let mut logs = docker
+                    .logs(&cid, Some(LogsOptionsBuilder::new().stdout(true).stderr(true).build()))
+                    .boxed();
+                let mut said = String::new();
+                while let Some(Ok(chunk)) = logs.next().await {
+                    said.push_str(&String::from_utf8_lossy(&chunk.into_bytes()));
+                }
+                return Err(format!(
+                    "setting the container's network rules failed ({code}): {}",
+                    said.trim()
+                ));
+            }
+            Ok(())
+        }
+        .await;
+        let _ = docker
+            .remove_container(&cid, Some(RemoveContainerOptionsBuilder::new().force(true).build()))
+            .await;
+        result
+    }
+
+    async fn remove(&self, docker: &Docker) {
+        if !self.holder.is_empty()
+            && let Err(e) = docker
+                .remove_container(
+                    &self.holder,
+                    Some(RemoveContainerOptionsBuilder::new().force(true).build()),
+                )
+                .await
+        {
+            tracing::warn!(container = %self.holder, error = %e, "could not remove the job's network holder");
+        }
+        if let Err(e) = docker.remove_network(&self.network).await {
+            tracing::warn!(network = %self.network, error = %e, "could not remove the job's network");
+        }
+    }
+}
+
+/// The configurator's shell script (busybox `sh` and `ip`): blocked ranges lead to a
+/// table that prohibits everything; with an allow-list, the default route goes and
+/// only the allowed ranges are routed. IPv6 rules are set when the namespace has
+/// IPv6 at all.
+fn configure_script(
+    blocked: &[byoc_sandbox::net::Cidr],
+    allow: Option<&[byoc_sandbox::net::Cidr]>,
+    gateway: std::net::IpAddr,
+) -> String {
+    let t = PROHIBIT_TABLE;
+    let mut s = format!("set -e\nb={NET_BUSYBOX}\n$b ip route add prohibit default table {t}\n");
+    for c in blocked.iter().filter(|c| c.is_ipv4()) {
+        s.push_str(&format!("$b ip rule add prio 100 to {c} table {t}\n"));
+    }
+    s.push_str(&format!("if $b ip -6 route add prohibit default table {t} 2>/dev/null; then\n"));
+    for c in blocked.iter().filter(|c| !c.is_ipv4()) {
+        s.push_str(&format!("  $b ip -6 rule add prio 100 to {c} table {t}\n"));
+    }
+    s.push_str("fi\n");
+    if let Some(allow) = allow {
+        s.push_str("$b ip route del default\n$b ip -6 route del default 2>/dev/null || true\n");
+        for c in allow.iter().filter(|c| c.is_ipv4()) {
+            s.push_str(&format!("$b ip route add {c} via {gateway}\n"));
+        }
+    }
+    s.push_str("echo byoc-network-ready\n");
+    s
 }
 
 #[derive(PartialEq)]

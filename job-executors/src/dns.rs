@@ -143,13 +143,15 @@ pub fn name_allowed(patterns: &[String], name: &str) -> bool {
 /// netlink socket its init made there.
 pub struct Router {
     netlink: Mutex<Netlink>,
+    /// The job's interface to the user-mode stack (its index in the job's namespace).
+    tap: u32,
     ipv6: bool,
     routed: Mutex<std::collections::HashSet<IpAddr>>,
 }
 
 impl Router {
-    pub fn new(netlink: Netlink, ipv6: bool) -> Router {
-        Router { netlink: Mutex::new(netlink), ipv6, routed: Mutex::default() }
+    pub fn new(netlink: Netlink, tap: u32, ipv6: bool) -> Router {
+        Router { netlink: Mutex::new(netlink), tap, ipv6, routed: Mutex::default() }
     }
 
     fn route(&self, ip: IpAddr) -> Result<(), String> {
@@ -162,7 +164,7 @@ impl Router {
         }
         let gateway = if ip.is_ipv4() { IpAddr::V4(GATEWAY_IPV4) } else { IpAddr::V6(GATEWAY_IPV6) };
         let mut nl = self.netlink.lock().unwrap_or_else(|e| e.into_inner());
-        match nl.add_route_via(Cidr::host(ip), gateway, None) {
+        match nl.add_route_via(Cidr::host(ip), gateway, self.tap) {
             Err(e) if e.errno() != Some(nix::Error::EEXIST) => {
                 self.routed.lock().unwrap_or_else(|e| e.into_inner()).remove(&ip);
                 Err(e.to_string())
@@ -287,8 +289,9 @@ async fn ask_udp(upstream: SocketAddr, query: &[u8]) -> std::io::Result<Vec<u8>>
 
 async fn ask_tcp(upstream: SocketAddr, query: &[u8]) -> std::io::Result<Vec<u8>> {
     let timeout = |_| std::io::Error::new(std::io::ErrorKind::TimedOut, "no answer");
-    let mut stream =
-        tokio::time::timeout(UPSTREAM_TIMEOUT, tokio::net::TcpStream::connect(upstream)).await.map_err(timeout)??;
+    let mut stream = tokio::time::timeout(UPSTREAM_TIMEOUT, tokio::net::TcpStream::connect(upstream))
+        .await
+        .map_err(timeout)??;
     let mut framed = (query.len() as u16).to_be_bytes().to_vec();
     framed.extend_from_slice(query);
     stream.write_all(&framed).await?;
@@ -341,7 +344,14 @@ mod tests {
     fn questions_and_answers_parse() {
         let q = query(7, "Outside.Test", TYPE_A);
         assert_eq!(question(&q), Some(Question { name: "outside.test".into(), qtype: TYPE_A }));
-        let a = answer_with(&q, &[(5, vec![3, b'f', b'o', b'o', 0]), (TYPE_A, vec![198, 51, 100, 1]), (TYPE_AAAA, [0x20, 1, 0xd, 0xb8, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1].to_vec())]);
+        let a = answer_with(
+            &q,
+            &[
+                (5, vec![3, b'f', b'o', b'o', 0]),
+                (TYPE_A, vec![198, 51, 100, 1]),
+                (TYPE_AAAA, [0x20, 1, 0xd, 0xb8, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1].to_vec()),
+            ],
+        );
         assert_eq!(
             answer_addresses(&a).unwrap(),
             vec!["198.51.100.1".parse::<IpAddr>().unwrap(), "2001:db8::1".parse().unwrap()]

@@ -377,6 +377,10 @@ impl Executor for Helm {
         Box::pin(async move { self.go(&mut ctx).await })
     }
 
+    fn placement(&self) -> crate::Placement {
+        crate::Placement::Sandbox { network: true }
+    }
+
     fn secrets(&self) -> Vec<Vec<u8>> {
         let mut v: Vec<Vec<u8>> = self.spec.secret_values.values().map(|v| v.as_bytes().to_vec()).collect();
         if let Some(k) = &self.spec.kubeconfig {

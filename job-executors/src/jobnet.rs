@@ -81,11 +81,9 @@ pub fn describe(use_: NetworkUse, settings: &NetworkSettings) -> String {
         NetworkUse::UserMode => {
             let egress = match &settings.allow {
                 None => "egress to any address not blocked".to_string(),
-                Some(a) => format!(
-                    "egress allow-list {} entr{}",
-                    a.len(),
-                    if a.len() == 1 { "y" } else { "ies" }
-                ),
+                Some(a) => {
+                    format!("egress allow-list {} entr{}", a.len(), if a.len() == 1 { "y" } else { "ies" })
+                }
             };
             let deny = if settings.deny.is_empty() {
                 String::new()
@@ -150,6 +148,8 @@ pub trait CredentialEndpoint: Send + Sync {
 
 /// The sockets init made inside the job's namespace.
 struct Handover {
+    /// The job's interface index in its namespace.
+    tap: u32,
     dns_udp: tokio::net::UdpSocket,
     dns_tcp: tokio::net::TcpListener,
     netlink: OwnedFd,
@@ -178,7 +178,11 @@ async fn receive(channel: OwnedFd) -> std::io::Result<Option<Handover>> {
     if n == 0 && fds.is_empty() {
         return Ok(None);
     }
-    let names: Vec<&str> = std::str::from_utf8(&buf[..n]).unwrap_or("").split(',').collect();
+    let text = std::str::from_utf8(&buf[..n]).unwrap_or("");
+    let (names, tap) = text.split_once(";tap=").unwrap_or((text, ""));
+    let tap: u32 =
+        tap.parse().map_err(|_| std::io::Error::other(format!("no interface index in {text:?}")))?;
+    let names: Vec<&str> = names.split(',').collect();
     if names.len() != fds.len() {
         return Err(std::io::Error::other(format!("{} names for {} descriptors", names.len(), fds.len())));
     }
@@ -194,6 +198,7 @@ async fn receive(channel: OwnedFd) -> std::io::Result<Option<Handover>> {
     let udp = std::net::UdpSocket::from(take(handover::DNS_UDP)?);
     udp.set_nonblocking(true)?;
     Ok(Some(Handover {
+        tap,
         dns_udp: tokio::net::UdpSocket::from_std(udp)?,
         dns_tcp: tcp(take(handover::DNS_TCP)?)?,
         netlink: take(handover::NETLINK)?,
@@ -243,7 +248,11 @@ impl Services {
             };
             let allowed_names = settings.allow.as_ref().map(|a| a.hosts.clone());
             let router = allowed_names.is_some().then(|| {
-                crate::dns::Router::new(byoc_sandbox::netlink::Netlink::from_fd(handover.netlink), settings.ipv6)
+                crate::dns::Router::new(
+                    byoc_sandbox::netlink::Netlink::from_fd(handover.netlink),
+                    handover.tap,
+                    settings.ipv6,
+                )
             });
             let forwarder = Arc::new(crate::dns::Forwarder { upstreams, allowed_names, router });
             let _ = tx.send(Some(Ok(())));

@@ -72,6 +72,11 @@ pub struct ContainerSettings {
     /// Host uid/gid the container's process runs as.
     pub uid: u32,
     pub gid: u32,
+    /// A static busybox: it holds a networked container's namespace and sets the
+    /// blocking rules there (`roles.busybox`).
+    pub busybox: PathBuf,
+    /// The same egress settings as the process sandbox's.
+    pub network: jobnet::NetworkSettings,
 }
 
 /// Where `oci.sync` finds registries and how hard it pushes.
@@ -318,8 +323,89 @@ impl ExecOutcome {
 
 pub type ExecFuture<'a> = Pin<Box<dyn Future<Output = ExecOutcome> + Send + 'a>>;
 
+/// Where a job's code runs, and with which network.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Placement {
+    /// In the runner itself (noop, artifact sync, kubernetes API calls): no job code
+    /// runs on the host.
+    InRunner,
+    /// The process sandbox; `network`: egress through the user-mode stack, else an
+    /// offline namespace.
+    Sandbox { network: bool },
+    /// A container through the Docker Engine.
+    Container { network: bool },
+}
+
+/// Why a job cannot be taken here and now, with what to fix.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Refusal {
+    /// `sandbox_network_unavailable`
+    NetworkUnavailable(String),
+    /// `sandbox_limits_unavailable`
+    LimitsUnavailable(String),
+}
+
+/// Check, before a job is claimed, that its sandbox can be built as documented: the
+/// network boundary for networked jobs, the cgroup limits unless the customer opted
+/// out. (With the sandbox switched off by configuration there is nothing to build.)
+pub fn refusal(
+    placement: Placement,
+    sandbox: Option<&SandboxSettings>,
+    containers: Option<&ContainerSettings>,
+) -> Option<Refusal> {
+    match placement {
+        Placement::InRunner => None,
+        Placement::Sandbox { network } => {
+            let s = sandbox?;
+            if network && let Err(why) = jobnet::check_available(&s.network) {
+                return Some(Refusal::NetworkUnavailable(why));
+            }
+            if s.cgroups && s.require_limits && byoc_sandbox::cgroup::detect().is_none() {
+                return Some(Refusal::LimitsUnavailable(
+                    "no usable cgroup hierarchy (cgroup v2 with the memory controller, or v1 memory and pids); \
+                     fix the delegation (the packaged unit has Delegate=yes) or set sandbox.require_limits = false"
+                        .into(),
+                ));
+            }
+            None
+        }
+        Placement::Container { network: true } => {
+            containers.and_then(|c| container::check_network(c).err()).map(Refusal::NetworkUnavailable)
+        }
+        Placement::Container { network: false } => None,
+    }
+}
+
+/// The one line a job's log and its `started` record carry about its network.
+pub fn describe_network(
+    placement: Placement,
+    sandbox: Option<&SandboxSettings>,
+    containers: Option<&ContainerSettings>,
+) -> String {
+    match placement {
+        Placement::InRunner => jobnet::describe(jobnet::NetworkUse::InRunner, &Default::default()),
+        Placement::Sandbox { network } => match sandbox {
+            None => "network: the host's (the sandbox is disabled by configuration)".into(),
+            Some(s) => jobnet::describe(
+                if network { jobnet::NetworkUse::UserMode } else { jobnet::NetworkUse::Offline },
+                &s.network,
+            ),
+        },
+        Placement::Container { network: false } => "network: none (container without a network)".into(),
+        Placement::Container { network: true } => match containers {
+            Some(c) => container::describe_network(c),
+            None => "network: none (container actions are disabled)".into(),
+        },
+    }
+}
+
 pub trait Executor: Send + Sync {
     fn run<'a>(&'a self, ctx: ExecContext<'a>) -> ExecFuture<'a>;
+
+    /// Where its code runs (default: in the runner, no job code on the host).
+    fn placement(&self) -> Placement {
+        Placement::InRunner
+    }
 
     /// Values this job marks secret: masked in its output, error and outputs.
     fn secrets(&self) -> Vec<Vec<u8>> {

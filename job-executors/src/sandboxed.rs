@@ -68,7 +68,9 @@ pub async fn run(job: Job, settings: SandboxSettings, mut ctx: ExecContext<'_>) 
                 Some(cg)
             }
             Err(e) if settings.require_limits => {
-                let _ = ctx.output.write(format!("[sandbox] refused: cgroup limits cannot be applied: {e}\n").as_bytes());
+                let _ = ctx
+                    .output
+                    .write(format!("[sandbox] refused: cgroup limits cannot be applied: {e}\n").as_bytes());
                 return refused(
                     LIMITS_UNAVAILABLE,
                     format!(
@@ -79,13 +81,16 @@ pub async fn run(job: Job, settings: SandboxSettings, mut ctx: ExecContext<'_>) 
             }
             Err(e) => {
                 let _ = ctx.output.write(
-                    format!("[sandbox] cgroup limits not applied (sandbox.require_limits = false): {e}\n").as_bytes(),
+                    format!("[sandbox] cgroup limits not applied (sandbox.require_limits = false): {e}\n")
+                        .as_bytes(),
                 );
                 None
             }
         }
     } else {
-        let _ = ctx.output.write(b"[sandbox] cgroup limits disabled by configuration (sandbox.cgroups = false)\n");
+        let _ = ctx
+            .output
+            .write(b"[sandbox] cgroup limits disabled by configuration (sandbox.cgroups = false)\n");
         None
     };
     let credentials = ctx.credentials.as_ref().and_then(|c| c.endpoint.clone());
@@ -156,7 +161,8 @@ pub async fn run(job: Job, settings: SandboxSettings, mut ctx: ExecContext<'_>) 
         match outcome.exit_code {
             Some(EXIT_NETWORK_FAILED) if !matches!(network_up, Some(Ok(()))) => {
                 outcome.error = Some(
-                    "the job's network boundary could not be built, so nothing ran; the job log says why".into(),
+                    "the job's network boundary could not be built, so nothing ran; the job log says why"
+                        .into(),
                 );
                 outcome.outputs = serde_json::json!({ "reason": NETWORK_UNAVAILABLE });
             }

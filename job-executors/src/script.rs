@@ -98,7 +98,14 @@ impl Executor for Script {
                 }
             };
             match crate::outputs::read(&outputs_path, &crate::mask::Masker::none()) {
-                Ok(outputs) => outcome.outputs = outputs,
+                Ok(mut outputs) => {
+                    // A refusal's reason code stays; the job cannot have written any.
+                    if let (Some(reason), Some(o)) = (outcome.outputs.get("reason"), outputs.as_object_mut())
+                    {
+                        o.insert("reason".into(), reason.clone());
+                    }
+                    outcome.outputs = outputs
+                }
                 Err(e) => {
                     outcome.error = Some(match outcome.error.take() {
                         Some(prev) => format!("{prev}; {e}"),
@@ -111,6 +118,10 @@ impl Executor for Script {
             }
             outcome
         })
+    }
+
+    fn placement(&self) -> crate::Placement {
+        crate::Placement::Sandbox { network: self.network }
     }
 
     fn secrets(&self) -> Vec<Vec<u8>> {

@@ -534,6 +534,10 @@ impl Executor for Terraform {
         Box::pin(async move { self.go(&mut ctx).await })
     }
 
+    fn placement(&self) -> crate::Placement {
+        crate::Placement::Sandbox { network: true }
+    }
+
     fn secrets(&self) -> Vec<Vec<u8>> {
         self.spec.secret_vars.values().map(|v| v.as_bytes().to_vec()).collect()
     }

@@ -246,6 +246,11 @@ pub enum RejectReason {
     RoleUnknown,
     /// The customer paused this runner.
     Paused,
+    /// The job's network boundary cannot be built here (user-mode stack or TUN device
+    /// missing): a networked job would run with less isolation than promised.
+    SandboxNetworkUnavailable,
+    /// The job's cgroup limits cannot be applied (and the customer requires them).
+    SandboxLimitsUnavailable,
 }
 
 impl RejectReason {
@@ -267,6 +272,8 @@ impl RejectReason {
             Self::RoleDisabled => "role_disabled",
             Self::RoleUnknown => "role_unknown",
             Self::Paused => "paused",
+            Self::SandboxNetworkUnavailable => "sandbox_network_unavailable",
+            Self::SandboxLimitsUnavailable => "sandbox_limits_unavailable",
         }
     }
 
@@ -287,6 +294,8 @@ impl RejectReason {
         Self::RoleDisabled,
         Self::RoleUnknown,
         Self::Paused,
+        Self::SandboxNetworkUnavailable,
+        Self::SandboxLimitsUnavailable,
     ];
 }
 

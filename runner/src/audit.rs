@@ -105,9 +105,10 @@ pub fn record_for(event: &Event) -> Record {
             r.job = Some(job_id.clone());
             r.detail = Some(detail.chars().take(300).collect());
         }
-        Event::Started { job_id, .. } => {
+        Event::Started { job_id, network, .. } => {
             r.event = "job_started".into();
             r.job = Some(job_id.clone());
+            r.detail = network.clone();
         }
         Event::Finished { job_id, status, exit_code, log_size, log_sha256, .. } => {
             r.event = match status {

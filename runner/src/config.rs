@@ -632,7 +632,9 @@ fn parse_egress(mut f: Fields<'_>) -> byoc_job_executors::jobnet::NetworkSetting
             .or_else(|_| n.parse::<std::net::IpAddr>().map(|ip| std::net::SocketAddr::new(ip, 53)));
         match parsed {
             Ok(a) => nameservers.push(a),
-            Err(_) => f.problem(format!("sandbox.egress.nameservers[{i}]: {n:?} is not an IP address (or IP:port)")),
+            Err(_) => {
+                f.problem(format!("sandbox.egress.nameservers[{i}]: {n:?} is not an IP address (or IP:port)"))
+            }
         }
     }
     f.finish();

@@ -607,6 +607,9 @@ async fn handle_delivery(rt: &Rt, slots: &Arc<Slots>, tasks: &mut JoinSet<()>, p
         max_skew: rt.config.jobs.max_clock_skew,
         max_timeout: rt.config.jobs.max_timeout,
         now: unix_now(),
+        readiness: &|exec| {
+            byoc_job_executors::refusal(exec.placement(), rt.sandbox.as_ref(), rt.containers.as_ref())
+        },
     };
     let verified = rt.journal.with_index(|index| verifier.verify(polled, index));
     let job = match verified {

@@ -65,6 +65,9 @@ pub enum Event {
     Started {
         job_id: String,
         started_at_ms: u64,
+        /// The network the job got (its log's `[sandbox] network: …` line).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        network: Option<String>,
     },
     Finished {
         job_id: String,
@@ -254,7 +257,7 @@ impl Index {
                     j.detail = Some(detail.clone());
                 }
             }
-            Event::Started { job_id, started_at_ms } => {
+            Event::Started { job_id, started_at_ms, .. } => {
                 self.set_phase(job_id, Phase::Started);
                 if let Some(j) = self.jobs.get_mut(job_id) {
                     j.started_at_ms = Some(*started_at_ms);
@@ -450,7 +453,7 @@ mod tests {
             assert_eq!(cut, 0);
             j.append(received("a", "n1")).unwrap();
             j.append(Event::Claimed { job_id: "a".into(), lease_secs: 60 }).unwrap();
-            j.append(Event::Started { job_id: "a".into(), started_at_ms: 5 }).unwrap();
+            j.append(Event::Started { job_id: "a".into(), started_at_ms: 5, network: None }).unwrap();
         }
         let (j, _) = Journal::open(dir.path()).unwrap();
         let rec = j.job("a").unwrap();

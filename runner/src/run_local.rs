@@ -128,6 +128,8 @@ pub async fn run(
             pids: 1024,
             uid: 65534,
             gid: 65534,
+            busybox: PathBuf::from("/bin/busybox"),
+            network: Default::default(),
         }),
         credentials: None,
         oci: Default::default(),

@@ -98,7 +98,8 @@ async fn cancelling_a_container_stops_and_removes_it() {
         })))
         .unwrap();
     e.log_contains(&id, "ready").await;
-    assert_eq!(job_containers(&id).len(), 1);
+    // The job's container and the one holding its network namespace.
+    assert_eq!(job_containers(&id).len(), 2);
     e.cp.cancel(&id).unwrap();
     let v = e.finished(&id).await;
     assert_eq!(v.result.unwrap().status, JobStatus::Cancelled);

@@ -104,12 +104,15 @@ async fn every_envelope_rejection_has_its_reason_code() {
     let mut codes: Vec<String> =
         local.as_array().unwrap().iter().map(|r| r["reason"].as_str().unwrap().to_string()).collect();
     codes.sort();
-    // Role and pause refusals have their own suite (e2e_roles).
+    // Role and pause refusals have their own suite (e2e_roles), the sandbox's theirs
+    // (e2e_network, e2e_sandbox).
     let not_here = [
         RejectReason::RoleMismatch,
         RejectReason::RoleDisabled,
         RejectReason::RoleUnknown,
         RejectReason::Paused,
+        RejectReason::SandboxNetworkUnavailable,
+        RejectReason::SandboxLimitsUnavailable,
     ];
     let mut want: Vec<String> =
         RejectReason::ALL.iter().filter(|r| !not_here.contains(r)).map(|r| r.code().to_string()).collect();

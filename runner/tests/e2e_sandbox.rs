@@ -101,8 +101,9 @@ async fn a_timeout_leaves_no_process_behind_even_one_that_left_the_group() {
 }
 
 #[tokio::test]
-async fn network_can_be_switched_off_per_job() {
+async fn no_job_reaches_the_runners_loopback_with_or_without_a_network() {
     let e = env().await;
+    // The control plane listens on the runner's 127.0.0.1: the job's loopback is its own.
     let port = e.cp.runner_url().rsplit(':').next().unwrap().to_string();
     let probe = format!(
         "if (exec 3<>/dev/tcp/127.0.0.1/{port}) 2>/dev/null; then echo connected; else echo refused; fi"
@@ -121,8 +122,12 @@ async fn network_can_be_switched_off_per_job() {
         .unwrap();
     e.finished(&on).await;
     e.finished(&off).await;
-    assert_eq!(e.output(&on), "connected\n");
+    assert_eq!(e.output(&on), "refused\n");
     assert_eq!(e.output(&off), "refused\n");
+    // Each job's log says which network it got.
+    let log = |id: &str| String::from_utf8_lossy(&e.cp.log(id).unwrap()).into_owned();
+    assert!(log(&on).contains("[sandbox] network: user-mode (slirp4netns)"), "{}", log(&on));
+    assert!(log(&off).contains("[sandbox] network: none"), "{}", log(&off));
 }
 
 #[tokio::test]
@@ -139,4 +144,45 @@ async fn a_missing_program_fails_with_a_clear_reason() {
     assert_eq!(r.status, JobStatus::Failed);
     assert!(r.error.unwrap().contains("could not be executed"), "{}", e.output(&id));
     assert!(e.output(&id).contains("exec /nonexistent/shell"));
+}
+
+/// The runner started in a mount namespace where no cgroup hierarchy is mounted.
+fn without_cgroups(sandbox_extra: &str) -> RunnerOptions {
+    RunnerOptions {
+        sandbox_extra: sandbox_extra.into(),
+        wrap: [
+            "unshare",
+            "-m",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            "mount -t tmpfs none /sys/fs/cgroup && exec \"$0\" \"$@\"",
+        ]
+        .map(String::from)
+        .to_vec(),
+        ..Default::default()
+    }
+}
+
+#[tokio::test]
+async fn a_job_whose_limits_cannot_be_applied_is_refused_unless_the_customer_opts_out() {
+    let e = env_with(without_cgroups("")).await;
+    let marker = e.dir.path().join("ran");
+    let touch = serde_json::json!({"script": format!("touch {}", marker.display()), "network": false});
+    let id = e.cp.enqueue(EnqueueRequest::new("action.script", touch.clone())).unwrap();
+    let v = e.rejected(&id).await;
+    assert_eq!(v.rejections[0].0, byoc_protocol::RejectReason::SandboxLimitsUnavailable);
+    assert!(v.rejections[0].1.contains("sandbox.require_limits = false"), "{:?}", v.rejections);
+    assert!(!marker.exists());
+    assert_eq!(started_count(&e.runner.state_dir, &id), 0);
+    drop(e);
+
+    let e = env_with(without_cgroups("require_limits = false")).await;
+    let marker = e.dir.path().join("ran");
+    let touch = serde_json::json!({"script": format!("touch {}", marker.display()), "network": false});
+    let id = e.cp.enqueue(EnqueueRequest::new("action.script", touch)).unwrap();
+    assert_eq!(e.finished(&id).await.result.unwrap().status, JobStatus::Succeeded);
+    let log = String::from_utf8_lossy(&e.cp.log(&id).unwrap()).into_owned();
+    assert!(log.contains("cgroup limits not applied (sandbox.require_limits = false)"), "{log}");
 }

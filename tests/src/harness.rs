@@ -31,6 +31,9 @@ pub struct RunnerOptions {
     pub sandbox_ro_paths: Vec<PathBuf>,
     /// Appended to the `[sandbox]` table.
     pub sandbox_extra: String,
+    /// A command the runner is started through (it must exec the runner in place, as
+    /// `unshare` does), e.g. to give it a mount namespace of its own.
+    pub wrap: Vec<String>,
 }
 
 impl Default for RunnerOptions {
@@ -48,6 +51,7 @@ impl Default for RunnerOptions {
             env: Vec::new(),
             sandbox_ro_paths: Vec::new(),
             sandbox_extra: String::new(),
+            wrap: Vec::new(),
         }
     }
 }
@@ -59,6 +63,7 @@ pub struct RunnerProcess {
     pub config_path: PathBuf,
     pub log_path: PathBuf,
     env: Vec<(String, String)>,
+    wrap: Vec<String>,
     child: Option<tokio::process::Child>,
 }
 
@@ -146,6 +151,7 @@ level = "info"
             config_path,
             log_path: dir.join("runner.log"),
             env: opts.env.clone(),
+            wrap: opts.wrap.clone(),
             child: None,
         })
     }
@@ -153,7 +159,14 @@ level = "info"
     /// (Re)start the daemon process on the same state dir.
     pub fn spawn(&mut self, bootstrap_token: Option<String>) -> std::io::Result<()> {
         let log = std::fs::OpenOptions::new().create(true).append(true).open(&self.log_path)?;
-        let mut cmd = tokio::process::Command::new(&self.binary);
+        let mut cmd = match self.wrap.split_first() {
+            Some((program, args)) => {
+                let mut c = tokio::process::Command::new(program);
+                c.args(args).arg(&self.binary);
+                c
+            }
+            None => tokio::process::Command::new(&self.binary),
+        };
         cmd.kill_on_drop(true)
             .arg("run")
             .arg("--config")

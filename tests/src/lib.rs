@@ -12,6 +12,7 @@ pub mod harness;
 pub mod imds;
 pub mod kube_api;
 pub mod moto;
+pub mod netlab;
 pub mod proxy;
 pub mod registry;
 pub mod server;

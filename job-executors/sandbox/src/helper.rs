@@ -33,8 +33,8 @@ use nix::unistd::{Gid, Pid, Uid};
 use crate::net::Cidr;
 use crate::netlink::Netlink;
 use crate::spec::{
-    DEFAULT_RO_PATHS, HANDOVER_FD, MAX_SPEC_BYTES, NetworkSpec, SANDBOX_INNER_ID, SANDBOX_WORK_DIR, SandboxSpec,
-    UserModeNet, handover,
+    DEFAULT_RO_PATHS, HANDOVER_FD, MAX_SPEC_BYTES, NetworkSpec, SANDBOX_INNER_ID, SANDBOX_WORK_DIR,
+    SandboxSpec, UserModeNet, handover,
 };
 use crate::sys;
 
@@ -237,7 +237,8 @@ fn init(
     // the job holds none and cannot change them.
     match &spec.network {
         NetworkSpec::UserMode(net) => {
-            configure_user_mode(net, blocked.unwrap_or_default()).map_err(|e| format!("{NETWORK_FAILED}{e}"))?;
+            configure_user_mode(net, blocked.unwrap_or_default())
+                .map_err(|e| format!("{NETWORK_FAILED}{e}"))?;
             if let Some(channel) = channel {
                 hand_over(net, channel).map_err(|e| format!("{NETWORK_FAILED}{e}"))?;
             }
@@ -573,7 +574,13 @@ fn start_user_mode_stack(child: Pid, net: &UserModeNet) -> Result<UserModeStack,
     let log_for_child = log.try_clone().map_err(|e| format!("dup: {e}"))?;
     let mut cmd = std::process::Command::new(&net.slirp4netns);
     cmd.env_clear()
-        .args(["--configure", "--disable-host-loopback", "--disable-dns", "--enable-sandbox", "--enable-seccomp"])
+        .args([
+            "--configure",
+            "--disable-host-loopback",
+            "--disable-dns",
+            "--enable-sandbox",
+            "--enable-seccomp",
+        ])
         .arg(format!("--mtu={}", net.mtu))
         .arg(format!("--ready-fd={}", ready_w.as_raw_fd()))
         .arg(format!("--exit-fd={}", exit_r.as_raw_fd()));
@@ -640,27 +647,33 @@ fn configure_user_mode(net: &UserModeNet, blocked: &[Cidr]) -> Result<(), String
     nl.link_up(1).map_err(|e| e.to_string())?;
     if net.ipv6 {
         nl.add_address(tap, IpAddr::V6(JOB_IPV6), 64).map_err(|e| e.to_string())?;
-        nl.add_route_via(Cidr::new(IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED), 0).unwrap_or(Cidr::host(IpAddr::V6(JOB_IPV6))), IpAddr::V6(GATEWAY_IPV6), Some(tap))
-            .map_err(|e| e.to_string())?;
-    }
-    for range in blocked {
-        match nl.prohibit(*range, PROHIBIT_PRIORITY) {
-            Err(e) if e.errno() != Some(nix::Error::EEXIST) => return Err(e.to_string()),
-            _ => {}
+        // With an allow-list only the allowed ranges are routed, below.
+        if net.allow.is_none() {
+            let default =
+                Cidr::new(IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED), 0).ok_or("the IPv6 default range")?;
+            nl.add_route_via(default, IpAddr::V6(GATEWAY_IPV6), tap).map_err(|e| e.to_string())?;
         }
     }
     if let Some(allow) = &net.allow {
+        // The stack's --configure added the IPv4 default route: it must go.
         nl.delete_default_route(false).map_err(|e| e.to_string())?;
-        nl.delete_default_route(true).map_err(|e| e.to_string())?;
         for range in allow {
             if !range.is_ipv4() && !net.ipv6 {
                 continue;
             }
             let gateway = if range.is_ipv4() { IpAddr::V4(GATEWAY_IPV4) } else { IpAddr::V6(GATEWAY_IPV6) };
-            match nl.add_route_via(*range, gateway, Some(tap)) {
+            match nl.add_route_via(*range, gateway, tap) {
                 Err(e) if e.errno() != Some(nix::Error::EEXIST) => return Err(e.to_string()),
                 _ => {}
             }
+        }
+    }
+    // Last, so that no route above is looked up against them; they come first in
+    // every lookup from now on.
+    for range in blocked {
+        match nl.prohibit(*range, PROHIBIT_PRIORITY) {
+            Err(e) if e.errno() != Some(nix::Error::EEXIST) => return Err(e.to_string()),
+            _ => {}
         }
     }
     Ok(())
@@ -672,9 +685,10 @@ fn hand_over(net: &UserModeNet, channel: OwnedFd) -> Result<(), String> {
     use nix::sys::socket::{ControlMessage, MsgFlags, sendmsg};
     use std::os::fd::AsRawFd as _;
     let dns = crate::net::JOB_DNS;
-    let udp = std::net::UdpSocket::bind(dns).map_err(|e| format!("binding the DNS forwarder's {dns}/udp: {e}"))?;
-    let tcp =
-        std::net::TcpListener::bind(dns).map_err(|e| format!("binding the DNS forwarder's {dns}/tcp: {e}"))?;
+    let udp =
+        std::net::UdpSocket::bind(dns).map_err(|e| format!("binding the DNS forwarder's {dns}/udp: {e}"))?;
+    let tcp = std::net::TcpListener::bind(dns)
+        .map_err(|e| format!("binding the DNS forwarder's {dns}/tcp: {e}"))?;
     let nl = Netlink::open().map_err(|e| e.to_string())?;
     let mut names = vec![handover::DNS_UDP, handover::DNS_TCP, handover::NETLINK];
     let mut fds = vec![udp.as_raw_fd(), tcp.as_raw_fd(), nl.fd().as_raw_fd()];
@@ -688,10 +702,19 @@ fn hand_over(net: &UserModeNet, channel: OwnedFd) -> Result<(), String> {
     } else {
         None
     };
-    let text = names.join(",");
+    // The job's interface travels too: routes for allowed names go through it.
+    let tap = nix::net::if_::if_nametoindex(crate::net::TAP_NAME)
+        .map_err(|e| format!("the job's interface {}: {e}", crate::net::TAP_NAME))?;
+    let text = format!("{};tap={tap}", names.join(","));
     let iov = [std::io::IoSlice::new(text.as_bytes())];
-    sendmsg::<()>(channel.as_raw_fd(), &iov, &[ControlMessage::ScmRights(&fds)], MsgFlags::empty(), None)
-        .map_err(|e| format!("handing the job's sockets to the runner: {e}"))?;
+    sendmsg::<()>(
+        channel.as_raw_fd(),
+        &iov,
+        &[ControlMessage::ScmRights(&fds)],
+        MsgFlags::MSG_NOSIGNAL,
+        None,
+    )
+    .map_err(|e| format!("handing the job's sockets to the runner: {e}"))?;
     drop((udp, tcp, nl, creds, channel));
     Ok(())
 }
@@ -722,7 +745,11 @@ fn override_file(root: &Path, path: &Path, content: &str) -> Result<(), String> 
             None,
             &target,
             None,
-            MsFlags::MS_BIND | MsFlags::MS_REMOUNT | MsFlags::MS_RDONLY | MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
+            MsFlags::MS_BIND
+                | MsFlags::MS_REMOUNT
+                | MsFlags::MS_RDONLY
+                | MsFlags::MS_NOSUID
+                | MsFlags::MS_NODEV,
             None,
         )
     } else {

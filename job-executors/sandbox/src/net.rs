@@ -162,7 +162,10 @@ pub fn host_addresses() -> Result<Vec<Cidr>, String> {
 
 /// The `resolv.conf` a networked job sees: the runner's forwarder only.
 pub fn job_resolv_conf() -> String {
-    format!("# written by byoc-runner: the job's DNS goes through the runner\nnameserver {}\noptions edns0\n", JOB_DNS.ip())
+    format!(
+        "# written by byoc-runner: the job's DNS goes through the runner\nnameserver {}\noptions edns0\n",
+        JOB_DNS.ip()
+    )
 }
 
 #[cfg(test)]
@@ -192,7 +195,9 @@ mod tests {
     fn the_fixed_block_list_parses_and_covers_the_metadata_addresses() {
         let blocked = always_blocked();
         assert_eq!(blocked.len(), ALWAYS_BLOCKED.len());
-        for ip in ["169.254.169.254", "169.254.170.2", "169.254.170.23", "fd00:ec2::254", "fe80::1", "10.0.2.2"] {
+        for ip in
+            ["169.254.169.254", "169.254.170.2", "169.254.170.23", "fd00:ec2::254", "fe80::1", "10.0.2.2"]
+        {
             let ip: IpAddr = ip.parse().unwrap();
             assert!(blocked.iter().any(|c| c.contains(ip)), "{ip} not blocked");
         }

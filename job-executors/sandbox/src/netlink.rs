@@ -33,6 +33,7 @@ const AF_INET6: u8 = 10;
 const RT_TABLE_MAIN: u8 = 254;
 const RTPROT_STATIC: u8 = 4;
 const RT_SCOPE_UNIVERSE: u8 = 0;
+const RT_SCOPE_NOWHERE: u8 = 255;
 const RTN_UNICAST: u8 = 1;
 const FR_ACT_PROHIBIT: u8 = 8;
 
@@ -45,6 +46,7 @@ const IFA_ADDRESS: u16 = 1;
 const IFA_LOCAL: u16 = 2;
 const IFA_F_NODAD: u8 = 0x02;
 const IFF_UP: u32 = 0x1;
+const RTNH_F_ONLINK: u32 = 0x4;
 
 #[derive(Debug, thiserror::Error)]
 pub enum NetlinkError {
@@ -102,8 +104,9 @@ fn rtmsg(family: u8, dst_len: u8, kind: u8) -> Vec<u8> {
 
 impl Netlink {
     pub fn open() -> Result<Netlink, NetlinkError> {
-        let fd = socket(AddressFamily::Netlink, SockType::Raw, SockFlag::SOCK_CLOEXEC, SockProtocol::NetlinkRoute)
-            .map_err(NetlinkError::Open)?;
+        let fd =
+            socket(AddressFamily::Netlink, SockType::Raw, SockFlag::SOCK_CLOEXEC, SockProtocol::NetlinkRoute)
+                .map_err(NetlinkError::Open)?;
         Ok(Netlink { fd, seq: 0 })
     }
 
@@ -143,11 +146,15 @@ impl Netlink {
                     break;
                 }
                 if typ == NLMSG_ERROR && rseq == seq && len >= 20 {
-                    let code = i32::from_ne_bytes([buf[off + 16], buf[off + 17], buf[off + 18], buf[off + 19]]);
+                    let code =
+                        i32::from_ne_bytes([buf[off + 16], buf[off + 17], buf[off + 18], buf[off + 19]]);
                     return if code == 0 {
                         Ok(())
                     } else {
-                        Err(NetlinkError::Refused { what: what.to_string(), errno: nix::Error::from_raw(-code) })
+                        Err(NetlinkError::Refused {
+                            what: what.to_string(),
+                            errno: nix::Error::from_raw(-code),
+                        })
                     };
                 }
                 off += len.next_multiple_of(4);
@@ -180,27 +187,33 @@ impl Netlink {
         )
     }
 
-    /// A route to `dst` through `gateway` (on `ifindex`, or wherever the gateway is on
-    /// a link) in the main table.
-    pub fn add_route_via(&mut self, dst: Cidr, gateway: IpAddr, ifindex: Option<u32>) -> Result<(), NetlinkError> {
+    /// A route to `dst` through `gateway` on link `ifindex`, in the main table. The
+    /// gateway is declared on the link (`onlink`): the kernel would otherwise look it
+    /// up, and the rules that refuse the stack's own network refuse that lookup too.
+    pub fn add_route_via(&mut self, dst: Cidr, gateway: IpAddr, ifindex: u32) -> Result<(), NetlinkError> {
         let mut body = rtmsg(family(dst.addr()), dst.len(), RTN_UNICAST);
+        body[8..12].copy_from_slice(&RTNH_F_ONLINK.to_ne_bytes());
         if dst.len() > 0 {
             attr(&mut body, RTA_DST, &ip_bytes(dst.addr()));
         }
         attr(&mut body, RTA_GATEWAY, &ip_bytes(gateway));
-        if let Some(ifindex) = ifindex {
-            attr(&mut body, RTA_OIF, &ifindex.to_ne_bytes());
-        }
-        self.request(&format!("adding a route to {dst} via {gateway}"), RTM_NEWROUTE, NLM_F_CREATE | NLM_F_EXCL, &body)
+        attr(&mut body, RTA_OIF, &ifindex.to_ne_bytes());
+        self.request(
+            &format!("adding a route to {dst} via {gateway}"),
+            RTM_NEWROUTE,
+            NLM_F_CREATE | NLM_F_EXCL,
+            &body,
+        )
     }
 
-    /// Remove the default route of one family (`v6`) from the main table; absent is fine.
+    /// Remove the default route of one family (`v6`) from the main table, whoever
+    /// added it (any protocol, any scope). Its absence is an error: the caller relies
+    /// on it being gone.
     pub fn delete_default_route(&mut self, v6: bool) -> Result<(), NetlinkError> {
-        let body = rtmsg(if v6 { AF_INET6 } else { AF_INET }, 0, RTN_UNICAST);
-        match self.request("deleting the default route", RTM_DELROUTE, 0, &body) {
-            Err(e) if e.errno() == Some(nix::Error::ESRCH) => Ok(()),
-            other => other,
-        }
+        let mut body = rtmsg(if v6 { AF_INET6 } else { AF_INET }, 0, RTN_UNICAST);
+        body[5] = 0; // protocol: any
+        body[6] = RT_SCOPE_NOWHERE; // scope: any
+        self.request("deleting the default route", RTM_DELROUTE, 0, &body)
     }
 
     /// A rule ahead of every routing table (`priority` lower than main's 32766) that
@@ -212,6 +225,11 @@ impl Netlink {
             attr(&mut body, FRA_DST, &ip_bytes(dst.addr()));
         }
         attr(&mut body, FRA_PRIORITY, &priority.to_ne_bytes());
-        self.request(&format!("adding a rule that prohibits {dst}"), RTM_NEWRULE, NLM_F_CREATE | NLM_F_EXCL, &body)
+        self.request(
+            &format!("adding a rule that prohibits {dst}"),
+            RTM_NEWRULE,
+            NLM_F_CREATE | NLM_F_EXCL,
+            &body,
+        )
     }
 }

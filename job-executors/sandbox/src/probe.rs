@@ -140,8 +140,13 @@ pub fn run(args: &ProbeArgs<'_>) -> Report {
     add(
         "routes_unchangeable",
         refused(crate::netlink::Netlink::open().map_err(|e| e.to_string()).and_then(|mut nl| {
-            nl.prohibit("192.0.2.0/24".parse().unwrap_or(crate::net::Cidr::host(std::net::Ipv4Addr::UNSPECIFIED.into())), 99)
-                .map_err(|e| e.to_string())
+            nl.prohibit(
+                "192.0.2.0/24"
+                    .parse()
+                    .unwrap_or(crate::net::Cidr::host(std::net::Ipv4Addr::UNSPECIFIED.into())),
+                99,
+            )
+            .map_err(|e| e.to_string())
         })),
     );
     add(

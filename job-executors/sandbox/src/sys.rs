@@ -91,7 +91,10 @@ pub fn take_handover_fd(fd: std::os::fd::RawFd) -> std::io::Result<std::os::fd::
     // SAFETY: fstat succeeded, so it initialised the buffer.
     let st = unsafe { st.assume_init() };
     if st.st_mode & libc::S_IFMT != libc::S_IFSOCK {
-        return Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("descriptor {fd} is not a socket")));
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!("descriptor {fd} is not a socket"),
+        ));
     }
     // SAFETY: the descriptor is open (fstat succeeded) and, by the helper's contract
     // with the runner, ours alone: nothing else in this process refers to it.

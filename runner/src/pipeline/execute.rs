@@ -34,7 +34,12 @@ pub async fn execute(rt: &Rt, job: ClaimedJob) -> Result<FinishedJob, JournalErr
     let job_id = job.verified.payload.job_id.clone();
     let work_dir = rt.state_dir.join(WORK_DIR).join(&job_id);
     let started_at_ms = now_ms();
-    rt.transition(Event::Started { job_id: job_id.clone(), started_at_ms })?;
+    let network = byoc_job_executors::describe_network(
+        job.verified.executor.placement(),
+        rt.sandbox.as_ref(),
+        rt.containers.as_ref(),
+    );
+    rt.transition(Event::Started { job_id: job_id.clone(), started_at_ms, network: Some(network) })?;
     tracing::info!("job started");
 
     let outcome;
@@ -315,8 +320,13 @@ async fn assume_for_job(
             Err(why) => {
                 tracing::warn!(reason = %why, "a container gets its role session's keys without renewal");
                 let note = format!("{intro}; the container gets its keys without renewal: {why}\n");
-                let creds =
-                    JobCredentials { endpoint_env: vec![], endpoint: None, static_env, container: None, feed };
+                let creds = JobCredentials {
+                    endpoint_env: vec![],
+                    endpoint: None,
+                    static_env,
+                    container: None,
+                    feed,
+                };
                 (RoleSession { _file: None }, creds, note)
             }
         });

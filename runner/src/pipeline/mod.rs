@@ -122,6 +122,8 @@ pub fn container_settings(config: &Config) -> Option<byoc_job_executors::Contain
         pids: config.sandbox.pids,
         uid: config.sandbox.uid,
         gid: config.sandbox.gid,
+        busybox: config.roles.busybox.clone(),
+        network: config.sandbox.egress.clone(),
     })
 }
 

@@ -49,6 +49,9 @@ pub struct Verifier<'a> {
     pub install: &'a crate::roles::template::InstallState,
     /// The customer's pause, if in force: authentic new jobs are refused with `paused`.
     pub paused: Option<&'a crate::roles::pause::Pause>,
+    /// Whether this host can build the job's sandbox as documented right now (its
+    /// network boundary, its limits): `None` when it can.
+    pub readiness: &'a (dyn Fn(&dyn Executor) -> Option<byoc_job_executors::Refusal> + Sync),
 }
 
 /// A job id names files and URL segments: keep it to a safe alphabet.
@@ -208,6 +211,18 @@ impl Verifier<'_> {
                 ),
             ));
         }
+        if let Some(refusal) = (self.readiness)(executor.as_ref()) {
+            return Err(match refusal {
+                byoc_job_executors::Refusal::NetworkUnavailable(why) => reject(
+                    RejectReason::SandboxNetworkUnavailable,
+                    format!("the job's network boundary cannot be built on this runner: {why}"),
+                ),
+                byoc_job_executors::Refusal::LimitsUnavailable(why) => reject(
+                    RejectReason::SandboxLimitsUnavailable,
+                    format!("the job's resource limits cannot be applied on this runner: {why}"),
+                ),
+            });
+        }
         // The vendor proposes a role; the runner derives its own and compares.
         let role = crate::roles::chain::derive_for_job(&payload, self.install)
             .map_err(|e| reject(e.reason, e.detail))?;
@@ -287,6 +302,7 @@ mod tests {
             now,
             install: &install(),
             paused,
+            readiness: &|_| None,
         };
         v.verify(PolledJob { delivery_id: "dl-1".into(), envelope: env, received_at: Instant::now() }, index)
     }

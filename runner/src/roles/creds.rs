@@ -294,25 +294,7 @@ pub fn remove_stale_credential_files(parent: &std::path::Path) {
     }
 }
 
-/// Whether `path` is an x86-64/aarch64 ELF executable without an interpreter (a static
-/// binary runs in any image; a dynamic one needs the image to have its libc).
-pub fn is_static_elf(path: &std::path::Path) -> bool {
-    let Ok(bytes) = std::fs::read(path) else { return false };
-    // 64-bit little-endian ELF only: e_phoff at 0x20, e_phentsize at 0x36, e_phnum at 0x38.
-    if bytes.len() < 64 || &bytes[..4] != b"\x7fELF" || bytes[4] != 2 || bytes[5] != 1 {
-        return false;
-    }
-    let u16_at = |o: usize| u16::from_le_bytes([bytes[o], bytes[o + 1]]) as usize;
-    let phoff = u64::from_le_bytes(bytes[0x20..0x28].try_into().unwrap_or([0; 8])) as usize;
-    let (entsize, count) = (u16_at(0x36), u16_at(0x38));
-    const PT_INTERP: u32 = 3;
-    (0..count).all(|i| {
-        let at = phoff.saturating_add(i.saturating_mul(entsize));
-        at.checked_add(4)
-            .and_then(|end| bytes.get(at..end))
-            .is_some_and(|t| u32::from_le_bytes([t[0], t[1], t[2], t[3]]) != PT_INTERP)
-    }) && count > 0
-}
+pub use byoc_job_executors::container::is_static_elf;
 
 /// The `credential_process` output format (Version 1).
 fn process_output(c: &Credentials) -> Vec<u8> {

@@ -98,6 +98,11 @@ pub async fn moto_with_stack(params: &BTreeMap<&'static str, &'static str>) -> M
 
 /// The environment of the running process whose `BYOC_JOB_ID` is `job_id`.
 pub fn job_environ(job_id: &str) -> Option<BTreeMap<String, String>> {
+    job_process(job_id).map(|(_, vars)| vars)
+}
+
+/// The pid and environment of the running process whose `BYOC_JOB_ID` is `job_id`.
+pub fn job_process(job_id: &str) -> Option<(i32, BTreeMap<String, String>)> {
     let needle = format!("BYOC_JOB_ID={job_id}");
     for entry in std::fs::read_dir("/proc").ok()? {
         let Ok(entry) = entry else { continue };
@@ -107,7 +112,8 @@ pub fn job_environ(job_id: &str) -> Option<BTreeMap<String, String>> {
             .filter_map(|kv| std::str::from_utf8(kv).ok()?.split_once('=').map(|(k, v)| (k.into(), v.into())))
             .collect();
         if vars.get("BYOC_JOB_ID").is_some_and(|v| format!("BYOC_JOB_ID={v}") == needle) {
-            return Some(vars);
+            let pid = entry.file_name().to_str()?.parse().ok()?;
+            return Some((pid, vars));
         }
     }
     None
@@ -150,17 +156,28 @@ exit 3"#,
 /// the credentials the endpoint hands out. Returns (vars, [key id, secret, session
 /// token, endpoint token]).
 pub async fn job_credentials(job_id: &str) -> (BTreeMap<String, String>, Vec<String>) {
-    let vars = job_environ(job_id).expect("the job's process");
+    let (pid, vars) = job_process(job_id).expect("the job's process");
     let token = vars["AWS_CONTAINER_AUTHORIZATION_TOKEN"].clone();
-    let creds: serde_json::Value = reqwest::Client::new()
-        .get(&vars["AWS_CONTAINER_CREDENTIALS_FULL_URI"])
-        .header("Authorization", &token)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    // The endpoint exists only inside the job's network namespace: ask from there.
+    let (url, t) = (vars["AWS_CONTAINER_CREDENTIALS_FULL_URI"].clone(), token.clone());
+    let creds: serde_json::Value = std::thread::spawn(move || {
+        let ns = std::fs::File::open(format!("/proc/{pid}/ns/net")).unwrap();
+        nix::sched::setns(ns, nix::sched::CloneFlags::CLONE_NEWNET).unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        rt.block_on(async {
+            reqwest::Client::new()
+                .get(&url)
+                .header("Authorization", &t)
+                .send()
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap()
+        })
+    })
+    .join()
+    .unwrap();
     let secrets = ["AccessKeyId", "SecretAccessKey", "Token"]
         .iter()
         .map(|k| creds[k].as_str().unwrap().to_string())

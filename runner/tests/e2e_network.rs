@@ -1,0 +1,367 @@
+//! The job's network boundary, end to end, on a network the test builds
+//! (`byoc_control_plane::netlab`): the runner, the control plane and moto run in a
+//! namespace whose loopback also answers as IMDS (IPv4 and IPv6) and the ECS/EKS
+//! credential addresses, with a service on its 127.0.0.1 and on its own address; an
+//! "outside" host (198.51.100.1, 2001:db8::1, `outside.test` through its DNS server)
+//! sits behind a veth pair. Nothing leaves the machine.
+#![allow(clippy::unwrap_used)] // a failed unwrap is a failed test
+
+mod common;
+
+use std::net::SocketAddr;
+
+use byoc_control_plane::EnqueueRequest;
+use byoc_control_plane::harness::RunnerOptions;
+use byoc_control_plane::netlab::{NetLab, RUNNER_V4, Tripwire};
+use byoc_protocol::{JobStatus, RejectReason};
+use common::*;
+
+/// `[sandbox.egress]` with the outside DNS server as the upstream, plus `extra`.
+fn egress(extra: &str) -> RunnerOptions {
+    RunnerOptions {
+        sandbox_extra: format!("\n[sandbox.egress]\nnameservers = [\"198.51.100.1\"]\n{extra}\n"),
+        ..Default::default()
+    }
+}
+
+/// Fake services a job must never reach, on the runner namespace's addresses.
+struct Tripwires {
+    all: Vec<(&'static str, Tripwire)>,
+}
+
+impl Tripwires {
+    async fn start() -> Tripwires {
+        let mut all = Vec::new();
+        for (name, addr) in [
+            ("IMDS", "169.254.169.254:80"),
+            ("IMDS over IPv6", "[fd00:ec2::254]:80"),
+            ("ECS credentials", "169.254.170.2:80"),
+            ("EKS pod identity", "169.254.170.23:80"),
+            ("a service on the host's loopback", "127.0.0.1:0"),
+        ] {
+            all.push((name, Tripwire::start(addr.parse().unwrap()).await));
+        }
+        let on_host: SocketAddr = format!("{RUNNER_V4}:0").parse().unwrap();
+        all.push(("a service on the host's own address", Tripwire::start(on_host).await));
+        Tripwires { all }
+    }
+
+    fn addrs(&self) -> Vec<SocketAddr> {
+        self.all.iter().map(|(_, t)| t.addr).collect()
+    }
+
+    fn assert_untouched(&self) {
+        for (name, t) in &self.all {
+            assert_eq!(t.hits(), 0, "{name} at {} was reached", t.addr);
+        }
+    }
+}
+
+/// A bash script: try each target, print `reached <t>` or `blocked <t>`.
+fn reach_script(targets: &[String]) -> serde_json::Value {
+    let mut s = String::new();
+    for t in targets {
+        s.push_str(&format!(
+            "if curl -sS -m 5 -o /dev/null -g '{t}' 2>/dev/null; then echo 'reached {t}'; else echo 'blocked {t}'; fi\n"
+        ));
+    }
+    serde_json::json!({ "script": s, "interpreter": "/bin/bash" })
+}
+
+fn url(addr: &SocketAddr) -> String {
+    format!("http://{addr}/")
+}
+
+const OUTSIDE_BY_ADDRESS: &str = "http://198.51.100.1:8080/";
+const OUTSIDE_BY_NAME: &str = "http://outside.test:8080/";
+const OUTSIDE_BY_IPV6: &str = "http://[2001:db8::1]:8080/";
+
+#[test]
+fn a_script_reaches_the_outside_but_not_metadata_the_host_or_the_control_plane() {
+    let lab = NetLab::create();
+    let outside_hits = lab.outside_hits.clone();
+    lab.run(move || async move {
+        let wires = Tripwires::start().await;
+        let e = env_with(egress("")).await;
+        let cp_addr: SocketAddr = e.cp.runner_url().trim_start_matches("http://").parse().unwrap();
+        let mut targets: Vec<String> = wires.addrs().iter().map(url).collect();
+        targets.push(url(&cp_addr));
+        let id = e.cp.enqueue(EnqueueRequest::new("action.script", reach_script(&targets))).unwrap();
+        let outside = e
+            .cp
+            .enqueue(EnqueueRequest::new(
+                "action.script",
+                reach_script(&[OUTSIDE_BY_ADDRESS.into(), OUTSIDE_BY_NAME.into(), OUTSIDE_BY_IPV6.into()]),
+            ))
+            .unwrap();
+        for job in [&id, &outside] {
+            assert_eq!(e.finished(job).await.result.unwrap().status, JobStatus::Succeeded, "{}", e.output(job));
+        }
+        let out = e.output(&id);
+        for t in &targets {
+            assert!(out.contains(&format!("blocked {t}")), "{t} was reachable:\n{out}");
+        }
+        wires.assert_untouched();
+        let out = e.output(&outside);
+        for t in [OUTSIDE_BY_ADDRESS, OUTSIDE_BY_NAME, OUTSIDE_BY_IPV6] {
+            assert!(out.contains(&format!("reached {t}")), "{t} unreachable:\n{out}");
+        }
+        assert_eq!(outside_hits.load(std::sync::atomic::Ordering::SeqCst), 3);
+        // The job's log and its `started` record say which network it got.
+        let log = String::from_utf8_lossy(&e.cp.log(&id).unwrap()).into_owned();
+        assert!(
+            log.contains("[sandbox] network: user-mode (slirp4netns), egress to any address not blocked, metadata and host blocked"),
+            "{log}"
+        );
+        let started = audit_events(&e.runner.state_dir, "job_started");
+        let mine = started.iter().find(|r| r["job"] == id.as_str()).unwrap();
+        assert!(mine["detail"].as_str().unwrap().starts_with("network: user-mode"), "{mine}");
+    });
+}
+
+#[test]
+fn the_sandbox_probe_finds_every_network_escape_closed() {
+    let lab = NetLab::create();
+    lab.run(|| async {
+        let wires = Tripwires::start().await;
+        let e = env_with(egress("")).await;
+        let probe = e.dir.path().join("probe");
+        if std::fs::hard_link(BIN, &probe).is_err() {
+            std::fs::copy(BIN, &probe).unwrap();
+        }
+        let cp_addr = e.cp.runner_url().trim_start_matches("http://").to_string();
+        let mut args: Vec<String> = wires.addrs().iter().map(|a| format!("--unreachable {a}")).collect();
+        args.push(format!("--unreachable {cp_addr}"));
+        let id =
+            e.cp.enqueue(EnqueueRequest::new(
+                "action.script",
+                serde_json::json!({"script": format!(
+                    "exec {} sandbox-probe --runner-pid {} --state-dir {} {}",
+                    probe.display(),
+                    e.runner.pid().unwrap(),
+                    e.runner.state_dir.display(),
+                    args.join(" ")
+                )}),
+            ))
+            .unwrap();
+        let v = e.finished(&id).await;
+        let out = e.output(&id);
+        assert_eq!(v.result.unwrap().status, JobStatus::Succeeded, "{out}");
+        let report: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+        let checks = report["checks"].as_array().unwrap();
+        let failed: Vec<&serde_json::Value> = checks.iter().filter(|c| c["held"] != true).collect();
+        assert!(failed.is_empty(), "escapes possible: {failed:#?}");
+        let names: Vec<&str> = checks.iter().map(|c| c["name"].as_str().unwrap()).collect();
+        for needed in [
+            "unreachable:169.254.169.254:80",
+            "unreachable:[fd00:ec2::254]:80",
+            "routes_unchangeable",
+            "raw_socket_refused",
+        ] {
+            assert!(names.contains(&needed), "{needed} not checked: {names:?}");
+        }
+        assert!(names.contains(&format!("unreachable:{cp_addr}").as_str()));
+        wires.assert_untouched();
+    });
+}
+
+#[test]
+fn an_allow_list_limits_egress_to_what_the_customer_listed() {
+    let lab = NetLab::create();
+    let outside_hits = lab.outside_hits.clone();
+    lab.run(move || async move {
+        let targets = [OUTSIDE_BY_ADDRESS.to_string(), OUTSIDE_BY_NAME.into(), OUTSIDE_BY_ADDRESS.into()];
+        // An allow-list that leaves the outside host out: neither its address nor its
+        // name (the lookup itself is refused).
+        {
+            let e = env_with(egress("allow = [\"203.0.113.0/24\", \"other.test\"]")).await;
+            let id = e.cp.enqueue(EnqueueRequest::new("action.script", reach_script(&targets[..2]))).unwrap();
+            e.finished(&id).await;
+            let out = e.output(&id);
+            assert!(out.contains(&format!("blocked {OUTSIDE_BY_ADDRESS}")), "{out}");
+            assert!(out.contains(&format!("blocked {OUTSIDE_BY_NAME}")), "{out}");
+            let log = String::from_utf8_lossy(&e.cp.log(&id).unwrap()).into_owned();
+            assert!(log.contains("egress allow-list 2 entries"), "{log}");
+        }
+        assert_eq!(outside_hits.load(std::sync::atomic::Ordering::SeqCst), 0);
+        // Its range: by address only (its name is not on the list).
+        {
+            let e = env_with(egress("allow = [\"198.51.100.0/24\"]")).await;
+            let id = e.cp.enqueue(EnqueueRequest::new("action.script", reach_script(&targets[..2]))).unwrap();
+            e.finished(&id).await;
+            let out = e.output(&id);
+            assert!(out.contains(&format!("reached {OUTSIDE_BY_ADDRESS}")), "{out}");
+            assert!(out.contains(&format!("blocked {OUTSIDE_BY_NAME}")), "{out}");
+        }
+        // Its name: what the name resolves to is routed once the job resolves it.
+        {
+            let e = env_with(egress("allow = [\"outside.test\"]")).await;
+            let id = e.cp.enqueue(EnqueueRequest::new("action.script", reach_script(&targets))).unwrap();
+            e.finished(&id).await;
+            let out: Vec<String> = e.output(&id).lines().map(str::to_string).collect();
+            assert_eq!(
+                out,
+                [
+                    format!("blocked {OUTSIDE_BY_ADDRESS}"),
+                    format!("reached {OUTSIDE_BY_NAME}"),
+                    format!("reached {OUTSIDE_BY_ADDRESS}")
+                ]
+            );
+        }
+        // The allow-list never opens what is always blocked, whatever it lists.
+        {
+            let wires = Tripwires::start().await;
+            let e = env_with(egress("allow = [\"0.0.0.0/0\", \"::/0\"]")).await;
+            let targets: Vec<String> = wires.addrs().iter().map(url).collect();
+            let id = e.cp.enqueue(EnqueueRequest::new("action.script", reach_script(&targets))).unwrap();
+            e.finished(&id).await;
+            let out = e.output(&id);
+            assert!(!out.contains("reached"), "{out}");
+            wires.assert_untouched();
+        }
+    });
+}
+
+#[test]
+fn jobs_get_their_role_credentials_only_inside_their_own_namespace() {
+    let lab = NetLab::create();
+    lab.run(|| async {
+        use common::roles::*;
+        let moto = moto_with_stack(&base_params()).await;
+        let mut opts = role_options(&moto, "session_min_secs = 1\nsession_max_secs = 3\nrefresh_before_secs = 1");
+        opts.sandbox_extra = egress("").sandbox_extra;
+        let e = env_with(opts).await;
+        let moto_addr = moto.url().trim_start_matches("http://").trim_end_matches('/').to_string();
+        // A role job reads its credentials twice, 4 s apart (sessions last 3 s); a job
+        // with no role tries the same endpoint address, and moto, at the same time.
+        let script = r#"get() { curl -s -H "Authorization: $AWS_CONTAINER_AUTHORIZATION_TOKEN" "$AWS_CONTAINER_CREDENTIALS_FULL_URI"; }
+kid() { printf '%s' "$1" | sed 's/.*"AccessKeyId":"\([^"]*\)".*/\1/' | sha256sum | cut -c1-16; }
+a=$(get); sleep 4; b=$(get)
+echo "URI=$AWS_CONTAINER_CREDENTIALS_FULL_URI" >> "$BYOC_OUTPUT"
+echo "FIRST=$(kid "$a")" >> "$BYOC_OUTPUT"
+echo "LAST=$(kid "$b")" >> "$BYOC_OUTPUT""#;
+        let with_role = e
+            .cp
+            .enqueue(role_job("component", "deploy", "inst-demo-maintenance", named("api"), script))
+            .unwrap();
+        e.log_contains(&with_role, "assumed role").await;
+        let other = e
+            .cp
+            .enqueue(EnqueueRequest::new(
+                "action.script",
+                reach_script(&["http://127.0.0.1:80/v1/credentials".into(), format!("http://{moto_addr}/")]),
+            ))
+            .unwrap();
+        let r = e.finished(&with_role).await.result.unwrap();
+        assert_eq!(r.status, JobStatus::Succeeded, "{}", e.output(&with_role));
+        assert_eq!(r.outputs["URI"], "http://127.0.0.1:80/v1/credentials");
+        assert_ne!(r.outputs["FIRST"], r.outputs["LAST"], "a renewed session: {}", r.outputs);
+        assert_eq!(r.outputs["FIRST"].as_str().unwrap().len(), 16);
+        e.finished(&other).await;
+        let out = e.output(&other);
+        assert!(!out.contains("reached"), "{out}");
+        // And from the runner's own namespace there is no endpoint at all.
+        assert!(std::net::TcpStream::connect("127.0.0.1:80").is_err());
+    });
+}
+
+#[test]
+fn terraform_runs_in_the_jobs_namespace() {
+    let lab = NetLab::create();
+    let outside_hits = lab.outside_hits.clone();
+    lab.run(move || async move {
+        let wires = Tripwires::start().await;
+        let terraform = which("terraform");
+        let policies = tempfile::tempdir().unwrap();
+        let mut opts = egress("");
+        opts.extra = format!(
+            "\n[terraform]\nbinary = \"{}\"\n\n[policy]\ndir = \"{}\"\n",
+            terraform.display(),
+            policies.path().display()
+        );
+        let e = env_with(opts).await;
+        let mut targets = vec![OUTSIDE_BY_NAME.to_string()];
+        targets.extend(wires.addrs().iter().map(url));
+        let mut command = String::new();
+        for t in &targets {
+            command.push_str(&format!(
+                "if curl -sS -m 5 -o /dev/null -g '{t}' 2>/dev/null; then echo 'reached {t}'; else echo 'blocked {t}'; fi; "
+            ));
+        }
+        let main_tf = format!(
+            "resource \"terraform_data\" \"probe\" {{\n  provisioner \"local-exec\" {{\n    command = <<-EOT\n{command}\nEOT\n    interpreter = [\"/bin/bash\", \"-c\"]\n  }}\n}}\n"
+        );
+        let req = EnqueueRequest {
+            timeout_secs: 300,
+            ..EnqueueRequest::new(
+                "terraform",
+                serde_json::json!({"mode": "apply", "files": {"main.tf": main_tf}, "workspace": "net"}),
+            )
+        };
+        let id = e.cp.enqueue(req).unwrap();
+        let v = e.finished(&id).await;
+        let log = String::from_utf8_lossy(&e.cp.log(&id).unwrap()).into_owned();
+        assert_eq!(v.result.unwrap().status, JobStatus::Succeeded, "{log}");
+        assert!(log.contains(&format!("reached {OUTSIDE_BY_NAME}")), "{log}");
+        for t in &targets[1..] {
+            assert!(log.contains(&format!("blocked {t}")), "{t}:\n{log}");
+        }
+        assert!(log.contains("[sandbox] network: user-mode"), "{log}");
+        wires.assert_untouched();
+        assert_eq!(outside_hits.load(std::sync::atomic::Ordering::SeqCst), 1);
+    });
+}
+
+fn which(tool: &str) -> std::path::PathBuf {
+    let out = std::process::Command::new("sh").args(["-c", &format!("command -v {tool}")]).output().unwrap();
+    let path = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    assert!(!path.is_empty(), "{tool} is required on PATH (terraform 1.11 on these machines)");
+    std::path::PathBuf::from(path)
+}
+
+#[tokio::test]
+async fn a_missing_user_mode_stack_refuses_network_jobs_before_anything_runs() {
+    let e = env_with(RunnerOptions {
+        sandbox_extra: "\n[sandbox.egress]\nslirp4netns = \"/nonexistent/slirp4netns\"\n".into(),
+        ..Default::default()
+    })
+    .await;
+    let marker = e.dir.path().join("ran");
+    let touch = serde_json::json!({"script": format!("touch {}", marker.display())});
+    let id = e.cp.enqueue(EnqueueRequest::new("action.script", touch)).unwrap();
+    let v = e.rejected(&id).await;
+    assert_eq!(v.rejections[0].0, RejectReason::SandboxNetworkUnavailable);
+    assert!(v.rejections[0].1.contains("apt-get install slirp4netns"), "{:?}", v.rejections);
+    assert_eq!(started_count(&e.runner.state_dir, &id), 0);
+    assert!(!marker.exists());
+    let audited = audit_events(&e.runner.state_dir, "job_rejected");
+    assert!(audited.iter().any(|r| r["job"] == id.as_str() && r["reason"] == "sandbox_network_unavailable"));
+    // An offline job needs no stack and still runs.
+    let offline =
+        e.cp.enqueue(EnqueueRequest::new(
+            "action.script",
+            serde_json::json!({"script": "echo offline", "network": false}),
+        ))
+        .unwrap();
+    assert_eq!(e.finished(&offline).await.result.unwrap().status, JobStatus::Succeeded);
+}
+
+#[tokio::test]
+async fn a_stack_that_fails_to_start_fails_the_job_before_its_code_runs() {
+    // An executable that is not a network stack: it exits at once.
+    let e = env_with(RunnerOptions {
+        sandbox_extra: "\n[sandbox.egress]\nslirp4netns = \"/bin/false\"\n".into(),
+        ..Default::default()
+    })
+    .await;
+    let marker = e.dir.path().join("ran");
+    let touch = serde_json::json!({"script": format!("touch {}", marker.display())});
+    let id = e.cp.enqueue(EnqueueRequest::new("action.script", touch)).unwrap();
+    let r = e.finished(&id).await.result.unwrap();
+    assert_eq!(r.status, JobStatus::Failed);
+    assert_eq!(r.outputs["reason"], "sandbox_network_unavailable", "{r:?}");
+    assert!(r.error.as_deref().unwrap().contains("nothing ran"), "{r:?}");
+    assert!(!marker.exists());
+    let log = String::from_utf8_lossy(&e.cp.log(&id).unwrap()).into_owned();
+    assert!(log.contains("exited before the job's network was up"), "{log}");
+}

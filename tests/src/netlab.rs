@@ -1,0 +1,255 @@
+//! A private network for the network-boundary suites (root only; nothing leaves the
+//! machine). Two namespaces joined by a veth pair:
+//!
+//! ```text
+//!  "runner" namespace                                   "outside" namespace
+//!  lo: 127.0.0.1, 169.254.169.254, 169.254.170.2,        198.51.100.1, 2001:db8::1
+//!      169.254.170.23, fd00:ec2::254 (fake IMDS and       an HTTP server, a DNS server
+//!      credential services answer there)                  (outside.test → both addresses)
+//!  198.51.100.2, 2001:db8::2 ─────── veth ─────────────────
+//! ```
+//!
+//! The runner, the reference control plane and moto run in the first: a test's
+//! async body runs on a runtime whose threads were created inside it
+//! ([`NetLab::run`]), so every socket it makes and every process it starts is there.
+
+use std::future::Future;
+use std::net::{IpAddr, SocketAddr};
+use std::process::Command;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+pub const OUTSIDE_V4: &str = "198.51.100.1";
+pub const OUTSIDE_V6: &str = "2001:db8::1";
+pub const RUNNER_V4: &str = "198.51.100.2";
+pub const OUTSIDE_NAME: &str = "outside.test";
+pub const OUTSIDE_HTTP_PORT: u16 = 8080;
+/// Addresses on the runner namespace's loopback where fake metadata services answer.
+pub const METADATA_ADDRS: &[&str] = &["169.254.169.254", "169.254.170.2", "169.254.170.23", "fd00:ec2::254"];
+
+pub struct NetLab {
+    pub runner_ns: String,
+    pub outside_ns: String,
+    outside_stop: Option<tokio::sync::oneshot::Sender<()>>,
+    outside_thread: Option<std::thread::JoinHandle<()>>,
+    /// Requests the outside HTTP server answered.
+    pub outside_hits: Arc<AtomicUsize>,
+}
+
+fn ip(args: &[&str]) {
+    let out = Command::new("ip").args(args).output().expect("ip (iproute2) is required");
+    assert!(out.status.success(), "ip {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim());
+}
+
+/// Run `f` on a new thread that has joined namespace `ns` (by name, /run/netns/NAME).
+pub fn in_netns<T: Send + 'static>(ns: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
+    let path = format!("/run/netns/{ns}");
+    std::thread::spawn(move || {
+        let file = std::fs::File::open(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
+        nix::sched::setns(file, nix::sched::CloneFlags::CLONE_NEWNET).expect("setns (the suites need root)");
+        f()
+    })
+    .join()
+    .expect("thread in the namespace panicked")
+}
+
+impl NetLab {
+    /// Build both namespaces, their link and addresses, and start the outside servers.
+    pub fn create() -> NetLab {
+        assert!(nix::unistd::geteuid().is_root(), "the network suites need root (ip netns)");
+        let tag = byoc_protocol::random_hex(4);
+        let (r, o) = (format!("byoc-r-{tag}"), format!("byoc-o-{tag}"));
+        ip(&["netns", "add", &r]);
+        ip(&["netns", "add", &o]);
+        let mut lab = NetLab {
+            runner_ns: r.clone(),
+            outside_ns: o.clone(),
+            outside_stop: None,
+            outside_thread: None,
+            outside_hits: Arc::default(),
+        };
+        ip(&["link", "add", "v0", "netns", &r, "type", "veth", "peer", "name", "v1", "netns", &o]);
+        for (ns, v4, v6) in
+            [(&r, "198.51.100.2/24", "2001:db8::2/64"), (&o, "198.51.100.1/24", "2001:db8::1/64")]
+        {
+            let dev = if ns == &r { "v0" } else { "v1" };
+            ip(&["-n", ns, "link", "set", "lo", "up"]);
+            ip(&["-n", ns, "addr", "add", v4, "dev", dev]);
+            ip(&["-n", ns, "-6", "addr", "add", v6, "dev", dev, "nodad"]);
+            ip(&["-n", ns, "link", "set", dev, "up"]);
+        }
+        ip(&["-n", &r, "route", "add", "default", "via", OUTSIDE_V4]);
+        ip(&["-n", &r, "-6", "route", "add", "default", "via", OUTSIDE_V6]);
+        for a in METADATA_ADDRS {
+            let len = if a.contains(':') { "/128" } else { "/32" };
+            ip(&["-n", &r, "addr", "add", &format!("{a}{len}"), "dev", "lo"]);
+        }
+        // The outside servers: a runtime on a thread inside the outside namespace.
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+        let hits = lab.outside_hits.clone();
+        let path = format!("/run/netns/{o}");
+        lab.outside_thread = Some(std::thread::spawn(move || {
+            let file = std::fs::File::open(&path).expect("outside namespace");
+            nix::sched::setns(file, nix::sched::CloneFlags::CLONE_NEWNET).expect("setns");
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+            rt.block_on(async move {
+                let mut tasks = Vec::new();
+                for a in [OUTSIDE_V4, OUTSIDE_V6] {
+                    let addr = SocketAddr::new(a.parse().expect("literal"), OUTSIDE_HTTP_PORT);
+                    let listener = tokio::net::TcpListener::bind(addr).await.expect("outside http");
+                    tasks.push(tokio::spawn(counting_http(listener, hits.clone(), "outside")));
+                }
+                let dns = tokio::net::UdpSocket::bind((OUTSIDE_V4, 53)).await.expect("outside dns");
+                tasks.push(tokio::spawn(dns_server(dns)));
+                let _ = ready_tx.send(());
+                let _ = stopped.await;
+                for t in tasks {
+                    t.abort();
+                }
+            });
+        }));
+        ready_rx.recv().expect("outside servers started");
+        lab.outside_stop = Some(stop);
+        lab
+    }
+
+    /// Run a test's body on a multi-threaded runtime inside the runner namespace.
+    pub fn run<F, Fut>(&self, body: F) -> Fut::Output
+    where
+        F: FnOnce() -> Fut + Send + 'static,
+        Fut: Future + 'static,
+        Fut::Output: Send + 'static,
+    {
+        in_netns(&self.runner_ns, move || {
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()
+                .expect("runtime");
+            rt.block_on(body())
+        })
+    }
+}
+
+impl Drop for NetLab {
+    fn drop(&mut self) {
+        if let Some(stop) = self.outside_stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(t) = self.outside_thread.take() {
+            let _ = t.join();
+        }
+        for ns in [&self.runner_ns, &self.outside_ns] {
+            let _ = Command::new("ip").args(["netns", "del", ns]).status();
+        }
+    }
+}
+
+/// Count connections and answer each with a small HTTP 200 naming `who`.
+pub async fn counting_http(listener: tokio::net::TcpListener, hits: Arc<AtomicUsize>, who: &'static str) {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    loop {
+        let Ok((mut s, _)) = listener.accept().await else { continue };
+        hits.fetch_add(1, Ordering::SeqCst);
+        tokio::spawn(async move {
+            let mut buf = [0u8; 2048];
+            let _ = s.read(&mut buf).await;
+            let body = format!("hello from {who}\n");
+            let _ = s
+                .write_all(
+                    format!(
+                        "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                        body.len()
+                    )
+                    .as_bytes(),
+                )
+                .await;
+        });
+    }
+}
+
+/// A service that must never be reached: it counts connections.
+pub struct Tripwire {
+    pub addr: SocketAddr,
+    pub hits: Arc<AtomicUsize>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Tripwire {
+    pub async fn start(addr: SocketAddr) -> Tripwire {
+        let listener =
+            tokio::net::TcpListener::bind(addr).await.unwrap_or_else(|e| panic!("binding {addr}: {e}"));
+        let addr = listener.local_addr().expect("local addr");
+        let hits = Arc::new(AtomicUsize::new(0));
+        let task = tokio::spawn(counting_http(listener, hits.clone(), "tripwire"));
+        Tripwire { addr, hits, task }
+    }
+
+    pub fn hits(&self) -> usize {
+        self.hits.load(Ordering::SeqCst)
+    }
+}
+
+impl Drop for Tripwire {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// A DNS server that knows one name: `outside.test` (A and AAAA); everything else is
+/// NXDOMAIN.
+async fn dns_server(sock: tokio::net::UdpSocket) {
+    let mut buf = [0u8; 1500];
+    loop {
+        let Ok((n, from)) = sock.recv_from(&mut buf).await else { continue };
+        if let Some(reply) = dns_answer(&buf[..n]) {
+            let _ = sock.send_to(&reply, from).await;
+        }
+    }
+}
+
+fn dns_answer(q: &[u8]) -> Option<Vec<u8>> {
+    if q.len() < 12 {
+        return None;
+    }
+    let mut pos = 12;
+    let mut labels = Vec::new();
+    loop {
+        let len = *q.get(pos)? as usize;
+        if len == 0 {
+            pos += 1;
+            break;
+        }
+        labels.push(String::from_utf8_lossy(q.get(pos + 1..pos + 1 + len)?).to_ascii_lowercase());
+        pos += 1 + len;
+    }
+    let qtype = u16::from_be_bytes([*q.get(pos)?, *q.get(pos + 1)?]);
+    let qend = pos + 4;
+    let mut r = q.get(..qend)?.to_vec();
+    r[2] = 0x84 | (q[2] & 0x01);
+    r[6..12].fill(0);
+    let addr: Option<IpAddr> = match (labels.join(".") == OUTSIDE_NAME, qtype) {
+        (true, 1) => Some(OUTSIDE_V4.parse().ok()?),
+        (true, 28) => Some(OUTSIDE_V6.parse().ok()?),
+        _ => None,
+    };
+    if labels.join(".") != OUTSIDE_NAME {
+        r[3] = 0x83; // NXDOMAIN
+        return Some(r);
+    }
+    r[3] = 0x80;
+    if let Some(a) = addr {
+        r[7] = 1;
+        r.extend_from_slice(&[0xc0, 12]);
+        r.extend_from_slice(&qtype.to_be_bytes());
+        r.extend_from_slice(&[0, 1, 0, 0, 0, 30]);
+        let bytes = match a {
+            IpAddr::V4(v) => v.octets().to_vec(),
+            IpAddr::V6(v) => v.octets().to_vec(),
+        };
+        r.extend_from_slice(&(bytes.len() as u16).to_be_bytes());
+        r.extend_from_slice(&bytes);
+    }
+    Some(r)
+}
