@@ -141,3 +141,51 @@ async fn an_image_missing_locally_is_refused_without_pulling() {
     assert_eq!(r.status, JobStatus::Failed);
     assert!(r.error.unwrap().contains("never pulls"));
 }
+
+/// A networked container gets the same boundary as a sandboxed process: a Docker
+/// network of its own, link-local (IMDS, ECS/EKS credentials), IMDS over IPv6, the
+/// host's addresses and its gateway refused by rules it cannot change, and egress to
+/// the rest (a peer host beside the machine).
+#[tokio::test]
+async fn a_networked_container_reaches_the_outside_but_not_metadata_or_the_host() {
+    use byoc_control_plane::netlab::{Peer, Tripwire};
+    let image = import_image("byoc-test/busybox:basic", &[]);
+    let peer = Peer::create();
+    // A service on every address of the host: no container may reach it.
+    let wire = Tripwire::start("0.0.0.0:0".parse().unwrap()).await;
+    let host_ips: Vec<String> = nix::ifaddrs::getifaddrs()
+        .unwrap()
+        .filter_map(|i| i.address?.as_sockaddr_in().map(|a| a.ip().to_string()))
+        .collect();
+    let e = env().await;
+    // No packet is sent unless the rules are in place: the first line checks them.
+    let mut script = String::from(
+        "ip rule | grep -q 169.254.0.0/16 || { echo NO-RULES; exit 1; }\n\
+         gw=$(ip route | awk '/^default/ {print $3}')\n\
+         try() { if echo | nc -w 3 \"$1\" \"$2\" >/dev/null 2>&1; then echo \"reached $1 $2\"; else echo \"blocked $1 $2\"; fi; }\n",
+    );
+    for t in ["169.254.169.254 80", "fd00:ec2::254 80", "169.254.170.2 80", "169.254.170.23 80"] {
+        script.push_str(&format!("try {t}\n"));
+    }
+    let port = wire.addr.port();
+    script.push_str(&format!("try \"$gw\" {port}\n"));
+    for ip in &host_ips {
+        script.push_str(&format!("try {ip} {port}\n"));
+    }
+    script.push_str(&format!("try {} {}\n", peer.addr.ip(), peer.addr.port()));
+    let id =
+        e.cp.enqueue(container(serde_json::json!({"image": image, "command": ["sh", "-c", script]})))
+            .unwrap();
+    let v = e.finished(&id).await;
+    let out = e.output(&id);
+    assert_eq!(v.result.unwrap().status, JobStatus::Succeeded, "{out}");
+    assert!(!out.contains("NO-RULES"), "{out}");
+    assert_eq!(out.matches("reached").count(), 1, "only the peer is reachable:\n{out}");
+    assert!(out.contains(&format!("reached {} {}", peer.addr.ip(), peer.addr.port())), "{out}");
+    assert_eq!(wire.hits.load(std::sync::atomic::Ordering::SeqCst), 0, "the host's service was reached");
+    assert_eq!(peer.hits(), 1);
+    let log = String::from_utf8_lossy(&e.cp.log(&id).unwrap()).into_owned();
+    assert!(log.contains("[sandbox] network: own Docker network"), "{log}");
+    assert!(job_containers(&id).is_empty(), "containers left behind");
+    assert!(job_networks(&id).is_empty(), "the job's network left behind");
+}

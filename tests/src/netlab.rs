@@ -253,3 +253,70 @@ fn dns_answer(q: &[u8]) -> Option<Vec<u8>> {
     }
     Some(r)
 }
+
+/// A host beside the machine's own namespace (for containers, whose traffic leaves
+/// through it): a namespace joined to the root namespace by a veth pair in the
+/// TEST-NET-3 range, with an HTTP server at 203.0.113.1:8080. The root namespace gets
+/// 203.0.113.2/24 on its end; all of it goes away when the peer is dropped.
+pub struct Peer {
+    pub ns: String,
+    pub addr: SocketAddr,
+    pub hits: Arc<AtomicUsize>,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+pub const PEER_V4: &str = "203.0.113.1";
+pub const PEER_HOST_SIDE_V4: &str = "203.0.113.2";
+
+impl Peer {
+    pub fn create() -> Peer {
+        assert!(nix::unistd::geteuid().is_root(), "the network suites need root (ip netns)");
+        let tag = byoc_protocol::random_hex(4);
+        let ns = format!("byoc-p-{tag}");
+        let host_if = format!("byocp{tag}");
+        ip(&["netns", "add", &ns]);
+        ip(&["link", "add", &host_if, "type", "veth", "peer", "name", "v1", "netns", &ns]);
+        ip(&["addr", "add", &format!("{PEER_HOST_SIDE_V4}/24"), "dev", &host_if]);
+        ip(&["link", "set", &host_if, "up"]);
+        ip(&["-n", &ns, "link", "set", "lo", "up"]);
+        ip(&["-n", &ns, "addr", "add", &format!("{PEER_V4}/24"), "dev", "v1"]);
+        ip(&["-n", &ns, "link", "set", "v1", "up"]);
+        let addr: SocketAddr = format!("{PEER_V4}:{OUTSIDE_HTTP_PORT}").parse().expect("literal");
+        let hits: Arc<AtomicUsize> = Arc::default();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+        let (path, h) = (format!("/run/netns/{ns}"), hits.clone());
+        let thread = std::thread::spawn(move || {
+            let file = std::fs::File::open(&path).expect("peer namespace");
+            nix::sched::setns(file, nix::sched::CloneFlags::CLONE_NEWNET).expect("setns");
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+            rt.block_on(async move {
+                let listener = tokio::net::TcpListener::bind(addr).await.expect("peer http");
+                let task = tokio::spawn(counting_http(listener, h, "peer"));
+                let _ = ready_tx.send(());
+                let _ = stopped.await;
+                task.abort();
+            });
+        });
+        ready_rx.recv().expect("peer server started");
+        Peer { ns, addr, hits, stop: Some(stop), thread: Some(thread) }
+    }
+
+    pub fn hits(&self) -> usize {
+        self.hits.load(Ordering::SeqCst)
+    }
+}
+
+impl Drop for Peer {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+        // Deleting the namespace deletes its end of the veth pair, and with it ours.
+        let _ = Command::new("ip").args(["netns", "del", &self.ns]).status();
+    }
+}

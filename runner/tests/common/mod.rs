@@ -285,3 +285,12 @@ pub fn stand_in(name: &str) -> (tempfile::TempDir, std::path::PathBuf) {
     std::fs::copy(&src, &tool).unwrap_or_else(|e| panic!("copying {}: {e}", src.display()));
     (dir, tool)
 }
+
+/// Docker networks labelled as this job's.
+pub fn job_networks(job_id: &str) -> Vec<String> {
+    let out = std::process::Command::new("docker")
+        .args(["network", "ls", "-q", "--filter", &format!("label=byoc-runner.job={job_id}")])
+        .output()
+        .expect("docker is required");
+    String::from_utf8_lossy(&out.stdout).split_whitespace().map(str::to_string).collect()
+}
