@@ -181,6 +181,90 @@ pub async fn run(job: Job, settings: SandboxSettings, mut ctx: ExecContext<'_>) 
     outcome
 }
 
+/// Prove the network boundary here: run the runner's own probe
+/// (`<helper> sandbox-probe`) in a sandbox with the user-mode network, let it try IMDS
+/// (IPv4 and IPv6), the ECS/EKS credential addresses and `targets` (services on the
+/// host), and return each attempt as (target, refused, detail).
+pub async fn probe_boundary(
+    settings: &SandboxSettings,
+    scratch: &std::path::Path,
+    targets: &[std::net::SocketAddr],
+) -> Result<Vec<(String, bool, String)>, String> {
+    jobnet::check_available(&settings.network)?;
+    let work = scratch.join("boundary-work");
+    let root = scratch.join("boundary-root");
+    for d in [&work, &root] {
+        std::fs::create_dir_all(d).map_err(|e| format!("creating {}: {e}", d.display()))?;
+    }
+    let mut argv = vec![
+        settings.helper.display().to_string(),
+        "sandbox-probe".into(),
+        "--runner-pid".into(),
+        std::process::id().to_string(),
+        "--state-dir".into(),
+        scratch.display().to_string(),
+    ];
+    for t in targets {
+        argv.extend(["--unreachable".into(), t.to_string()]);
+    }
+    let mut ro_paths = settings.ro_paths.clone();
+    ro_paths.push(settings.helper.clone());
+    let spec = byoc_sandbox::SandboxSpec {
+        argv,
+        env: vec![],
+        work_dir: work.clone(),
+        new_root: root.clone(),
+        ro_paths,
+        hidden_paths: settings.hidden_paths.clone(),
+        network: jobnet::spec(NetworkUse::UserMode, &settings.network, false),
+        tmp_size_mib: 1,
+        nofile: settings.nofile,
+        host_uid: settings.host_uid,
+        host_gid: settings.host_gid,
+        cgroup_procs: vec![],
+        hostname: "byoc-selftest".into(),
+    };
+    let mut cmd = Command::new(&settings.helper);
+    cmd.args(&settings.helper_args)
+        .env_clear()
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true);
+    use nix::sys::socket::{AddressFamily, SockFlag, SockType, socketpair};
+    let (ours, theirs) = socketpair(AddressFamily::Unix, SockType::SeqPacket, None, SockFlag::SOCK_CLOEXEC)
+        .map_err(|e| format!("creating the hand-over channel: {e}"))?;
+    byoc_sandbox::pass_handover_channel(cmd.as_std_mut(), theirs);
+    let services = jobnet::Services::start(ours, &settings.network, None);
+    let mut child = cmd.spawn().map_err(|e| format!("starting {}: {e}", settings.helper.display()))?;
+    drop(cmd);
+    if let Some(mut stdin) = child.stdin.take() {
+        use tokio::io::AsyncWriteExt as _;
+        let _ = stdin.write_all(&serde_json::to_vec(&spec).expect("spec serialises")).await;
+    }
+    let out = tokio::time::timeout(std::time::Duration::from_secs(60), child.wait_with_output())
+        .await
+        .map_err(|_| "the boundary probe did not finish within 60 s".to_string())?
+        .map_err(|e| format!("waiting for the sandbox helper: {e}"))?;
+    drop(services);
+    let _ = std::fs::remove_dir_all(&work);
+    let _ = std::fs::remove_dir(&root);
+    if !out.status.success() {
+        return Err(String::from_utf8_lossy(&out.stderr).trim().to_string());
+    }
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout)
+        .map_err(|e| format!("the probe's report: {e}: {}", String::from_utf8_lossy(&out.stdout)))?;
+    Ok(report["checks"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|c| {
+            let target = c["name"].as_str()?.strip_prefix("unreachable:")?;
+            Some((target.to_string(), c["held"] == true, c["detail"].as_str().unwrap_or("").to_string()))
+        })
+        .collect())
+}
+
 /// Build one sandbox around `/bin/true` (no cgroup) to prove this host can: run at
 /// daemon start so a host without user namespaces fails loudly once, not every job.
 pub async fn self_test(settings: &SandboxSettings, scratch: &std::path::Path) -> Result<(), String> {

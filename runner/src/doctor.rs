@@ -476,12 +476,19 @@ async fn sandbox(config: Option<&Config>) -> Vec<Check> {
             Some("sysctl -w user.max_user_namespaces=15000 (and persist it in /etc/sysctl.d)"),
         ),
     });
+    let require_limits = config.is_none_or(|c| c.sandbox.require_limits && c.sandbox.cgroups);
     out.push(match byoc_sandbox::cgroup::detect() {
         Some(v) => check("cgroups", Status::Ok, format!("{v:?} (per-job memory, pids and cpu limits)"), None),
+        None if require_limits => check(
+            "cgroups",
+            Status::Fail,
+            "no usable cgroup hierarchy: sandboxed jobs are refused (sandbox_limits_unavailable)",
+            Some("boot with cgroup v2 (systemd.unified_cgroup_hierarchy=1) and keep Delegate=yes in the unit, or set sandbox.require_limits = false"),
+        ),
         None => check(
             "cgroups",
             Status::Warn,
-            "no usable cgroup hierarchy: jobs run without memory and pids limits",
+            "no usable cgroup hierarchy: jobs run without memory and pids limits (sandbox.require_limits = false)",
             Some("boot with cgroup v2 (systemd.unified_cgroup_hierarchy=1)"),
         ),
     });
@@ -536,6 +543,7 @@ async fn sandbox(config: Option<&Config>) -> Vec<Check> {
         Ok(()) => check("sandbox", Status::Ok, "a test job ran in a full sandbox (namespaces, new root, seccomp, no capabilities)", None),
         Err(e) => check("sandbox", Status::Fail, e, Some("the daemon refuses to start without it: check the unit allows namespaces, or see docs/THREAT_MODEL.md")),
     });
+    out.extend(network_boundary(&settings, scratch.path()).await);
     if c.containers.enabled {
         let sock = &c.containers.docker_socket;
         out.push(match tokio::net::UnixStream::connect(sock).await {
@@ -547,17 +555,101 @@ async fn sandbox(config: Option<&Config>) -> Vec<Check> {
             check(
                 "container_credentials",
                 Status::Ok,
-                format!("static {}: containers' role sessions are renewed through credential_process", busybox.display()),
+                format!("static {}: containers' network boundary is set up and their role sessions renewed through credential_process", busybox.display()),
                 None,
             )
         } else {
             check(
                 "container_credentials",
-                Status::Warn,
-                format!("{} is missing or not statically linked: a container job with a role gets one session's keys, not renewed", busybox.display()),
+                Status::Fail,
+                format!("{} is missing or not statically linked: networked container jobs are refused (sandbox_network_unavailable: it sets up their network boundary) and role sessions are not renewed", busybox.display()),
                 Some("apt-get install busybox-static, or point [roles] busybox at a static busybox"),
             )
         });
     }
+    out
+}
+
+/// The job network boundary: the user-mode stack is there, and a probe job in a
+/// sandbox with it cannot reach IMDS (IPv4, IPv6), the ECS/EKS credential addresses
+/// or a service on this host's loopback, which it must find refused.
+async fn network_boundary(settings: &byoc_job_executors::SandboxSettings, scratch: &Path) -> Vec<Check> {
+    let mut out = Vec::new();
+    let net = &settings.network;
+    if let Err(e) = byoc_job_executors::jobnet::check_available(net) {
+        out.push(check(
+            "network_stack",
+            Status::Fail,
+            format!("{e}: networked jobs are refused (sandbox_network_unavailable)"),
+            Some("apt-get install slirp4netns (the package depends on it); the unit needs DeviceAllow=/dev/net/tun rw"),
+        ));
+        out.push(check("network_boundary", Status::Skip, "needs the user-mode network stack", None));
+        return out;
+    }
+    out.push(check(
+        "network_stack",
+        Status::Ok,
+        format!(
+            "{} and /dev/net/tun: {}",
+            net.slirp4netns.display(),
+            byoc_job_executors::jobnet::describe(byoc_job_executors::jobnet::NetworkUse::UserMode, net)
+        ),
+        None,
+    ));
+    // A service on the host's loopback that the probe must not reach.
+    let listener = match tokio::net::TcpListener::bind("127.0.0.1:0").await {
+        Ok(l) => l,
+        Err(e) => {
+            out.push(check(
+                "network_boundary",
+                Status::Fail,
+                format!("binding a loopback listener: {e}"),
+                None,
+            ));
+            return out;
+        }
+    };
+    let Ok(addr) = listener.local_addr() else { return out };
+    let reached = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flag = reached.clone();
+    let watcher = tokio::spawn(async move {
+        if listener.accept().await.is_ok() {
+            flag.store(true, std::sync::atomic::Ordering::SeqCst);
+        }
+    });
+    let result = byoc_job_executors::sandboxed::probe_boundary(settings, scratch, &[addr]).await;
+    watcher.abort();
+    out.push(match result {
+        Ok(attempts) if !attempts.is_empty() && attempts.iter().all(|(_, refused, _)| *refused) && !reached.load(std::sync::atomic::Ordering::SeqCst) => check(
+            "network_boundary",
+            Status::Ok,
+            format!(
+                "a probe job could not reach {}",
+                attempts.iter().map(|(t, _, _)| t.as_str()).collect::<Vec<_>>().join(", ")
+            ),
+            None,
+        ),
+        Ok(attempts) => check(
+            "network_boundary",
+            Status::Fail,
+            format!(
+                "a probe job reached {}",
+                attempts
+                    .iter()
+                    .filter(|(_, refused, _)| !refused)
+                    .map(|(t, _, d)| format!("{t} ({d})"))
+                    .chain(reached.load(std::sync::atomic::Ordering::SeqCst).then(|| format!("the host's {addr}")))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+            Some("jobs can reach the instance's metadata or the host: do not run jobs here; see docs/THREAT_MODEL.md"),
+        ),
+        Err(e) => check(
+            "network_boundary",
+            Status::Fail,
+            format!("the probe job could not run: {e}"),
+            Some("networked jobs will fail the same way: see the detail, and docs/OPERATIONS.md"),
+        ),
+    });
     out
 }

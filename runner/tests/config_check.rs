@@ -84,6 +84,9 @@ async fn a_healthy_install_passes_every_check() {
         "user_namespaces",
         "seccomp",
         "sandbox",
+        "cgroups",
+        "network_stack",
+        "network_boundary",
         "container_credentials",
     ] {
         let (s, detail, _) = status(&checks, name);
@@ -94,6 +97,10 @@ async fn a_healthy_install_passes_every_check() {
     let arns = &status(&checks, "role_arns").1;
     assert!(arns.contains("inst-demo-maintenance") && !arns.contains("inst-demo-deprovision"), "{arns}");
     assert!(status(&checks, "install_stack").1.contains("Deprovision=false"));
+    let boundary = &status(&checks, "network_boundary").1;
+    for target in ["169.254.169.254:80", "[fd00:ec2::254]:80", "169.254.170.2:80", "127.0.0.1:"] {
+        assert!(boundary.contains(target), "{target} not probed: {boundary}");
+    }
     assert_eq!(code, 0, "{checks:#?}");
 }
 
@@ -109,7 +116,8 @@ async fn a_broken_install_fails_with_what_to_do() {
         format!(
             "[control_plane]\nurl = \"https://localhost:{closed}\"\npublic_keys = [\"11qYAYKxCrfVS/7TyWQHOg7hcvPapiMlrwIaaPcHURo=\"]\n\n\
              [runner]\ninstall_id = \"inst-demo\"\nstate_dir = \"{}\"\n\n\
-             [aws]\nregion = \"us-east-1\"\nendpoint_url = \"{}\"\n\n[roles]\nstack_name = \"no-such-stack\"\nbusybox = \"/bin/ls\"\n",
+             [aws]\nregion = \"us-east-1\"\nendpoint_url = \"{}\"\n\n[roles]\nstack_name = \"no-such-stack\"\nbusybox = \"/bin/ls\"\n\n\
+             [sandbox.egress]\nslirp4netns = \"/nonexistent/slirp4netns\"\n",
             dir.path().join("state").display(),
             moto.url()
         ),
@@ -136,9 +144,18 @@ async fn a_broken_install_fails_with_what_to_do() {
     let (s, detail, _) = status(&checks, "imds");
     assert_eq!(s, "warn", "the runner has other credentials here: {detail}");
     let (s, detail, fix) = status(&checks, "container_credentials");
-    assert_eq!(s, "warn", "{detail}");
+    assert_eq!(s, "fail", "{detail}");
     assert!(detail.contains("/bin/ls is missing or not statically linked"), "{detail}");
+    assert!(detail.contains("sandbox_network_unavailable"), "{detail}");
     assert!(fix.contains("busybox-static"), "{fix}");
+    let (s, detail, fix) = status(&checks, "network_stack");
+    assert_eq!(s, "fail", "{detail}");
+    assert!(
+        detail.contains("/nonexistent/slirp4netns") && detail.contains("sandbox_network_unavailable"),
+        "{detail}"
+    );
+    assert!(fix.contains("apt-get install slirp4netns"), "{fix}");
+    assert_eq!(status(&checks, "network_boundary").0, "skip");
 
     // Without other credentials, IMDS is the runner's identity: a failure.
     let env: Vec<(String, String)> = env

@@ -355,3 +355,28 @@ async fn tells_systemd_ready_watchdog_and_stopping() {
     }
     assert!(runner.wait_exit(WAIT).await.unwrap().success());
 }
+
+/// The unit lets the runner build the job network boundary, and nothing more: the TUN
+/// device (the user-mode stack's interface) as the only device beyond the
+/// pseudo-devices, and netlink (the job namespace's routes and rules).
+#[test]
+fn unit_allows_what_the_network_boundary_needs() {
+    let text = std::fs::read_to_string(unit_path()).unwrap();
+    let lines: Vec<&str> = text.lines().filter(|l| !l.starts_with('#')).collect();
+    assert!(lines.contains(&"DevicePolicy=closed"), "{text}");
+    let allowed: Vec<&&str> = lines.iter().filter(|l| l.starts_with("DeviceAllow=")).collect();
+    assert_eq!(allowed, [&"DeviceAllow=/dev/net/tun rw"]);
+    let families = lines.iter().find_map(|l| l.strip_prefix("RestrictAddressFamilies=")).unwrap();
+    assert_eq!(
+        families.split_whitespace().collect::<Vec<_>>(),
+        ["AF_UNIX", "AF_INET", "AF_INET6", "AF_NETLINK"]
+    );
+    let ns = lines.iter().find_map(|l| l.strip_prefix("RestrictNamespaces=")).unwrap();
+    assert!(ns.split_whitespace().any(|n| n == "net"), "{ns}");
+    let control =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../packaging/deb/control.in")).unwrap();
+    let depends = control.lines().find_map(|l| l.strip_prefix("Depends: ")).unwrap();
+    for pkg in ["slirp4netns", "busybox-static"] {
+        assert!(depends.split(", ").any(|d| d == pkg), "the package must depend on {pkg}: {depends}");
+    }
+}

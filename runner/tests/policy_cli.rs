@@ -175,3 +175,52 @@ fn rendered_yaml_is_tested_and_the_evaluator_has_a_memory_limit() {
     assert_eq!(code, 1, "{out}{err}");
     assert!(out.contains("256 MiB memory limit"), "{out}");
 }
+
+/// The evaluator that runs vendor Rego for jobs gives itself a network namespace of its
+/// own before it reads anything: no interface but a loopback that is down, no route.
+#[test]
+fn the_policy_evaluator_runs_without_any_network() {
+    use std::io::Write as _;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_byoc-runner"))
+        .args(["policy-eval", "--memory-mib", "512"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pid = child.id();
+    let ours = std::fs::read_link("/proc/self/ns/net").unwrap();
+    // It isolates itself first, then blocks reading its request: wait (bounded) for it.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    let theirs = loop {
+        let ns = std::fs::read_link(format!("/proc/{pid}/ns/net")).unwrap();
+        if ns != ours || std::time::Instant::now() > deadline {
+            break ns;
+        }
+        std::thread::yield_now();
+    };
+    assert_ne!(theirs, ours, "the evaluator shares the runner's network namespace");
+    let dev = std::fs::read_to_string(format!("/proc/{pid}/net/dev")).unwrap();
+    let ifaces: Vec<&str> = dev.lines().skip(2).filter_map(|l| l.split(':').next()).map(str::trim).collect();
+    assert_eq!(ifaces, ["lo"], "{dev}");
+    let routes = std::fs::read_to_string(format!("/proc/{pid}/net/route")).unwrap();
+    assert_eq!(routes.lines().count(), 1, "no IPv4 route at all: {routes}");
+    // And it still decides.
+    let req = byoc_policy::EvalRequest {
+        policies: vec![],
+        params: serde_json::json!({}),
+        context: byoc_policy::Context {
+            source: byoc_policy::Source::Terraform,
+            phase: "maintenance".into(),
+            operation: "component.deploy".into(),
+            install: "inst-1".into(),
+        },
+        input: r#"{"resource_changes": []}"#.into(),
+        time_per_policy_ms: 5000,
+        max_input_bytes: 1 << 20,
+    };
+    child.stdin.take().unwrap().write_all(&serde_json::to_vec(&req).unwrap()).unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success());
+    let decision: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(decision.is_object(), "{decision}");
+}
