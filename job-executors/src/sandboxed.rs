@@ -196,8 +196,15 @@ pub async fn probe_boundary(
     for d in [&work, &root] {
         std::fs::create_dir_all(d).map_err(|e| format!("creating {}: {e}", d.display()))?;
     }
+    // The probe is the runner's own binary, placed where the sandbox binds it whatever
+    // its install path (a build tree under /work would be hidden by the job's /work).
+    let probe = scratch.join("boundary-probe");
+    let _ = std::fs::remove_file(&probe);
+    if std::fs::hard_link(&settings.helper, &probe).is_err() {
+        std::fs::copy(&settings.helper, &probe).map_err(|e| format!("placing the probe: {e}"))?;
+    }
     let mut argv = vec![
-        settings.helper.display().to_string(),
+        probe.display().to_string(),
         "sandbox-probe".into(),
         "--runner-pid".into(),
         std::process::id().to_string(),
@@ -208,7 +215,7 @@ pub async fn probe_boundary(
         argv.extend(["--unreachable".into(), t.to_string()]);
     }
     let mut ro_paths = settings.ro_paths.clone();
-    ro_paths.push(settings.helper.clone());
+    ro_paths.push(probe.clone());
     let spec = byoc_sandbox::SandboxSpec {
         argv,
         env: vec![],
@@ -249,6 +256,7 @@ pub async fn probe_boundary(
     drop(services);
     let _ = std::fs::remove_dir_all(&work);
     let _ = std::fs::remove_dir(&root);
+    let _ = std::fs::remove_file(&probe);
     if !out.status.success() {
         return Err(String::from_utf8_lossy(&out.stderr).trim().to_string());
     }

@@ -43,7 +43,7 @@ fn systemd_unit_verifies_clean() {
 }
 
 #[test]
-fn systemd_unit_exposure_is_at_most_3() {
+fn systemd_unit_exposure_is_at_most_3_2() {
     let dir = tempfile::tempdir().unwrap();
     let unit = unit_for_test(dir.path());
     let out = Command::new("systemd-analyze")
@@ -63,7 +63,10 @@ fn systemd_unit_exposure_is_at_most_3() {
         .and_then(|s| s.parse().ok())
         .unwrap_or_else(|| panic!("cannot parse score from {line:?}"));
     println!("systemd-analyze security exposure: {score}");
-    assert!(score <= 3.0, "exposure {score} > 3.0:\n{text}");
+    // 3.0 before the job network boundary; +0.2 for it: /dev/net/tun through
+    // DevicePolicy=closed + DeviceAllow instead of PrivateDevices (whose /dev lacks the
+    // device; binding it in broke with systemd 255), and AF_NETLINK.
+    assert!(score <= 3.2, "exposure {score} > 3.2:\n{text}");
 }
 
 #[test]
