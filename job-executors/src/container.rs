@@ -206,7 +206,7 @@ async fn run_container(spec: &Container, settings: &ContainerSettings, ctx: Exec
         working_dir: Some("/work".into()),
         user: Some(format!("{}:{}", settings.uid, settings.gid)),
         network_disabled: Some(!spec.network),
-        labels: Some(HashMap::from([("byoc-runner.job".to_string(), ctx.job_id.clone())])),
+        labels: Some(labels(&ctx.job_id, &settings.owner)),
         host_config: Some(host_config),
         ..Default::default()
     };
@@ -259,6 +259,35 @@ pub fn is_static_elf(path: &std::path::Path) -> bool {
     }) && count > 0
 }
 
+/// Remove every container and network labelled as one of this runner's jobs: at its
+/// start no job runs, so they are what it left of interrupted jobs when it was killed.
+/// Best effort.
+pub async fn remove_leftovers(settings: &ContainerSettings) {
+    use bollard::query_parameters::{ListContainersOptionsBuilder, ListNetworksOptionsBuilder};
+    let socket = settings.docker_socket.display().to_string();
+    let Ok(docker) = Docker::connect_with_unix(&socket, 30, bollard::API_DEFAULT_VERSION) else { return };
+    let Ok(docker) = docker.negotiate_version().await else { return };
+    let filters =
+        HashMap::from([("label".to_string(), vec![format!("byoc-runner.runner={}", settings.owner)])]);
+    let containers = docker
+        .list_containers(Some(ListContainersOptionsBuilder::new().all(true).filters(&filters).build()))
+        .await
+        .unwrap_or_default();
+    for c in containers.iter().filter_map(|c| c.id.as_deref()) {
+        tracing::warn!(container = %c, "removing a container left by an interrupted job");
+        let _ =
+            docker.remove_container(c, Some(RemoveContainerOptionsBuilder::new().force(true).build())).await;
+    }
+    let networks = docker
+        .list_networks(Some(ListNetworksOptionsBuilder::new().filters(&filters).build()))
+        .await
+        .unwrap_or_default();
+    for n in networks.iter().filter_map(|n| n.name.as_deref()) {
+        tracing::warn!(network = %n, "removing a network left by an interrupted job");
+        let _ = docker.remove_network(n).await;
+    }
+}
+
 /// Where the static busybox appears in the holder and the configurator.
 const NET_BUSYBOX: &str = "/byoc-net/busybox";
 /// The routing table whose only route prohibits everything; the blocked ranges'
@@ -293,8 +322,12 @@ struct JobNetwork {
     holder: String,
 }
 
-fn labels(job_id: &str) -> HashMap<String, String> {
-    HashMap::from([("byoc-runner.job".to_string(), job_id.to_string())])
+/// Every container and network of a job carries its id and its runner's.
+fn labels(job_id: &str, owner: &str) -> HashMap<String, String> {
+    HashMap::from([
+        ("byoc-runner.job".to_string(), job_id.to_string()),
+        ("byoc-runner.runner".to_string(), owner.to_string()),
+    ])
 }
 
 impl JobNetwork {
@@ -320,7 +353,7 @@ impl JobNetwork {
                 name: name.clone(),
                 driver: Some("bridge".into()),
                 internal: Some(false),
-                labels: Some(labels(job_id)),
+                labels: Some(labels(job_id, &settings.owner)),
                 options: Some(HashMap::from([(
                     "com.docker.network.bridge.enable_icc".to_string(),
                     "false".to_string(),
@@ -367,7 +400,7 @@ impl JobNetwork {
             entrypoint: Some(vec![NET_BUSYBOX.into(), "sleep".into(), "2147483647".into()]),
             cmd: Some(vec![]),
             user: Some(format!("{}:{}", settings.uid, settings.gid)),
-            labels: Some(labels(job_id)),
+            labels: Some(labels(job_id, &settings.owner)),
             host_config: Some(HostConfig {
                 network_mode: Some(self.network.clone()),
                 cap_drop: Some(vec!["ALL".into()]),
@@ -420,7 +453,7 @@ impl JobNetwork {
             entrypoint: Some(vec![NET_BUSYBOX.into(), "sh".into(), "-c".into(), script]),
             cmd: Some(vec![]),
             user: Some("0:0".into()),
-            labels: Some(labels(job_id)),
+            labels: Some(labels(job_id, &settings.owner)),
             network_disabled: Some(false),
             host_config: Some(HostConfig {
                 network_mode: Some(format!("container:{}", self.holder)),

@@ -77,6 +77,9 @@ pub struct ContainerSettings {
     pub busybox: PathBuf,
     /// The same egress settings as the process sandbox's.
     pub network: jobnet::NetworkSettings,
+    /// Labels this runner's containers and networks (its runner id), so that a
+    /// restart removes what it left and nothing else.
+    pub owner: String,
 }
 
 /// Where `oci.sync` finds registries and how hard it pushes.

@@ -183,7 +183,25 @@ pub async fn run(config: Config) -> Result<(), DaemonError> {
             tracing::warn!("job sandbox DISABLED by configuration: jobs run with the runner's privileges")
         }
     }
-    let containers = crate::pipeline::container_settings(&config);
+    if let Some(s) = &sandbox {
+        match byoc_job_executors::jobnet::check_available(&s.network) {
+            Ok(()) => tracing::info!(
+                network = %byoc_job_executors::jobnet::describe(byoc_job_executors::jobnet::NetworkUse::UserMode, &s.network),
+                "job network boundary available"
+            ),
+            Err(why) => tracing::error!(
+                reason = %why,
+                "job network boundary UNAVAILABLE: networked jobs are refused (sandbox_network_unavailable)"
+            ),
+        }
+    }
+    let mut containers = crate::pipeline::container_settings(&config);
+    if let Some(c) = &mut containers {
+        c.owner = enrollment.runner_id.clone();
+        // No job runs yet: containers and networks of jobs a killed runner left behind
+        // belong to interrupted jobs.
+        byoc_job_executors::container::remove_leftovers(c).await;
+    }
     let roles = crate::roles::Roles::from_config(&config, &enrollment.install_id, &state_dir)
         .await
         .map_err(|e| DaemonError::StateDir { path: "credential endpoint on 127.0.0.1".into(), source: e })?;

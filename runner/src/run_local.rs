@@ -130,6 +130,7 @@ pub async fn run(
             gid: 65534,
             busybox: PathBuf::from("/bin/busybox"),
             network: Default::default(),
+            owner: "local".into(),
         }),
         credentials: None,
         oci: Default::default(),

@@ -189,3 +189,26 @@ async fn a_networked_container_reaches_the_outside_but_not_metadata_or_the_host(
     assert!(job_containers(&id).is_empty(), "containers left behind");
     assert!(job_networks(&id).is_empty(), "the job's network left behind");
 }
+
+/// A runner killed while a networked container runs leaves its containers and network
+/// to Docker; the next start removes them (the job is reported interrupted).
+#[tokio::test]
+async fn a_restart_removes_what_a_killed_runner_left_of_a_container_job() {
+    let image = import_image("byoc-test/busybox:basic", &[]);
+    let mut e = env().await;
+    let id =
+        e.cp.enqueue(container(
+            serde_json::json!({"image": image, "command": ["sh", "-c", "echo ready; sleep 600"]}),
+        ))
+        .unwrap();
+    e.log_contains(&id, "ready").await;
+    assert_eq!(job_containers(&id).len(), 2, "the job and its network holder");
+    assert_eq!(job_networks(&id).len(), 1);
+    e.runner.kill9().await;
+    e.runner.spawn(None).unwrap();
+    // The start cleans up before it polls: once a job runs again, it is done.
+    let next = e.cp.enqueue(script("echo up")).unwrap();
+    e.finished(&next).await;
+    assert!(job_containers(&id).is_empty(), "containers left behind");
+    assert!(job_networks(&id).is_empty(), "network left behind");
+}

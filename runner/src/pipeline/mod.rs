@@ -124,6 +124,7 @@ pub fn container_settings(config: &Config) -> Option<byoc_job_executors::Contain
         gid: config.sandbox.gid,
         busybox: config.roles.busybox.clone(),
         network: config.sandbox.egress.clone(),
+        owner: String::new(),
     })
 }
 

@@ -92,6 +92,7 @@ async fn container_start_ms(image: &str, dir: &std::path::Path) -> anyhow::Resul
             gid: 65534,
             busybox: "/bin/busybox".into(),
             network: Default::default(),
+            owner: "local".into(),
         }),
         credentials: None,
         oci: Default::default(),
