@@ -135,18 +135,27 @@ fn helper() -> Result<i32, String> {
     )
     .map_err(|e| format!("creating namespaces (clone): {e}; are unprivileged user namespaces allowed?"))?;
     drop(ready_r);
+    // init has its own copy of the hand-over channel; ours would only keep the runner
+    // from seeing it close should init fail before sending.
+    drop(channel.take());
     // 7. Map ids: as root, inner 0 (setup only) and inner 1000 → the unprivileged host
     //    uid the job runs as; otherwise the only possible map, inner 0 → our own uid.
     if let Err(e) = write_id_maps(child, root_mode, &spec) {
         let _ = kill(child, Signal::SIGKILL);
         return Err(e);
     }
+    // init builds the job's root while the network comes up (the stack takes a few
+    // milliseconds to start): release it now, and again once the network is up.
+    nix::unistd::write(&ready_w, b"1").map_err(|e| format!("releasing the sandbox init: {e}"))?;
     // 7b. The job's way out: the user-mode stack joins init's namespaces and brings up
     //     its interface. It lives as long as this helper (its exit descriptor closes
     //     when we exit) and sits in the job's cgroup.
     let _stack = match &user_mode {
         Some(net) => match start_user_mode_stack(child, net) {
-            Ok(stack) => Some(stack),
+            Ok(stack) => {
+                nix::unistd::write(&ready_w, b"2").map_err(|e| format!("releasing the sandbox init: {e}"))?;
+                Some(stack)
+            }
             Err(e) => {
                 let _ = kill(child, Signal::SIGKILL);
                 return Err(format!("{NETWORK_FAILED}{e}"));
@@ -154,7 +163,6 @@ fn helper() -> Result<i32, String> {
         },
         None => None,
     };
-    nix::unistd::write(&ready_w, b"1").map_err(|e| format!("releasing the sandbox init: {e}"))?;
     drop(ready_w);
     // 8. Relay stop signals to init and exit with its status.
     supervise(child, &mask, |sig| {
@@ -232,11 +240,18 @@ fn init(
         Ok(1) => {}
         _ => return Err("the helper did not map our ids".into()),
     }
+    // The root first: it does not need the network, which the helper is bringing up
+    // meanwhile.
+    build_root(spec)?;
     // The network boundary is complete before anything of the job exists: routes and
     // rules are set by init, which still holds capabilities in the job's namespaces;
     // the job holds none and cannot change them.
     match &spec.network {
         NetworkSpec::UserMode(net) => {
+            match nix::unistd::read(ready, &mut b) {
+                Ok(1) if b[0] == b'2' => {}
+                _ => return Err(format!("{NETWORK_FAILED}the user-mode network stack did not come up")),
+            }
             configure_user_mode(net, blocked.unwrap_or_default())
                 .map_err(|e| format!("{NETWORK_FAILED}{e}"))?;
             if let Some(channel) = channel {
@@ -249,7 +264,6 @@ fn init(
         }
         NetworkSpec::SharedWithHost => {}
     }
-    build_root(spec)?;
     nix::unistd::sethostname(&spec.hostname).map_err(|e| format!("sethostname: {e}"))?;
     // Everything the job needs is prepared before the fork, so the job's own steps
     // are only restrictions.
