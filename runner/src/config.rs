@@ -606,7 +606,7 @@ fn parse_egress(mut f: Fields<'_>) -> byoc_job_executors::jobnet::NetworkSetting
             if entry.chars().next().is_some_and(|c| c.is_ascii_digit() || c == ':') || entry.contains('/') {
                 match entry.parse::<Cidr>() {
                     // A range wholly inside one that is always blocked could never be reached.
-                    Ok(c) => match blocked.iter().find(|b| b.len() <= c.len() && b.contains(c.addr())) {
+                    Ok(c) => match blocked.iter().find(|b| b.prefix_len() <= c.prefix_len() && b.contains(c.addr())) {
                         Some(b) => f.problem(format!(
                             "sandbox.egress.allow[{i}]: {c} is inside {b}, which no job may ever reach"
                         )),

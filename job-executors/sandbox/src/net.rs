@@ -36,7 +36,7 @@ impl Cidr {
         self.addr
     }
 
-    pub fn len(&self) -> u8 {
+    pub fn prefix_len(&self) -> u8 {
         self.len
     }
 

@@ -191,9 +191,9 @@ impl Netlink {
     /// gateway is declared on the link (`onlink`): the kernel would otherwise look it
     /// up, and the rules that refuse the stack's own network refuse that lookup too.
     pub fn add_route_via(&mut self, dst: Cidr, gateway: IpAddr, ifindex: u32) -> Result<(), NetlinkError> {
-        let mut body = rtmsg(family(dst.addr()), dst.len(), RTN_UNICAST);
+        let mut body = rtmsg(family(dst.addr()), dst.prefix_len(), RTN_UNICAST);
         body[8..12].copy_from_slice(&RTNH_F_ONLINK.to_ne_bytes());
-        if dst.len() > 0 {
+        if dst.prefix_len() > 0 {
             attr(&mut body, RTA_DST, &ip_bytes(dst.addr()));
         }
         attr(&mut body, RTA_GATEWAY, &ip_bytes(gateway));
@@ -219,9 +219,9 @@ impl Netlink {
     /// A rule ahead of every routing table (`priority` lower than main's 32766) that
     /// refuses `dst` with EACCES: no route, however specific, can lead there.
     pub fn prohibit(&mut self, dst: Cidr, priority: u32) -> Result<(), NetlinkError> {
-        let mut body = vec![family(dst.addr()), dst.len(), 0, 0, 0, 0, 0, FR_ACT_PROHIBIT];
+        let mut body = vec![family(dst.addr()), dst.prefix_len(), 0, 0, 0, 0, 0, FR_ACT_PROHIBIT];
         body.extend_from_slice(&0u32.to_ne_bytes());
-        if dst.len() > 0 {
+        if dst.prefix_len() > 0 {
             attr(&mut body, FRA_DST, &ip_bytes(dst.addr()));
         }
         attr(&mut body, FRA_PRIORITY, &priority.to_ne_bytes());
