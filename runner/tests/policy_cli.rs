@@ -203,7 +203,7 @@ fn the_policy_evaluator_runs_without_any_network() {
     let ifaces: Vec<&str> = dev.lines().skip(2).filter_map(|l| l.split(':').next()).map(str::trim).collect();
     assert_eq!(ifaces, ["lo"], "{dev}");
     let routes = std::fs::read_to_string(format!("/proc/{pid}/net/route")).unwrap();
-    assert_eq!(routes.lines().count(), 1, "no IPv4 route at all: {routes}");
+    assert!(routes.lines().nth(1).is_none(), "no IPv4 route at all: {routes}");
     // And it still decides.
     let req = byoc_policy::EvalRequest {
         policies: vec![],
