@@ -316,6 +316,12 @@ impl Helm {
                     phase: policy.phase.clone(),
                     operation: policy.operation.clone(),
                     install: policy.install.clone(),
+                    // A release deployed before is upgraded; a new one is installed.
+                    admission: if before.is_empty() {
+                        byoc_policy::Admission::Create
+                    } else {
+                        byoc_policy::Admission::Update
+                    },
                 };
                 let decision = policy.decide(pctx, &bytes).await;
                 let digest = decision.input_digest.clone();

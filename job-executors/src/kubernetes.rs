@@ -257,6 +257,8 @@ impl Kubernetes {
                 phase: policy.phase.clone(),
                 operation: policy.operation.clone(),
                 install: policy.install.clone(),
+                // An apply (server-side apply creates or updates).
+                admission: byoc_policy::Admission::Update,
             };
             let d = policy.decide(pctx, &bytes).await;
             crate::terraform::audit_decision(ctx, &d, "manifests", &d.input_digest);

@@ -413,10 +413,16 @@ impl Terraform {
         })?;
         let summary = summary(&plan_value);
         let ctx = byoc_policy::Context {
-            source: byoc_policy::Source::Terraform,
+            // A sandbox's runs are decided as sandbox plans (their own policies).
+            source: if policy.operation.starts_with("sandbox.") {
+                byoc_policy::Source::Sandbox
+            } else {
+                byoc_policy::Source::Terraform
+            },
             phase: policy.phase.clone(),
             operation: policy.operation.clone(),
             install: policy.install.clone(),
+            admission: Default::default(),
         };
         let decision = policy.decide(ctx, &plan_bytes).await;
         report_decision(run, &decision, "plan", &plan_digest);

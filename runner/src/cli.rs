@@ -148,17 +148,20 @@ enum PolicyCmd {
     /// Evaluate every policy over an input and print the violations and the verdict.
     /// Exit 0 if allowed, 1 if denied, 64 on unusable input.
     Test {
-        /// A terraform plan (`terraform show -json PLAN`), or manifests as JSON (an
-        /// object, an array, or a List).
+        /// A terraform plan (`terraform show -json PLAN`), or manifests: rendered YAML
+        /// (`helm template`, several documents) or JSON (an object, an array, a List).
         #[arg(long)]
         input: PathBuf,
-        /// terraform, helm or kubernetes (default: terraform if the input has
+        /// terraform, sandbox, helm or kubernetes (default: terraform if the input has
         /// `format_version`, else kubernetes).
         #[arg(long)]
         source: Option<String>,
         /// Lifecycle phase the decision is for.
         #[arg(long, default_value = "maintenance")]
         phase: String,
+        /// The job's operation (`component.deploy`, `sandbox.provision`, …), or the
+        /// admission operation manifests are reviewed under: CREATE (install), UPDATE
+        /// (upgrade, apply; the default) or DELETE (uninstall, teardown, prune).
         #[arg(long, default_value = "component.deploy")]
         operation: String,
         #[arg(long, default_value = crate::policy::DEFAULT_POLICY_DIR)]
@@ -500,7 +503,34 @@ fn policy_test(t: PolicyTest) -> i32 {
     if let Err(e) = byoc_policy::parse_document(source, &bytes, &limits) {
         return usage(format!("{}: {e}", t.input.display()));
     }
-    let ctx = Context { source, phase: t.phase, operation: t.operation, install: String::new() };
+    // --operation names the job's operation, or the admission operation.
+    let (operation, admission) = match t.operation.to_ascii_lowercase().as_str() {
+        "create" | "install" => ("component.deploy".to_string(), byoc_policy::Admission::Create),
+        "update" | "upgrade" | "apply" => ("component.deploy".to_string(), byoc_policy::Admission::Update),
+        "delete" | "uninstall" | "teardown" | "prune" => {
+            ("component.teardown".to_string(), byoc_policy::Admission::Delete)
+        }
+        _ if t.operation.contains('.') => {
+            let admission = if t.operation.ends_with(".teardown") || t.operation.ends_with(".deprovision") {
+                byoc_policy::Admission::Delete
+            } else {
+                byoc_policy::Admission::Update
+            };
+            (t.operation.clone(), admission)
+        }
+        _ => {
+            return usage(format!(
+                "--operation {:?}: use entity.operation (component.deploy) or CREATE, UPDATE, DELETE",
+                t.operation
+            ));
+        }
+    };
+    let source = if source == Source::Terraform && operation.starts_with("sandbox.") {
+        Source::Sandbox
+    } else {
+        source
+    };
+    let ctx = Context { source, phase: t.phase, operation, install: String::new(), admission };
     // The same evaluator process, under the same memory limit, as jobs use.
     let scope = byoc_job_executors::PolicyScope {
         policies: c.with_vendor(vendor),
@@ -529,10 +559,19 @@ fn policy_test(t: PolicyTest) -> i32 {
                 .chain(decision.warnings.iter().map(|f| ("WARN ", f)));
             for (label, f) in findings {
                 let address = if f.address.is_empty() { "-" } else { &f.address };
-                println!("{label} {} [{}] {address}: {}", f.policy, f.rule, f.message);
+                let convention = f.convention.map(|c| c.as_str()).unwrap_or("builtin");
+                let level = match (f.from_rule.as_str(), f.enforcement) {
+                    ("warn", _) => "warn",
+                    (_, byoc_policy::Enforcement::Mandatory) => "mandatory",
+                    (_, byoc_policy::Enforcement::Advisory) => "advisory",
+                };
+                println!(
+                    "{label} {} ({convention}, {level}) [{}] {address}: {}",
+                    f.policy, f.rule, f.message
+                );
             }
             for e in &decision.errors {
-                println!("ERROR {}: {}", e.policy, e.reason);
+                println!("ERROR {} [{}]: {}", e.policy, e.code, e.reason);
             }
             println!(
                 "{} policies, {} violations, {} warnings, {} errors: {} ({} ms; input {})",

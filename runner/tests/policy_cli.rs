@@ -64,9 +64,14 @@ fn test_prints_violations_and_the_verdict_and_exits_by_it() {
     let (code, out, err) =
         run(&["test", "--input", plan.to_str().unwrap(), "--policies", empty.path().to_str().unwrap()]);
     assert_eq!(code, 1, "{out}{err}");
-    assert!(out.contains("DENY  builtin/public_ingress [public_ingress] aws_security_group.web"), "{out}");
     assert!(
-        out.contains("DENY  builtin/database_protection [database_protection] aws_db_instance.main"),
+        out.contains(
+            "DENY  builtin/public_ingress (builtin, mandatory) [public_ingress] aws_security_group.web"
+        ),
+        "{out}"
+    );
+    assert!(
+        out.contains("DENY  builtin/database_protection (builtin, mandatory) [database_protection] aws_db_instance.main"),
         "{out}"
     );
     assert!(out.contains(": DENY ("), "{out}");
@@ -152,7 +157,10 @@ fn rendered_yaml_is_tested_and_the_evaluator_has_a_memory_limit() {
     let (code, out, err) =
         run(&["test", "--input", yaml.to_str().unwrap(), "--policies", d.path().to_str().unwrap()]);
     assert_eq!(code, 1, "{out}{err}");
-    assert!(out.contains("DENY  builtin/public_ingress [public_ingress] Service/acme/api"), "{out}");
+    assert!(
+        out.contains("DENY  builtin/public_ingress (builtin, mandatory) [public_ingress] Service/acme/api"),
+        "{out}"
+    );
 
     let hungry = d.path().join("hungry.rego");
     std::fs::write(
@@ -213,6 +221,7 @@ fn the_policy_evaluator_runs_without_any_network() {
             phase: "maintenance".into(),
             operation: "component.deploy".into(),
             install: "inst-1".into(),
+            admission: Default::default(),
         },
         input: r#"{"resource_changes": []}"#.into(),
         time_per_policy_ms: 5000,

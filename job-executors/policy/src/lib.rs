@@ -1,13 +1,23 @@
 //! Policy decisions: Rego evaluated in-process with `regorus` over one normalized
 //! input, pure (input in, decision out, no I/O).
 //!
-//! Policies written for conftest work unchanged: `package main` (any package), `deny`,
-//! `violation` and `warn` rules whose values are strings or objects with `msg`. A
-//! terraform plan is their `input` as `terraform show -json` prints it; for helm and
-//! kubernetes each manifest is evaluated as `input` on its own (conftest's default).
+//! Two conventions of policy authors run unchanged, told apart by the module's package:
+//!
+//! - **conftest** (`package main`): `deny`, `violation` and `warn` rules whose values are
+//!   strings or objects with `msg`. A terraform plan is their `input` as
+//!   `terraform show -json` prints it; for helm and kubernetes each manifest is `input`
+//!   on its own (conftest's default).
+//! - **nuon** (`package nuon`, the convention of the system this product is modelled
+//!   on): `deny` (mandatory) and `warn` (advisory), sets or arrays of strings or of
+//!   objects with a non-empty string `msg`. A plan arrives as `input.plan`; each
+//!   kubernetes object as a Gatekeeper-style admission review, `input.review`
+//!   (`kind`, `operation`, `object`).
+//!
 //! The built-in pack (`src/pack/`) sees `input.resource_changes` for plans and
 //! `input.manifests` for manifests, and `input.byoc` (source, phase, operation,
-//! install) in both. Any error or limit denies.
+//! install) in both. Nothing is silently ignored: a module in a package no convention
+//! queries, one that defines none of its convention's rules, one that does not parse
+//! and one that fails to evaluate each deny, with a reason code. Any limit denies too.
 
 use std::num::NonZeroU32;
 use std::time::{Duration, Instant};
@@ -19,6 +29,8 @@ use sha2::Digest as _;
 #[serde(rename_all = "lowercase")]
 pub enum Source {
     Terraform,
+    /// A sandbox's terraform run (provision, reprovision, deprovision): a plan.
+    Sandbox,
     Helm,
     Kubernetes,
 }
@@ -27,11 +39,92 @@ impl Source {
     pub fn parse(s: &str) -> Result<Source, String> {
         match s {
             "terraform" => Ok(Source::Terraform),
+            "sandbox" => Ok(Source::Sandbox),
             "helm" => Ok(Source::Helm),
             "kubernetes" => Ok(Source::Kubernetes),
-            other => Err(format!("source {other:?} must be terraform, helm or kubernetes")),
+            other => Err(format!("source {other:?} must be terraform, sandbox, helm or kubernetes")),
         }
     }
+
+    /// Whether the document is a terraform plan (else manifests).
+    pub fn is_plan(self) -> bool {
+        matches!(self, Source::Terraform | Source::Sandbox)
+    }
+}
+
+/// The admission operation a manifest is reviewed under (`input.review.operation`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "UPPERCASE")]
+pub enum Admission {
+    /// A first install.
+    Create,
+    /// An upgrade or an apply.
+    #[default]
+    Update,
+    /// An uninstall, a teardown, a prune.
+    Delete,
+}
+
+impl Admission {
+    pub fn parse(s: &str) -> Result<Admission, String> {
+        match s.to_ascii_uppercase().as_str() {
+            "CREATE" => Ok(Admission::Create),
+            "UPDATE" => Ok(Admission::Update),
+            "DELETE" => Ok(Admission::Delete),
+            _ => Err(format!("operation {s:?} must be CREATE, UPDATE or DELETE")),
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Admission::Create => "CREATE",
+            Admission::Update => "UPDATE",
+            Admission::Delete => "DELETE",
+        }
+    }
+}
+
+/// Which rule-naming convention a policy module follows (from its package).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Convention {
+    /// The built-in pack (`package byoc.builtin.*`, `deny`).
+    Builtin,
+    /// `package main`: `deny`, `violation`, `warn`; input = the document.
+    Conftest,
+    /// `package nuon`: `deny`, `warn`; input = `{plan}` or `{review}`.
+    Nuon,
+}
+
+impl Convention {
+    /// The rules queried, and whether each denies.
+    fn rules(self) -> &'static [(&'static str, bool)] {
+        match self {
+            Convention::Builtin => &[("deny", true)],
+            Convention::Conftest => &[("deny", true), ("violation", true), ("warn", false)],
+            Convention::Nuon => &[("deny", true), ("warn", false)],
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Convention::Builtin => "builtin",
+            Convention::Conftest => "conftest",
+            Convention::Nuon => "nuon",
+        }
+    }
+}
+
+/// Reason codes of policy errors (each denies).
+pub mod codes {
+    /// The file does not parse (as Rego v1, nor as v0).
+    pub const LOAD_ERROR: &str = "policy_load_error";
+    /// Its package or rules match no convention the runner queries.
+    pub const UNRECOGNISED: &str = "policy_unrecognised";
+    /// It failed while evaluating, produced a value of the wrong shape, or ran out of time.
+    pub const EVAL_ERROR: &str = "policy_eval_error";
+    /// The document could not be read, or the evaluator failed.
+    pub const INPUT_ERROR: &str = "policy_input_error";
 }
 
 /// Who wrote a policy. The vendor's arrive in the signed app config; the customer's live
@@ -110,6 +203,9 @@ pub struct Context {
     /// `entity.operation`, e.g. `component.deploy`.
     pub operation: String,
     pub install: String,
+    /// What the manifests are reviewed as (nuon's `input.review.operation`).
+    #[serde(default)]
+    pub admission: Admission,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -157,11 +253,19 @@ pub struct Finding {
     pub policy: String,
     pub origin: Origin,
     pub enforcement: Enforcement,
-    /// The rule id (built-in pack), or the policy's name for conftest-style messages.
+    /// The rule id (built-in pack), or the policy's name for conftest/nuon messages.
     pub rule: String,
     /// Resource address or `Kind/namespace/name`; empty when the policy gave none.
     pub address: String,
     pub message: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub convention: Option<Convention>,
+    /// The rule that produced it (`deny`, `violation`, `warn`).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub from_rule: String,
+    /// A finding object's fields other than `msg`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub details: Option<serde_json::Value>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -169,6 +273,9 @@ pub struct PolicyError {
     pub policy: String,
     pub origin: Origin,
     pub reason: String,
+    /// One of [`codes`].
+    #[serde(default)]
+    pub code: String,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -249,7 +356,12 @@ pub fn denied(policies: &[Policy], input: &[u8], what: &str, reason: String) -> 
         policies: policies.iter().map(PolicyRef::of).collect(),
         violations: vec![],
         warnings: vec![],
-        errors: vec![PolicyError { policy: what.into(), origin: Origin::Builtin, reason }],
+        errors: vec![PolicyError {
+            policy: what.into(),
+            origin: Origin::Builtin,
+            reason,
+            code: codes::INPUT_ERROR.into(),
+        }],
         elapsed_ms: 0,
     }
 }
@@ -270,7 +382,7 @@ pub fn parse_document(source: Source, bytes: &[u8], limits: &Limits) -> Result<D
         v.as_object().ok().and_then(|o| o.get(&regorus::Value::from(k)).cloned())
     };
     match source {
-        Source::Terraform => {
+        Source::Terraform | Source::Sandbox => {
             let changes_ok = key(&v, "resource_changes").is_some_and(|r| r.as_array().is_ok());
             if !changes_ok && key(&v, "format_version").is_none() {
                 return Err("input is not a terraform plan (no format_version or resource_changes)".into());
@@ -295,6 +407,95 @@ pub fn parse_document(source: Source, bytes: &[u8], limits: &Limits) -> Result<D
     }
 }
 
+/// What each convention is given: the built-in pack one input for the whole document;
+/// conftest the plan, or each manifest; nuon `{plan}`, or one admission review per
+/// object. Each item carries the object's identity (`Kind/namespace/name`; empty for a
+/// plan).
+struct Inputs {
+    builtin: regorus::Value,
+    conftest: Vec<(regorus::Value, String)>,
+    nuon: Vec<(regorus::Value, String)>,
+}
+
+fn key(k: &str) -> regorus::Value {
+    regorus::Value::from(k)
+}
+
+fn get<'a>(v: &'a regorus::Value, k: &str) -> Option<&'a regorus::Value> {
+    v.as_object().ok()?.get(&key(k))
+}
+
+fn get_str(v: &regorus::Value, k: &str) -> Option<String> {
+    get(v, k)?.as_string().ok().map(|s| s.to_string())
+}
+
+/// `Kind/namespace/name`, the namespace `default` when the object names none.
+pub fn object_identity(obj: &regorus::Value) -> String {
+    let meta = get(obj, "metadata");
+    let field = |k: &str| meta.and_then(|m| get_str(m, k));
+    format!(
+        "{}/{}/{}",
+        get_str(obj, "kind").unwrap_or_default(),
+        field("namespace").filter(|n| !n.is_empty()).unwrap_or_else(|| "default".into()),
+        field("name").unwrap_or_default()
+    )
+}
+
+/// The admission review of one object, as Gatekeeper builds it: `group` absent for the
+/// core API (`apiVersion: v1`).
+fn review(obj: &regorus::Value, admission: Admission) -> regorus::Value {
+    let api_version = get_str(obj, "apiVersion").unwrap_or_default();
+    let (group, version) = match api_version.split_once('/') {
+        Some((g, v)) => (Some(g.to_string()), v.to_string()),
+        None => (None, api_version),
+    };
+    let mut kind = std::collections::BTreeMap::new();
+    kind.insert(key("kind"), regorus::Value::from(get_str(obj, "kind").unwrap_or_default()));
+    if let Some(g) = group {
+        kind.insert(key("group"), regorus::Value::from(g));
+    }
+    kind.insert(key("version"), regorus::Value::from(version));
+    let mut r = std::collections::BTreeMap::new();
+    r.insert(key("kind"), regorus::Value::from(kind));
+    r.insert(key("operation"), regorus::Value::from(admission.as_str()));
+    r.insert(key("object"), obj.clone());
+    let mut input = std::collections::BTreeMap::new();
+    input.insert(key("review"), regorus::Value::from(r));
+    regorus::Value::from(input)
+}
+
+impl Inputs {
+    fn new(doc: &Document, ctx: &Context) -> Inputs {
+        let byoc = regorus::Value::from(serde_json::to_value(ctx).unwrap_or_default());
+        match doc {
+            Document::Plan(plan) => {
+                let mut with_byoc = plan.clone();
+                if let Ok(o) = with_byoc.as_object_mut() {
+                    o.insert(key("byoc"), byoc);
+                }
+                // The plan exactly as terraform printed it, under `plan`.
+                let mut nuon = std::collections::BTreeMap::new();
+                nuon.insert(key("plan"), plan.clone());
+                Inputs {
+                    builtin: with_byoc.clone(),
+                    conftest: vec![(with_byoc, String::new())],
+                    nuon: vec![(regorus::Value::from(nuon), String::new())],
+                }
+            }
+            Document::Manifests(ms) => {
+                let mut o = std::collections::BTreeMap::new();
+                o.insert(key("byoc"), byoc);
+                o.insert(key("manifests"), regorus::Value::from(ms.clone()));
+                Inputs {
+                    builtin: regorus::Value::from(o),
+                    conftest: ms.iter().map(|m| (m.clone(), object_identity(m))).collect(),
+                    nuon: ms.iter().map(|m| (review(m, ctx.admission), object_identity(m))).collect(),
+                }
+            }
+        }
+    }
+}
+
 /// Evaluate every policy over the document. `params` become `data.byoc.params`.
 pub fn evaluate(
     policies: &[Policy],
@@ -305,24 +506,7 @@ pub fn evaluate(
     limits: &Limits,
 ) -> Decision {
     let started = Instant::now();
-    let byoc = regorus::Value::from(serde_json::to_value(ctx).unwrap_or_default());
-    // Built-ins see one input; conftest-style policies see the plan (the same value,
-    // with `byoc` added), or each manifest on its own.
-    let (pack_input, conftest_inputs) = match doc {
-        Document::Plan(plan) => {
-            let mut p = plan.clone();
-            if let Ok(o) = p.as_object_mut() {
-                o.insert(regorus::Value::from("byoc"), byoc);
-            }
-            (p.clone(), vec![p])
-        }
-        Document::Manifests(ms) => {
-            let mut o = std::collections::BTreeMap::new();
-            o.insert(regorus::Value::from("byoc"), byoc);
-            o.insert(regorus::Value::from("manifests"), regorus::Value::from(ms.clone()));
-            (regorus::Value::from(o), ms.clone())
-        }
-    };
+    let inputs = Inputs::new(doc, ctx);
     let data = serde_json::json!({"byoc": {"params": params}});
 
     let mut d = Decision {
@@ -341,31 +525,23 @@ pub fn evaluate(
     // Each thread takes the next policy not yet taken, so one slow policy does not hold
     // up a fixed share of the others.
     let next = std::sync::atomic::AtomicUsize::new(0);
-    let results: Vec<Result<Findings, String>> = std::thread::scope(|scope| {
+    let is_plan = matches!(doc, Document::Plan(_));
+    let results: Vec<Result<Findings, PolicyError>> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..threads)
             .map(|_| {
-                let (pack_input, conftest_inputs, data, next) = (&pack_input, &conftest_inputs, &data, &next);
+                let (inputs, data, next) = (&inputs, &data, &next);
                 scope.spawn(move || {
                     let mut done = Vec::new();
                     loop {
                         let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                         let Some(p) = policies.get(i) else { break };
-                        let scoped;
-                        let inputs: Vec<&regorus::Value> = match (p.origin, type_scope(p)) {
-                            (Origin::Builtin, Some(types)) if matches!(doc, Document::Plan(_)) => {
-                                scoped = only_types(pack_input, &types);
-                                vec![&scoped]
-                            }
-                            (Origin::Builtin, _) => vec![pack_input],
-                            _ => conftest_inputs.iter().collect(),
-                        };
-                        done.push((i, eval_policy(p, data, &inputs, limits)));
+                        done.push((i, eval_policy(p, data, inputs, is_plan, limits)));
                     }
                     done
                 })
             })
             .collect();
-        let mut all: Vec<(usize, Result<Findings, String>)> =
+        let mut all: Vec<(usize, Result<Findings, PolicyError>)> =
             handles.into_iter().flat_map(|h| h.join().unwrap_or_else(|_| vec![])).collect();
         all.sort_by_key(|(i, _)| *i);
         all.into_iter().map(|(_, r)| r).collect()
@@ -376,6 +552,7 @@ pub fn evaluate(
             policy: "(evaluator)".into(),
             origin: Origin::Builtin,
             reason: "a policy evaluation thread failed".into(),
+            code: codes::EVAL_ERROR.into(),
         });
     }
     for (p, result) in policies.iter().zip(results) {
@@ -389,7 +566,7 @@ pub fn evaluate(
                 }
                 d.warnings.extend(warns);
             }
-            Err(reason) => d.errors.push(PolicyError { policy: p.name.clone(), origin: p.origin, reason }),
+            Err(e) => d.errors.push(e),
         }
     }
     if !d.violations.is_empty() || !d.errors.is_empty() {
@@ -449,12 +626,24 @@ fn only_types(plan: &regorus::Value, types: &std::collections::BTreeSet<String>)
     out
 }
 
-fn eval_policy(
-    p: &Policy,
-    data: &serde_json::Value,
-    inputs: &[&regorus::Value],
-    limits: &Limits,
-) -> Result<Findings, String> {
+/// A policy loaded into an engine of its own (no module can read another's rules or
+/// data), with its convention and the queried rules it declares.
+pub struct Loaded {
+    engine: regorus::Engine,
+    package: String,
+    pub convention: Convention,
+    pub rules: Vec<&'static str>,
+}
+
+fn policy_error(p: &Policy, code: &str, reason: String) -> PolicyError {
+    PolicyError { policy: p.name.clone(), origin: p.origin, reason, code: code.into() }
+}
+
+/// Parse `p` (Rego v1, or v0 as conftest's older policies are written), tell its
+/// convention from its package and check it defines a rule that convention queries.
+/// Anything else is an error: a policy that would never be evaluated must not pass
+/// for one that allows.
+pub fn load(p: &Policy, limits: &Limits) -> Result<Loaded, PolicyError> {
     let new_engine = |v0: bool| {
         let mut e = regorus::Engine::new();
         e.set_rego_v0(v0);
@@ -464,34 +653,86 @@ fn eval_policy(
         });
         e
     };
-    // Rego v1 first; a policy in the older syntax (`deny[msg] { … }`, most conftest
-    // policies written before OPA 1.0) loads as v0, as `conftest --rego-version v0` would.
     let mut engine = new_engine(false);
     let package = match engine.add_policy(p.name.clone(), p.text.clone()) {
         Ok(pkg) => pkg,
         Err(v1_error) => {
             engine = new_engine(true);
-            engine
-                .add_policy(p.name.clone(), p.text.clone())
-                .map_err(|_| format!("does not load: {v1_error}"))?
+            engine.add_policy(p.name.clone(), p.text.clone()).map_err(|_| {
+                policy_error(p, codes::LOAD_ERROR, format!("does not load (not valid Rego): {v1_error}"))
+            })?
         }
     };
-    engine.add_data_json(&data.to_string()).map_err(|e| format!("parameters: {e}"))?;
+    let convention = match (p.origin, package.as_str()) {
+        (Origin::Builtin, _) => Convention::Builtin,
+        (_, "data.main") => Convention::Conftest,
+        (_, "data.nuon") => Convention::Nuon,
+        (_, other) => {
+            return Err(policy_error(
+                p,
+                codes::UNRECOGNISED,
+                format!(
+                    "package {} is not one the runner queries, so nothing in it would be evaluated: \
+                     use `package nuon` (deny, warn) or `package main` (conftest: deny, violation, warn)",
+                    other.trim_start_matches("data.")
+                ),
+            ));
+        }
+    };
+    let rules: Vec<&'static str> = convention
+        .rules()
+        .iter()
+        .map(|(r, _)| *r)
+        .filter(|r| engine.has_declared_rule_rooted_at(&p.name, r).unwrap_or(false))
+        .collect();
+    if rules.is_empty() {
+        let wanted: Vec<&str> = convention.rules().iter().map(|(r, _)| *r).collect();
+        return Err(policy_error(
+            p,
+            codes::UNRECOGNISED,
+            format!(
+                "package {} defines none of {}, so nothing in it would be evaluated",
+                package.trim_start_matches("data."),
+                wanted.join(", ")
+            ),
+        ));
+    }
+    Ok(Loaded { engine, package, convention, rules })
+}
+
+fn eval_policy(
+    p: &Policy,
+    data: &serde_json::Value,
+    inputs: &Inputs,
+    is_plan: bool,
+    limits: &Limits,
+) -> Result<Findings, PolicyError> {
+    let Loaded { mut engine, package, convention, rules } = load(p, limits)?;
+    let eval_error = |reason: String| policy_error(p, codes::EVAL_ERROR, reason);
+    engine.add_data_json(&data.to_string()).map_err(|e| eval_error(format!("parameters: {e}")))?;
+    let scoped;
+    let items: Vec<(&regorus::Value, &str)> = match convention {
+        Convention::Builtin => match type_scope(p) {
+            Some(types) if is_plan => {
+                scoped = only_types(&inputs.builtin, &types);
+                vec![(&scoped, "")]
+            }
+            _ => vec![(&inputs.builtin, "")],
+        },
+        Convention::Conftest => inputs.conftest.iter().map(|(v, id)| (v, id.as_str())).collect(),
+        Convention::Nuon => inputs.nuon.iter().map(|(v, id)| (v, id.as_str())).collect(),
+    };
     let mut denials = Vec::new();
     let mut warns = Vec::new();
-    // The built-in pack defines only `deny`; conftest policies may use all three.
-    let rules: &[(&str, bool)] = match p.origin {
-        Origin::Builtin => &[("deny", true)],
-        _ => &[("deny", true), ("violation", true), ("warn", false)],
-    };
-    for input in inputs {
-        engine.set_input((*input).clone());
-        for &(rule, denying) in rules {
-            // A query, not eval_rule: a rule the policy does not define is simply
-            // undefined (no result), not an error.
+    for (input, object) in items {
+        engine.set_input(input.clone());
+        for &(rule, denying) in convention.rules() {
+            if !rules.contains(&rule) {
+                continue;
+            }
             let results = engine
                 .eval_query(format!("{package}.{rule}"), false)
-                .map_err(|e| format!("evaluating {rule}: {e}"))?;
+                .map_err(|e| eval_error(format!("evaluating {rule}{}: {e}", on(object))))?;
             let Some(value) =
                 results.result.into_iter().next().and_then(|r| r.expressions.into_iter().next())
             else {
@@ -499,16 +740,59 @@ fn eval_policy(
             };
             let json: serde_json::Value = match value.value {
                 regorus::Value::Undefined => continue,
-                v => serde_json::from_str(&v.to_json_str().map_err(|e| format!("{rule}: {e}"))?)
-                    .map_err(|e| format!("{rule}: {e}"))?,
+                v => serde_json::from_str(&v.to_json_str().map_err(|e| eval_error(format!("{rule}: {e}")))?)
+                    .map_err(|e| eval_error(format!("{rule}: {e}")))?,
             };
-            for item in as_items(json) {
-                let f = finding(p, item);
+            let found = match convention {
+                Convention::Nuon => {
+                    nuon_items(json).map_err(|why| eval_error(format!("{rule}{}: {why}", on(object))))?
+                }
+                _ => as_items(json),
+            };
+            for item in found {
+                let f = finding(p, convention, rule, item, object);
                 if denying { denials.push(f) } else { warns.push(f) }
             }
         }
     }
     Ok((denials, warns))
+}
+
+fn on(object: &str) -> String {
+    if object.is_empty() { String::new() } else { format!(" on {object}") }
+}
+
+/// `deny`/`warn` of a nuon policy: a set or array of strings or of objects with a
+/// non-empty string `msg`. Anything else is an error (which denies): a policy whose
+/// findings cannot be read must not pass for one that found nothing.
+fn nuon_items(v: serde_json::Value) -> Result<Vec<serde_json::Value>, String> {
+    let items = match v {
+        serde_json::Value::Array(a) => a,
+        other => return Err(format!("must be a set or an array of messages, not {}", kind_of(&other))),
+    };
+    for item in &items {
+        match item {
+            serde_json::Value::String(_) => {}
+            serde_json::Value::Object(o)
+                if o.get("msg").and_then(|m| m.as_str()).is_some_and(|m| !m.is_empty()) => {}
+            serde_json::Value::Object(_) => return Err("an object item has no non-empty string `msg`".into()),
+            other => {
+                return Err(format!("an item is {}, not a string or an object with `msg`", kind_of(other)));
+            }
+        }
+    }
+    Ok(items)
+}
+
+fn kind_of(v: &serde_json::Value) -> &'static str {
+    match v {
+        serde_json::Value::Null => "null",
+        serde_json::Value::Bool(_) => "a boolean",
+        serde_json::Value::Number(_) => "a number",
+        serde_json::Value::String(_) => "a string",
+        serde_json::Value::Array(_) => "an array",
+        serde_json::Value::Object(_) => "an object",
+    }
 }
 
 fn as_items(v: serde_json::Value) -> Vec<serde_json::Value> {
@@ -521,19 +805,41 @@ fn as_items(v: serde_json::Value) -> Vec<serde_json::Value> {
     }
 }
 
-fn finding(p: &Policy, item: serde_json::Value) -> Finding {
+fn finding(
+    p: &Policy,
+    convention: Convention,
+    from_rule: &str,
+    item: serde_json::Value,
+    object: &str,
+) -> Finding {
     let default_rule = p.name.rsplit('/').next().unwrap_or(&p.name).trim_end_matches(".rego").to_string();
     let get = |k: &str| item.get(k).and_then(|v| v.as_str()).map(str::to_string);
-    let (rule, address, message) = match &item {
-        serde_json::Value::String(s) => (default_rule, String::new(), s.clone()),
-        serde_json::Value::Object(_) => (
-            get("rule").unwrap_or(default_rule),
-            get("address").or_else(|| get("resource")).unwrap_or_default(),
-            get("msg").or_else(|| get("message")).unwrap_or_else(|| item.to_string()),
-        ),
-        other => (default_rule, String::new(), other.to_string()),
+    let (rule, address, message, details) = match &item {
+        serde_json::Value::String(s) => (default_rule, object.to_string(), s.clone(), None),
+        serde_json::Value::Object(o) => {
+            let rest: serde_json::Map<String, serde_json::Value> =
+                o.iter().filter(|(k, _)| k.as_str() != "msg").map(|(k, v)| (k.clone(), v.clone())).collect();
+            (
+                get("rule").unwrap_or(default_rule),
+                get("address").or_else(|| get("resource")).unwrap_or_else(|| object.to_string()),
+                get("msg").or_else(|| get("message")).unwrap_or_else(|| item.to_string()),
+                (!rest.is_empty() && convention != Convention::Builtin)
+                    .then(|| serde_json::Value::Object(rest)),
+            )
+        }
+        other => (default_rule, object.to_string(), other.to_string(), None),
     };
-    Finding { policy: p.name.clone(), origin: p.origin, enforcement: p.enforcement, rule, address, message }
+    Finding {
+        policy: p.name.clone(),
+        origin: p.origin,
+        enforcement: p.enforcement,
+        rule,
+        address,
+        message,
+        convention: (convention != Convention::Builtin).then_some(convention),
+        from_rule: if convention == Convention::Builtin { String::new() } else { from_rule.to_string() },
+        details,
+    }
 }
 
 #[cfg(test)]

@@ -8,7 +8,13 @@ use byoc_policy::*;
 use serde_json::json;
 
 fn ctx(source: Source, phase: &str) -> Context {
-    Context { source, phase: phase.into(), operation: "component.deploy".into(), install: "inst-1".into() }
+    Context {
+        source,
+        phase: phase.into(),
+        operation: "component.deploy".into(),
+        install: "inst-1".into(),
+        admission: Admission::Update,
+    }
 }
 
 fn policy(name: &str, origin: Origin, enforcement: Enforcement, text: &str) -> Policy {

@@ -55,6 +55,7 @@ fn decide(doc: &Document, phase: &str, params: Value) -> Decision {
         phase: phase.into(),
         operation: "component.deploy".into(),
         install: "inst-1".into(),
+        admission: Default::default(),
     };
     evaluate(&builtin_pack(), &params, &ctx, doc, b"fixture", &Limits::default())
 }

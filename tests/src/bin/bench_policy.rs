@@ -97,6 +97,7 @@ fn main() {
         phase: "maintenance".into(),
         operation: "component.deploy".into(),
         install: "inst-bench".into(),
+        admission: Default::default(),
     };
     let limits = Limits { time_per_policy: Duration::from_secs(60), ..Limits::default() };
     for &n in &a.sizes {
