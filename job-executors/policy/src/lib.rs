@@ -496,6 +496,21 @@ impl Inputs {
     }
 }
 
+/// The inputs a policy of `convention` is evaluated over for `doc`, as JSON, each with
+/// the identity of the object it reviews (empty for a plan). For tests and tools that
+/// compare with another engine.
+pub fn inputs_for(convention: Convention, doc: &Document, ctx: &Context) -> Vec<(serde_json::Value, String)> {
+    let inputs = Inputs::new(doc, ctx);
+    let json = |v: &regorus::Value| {
+        v.to_json_str().ok().and_then(|s| serde_json::from_str(&s).ok()).unwrap_or(serde_json::Value::Null)
+    };
+    match convention {
+        Convention::Builtin => vec![(json(&inputs.builtin), String::new())],
+        Convention::Conftest => inputs.conftest.iter().map(|(v, id)| (json(v), id.clone())).collect(),
+        Convention::Nuon => inputs.nuon.iter().map(|(v, id)| (json(v), id.clone())).collect(),
+    }
+}
+
 /// Evaluate every policy over the document. `params` become `data.byoc.params`.
 pub fn evaluate(
     policies: &[Policy],
@@ -630,7 +645,8 @@ fn only_types(plan: &regorus::Value, types: &std::collections::BTreeSet<String>)
 /// data), with its convention and the queried rules it declares.
 pub struct Loaded {
     engine: regorus::Engine,
-    package: String,
+    /// `data.<package>`.
+    pub package: String,
     pub convention: Convention,
     pub rules: Vec<&'static str>,
 }

@@ -1,0 +1,5 @@
+package nuon
+
+import rego.v1
+
+deny contains count(input.plan.resource_changes) if true
