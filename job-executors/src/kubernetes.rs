@@ -265,8 +265,11 @@ impl Kubernetes {
             for v in &d.violations {
                 log(ctx, format!("[policy] DENY {} [{}] {}: {}\n", v.policy, v.rule, v.address, v.message));
             }
+            for w in &d.warnings {
+                log(ctx, format!("[policy] WARN {} [{}] {}: {}\n", w.policy, w.rule, w.address, w.message));
+            }
             for e in &d.errors {
-                log(ctx, format!("[policy] ERROR {}: {}\n", e.policy, e.reason));
+                log(ctx, format!("[policy] ERROR {} [{}]: {}\n", e.policy, e.code, e.reason));
             }
             decided = serde_json::json!({"verdict": d.verdict, "manifests_digest": d.input_digest});
             if d.verdict == byoc_policy::Verdict::Deny {

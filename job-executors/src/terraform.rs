@@ -506,7 +506,7 @@ pub(crate) fn report_decision(run: &mut Run<'_, '_>, d: &byoc_policy::Decision, 
         run.log(&format!("[policy] WARN {} [{}] {}: {}\n", w.policy, w.rule, w.address, w.message));
     }
     for e in &d.errors {
-        run.log(&format!("[policy] ERROR {}: {}\n", e.policy, e.reason));
+        run.log(&format!("[policy] ERROR {} [{}]: {}\n", e.policy, e.code, e.reason));
     }
 }
 

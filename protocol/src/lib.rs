@@ -144,6 +144,13 @@ pub struct AppConfig {
     /// either off.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub policies: BTreeMap<String, VendorPolicy>,
+    /// `policies.toml` as the modelled system's app configs write it: `[[policy]]` with
+    /// `type`, `engine`, `contents` (a path among `files`) and `components`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub policies_toml: Option<String>,
+    /// Files of the app config that declarations refer to by path (policy contents).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub files: BTreeMap<String, String>,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]

@@ -142,6 +142,9 @@ enum PolicyCmd {
         /// The customer's policy directory (`*.rego`, `policies.toml`).
         #[arg(long, default_value = crate::policy::DEFAULT_POLICY_DIR)]
         policies: PathBuf,
+        /// An app config directory: list its `policies.toml` declarations too.
+        #[arg(long)]
+        app: Option<PathBuf>,
         #[arg(long, short = 'o', value_enum, default_value_t = Output::Text)]
         output: Output,
     },
@@ -169,6 +172,13 @@ enum PolicyCmd {
         /// A vendor policy file to include (repeatable), as the app config would bring it.
         #[arg(long = "vendor-policy")]
         vendor_policies: Vec<PathBuf>,
+        /// An app config directory: its `policies.toml` declarations that apply to this
+        /// source (and --component) are included.
+        #[arg(long)]
+        app: Option<PathBuf>,
+        /// The component the decision is for (selects the app's declarations).
+        #[arg(long, default_value = "")]
+        component: String,
         /// Per-policy time limit, milliseconds.
         #[arg(long, default_value_t = 5000)]
         time_limit_ms: u64,
@@ -358,7 +368,9 @@ pub fn main() -> i32 {
         Cmd::Resume(state) => edge(|| resume(&state)),
         Cmd::Roles { state, refresh } => edge(|| roles(&state, refresh)),
         Cmd::Sync(args) => sync(args),
-        Cmd::Policy { cmd: PolicyCmd::List { policies, output } } => policy_list(&policies, output),
+        Cmd::Policy { cmd: PolicyCmd::List { policies, app, output } } => {
+            policy_list(&policies, app.as_deref(), output)
+        }
         Cmd::Policy {
             cmd:
                 PolicyCmd::Test {
@@ -368,6 +380,8 @@ pub fn main() -> i32 {
                     operation,
                     policies,
                     vendor_policies,
+                    app,
+                    component,
                     time_limit_ms,
                     memory_mib,
                     output,
@@ -379,6 +393,8 @@ pub fn main() -> i32 {
             operation,
             policies,
             vendor_policies,
+            app,
+            component,
             time_limit: std::time::Duration::from_millis(time_limit_ms),
             memory_mib,
             output,
@@ -396,15 +412,42 @@ fn load_policies(dir: &Path) -> Result<crate::policy::CustomerPolicies, i32> {
     })
 }
 
-fn policy_list(dir: &Path, output: Output) -> i32 {
+fn policy_list(dir: &Path, app_dir: Option<&Path>, output: Output) -> i32 {
     let c = match load_policies(dir) {
         Ok(c) => c,
         Err(code) => return code,
     };
+    let declared = match app_dir.map(crate::app_policies::load_dir).transpose() {
+        Ok(None) => vec![],
+        Ok(Some(app)) => match crate::app_policies::parse(&app) {
+            Ok(d) => d,
+            Err(problems) => {
+                for p in &problems {
+                    eprintln!("error: {p}");
+                }
+                return EX_USAGE;
+            }
+        },
+        Err(e) => {
+            eprintln!("error: {e}");
+            return EX_USAGE;
+        }
+    };
     let entry = |p: &byoc_policy::Policy| {
         serde_json::json!({
             "name": p.name, "origin": p.origin, "enforcement": p.enforcement, "digest": p.digest(),
+            "convention": crate::app_policies::convention_of(p),
             "description": crate::policy::description(p),
+        })
+    };
+    let vendor_entry = |d: &crate::app_policies::Declared| {
+        let p = d.policy();
+        let applied = d.kind == crate::app_policies::PolicyType::KubernetesCluster;
+        serde_json::json!({
+            "name": p.name, "origin": "vendor", "type": d.kind.as_str(), "components": d.components_str(),
+            "engine": if d.engine == crate::app_policies::Engine::Opa { "opa" } else { "kyverno" },
+            "convention": if applied { "kyverno".to_string() } else { crate::app_policies::convention_of(&p) },
+            "enforcement": if applied { "applied to the cluster" } else { "mandatory" }, "digest": p.digest(),
         })
     };
     match output {
@@ -412,10 +455,30 @@ fn policy_list(dir: &Path, output: Output) -> i32 {
             let v = serde_json::json!({
                 "dir": c.dir, "builtin": c.builtin.iter().map(entry).collect::<Vec<_>>(), "builtin_off": c.off,
                 "customer": c.own.iter().map(entry).collect::<Vec<_>>(), "params": c.params,
+                "vendor": declared.iter().map(vendor_entry).collect::<Vec<_>>(),
             });
             println!("{v}");
         }
         Output::Text => {
+            if !declared.is_empty() {
+                println!(
+                    "{:<40} {:<8} {:<20} {:<20} {:<12} LEVEL",
+                    "VENDOR POLICY", "ORIGIN", "TYPE", "COMPONENTS", "CONVENTION"
+                );
+                for d in &declared {
+                    let e = vendor_entry(d);
+                    println!(
+                        "{:<40} {:<8} {:<20} {:<20} {:<12} {}",
+                        d.policy().name,
+                        "vendor",
+                        d.kind.as_str(),
+                        d.components_str(),
+                        e["convention"].as_str().unwrap_or(""),
+                        e["enforcement"].as_str().unwrap_or("")
+                    );
+                }
+                println!();
+            }
             println!("{:<36} {:<9} {:<10} DESCRIPTION", "POLICY", "ORIGIN", "LEVEL");
             let level = |e: byoc_policy::Enforcement| match e {
                 byoc_policy::Enforcement::Mandatory => "mandatory",
@@ -440,7 +503,14 @@ fn policy_list(dir: &Path, output: Output) -> i32 {
                 );
             }
             for p in &c.own {
-                println!("{:<36} {:<9} {:<10} {}", p.name, "customer", level(p.enforcement), p.digest());
+                println!(
+                    "{:<36} {:<9} {:<10} {} ({})",
+                    p.name,
+                    "customer",
+                    level(p.enforcement),
+                    crate::app_policies::convention_of(p),
+                    p.digest()
+                );
             }
             println!("\nparameters (data.byoc.params): {}", c.params);
             println!("vendor policies arrive with each job, in the signed app config");
@@ -456,6 +526,8 @@ struct PolicyTest {
     operation: String,
     policies: PathBuf,
     vendor_policies: Vec<PathBuf>,
+    app: Option<PathBuf>,
+    component: String,
     time_limit: std::time::Duration,
     memory_mib: u64,
     output: Output,
@@ -471,8 +543,12 @@ fn policy_test(t: PolicyTest) -> i32 {
         Ok(c) => c,
         Err(code) => return code,
     };
-    let vendor = match crate::policy::load_files(&t.vendor_policies, byoc_policy::Origin::Vendor) {
+    let mut vendor = match crate::policy::load_files(&t.vendor_policies, byoc_policy::Origin::Vendor) {
         Ok(v) => v,
+        Err(e) => return usage(e),
+    };
+    let app = match t.app.as_deref().map(crate::app_policies::load_dir).transpose() {
+        Ok(a) => a,
         Err(e) => return usage(e),
     };
     let mut bytes = match std::fs::read(&t.input) {
@@ -530,6 +606,18 @@ fn policy_test(t: PolicyTest) -> i32 {
     } else {
         source
     };
+    if let Some(app) = &app {
+        let (kind, entity) = match source {
+            Source::Terraform => ("terraform", "component"),
+            Source::Sandbox => ("terraform", "sandbox"),
+            Source::Helm => ("helm", "component"),
+            Source::Kubernetes => ("kubernetes", "component"),
+        };
+        match crate::app_policies::for_job(app, kind, entity, &t.component) {
+            Ok(v) => vendor.extend(v),
+            Err(problems) => return usage(problems.join("; ")),
+        }
+    }
     let ctx = Context { source, phase: t.phase, operation, install: String::new(), admission };
     // The same evaluator process, under the same memory limit, as jobs use.
     let scope = byoc_job_executors::PolicyScope {

@@ -6,6 +6,7 @@
 //! lifecycle-role model, the customer's switches, STS sessions and the local pause;
 //! `daemon` wires the stages to the control plane and to the durable `journal`.
 
+pub mod app_policies;
 pub mod audit;
 pub mod cli;
 pub mod client;

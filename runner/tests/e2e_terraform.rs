@@ -290,3 +290,143 @@ async fn a_policy_that_exhausts_its_memory_limit_denies() {
     let d = &audit(&e, "policy_decision")[0];
     assert!(d["detail"].as_str().unwrap().contains("(evaluator) failed"), "{d}");
 }
+
+/// The app config's `policies.toml`, as the modelled system's app configs write it,
+/// with its files.
+fn with_app_policies(mut req: EnqueueRequest, toml: &str, files: &[(&str, &str)]) -> EnqueueRequest {
+    let app = req.app_config.as_mut().unwrap();
+    app.policies_toml = Some(toml.into());
+    app.files = files.iter().map(|(p, t)| (p.to_string(), t.to_string())).collect();
+    req
+}
+
+/// A vendor policy in the `nuon` convention (package nuon, deny over input.plan).
+const NUON_NO_BUCKET_UPDATES: &str = r#"package nuon
+
+deny contains msg if {
+	some rc in input.plan.resource_changes
+	rc.type == "aws_s3_bucket"
+	"update" in rc.change.actions
+	msg := sprintf("%s: buckets change only in a maintenance window", [rc.address])
+}
+"#;
+
+#[tokio::test]
+async fn a_plan_denied_by_a_nuon_vendor_policy_is_never_applied() {
+    let e = tf_env().await;
+    let toml = "[[policy]]\ntype = \"terraform_module\"\nengine = \"opa\"\ncontents = \"./policies/buckets.rego\"\ncomponents = [\"api\"]\n";
+    let req = with_app_policies(
+        job("apply", &example("plan-tags-only.json"), &[], serde_json::json!({})),
+        toml,
+        &[("policies/buckets.rego", NUON_NO_BUCKET_UPDATES)],
+    );
+    let (id, r, log) = run(&e, req).await;
+    assert_eq!(r.status, JobStatus::Failed, "{log}");
+    assert_eq!(r.outputs["reason"], "policy_denied");
+    assert!(r.error.unwrap().contains("aws_s3_bucket.assets"));
+    assert!(log.contains("buckets change only in a maintenance window"), "{log}");
+    assert!(!log.contains("fake-terraform: apply"), "apply must not run:\n{log}");
+    let decision = audit(&e, "policy_decision").into_iter().find(|d| d["job"] == id.as_str()).unwrap();
+    let digest = format!("sha256:{}", byoc_protocol::sha256_hex(NUON_NO_BUCKET_UPDATES.as_bytes()));
+    assert_eq!(decision["digests"]["policy:vendor/policies/buckets.rego"], digest.as_str());
+}
+
+#[tokio::test]
+async fn each_job_evaluates_exactly_the_app_policies_for_its_type_and_component() {
+    let e = tf_env().await;
+    let toml = r#"
+[[policy]]
+type = "terraform_module"
+engine = "opa"
+contents = "./policies/api-only.rego"
+components = ["api"]
+
+[[policy]]
+type = "terraform_module"
+engine = "opa"
+contents = "./policies/every-component.rego"
+components = ["*"]
+
+[[policy]]
+type = "helm_chart"
+engine = "opa"
+contents = "./policies/charts.rego"
+components = ["*"]
+
+[[policy]]
+type = "kubernetes_manifest"
+engine = "opa"
+contents = "./policies/manifests.rego"
+components = ["api"]
+
+[[policy]]
+type = "sandbox"
+engine = "opa"
+contents = "./policies/sandbox.rego"
+
+[[policy]]
+type = "kubernetes_cluster"
+contents = "./policies/cluster.yaml"
+"#;
+    let allow = |what: &str| {
+        format!("package nuon\n\n# {what}\ndeny contains msg if {{\n\tfalse\n\tmsg := \"never\"\n}}\n")
+    };
+    let files: Vec<(String, String)> = ["api-only", "every-component", "charts", "manifests", "sandbox"]
+        .iter()
+        .map(|n| (format!("policies/{n}.rego"), allow(n)))
+        .chain([(
+            "policies/cluster.yaml".to_string(),
+            "apiVersion: kyverno.io/v1\nkind: ClusterPolicy\nmetadata:\n  name: x\n".to_string(),
+        )])
+        .collect();
+    let files: Vec<(&str, &str)> = files.iter().map(|(p, t)| (p.as_str(), t.as_str())).collect();
+    let plan = example("plan-tags-only.json");
+    let api = with_app_policies(job("plan", &plan, &[], serde_json::json!({})), toml, &files);
+    let mut db = with_app_policies(job("plan", &plan, &[], serde_json::json!({})), toml, &files);
+    db.role_request = Some(named("db"));
+    let mut sandbox = with_app_policies(job("plan", &plan, &[], serde_json::json!({})), toml, &files);
+    sandbox.entity = "sandbox".into();
+    sandbox.operation = "provision".into();
+    sandbox.requested_role = Some("inst-demo-provision".into());
+    sandbox.role_request = Some(named("sandbox"));
+    let mut expected = Vec::new();
+    for (req, want) in [
+        (api, vec!["vendor/policies/api-only.rego", "vendor/policies/every-component.rego"]),
+        (db, vec!["vendor/policies/every-component.rego"]),
+        (sandbox, vec!["vendor/policies/sandbox.rego"]),
+    ] {
+        let (id, r, log) = run(&e, req).await;
+        assert_eq!(r.status, JobStatus::Succeeded, "{:?}\n{log}", r.error);
+        expected.push((id, want));
+    }
+    let decisions = audit(&e, "policy_decision");
+    for (id, want) in expected {
+        let d = decisions.iter().find(|d| d["job"] == id.as_str()).unwrap();
+        let vendor: Vec<&str> = d["digests"]
+            .as_object()
+            .unwrap()
+            .keys()
+            .filter_map(|k| k.strip_prefix("policy:"))
+            .filter(|k| k.starts_with("vendor/"))
+            .collect();
+        assert_eq!(vendor, want, "{id}");
+    }
+}
+
+#[tokio::test]
+async fn an_app_policy_that_cannot_apply_to_anything_refuses_the_job() {
+    let e = tf_env().await;
+    // An opa policy for components that names none: it would never be evaluated.
+    let toml =
+        "[[policy]]\ntype = \"terraform_module\"\nengine = \"opa\"\ncontents = \"./policies/buckets.rego\"\n";
+    let req = with_app_policies(
+        job("apply", &example("plan-tags-only.json"), &[], serde_json::json!({})),
+        toml,
+        &[("policies/buckets.rego", NUON_NO_BUCKET_UPDATES)],
+    );
+    let id = e.env.cp.enqueue(req).unwrap();
+    let v = e.env.rejected(&id).await;
+    assert_eq!(v.rejections[0].0, byoc_protocol::RejectReason::InvalidSpec);
+    assert!(v.rejections[0].1.contains("applies to the components it names"), "{:?}", v.rejections);
+    assert_eq!(started_count(&e.env.runner.state_dir, &id), 0);
+}

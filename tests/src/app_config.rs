@@ -25,13 +25,18 @@ pub fn load(dir: &Path) -> anyhow::Result<byoc_protocol::AppConfig> {
         let p = dir.join(name);
         if p.exists() { read(p).map(Some) } else { Ok(None) }
     };
-    // The vendor's policies: `policies/*.rego`, mandatory.
+    // The vendor's policies: declared in `policies.toml` (the files under `policies/`
+    // travel by path), or else every `policies/*.rego`, for every decided job.
+    let policies_toml = optional("policies.toml")?;
     let mut policies = std::collections::BTreeMap::new();
+    let mut files = std::collections::BTreeMap::new();
     if let Ok(entries) = std::fs::read_dir(dir.join("policies")) {
         for entry in entries.flatten() {
             let path = entry.path();
-            if path.extension().is_some_and(|e| e == "rego") {
-                let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+            let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+            if policies_toml.is_some() {
+                files.insert(format!("policies/{name}"), read(path)?);
+            } else if path.extension().is_some_and(|e| e == "rego") {
                 policies.insert(name, byoc_protocol::VendorPolicy { rego: read(path)?, enforcement: None });
             }
         }
@@ -41,5 +46,7 @@ pub fn load(dir: &Path) -> anyhow::Result<byoc_protocol::AppConfig> {
         break_glass: optional("break_glass.toml")?,
         operation_roles: optional("operation_roles.toml")?,
         policies,
+        policies_toml,
+        files,
     })
 }

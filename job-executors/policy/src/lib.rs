@@ -308,13 +308,20 @@ pub struct Decision {
 }
 
 impl Decision {
-    /// What denied, one item each: `rule@address` per violation, then `<policy> failed`
-    /// per error (for job errors and audit details).
+    /// What denied, one item each: `rule@address` (or `rule (message)`) per violation,
+    /// then `<policy> failed` per error (for job errors and audit details).
     pub fn denials(&self) -> Vec<String> {
         self.violations
             .iter()
-            .map(|v| format!("{}@{}", v.rule, v.address))
-            .chain(self.errors.iter().map(|e| format!("{} failed", e.policy)))
+            .map(|v| {
+                if v.address.is_empty() {
+                    // A conftest or nuon message about a plan names what it found.
+                    format!("{} ({})", v.rule, v.message.chars().take(120).collect::<String>())
+                } else {
+                    format!("{}@{}", v.rule, v.address)
+                }
+            })
+            .chain(self.errors.iter().map(|e| format!("{} failed ({})", e.policy, e.code)))
             .collect()
     }
 }

@@ -365,25 +365,25 @@ fn policy_scope(rt: &Rt, job: &ClaimedJob, log: &mut SpoolWriter) -> Option<byoc
             return None;
         }
     };
-    let vendor = p
-        .app_config
-        .as_ref()
-        .map(|a| {
-            a.policies
-                .iter()
-                .map(|(name, v)| byoc_policy::Policy {
-                    name: format!("vendor/{name}"),
-                    origin: byoc_policy::Origin::Vendor,
-                    // Anything but an explicit "advisory" is mandatory.
-                    enforcement: match v.enforcement.as_deref() {
-                        Some("advisory") => byoc_policy::Enforcement::Advisory,
-                        _ => byoc_policy::Enforcement::Mandatory,
-                    },
-                    text: v.rego.clone(),
-                })
-                .collect()
-        })
-        .unwrap_or_default();
+    // The app config's blanket policies and the declarations for this job's type and
+    // component (checked when the job was verified).
+    let vendor = match &p.app_config {
+        None => vec![],
+        Some(app) => {
+            let component = p.role_request.as_ref().map(|r| r.entity_name.as_str()).unwrap_or("");
+            match crate::app_policies::for_job(app, &p.kind, &p.entity, component) {
+                Ok(v) => v,
+                Err(problems) => {
+                    let line = format!(
+                        "[runner] the app config's policies have problems, so policy decisions deny: {}\n",
+                        problems.join("; ")
+                    );
+                    let _ = byoc_job_executors::OutputSink::write(log, line.as_bytes());
+                    return None;
+                }
+            }
+        }
+    };
     Some(byoc_job_executors::PolicyScope {
         policies: customer.with_vendor(vendor),
         params: customer.params.clone(),

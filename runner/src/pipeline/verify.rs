@@ -223,6 +223,16 @@ impl Verifier<'_> {
                 ),
             });
         }
+        // The vendor's policy declarations: one that cannot apply to anything is an
+        // error of the app config, never skipped.
+        if let Some(app) = &payload.app_config
+            && let Err(problems) = crate::app_policies::parse(app)
+        {
+            return Err(reject(
+                RejectReason::InvalidSpec,
+                truncate(&format!("app config policies: {}", problems.join("; ")), 1000),
+            ));
+        }
         // The vendor proposes a role; the runner derives its own and compares.
         let role = crate::roles::chain::derive_for_job(&payload, self.install)
             .map_err(|e| reject(e.reason, e.detail))?;

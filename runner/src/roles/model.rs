@@ -446,6 +446,8 @@ pub(crate) mod tests {
                     .into(),
             ),
             policies: Default::default(),
+            policies_toml: None,
+            files: Default::default(),
         }
     }
 
