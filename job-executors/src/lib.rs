@@ -151,6 +151,9 @@ pub struct PolicyScope {
     /// Evaluate in a separate process with a hard memory limit (`None`: in-process,
     /// bounded by time and input size only).
     pub evaluator: Option<Evaluator>,
+    /// The app's admission policies for the cluster (`kubernetes_cluster`, Kyverno):
+    /// (name, YAML). Kubernetes jobs apply them; a sandbox's deprovision removes them.
+    pub cluster_policies: Vec<(String, String)>,
 }
 
 /// The separate evaluator: `program args… --memory-mib N`, an `EvalRequest` on stdin,

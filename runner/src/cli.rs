@@ -632,6 +632,7 @@ fn policy_test(t: PolicyTest) -> i32 {
             args: vec!["policy-eval".into()],
             memory_mib: t.memory_mib,
         }),
+        cluster_policies: vec![],
     };
     let decision = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
         Ok(rt) => rt.block_on(scope.decide(ctx, &bytes)),

@@ -170,3 +170,79 @@ async fn an_eks_cluster_is_reached_with_a_token_signed_by_the_jobs_role() {
     let (r, _) = run(&e, req).await;
     assert_eq!(r.outputs["reason"], "cluster_credentials", "{:?}", r.error);
 }
+
+const CLUSTER_POLICY: &str = "/apis/kyverno.io/v1/clusterpolicies/require-requests";
+const CLUSTER_POLICY_INVENTORY: &str =
+    "/api/v1/namespaces/kube-system/configmaps/byoc-inventory-cluster-policies";
+
+/// The app's `kubernetes_cluster` (Kyverno) policies are applied into the cluster with
+/// our field manager and recorded in their inventory (audited with their digest),
+/// left alone while unchanged, and removed when the sandbox is deprovisioned.
+#[tokio::test]
+async fn cluster_policies_land_in_the_cluster_and_leave_with_the_sandbox() {
+    // The customer switched deprovision on for this install.
+    let mut params = base_params();
+    params.insert("EnableDeprovisionRole", "true");
+    let (moto, api) = tokio::join!(moto_with_stack(&params), FakeKubeApi::start());
+    let mut opts = role_options(&moto, "");
+    let policies = tempfile::tempdir().unwrap();
+    opts.extra.push_str(&format!("\n[policy]\ndir = \"{}\"\n", policies.path().display()));
+    let e = KubeEnv { env: env_with(opts).await, _moto: moto, api, _policies: policies };
+    let kyverno = "apiVersion: kyverno.io/v1\nkind: ClusterPolicy\nmetadata:\n  name: require-requests\nspec:\n  validationFailureAction: Enforce\n  rules: []\n";
+    let with_cluster_policies = |mut req: EnqueueRequest| {
+        let app = req.app_config.as_mut().unwrap();
+        app.policies_toml = Some(
+            "[[policy]]\ntype = \"kubernetes_cluster\"\ncontents = \"./policies/require-requests.yaml\"\n"
+                .into(),
+        );
+        app.files = [("policies/require-requests.yaml".to_string(), kyverno.to_string())].into();
+        req
+    };
+    // A sandbox provision: the cluster policies are applied.
+    let mut provision = with_cluster_policies(job(&e.api, "apply", vec![config_map("sandbox-settings")], 30));
+    provision.entity = "sandbox".into();
+    provision.operation = "provision".into();
+    provision.requested_role = Some("inst-demo-provision".into());
+    provision.role_request = Some(named("sandbox"));
+    let (r, log) = run(&e, provision).await;
+    assert_eq!(r.status, JobStatus::Succeeded, "{:?}\n{log}", r.error);
+    let patch =
+        e.api.requests().into_iter().find(|q| q.method == "PATCH" && q.path == CLUSTER_POLICY).unwrap();
+    assert!(patch.query.contains("fieldManager=byoc-runner"), "{}", patch.query);
+    assert_eq!(e.api.object(CLUSTER_POLICY).unwrap()["spec"]["validationFailureAction"], "Enforce");
+    let inv = e.api.object(CLUSTER_POLICY_INVENTORY).unwrap();
+    assert!(inv["data"]["objects"].as_str().unwrap().contains("ClusterPolicy||require-requests"), "{inv}");
+    let audited = audit_events(&e.env.runner.state_dir, "cluster_policies_applied");
+    let digest = format!("sha256:{}", byoc_protocol::sha256_hex(kyverno.as_bytes()));
+    assert_eq!(audited[0]["digests"]["policy:vendor/policies/require-requests.yaml"], digest.as_str());
+
+    // A component deploy with the same policies: nothing to do for them.
+    let before = e.api.requests().len();
+    let (r, _) = run(&e, with_cluster_policies(job(&e.api, "apply", vec![config_map("extra")], 30))).await;
+    assert_eq!(r.status, JobStatus::Succeeded);
+    assert_eq!(
+        r.outputs["cluster_policies"]["unchanged"].as_str().map(|d| d.starts_with("sha256:")),
+        Some(true)
+    );
+    assert!(
+        !e.api.requests()[before..].iter().any(|q| q.path == CLUSTER_POLICY),
+        "an unchanged policy is not re-sent"
+    );
+
+    // The sandbox's deprovision removes them.
+    let mut deprovision = with_cluster_policies(job(&e.api, "delete", vec![], 30));
+    deprovision.entity = "sandbox".into();
+    deprovision.operation = "deprovision".into();
+    deprovision.requested_role = Some("inst-demo-deprovision".into());
+    deprovision.role_request = Some(named("sandbox"));
+    deprovision.spec["component"] = "sandbox".into();
+    let id = e.env.cp.enqueue(deprovision).unwrap();
+    let v = e.env.cp.wait_for(&id, WAIT, |v| v.result.is_some() || !v.rejections.is_empty()).await.unwrap();
+    assert!(v.rejections.is_empty(), "deprovision refused: {:?}", v.rejections);
+    let r = v.result.unwrap();
+    assert_eq!(r.status, JobStatus::Succeeded, "{:?}\n{}", r.error, e.env.output(&id));
+    assert!(e.api.requests().iter().any(|q| q.method == "DELETE" && q.path == CLUSTER_POLICY));
+    assert!(e.api.object(CLUSTER_POLICY).is_none());
+    assert!(e.api.object(CLUSTER_POLICY_INVENTORY).is_none());
+    assert_eq!(audit_events(&e.env.runner.state_dir, "cluster_policies_removed").len(), 1);
+}

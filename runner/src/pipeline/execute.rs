@@ -398,6 +398,14 @@ fn policy_scope(rt: &Rt, job: &ClaimedJob, log: &mut SpoolWriter) -> Option<byoc
             time_per_policy: rt.config.policy.time_limit,
             max_input_bytes: rt.config.policy.max_input_bytes,
         },
+        cluster_policies: p
+            .app_config
+            .as_ref()
+            .and_then(|app| crate::app_policies::cluster_policies(app).ok())
+            .unwrap_or_default()
+            .iter()
+            .map(|d| (d.policy().name, d.text.clone()))
+            .collect(),
         // This very binary, as `policy-eval`, under an address-space limit.
         evaluator: std::env::current_exe().ok().map(|program| byoc_job_executors::Evaluator {
             program,
