@@ -233,3 +233,165 @@ fn the_policy_evaluator_runs_without_any_network() {
     let decision: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert!(decision.is_object(), "{decision}");
 }
+
+/// The report that opened issue 14: a `package nuon` vendor policy over a plan that
+/// deletes an elastic IP must deny (it printed ALLOW before).
+#[test]
+fn a_nuon_vendor_policy_decides_as_written() {
+    let empty = tempfile::tempdir().unwrap();
+    let plan = examples().join("plan-deletes-eip.json");
+    let nuon = examples().join("nuon/no-eip-delete.rego");
+    let (code, out, err) = run(&[
+        "test",
+        "--input",
+        plan.to_str().unwrap(),
+        "--policies",
+        empty.path().to_str().unwrap(),
+        "--vendor-policy",
+        nuon.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(
+        out.contains("DENY  vendor/no-eip-delete.rego (nuon, mandatory) [no-eip-delete] -: aws_eip.nat: elastic IP deleted"),
+        "{out}"
+    );
+}
+
+#[test]
+fn a_policy_in_a_package_no_convention_queries_denies_and_says_so() {
+    let d = tempfile::tempdir().unwrap();
+    let plan = examples().join("plan-tags-only.json");
+    let unknown = d.path().join("guardrails.rego");
+    std::fs::write(&unknown, "package acme.guardrails\nimport rego.v1\ndeny contains \"x\" if true\n")
+        .unwrap();
+    // As a customer's advisory policy too: a broken policy is never quiet.
+    let customer = customer_dir(
+        "[enforcement]\n\"quiet.rego\" = \"advisory\"\n",
+        &[("quiet.rego", "package nuon\nimport rego.v1\nallow if true\n")],
+    );
+    let (code, out, _) = run(&[
+        "test",
+        "--input",
+        plan.to_str().unwrap(),
+        "--policies",
+        customer.path().to_str().unwrap(),
+        "--vendor-policy",
+        unknown.to_str().unwrap(),
+        "-o",
+        "json",
+    ]);
+    assert_eq!(code, 1, "{out}");
+    let d: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(d["verdict"], "deny");
+    let errors = d["errors"].as_array().unwrap();
+    let by_policy =
+        |name: &str| errors.iter().find(|e| e["policy"] == name).unwrap_or_else(|| panic!("{name}: {d}"));
+    assert_eq!(by_policy("vendor/guardrails.rego")["code"], "policy_unrecognised");
+    assert!(
+        by_policy("vendor/guardrails.rego")["reason"].as_str().unwrap().contains("package acme.guardrails")
+    );
+    assert_eq!(by_policy("customer/quiet.rego")["code"], "policy_unrecognised");
+}
+
+#[test]
+fn manifests_are_reviewed_under_the_operation_given() {
+    let empty = tempfile::tempdir().unwrap();
+    let d = tempfile::tempdir().unwrap();
+    let yaml = d.path().join("rendered.yaml");
+    std::fs::write(
+        &yaml,
+        "apiVersion: v1\nkind: Pod\nmetadata:\n  name: debug\nspec:\n  containers:\n  - name: sh\n    image: busybox\n    resources: {limits: {cpu: '1', memory: 64Mi}}\n    securityContext: {privileged: true}\n---\n---\napiVersion: v1\nkind: ConfigMap\nmetadata: {name: settings, namespace: web}\n",
+    )
+    .unwrap();
+    let nuon = examples().join("nuon/no-privileged.rego");
+    let args = |op: &'static str| {
+        vec![
+            "test".to_string(),
+            "--input".into(),
+            yaml.display().to_string(),
+            "--source".into(),
+            "helm".into(),
+            "--operation".into(),
+            op.into(),
+            "--policies".into(),
+            empty.path().display().to_string(),
+            "--vendor-policy".into(),
+            nuon.display().to_string(),
+        ]
+    };
+    let run_owned = |a: Vec<String>| run(&a.iter().map(String::as_str).collect::<Vec<_>>());
+    let (code, out, _) = run_owned(args("CREATE"));
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains("[no-privileged] Pod/default/debug: Pod/debug: container sh is privileged"),
+        "{out}"
+    );
+    assert!(!out.contains("is being removed"), "{out}");
+    let (_, out, _) = run_owned(args("DELETE"));
+    assert!(out.contains("WARN  vendor/no-privileged.rego (nuon, warn) [no-privileged] ConfigMap/web/settings: ConfigMap settings is being removed"), "{out}");
+    let (code, _, err) = run_owned(args("REPLACE"));
+    assert_eq!(code, 64, "{err}");
+}
+
+#[test]
+fn an_app_configs_declarations_are_listed_and_tested() {
+    let empty = tempfile::tempdir().unwrap();
+    let app = examples().join("app");
+    let (code, out, err) = run(&[
+        "list",
+        "--policies",
+        empty.path().to_str().unwrap(),
+        "--app",
+        app.to_str().unwrap(),
+        "-o",
+        "json",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let vendor = v["vendor"].as_array().unwrap();
+    let summary: Vec<(String, String, String, String)> = vendor
+        .iter()
+        .map(|p| {
+            let s = |k: &str| p[k].as_str().unwrap().to_string();
+            (s("name"), s("type"), s("components"), s("convention"))
+        })
+        .collect();
+    assert_eq!(
+        summary,
+        [
+            (
+                "vendor/policies/no-eip-delete.rego".into(),
+                "terraform_module".into(),
+                "*".into(),
+                "nuon".into()
+            ),
+            (
+                "vendor/policies/no-privileged.rego".into(),
+                "kubernetes_manifest".into(),
+                "api".into(),
+                "nuon".into()
+            ),
+            (
+                "vendor/policies/require-limits.yaml".into(),
+                "kubernetes_cluster".into(),
+                "-".into(),
+                "kyverno".into()
+            ),
+        ]
+    );
+    let plan = examples().join("plan-deletes-eip.json");
+    let (code, out, _) = run(&[
+        "test",
+        "--input",
+        plan.to_str().unwrap(),
+        "--policies",
+        empty.path().to_str().unwrap(),
+        "--app",
+        app.to_str().unwrap(),
+        "--component",
+        "db",
+    ]);
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("vendor/policies/no-eip-delete.rego (nuon, mandatory)"), "{out}");
+    assert!(!out.contains("no-privileged"), "a kubernetes_manifest policy is not evaluated on a plan: {out}");
+}
