@@ -1,9 +1,13 @@
 //! `byoc-bench-policy`: the built-in policy pack end to end (JSON parse + evaluation)
-//! over generated terraform plans of N resource changes. Figures, not assertions.
+//! over generated terraform plans of N resource changes, then vendor policies in the
+//! `nuon` convention over the same plans and over N kubernetes objects (one admission
+//! review each). Figures, not assertions.
 
 use std::time::{Duration, Instant};
 
-use byoc_policy::{Context, Limits, Source, builtin_pack, evaluate, parse_document};
+use byoc_policy::{
+    Admission, Context, Enforcement, Limits, Origin, Policy, Source, builtin_pack, evaluate, parse_document,
+};
 use clap::Parser;
 use serde_json::json;
 
@@ -15,6 +19,43 @@ struct Args {
     sizes: Vec<usize>,
     #[arg(long, default_value_t = 7)]
     runs: usize,
+    /// Kubernetes objects for the nuon manifest figure.
+    #[arg(long, default_value_t = 1000)]
+    objects: usize,
+}
+
+/// Vendor policies in the nuon convention (the policy suites' own fixtures).
+fn nuon(files: &[(&str, &str)]) -> Vec<Policy> {
+    files
+        .iter()
+        .map(|(name, text)| Policy {
+            name: format!("vendor/{name}"),
+            origin: Origin::Vendor,
+            enforcement: Enforcement::Mandatory,
+            text: text.to_string(),
+        })
+        .collect()
+}
+
+/// Kubernetes objects of a few kinds, every tenth privileged.
+fn objects(n: usize) -> Vec<u8> {
+    let objs: Vec<serde_json::Value> = (0..n)
+        .map(|i| match i % 4 {
+            0 => json!({"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": format!("d{i}"), "namespace": "shop"},
+                        "spec": {"replicas": 2, "template": {"spec": {"containers": [
+                            {"name": "app", "image": "registry.example/app:1", "resources": {"limits": {"memory": "512Mi"}}},
+                            {"name": "proxy", "image": "registry.example/proxy:1", "securityContext": {"privileged": i % 10 == 0}}]}}}}),
+            1 => json!({"apiVersion": "v1", "kind": "Service", "metadata": {"name": format!("s{i}"), "namespace": "shop"}, "spec": {"type": "ClusterIP"}}),
+            2 => json!({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": format!("c{i}")}, "data": {"k": "v"}}),
+            _ => json!({"apiVersion": "networking.k8s.io/v1", "kind": "Ingress", "metadata": {"name": format!("i{i}"), "namespace": "web"}, "spec": {}}),
+        })
+        .collect();
+    serde_json::to_vec(&objs).unwrap_or_default()
+}
+
+fn median_ms(times: &mut [Duration]) -> f64 {
+    times.sort();
+    times[times.len() / 2].as_secs_f64() * 1000.0
 }
 
 /// A plan in the real format with a realistic mix: buckets, security groups and rules,
@@ -144,4 +185,66 @@ fn main() {
             d.verdict
         );
     }
+
+    // The nuon convention: vendor policies over `input.plan`, and one admission review
+    // per object.
+    let plan_policies = nuon(&[
+        (
+            "nuon_plan_changes.rego",
+            include_str!("../../../job-executors/policy/tests/conventions/nuon_plan_changes.rego"),
+        ),
+        (
+            "nuon_plan_hygiene.rego",
+            include_str!("../../../job-executors/policy/tests/conventions/nuon_plan_hygiene.rego"),
+        ),
+    ]);
+    for &n in &a.sizes {
+        let bytes = plan(n);
+        let mut times = Vec::new();
+        let mut last = None;
+        for _ in 0..a.runs {
+            let t = Instant::now();
+            let doc = parse_document(Source::Terraform, &bytes, &limits).expect("parses");
+            last = Some(evaluate(&plan_policies, &params, &ctx, &doc, &bytes, &limits));
+            times.push(t.elapsed());
+        }
+        let d = last.expect("at least one run");
+        println!(
+            "{n:>6} resource changes, 2 nuon policies over input.plan: median {:.1} ms over {} runs; {} violations, {} errors",
+            median_ms(&mut times),
+            a.runs,
+            d.violations.len(),
+            d.errors.len()
+        );
+    }
+    let review_policies = nuon(&[
+        (
+            "nuon_review.rego",
+            include_str!("../../../job-executors/policy/tests/conventions/nuon_review.rego"),
+        ),
+        (
+            "nuon_review_limits.rego",
+            include_str!("../../../job-executors/policy/tests/conventions/nuon_review_limits.rego"),
+        ),
+    ]);
+    let bytes = objects(a.objects);
+    let kctx = Context { source: Source::Kubernetes, admission: Admission::Update, ..ctx.clone() };
+    let mut times = Vec::new();
+    let mut last = None;
+    for _ in 0..a.runs {
+        let t = Instant::now();
+        let doc = parse_document(Source::Kubernetes, &bytes, &limits).expect("parses");
+        last = Some(evaluate(&review_policies, &params, &kctx, &doc, &bytes, &limits));
+        times.push(t.elapsed());
+    }
+    let d = last.expect("at least one run");
+    let ms = median_ms(&mut times);
+    println!(
+        "{:>6} kubernetes objects, 2 nuon policies, one admission review each: median {ms:.1} ms over {} runs = {:.0} objects/s; {} violations, {} errors",
+        a.objects,
+        a.runs,
+        a.objects as f64 / (ms / 1000.0),
+        d.violations.len(),
+        d.errors.len()
+    );
 }
