@@ -284,6 +284,39 @@ pub fn cluster_policies(app: &AppConfig) -> Result<Vec<Declared>, Vec<String>> {
     Ok(parse(app)?.into_iter().filter(|d| d.kind == PolicyType::KubernetesCluster).collect())
 }
 
+/// An app config directory's policy declarations, as a job would carry them:
+/// `policies.toml` and the files its `contents` name (relative to the directory).
+pub fn load_dir(dir: &std::path::Path) -> Result<AppConfig, String> {
+    let toml_path = dir.join("policies.toml");
+    let text = std::fs::read_to_string(&toml_path).map_err(|e| format!("{}: {e}", toml_path.display()))?;
+    let file: File = toml::from_str(&text).map_err(|e| format!("{}: {e}", toml_path.display()))?;
+    let mut files = std::collections::BTreeMap::new();
+    for entry in &file.policy {
+        if let Some(path) = entry.get("contents").and_then(|v| v.as_str()) {
+            let rel = normalize(path);
+            if std::path::Path::new(&rel).components().any(|c| !matches!(c, std::path::Component::Normal(_)))
+            {
+                return Err(format!(
+                    "{}: contents {path:?} must stay inside the app config",
+                    toml_path.display()
+                ));
+            }
+            if let Ok(t) = std::fs::read_to_string(dir.join(&rel)) {
+                files.insert(rel, t);
+            }
+        }
+    }
+    Ok(AppConfig { policies_toml: Some(text), files, ..Default::default() })
+}
+
+/// What a policy's text is, for listings: its convention, or why it would deny.
+pub fn convention_of(p: &byoc_policy::Policy) -> String {
+    match byoc_policy::load(p, &byoc_policy::Limits::default()) {
+        Ok(l) => l.convention.as_str().to_string(),
+        Err(e) => e.code,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -419,38 +452,5 @@ contents = "./policies/sandbox.rego"
         }
         assert!(parse(&app("[[policy]]\ntype = 3\n", &[])).unwrap_err()[0].contains("type must be a string"));
         assert!(parse(&app("not toml [", &[])).is_err());
-    }
-}
-
-/// An app config directory's policy declarations, as a job would carry them:
-/// `policies.toml` and the files its `contents` name (relative to the directory).
-pub fn load_dir(dir: &std::path::Path) -> Result<AppConfig, String> {
-    let toml_path = dir.join("policies.toml");
-    let text = std::fs::read_to_string(&toml_path).map_err(|e| format!("{}: {e}", toml_path.display()))?;
-    let file: File = toml::from_str(&text).map_err(|e| format!("{}: {e}", toml_path.display()))?;
-    let mut files = std::collections::BTreeMap::new();
-    for entry in &file.policy {
-        if let Some(path) = entry.get("contents").and_then(|v| v.as_str()) {
-            let rel = normalize(path);
-            if std::path::Path::new(&rel).components().any(|c| !matches!(c, std::path::Component::Normal(_)))
-            {
-                return Err(format!(
-                    "{}: contents {path:?} must stay inside the app config",
-                    toml_path.display()
-                ));
-            }
-            if let Ok(t) = std::fs::read_to_string(dir.join(&rel)) {
-                files.insert(rel, t);
-            }
-        }
-    }
-    Ok(AppConfig { policies_toml: Some(text), files, ..Default::default() })
-}
-
-/// What a policy's text is, for listings: its convention, or why it would deny.
-pub fn convention_of(p: &byoc_policy::Policy) -> String {
-    match byoc_policy::load(p, &byoc_policy::Limits::default()) {
-        Ok(l) => l.convention.as_str().to_string(),
-        Err(e) => e.code,
     }
 }

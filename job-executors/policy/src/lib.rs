@@ -847,7 +847,7 @@ fn finding(
                 get("address").or_else(|| get("resource")).unwrap_or_else(|| object.to_string()),
                 get("msg").or_else(|| get("message")).unwrap_or_else(|| item.to_string()),
                 (!rest.is_empty() && convention != Convention::Builtin)
-                    .then(|| serde_json::Value::Object(rest)),
+                    .then_some(serde_json::Value::Object(rest)),
             )
         }
         other => (default_rule, object.to_string(), other.to_string(), None),
