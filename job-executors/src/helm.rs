@@ -234,6 +234,49 @@ impl Helm {
         let argv = |a: Vec<String>| [vec![helm.to_string()], a].concat();
         match s.action {
             Action::Uninstall => {
+                // What the release has deployed is about to be deleted: reviewed as
+                // DELETE first (nothing deployed, nothing to decide).
+                let deployed = match run
+                    .cmd(
+                        "get manifest",
+                        sh(format!("get manifest '{}' --namespace '{}'", s.release, s.namespace), DEPLOYED),
+                    )
+                    .await
+                {
+                    Ok(()) => std::fs::read_to_string(run.ctx.work_dir.join(DEPLOYED))
+                        .ok()
+                        .and_then(|t| parse_manifests(&t).ok())
+                        .unwrap_or_default(),
+                    Err(o) if o.status == JobStatus::Failed => vec![],
+                    Err(o) => return Err(o),
+                };
+                if !deployed.is_empty() {
+                    let Some(policy) = run.ctx.policy.clone() else {
+                        return Err(failed(
+                            "policy_unavailable",
+                            "no policy context: uninstalls are decided by policy".into(),
+                            serde_json::Value::Null,
+                        ));
+                    };
+                    let pctx = byoc_policy::Context {
+                        source: byoc_policy::Source::Helm,
+                        phase: policy.phase.clone(),
+                        operation: policy.operation.clone(),
+                        install: policy.install.clone(),
+                        admission: byoc_policy::Admission::Delete,
+                    };
+                    let bytes = serde_json::to_vec(&deployed).unwrap_or_default();
+                    let decision = policy.decide(pctx, &bytes).await;
+                    let digest = decision.input_digest.clone();
+                    crate::terraform::report_decision(run, &decision, "manifests", &digest);
+                    if decision.verdict == byoc_policy::Verdict::Deny {
+                        return Err(failed(
+                            "policy_denied",
+                            format!("policy denied the uninstall: {}", decision.denials().join(", ")),
+                            serde_json::json!({"release": s.release, "manifests_digest": digest}),
+                        ));
+                    }
+                }
                 run.cmd(
                     "uninstall",
                     argv(

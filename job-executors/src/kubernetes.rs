@@ -364,6 +364,11 @@ impl Kubernetes {
         deadline: Instant,
     ) -> Result<serde_json::Value, (&'static str, String)> {
         let previous = self.inventory(client).await?;
+        // What this apply would prune is deleted: decided as DELETE reviews first, so a
+        // denial leaves the cluster untouched.
+        let current: BTreeSet<&ObjRef> = self.objects.iter().map(|(r, _)| r).collect();
+        let to_prune: Vec<ObjRef> = previous.iter().filter(|r| !current.contains(r)).cloned().collect();
+        review_deletions(ctx, client, &to_prune, &[]).await?;
         let pp = PatchParams::apply(FIELD_MANAGER).force();
         let mut applied = Vec::new();
         for (r, m) in &self.objects {
@@ -375,9 +380,8 @@ impl Kubernetes {
             applied.push(r.display());
         }
         // What the previous apply created and this one no longer has.
-        let current: BTreeSet<&ObjRef> = self.objects.iter().map(|(r, _)| r).collect();
         let mut pruned = Vec::new();
-        for r in previous.iter().filter(|r| !current.contains(r)) {
+        for r in &to_prune {
             match api(client, r).delete(&r.name, &DeleteParams::background()).await {
                 Ok(_) => {}
                 Err(e) if is_not_found(&e) => {}
@@ -460,6 +464,8 @@ impl Kubernetes {
                 targets.push(r.clone());
             }
         }
+        // Every object about to be deleted, reviewed as DELETE before any is.
+        review_deletions(ctx, client, &targets, &self.objects).await?;
         let mut deleted = Vec::new();
         for r in targets.iter().rev() {
             match api(client, r).delete(&r.name, &DeleteParams::background()).await {
@@ -479,6 +485,71 @@ impl Kubernetes {
         }
         Ok(serde_json::json!({"deleted": deleted}))
     }
+}
+
+/// Decide about deleting `refs` (their bodies from `known`, else as the cluster has
+/// them; gone ones need no decision): one DELETE admission review per object, audited.
+async fn review_deletions(
+    ctx: &mut ExecContext<'_>,
+    client: &kube::Client,
+    refs: &[ObjRef],
+    known: &[(ObjRef, serde_json::Value)],
+) -> Result<(), (&'static str, String)> {
+    let mut bodies = Vec::new();
+    for r in refs {
+        if let Some((_, m)) = known.iter().find(|(k, _)| k == r) {
+            bodies.push(m.clone());
+            continue;
+        }
+        match api(client, r).get_opt(&r.name).await {
+            Ok(Some(obj)) => {
+                let mut v = serde_json::to_value(&obj).unwrap_or_default();
+                if let Some(o) = v.as_object_mut() {
+                    o.insert("apiVersion".into(), r.api_version.clone().into());
+                    o.insert("kind".into(), r.kind.clone().into());
+                }
+                bodies.push(v);
+            }
+            Ok(None) => {}
+            Err(e) => {
+                return Err(("cluster_error", format!("reading {} before deleting it: {e}", r.display())));
+            }
+        }
+    }
+    if bodies.is_empty() {
+        return Ok(());
+    }
+    let Some(policy) = ctx.policy.clone() else {
+        return Err(("policy_unavailable", "no policy context: deletions are decided by policy".into()));
+    };
+    let pctx = byoc_policy::Context {
+        source: byoc_policy::Source::Kubernetes,
+        phase: policy.phase.clone(),
+        operation: policy.operation.clone(),
+        install: policy.install.clone(),
+        admission: byoc_policy::Admission::Delete,
+    };
+    let bytes = serde_json::to_vec(&bodies).unwrap_or_default();
+    let d = policy.decide(pctx, &bytes).await;
+    crate::terraform::audit_decision(ctx, &d, "deletions", &d.input_digest);
+    for v in &d.violations {
+        let _ = ctx.output.write(
+            format!("[policy] DENY {} [{}] {}: {}\n", v.policy, v.rule, v.address, v.message).as_bytes(),
+        );
+    }
+    for w in &d.warnings {
+        let _ = ctx.output.write(
+            format!("[policy] WARN {} [{}] {}: {}\n", w.policy, w.rule, w.address, w.message).as_bytes(),
+        );
+    }
+    for e in &d.errors {
+        let _ =
+            ctx.output.write(format!("[policy] ERROR {} [{}]: {}\n", e.policy, e.code, e.reason).as_bytes());
+    }
+    if d.verdict == byoc_policy::Verdict::Deny {
+        return Err(("policy_denied", format!("policy denied deleting: {}", d.denials().join(", "))));
+    }
+    Ok(())
 }
 
 /// The inventory ConfigMap of the app's cluster policies.

@@ -161,3 +161,36 @@ async fn uninstall_and_rollback() {
     assert!(log.contains("fake-helm: rollback api 3 --wait"), "{log}");
     assert_eq!(r.outputs["status"]["revision"], 1);
 }
+
+/// An uninstall deletes what the release deployed: reviewed as DELETE first by the
+/// policies that know the operation (nuon), and denied, it is never run.
+#[tokio::test]
+async fn an_uninstall_is_reviewed_before_it_runs() {
+    let e = helm_env().await;
+    let keep_public = "package nuon\nimport rego.v1\n\ndeny contains msg if {\n  input.review.operation == \"DELETE\"\n  input.review.kind.kind == \"Service\"\n  input.review.object.spec.type == \"LoadBalancer\"\n  msg := sprintf(\"%s serves customers: remove it in a window\", [input.review.object.metadata.name])\n}\n";
+    let mut req =
+        job("uninstall", &[("fake-deployed.yaml", rendered(IMAGE, "LoadBalancer"))], serde_json::json!({}));
+    req.app_config.as_mut().unwrap().policies.insert(
+        "keep-public.rego".into(),
+        byoc_protocol::VendorPolicy { rego: keep_public.into(), enforcement: None },
+    );
+    let (r, log) = run(&e, req).await;
+    assert_eq!(r.status, JobStatus::Failed, "{log}");
+    assert_eq!(r.outputs["reason"], "policy_denied");
+    assert!(
+        log.contains(
+            "[policy] DENY vendor/keep-public.rego [keep-public] Service/acme/api: api serves customers"
+        ),
+        "{log}"
+    );
+    assert!(!log.contains("fake-helm: uninstall"), "uninstall must not run:\n{log}");
+    // The same release with an internal service: the built-in pack does not judge
+    // deletions, the vendor's policy has nothing to say, the uninstall runs.
+    let (r, log) = run(
+        &e,
+        job("uninstall", &[("fake-deployed.yaml", rendered(IMAGE, "ClusterIP"))], serde_json::json!({})),
+    )
+    .await;
+    assert_eq!(r.status, JobStatus::Succeeded, "{log}");
+    assert!(log.contains("fake-helm: uninstall api"), "{log}");
+}

@@ -246,3 +246,43 @@ async fn cluster_policies_land_in_the_cluster_and_leave_with_the_sandbox() {
     assert!(e.api.object(CLUSTER_POLICY_INVENTORY).is_none());
     assert_eq!(audit_events(&e.env.runner.state_dir, "cluster_policies_removed").len(), 1);
 }
+
+/// A vendor policy (nuon convention) that keeps volume claims: a teardown and a prune
+/// that would delete one are reviewed as DELETE first, denied, and delete nothing.
+#[tokio::test]
+async fn deletions_are_reviewed_before_anything_is_deleted() {
+    let e = kube_env().await;
+    let keep_volumes = "package nuon\nimport rego.v1\n\ndeny contains msg if {\n  input.review.operation == \"DELETE\"\n  input.review.kind.kind == \"PersistentVolumeClaim\"\n  msg := sprintf(\"%s holds data: not deleted by a deploy\", [input.review.object.metadata.name])\n}\n";
+    let with_policy = |mut req: EnqueueRequest| {
+        req.app_config.as_mut().unwrap().policies.insert(
+            "keep-volumes.rego".into(),
+            byoc_protocol::VendorPolicy { rego: keep_volumes.into(), enforcement: None },
+        );
+        req
+    };
+    let pvc = serde_json::json!({"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "data"},
+        "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}}});
+    let (r, log) = run(&e, with_policy(job(&e.api, "apply", vec![config_map("extra"), pvc], 30))).await;
+    assert_eq!(r.status, JobStatus::Succeeded, "{:?}\n{log}", r.error);
+    const PVC: &str = "/api/v1/namespaces/acme/persistentvolumeclaims/data";
+    assert!(e.api.object(PVC).is_some());
+
+    // An apply without the claim would prune it: denied before anything is applied.
+    let before = e.api.requests().len();
+    let (r, log) = run(&e, with_policy(job(&e.api, "apply", vec![config_map("extra")], 30))).await;
+    assert_eq!(r.status, JobStatus::Failed, "{log}");
+    assert_eq!(r.outputs["reason"], "policy_denied");
+    assert!(log.contains("data holds data: not deleted by a deploy"), "{log}");
+    let after: Vec<_> =
+        e.api.requests()[before..].iter().filter(|q| q.method != "GET").map(|q| q.path.clone()).collect();
+    assert!(after.is_empty(), "nothing may change: {after:?}");
+
+    // A teardown: denied, nothing deleted.
+    let (r, log) = run(&e, with_policy(job(&e.api, "delete", vec![], 30))).await;
+    assert_eq!(r.status, JobStatus::Failed, "{log}");
+    assert_eq!(r.outputs["reason"], "policy_denied");
+    assert!(!e.api.requests().iter().any(|q| q.method == "DELETE"), "nothing deleted");
+    assert!(e.api.object(PVC).is_some() && e.api.object(EXTRA).is_some());
+    let decisions = audit_events(&e.env.runner.state_dir, "policy_decision");
+    assert!(decisions.iter().any(|d| d["digests"].get("deletions").is_some()), "deletion decisions audited");
+}

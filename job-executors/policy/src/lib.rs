@@ -557,7 +557,7 @@ pub fn evaluate(
                     loop {
                         let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                         let Some(p) = policies.get(i) else { break };
-                        done.push((i, eval_policy(p, data, inputs, is_plan, limits)));
+                        done.push((i, eval_policy(p, data, inputs, is_plan, ctx.admission, limits)));
                     }
                     done
                 })
@@ -728,9 +728,16 @@ fn eval_policy(
     data: &serde_json::Value,
     inputs: &Inputs,
     is_plan: bool,
+    admission: Admission,
     limits: &Limits,
 ) -> Result<Findings, PolicyError> {
     let Loaded { mut engine, package, convention, rules } = load(p, limits)?;
+    // Deleting objects is reviewed by policies that know the operation (nuon's
+    // `input.review.operation`): the built-in pack and conftest's convention judge what
+    // is deployed (limits, ingress, registries), which a deletion does not deploy.
+    if !is_plan && admission == Admission::Delete && convention != Convention::Nuon {
+        return Ok((vec![], vec![]));
+    }
     let eval_error = |reason: String| policy_error(p, codes::EVAL_ERROR, reason);
     engine.add_data_json(&data.to_string()).map_err(|e| eval_error(format!("parameters: {e}")))?;
     let scoped;

@@ -275,3 +275,34 @@ fn an_advisory_policy_that_is_broken_still_denies() {
     assert_eq!(d.verdict, Verdict::Deny);
     assert_eq!(d.errors[0].code, codes::UNRECOGNISED);
 }
+
+#[test]
+fn deletions_are_judged_only_by_policies_that_know_the_operation() {
+    let objects = yaml_objects(&fixture("manifests.yaml"));
+    let bytes = serde_json::to_vec(&objects).unwrap();
+    let doc = parse_document(Source::Kubernetes, &bytes, &Limits::default()).unwrap();
+    let mut policies = builtin_pack();
+    policies.push(vendor("conftest_manifest.rego"));
+    // On an apply the pack and conftest find plenty (a public LoadBalancer, no limits,
+    // one replica) ...
+    let apply = evaluate(
+        &policies,
+        &serde_json::json!({}),
+        &ctx(Source::Kubernetes, Admission::Update),
+        &doc,
+        &bytes,
+        &Limits::default(),
+    );
+    assert_eq!(apply.verdict, Verdict::Deny);
+    // ... but deleting those objects deploys nothing they judge.
+    let delete = evaluate(
+        &policies,
+        &serde_json::json!({}),
+        &ctx(Source::Kubernetes, Admission::Delete),
+        &doc,
+        &bytes,
+        &Limits::default(),
+    );
+    assert_eq!(delete.verdict, Verdict::Allow, "{delete:#?}");
+    assert!(delete.violations.is_empty() && delete.warnings.is_empty() && delete.errors.is_empty());
+}
