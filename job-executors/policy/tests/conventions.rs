@@ -113,6 +113,14 @@ fn nuon_plan_policies_see_the_plan_under_input_plan() {
 }
 
 #[test]
+fn future_keywords_imports_are_accepted() {
+    let (verdict, found, errors) = run("nuon_future_keywords.rego", Source::Terraform, Admission::Update);
+    assert!(errors.is_empty(), "{errors:?}");
+    assert_eq!(verdict, Verdict::Deny);
+    assert_eq!(found, sorted(&["deny|deny||aws_eip.nat is only deleted"]));
+}
+
+#[test]
 fn nuon_objects_keep_their_other_fields_as_details() {
     let bytes = fixture("plan_mixed.json").into_bytes();
     let doc = parse_document(Source::Terraform, &bytes, &Limits::default()).unwrap();
