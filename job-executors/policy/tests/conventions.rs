@@ -87,6 +87,9 @@ fn nuon_plan_policies_see_the_plan_under_input_plan() {
             "deny|deny||aws_eip.nat: aws_eip deleted",
             "deny|deny||aws_db_instance.main is replaced",
             "warn|warn||aws_security_group.web is updated in place",
+            "warn|warn||aws_db_instance.main: 2 values known only after apply",
+            "warn|warn||aws_iam_policy.deploy: 2 values known only after apply",
+            "warn|warn||aws_s3_bucket.logs: 2 values known only after apply",
         ])
     );
     let (_, found, _) = run("nuon_plan_hygiene.rego", Source::Terraform, Admission::Update);
@@ -139,6 +142,12 @@ fn nuon_objects_keep_their_other_fields_as_details() {
     );
     assert_eq!(replaced.convention, Some(Convention::Nuon));
     assert_eq!(d.warnings[0].enforcement, Enforcement::Mandatory, "warn findings never deny");
+    let unknown = d.warnings.iter().find(|f| f.message.starts_with("aws_iam_policy.deploy:")).unwrap();
+    assert_eq!(
+        unknown.details,
+        Some(serde_json::json!({"attributes": ["arn", "tags"]})),
+        "a warn object keeps its fields"
+    );
 }
 
 #[test]

@@ -27,3 +27,10 @@ warn contains msg if {
 	rc.change.actions == ["update"]
 	msg := sprintf("%s is updated in place", [rc.address])
 }
+
+warn contains {"msg": sprintf("%s: %d values known only after apply", [rc.address, count(unknown)]), "attributes": unknown} if {
+	some rc in input.plan.resource_changes
+	"create" in rc.change.actions
+	unknown := sort([k | some k, v in rc.change.after_unknown; v == true])
+	count(unknown) > 1
+}
