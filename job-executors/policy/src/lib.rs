@@ -655,7 +655,8 @@ pub struct Loaded {
     /// `data.<package>`.
     pub package: String,
     pub convention: Convention,
-    pub rules: Vec<&'static str>,
+    /// The rules queried, in order, and whether each denies.
+    pub rules: Vec<(String, bool)>,
 }
 
 fn policy_error(p: &Policy, code: &str, reason: String) -> PolicyError {
@@ -702,12 +703,19 @@ pub fn load(p: &Policy, limits: &Limits) -> Result<Loaded, PolicyError> {
             ));
         }
     };
-    let rules: Vec<&'static str> = convention
-        .rules()
-        .iter()
-        .map(|(r, _)| *r)
-        .filter(|r| engine.has_declared_rule_rooted_at(&p.name, r).unwrap_or(false))
-        .collect();
+    let declared = |r: &str| engine.has_declared_rule_rooted_at(&p.name, r).unwrap_or(false);
+    let mut rules: Vec<(String, bool)> =
+        convention.rules().iter().filter(|(r, _)| declared(r)).map(|(r, d)| (r.to_string(), *d)).collect();
+    if convention == Convention::Conftest {
+        // conftest also queries rules named with a suffix: deny_public_bucket,
+        // violation_x, warn_y. Candidates come from the text, the engine confirms each.
+        for name in suffixed_rule_candidates(&p.text) {
+            if !rules.iter().any(|(r, _)| *r == name) && declared(&name) {
+                let denying = !name.starts_with("warn_");
+                rules.push((name, denying));
+            }
+        }
+    }
     if rules.is_empty() {
         let wanted: Vec<&str> = convention.rules().iter().map(|(r, _)| *r).collect();
         return Err(policy_error(
@@ -756,10 +764,8 @@ fn eval_policy(
     let mut warns = Vec::new();
     for (input, object) in items {
         engine.set_input(input.clone());
-        for &(rule, denying) in convention.rules() {
-            if !rules.contains(&rule) {
-                continue;
-            }
+        for (rule, denying) in &rules {
+            let (rule, denying) = (rule.as_str(), *denying);
             let results = engine
                 .eval_query(format!("{package}.{rule}"), false)
                 .map_err(|e| eval_error(format!("evaluating {rule}{}: {e}", on(object))))?;
@@ -786,6 +792,21 @@ fn eval_policy(
         }
     }
     Ok((denials, warns))
+}
+
+/// Names at the start of a line that look like conftest's suffixed rules
+/// (`deny_x`, `violation_x`, `warn_x`), each once.
+fn suffixed_rule_candidates(text: &str) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    for line in text.lines() {
+        let name: String = line.chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '_').collect();
+        let suffixed =
+            ["deny_", "violation_", "warn_"].iter().any(|p| name.len() > p.len() && name.starts_with(p));
+        if suffixed && !out.contains(&name) {
+            out.push(name);
+        }
+    }
+    out
 }
 
 fn on(object: &str) -> String {

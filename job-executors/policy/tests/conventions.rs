@@ -243,6 +243,15 @@ fn conftest_policies_keep_working_on_plans_and_each_manifest() {
             "warn|warn||aws_s3_bucket.logs: arn known after apply",
         ])
     );
+    let (_, found, errors) = run("conftest_suffixed.rego", Source::Terraform, Admission::Update);
+    assert!(errors.is_empty(), "{errors:?}");
+    assert_eq!(
+        found,
+        sorted(&[
+            "deny|deny_open_ssh||aws_security_group.web opens ssh",
+            "warn|warn_unnamed_bucket||aws_s3_bucket.logs: a versioned bucket name",
+        ])
+    );
     let (_, found, _) = run("conftest_manifest.rego", Source::Kubernetes, Admission::Update);
     assert_eq!(
         found,

@@ -274,7 +274,7 @@ fn findings_equal_opas_for_every_policy_and_input() {
                     inputs_for(l.convention, &doc, &ctx).into_iter().map(|(v, _)| v).collect();
                 request.push(json!({
                     "name": file, "policy": text, "package": l.package.trim_start_matches("data."),
-                    "rules": l.rules, "inputs": inputs
+                    "rules": l.rules.iter().map(|(r, _)| r.as_str()).collect::<Vec<_>>(), "inputs": inputs
                 }));
                 index.push(Some(request.len() - 1));
             } else {
