@@ -251,24 +251,17 @@ impl Helm {
                     Err(o) => return Err(o),
                 };
                 if !deployed.is_empty() {
-                    let Some(policy) = run.ctx.policy.clone() else {
-                        return Err(failed(
-                            "policy_unavailable",
-                            "no policy context: uninstalls are decided by policy".into(),
-                            serde_json::Value::Null,
-                        ));
-                    };
-                    let pctx = byoc_policy::Context {
-                        source: byoc_policy::Source::Helm,
-                        phase: policy.phase.clone(),
-                        operation: policy.operation.clone(),
-                        install: policy.install.clone(),
-                        admission: byoc_policy::Admission::Delete,
-                    };
                     let bytes = serde_json::to_vec(&deployed).unwrap_or_default();
-                    let decision = policy.decide(pctx, &bytes).await;
+                    let subject = crate::policy_gate::Subject {
+                        source: byoc_policy::Source::Helm,
+                        admission: byoc_policy::Admission::Delete,
+                        name: "manifests",
+                        digest: None,
+                    };
+                    let decision = crate::policy_gate::decide(run.ctx, subject, &bytes)
+                        .await
+                        .map_err(|e| failed(crate::policy_gate::UNAVAILABLE, e, serde_json::Value::Null))?;
                     let digest = decision.input_digest.clone();
-                    crate::terraform::report_decision(run, &decision, "manifests", &digest);
                     if decision.verdict == byoc_policy::Verdict::Deny {
                         return Err(failed(
                             "policy_denied",
@@ -347,28 +340,20 @@ impl Helm {
                 };
                 let diff = diff_summary(&before, &manifests);
                 let bytes = serde_json::to_vec(&manifests).unwrap_or_default();
-                let Some(policy) = run.ctx.policy.clone() else {
-                    return Err(failed(
-                        "policy_unavailable",
-                        "no policy context: helm releases are decided by policy".into(),
-                        serde_json::Value::Null,
-                    ));
-                };
-                let pctx = byoc_policy::Context {
+                let subject = crate::policy_gate::Subject {
                     source: byoc_policy::Source::Helm,
-                    phase: policy.phase.clone(),
-                    operation: policy.operation.clone(),
-                    install: policy.install.clone(),
                     // A release deployed before is upgraded; a new one is installed.
                     admission: if before.is_empty() {
                         byoc_policy::Admission::Create
                     } else {
                         byoc_policy::Admission::Update
                     },
+                    name: "manifests",
+                    digest: None,
                 };
-                let decision = policy.decide(pctx, &bytes).await;
-                let digest = decision.input_digest.clone();
-                crate::terraform::report_decision(run, &decision, "manifests", &digest);
+                let decision = crate::policy_gate::decide(run.ctx, subject, &bytes)
+                    .await
+                    .map_err(|e| failed(crate::policy_gate::UNAVAILABLE, e, serde_json::Value::Null))?;
                 let base = serde_json::json!({"release": s.release, "manifests_digest": decision.input_digest, "diff": diff, "verdict": decision.verdict,
                     "violations": decision.violations.iter().map(|v| serde_json::json!({"rule": v.rule, "address": v.address, "policy": v.policy})).collect::<Vec<_>>()});
                 if decision.verdict == byoc_policy::Verdict::Deny {

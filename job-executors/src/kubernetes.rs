@@ -245,41 +245,23 @@ fn is_not_found(e: &kube::Error) -> bool {
 
 impl Kubernetes {
     async fn go(&self, ctx: &mut ExecContext<'_>) -> ExecOutcome {
-        let log = |ctx: &mut ExecContext<'_>, line: String| {
-            let _ = ctx.output.write(line.as_bytes());
-        };
         let failed = crate::terraform::failed;
         // Policy first: nothing reaches the cluster before the decision.
         let mut decided = serde_json::Value::Null;
         if self.spec.action == Action::Apply {
-            let Some(policy) = ctx.policy.clone() else {
-                return failed(
-                    "policy_unavailable",
-                    "no policy context: manifests are decided by policy".into(),
-                    serde_json::Value::Null,
-                );
-            };
             let manifests: Vec<&serde_json::Value> = self.objects.iter().map(|(_, m)| m).collect();
             let bytes = serde_json::to_vec(&manifests).unwrap_or_default();
-            let pctx = byoc_policy::Context {
+            let subject = crate::policy_gate::Subject {
                 source: byoc_policy::Source::Kubernetes,
-                phase: policy.phase.clone(),
-                operation: policy.operation.clone(),
-                install: policy.install.clone(),
                 // An apply (server-side apply creates or updates).
                 admission: byoc_policy::Admission::Update,
+                name: "manifests",
+                digest: None,
             };
-            let d = policy.decide(pctx, &bytes).await;
-            crate::terraform::audit_decision(ctx, &d, "manifests", &d.input_digest);
-            for v in &d.violations {
-                log(ctx, format!("[policy] DENY {} [{}] {}: {}\n", v.policy, v.rule, v.address, v.message));
-            }
-            for w in &d.warnings {
-                log(ctx, format!("[policy] WARN {} [{}] {}: {}\n", w.policy, w.rule, w.address, w.message));
-            }
-            for e in &d.errors {
-                log(ctx, format!("[policy] ERROR {} [{}]: {}\n", e.policy, e.code, e.reason));
-            }
+            let d = match crate::policy_gate::decide(ctx, subject, &bytes).await {
+                Ok(d) => d,
+                Err(e) => return failed(crate::policy_gate::UNAVAILABLE, e, serde_json::Value::Null),
+            };
             decided = serde_json::json!({"verdict": d.verdict, "manifests_digest": d.input_digest});
             if d.verdict == byoc_policy::Verdict::Deny {
                 return failed(
@@ -519,33 +501,16 @@ async fn review_deletions(
     if bodies.is_empty() {
         return Ok(());
     }
-    let Some(policy) = ctx.policy.clone() else {
-        return Err(("policy_unavailable", "no policy context: deletions are decided by policy".into()));
-    };
-    let pctx = byoc_policy::Context {
-        source: byoc_policy::Source::Kubernetes,
-        phase: policy.phase.clone(),
-        operation: policy.operation.clone(),
-        install: policy.install.clone(),
-        admission: byoc_policy::Admission::Delete,
-    };
     let bytes = serde_json::to_vec(&bodies).unwrap_or_default();
-    let d = policy.decide(pctx, &bytes).await;
-    crate::terraform::audit_decision(ctx, &d, "deletions", &d.input_digest);
-    for v in &d.violations {
-        let _ = ctx.output.write(
-            format!("[policy] DENY {} [{}] {}: {}\n", v.policy, v.rule, v.address, v.message).as_bytes(),
-        );
-    }
-    for w in &d.warnings {
-        let _ = ctx.output.write(
-            format!("[policy] WARN {} [{}] {}: {}\n", w.policy, w.rule, w.address, w.message).as_bytes(),
-        );
-    }
-    for e in &d.errors {
-        let _ =
-            ctx.output.write(format!("[policy] ERROR {} [{}]: {}\n", e.policy, e.code, e.reason).as_bytes());
-    }
+    let subject = crate::policy_gate::Subject {
+        source: byoc_policy::Source::Kubernetes,
+        admission: byoc_policy::Admission::Delete,
+        name: "deletions",
+        digest: None,
+    };
+    let d = crate::policy_gate::decide(ctx, subject, &bytes)
+        .await
+        .map_err(|e| (crate::policy_gate::UNAVAILABLE, e))?;
     if d.verdict == byoc_policy::Verdict::Deny {
         return Err(("policy_denied", format!("policy denied deleting: {}", d.denials().join(", "))));
     }

@@ -22,6 +22,7 @@ pub mod mask;
 pub mod noop;
 pub mod oci;
 pub mod outputs;
+pub mod policy_gate;
 pub mod process;
 pub mod sandboxed;
 pub mod script;

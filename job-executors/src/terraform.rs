@@ -412,20 +412,20 @@ impl Terraform {
             )
         })?;
         let summary = summary(&plan_value);
-        let ctx = byoc_policy::Context {
+        let subject = crate::policy_gate::Subject {
             // A sandbox's runs are decided as sandbox plans (their own policies).
             source: if policy.operation.starts_with("sandbox.") {
                 byoc_policy::Source::Sandbox
             } else {
                 byoc_policy::Source::Terraform
             },
-            phase: policy.phase.clone(),
-            operation: policy.operation.clone(),
-            install: policy.install.clone(),
             admission: Default::default(),
+            name: "plan",
+            digest: Some(&plan_digest),
         };
-        let decision = policy.decide(ctx, &plan_bytes).await;
-        report_decision(run, &decision, "plan", &plan_digest);
+        let decision = crate::policy_gate::decide(run.ctx, subject, &plan_bytes)
+            .await
+            .map_err(|e| failed(crate::policy_gate::UNAVAILABLE, e, serde_json::Value::Null))?;
         let base = serde_json::json!({
             "plan_digest": plan_digest,
             "input_digest": decision.input_digest,
@@ -497,44 +497,6 @@ impl Terraform {
 /// The decision, in the audit log: plan digest, policy digests, verdict, every
 /// violation with its rule and resource address.
 /// The decision in the job log (each violation, warning and error) and the audit log.
-pub(crate) fn report_decision(run: &mut Run<'_, '_>, d: &byoc_policy::Decision, subject: &str, digest: &str) {
-    audit_decision(run.ctx, d, subject, digest);
-    for v in &d.violations {
-        run.log(&format!("[policy] DENY {} [{}] {}: {}\n", v.policy, v.rule, v.address, v.message));
-    }
-    for w in &d.warnings {
-        run.log(&format!("[policy] WARN {} [{}] {}: {}\n", w.policy, w.rule, w.address, w.message));
-    }
-    for e in &d.errors {
-        run.log(&format!("[policy] ERROR {} [{}]: {}\n", e.policy, e.code, e.reason));
-    }
-}
-
-pub(crate) fn audit_decision(ctx: &ExecContext<'_>, d: &byoc_policy::Decision, subject: &str, digest: &str) {
-    let Some(audit) = &ctx.audit else { return };
-    let mut digests = BTreeMap::new();
-    digests.insert(subject.to_string(), digest.to_string());
-    digests.insert(format!("{subject}_json"), d.input_digest.clone());
-    for p in &d.policies {
-        digests.insert(format!("policy:{}", p.name), p.digest.clone());
-    }
-    let verdict = match d.verdict {
-        byoc_policy::Verdict::Allow => "allow",
-        byoc_policy::Verdict::Deny => "deny",
-    };
-    let items = d.denials();
-    let detail = format!(
-        "{verdict}: {} violations, {} warnings, {} errors [{}]",
-        d.violations.len(),
-        d.warnings.len(),
-        d.errors.len(),
-        items.join(", ")
-    );
-    if let Err(e) = audit.record("policy_decision", detail, digests) {
-        tracing::error!(error = %e, "could not audit a policy decision");
-    }
-}
-
 impl Executor for Terraform {
     fn run<'a>(&'a self, mut ctx: ExecContext<'a>) -> ExecFuture<'a> {
         Box::pin(async move { self.go(&mut ctx).await })

@@ -1,0 +1,83 @@
+//! The one policy gate every deciding executor goes through (terraform plans, helm
+//! releases and uninstalls, kubernetes applies and deletions): the decision over the
+//! exact input, its audit record (the subject's digest, the input's, every policy's),
+//! and the same `[policy] DENY|WARN|ERROR` lines in the job's log whoever asks.
+
+use std::collections::BTreeMap;
+
+use crate::ExecContext;
+
+/// What a decision is about.
+pub struct Subject<'a> {
+    pub source: byoc_policy::Source,
+    pub admission: byoc_policy::Admission,
+    /// Names it in the audit record (`plan`, `manifests`, `deletions`).
+    pub name: &'a str,
+    /// Its digest (a plan file's); `None`: the input's.
+    pub digest: Option<&'a str>,
+}
+
+/// A job's decisions need a policy scope; without one nothing is decided (and so
+/// nothing proceeds): `policy_unavailable`.
+pub const UNAVAILABLE: &str = "policy_unavailable";
+
+/// Decide about `input` (JSON: a plan, or manifests), audit it and log it. `Err` when
+/// the job has no policy scope (the customer's policy directory has problems).
+pub async fn decide(
+    ctx: &mut ExecContext<'_>,
+    subject: Subject<'_>,
+    input: &[u8],
+) -> Result<byoc_policy::Decision, String> {
+    let Some(policy) = ctx.policy.clone() else {
+        return Err(format!("no policy context: {} are decided by policy", subject.name));
+    };
+    let pctx = byoc_policy::Context {
+        source: subject.source,
+        phase: policy.phase.clone(),
+        operation: policy.operation.clone(),
+        install: policy.install.clone(),
+        admission: subject.admission,
+    };
+    let d = policy.decide(pctx, input).await;
+    audit(ctx, &d, subject.name, subject.digest.unwrap_or(&d.input_digest));
+    for v in &d.violations {
+        log(ctx, format!("[policy] DENY {} [{}] {}: {}\n", v.policy, v.rule, v.address, v.message));
+    }
+    for w in &d.warnings {
+        log(ctx, format!("[policy] WARN {} [{}] {}: {}\n", w.policy, w.rule, w.address, w.message));
+    }
+    for e in &d.errors {
+        log(ctx, format!("[policy] ERROR {} [{}]: {}\n", e.policy, e.code, e.reason));
+    }
+    Ok(d)
+}
+
+fn log(ctx: &mut ExecContext<'_>, line: String) {
+    let _ = ctx.output.write(line.as_bytes());
+}
+
+/// The `policy_decision` audit record: verdict, counts and what denied; digests of the
+/// subject, the input and every policy.
+fn audit(ctx: &ExecContext<'_>, d: &byoc_policy::Decision, subject: &str, digest: &str) {
+    let Some(audit) = &ctx.audit else { return };
+    let mut digests = BTreeMap::new();
+    digests.insert(subject.to_string(), digest.to_string());
+    digests.insert(format!("{subject}_json"), d.input_digest.clone());
+    for p in &d.policies {
+        digests.insert(format!("policy:{}", p.name), p.digest.clone());
+    }
+    let verdict = match d.verdict {
+        byoc_policy::Verdict::Allow => "allow",
+        byoc_policy::Verdict::Deny => "deny",
+    };
+    let detail = format!(
+        "{verdict}: {} violations, {} warnings, {} errors [{}]",
+        d.violations.len(),
+        d.warnings.len(),
+        d.errors.len(),
+        d.denials().join(", ")
+    );
+    if let Err(e) = audit.record("policy_decision", detail, digests) {
+        tracing::error!(error = %e, "could not audit a policy decision");
+    }
+}
