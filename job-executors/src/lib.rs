@@ -546,33 +546,16 @@ pub enum SpecError {
 /// Build the executor for a job kind from its spec. Validation happens here, before
 /// the job is claimed, so a bad spec is a rejection rather than a failed run.
 pub fn build(kind: &str, spec: &serde_json::Value) -> Result<Box<dyn Executor>, SpecError> {
-    match kind {
-        "runner.noop" => Ok(Box::new(
-            noop::Noop::from_spec(spec).map_err(|reason| SpecError::Invalid { kind: kind.into(), reason })?,
-        )),
-        "action.container" => Ok(Box::new(
-            container::Container::from_spec(spec)
-                .map_err(|reason| SpecError::Invalid { kind: kind.into(), reason })?,
-        )),
-        "action.script" => Ok(Box::new(
-            script::Script::from_spec(spec)
-                .map_err(|reason| SpecError::Invalid { kind: kind.into(), reason })?,
-        )),
-        "kubernetes" => Ok(Box::new(
-            kubernetes::Kubernetes::from_spec(spec)
-                .map_err(|reason| SpecError::Invalid { kind: kind.into(), reason })?,
-        )),
-        "helm" => Ok(Box::new(
-            helm::Helm::from_spec(spec).map_err(|reason| SpecError::Invalid { kind: kind.into(), reason })?,
-        )),
-        "terraform" => Ok(Box::new(
-            terraform::Terraform::from_spec(spec)
-                .map_err(|reason| SpecError::Invalid { kind: kind.into(), reason })?,
-        )),
-        "oci.sync" => Ok(Box::new(
-            oci::OciSync::from_spec(spec)
-                .map_err(|reason| SpecError::Invalid { kind: kind.into(), reason })?,
-        )),
-        other => Err(SpecError::UnknownKind(other.into())),
-    }
+    use byoc_protocol::JobKind;
+    let Some(k) = JobKind::parse(kind) else { return Err(SpecError::UnknownKind(kind.into())) };
+    let invalid = |reason: String| SpecError::Invalid { kind: kind.into(), reason };
+    Ok(match k {
+        JobKind::Noop => Box::new(noop::Noop::from_spec(spec).map_err(invalid)?),
+        JobKind::ActionScript => Box::new(script::Script::from_spec(spec).map_err(invalid)?),
+        JobKind::ActionContainer => Box::new(container::Container::from_spec(spec).map_err(invalid)?),
+        JobKind::Terraform => Box::new(terraform::Terraform::from_spec(spec).map_err(invalid)?),
+        JobKind::Helm => Box::new(helm::Helm::from_spec(spec).map_err(invalid)?),
+        JobKind::Kubernetes => Box::new(kubernetes::Kubernetes::from_spec(spec).map_err(invalid)?),
+        JobKind::OciSync => Box::new(oci::OciSync::from_spec(spec).map_err(invalid)?),
+    })
 }

@@ -21,17 +21,67 @@ pub const MAX_PAYLOAD_BYTES: usize = 256 * 1024;
 /// Header carrying the byte offset of a log chunk (and the server's offset on a 416).
 pub const LOG_OFFSET_HEADER: &str = "x-log-offset";
 
-/// Job kinds this protocol version defines. A runner rejects anything else.
-pub const KNOWN_KINDS: &[&str] = &["runner.noop", "action.script", "action.container"];
+/// The job kinds this protocol version defines. A runner rejects anything else
+/// (`unknown_kind`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum JobKind {
+    Noop,
+    ActionScript,
+    ActionContainer,
+    Terraform,
+    Helm,
+    Kubernetes,
+    OciSync,
+}
 
-/// Concurrency group of a job kind: jobs in different groups run side by side,
-/// each group has its own limit (deploys one at a time, actions alongside them).
-pub fn job_group(kind: &str) -> &'static str {
-    match kind.split('.').next().unwrap_or("") {
-        "sandbox" | "component" | "terraform" | "helm" | "kubernetes" => "deploys",
-        "oci" => "syncs",
-        _ => "actions",
+impl JobKind {
+    pub const ALL: [JobKind; 7] = [
+        JobKind::Noop,
+        JobKind::ActionScript,
+        JobKind::ActionContainer,
+        JobKind::Terraform,
+        JobKind::Helm,
+        JobKind::Kubernetes,
+        JobKind::OciSync,
+    ];
+
+    pub fn parse(kind: &str) -> Option<JobKind> {
+        JobKind::ALL.into_iter().find(|k| k.as_str() == kind)
     }
+
+    /// The wire name (`kind` of the payload).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            JobKind::Noop => "runner.noop",
+            JobKind::ActionScript => "action.script",
+            JobKind::ActionContainer => "action.container",
+            JobKind::Terraform => "terraform",
+            JobKind::Helm => "helm",
+            JobKind::Kubernetes => "kubernetes",
+            JobKind::OciSync => "oci.sync",
+        }
+    }
+
+    /// Its concurrency group: jobs in different groups run side by side, each group has
+    /// its own limit (deploys one at a time, actions and syncs alongside them).
+    pub fn group(self) -> &'static str {
+        match self {
+            JobKind::Terraform | JobKind::Helm | JobKind::Kubernetes => "deploys",
+            JobKind::OciSync => "syncs",
+            JobKind::Noop | JobKind::ActionScript | JobKind::ActionContainer => "actions",
+        }
+    }
+
+    /// Whether its changes are decided by policy before they are made.
+    pub fn decided_by_policy(self) -> bool {
+        matches!(self, JobKind::Terraform | JobKind::Helm | JobKind::Kubernetes)
+    }
+}
+
+/// Concurrency group of a job kind (see [`JobKind::group`]); a kind this version does
+/// not define is counted with the actions (it is rejected anyway).
+pub fn job_group(kind: &str) -> &'static str {
+    JobKind::parse(kind).map(JobKind::group).unwrap_or("actions")
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -508,10 +558,29 @@ mod tests {
 
     #[test]
     fn groups_separate_deploys_from_actions() {
-        assert_eq!(job_group("terraform.apply"), "deploys");
-        assert_eq!(job_group("action.script"), "actions");
-        assert_eq!(job_group("runner.noop"), "actions");
-        assert_eq!(job_group("oci.sync"), "syncs");
+        for (kind, group) in [
+            ("terraform", "deploys"),
+            ("helm", "deploys"),
+            ("kubernetes", "deploys"),
+            ("action.script", "actions"),
+            ("action.container", "actions"),
+            ("runner.noop", "actions"),
+            ("oci.sync", "syncs"),
+            ("no.such.kind", "actions"),
+        ] {
+            assert_eq!(job_group(kind), group, "{kind}");
+        }
+    }
+
+    #[test]
+    fn job_kinds_round_trip_and_know_what_policy_decides() {
+        for k in JobKind::ALL {
+            assert_eq!(JobKind::parse(k.as_str()), Some(k));
+        }
+        assert_eq!(JobKind::parse("terraform.apply"), None);
+        let decided: Vec<&str> =
+            JobKind::ALL.iter().filter(|k| k.decided_by_policy()).map(|k| k.as_str()).collect();
+        assert_eq!(decided, ["terraform", "helm", "kubernetes"]);
     }
 }
 

@@ -76,10 +76,9 @@ pub async fn execute(rt: &Rt, job: ClaimedJob) -> Result<FinishedJob, JournalErr
             let companion =
                 tokio::spawn(heartbeat_and_upload(rt.clone(), job_id.clone(), cancel.clone(), done.clone()));
             // Only jobs that are decided by policy load it (and may note its problems).
-            let policy = match job.verified.payload.kind.as_str() {
-                "terraform" | "helm" | "kubernetes" => policy_scope(rt, &job, &mut spool),
-                _ => None,
-            };
+            let decided = byoc_protocol::JobKind::parse(&job.verified.payload.kind)
+                .is_some_and(byoc_protocol::JobKind::decided_by_policy);
+            let policy = if decided { policy_scope(rt, &job, &mut spool) } else { None };
             let ctx = ExecContext {
                 job_id: job_id.clone(),
                 work_dir: work_dir.clone(),
