@@ -18,6 +18,7 @@
 # Inputs (environment):
 #   BYOC_INSTALL_ID BYOC_CONTROL_PLANE_URL BYOC_CONTROL_PLANE_KEYS (comma-separated)
 #   BYOC_REGION BYOC_STACK_NAME BYOC_SIGNAL_RESOURCE BYOC_EXTERNAL_ID
+#   BYOC_STATE_BUCKET (the stack's terraform state bucket; empty: local state)
 #   BYOC_BOOTSTRAP_SECRET (Secrets Manager ARN) BYOC_RELEASE_PUBKEY (minisign key line)
 #   BYOC_RELEASE_URL (https base URL; empty: use BYOC_RELEASE_DIR)
 #   BYOC_RELEASE_DIR (default /opt/byoc-runner/release)
@@ -121,6 +122,11 @@ conf="$ROOT/etc/byoc-runner/runner.toml"
     echo "[roles]"
     [ -z "$BYOC_STACK_NAME" ] || echo "stack_name = \"$BYOC_STACK_NAME\""
     [ -z "$BYOC_EXTERNAL_ID" ] || echo "external_id = \"$BYOC_EXTERNAL_ID\""
+    if [ -n "$BYOC_STATE_BUCKET" ]; then
+        echo
+        echo "[terraform.state]"
+        echo "bucket = \"$BYOC_STATE_BUCKET\""
+    fi
 } > "$conf.new"
 chown "0:$gid" "$conf.new"
 chmod 0640 "$conf.new"

@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 use ed25519_dalek::SigningKey;
 use serde::{Deserialize, Serialize};
 
-use crate::merkle::{self, Frontier, Hash};
+use crate::merkle::{self, CompactTree, Frontier, Hash};
 use crate::note::{self, Checkpoint};
 
 pub const LOG: &str = "log.jsonl";
@@ -95,7 +95,9 @@ pub struct AuditWriter {
     dir: PathBuf,
     log: File,
     checkpoints: File,
-    leaves: Vec<Hash>,
+    /// Subtree hashes up to the acknowledged size, leaf hashes after it: memory bounded
+    /// by what the control plane has not acknowledged yet, not by the log's length.
+    tree: CompactTree,
     frontier: Frontier,
     origin: String,
     key_name: String,
@@ -150,7 +152,8 @@ impl AuditWriter {
             .create(true)
             .open(&log_path)
             .map_err(io("opening", &log_path))?;
-        let mut leaves = Vec::new();
+        let acked = acknowledged_size(dir);
+        let mut tree = CompactTree::default();
         let mut frontier = Frontier::default();
         let mut good = 0u64;
         let mut torn: Option<(u64, String)> = None;
@@ -165,13 +168,14 @@ impl AuditWriter {
             if let Some((line, reason)) = torn.take() {
                 return Err(AuditError::Corrupt { path: log_path, line, reason });
             }
-            let line_no = leaves.len() as u64 + 1;
+            let line_no = tree.size() + 1;
             let complete = buf.ends_with(b"\n");
             let body = buf.strip_suffix(b"\n").unwrap_or(&buf);
             match serde_json::from_slice::<Record>(body) {
-                Ok(r) if complete && r.seq == leaves.len() as u64 => {
+                Ok(r) if complete && r.seq == tree.size() => {
                     let h = merkle::leaf_hash(body);
-                    leaves.push(h);
+                    tree.push(h);
+                    tree.forget_before(acked);
                     frontier.push(h);
                     good += n as u64;
                 }
@@ -179,7 +183,7 @@ impl AuditWriter {
                     return Err(AuditError::Corrupt {
                         path: log_path,
                         line: line_no,
-                        reason: format!("sequence {} where {} was expected", r.seq, leaves.len()),
+                        reason: format!("sequence {} where {} was expected", r.seq, tree.size()),
                     });
                 }
                 Ok(_) => torn = Some((line_no, "last record has no newline".into())),
@@ -201,7 +205,7 @@ impl AuditWriter {
             dir: dir.to_path_buf(),
             log,
             checkpoints,
-            leaves,
+            tree,
             frontier,
             origin: format!("byoc-runner/{install}/{runner_id}"),
             key_name: format!("byoc-runner/{runner_id}"),
@@ -220,11 +224,18 @@ impl AuditWriter {
     }
 
     pub fn size(&self) -> u64 {
-        self.leaves.len() as u64
+        self.tree.size()
     }
 
-    pub fn leaves(&self) -> &[Hash] {
-        &self.leaves
+    /// Leaf hashes held in memory: the records not yet acknowledged.
+    pub fn held_leaf_hashes(&self) -> u64 {
+        self.tree.size() - self.tree.base_size()
+    }
+
+    /// Consistency proof from the first `from` records to the first `to`; `None` below
+    /// the acknowledged size (those leaves are kept only as subtree hashes).
+    pub fn consistency_proof(&self, from: u64, to: u64) -> Option<Vec<Hash>> {
+        self.tree.consistency_proof(from, to)
     }
 
     pub fn key_name(&self) -> &str {
@@ -254,18 +265,31 @@ impl AuditWriter {
 
     fn append_batch_locked(&mut self, records: Vec<Record>) -> Result<u64, AuditError> {
         let path = self.dir.join(LOG);
+        let before = self
+            .log
+            .metadata()
+            .map_err(|e| AuditError::Io { op: "reading", path: path.clone(), source: e })?
+            .len();
         let mut hashes = Vec::with_capacity(records.len());
-        for mut r in records {
-            r.seq = (self.leaves.len() + hashes.len()) as u64;
-            r.time_ms = now_ms();
-            r.install = self.install.clone();
-            let bytes = serde_json::to_vec(&r).expect("record serialises");
-            append_line(&mut self.log, &path, &bytes)?;
-            hashes.push(merkle::leaf_hash(&bytes));
+        let written = (|| {
+            for mut r in records {
+                r.seq = self.tree.size() + hashes.len() as u64;
+                r.time_ms = now_ms();
+                r.install = self.install.clone();
+                let bytes = serde_json::to_vec(&r).expect("record serialises");
+                append_line(&mut self.log, &path, &bytes)?;
+                hashes.push(merkle::leaf_hash(&bytes));
+            }
+            self.log.sync_data().map_err(|e| AuditError::Io { op: "syncing", path: path.clone(), source: e })
+        })();
+        if let Err(e) = written {
+            // A batch that did not all reach the disk (a full disk) is cut again: the log
+            // holds whole, checkpointable records only, and the writer's tree is unchanged.
+            let _ = self.log.set_len(before);
+            return Err(e);
         }
-        self.log.sync_data().map_err(|e| AuditError::Io { op: "syncing", path: path.clone(), source: e })?;
         for h in hashes {
-            self.leaves.push(h);
+            self.tree.push(h);
             self.frontier.push(h);
         }
         self.checkpoint_locked()?;
@@ -281,12 +305,34 @@ impl AuditWriter {
     }
 
     fn checkpoint_locked(&mut self) -> Result<StoredCheckpoint, AuditError> {
-        let note = self.sign_at(self.size());
+        let note = note::sign(
+            &Checkpoint {
+                origin: self.origin.clone(),
+                size: self.size(),
+                root: self.frontier.root(),
+                time: now_ms() / 1000,
+            },
+            &self.key_name,
+            &self.key,
+        );
         let stored = StoredCheckpoint { size: self.size(), note };
         let path = self.dir.join(CHECKPOINTS);
         let line = serde_json::to_vec(&stored).expect("checkpoint serialises");
-        append_line(&mut self.checkpoints, &path, &line)?;
-        self.checkpoints.sync_data().map_err(|e| AuditError::Io { op: "syncing", path, source: e })?;
+        let before = self
+            .checkpoints
+            .metadata()
+            .map_err(|e| AuditError::Io { op: "reading", path: path.clone(), source: e })?
+            .len();
+        if let Err(e) = append_line(&mut self.checkpoints, &path, &line).and_then(|()| {
+            self.checkpoints.sync_data().map_err(|e| AuditError::Io {
+                op: "syncing",
+                path: path.clone(),
+                source: e,
+            })
+        }) {
+            let _ = self.checkpoints.set_len(before);
+            return Err(e);
+        }
         self.last_checkpoint_ms = now_ms();
         Ok(stored)
     }
@@ -299,15 +345,12 @@ impl AuditWriter {
         Ok(())
     }
 
-    /// A signed note for the first `size` records (any size up to the current one).
-    pub fn sign_at(&self, size: u64) -> String {
-        let root = if size == self.size() {
-            self.frontier.root()
-        } else {
-            merkle::root(&self.leaves[..size as usize])
-        };
+    /// A signed note for the first `size` records: any size from the acknowledged one
+    /// up to the current one (`None` outside that).
+    pub fn sign_at(&self, size: u64) -> Option<String> {
+        let root = if size == self.size() { self.frontier.root() } else { self.tree.root_at(size)? };
         let cp = Checkpoint { origin: self.origin.clone(), size, root, time: now_ms() / 1000 };
-        note::sign(&cp, &self.key_name, &self.key)
+        Some(note::sign(&cp, &self.key_name, &self.key))
     }
 
     /// Raw record lines `[from, to)` for upload.
@@ -316,7 +359,7 @@ impl AuditWriter {
     }
 
     /// Store a checkpoint the control plane cosigned.
-    pub fn store_cosigned(&self, size: u64, note: &str) -> Result<(), AuditError> {
+    pub fn store_cosigned(&mut self, size: u64, note: &str) -> Result<(), AuditError> {
         let path = self.dir.join(COSIGNED);
         let mut f = OpenOptions::new().append(true).create(true).open(&path).map_err(|e| AuditError::Io {
             op: "opening",
@@ -326,7 +369,10 @@ impl AuditWriter {
         let line =
             serde_json::to_vec(&StoredCheckpoint { size, note: note.to_string() }).expect("serialises");
         append_line(&mut f, &path, &line)?;
-        f.sync_data().map_err(|e| AuditError::Io { op: "syncing", path, source: e })
+        f.sync_data().map_err(|e| AuditError::Io { op: "syncing", path, source: e })?;
+        // Acknowledged: no root or proof will start below this size again.
+        self.tree.forget_before(size);
+        Ok(())
     }
 }
 
@@ -380,5 +426,33 @@ mod tests {
         AuditWriter::open(dir.path(), key.clone(), "rn", "i", &["old".into()]).unwrap();
         AuditWriter::open(dir.path(), key, "rn", "i", &["new".into()]).unwrap();
         assert_eq!(std::fs::read_to_string(dir.path().join(CONTROL_PLANE_PUB)).unwrap(), "old\nnew\n");
+    }
+
+    /// Memory follows what is unacknowledged, not the log's length, and a reopened
+    /// writer starts from the acknowledged size with proofs still right.
+    #[test]
+    fn leaf_hashes_are_held_only_until_acknowledged() {
+        let dir = tempfile::tempdir().unwrap();
+        let key = byoc_protocol::generate_signing_key();
+        let (mut w, _) = AuditWriter::open(dir.path(), key.clone(), "rn", "i", &[]).unwrap();
+        let batch =
+            |n: usize| (0..n).map(|i| Record { event: format!("e{i}"), ..Default::default() }).collect();
+        w.append_batch(batch(3000)).unwrap();
+        assert_eq!(w.held_leaf_hashes(), 3000);
+        let note = w.sign_at(3000).unwrap();
+        w.store_cosigned(3000, &note).unwrap();
+        assert_eq!(w.held_leaf_hashes(), 0);
+        w.append_batch(batch(10)).unwrap();
+        assert_eq!(w.held_leaf_hashes(), 10);
+        let proof = w.consistency_proof(3000, 3010).unwrap();
+        assert!(w.sign_at(2999).is_none() && w.consistency_proof(2999, 3010).is_none());
+        drop(w);
+        let (w, _) = AuditWriter::open(dir.path(), key, "rn", "i", &[]).unwrap();
+        assert_eq!((w.size(), w.held_leaf_hashes()), (3010, 10));
+        assert_eq!(w.consistency_proof(3000, 3010).unwrap(), proof);
+        // The proof checks against the full tree's roots.
+        let text = std::fs::read_to_string(dir.path().join(LOG)).unwrap();
+        let leaves: Vec<Hash> = text.lines().map(|l| merkle::leaf_hash(l.as_bytes())).collect();
+        assert_eq!(proof, merkle::consistency_proof(&leaves, 3000));
     }
 }

@@ -84,6 +84,126 @@ impl Frontier {
     }
 }
 
+impl Frontier {
+    /// The perfect subtree covering exactly leaves `[lo, hi)`, if it is one of this
+    /// frontier's.
+    fn node(&self, lo: u64, hi: u64) -> Option<Hash> {
+        let mut at = 0u64;
+        for &(height, hash) in &self.stack {
+            let end = at + (1u64 << height);
+            if at == lo && end == hi {
+                return Some(hash);
+            }
+            at = end;
+        }
+        None
+    }
+}
+
+/// The tree as the audit writer keeps it, in memory that does not grow with the log:
+/// the perfect subtrees of the first `base` leaves (those the control plane has
+/// acknowledged) and the leaf hashes after them. Every root and consistency proof the
+/// writer needs starts at or after `base` (proofs go from the acknowledged size), and
+/// RFC 6962's proofs only ever ask for subtrees of the old size's frontier on its left.
+#[derive(Debug, Clone, Default)]
+pub struct CompactTree {
+    base: Frontier,
+    tail: Vec<Hash>,
+}
+
+impl CompactTree {
+    pub fn push(&mut self, leaf: Hash) {
+        self.tail.push(leaf);
+    }
+
+    pub fn size(&self) -> u64 {
+        self.base.size + self.tail.len() as u64
+    }
+
+    /// Leaves before this are kept only as subtree hashes.
+    pub fn base_size(&self) -> u64 {
+        self.base.size
+    }
+
+    /// Keep only subtree hashes of the first `size` leaves (clamped to the tree).
+    pub fn forget_before(&mut self, size: u64) {
+        let n = size.min(self.size()).saturating_sub(self.base.size) as usize;
+        for leaf in self.tail.drain(..n) {
+            self.base.push(leaf);
+        }
+        // After an outage's backlog is acknowledged, give its memory back.
+        if self.tail.capacity() > 4 * self.tail.len().max(1024) {
+            self.tail.shrink_to_fit();
+        }
+    }
+
+    /// The root of the first `size` leaves; `None` below `base_size()`.
+    pub fn root_at(&self, size: u64) -> Option<Hash> {
+        if size < self.base.size || size > self.size() {
+            return None;
+        }
+        let mut f = self.base.clone();
+        for leaf in &self.tail[..(size - self.base.size) as usize] {
+            f.push(*leaf);
+        }
+        Some(f.root())
+    }
+
+    /// The root of leaves `[lo, hi)` (hi > lo) from what is kept.
+    fn range_root(&self, lo: u64, hi: u64) -> Option<Hash> {
+        let b = self.base.size;
+        if lo >= b {
+            return Some(root(&self.tail[(lo - b) as usize..(hi - b) as usize]));
+        }
+        if let Some(h) = self.base.node(lo, hi) {
+            return Some(h);
+        }
+        if hi <= b || hi - lo < 2 {
+            return None;
+        }
+        let k = split((hi - lo) as usize) as u64;
+        Some(node_hash(&self.range_root(lo, lo + k)?, &self.range_root(lo + k, hi)?))
+    }
+
+    /// RFC 6962 consistency proof from the first `m` leaves to the first `n`; `None`
+    /// if `m` is below `base_size()` or `n` beyond the tree.
+    pub fn consistency_proof(&self, m: u64, n: u64) -> Option<Vec<Hash>> {
+        fn subproof(
+            t: &CompactTree,
+            m: u64,
+            lo: u64,
+            hi: u64,
+            complete: bool,
+            out: &mut Vec<Hash>,
+        ) -> Option<()> {
+            let n = hi - lo;
+            if m == n {
+                if !complete {
+                    out.push(t.range_root(lo, hi)?);
+                }
+                return Some(());
+            }
+            let k = split(n as usize) as u64;
+            if m <= k {
+                subproof(t, m, lo, lo + k, complete, out)?;
+                out.push(t.range_root(lo + k, hi)?);
+            } else {
+                subproof(t, m - k, lo + k, hi, false, out)?;
+                out.push(t.range_root(lo, lo + k)?);
+            }
+            Some(())
+        }
+        if m < self.base.size || m > n || n > self.size() {
+            return None;
+        }
+        let mut out = Vec::new();
+        if m > 0 && m < n {
+            subproof(self, m, 0, n, true, &mut out)?;
+        }
+        Some(out)
+    }
+}
+
 /// Inclusion proof (audit path) for leaf `index` in the tree of `leaves`.
 pub fn inclusion_proof(leaves: &[Hash], index: usize) -> Vec<Hash> {
     fn path(leaves: &[Hash], m: usize, out: &mut Vec<Hash>) {
@@ -208,6 +328,32 @@ mod tests {
 
     fn leaves(n: usize) -> Vec<Hash> {
         (0..n).map(|i| leaf_hash(format!("record {i}").as_bytes())).collect()
+    }
+
+    /// The compact tree gives the same roots and proofs as the full leaf list, for every
+    /// base (acknowledged size) ≤ m ≤ n up to 70 leaves, and refuses below its base.
+    #[test]
+    fn the_compact_tree_matches_the_full_tree_above_its_base() {
+        let all = leaves(70);
+        for base in 0..=70u64 {
+            let mut t = CompactTree::default();
+            for l in &all {
+                t.push(*l);
+            }
+            t.forget_before(base);
+            assert_eq!((t.base_size(), t.size()), (base, 70));
+            for n in base..=70 {
+                assert_eq!(t.root_at(n), Some(root(&all[..n as usize])), "root at {n}, base {base}");
+                for m in base..=n {
+                    let want = consistency_proof(&all[..n as usize], m as usize);
+                    assert_eq!(t.consistency_proof(m, n), Some(want), "proof {m} -> {n}, base {base}");
+                }
+            }
+            if base > 0 {
+                assert_eq!(t.root_at(base - 1), None);
+                assert_eq!(t.consistency_proof(base - 1, 70), None);
+            }
+        }
     }
 
     #[test]

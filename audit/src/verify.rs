@@ -2,7 +2,6 @@
 //! checkpoint and cosignature, sequence continuity, idle gaps, and that the log is not
 //! shorter than anything a checkpoint (above all, an acknowledged one) covers.
 
-use std::io::{BufRead as _, BufReader};
 use std::path::Path;
 
 use ed25519_dalek::VerifyingKey;
@@ -50,6 +49,71 @@ pub enum VerifyError {
     IdleGap { line: u64, next_line: u64, secs: u64 },
     #[error("reading {path}: {reason}")]
     Io { path: String, reason: String },
+}
+
+/// Bytes of log verified per round (split across the cores).
+const VERIFY_BLOCK: usize = 16 << 20;
+
+/// Leaf hashes and runner restarts (by index in the part) of a run of lines whose
+/// sequence numbers run on from `first_seq` (its place in the log is the caller's check).
+struct Parsed {
+    leaves: Vec<Hash>,
+    restarts: Vec<u64>,
+    first_seq: Option<u64>,
+}
+
+/// The first bad line of a part, by index in the part.
+struct PartError {
+    at: u64,
+    reason: String,
+}
+
+/// `bytes` (whole lines) in up to `n` parts of whole lines, about equal in size.
+fn split_lines(bytes: &[u8], n: usize) -> Vec<&[u8]> {
+    let mut parts = Vec::with_capacity(n);
+    let mut rest = bytes;
+    for i in (1..=n).rev() {
+        if rest.is_empty() {
+            break;
+        }
+        let want = rest.len().div_ceil(i);
+        let end = match rest[want - 1..].iter().position(|b| *b == b'\n') {
+            Some(p) => want + p,
+            None => rest.len(),
+        };
+        parts.push(&rest[..end]);
+        rest = &rest[end..];
+    }
+    parts
+}
+
+/// Parse and hash the records of `part`, checking that their sequence numbers run on.
+fn parse_lines(part: &[u8]) -> Result<Parsed, PartError> {
+    use std::io::BufRead as _;
+    let mut out = Parsed { leaves: Vec::new(), restarts: Vec::new(), first_seq: None };
+    let mut rest = part;
+    let mut line = Vec::new();
+    let mut at = 0u64;
+    loop {
+        line.clear();
+        // `read_until` on a slice finds the newline with std's optimised search.
+        let n = rest.read_until(b'\n', &mut line).unwrap_or(0);
+        if n == 0 {
+            return Ok(out);
+        }
+        let bad = |reason: String| PartError { at, reason };
+        let body = line.strip_suffix(b"\n").ok_or_else(|| bad("incomplete (no newline)".into()))?;
+        let r: Record = serde_json::from_slice(body).map_err(|e| bad(format!("not a record: {e}")))?;
+        let first = *out.first_seq.get_or_insert(r.seq);
+        if r.seq != first + at {
+            return Err(bad(format!("carries sequence {} (records missing, inserted or reordered)", r.seq)));
+        }
+        if r.event == "runner_started" {
+            out.restarts.push(at);
+        }
+        out.leaves.push(merkle::leaf_hash(body));
+        at += 1;
+    }
 }
 
 struct Signed {
@@ -142,30 +206,61 @@ pub fn verify_dir(dir: &Path, trust: &Trust) -> Result<Report, VerifyError> {
         }
     }
 
-    // Records: parse, sequence, leaf hashes.
-    let mut reader = BufReader::with_capacity(1 << 20, std::io::Read::take(f, len));
+    // Records: parse, sequence, leaf hashes; blocks of whole lines, each split across
+    // the machine's cores, merged in order (so the first bad record reported is the
+    // first in the log).
+    let mut reader = std::io::Read::take(f, len);
     let mut leaves: Vec<Hash> = Vec::new();
     let mut restarts: Vec<u64> = Vec::new();
-    let mut buf = Vec::new();
-    loop {
-        buf.clear();
-        let n = reader
-            .read_until(b'\n', &mut buf)
-            .map_err(|e| VerifyError::Io { path: path.display().to_string(), reason: e.to_string() })?;
-        if n == 0 {
-            break;
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(16);
+    let mut pending: Vec<u8> = Vec::new();
+    let mut eof = false;
+    let mut block = VERIFY_BLOCK;
+    while !eof || !pending.is_empty() {
+        if !eof && pending.len() < block {
+            let want = (block - pending.len()) as u64;
+            let n = std::io::Read::read_to_end(&mut std::io::Read::take(&mut reader, want), &mut pending)
+                .map_err(|e| VerifyError::Io { path: path.display().to_string(), reason: e.to_string() })?;
+            eof = (n as u64) < want;
         }
-        let seq = leaves.len() as u64;
-        let bad = |reason: String| VerifyError::Record { seq, line: seq + 1, reason };
-        let body = buf.strip_suffix(b"\n").ok_or_else(|| bad("incomplete (no newline)".into()))?;
-        let r: Record = serde_json::from_slice(body).map_err(|e| bad(format!("not a record: {e}")))?;
-        if r.seq != seq {
-            return Err(bad(format!("carries sequence {} (records missing, inserted or reordered)", r.seq)));
+        // Whole lines only, but for a last line without its newline (reported as such).
+        let cut =
+            if eof { pending.len() } else { pending.iter().rposition(|b| *b == b'\n').map_or(0, |i| i + 1) };
+        if cut == 0 {
+            // A line longer than a block: read on.
+            block += VERIFY_BLOCK;
+            continue;
         }
-        if r.event == "runner_started" {
-            restarts.push(seq);
+        block = VERIFY_BLOCK;
+        let parts = split_lines(&pending[..cut], threads);
+        let parsed: Vec<Result<Parsed, PartError>> = std::thread::scope(|scope| {
+            let handles: Vec<_> = parts.iter().map(|part| scope.spawn(move || parse_lines(part))).collect();
+            handles.into_iter().map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p))).collect()
+        });
+        // In order: the first error reported is the first in the log.
+        for p in parsed {
+            let start = leaves.len() as u64;
+            let bad = |at: u64, reason: String| VerifyError::Record {
+                seq: start + at,
+                line: start + at + 1,
+                reason,
+            };
+            let p = match p {
+                Ok(p) => p,
+                Err(PartError { at, reason }) => return Err(bad(at, reason)),
+            };
+            if let Some(first) = p.first_seq
+                && first != start
+            {
+                return Err(bad(
+                    0,
+                    format!("carries sequence {first} (records missing, inserted or reordered)"),
+                ));
+            }
+            restarts.extend(p.restarts.iter().map(|r| start + r));
+            leaves.extend(p.leaves);
         }
-        leaves.push(merkle::leaf_hash(body));
+        pending.drain(..cut);
     }
     let records = leaves.len() as u64;
 
@@ -259,7 +354,7 @@ mod tests {
             }
             if i % 10 == 9 {
                 // The control plane acknowledges every tenth record.
-                let n = note::cosign(&w.sign_at(w.size()), CONTROL_PLANE_KEY_NAME, &cp_key).unwrap();
+                let n = note::cosign(&w.sign_at(w.size()).unwrap(), CONTROL_PLANE_KEY_NAME, &cp_key).unwrap();
                 w.store_cosigned(w.size(), &n).unwrap();
             }
         }
@@ -367,7 +462,7 @@ mod tests {
         let trust = Trust { runner: key.verifying_key(), control_plane: vec![] };
         // A checkpoint signed ten minutes later with nothing in between.
         let later = |size: u64, w: &AuditWriter| {
-            let body = w.sign_at(size).split("\n\n").next().unwrap().to_string() + "\n";
+            let body = w.sign_at(size).unwrap().split("\n\n").next().unwrap().to_string() + "\n";
             let mut cp = Checkpoint::parse_body(&body).unwrap();
             cp.time += 600;
             serde_json::to_string(&StoredCheckpoint { size, note: note::sign(&cp, "byoc-runner/rn-1", &key) })

@@ -53,10 +53,10 @@ pub struct Container {
 }
 
 impl Container {
-    pub fn from_spec(spec: &serde_json::Value) -> Result<Self, String> {
+    pub fn from_spec(spec: &serde_json::Value) -> Result<Self, crate::InvalidSpec> {
         let c: Container = serde_json::from_value(spec.clone()).map_err(|e| e.to_string())?;
         if c.image.is_empty() || c.image.len() > 512 || c.image.chars().any(|ch| ch.is_whitespace()) {
-            return Err(format!("image {:?} is not a valid reference", c.image));
+            return Err(crate::InvalidSpec::from(format!("image {:?} is not a valid reference", c.image)));
         }
         crate::validate_env(&c.env, &c.secret_env)?;
         Ok(c)
@@ -70,12 +70,12 @@ impl Executor for Container {
 
     fn run<'a>(&'a self, ctx: ExecContext<'a>) -> ExecFuture<'a> {
         Box::pin(async move {
-            let Some(settings) = ctx.containers.clone() else {
+            let Some(settings) = ctx.settings.containers.clone() else {
                 return ExecOutcome::failed(
                     "container actions are not enabled on this runner ([containers] in the config)",
                 );
             };
-            let outputs_path = ctx.work_dir.join(crate::outputs::OUTPUT_FILE);
+            let outputs_path = ctx.settings.work_dir.join(crate::outputs::OUTPUT_FILE);
             let mut outcome = run_container(self, &settings, ctx).await;
             match crate::outputs::read(&outputs_path, &crate::mask::Masker::none()) {
                 Ok(mut o) => {
@@ -124,15 +124,16 @@ async fn run_container(spec: &Container, settings: &ContainerSettings, ctx: Exec
         });
     }
     if nix::unistd::geteuid().is_root()
-        && let Err(e) = std::os::unix::fs::chown(&ctx.work_dir, Some(settings.uid), Some(settings.gid))
+        && let Err(e) =
+            std::os::unix::fs::chown(&ctx.settings.work_dir, Some(settings.uid), Some(settings.gid))
     {
         return ExecOutcome::failed(format!(
             "handing {} to the container's uid: {e}",
-            ctx.work_dir.display()
+            ctx.settings.work_dir.display()
         ));
     }
     let mut env = vec![
-        format!("BYOC_JOB_ID={}", ctx.job_id),
+        format!("BYOC_JOB_ID={}", ctx.settings.job_id),
         "HOME=/work".to_string(),
         format!("{}=/work/{}", crate::outputs::OUTPUT_ENV, crate::outputs::OUTPUT_FILE),
     ];
@@ -141,8 +142,8 @@ async fn run_container(spec: &Container, settings: &ContainerSettings, ctx: Exec
     // config whose credential_process reads a file the runner renews (or, failing
     // that, the session as of its start). The role's values win over same-named job
     // variables, and no static key is left to shadow the config.
-    let mut binds = vec![format!("{}:/work:rw", ctx.work_dir.display())];
-    if let Some(creds) = &ctx.credentials {
+    let mut binds = vec![format!("{}:/work:rw", ctx.settings.work_dir.display())];
+    if let Some(creds) = &ctx.settings.credentials {
         let role_env = match &creds.container {
             Some(c) => {
                 binds.push(format!("{}:{}:ro", c.host_dir.display(), c.mount));
@@ -160,7 +161,7 @@ async fn run_container(spec: &Container, settings: &ContainerSettings, ctx: Exec
     }
     // The job's network: its own, with the blocked ranges refused before it starts.
     let net = if spec.network {
-        match JobNetwork::build(&docker, spec, settings, &ctx.job_id).await {
+        match JobNetwork::build(&docker, spec, settings, &ctx.settings.job_id).await {
             Ok(n) => {
                 let _ = ctx.output.write(format!("[sandbox] {}\n", describe_network(settings)).as_bytes());
                 Some(n)
@@ -206,11 +207,11 @@ async fn run_container(spec: &Container, settings: &ContainerSettings, ctx: Exec
         working_dir: Some("/work".into()),
         user: Some(format!("{}:{}", settings.uid, settings.gid)),
         network_disabled: Some(!spec.network),
-        labels: Some(labels(&ctx.job_id, &settings.owner)),
+        labels: Some(labels(&ctx.settings.job_id, &settings.owner)),
         host_config: Some(host_config),
         ..Default::default()
     };
-    let name = format!("byoc-job-{}", ctx.job_id);
+    let name = format!("byoc-job-{}", ctx.settings.job_id);
     // A container left by an earlier, interrupted attempt of this job goes first.
     let _ =
         docker.remove_container(&name, Some(RemoveContainerOptionsBuilder::new().force(true).build())).await;
@@ -296,15 +297,15 @@ const PROHIBIT_TABLE: u32 = 199;
 
 /// Whether a networked container's boundary can be built: a static busybox to hold
 /// and configure its namespace.
-pub fn check_network(settings: &ContainerSettings) -> Result<(), String> {
+pub fn check_network(settings: &ContainerSettings) -> Result<(), crate::jobnet::NetworkUnavailable> {
     if is_static_elf(&settings.busybox) {
         Ok(())
     } else {
-        Err(format!(
+        Err(crate::jobnet::NetworkUnavailable::from(format!(
             "{} is missing or not a static executable; networked containers need it to set up their \
              network boundary (apt-get install busybox-static, or set roles.busybox)",
             settings.busybox.display()
-        ))
+        )))
     }
 }
 
@@ -315,6 +316,13 @@ pub fn describe_network(settings: &ContainerSettings) -> String {
     };
     format!("network: own Docker network, {egress}, metadata and host blocked")
 }
+
+/// The memory ceiling of the holder and the configurator. They need a few MiB, but
+/// runc (1.1, as Debian 12 ships it) copies its own ~9 MiB binary into a memfd charged
+/// to the container's cgroup while it starts it; at 16 MiB its init was sometimes
+/// OOM-killed under load and Docker answered "cannot start a stopped process". A
+/// ceiling, not a reservation.
+const HELPER_MEMORY_BYTES: i64 = 64 << 20;
 
 /// A networked container's namespace: its Docker network and the holder container.
 struct JobNetwork {
@@ -336,7 +344,7 @@ impl JobNetwork {
         spec: &Container,
         settings: &ContainerSettings,
         job_id: &str,
-    ) -> Result<JobNetwork, String> {
+    ) -> Result<JobNetwork, crate::jobnet::NetworkUnavailable> {
         use bollard::models::NetworkCreateRequest;
         check_network(settings)?;
         let name = format!("byoc-job-{job_id}");
@@ -378,7 +386,7 @@ impl JobNetwork {
         spec: &Container,
         settings: &ContainerSettings,
         job_id: &str,
-    ) -> Result<(), String> {
+    ) -> Result<(), crate::jobnet::NetworkUnavailable> {
         let info = docker
             .inspect_network(&self.network, None)
             .await
@@ -391,7 +399,9 @@ impl JobNetwork {
             .filter_map(|c| c.gateway.as_deref()?.parse().ok())
             .collect();
         let Some(gateway) = gateways.iter().find(|g| g.is_ipv4()).copied() else {
-            return Err("the job's Docker network has no IPv4 gateway".into());
+            return Err(crate::jobnet::NetworkUnavailable(
+                "the job's Docker network has no IPv4 gateway".into(),
+            ));
         };
         let busybox_bind = format!("{}:{NET_BUSYBOX}:ro", settings.busybox.display());
         // The holder: owns the namespace, does nothing, holds no capability.
@@ -407,7 +417,7 @@ impl JobNetwork {
                 readonly_rootfs: Some(true),
                 security_opt: Some(vec!["no-new-privileges".into()]),
                 binds: Some(vec![busybox_bind.clone()]),
-                memory: Some(16 << 20),
+                memory: Some(HELPER_MEMORY_BYTES),
                 pids_limit: Some(4),
                 ..Default::default()
             }),
@@ -462,7 +472,7 @@ impl JobNetwork {
                 readonly_rootfs: Some(true),
                 security_opt: Some(vec!["no-new-privileges".into()]),
                 binds: Some(vec![busybox_bind]),
-                memory: Some(32 << 20),
+                memory: Some(HELPER_MEMORY_BYTES),
                 pids_limit: Some(16),
                 ..Default::default()
             }),
@@ -487,8 +497,17 @@ impl JobNetwork {
                 Ok(Some(Ok(r))) => r.status_code,
                 // bollard reports a non-zero exit as an error carrying the code.
                 Ok(Some(Err(bollard::errors::Error::DockerContainerWaitError { code, .. }))) => code,
-                Ok(Some(Err(e))) => return Err(docker_error("waiting for the network configurator", e)),
-                Ok(None) | Err(_) => return Err("the network configurator did not finish".into()),
+                Ok(Some(Err(e))) => {
+                    return Err(crate::jobnet::NetworkUnavailable::from(docker_error(
+                        "waiting for the network configurator",
+                        e,
+                    )));
+                }
+                Ok(None) | Err(_) => {
+                    return Err(crate::jobnet::NetworkUnavailable(
+                        "the network configurator did not finish".into(),
+                    ));
+                }
             };
             if code != 0 {
                 let mut logs = docker
@@ -498,10 +517,10 @@ impl JobNetwork {
                 while let Some(Ok(chunk)) = logs.next().await {
                     said.push_str(&String::from_utf8_lossy(&chunk.into_bytes()));
                 }
-                return Err(format!(
+                return Err(crate::jobnet::NetworkUnavailable::from(format!(
                     "setting the container's network rules failed ({code}): {}",
                     said.trim()
-                ));
+                )));
             }
             Ok(())
         }
@@ -577,7 +596,7 @@ async fn supervise(
     let mut logs = docker
         .logs(id, Some(LogsOptionsBuilder::new().follow(true).stdout(true).stderr(true).build()))
         .boxed();
-    let deadline = tokio::time::sleep(ctx.timeout);
+    let deadline = tokio::time::sleep(ctx.settings.timeout);
     tokio::pin!(deadline);
     let mut ending = Ending::Exited;
     let mut sink_error = None;
@@ -588,6 +607,11 @@ async fn supervise(
                 Some(Ok(chunk)) => {
                     if let Err(e) = ctx.output.write(&chunk.into_bytes()) {
                         sink_error.get_or_insert(e);
+                        // As for processes: a job does not run on unrecorded.
+                        if !escalated {
+                            escalated = true;
+                            stop(docker, id, ctx.settings.kill_grace).await;
+                        }
                     }
                 }
                 // The log stream ends when the container stops.
@@ -596,12 +620,12 @@ async fn supervise(
             _ = &mut deadline, if !escalated => {
                 ending = Ending::TimedOut;
                 escalated = true;
-                stop(docker, id, ctx.kill_grace).await;
+                stop(docker, id, ctx.settings.kill_grace).await;
             }
-            _ = ctx.cancel.cancelled(), if !escalated => {
+            _ = ctx.settings.cancel.cancelled(), if !escalated => {
                 ending = Ending::Cancelled;
                 escalated = true;
-                stop(docker, id, ctx.kill_grace).await;
+                stop(docker, id, ctx.settings.kill_grace).await;
             }
         }
     }
@@ -612,9 +636,10 @@ async fn supervise(
     let state = state.unwrap_or_default();
     let exit_code = state.exit_code.map(|c| c as i32);
     let (status, error) = match ending {
-        Ending::TimedOut => {
-            (JobStatus::TimedOut, Some(format!("job exceeded its timeout of {}s", ctx.timeout.as_secs())))
-        }
+        Ending::TimedOut => (
+            JobStatus::TimedOut,
+            Some(format!("job exceeded its timeout of {}s", ctx.settings.timeout.as_secs())),
+        ),
         Ending::Cancelled => (JobStatus::Cancelled, Some("job was cancelled".into())),
         Ending::Exited if state.oom_killed == Some(true) => (
             JobStatus::Failed,
@@ -630,9 +655,12 @@ async fn supervise(
         },
     };
     let (status, error) = match sink_error {
-        Some(e) if status == JobStatus::Succeeded => {
-            (JobStatus::Failed, Some(format!("writing job log to the spool: {e}")))
-        }
+        Some(e) if matches!(ending, Ending::Exited) => (
+            JobStatus::Failed,
+            Some(format!(
+                "the job's log could not be written ({e}); the job was stopped so it does not run on unrecorded"
+            )),
+        ),
         _ => (status, error),
     };
     ExecOutcome { status, exit_code, error, outputs: serde_json::json!({}) }

@@ -14,7 +14,29 @@ pub struct Keys<'a> {
     pub session_token: Option<&'a str>,
 }
 
-pub fn token(keys: &Keys<'_>, region: &str, cluster: &str, now: SystemTime) -> Result<String, String> {
+/// Why the cluster cannot be reached with the job's credentials: what is missing.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct ClusterAccessError(pub String);
+
+impl From<String> for ClusterAccessError {
+    fn from(s: String) -> Self {
+        ClusterAccessError(s)
+    }
+}
+
+impl From<&str> for ClusterAccessError {
+    fn from(s: &str) -> Self {
+        ClusterAccessError(s.to_string())
+    }
+}
+
+pub fn token(
+    keys: &Keys<'_>,
+    region: &str,
+    cluster: &str,
+    now: SystemTime,
+) -> Result<String, ClusterAccessError> {
     use base64::Engine as _;
     let host = format!("sts.{region}.amazonaws.com");
     let url = format!("https://{host}/?Action=GetCallerIdentity&Version=2011-06-15");

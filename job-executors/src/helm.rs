@@ -10,7 +10,7 @@ use std::time::Instant;
 use serde::Deserialize;
 use sha2::Digest as _;
 
-use crate::terraform::{Run, failed};
+use crate::tool::{Run, failed, parse_manifests};
 use crate::{ExecContext, ExecFuture, ExecOutcome, Executor, JobStatus};
 
 const CHART_DIR: &str = "chart";
@@ -35,14 +35,14 @@ struct Spec {
     action: Action,
     release: String,
     namespace: String,
-    /// The chart: files of a local chart (relative path → content), or an OCI reference
-    /// in the install's registry (`oci://…`) with a version.
+    /// The chart from the install's registry, by digest: `<registry>/<repo>@sha256:…`
+    /// (helm's OCI chart artifact, synced there first). The runner fetches, verifies and
+    /// unpacks it; helm gets a local path and no registry credential at all.
+    #[serde(default)]
+    chart: Option<String>,
+    /// Or inline, for small charts and tests: relative path → content.
     #[serde(default)]
     files: BTreeMap<String, String>,
-    #[serde(default)]
-    oci: Option<String>,
-    #[serde(default)]
-    version: Option<String>,
     #[serde(default)]
     values: serde_json::Value,
     /// Written to a file of their own and masked wherever output goes.
@@ -64,6 +64,7 @@ fn default_wait() -> u64 {
 
 pub struct Helm {
     spec: Spec,
+    chart: Option<byoc_oci_sync::Reference>,
 }
 
 fn dns_label(s: &str) -> bool {
@@ -75,53 +76,47 @@ fn dns_label(s: &str) -> bool {
 }
 
 impl Helm {
-    pub fn from_spec(spec: &serde_json::Value) -> Result<Self, String> {
+    pub fn from_spec(spec: &serde_json::Value) -> Result<Self, crate::InvalidSpec> {
         let s: Spec = serde_json::from_value(spec.clone()).map_err(|e| e.to_string())?;
         if !dns_label(&s.release) {
-            return Err(format!("release {:?}: 1-53 of [a-z0-9-]", s.release));
+            return Err(crate::InvalidSpec::from(format!("release {:?}: 1-53 of [a-z0-9-]", s.release)));
         }
         if !dns_label(&s.namespace) {
-            return Err(format!("namespace {:?}: a DNS label", s.namespace));
+            return Err(crate::InvalidSpec::from(format!("namespace {:?}: a DNS label", s.namespace)));
         }
-        if s.action == Action::Upgrade {
-            match (&s.oci, s.files.is_empty()) {
-                (Some(r), true) if r.starts_with("oci://") && s.version.is_some() => {}
-                (Some(_), true) => return Err("oci: an oci:// reference with a version".into()),
-                (None, false) => {}
-                _ => return Err("upgrade needs the chart: files, or oci + version".into()),
+        let chart = match (&s.chart, s.files.is_empty()) {
+            (Some(c), true) => Some(crate::artifact::parse_reference("chart", c)?),
+            (Some(_), false) => {
+                return Err(crate::InvalidSpec::from(
+                    "name the chart by digest (chart) or inline (files), not both",
+                ));
             }
-        }
-        if let Some(bad) = s.files.keys().find(|p| !crate::terraform::safe_relative(p)) {
-            return Err(format!("files: {bad:?} is not a relative path inside the chart"));
+            (None, true) if s.action == Action::Upgrade => {
+                return Err(crate::InvalidSpec::from(
+                    "upgrade needs the chart: chart = \"<registry>/<repo>@sha256:…\", or files",
+                ));
+            }
+            (None, _) => None,
+        };
+        if let Some(bad) = s.files.keys().find(|p| !crate::tool::safe_relative(p)) {
+            return Err(crate::InvalidSpec::from(format!(
+                "files: {bad:?} is not a relative path inside the chart"
+            )));
         }
         if let Some((k, _)) = s.secret_values.iter().find(|(_, v)| v.len() < crate::mask::MIN_SECRET_LEN) {
-            return Err(format!(
+            return Err(crate::InvalidSpec::from(format!(
                 "secret_values {k}: shorter than {} bytes cannot be masked",
                 crate::mask::MIN_SECRET_LEN
-            ));
+            )));
         }
         if !(s.values.is_null() || s.values.is_object()) {
-            return Err("values must be an object".into());
+            return Err(crate::InvalidSpec::from("values must be an object"));
         }
         if s.wait_secs == 0 || s.wait_secs > 3600 {
-            return Err("wait_secs: 1..=3600".into());
+            return Err(crate::InvalidSpec::from("wait_secs: 1..=3600"));
         }
-        Ok(Helm { spec: s })
+        Ok(Helm { spec: s, chart })
     }
-}
-
-/// Multi-document YAML → manifest objects (empty documents skipped).
-pub fn parse_manifests(yaml: &str) -> Result<Vec<serde_json::Value>, String> {
-    let mut out = Vec::new();
-    for (i, doc) in serde_norway::Deserializer::from_str(yaml).enumerate() {
-        let v = serde_json::Value::deserialize(doc).map_err(|e| format!("document {}: {e}", i + 1))?;
-        match v {
-            serde_json::Value::Null => {}
-            serde_json::Value::Object(_) => out.push(v),
-            _ => return Err(format!("document {} is not a Kubernetes object", i + 1)),
-        }
-    }
-    Ok(out)
 }
 
 fn identity(m: &serde_json::Value) -> String {
@@ -155,7 +150,7 @@ fn diff_summary(before: &[serde_json::Value], after: &[serde_json::Value]) -> se
 impl Helm {
     async fn go(&self, ctx: &mut ExecContext<'_>) -> ExecOutcome {
         let s = &self.spec;
-        let dir = ctx.work_dir.clone();
+        let dir = ctx.settings.work_dir.clone();
         let write = |name: &str, content: &[u8], mode: u32| -> std::io::Result<()> {
             use std::os::unix::fs::OpenOptionsExt as _;
             let p = dir.join(name);
@@ -166,6 +161,11 @@ impl Helm {
                 std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(mode).open(p)?;
             std::io::Write::write_all(&mut f, content)
         };
+        if let Some(reference) = &self.chart
+            && let Err(outcome) = self.fetch_chart(ctx, reference, &dir.join(CHART_DIR)).await
+        {
+            return outcome;
+        }
         for (rel, content) in &s.files {
             if let Err(e) = write(&format!("{CHART_DIR}/{rel}"), content.as_bytes(), 0o644) {
                 return ExecOutcome::failed(format!("writing chart file {rel}: {e}"));
@@ -185,17 +185,17 @@ impl Helm {
                 return ExecOutcome::failed(format!("writing {name}: {e}"));
             }
         }
-        if let Err(e) = crate::terraform::hand_over(ctx, &dir) {
+        if let Err(e) = crate::tool::hand_over(ctx, &dir) {
             return ExecOutcome::failed(format!("handing the chart to the job's uid: {e}"));
         }
-        let inside = match &ctx.sandbox {
+        let inside = match &ctx.settings.sandbox {
             Some(_) => crate::sandboxed::work_dir_inside(),
-            None => ctx.work_dir.clone(),
+            None => ctx.settings.work_dir.clone(),
         };
         let mut env: Vec<(String, String)> = vec![
-            ("PATH".into(), crate::terraform::DEFAULT_PATH.into()),
+            ("PATH".into(), crate::tool::DEFAULT_PATH.into()),
             ("HOME".into(), inside.display().to_string()),
-            ("BYOC_JOB_ID".into(), ctx.job_id.clone()),
+            ("BYOC_JOB_ID".into(), ctx.settings.job_id.clone()),
             ("HELM_CACHE_HOME".into(), inside.join(".helm/cache").display().to_string()),
             ("HELM_CONFIG_HOME".into(), inside.join(".helm/config").display().to_string()),
             ("HELM_DATA_HOME".into(), inside.join(".helm/data").display().to_string()),
@@ -204,24 +204,90 @@ impl Helm {
             env.push(("KUBECONFIG".into(), inside.join(KUBECONFIG).display().to_string()));
         }
         crate::add_role_env(ctx, &mut env, true);
-        let helm = ctx.tools.helm.display().to_string();
-        let mut run = Run { tool: "helm", ctx, started: Instant::now(), env };
+        let helm = ctx.settings.tools.helm.display().to_string();
+        let mut run = Run { tool: "helm", ctx, started: Instant::now(), env, watch: None, seen: false };
         match self.steps(&mut run, &helm).await {
             Ok(o) | Err(o) => o,
         }
     }
 
+    /// The chart by digest, into `to`: helm's chart archive holds one directory (the
+    /// chart's name) with `Chart.yaml` in it.
+    async fn fetch_chart(
+        &self,
+        ctx: &mut ExecContext<'_>,
+        reference: &byoc_oci_sync::Reference,
+        to: &std::path::Path,
+    ) -> Result<(), ExecOutcome> {
+        let fetched = match crate::artifact::fetch(&ctx.settings, reference).await {
+            Ok(f) => f,
+            Err(e) => {
+                let _ = ctx.output.write(format!("[helm] chart {reference}: {e}\n").as_bytes());
+                return Err(failed(
+                    &e.code(),
+                    e.to_string(),
+                    serde_json::json!({"chart": reference.to_string()}),
+                ));
+            }
+        };
+        let root = if fetched.tree.join("Chart.yaml").is_file() {
+            fetched.tree.clone()
+        } else {
+            let dirs: Vec<_> = std::fs::read_dir(&fetched.tree)
+                .map(|d| d.flatten().map(|e| e.path()).filter(|p| p.join("Chart.yaml").is_file()).collect())
+                .unwrap_or_default();
+            match dirs.as_slice() {
+                [one] => one.clone(),
+                _ => {
+                    return Err(failed(
+                        "artifact_invalid",
+                        format!("chart {reference}: no Chart.yaml at its root or in its one directory"),
+                        serde_json::json!({"chart": reference.to_string()}),
+                    ));
+                }
+            }
+        };
+        crate::artifact::copy_tree(&root, to)
+            .map_err(|e| ExecOutcome::failed(format!("copying the chart into the job's directory: {e}")))?;
+        let _ = ctx.output.write(
+            format!(
+                "[helm] chart {reference}: {} files{}\n",
+                fetched.files,
+                if fetched.cached { " (cached)" } else { ", fetched and verified" }
+            )
+            .as_bytes(),
+        );
+        ctx.settings.artifact = Some(fetched.digest.to_string());
+        Ok(())
+    }
+
     fn chart_args(&self) -> Vec<String> {
         let s = &self.spec;
-        let mut v = match &s.oci {
-            Some(r) => vec![r.clone(), "--version".into(), s.version.clone().unwrap_or_default()],
-            None => vec![format!("./{CHART_DIR}")],
-        };
+        let mut v = vec![format!("./{CHART_DIR}")];
         v.extend(["--namespace".into(), s.namespace.clone(), "-f".into(), VALUES.into()]);
         if !s.secret_values.is_empty() {
             v.extend(["-f".into(), SECRET_VALUES.into()]);
         }
         v
+    }
+
+    /// What the release has deployed now (`helm get manifest`): none when there is no
+    /// release yet (the command fails), an error only when the step itself could not run.
+    async fn deployed(
+        &self,
+        run: &mut Run<'_, '_>,
+        sh: &impl Fn(String, &str) -> Vec<String>,
+    ) -> Result<Vec<serde_json::Value>, ExecOutcome> {
+        let s = &self.spec;
+        let get = sh(format!("get manifest '{}' --namespace '{}'", s.release, s.namespace), DEPLOYED);
+        match run.cmd("get manifest", get).await {
+            Ok(()) => Ok(std::fs::read_to_string(run.ctx.settings.work_dir.join(DEPLOYED))
+                .ok()
+                .and_then(|t| parse_manifests(&t).ok())
+                .unwrap_or_default()),
+            Err(o) if o.status == JobStatus::Failed => Ok(vec![]),
+            Err(o) => Err(o),
+        }
     }
 
     async fn steps(&self, run: &mut Run<'_, '_>, helm: &str) -> Result<ExecOutcome, ExecOutcome> {
@@ -236,20 +302,7 @@ impl Helm {
             Action::Uninstall => {
                 // What the release has deployed is about to be deleted: reviewed as
                 // DELETE first (nothing deployed, nothing to decide).
-                let deployed = match run
-                    .cmd(
-                        "get manifest",
-                        sh(format!("get manifest '{}' --namespace '{}'", s.release, s.namespace), DEPLOYED),
-                    )
-                    .await
-                {
-                    Ok(()) => std::fs::read_to_string(run.ctx.work_dir.join(DEPLOYED))
-                        .ok()
-                        .and_then(|t| parse_manifests(&t).ok())
-                        .unwrap_or_default(),
-                    Err(o) if o.status == JobStatus::Failed => vec![],
-                    Err(o) => return Err(o),
-                };
+                let deployed = self.deployed(run, &sh).await?;
                 if !deployed.is_empty() {
                     let bytes = serde_json::to_vec(&deployed).unwrap_or_default();
                     let subject = crate::policy_gate::Subject {
@@ -258,9 +311,10 @@ impl Helm {
                         name: "manifests",
                         digest: None,
                     };
-                    let decision = crate::policy_gate::decide(run.ctx, subject, &bytes)
-                        .await
-                        .map_err(|e| failed(crate::policy_gate::UNAVAILABLE, e, serde_json::Value::Null))?;
+                    let decision =
+                        crate::policy_gate::decide(run.ctx, subject, &bytes).await.map_err(|e| {
+                            failed(crate::policy_gate::UNAVAILABLE, e.to_string(), serde_json::Value::Null)
+                        })?;
                     let digest = decision.input_digest.clone();
                     if decision.verdict == byoc_policy::Verdict::Deny {
                         return Err(failed(
@@ -269,6 +323,15 @@ impl Helm {
                             serde_json::json!({"release": s.release, "manifests_digest": digest}),
                         ));
                     }
+                }
+                if run.ctx.settings.decide_only {
+                    run.log("[helm] stopping after the decision: nothing uninstalled\n");
+                    return Ok(ExecOutcome {
+                        status: JobStatus::Succeeded,
+                        exit_code: Some(0),
+                        error: None,
+                        outputs: serde_json::json!({"release": s.release}),
+                    });
                 }
                 run.cmd(
                     "uninstall",
@@ -317,27 +380,14 @@ impl Helm {
             Action::Upgrade => {
                 let chart = self.chart_args().iter().map(|a| format!("'{a}'")).collect::<Vec<_>>().join(" ");
                 run.cmd("template", sh(format!("template '{}' {chart}", s.release), RENDERED)).await?;
-                let rendered = std::fs::read_to_string(run.ctx.work_dir.join(RENDERED))
+                let rendered = std::fs::read_to_string(run.ctx.settings.work_dir.join(RENDERED))
                     .map_err(|e| ExecOutcome::failed(format!("reading the rendered manifests: {e}")))?;
-                let _ = std::fs::remove_file(run.ctx.work_dir.join(RENDERED));
+                let _ = std::fs::remove_file(run.ctx.settings.work_dir.join(RENDERED));
                 let manifests = parse_manifests(&rendered).map_err(|e| {
                     failed("manifests_unreadable", format!("helm template: {e}"), serde_json::Value::Null)
                 })?;
                 // What is deployed now (absent on the first install).
-                let before = match run
-                    .cmd(
-                        "get manifest",
-                        sh(format!("get manifest '{}' --namespace '{}'", s.release, s.namespace), DEPLOYED),
-                    )
-                    .await
-                {
-                    Ok(()) => std::fs::read_to_string(run.ctx.work_dir.join(DEPLOYED))
-                        .ok()
-                        .and_then(|t| parse_manifests(&t).ok())
-                        .unwrap_or_default(),
-                    Err(o) if o.status == JobStatus::Failed => vec![],
-                    Err(o) => return Err(o),
-                };
+                let before = self.deployed(run, &sh).await?;
                 let diff = diff_summary(&before, &manifests);
                 let bytes = serde_json::to_vec(&manifests).unwrap_or_default();
                 let subject = crate::policy_gate::Subject {
@@ -351,9 +401,9 @@ impl Helm {
                     name: "manifests",
                     digest: None,
                 };
-                let decision = crate::policy_gate::decide(run.ctx, subject, &bytes)
-                    .await
-                    .map_err(|e| failed(crate::policy_gate::UNAVAILABLE, e, serde_json::Value::Null))?;
+                let decision = crate::policy_gate::decide(run.ctx, subject, &bytes).await.map_err(|e| {
+                    failed(crate::policy_gate::UNAVAILABLE, e.to_string(), serde_json::Value::Null)
+                })?;
                 let base = serde_json::json!({"release": s.release, "manifests_digest": decision.input_digest, "diff": diff, "verdict": decision.verdict,
                     "violations": decision.violations.iter().map(|v| serde_json::json!({"rule": v.rule, "address": v.address, "policy": v.policy})).collect::<Vec<_>>()});
                 if decision.verdict == byoc_policy::Verdict::Deny {
@@ -362,6 +412,15 @@ impl Helm {
                         format!("policy denied the release: {}", decision.denials().join(", ")),
                         base,
                     ));
+                }
+                if run.ctx.settings.decide_only {
+                    run.log("[helm] stopping after the decision: nothing applied\n");
+                    return Ok(ExecOutcome {
+                        status: JobStatus::Succeeded,
+                        exit_code: Some(0),
+                        error: None,
+                        outputs: base,
+                    });
                 }
                 let mut up = vec!["upgrade".to_string(), "--install".into(), s.release.clone()];
                 up.extend(self.chart_args());
@@ -395,7 +454,7 @@ impl Helm {
             helm.to_string(),
         ];
         run.cmd("status", argv).await?;
-        let raw = std::fs::read(run.ctx.work_dir.join(STATUS))
+        let raw = std::fs::read(run.ctx.settings.work_dir.join(STATUS))
             .map_err(|e| ExecOutcome::failed(format!("reading the status: {e}")))?;
         let v: serde_json::Value = serde_json::from_slice(&raw)
             .map_err(|e| ExecOutcome::failed(format!("helm status -o json: {e}")))?;

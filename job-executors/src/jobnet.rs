@@ -99,26 +99,41 @@ pub fn describe(use_: NetworkUse, settings: &NetworkSettings) -> String {
     }
 }
 
+/// Why a job's network boundary cannot be built (or widened): what is missing and what
+/// to do. A job that needs it is refused (`sandbox_network_unavailable`), never run
+/// with less isolation.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct NetworkUnavailable(pub String);
+
+impl From<String> for NetworkUnavailable {
+    fn from(s: String) -> Self {
+        NetworkUnavailable(s)
+    }
+}
+
 /// Whether the boundary can be built here; the reason and what to install if not.
 /// Cheap (run before each networked job): the stack's program and the TUN device.
-pub fn check_available(settings: &NetworkSettings) -> Result<(), String> {
+pub fn check_available(settings: &NetworkSettings) -> Result<(), NetworkUnavailable> {
     use std::os::unix::fs::PermissionsExt as _;
     let stack = &settings.slirp4netns;
     match std::fs::metadata(stack) {
         Ok(m) if m.is_file() && m.permissions().mode() & 0o111 != 0 => {}
-        Ok(_) => return Err(format!("{} is not an executable file", stack.display())),
+        Ok(_) => {
+            return Err(NetworkUnavailable::from(format!("{} is not an executable file", stack.display())));
+        }
         Err(e) => {
-            return Err(format!(
+            return Err(NetworkUnavailable::from(format!(
                 "the user-mode network stack {} is missing ({e}); install it: apt-get install slirp4netns",
                 stack.display()
-            ));
+            )));
         }
     }
     if let Err(e) = std::fs::OpenOptions::new().read(true).write(true).open("/dev/net/tun") {
-        return Err(format!(
+        return Err(NetworkUnavailable::from(format!(
             "/dev/net/tun cannot be opened ({e}); the runner's unit needs DeviceAllow=/dev/net/tun rw \
              (the packaged unit has it) and the tun module loaded"
-        ));
+        )));
     }
     Ok(())
 }
@@ -209,7 +224,7 @@ async fn receive(channel: OwnedFd) -> std::io::Result<Option<Handover>> {
 /// The runner's services inside one job's namespace, running until dropped.
 pub struct Services {
     task: tokio::task::JoinHandle<()>,
-    arrived: tokio::sync::watch::Receiver<Option<Result<(), String>>>,
+    arrived: tokio::sync::watch::Receiver<Option<Result<(), NetworkUnavailable>>>,
 }
 
 impl Drop for Services {
@@ -231,11 +246,14 @@ impl Services {
             let handover = match receive(channel).await {
                 Ok(Some(h)) => h,
                 Ok(None) => {
-                    let _ = tx.send(Some(Err("the sandbox ended before its network was up".into())));
+                    let _ = tx.send(Some(Err(NetworkUnavailable(
+                        "the sandbox ended before its network was up".into(),
+                    ))));
                     return;
                 }
                 Err(e) => {
-                    let _ = tx.send(Some(Err(format!("receiving the job's sockets: {e}"))));
+                    let _ =
+                        tx.send(Some(Err(NetworkUnavailable(format!("receiving the job's sockets: {e}")))));
                     return;
                 }
             };
@@ -278,7 +296,7 @@ impl Services {
     }
 
     /// Whether the sandbox handed over its sockets (`None`: not yet, or never).
-    pub fn outcome(&self) -> Option<Result<(), String>> {
+    pub fn outcome(&self) -> Option<Result<(), NetworkUnavailable>> {
         self.arrived.borrow().clone()
     }
 }

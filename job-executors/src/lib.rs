@@ -10,9 +10,11 @@ use std::pin::Pin;
 use std::time::Duration;
 
 pub use byoc_protocol::JobStatus;
-use tokio_util::sync::CancellationToken;
+pub use context::{ExecContext, ExecSettings};
 
+pub mod artifact;
 pub mod container;
+pub mod context;
 pub mod dns;
 pub mod eks;
 pub mod helm;
@@ -27,6 +29,7 @@ pub mod process;
 pub mod sandboxed;
 pub mod script;
 pub mod terraform;
+pub mod tool;
 
 /// Where job output goes (the runner's on-disk spool). Writes are small and local.
 pub trait OutputSink: Send {
@@ -122,6 +125,12 @@ pub struct ToolSettings {
     pub cli_config_file: Option<PathBuf>,
     /// `TF_PLUGIN_CACHE_DIR`.
     pub plugin_cache_dir: Option<PathBuf>,
+    /// Components fetched by digest: where they are cached, and the unpacking limits.
+    pub artifacts: artifact::CacheSettings,
+    /// Where components by digest come from (the install's registry, on a runner).
+    pub artifact_source: artifact::ArtifactSource,
+    /// Where terraform state lives (the customer's bucket, or local on the runner).
+    pub state: terraform::state::StateSettings,
 }
 
 impl Default for ToolSettings {
@@ -133,6 +142,9 @@ impl Default for ToolSettings {
             plan_max_age: Duration::from_secs(3600),
             cli_config_file: None,
             plugin_cache_dir: None,
+            artifacts: artifact::CacheSettings::default(),
+            artifact_source: artifact::ArtifactSource::default(),
+            state: terraform::state::StateSettings::default(),
         }
     }
 }
@@ -187,18 +199,38 @@ impl PolicyScope {
         };
         match run_evaluator(ev, &req, self.limits.time_per_policy * (self.policies.len() as u32 + 1)).await {
             Ok(d) => d,
-            Err(reason) => byoc_policy::denied(&self.policies, input, "(evaluator)", reason),
+            Err(e) => byoc_policy::denied(&self.policies, input, "(evaluator)", e.to_string()),
         }
     }
+}
+
+/// Why the evaluator process gave no decision (the job's decision is then a denial).
+#[derive(Debug, thiserror::Error)]
+pub enum EvaluatorError {
+    #[error("encoding the request: {0}")]
+    Encode(serde_json::Error),
+    #[error("starting the policy evaluator {program}: {source}")]
+    Start { program: PathBuf, source: std::io::Error },
+    #[error("the policy evaluator ran longer than {secs}s and was stopped")]
+    Timeout { secs: u64 },
+    #[error("waiting for the policy evaluator: {0}")]
+    Wait(std::io::Error),
+    #[error(
+        "the policy evaluator ended without a decision ({status}): it exceeded its {memory_mib} MiB memory limit or failed{}",
+        if last_line.is_empty() { String::new() } else { format!(" ({last_line})") }
+    )]
+    NoDecision { status: std::process::ExitStatus, memory_mib: u64, last_line: String },
+    #[error("the policy evaluator's answer: {0}")]
+    Answer(serde_json::Error),
 }
 
 async fn run_evaluator(
     ev: &Evaluator,
     req: &byoc_policy::EvalRequest,
     budget: Duration,
-) -> Result<byoc_policy::Decision, String> {
+) -> Result<byoc_policy::Decision, EvaluatorError> {
     use tokio::io::AsyncWriteExt as _;
-    let body = serde_json::to_vec(req).map_err(|e| format!("encoding the request: {e}"))?;
+    let body = serde_json::to_vec(req).map_err(EvaluatorError::Encode)?;
     let mut child = tokio::process::Command::new(&ev.program)
         .args(&ev.args)
         .arg("--memory-mib")
@@ -211,26 +243,22 @@ async fn run_evaluator(
         .stderr(std::process::Stdio::piped())
         .kill_on_drop(true)
         .spawn()
-        .map_err(|e| format!("starting the policy evaluator {}: {e}", ev.program.display()))?;
-    let mut stdin = child.stdin.take().ok_or("no stdin for the evaluator")?;
+        .map_err(|source| EvaluatorError::Start { program: ev.program.clone(), source })?;
+    let stdin = child.stdin.take();
     let writer = async move {
-        let _ = stdin.write_all(&body).await;
+        if let Some(mut stdin) = stdin {
+            let _ = stdin.write_all(&body).await;
+        }
     };
     let (_, out) = tokio::join!(writer, tokio::time::timeout(budget, child.wait_with_output()));
-    let out = out
-        .map_err(|_| format!("the policy evaluator ran longer than {}s and was stopped", budget.as_secs()))?
-        .map_err(|e| format!("waiting for the policy evaluator: {e}"))?;
+    let out =
+        out.map_err(|_| EvaluatorError::Timeout { secs: budget.as_secs() })?.map_err(EvaluatorError::Wait)?;
     if !out.status.success() {
         let stderr = String::from_utf8_lossy(&out.stderr);
-        let last = stderr.lines().last().unwrap_or("").chars().take(200).collect::<String>();
-        return Err(format!(
-            "the policy evaluator ended without a decision ({}): it exceeded its {} MiB memory limit or failed{}",
-            out.status,
-            ev.memory_mib,
-            if last.is_empty() { String::new() } else { format!(" ({last})") }
-        ));
+        let last_line = stderr.lines().last().unwrap_or("").chars().take(200).collect::<String>();
+        return Err(EvaluatorError::NoDecision { status: out.status, memory_mib: ev.memory_mib, last_line });
     }
-    serde_json::from_slice(&out.stdout).map_err(|e| format!("the policy evaluator's answer: {e}"))
+    serde_json::from_slice(&out.stdout).map_err(EvaluatorError::Answer)
 }
 
 /// Audit records an executor makes itself (the runner fills in job, kind, operation
@@ -241,30 +269,14 @@ pub trait JobAudit: Send + Sync {
         event: &str,
         detail: String,
         digests: std::collections::BTreeMap<String, String>,
-    ) -> Result<(), String>;
+    ) -> Result<(), AuditFailed>;
 }
 
-pub struct ExecContext<'a> {
-    pub job_id: String,
-    /// The job's private working directory (created 0700 by the runner).
-    pub work_dir: PathBuf,
-    pub timeout: Duration,
-    /// Grace between the escalation steps interrupt → terminate → kill.
-    pub kill_grace: Duration,
-    pub cancel: CancellationToken,
-    pub output: &'a mut dyn OutputSink,
-    pub sandbox: Option<SandboxSettings>,
-    /// `None`: container actions are refused.
-    pub containers: Option<ContainerSettings>,
-    /// The assumed role's credentials, for jobs that asked for a role (`None`: the job
-    /// gets no AWS credentials at all).
-    pub credentials: Option<JobCredentials>,
-    pub oci: OciSettings,
-    pub audit: Option<std::sync::Arc<dyn JobAudit>>,
-    pub tools: ToolSettings,
-    /// `None`: jobs that need a policy decision are refused.
-    pub policy: Option<PolicyScope>,
-}
+/// The audit log did not take a record (the executor logs it; a decision it could not
+/// record is not acted on).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("the audit log did not take the record: {0}")]
+pub struct AuditFailed(pub String);
 
 /// How a job reaches its role's credentials. Both forms' secrets are in `feed`, so
 /// they are masked wherever the job's output goes.
@@ -365,7 +377,7 @@ pub fn refusal(
         Placement::Sandbox { network } => {
             let s = sandbox?;
             if network && let Err(why) = jobnet::check_available(&s.network) {
-                return Some(Refusal::NetworkUnavailable(why));
+                return Some(Refusal::NetworkUnavailable(why.0));
             }
             if s.cgroups && s.require_limits && byoc_sandbox::cgroup::detect().is_none() {
                 return Some(Refusal::LimitsUnavailable(
@@ -376,9 +388,9 @@ pub fn refusal(
             }
             None
         }
-        Placement::Container { network: true } => {
-            containers.and_then(|c| container::check_network(c).err()).map(Refusal::NetworkUnavailable)
-        }
+        Placement::Container { network: true } => containers
+            .and_then(|c| container::check_network(c).err())
+            .map(|e| Refusal::NetworkUnavailable(e.0)),
         Placement::Container { network: false } => None,
     }
 }
@@ -424,8 +436,8 @@ pub trait Executor: Send + Sync {
 /// in the sandbox, the endpoint served inside the job's namespace; with the sandbox
 /// switched off, the session's keys as of now (no renewal), said in the job's log.
 pub(crate) fn add_role_env(ctx: &mut ExecContext<'_>, env: &mut Vec<(String, String)>, network: bool) {
-    let Some(creds) = &ctx.credentials else { return };
-    let role_env = match (&ctx.sandbox, network) {
+    let Some(creds) = &ctx.settings.credentials else { return };
+    let role_env = match (&ctx.settings.sandbox, network) {
         (Some(_), true) => creds.endpoint_env.clone(),
         (Some(_), false) => {
             let _ = ctx.output.write(
@@ -444,6 +456,30 @@ pub(crate) fn add_role_env(ctx: &mut ExecContext<'_>, env: &mut Vec<(String, Str
     env.extend(role_env);
 }
 
+/// A job spec, or a value in it, that cannot be run as written: what is wrong with it
+/// (the runner refuses the job with `invalid_spec` and this message).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct InvalidSpec(pub String);
+
+impl From<String> for InvalidSpec {
+    fn from(s: String) -> Self {
+        InvalidSpec(s)
+    }
+}
+
+impl From<&str> for InvalidSpec {
+    fn from(s: &str) -> Self {
+        InvalidSpec(s.to_string())
+    }
+}
+
+impl From<byoc_oci_sync::reference::InvalidReference> for InvalidSpec {
+    fn from(e: byoc_oci_sync::reference::InvalidReference) -> Self {
+        InvalidSpec(e.0)
+    }
+}
+
 /// Serde default for switches that are on unless a spec turns them off (network).
 pub(crate) fn default_true() -> bool {
     true
@@ -454,16 +490,16 @@ pub(crate) fn default_true() -> bool {
 pub fn validate_env(
     env: &std::collections::BTreeMap<String, String>,
     secret_env: &std::collections::BTreeMap<String, String>,
-) -> Result<(), String> {
+) -> Result<(), InvalidSpec> {
     for (name, value) in secret_env {
         if value.len() < mask::MIN_SECRET_LEN {
-            return Err(format!(
+            return Err(InvalidSpec::from(format!(
                 "secret_env {name}: values shorter than {} bytes cannot be masked reliably",
                 mask::MIN_SECRET_LEN
-            ));
+            )));
         }
         if env.contains_key(name) {
-            return Err(format!("{name} is in both env and secret_env"));
+            return Err(InvalidSpec::from(format!("{name} is in both env and secret_env")));
         }
     }
     for name in env.keys().chain(secret_env.keys()) {
@@ -471,7 +507,7 @@ pub fn validate_env(
             && !name.starts_with(|c: char| c.is_ascii_digit())
             && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
         if !valid {
-            return Err(format!("environment variable name {name:?} is not valid"));
+            return Err(InvalidSpec::from(format!("environment variable name {name:?} is not valid")));
         }
     }
     Ok(())
@@ -480,43 +516,22 @@ pub fn validate_env(
 /// Run an executor with its secrets masked everywhere its output goes: the log stream
 /// (before the sink sees a byte), the error text and the outputs.
 pub async fn run_masked(exec: &dyn Executor, ctx: ExecContext<'_>) -> ExecOutcome {
-    let ExecContext {
-        job_id,
-        work_dir,
-        timeout,
-        kill_grace,
-        cancel,
-        output,
-        sandbox,
-        containers,
-        credentials,
-        oci,
-        audit,
-        tools,
-        policy,
-    } = ctx;
-    let feed = credentials.as_ref().map(|c| c.feed.clone()).unwrap_or_default();
+    let (settings, output) = ctx.split();
+    let feed = settings.credentials.as_ref().map(|c| c.feed.clone()).unwrap_or_default();
     let mut sink = match mask::MaskingSink::with_feed(exec.secrets(), feed, output) {
         Ok(s) => s,
         Err(e) => return ExecOutcome::failed(e.to_string()),
     };
-    let inner = ExecContext {
-        job_id,
-        work_dir,
-        timeout,
-        kill_grace,
-        cancel,
-        output: &mut sink,
-        sandbox,
-        containers,
-        credentials,
-        oci,
-        audit,
-        tools,
-        policy,
-    };
+    let inner = settings.build(&mut sink);
     let mut outcome = exec.run(inner).await;
-    let masker = sink.current_masker();
+    let masker = match sink.current_masker() {
+        Ok(m) => m,
+        Err(e) => {
+            return ExecOutcome::failed(format!(
+                "the job's output could not be masked: {e}; its outputs are withheld"
+            ));
+        }
+    };
     if let Err(e) = sink.flush_end() {
         outcome = ExecOutcome { error: Some(format!("writing job log: {e}")), ..ExecOutcome::failed("") };
     }
@@ -548,7 +563,7 @@ pub enum SpecError {
 pub fn build(kind: &str, spec: &serde_json::Value) -> Result<Box<dyn Executor>, SpecError> {
     use byoc_protocol::JobKind;
     let Some(k) = JobKind::parse(kind) else { return Err(SpecError::UnknownKind(kind.into())) };
-    let invalid = |reason: String| SpecError::Invalid { kind: kind.into(), reason };
+    let invalid = |e: InvalidSpec| SpecError::Invalid { kind: kind.into(), reason: e.0 };
     Ok(match k {
         JobKind::Noop => Box::new(noop::Noop::from_spec(spec).map_err(invalid)?),
         JobKind::ActionScript => Box::new(script::Script::from_spec(spec).map_err(invalid)?),

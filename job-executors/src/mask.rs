@@ -1,13 +1,23 @@
 //! Secret masking for job output, applied before a byte reaches the spool.
 //!
-//! Each secret is masked as itself and in the encodings tools commonly print it in:
-//! base64 (standard and URL-safe, at all three byte alignments, so it is caught inside
-//! a longer base64 blob too), JSON string escaping and URL (percent and form) encoding.
-//! The stream is masked across read boundaries: the last `longest pattern − 1` bytes
-//! are held back until more output (or the end) shows whether they start a secret.
+//! A secret is matched character by character: each character may appear literally or
+//! in any of the escapes tools print text in — percent-encoding (either hex case, `+`
+//! for a space), JSON/JavaScript (`\/`, `\"`, `\n`…, `\uXXXX` in either case, surrogate
+//! pairs), `\xHH` — in any mixture, so `quote()` leaving `/` alone, lower-case hex and
+//! `\/` are all caught without a list of whole-string encodings. Base64 and base64url
+//! are matched as the characters fixed by the secret at each of the three byte
+//! alignments, with or without padding (a secret inside a longer blob is caught too).
+//!
+//! One regex (all secrets, all forms) finds matches; the stream is masked across read
+//! boundaries by holding back only the tail from which a match could still complete,
+//! decided by an anchored lazy DFA of the same regex.
 
-use aho_corasick::{AhoCorasick, MatchKind};
+use std::fmt::Write as _;
+use std::sync::Arc;
+
 use base64::Engine as _;
+use regex_automata::hybrid::dfa::{Cache, DFA};
+use regex_automata::{Anchored, Input, MatchKind, meta, util::syntax};
 
 use crate::OutputSink;
 
@@ -22,11 +32,14 @@ const MIN_FRAGMENT_LEN: usize = 6;
 pub enum MaskError {
     #[error("a secret value is shorter than {MIN_SECRET_LEN} bytes and cannot be masked reliably")]
     TooShort,
+    /// Never carries the regex's own error text: it would quote the secrets.
+    #[error("the secrets' masking automaton could not be built ({0})")]
+    Build(&'static str),
 }
 
-/// Every byte string that reveals `secret` (the secret and its encoded forms).
-pub fn patterns_for(secret: &[u8]) -> Vec<Vec<u8>> {
-    let mut out = vec![secret.to_vec()];
+/// The base64 and base64url characters fixed by `secret` at each byte alignment.
+fn base64_fragments(secret: &[u8]) -> Vec<Vec<u8>> {
+    let mut out = Vec::new();
     for engine in
         [base64::engine::general_purpose::STANDARD_NO_PAD, base64::engine::general_purpose::URL_SAFE_NO_PAD]
     {
@@ -44,6 +57,15 @@ pub fn patterns_for(secret: &[u8]) -> Vec<Vec<u8>> {
             }
         }
     }
+    out
+}
+
+/// The usual whole-string forms of `secret` (itself, base64 fragments, JSON string
+/// content, percent- and form-encoding): what tests look for to prove nothing leaked.
+/// Masking itself matches far more (any mixture of literal and escaped characters).
+pub fn patterns_for(secret: &[u8]) -> Vec<Vec<u8>> {
+    let mut out = vec![secret.to_vec()];
+    out.extend(base64_fragments(secret));
     if let Ok(text) = std::str::from_utf8(secret) {
         let json = serde_json::to_string(text).unwrap_or_default();
         out.push(json.as_bytes()[1..json.len() - 1].to_vec());
@@ -67,88 +89,202 @@ fn percent_encode(bytes: &[u8], form: bool) -> Vec<u8> {
     out
 }
 
+/// Regex syntax for one byte, matched literally.
+fn lit(re: &mut String, b: u8) {
+    let _ = write!(re, "\\x{b:02x}");
+}
+
+fn lits(re: &mut String, bytes: &[u8]) {
+    for &b in bytes {
+        lit(re, b);
+    }
+}
+
+/// Two hex digits of `v`, letters in either case, after `prefix`.
+fn hex_escape(re: &mut String, prefix: &[u8], v: u32, digits: u32) {
+    lits(re, prefix);
+    for shift in (0..digits).rev() {
+        let nibble = (v >> (shift * 4)) & 0xf;
+        let c = char::from_digit(nibble, 16).unwrap_or('0');
+        if c.is_ascii_digit() {
+            lit(re, c as u8);
+        } else {
+            let _ = write!(re, "[\\x{:02x}\\x{:02x}]", c as u8, c.to_ascii_uppercase() as u8);
+        }
+    }
+}
+
+/// One byte of a secret: percent-escaped, `\x`-escaped or literal. Returns the
+/// longest form's length.
+fn byte_forms(re: &mut String, b: u8) -> usize {
+    re.push_str("(?:");
+    hex_escape(re, b"%", b.into(), 2);
+    re.push('|');
+    hex_escape(re, b"\\x", b.into(), 2);
+    re.push('|');
+    lit(re, b);
+    re.push(')');
+    4
+}
+
+/// JSON's and JavaScript's short escape for `c`, if it has one.
+fn short_escape(c: char) -> Option<&'static [u8]> {
+    Some(match c {
+        '"' => b"\\\"",
+        '\\' => b"\\\\",
+        '/' => b"\\/",
+        '\'' => b"\\'",
+        '\u{8}' => b"\\b",
+        '\u{c}' => b"\\f",
+        '\n' => b"\\n",
+        '\r' => b"\\r",
+        '\t' => b"\\t",
+        _ => return None,
+    })
+}
+
+/// One character of a secret in every form it may take. Escapes come before the
+/// literal so that, where both match (`%25` against `%`), the longer one is masked.
+fn char_forms(re: &mut String, c: char) -> usize {
+    let mut utf8 = [0u8; 4];
+    let bytes = c.encode_utf8(&mut utf8).as_bytes();
+    re.push_str("(?:");
+    // \u escapes (JSON, JavaScript), a surrogate pair beyond the BMP.
+    let mut units = [0u16; 2];
+    let units = c.encode_utf16(&mut units);
+    for u in units.iter() {
+        hex_escape(re, b"\\u", (*u).into(), 4);
+    }
+    let mut longest = 6 * units.len();
+    if let Some(e) = short_escape(c) {
+        re.push('|');
+        lits(re, e);
+    }
+    if c == ' ' {
+        re.push('|');
+        lit(re, b'+');
+    }
+    // Byte by byte, each percent-escaped, \x-escaped or literal.
+    re.push('|');
+    let mut bytes_len = 0;
+    for &b in bytes {
+        bytes_len += byte_forms(re, b);
+    }
+    longest = longest.max(bytes_len);
+    re.push(')');
+    longest
+}
+
+/// The regex of every form of `secret`, and the longest match it can have.
+fn secret_forms(secret: &[u8]) -> (String, usize) {
+    let mut re = String::new();
+    let mut longest = 0;
+    match std::str::from_utf8(secret) {
+        Ok(text) => {
+            for c in text.chars() {
+                longest += char_forms(&mut re, c);
+            }
+        }
+        Err(_) => {
+            for &b in secret {
+                longest += byte_forms(&mut re, b);
+            }
+        }
+    }
+    (re, longest)
+}
+
+struct Compiled {
+    /// Leftmost-first over every alternative, longest alternatives first.
+    finder: meta::Regex,
+    /// The same alternatives, anchored, every match kept alive: is a tail the start of
+    /// a match that more output could complete?
+    continues: DFA,
+    /// The longest match less one: no more than this is ever held back.
+    hold_back: usize,
+}
+
 #[derive(Clone)]
 pub struct Masker {
-    matcher: Option<AhoCorasick>,
-    hold_back: usize,
-    patterns: std::sync::Arc<Vec<Vec<u8>>>,
-    /// Bytes some pattern starts with: only a tail starting with one can be held.
-    first_bytes: std::sync::Arc<[bool; 256]>,
+    compiled: Option<Arc<Compiled>>,
 }
+
+/// Per-sink scratch for the lazy DFA.
+pub struct MaskCache(Option<Cache>);
 
 impl Masker {
     pub fn new<S: AsRef<[u8]>>(secrets: &[S]) -> Result<Masker, MaskError> {
-        let mut patterns = Vec::new();
+        let mut alternatives: Vec<(usize, String)> = Vec::new();
         for s in secrets {
             let s = s.as_ref();
             if s.len() < MIN_SECRET_LEN {
                 return Err(MaskError::TooShort);
             }
-            patterns.extend(patterns_for(s));
+            let (re, longest) = secret_forms(s);
+            alternatives.push((longest, re));
+            for fragment in base64_fragments(s) {
+                let mut re = String::new();
+                lits(&mut re, &fragment);
+                alternatives.push((fragment.len(), re));
+            }
         }
-        if patterns.is_empty() {
+        if alternatives.is_empty() {
             return Ok(Masker::none());
         }
-        let longest = patterns.iter().map(Vec::len).max().unwrap_or(1);
-        let matcher = AhoCorasick::builder()
-            .match_kind(MatchKind::LeftmostLongest)
-            .build(&patterns)
-            .expect("literal patterns always build");
-        let mut first_bytes = [false; 256];
-        for p in &patterns {
-            first_bytes[p[0] as usize] = true;
-        }
-        Ok(Masker {
-            matcher: Some(matcher),
-            hold_back: longest - 1,
-            patterns: std::sync::Arc::new(patterns),
-            first_bytes: std::sync::Arc::new(first_bytes),
-        })
+        alternatives.sort_by(|a, b| b.0.cmp(&a.0).then_with(|| a.1.cmp(&b.1)));
+        alternatives.dedup();
+        let longest = alternatives[0].0;
+        let pattern = alternatives.iter().map(|(_, re)| format!("(?:{re})")).collect::<Vec<_>>().join("|");
+        // Bytes, not text: secrets and output need not be UTF-8.
+        let syntax = syntax::Config::new().unicode(false).utf8(false);
+        let finder = meta::Regex::builder()
+            .syntax(syntax)
+            .configure(meta::Config::new().utf8_empty(false).nfa_size_limit(None))
+            .build(&pattern)
+            .map_err(|e| MaskError::Build(if e.size_limit().is_some() { "too large" } else { "invalid" }))?;
+        let continues = DFA::builder()
+            .syntax(syntax)
+            .thompson(regex_automata::nfa::thompson::Config::new().utf8(false).nfa_size_limit(None))
+            .configure(
+                DFA::config()
+                    .match_kind(MatchKind::All)
+                    .starts_for_each_pattern(false)
+                    .skip_cache_capacity_check(true),
+            )
+            .build(&pattern)
+            .map_err(|_| MaskError::Build("lazy DFA"))?;
+        Ok(Masker { compiled: Some(Arc::new(Compiled { finder, continues, hold_back: longest - 1 })) })
     }
 
     pub fn none() -> Masker {
-        Masker {
-            matcher: None,
-            hold_back: 0,
-            patterns: Default::default(),
-            first_bytes: std::sync::Arc::new([false; 256]),
-        }
+        Masker { compiled: None }
     }
 
-    /// Where the tail that might still become a secret starts: the earliest position
-    /// (within the last `hold_back` bytes) from which the rest is a proper prefix of a
-    /// pattern. Holding back only that keeps ordinary output flowing (a line without
-    /// any secret's beginning is passed on at once, even when secrets are long).
-    fn undecided_from(&self, data: &[u8]) -> usize {
-        let start = data.len().saturating_sub(self.hold_back);
-        (start..data.len())
-            .find(|&p| {
-                self.first_bytes[data[p] as usize] && {
-                    let tail = &data[p..];
-                    self.patterns.iter().any(|pat| pat.len() > tail.len() && pat.starts_with(tail))
-                }
-            })
-            .unwrap_or(data.len())
+    pub fn cache(&self) -> MaskCache {
+        MaskCache(self.compiled.as_ref().map(|c| c.continues.create_cache()))
     }
 
     /// Mask a complete string (errors, outputs).
     pub fn mask_str(&self, s: &str) -> String {
-        match &self.matcher {
-            None => s.to_string(),
-            Some(m) => m.replace_all(s, &vec!["***"; m.patterns_len()]),
-        }
+        let mut out = Vec::with_capacity(s.len());
+        self.process(&mut self.cache(), s.as_bytes(), true, &mut out);
+        String::from_utf8(out).unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned())
     }
 
     /// Mask `data` (pending bytes + new bytes). With `last`, everything is emitted;
-    /// otherwise the tail that might begin a secret is returned as the new pending.
-    fn process(&self, data: &[u8], last: bool, out: &mut Vec<u8>) -> usize {
-        let Some(m) = &self.matcher else {
+    /// otherwise the tail that might begin a secret is left: returns how much of `data`
+    /// was consumed.
+    fn process(&self, cache: &mut MaskCache, data: &[u8], last: bool, out: &mut Vec<u8>) -> usize {
+        let Some(c) = &self.compiled else {
             out.extend_from_slice(data);
             return data.len();
         };
-        let limit = if last { data.len() } else { self.undecided_from(data) };
+        let limit = match (&mut cache.0, last) {
+            (Some(cache), false) => c.undecided_from(cache, data),
+            _ => data.len(),
+        };
         let mut pos = 0;
-        for found in m.find_iter(data) {
+        for found in c.finder.find_iter(data) {
             if found.start() >= limit {
                 break;
             }
@@ -159,6 +295,33 @@ impl Masker {
         let emit_to = limit.max(pos);
         out.extend_from_slice(&data[pos..emit_to]);
         emit_to
+    }
+}
+
+impl Compiled {
+    /// Where the tail that might still become a secret starts: the earliest position
+    /// (within the last `hold_back` bytes) from which a match could still complete.
+    /// Holding back only that keeps ordinary output flowing (a line without any
+    /// secret's beginning is passed on at once, however long the secrets).
+    fn undecided_from(&self, cache: &mut Cache, data: &[u8]) -> usize {
+        let start = data.len().saturating_sub(self.hold_back);
+        (start..data.len()).find(|&p| self.may_continue(cache, &data[p..])).unwrap_or(data.len())
+    }
+
+    fn may_continue(&self, cache: &mut Cache, tail: &[u8]) -> bool {
+        let input = Input::new(tail).anchored(Anchored::Yes);
+        // A DFA that cannot answer (cache exhausted) holds the tail: fail closed.
+        let Ok(mut state) = self.continues.start_state_forward(cache, &input) else {
+            return true;
+        };
+        for &b in tail {
+            match self.continues.next_state(cache, state, b) {
+                Ok(next) if next.is_dead() => return false,
+                Ok(next) => state = next,
+                Err(_) => return true,
+            }
+        }
+        true
     }
 }
 
@@ -189,6 +352,7 @@ impl SecretFeed {
 /// An output sink that masks secrets before passing bytes on.
 pub struct MaskingSink<'a> {
     masker: Masker,
+    cache: MaskCache,
     inner: &'a mut dyn OutputSink,
     pending: Vec<u8>,
     /// Secrets fixed at start, plus the feed of ones learned later and the feed
@@ -198,7 +362,7 @@ pub struct MaskingSink<'a> {
 
 impl<'a> MaskingSink<'a> {
     pub fn new(masker: Masker, inner: &'a mut dyn OutputSink) -> Self {
-        MaskingSink { masker, inner, pending: Vec::new(), feed: None }
+        MaskingSink { cache: masker.cache(), masker, inner, pending: Vec::new(), feed: None }
     }
 
     /// A sink whose masker grows with `feed`.
@@ -210,8 +374,10 @@ impl<'a> MaskingSink<'a> {
         let mut all = base.clone();
         all.extend(feed.secrets());
         let generation = feed.generation();
+        let masker = Masker::new(&all)?;
         Ok(MaskingSink {
-            masker: Masker::new(&all)?,
+            cache: masker.cache(),
+            masker,
             inner,
             pending: Vec::new(),
             feed: Some((base, feed, generation)),
@@ -219,12 +385,14 @@ impl<'a> MaskingSink<'a> {
     }
 
     /// The masker as of now (every secret so far), for errors and outputs.
-    pub fn current_masker(&mut self) -> Masker {
-        self.refresh();
-        self.masker.clone()
+    pub fn current_masker(&mut self) -> std::io::Result<Masker> {
+        self.refresh()?;
+        Ok(self.masker.clone())
     }
 
-    fn refresh(&mut self) {
+    /// Rebuild the masker if secrets were fed since. A masker that cannot be built
+    /// stops the output (an error) rather than let a new secret through unmasked.
+    fn refresh(&mut self) -> std::io::Result<()> {
         if let Some((base, feed, seen)) = &mut self.feed {
             let generation = feed.generation();
             if generation != *seen {
@@ -233,30 +401,31 @@ impl<'a> MaskingSink<'a> {
                 // Fed secrets are credentials, never short; a too-short one is skipped
                 // rather than unmasking everything.
                 let usable: Vec<Vec<u8>> = all.into_iter().filter(|s| s.len() >= MIN_SECRET_LEN).collect();
-                if let Ok(m) = Masker::new(&usable) {
-                    self.masker = m;
-                }
+                let masker = Masker::new(&usable).map_err(std::io::Error::other)?;
+                self.cache = masker.cache();
+                self.masker = masker;
                 *seen = generation;
             }
         }
+        Ok(())
     }
 
     /// Emit what was held back. Call once, when the output has ended.
     pub fn flush_end(&mut self) -> std::io::Result<()> {
-        self.refresh();
+        self.refresh()?;
         let data = std::mem::take(&mut self.pending);
         let mut out = Vec::with_capacity(data.len());
-        self.masker.process(&data, true, &mut out);
+        self.masker.process(&mut self.cache, &data, true, &mut out);
         if out.is_empty() { Ok(()) } else { self.inner.write(&out) }
     }
 }
 
 impl OutputSink for MaskingSink<'_> {
     fn write(&mut self, chunk: &[u8]) -> std::io::Result<()> {
-        self.refresh();
+        self.refresh()?;
         self.pending.extend_from_slice(chunk);
         let mut out = Vec::with_capacity(self.pending.len());
-        let consumed = self.masker.process(&self.pending, false, &mut out);
+        let consumed = self.masker.process(&mut self.cache, &self.pending, false, &mut out);
         self.pending.drain(..consumed);
         if out.is_empty() { Ok(()) } else { self.inner.write(&out) }
     }
@@ -405,12 +574,125 @@ mod tests {
         sink.write(b"after: late-secret-2 ").unwrap();
         let b64 = base64::engine::general_purpose::STANDARD.encode(b"late-secret-2");
         sink.write(format!("{b64} end").as_bytes()).unwrap();
-        let m = sink.current_masker();
+        let m = sink.current_masker().unwrap();
         sink.flush_end().unwrap();
         let text = String::from_utf8(out).unwrap();
         // The base64 form's last characters mix in what follows the secret: not masked.
         assert_eq!(text, "before: *** late-secret-1 after: *** ***g== end");
         assert_eq!(m.mask_str("x late-secret-2 fixed-secret"), "x *** ***");
+    }
+
+    /// Issue 21: forms real tools print that a list of whole-string encodings missed.
+    #[test]
+    fn partial_and_lower_case_percent_encoding_and_json_slash_are_masked() {
+        let secret = "s3cr3t-T0ken/with+chars==";
+        let masker = Masker::new(&[secret]).unwrap();
+        for form in [
+            // Python's urllib.parse.quote, JavaScript's encodeURI: `/` left as is.
+            "s3cr3t-T0ken/with%2Bchars%3D%3D",
+            // Lower-case hex.
+            "s3cr3t-T0ken%2fwith%2bchars%3d%3d",
+            // JSON with `\/`.
+            r"s3cr3t-T0ken\/with+chars==",
+            // \u escapes, mixed case, in JavaScript source.
+            r"s3cr3t-T0ken\u002fwith\u002Bchars\u003d=",
+            // Python bytes repr.
+            r"s3cr3t-T0ken\x2fwith+chars\x3d\x3d",
+        ] {
+            assert_eq!(masker.mask_str(&format!("url={form}&x=1")), "url=***&x=1", "{form}");
+            for cut in 0..form.len() + 6 {
+                let line = format!("url={form}&x=1\n");
+                let out = mask_in_chunks(&masker, line.as_bytes(), &[cut.min(line.len())]);
+                assert_eq!(String::from_utf8(out).unwrap(), "url=***&x=1\n", "{form} cut at {cut}");
+            }
+        }
+    }
+
+    /// Every character of `c` in one of the forms a tool may print it in, chosen at random.
+    fn random_form(rng: &mut rand::rngs::StdRng, c: char) -> String {
+        let case = |rng: &mut rand::rngs::StdRng, hex: String| {
+            hex.chars()
+                .map(|h| if rng.random_bool(0.5) { h.to_ascii_uppercase() } else { h })
+                .collect::<String>()
+        };
+        let mut utf8 = [0u8; 4];
+        let bytes = c.encode_utf8(&mut utf8).as_bytes().to_vec();
+        match rng.random_range(0..6) {
+            0 => bytes.iter().map(|b| format!("%{}", case(rng, format!("{b:02x}")))).collect(),
+            1 => bytes.iter().map(|b| format!("\\x{}", case(rng, format!("{b:02x}")))).collect(),
+            2 => {
+                let mut units = [0u16; 2];
+                c.encode_utf16(&mut units)
+                    .iter()
+                    .map(|u| format!("\\u{}", case(rng, format!("{u:04x}"))))
+                    .collect()
+            }
+            3 if short_escape(c).is_some() => String::from_utf8(short_escape(c).unwrap().to_vec()).unwrap(),
+            4 if c == ' ' => "+".into(),
+            _ => c.to_string(),
+        }
+    }
+
+    #[test]
+    fn any_mixture_of_literal_and_escaped_characters_is_masked() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(21);
+        let alphabet: Vec<char> = (' '..='~').chain(['é', 'ß', '€', '😀']).collect();
+        for round in 0..400 {
+            let secrets: Vec<String> = (0..rng.random_range(1..4))
+                .map(|_| {
+                    (0..rng.random_range(MIN_SECRET_LEN..40))
+                        .map(|_| alphabet[rng.random_range(0..alphabet.len())])
+                        .collect()
+                })
+                .collect();
+            let masker = Masker::new(&secrets).unwrap();
+            // Filler that no secret's form can begin or end with, so the expected
+            // output is exact.
+            let filler = |rng: &mut rand::rngs::StdRng| -> Vec<u8> {
+                (0..rng.random_range(1..20))
+                    .map(|_| [1u8, 2, 3, 4, 5, 6, 7, b'\n'][rng.random_range(0..8)])
+                    .collect()
+            };
+            let (mut input, mut expected) = (Vec::new(), Vec::new());
+            for _ in 0..rng.random_range(1..5) {
+                let f = filler(&mut rng);
+                input.extend_from_slice(&f);
+                expected.extend_from_slice(&f);
+                let secret = &secrets[rng.random_range(0..secrets.len())];
+                let form: String = secret.chars().map(|c| random_form(&mut rng, c)).collect();
+                input.extend_from_slice(form.as_bytes());
+                expected.extend_from_slice(MASK);
+            }
+            let f = filler(&mut rng);
+            input.extend_from_slice(&f);
+            expected.extend_from_slice(&f);
+            let mut cuts: Vec<usize> =
+                (0..rng.random_range(0..6)).map(|_| rng.random_range(0..=input.len())).collect();
+            cuts.sort_unstable();
+            let out = mask_in_chunks(&masker, &input, &cuts);
+            assert_eq!(
+                String::from_utf8_lossy(&out),
+                String::from_utf8_lossy(&expected),
+                "round {round}: secrets {secrets:?}, input {:?}",
+                String::from_utf8_lossy(&input)
+            );
+        }
+    }
+
+    #[test]
+    fn long_secrets_build_and_mask() {
+        // An STS session token is about 1,000 characters; a refreshed role adds three more.
+        let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+        let b64: Vec<char> = ('A'..='Z').chain('a'..='z').chain('0'..='9').chain(['+', '/']).collect();
+        let token: String = (0..1100).map(|_| b64[rng.random_range(0..b64.len())]).collect();
+        let mut secrets = vec![token.clone()];
+        secrets.extend((0..19).map(|i| format!("secret-number-{i}-{}", "x".repeat(i * 5))));
+        let masker = Masker::new(&secrets).unwrap();
+        let quoted = token.replace('+', "%2B").replace('/', "%2f");
+        let text = format!("token={token}\nurl=?t={quoted}&a=1\n");
+        assert_eq!(masker.mask_str(&text), "token=***\nurl=?t=***&a=1\n");
+        let out = mask_in_chunks(&masker, text.as_bytes(), &[10, 700, 1500, 2300]);
+        assert_eq!(String::from_utf8(out).unwrap(), "token=***\nurl=?t=***&a=1\n");
     }
 
     #[test]

@@ -13,11 +13,11 @@ pub struct Noop {
 }
 
 impl Noop {
-    pub fn from_spec(spec: &serde_json::Value) -> Result<Self, String> {
+    pub fn from_spec(spec: &serde_json::Value) -> Result<Self, crate::InvalidSpec> {
         if spec.is_null() {
             return Ok(Noop::default());
         }
-        serde_json::from_value(spec.clone()).map_err(|e| e.to_string())
+        serde_json::from_value(spec.clone()).map_err(|e| crate::InvalidSpec(e.to_string()))
     }
 }
 

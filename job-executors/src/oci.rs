@@ -60,7 +60,7 @@ pub struct OciSync {
 }
 
 impl OciSync {
-    pub fn from_spec(spec: &serde_json::Value) -> Result<Self, String> {
+    pub fn from_spec(spec: &serde_json::Value) -> Result<Self, crate::InvalidSpec> {
         let s: Spec = serde_json::from_value(spec.clone()).map_err(|e| e.to_string())?;
         let source = Reference::parse(&s.source)?;
         let digest = source
@@ -72,15 +72,15 @@ impl OciSync {
         for t in &s.destination.tags {
             byoc_oci_sync::reference::validate_tag(t).map_err(|e| format!("destination: {e}"))?;
         }
-        s.repository.validate().map_err(|e| format!("repository: {e}"))?;
+        s.repository.validate().map_err(|e| crate::InvalidSpec(e.to_string()))?;
         let credential = match s.source_credential {
             None => None,
             Some(c) => {
                 if c.token.len() < crate::mask::MIN_SECRET_LEN {
-                    return Err(format!(
+                    return Err(crate::InvalidSpec::from(format!(
                         "source_credential.token: shorter than {} bytes cannot be masked reliably",
                         crate::mask::MIN_SECRET_LEN
-                    ));
+                    )));
                 }
                 let cred = match c.username {
                     Some(username) => Credential::Basic { username, secret: c.token },
@@ -110,7 +110,7 @@ impl OciSync {
                 return Err(SyncError::Expired { side: Side::Source, at: *at });
             }
         }
-        let aws = aws_access(ctx).ok_or_else(|| SyncError::Invalid {
+        let aws = aws_access(&ctx.settings).ok_or_else(|| SyncError::Invalid {
             what: "oci.sync".into(),
             reason: "the destination is written under the job's assumed role, and this job has none (set requested_role)"
                 .into(),
@@ -125,7 +125,7 @@ impl OciSync {
                 if dest.repository_created { " (repository created)" } else { "" }
             ),
         );
-        let settings: &OciSettings = &ctx.oci;
+        let settings: &OciSettings = &ctx.settings.oci;
         let http = Registry::http_client_with_ca(settings.ca_bundle.as_deref())?;
         let src = Registry::new(
             Side::Source,
@@ -147,7 +147,7 @@ impl OciSync {
             referrers: self.referrers,
         };
         let copier = Copier::new(Arc::new(src), Arc::new(dst), options);
-        let cancel = ctx.cancel.clone();
+        let cancel = ctx.settings.cancel.clone();
         let copy = copier.copy(
             &self.source.repository,
             self.digest.as_str(),
@@ -189,8 +189,8 @@ fn log(ctx: &mut ExecContext<'_>, line: &str) {
 
 /// The job's role session as of its start (an ECR token lasts 12 hours, so a sync
 /// needs the session only to begin).
-fn aws_access(ctx: &ExecContext<'_>) -> Option<AwsAccess> {
-    let env = &ctx.credentials.as_ref()?.static_env;
+pub(crate) fn aws_access(settings: &crate::ExecSettings) -> Option<AwsAccess> {
+    let env = &settings.credentials.as_ref()?.static_env;
     let get = |k: &str| env.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone());
     Some(AwsAccess {
         region: get("AWS_REGION")?,
@@ -205,7 +205,7 @@ impl Executor for OciSync {
     fn run<'a>(&'a self, mut ctx: ExecContext<'a>) -> ExecFuture<'a> {
         Box::pin(async move {
             log(&mut ctx, &format!("[oci.sync] {} -> {}\n", self.source, self.repository));
-            let timeout = ctx.timeout;
+            let timeout = ctx.settings.timeout;
             let result = match tokio::time::timeout(timeout, self.sync(&mut ctx)).await {
                 Ok(r) => r,
                 Err(_) => {
@@ -254,7 +254,7 @@ impl Executor for OciSync {
 impl OciSync {
     /// One audit record per artifact: references, digest, bytes moved and skipped.
     fn audit(&self, ctx: &ExecContext<'_>, outcome: &ExecOutcome) {
-        let Some(audit) = &ctx.audit else { return };
+        let Some(audit) = &ctx.settings.audit else { return };
         let o = &outcome.outputs;
         let mut digests = std::collections::BTreeMap::new();
         digests.insert("artifact".to_string(), self.digest.to_string());

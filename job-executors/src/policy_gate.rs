@@ -21,15 +21,22 @@ pub struct Subject<'a> {
 /// nothing proceeds): `policy_unavailable`.
 pub const UNAVAILABLE: &str = "policy_unavailable";
 
-/// Decide about `input` (JSON: a plan, or manifests), audit it and log it. `Err` when
-/// the job has no policy scope (the customer's policy directory has problems).
+/// The job has no policy scope (the customer's policy directory, or the app config's
+/// policies, have problems; the job log says which), so nothing can be decided.
+#[derive(Debug, thiserror::Error)]
+#[error("no policy context: {subject} are decided by policy")]
+pub struct NoPolicyScope {
+    pub subject: String,
+}
+
+/// Decide about `input` (JSON: a plan, or manifests), audit it and log it.
 pub async fn decide(
     ctx: &mut ExecContext<'_>,
     subject: Subject<'_>,
     input: &[u8],
-) -> Result<byoc_policy::Decision, String> {
-    let Some(policy) = ctx.policy.clone() else {
-        return Err(format!("no policy context: {} are decided by policy", subject.name));
+) -> Result<byoc_policy::Decision, NoPolicyScope> {
+    let Some(policy) = ctx.settings.policy.clone() else {
+        return Err(NoPolicyScope { subject: subject.name.to_string() });
     };
     let pctx = byoc_policy::Context {
         source: subject.source,
@@ -38,7 +45,16 @@ pub async fn decide(
         install: policy.install.clone(),
         admission: subject.admission,
     };
+    let started = std::time::Instant::now();
     let d = policy.decide(pctx, input).await;
+    log(
+        ctx,
+        format!(
+            "[policy] decided in {} ms ({} ms evaluating)\n",
+            started.elapsed().as_millis(),
+            d.elapsed_ms
+        ),
+    );
     audit(ctx, &d, subject.name, subject.digest.unwrap_or(&d.input_digest));
     for v in &d.violations {
         log(ctx, format!("[policy] DENY {} [{}] {}: {}\n", v.policy, v.rule, v.address, v.message));
@@ -59,10 +75,13 @@ fn log(ctx: &mut ExecContext<'_>, line: String) {
 /// The `policy_decision` audit record: verdict, counts and what denied; digests of the
 /// subject, the input and every policy.
 fn audit(ctx: &ExecContext<'_>, d: &byoc_policy::Decision, subject: &str, digest: &str) {
-    let Some(audit) = &ctx.audit else { return };
+    let Some(audit) = &ctx.settings.audit else { return };
     let mut digests = BTreeMap::new();
     digests.insert(subject.to_string(), digest.to_string());
     digests.insert(format!("{subject}_json"), d.input_digest.clone());
+    if let Some(artifact) = &ctx.settings.artifact {
+        digests.insert("artifact".into(), artifact.clone());
+    }
     for p in &d.policies {
         digests.insert(format!("policy:{}", p.name), p.digest.clone());
     }

@@ -23,6 +23,8 @@ enum Ending {
     Exited,
     TimedOut,
     Cancelled,
+    /// The log could not be written (a full disk): a job must not run on unrecorded.
+    LogFailed,
 }
 
 /// Spawn `cmd` in a fresh process group and supervise it to the end. `stdin_data`, if
@@ -48,7 +50,7 @@ pub async fn run_process_group(
     let Some(pgid) = child.id().map(|p| Pid::from_raw(p as i32)) else {
         return ExecOutcome::failed("job process exited before it could be supervised");
     };
-    tracing::debug!(job_id = %ctx.job_id, pgid = pgid.as_raw(), "job process started");
+    tracing::debug!(job_id = %ctx.settings.job_id, pgid = pgid.as_raw(), "job process started");
     if let (Some(data), Some(mut stdin)) = (stdin_data, child.stdin.take()) {
         use tokio::io::AsyncWriteExt as _;
         // The helper reads its spec before anything else; a failure shows in its exit.
@@ -63,7 +65,7 @@ pub async fn run_process_group(
     ];
     drop(tx);
 
-    let deadline = tokio::time::sleep(ctx.timeout);
+    let deadline = tokio::time::sleep(ctx.settings.timeout);
     tokio::pin!(deadline);
     let mut ending = Ending::Exited;
     let mut sink_error: Option<std::io::Error> = None;
@@ -75,17 +77,21 @@ pub async fn run_process_group(
                 Some(chunk) => {
                     if let Err(e) = ctx.output.write(&chunk) {
                         sink_error.get_or_insert(e);
+                        if ending == Ending::Exited {
+                            ending = Ending::LogFailed;
+                            break escalate(&mut child, pgid, ctx.settings.kill_grace).await;
+                        }
                     }
                 }
                 None => output_open = false,
             },
             _ = &mut deadline, if ending == Ending::Exited => {
                 ending = Ending::TimedOut;
-                break escalate(&mut child, pgid, ctx.kill_grace).await;
+                break escalate(&mut child, pgid, ctx.settings.kill_grace).await;
             }
-            _ = ctx.cancel.cancelled(), if ending == Ending::Exited => {
+            _ = ctx.settings.cancel.cancelled(), if ending == Ending::Exited => {
                 ending = Ending::Cancelled;
-                break escalate(&mut child, pgid, ctx.kill_grace).await;
+                break escalate(&mut child, pgid, ctx.settings.kill_grace).await;
             }
         }
     };
@@ -109,10 +115,18 @@ pub async fn run_process_group(
         Err(_) => (None, None),
     };
     let (status, error) = match ending {
-        Ending::TimedOut => {
-            (JobStatus::TimedOut, Some(format!("job exceeded its timeout of {}s", ctx.timeout.as_secs())))
-        }
+        Ending::TimedOut => (
+            JobStatus::TimedOut,
+            Some(format!("job exceeded its timeout of {}s", ctx.settings.timeout.as_secs())),
+        ),
         Ending::Cancelled => (JobStatus::Cancelled, Some("job was cancelled".to_string())),
+        Ending::LogFailed => (
+            JobStatus::Failed,
+            Some(format!(
+                "the job's log could not be written ({}); the job was stopped so it does not run on unrecorded",
+                sink_error.as_ref().map(|e| e.to_string()).unwrap_or_default()
+            )),
+        ),
         Ending::Exited => match (&status, exit_code, signal) {
             (Err(e), _, _) => (JobStatus::Failed, Some(format!("waiting for the job process: {e}"))),
             (_, Some(0), _) => (JobStatus::Succeeded, None),

@@ -41,16 +41,19 @@ pub fn work_dir_inside() -> PathBuf {
 }
 
 pub async fn run(job: Job, settings: SandboxSettings, mut ctx: ExecContext<'_>) -> ExecOutcome {
-    let new_root = settings.roots_dir.join(&ctx.job_id);
+    let new_root = settings.roots_dir.join(&ctx.settings.job_id);
     if let Err(e) = std::fs::DirBuilder::new().recursive(true).mode(0o700).create(&new_root) {
         return ExecOutcome::failed(format!("creating sandbox root {}: {e}", new_root.display()));
     }
     // As root the job runs as the unprivileged `host_uid`: it must own its directory.
     if nix::unistd::geteuid().is_root()
         && let Err(e) =
-            std::os::unix::fs::chown(&ctx.work_dir, Some(settings.host_uid), Some(settings.host_gid))
+            std::os::unix::fs::chown(&ctx.settings.work_dir, Some(settings.host_uid), Some(settings.host_gid))
     {
-        return ExecOutcome::failed(format!("handing {} to the job's uid: {e}", ctx.work_dir.display()));
+        return ExecOutcome::failed(format!(
+            "handing {} to the job's uid: {e}",
+            ctx.settings.work_dir.display()
+        ));
     }
     let use_ = if job.network { NetworkUse::UserMode } else { NetworkUse::Offline };
     let _ = ctx.output.write(format!("[sandbox] {}\n", jobnet::describe(use_, &settings.network)).as_bytes());
@@ -61,7 +64,7 @@ pub async fn run(job: Job, settings: SandboxSettings, mut ctx: ExecContext<'_>) 
         return refused(NETWORK_UNAVAILABLE, format!("the job's network boundary cannot be built: {why}"));
     }
     let cgroup = if settings.cgroups {
-        match JobCgroup::create(&ctx.job_id, settings.limits) {
+        match JobCgroup::create(&ctx.settings.job_id, settings.limits) {
             Ok(cg) => {
                 let line = format!("[sandbox] cgroup {:?} limits: {}\n", cg.version, cg.applied.join(", "));
                 let _ = ctx.output.write(line.as_bytes());
@@ -93,12 +96,12 @@ pub async fn run(job: Job, settings: SandboxSettings, mut ctx: ExecContext<'_>) 
             .write(b"[sandbox] cgroup limits disabled by configuration (sandbox.cgroups = false)\n");
         None
     };
-    let credentials = ctx.credentials.as_ref().and_then(|c| c.endpoint.clone());
+    let credentials = ctx.settings.credentials.as_ref().and_then(|c| c.endpoint.clone());
     let network = jobnet::spec(use_, &settings.network, credentials.is_some());
     let spec = byoc_sandbox::SandboxSpec {
         argv: job.argv,
         env: job.env,
-        work_dir: ctx.work_dir.clone(),
+        work_dir: ctx.settings.work_dir.clone(),
         new_root: new_root.clone(),
         ro_paths: settings.ro_paths.clone(),
         hidden_paths: settings.hidden_paths.clone(),
@@ -132,7 +135,7 @@ pub async fn run(job: Job, settings: SandboxSettings, mut ctx: ExecContext<'_>) 
     } else {
         None
     };
-    ctx.sandbox = None;
+    ctx.settings.sandbox = None;
     let mut outcome = crate::process::run_process_group(cmd, ctx, Some(spec_bytes)).await;
     let network_up = services.as_ref().and_then(|s| s.outcome());
     drop(services);
@@ -181,6 +184,32 @@ pub async fn run(job: Job, settings: SandboxSettings, mut ctx: ExecContext<'_>) 
     outcome
 }
 
+/// The spec of a sandbox the runner builds to check this host (no cgroup, a tiny /tmp).
+fn check_spec(
+    settings: &SandboxSettings,
+    argv: Vec<String>,
+    work: &std::path::Path,
+    root: &std::path::Path,
+    ro_paths: Vec<std::path::PathBuf>,
+    network: byoc_sandbox::spec::NetworkSpec,
+) -> byoc_sandbox::SandboxSpec {
+    byoc_sandbox::SandboxSpec {
+        argv,
+        env: vec![],
+        work_dir: work.to_path_buf(),
+        new_root: root.to_path_buf(),
+        ro_paths,
+        hidden_paths: settings.hidden_paths.clone(),
+        network,
+        tmp_size_mib: 1,
+        nofile: settings.nofile,
+        host_uid: settings.host_uid,
+        host_gid: settings.host_gid,
+        cgroup_procs: vec![],
+        hostname: "byoc-selftest".into(),
+    }
+}
+
 /// Prove the network boundary here: run the runner's own probe
 /// (`<helper> sandbox-probe`) in a sandbox with the user-mode network, let it try IMDS
 /// (IPv4 and IPv6), the ECS/EKS credential addresses and `targets` (services on the
@@ -189,7 +218,7 @@ pub async fn probe_boundary(
     settings: &SandboxSettings,
     scratch: &std::path::Path,
     targets: &[std::net::SocketAddr],
-) -> Result<Vec<(String, bool, String)>, String> {
+) -> Result<Vec<(String, bool, String)>, crate::jobnet::NetworkUnavailable> {
     jobnet::check_available(&settings.network)?;
     let work = scratch.join("boundary-work");
     let root = scratch.join("boundary-root");
@@ -216,21 +245,8 @@ pub async fn probe_boundary(
     }
     let mut ro_paths = settings.ro_paths.clone();
     ro_paths.push(probe.clone());
-    let spec = byoc_sandbox::SandboxSpec {
-        argv,
-        env: vec![],
-        work_dir: work.clone(),
-        new_root: root.clone(),
-        ro_paths,
-        hidden_paths: settings.hidden_paths.clone(),
-        network: jobnet::spec(NetworkUse::UserMode, &settings.network, false),
-        tmp_size_mib: 1,
-        nofile: settings.nofile,
-        host_uid: settings.host_uid,
-        host_gid: settings.host_gid,
-        cgroup_procs: vec![],
-        hostname: "byoc-selftest".into(),
-    };
+    let network = jobnet::spec(NetworkUse::UserMode, &settings.network, false);
+    let spec = check_spec(settings, argv, &work, &root, ro_paths, network);
     let mut cmd = Command::new(&settings.helper);
     cmd.args(&settings.helper_args)
         .env_clear()
@@ -258,7 +274,9 @@ pub async fn probe_boundary(
     let _ = std::fs::remove_dir(&root);
     let _ = std::fs::remove_file(&probe);
     if !out.status.success() {
-        return Err(String::from_utf8_lossy(&out.stderr).trim().to_string());
+        return Err(crate::jobnet::NetworkUnavailable::from(
+            String::from_utf8_lossy(&out.stderr).trim().to_string(),
+        ));
     }
     let report: serde_json::Value = serde_json::from_slice(&out.stdout)
         .map_err(|e| format!("the probe's report: {e}: {}", String::from_utf8_lossy(&out.stdout)))?;
@@ -273,29 +291,36 @@ pub async fn probe_boundary(
         .collect())
 }
 
+/// Why the sandbox self-test failed.
+#[derive(Debug, thiserror::Error)]
+pub enum SelfTestError {
+    #[error("creating {path}: {source}")]
+    Scratch { path: std::path::PathBuf, source: std::io::Error },
+    #[error("running the sandbox helper {helper}: {source}")]
+    Helper { helper: std::path::PathBuf, source: std::io::Error },
+    /// The helper could not build the sandbox; what it printed.
+    #[error("{0}")]
+    Failed(String),
+}
+
 /// Build one sandbox around `/bin/true` (no cgroup) to prove this host can: run at
 /// daemon start so a host without user namespaces fails loudly once, not every job.
-pub async fn self_test(settings: &SandboxSettings, scratch: &std::path::Path) -> Result<(), String> {
+pub async fn self_test(settings: &SandboxSettings, scratch: &std::path::Path) -> Result<(), SelfTestError> {
     let work = scratch.join("selftest-work");
     let root = scratch.join("selftest-root");
     for d in [&work, &root] {
-        std::fs::create_dir_all(d).map_err(|e| format!("creating {}: {e}", d.display()))?;
+        std::fs::create_dir_all(d)
+            .map_err(|source| SelfTestError::Scratch { path: d.to_path_buf(), source })?;
     }
-    let spec = byoc_sandbox::SandboxSpec {
-        argv: vec!["/bin/true".into()],
-        env: vec![],
-        work_dir: work.clone(),
-        new_root: root.clone(),
-        ro_paths: settings.ro_paths.clone(),
-        hidden_paths: settings.hidden_paths.clone(),
-        network: byoc_sandbox::spec::NetworkSpec::Off,
-        tmp_size_mib: 1,
-        nofile: settings.nofile,
-        host_uid: settings.host_uid,
-        host_gid: settings.host_gid,
-        cgroup_procs: vec![],
-        hostname: "byoc-selftest".into(),
-    };
+    let helper_err = |source| SelfTestError::Helper { helper: settings.helper.clone(), source };
+    let spec = check_spec(
+        settings,
+        vec!["/bin/true".into()],
+        &work,
+        &root,
+        settings.ro_paths.clone(),
+        byoc_sandbox::spec::NetworkSpec::Off,
+    );
     let mut child = Command::new(&settings.helper)
         .args(&settings.helper_args)
         .env_clear()
@@ -303,13 +328,17 @@ pub async fn self_test(settings: &SandboxSettings, scratch: &std::path::Path) ->
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::piped())
         .spawn()
-        .map_err(|e| format!("starting {}: {e}", settings.helper.display()))?;
+        .map_err(helper_err)?;
     if let Some(mut stdin) = child.stdin.take() {
         use tokio::io::AsyncWriteExt as _;
         let _ = stdin.write_all(&serde_json::to_vec(&spec).expect("spec serialises")).await;
     }
-    let out = child.wait_with_output().await.map_err(|e| format!("waiting for the sandbox helper: {e}"))?;
+    let out = child.wait_with_output().await.map_err(helper_err)?;
     let _ = std::fs::remove_dir(&work);
     let _ = std::fs::remove_dir(&root);
-    if out.status.success() { Ok(()) } else { Err(String::from_utf8_lossy(&out.stderr).trim().to_string()) }
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(SelfTestError::Failed(String::from_utf8_lossy(&out.stderr).trim().to_string()))
+    }
 }

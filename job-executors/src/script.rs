@@ -42,13 +42,19 @@ fn default_interpreter() -> PathBuf {
 }
 
 impl Script {
-    pub fn from_spec(spec: &serde_json::Value) -> Result<Self, String> {
+    pub fn from_spec(spec: &serde_json::Value) -> Result<Self, crate::InvalidSpec> {
         let s: Script = serde_json::from_value(spec.clone()).map_err(|e| e.to_string())?;
         if s.script.len() > MAX_SCRIPT_BYTES {
-            return Err(format!("script is {} bytes, limit {MAX_SCRIPT_BYTES}", s.script.len()));
+            return Err(crate::InvalidSpec::from(format!(
+                "script is {} bytes, limit {MAX_SCRIPT_BYTES}",
+                s.script.len()
+            )));
         }
         if !s.interpreter.is_absolute() {
-            return Err(format!("interpreter {:?} must be an absolute path", s.interpreter));
+            return Err(crate::InvalidSpec::from(format!(
+                "interpreter {:?} must be an absolute path",
+                s.interpreter
+            )));
         }
         crate::validate_env(&s.env, &s.secret_env)?;
         Ok(s)
@@ -58,21 +64,21 @@ impl Script {
 impl Executor for Script {
     fn run<'a>(&'a self, mut ctx: ExecContext<'a>) -> ExecFuture<'a> {
         Box::pin(async move {
-            let script_path = ctx.work_dir.join("script");
+            let script_path = ctx.settings.work_dir.join("script");
             if let Err(e) = std::fs::write(&script_path, &self.script) {
                 return ExecOutcome::failed(format!("writing {}: {e}", script_path.display()));
             }
-            let outputs_path = ctx.work_dir.join(crate::outputs::OUTPUT_FILE);
+            let outputs_path = ctx.settings.work_dir.join(crate::outputs::OUTPUT_FILE);
             // Inside the sandbox the working directory is /work; unsandboxed it is the
             // host path. The job sees only this environment.
-            let dir = match &ctx.sandbox {
+            let dir = match &ctx.settings.sandbox {
                 Some(_) => crate::sandboxed::work_dir_inside(),
-                None => ctx.work_dir.clone(),
+                None => ctx.settings.work_dir.clone(),
             };
             let mut env: Vec<(String, String)> = vec![
                 ("PATH".into(), DEFAULT_PATH.into()),
                 ("HOME".into(), dir.display().to_string()),
-                ("BYOC_JOB_ID".into(), ctx.job_id.clone()),
+                ("BYOC_JOB_ID".into(), ctx.settings.job_id.clone()),
                 (
                     crate::outputs::OUTPUT_ENV.into(),
                     dir.join(crate::outputs::OUTPUT_FILE).display().to_string(),
@@ -83,7 +89,7 @@ impl Executor for Script {
             // The role's credential endpoint, served inside the job's namespace.
             crate::add_role_env(&mut ctx, &mut env, self.network);
             let argv = vec![self.interpreter.display().to_string(), dir.join("script").display().to_string()];
-            let mut outcome = match ctx.sandbox.clone() {
+            let mut outcome = match ctx.settings.sandbox.clone() {
                 Some(settings) => {
                     let job = crate::sandboxed::Job { argv, env, network: self.network };
                     crate::sandboxed::run(job, settings, ctx).await
@@ -93,7 +99,7 @@ impl Executor for Script {
                         return ExecOutcome::failed("network = false needs the sandbox, which is disabled");
                     }
                     let mut cmd = Command::new(&argv[0]);
-                    cmd.args(&argv[1..]).current_dir(&ctx.work_dir).env_clear().envs(env);
+                    cmd.args(&argv[1..]).current_dir(&ctx.settings.work_dir).env_clear().envs(env);
                     crate::process::run_process_group(cmd, ctx, None).await
                 }
             };
@@ -143,21 +149,10 @@ mod tests {
     async fn run(s: &Script, timeout: Duration, cancel: CancellationToken) -> (ExecOutcome, String) {
         let dir = tempfile::tempdir().unwrap();
         let mut out = Vec::new();
-        let ctx = ExecContext {
-            job_id: "job-1".into(),
-            work_dir: dir.path().to_path_buf(),
-            timeout,
-            kill_grace: Duration::from_millis(500),
-            cancel,
-            output: &mut out,
-            sandbox: None,
-            containers: None,
-            credentials: None,
-            oci: Default::default(),
-            audit: None,
-            tools: Default::default(),
-            policy: None,
-        };
+        let ctx = ExecContext::builder("job-1", dir.path())
+            .timeout(timeout, Duration::from_millis(500))
+            .cancel(cancel)
+            .build(&mut out);
         let outcome = crate::run_masked(s, ctx).await;
         (outcome, String::from_utf8_lossy(&out).into_owned())
     }

@@ -3,6 +3,8 @@
 //! Both ends link this crate so the signing rules (domain-separated messages, key ids,
 //! the exact bytes that are signed) cannot drift apart. See `docs/PROTOCOL.md`.
 
+pub mod backoff;
+
 use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD as B64;
 use ed25519_dalek::{Signature, Signer as _, SigningKey, Verifier as _, VerifyingKey};
@@ -308,6 +310,8 @@ pub enum RejectReason {
     SandboxNetworkUnavailable,
     /// The job's cgroup limits cannot be applied (and the customer requires them).
     SandboxLimitsUnavailable,
+    /// Free space on the runner's state dir is under the customer's threshold.
+    DiskLow,
 }
 
 impl RejectReason {
@@ -331,6 +335,7 @@ impl RejectReason {
             Self::Paused => "paused",
             Self::SandboxNetworkUnavailable => "sandbox_network_unavailable",
             Self::SandboxLimitsUnavailable => "sandbox_limits_unavailable",
+            Self::DiskLow => "disk_low",
         }
     }
 
@@ -353,6 +358,7 @@ impl RejectReason {
         Self::Paused,
         Self::SandboxNetworkUnavailable,
         Self::SandboxLimitsUnavailable,
+        Self::DiskLow,
     ];
 }
 
@@ -479,12 +485,22 @@ impl JobStatus {
     }
 }
 
+fn is_zero(n: &u64) -> bool {
+    *n == 0
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct JobResult {
     pub status: JobStatus,
     pub exit_code: Option<i32>,
     pub log_size: u64,
+    /// SHA-256 of the log as kept: with `log_omitted_bytes`, of the head, the omission
+    /// marker and the tail.
     pub log_sha256: String,
+    /// Output the runner did not keep because the job's log reached its cap
+    /// (`jobs.log_max_mib`); 0: the log is complete.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub log_omitted_bytes: u64,
     #[serde(default)]
     pub error: Option<String>,
     #[serde(default)]

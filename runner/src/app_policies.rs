@@ -284,23 +284,34 @@ pub fn cluster_policies(app: &AppConfig) -> Result<Vec<Declared>, Vec<String>> {
     Ok(parse(app)?.into_iter().filter(|d| d.kind == PolicyType::KubernetesCluster).collect())
 }
 
+/// Why an app config directory could not be read as a job would carry it.
+#[derive(Debug, thiserror::Error)]
+pub enum AppDirError {
+    #[error("{path}: {source}")]
+    Read { path: std::path::PathBuf, source: std::io::Error },
+    #[error("{path}: {source}")]
+    Parse { path: std::path::PathBuf, source: toml::de::Error },
+    #[error("{path}: contents {contents:?} must stay inside the app config")]
+    Outside { path: std::path::PathBuf, contents: String },
+}
+
 /// An app config directory's policy declarations, as a job would carry them:
 /// `policies.toml` and the files its `contents` name (relative to the directory).
-pub fn load_dir(dir: &std::path::Path) -> Result<AppConfig, String> {
+pub fn load_dir(dir: &std::path::Path) -> Result<AppConfig, AppDirError> {
     let toml_path = dir.join("policies.toml");
-    let text = std::fs::read_to_string(&toml_path).map_err(|e| format!("{}: {e}", toml_path.display()))?;
-    let file: File = toml::from_str(&text).map_err(|e| format!("{}: {e}", toml_path.display()))?;
+    let text = std::fs::read_to_string(&toml_path)
+        .map_err(|source| AppDirError::Read { path: toml_path.clone(), source })?;
+    let file: File =
+        toml::from_str(&text).map_err(|source| AppDirError::Parse { path: toml_path.clone(), source })?;
     let mut files = std::collections::BTreeMap::new();
     for entry in &file.policy {
         if let Some(path) = entry.get("contents").and_then(|v| v.as_str()) {
             let rel = normalize(path);
             if std::path::Path::new(&rel).components().any(|c| !matches!(c, std::path::Component::Normal(_)))
             {
-                return Err(format!(
-                    "{}: contents {path:?} must stay inside the app config",
-                    toml_path.display()
-                ));
+                return Err(AppDirError::Outside { path: toml_path, contents: path.to_string() });
             }
+            // A file that is missing is reported by the declaration that names it.
             if let Ok(t) = std::fs::read_to_string(dir.join(&rel)) {
                 files.insert(rel, t);
             }

@@ -3,7 +3,7 @@
 //! journald with AUDIT_* fields, and acknowledged by the control plane's cosignature.
 
 use std::path::{Path, PathBuf};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use byoc_audit::log::{AuditError, AuditWriter, Record};
@@ -12,7 +12,8 @@ use ed25519_dalek::SigningKey;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
-use crate::client::{ClientError, CpClient};
+use crate::control_plane::retry::{Policy, Retried, retry};
+use crate::control_plane::{ClientError, ControlPlane};
 use crate::journal::Event;
 
 pub const AUDIT_DIR: &str = "audit";
@@ -23,6 +24,7 @@ pub struct Audit {
     writer: Mutex<AuditWriter>,
     dir: PathBuf,
     pub changed: Notify,
+    reserve: Option<crate::disk::Reserve>,
 }
 
 impl Audit {
@@ -35,7 +37,16 @@ impl Audit {
     ) -> Result<(Audit, u64), AuditError> {
         let dir = state_dir.join(AUDIT_DIR);
         let (writer, opened) = AuditWriter::open(&dir, key, runner_id, install, control_plane_keys)?;
-        Ok((Audit { writer: Mutex::new(writer), dir, changed: Notify::new() }, opened.cut_bytes))
+        Ok((
+            Audit { writer: Mutex::new(writer), dir, changed: Notify::new(), reserve: None },
+            opened.cut_bytes,
+        ))
+    }
+
+    /// Give the disk reserve back before a record that would find the disk full.
+    pub fn with_reserve(mut self, reserve: crate::disk::Reserve) -> Self {
+        self.reserve = Some(reserve);
+        self
     }
 
     fn lock(&self) -> MutexGuard<'_, AuditWriter> {
@@ -48,6 +59,9 @@ impl Audit {
 
     /// Append (fsynced, checkpointed) and mirror to journald.
     pub fn record(&self, r: Record) -> Result<u64, AuditError> {
+        if let Some(reserve) = &self.reserve {
+            reserve.make_room_for_evidence();
+        }
         let seq = self.lock().append(r.clone())?;
         tracing::info!(
             audit_seq = seq,
@@ -69,6 +83,18 @@ impl Audit {
 
     pub fn size(&self) -> u64 {
         self.lock().size()
+    }
+}
+
+/// Where a job's stages write audit records: the signed log, or a fake in tests.
+pub trait AuditSink: Send + Sync {
+    /// Append one record durably (fsynced, checkpointed); its sequence number.
+    fn record(&self, r: Record) -> Result<u64, AuditError>;
+}
+
+impl AuditSink for Audit {
+    fn record(&self, r: Record) -> Result<u64, AuditError> {
+        Audit::record(self, r)
     }
 }
 
@@ -110,7 +136,7 @@ pub fn record_for(event: &Event) -> Record {
             r.job = Some(job_id.clone());
             r.detail = network.clone();
         }
-        Event::Finished { job_id, status, exit_code, log_size, log_sha256, .. } => {
+        Event::Finished { job_id, status, exit_code, log_size, log_sha256, log_omitted, .. } => {
             r.event = match status {
                 byoc_protocol::JobStatus::Cancelled => "job_cancelled",
                 byoc_protocol::JobStatus::Interrupted => "job_interrupted",
@@ -121,7 +147,10 @@ pub fn record_for(event: &Event) -> Record {
             r.status = Some(status.as_str().into());
             r.exit_code = *exit_code;
             r.digests.insert("log_sha256".into(), log_sha256.clone());
-            r.detail = Some(format!("log {log_size} bytes"));
+            r.detail = Some(match log_omitted {
+                0 => format!("log {log_size} bytes"),
+                n => format!("log {log_size} bytes kept, {n} bytes omitted (log cap)"),
+            });
         }
         Event::Reported { job_id } => {
             r.event = "job_reported".into();
@@ -134,29 +163,27 @@ pub fn record_for(event: &Event) -> Record {
 /// Send records the control plane has not acknowledged, with a consistency proof from
 /// the last acknowledged checkpoint; store its cosignature. Resumes after outages from
 /// the acknowledged size, so nothing is sent twice as a different record.
-pub async fn upload_loop(rt: crate::pipeline::Rt) {
-    let (audit, client, stop): (&Audit, &CpClient, &CancellationToken) =
-        (&rt.audit, &rt.client, &rt.stop_reporting);
+pub async fn upload_loop(audit: Arc<Audit>, client: Arc<dyn ControlPlane>, stop: CancellationToken) {
+    let (audit, client) = (audit.as_ref(), client.as_ref());
     let mut acked = byoc_audit::log::acknowledged_size(audit.dir());
-    let mut backoff = crate::pipeline::Backoff::new(Duration::from_millis(500), Duration::from_secs(30));
+    let policy = Policy::new(Duration::from_millis(500), Duration::from_secs(30));
     loop {
         let changed = audit.changed.notified();
         tokio::pin!(changed);
         changed.as_mut().enable();
         if audit.size() > acked {
-            match upload_once(audit, client, acked).await {
-                Ok(size) => {
+            let uploaded = retry(policy, &stop, |_| async {
+                upload_once(audit, client, acked).await.inspect_err(
+                    |e| tracing::warn!(error = %e, acknowledged = acked, "audit upload failed; retrying"),
+                )
+            })
+            .await;
+            match uploaded {
+                Retried::Done(size) => {
                     acked = size;
-                    backoff.reset();
                     continue;
                 }
-                Err(e) => {
-                    tracing::warn!(error = %e, acknowledged = acked, "audit upload failed; retrying");
-                    tokio::select! {
-                        _ = tokio::time::sleep(backoff.next_delay()) => continue,
-                        _ = stop.cancelled() => return,
-                    }
-                }
+                Retried::Stopped | Retried::Exhausted(_) => return,
             }
         }
         tokio::select! {
@@ -167,13 +194,27 @@ pub async fn upload_loop(rt: crate::pipeline::Rt) {
     }
 }
 
-async fn upload_once(audit: &Audit, client: &CpClient, acked: u64) -> Result<u64, String> {
+/// Why one acknowledgement round failed (the loop retries it).
+#[derive(Debug, thiserror::Error)]
+pub enum UploadError {
+    #[error("reading records to upload: {0}")]
+    Read(AuditError),
+    #[error(transparent)]
+    ControlPlane(#[from] ClientError),
+    #[error("storing the control plane's cosignature: {0}")]
+    StoreCosigned(AuditError),
+    #[error("the audit writer holds no tree from {from} to {to} (below what was acknowledged)")]
+    Forgotten { from: u64, to: u64 },
+}
+
+async fn upload_once(audit: &Audit, client: &dyn ControlPlane, acked: u64) -> Result<u64, UploadError> {
     let (to, records, note, proof) = {
         let w = audit.lock();
         let to = w.size().min(acked + UPLOAD_BATCH);
-        let records = w.read_lines(acked, to).map_err(|e| e.to_string())?;
-        let note = w.sign_at(to);
-        let proof = merkle::consistency_proof(&w.leaves()[..to as usize], acked as usize);
+        let records = w.read_lines(acked, to).map_err(UploadError::Read)?;
+        let forgotten = || UploadError::Forgotten { from: acked, to };
+        let note = w.sign_at(to).ok_or_else(forgotten)?;
+        let proof = w.consistency_proof(acked, to).ok_or_else(forgotten)?;
         (to, records, note, proof)
     };
     use base64::Engine as _;
@@ -183,65 +224,93 @@ async fn upload_once(audit: &Audit, client: &CpClient, acked: u64) -> Result<u64
         checkpoint: note,
         proof: proof.iter().map(|h| base64::engine::general_purpose::STANDARD.encode(h)).collect(),
     };
-    let resp = client.audit(&req).await.map_err(|e: ClientError| e.to_string())?;
-    audit.lock().store_cosigned(to, &resp.cosigned).map_err(|e| e.to_string())?;
+    let resp = client.audit(&req).await?;
+    audit.lock().store_cosigned(to, &resp.cosigned).map_err(UploadError::StoreCosigned)?;
     tracing::debug!(size = to, "audit checkpoint acknowledged by the control plane");
     Ok(to)
 }
 
 // ---- offline CLI support ------------------------------------------------------------
 
+/// Why the keys to verify with could not be had.
+#[derive(Debug, thiserror::Error)]
+pub enum TrustError {
+    #[error("reading {path}: {source}")]
+    Read { path: PathBuf, source: std::io::Error },
+    #[error("{path}: bad key {key:?}: {source}")]
+    BadKey { path: PathBuf, key: String, source: byoc_protocol::ProtocolError },
+    #[error("{path}: unexpected line {line:?} (expected `runner <base64>` or `control-plane <base64>`)")]
+    UnexpectedLine { path: PathBuf, line: String },
+    #[error("{path}: no `runner <key>` line")]
+    NoRunnerKey { path: PathBuf },
+}
+
 /// Keys to verify with: `--trust FILE` (lines `runner <base64>` and
 /// `control-plane <base64>`), else the keys stored beside the log (trust on first use).
 pub fn load_trust(
     dir: &Path,
     trust_file: Option<&Path>,
-) -> Result<(byoc_audit::verify::Trust, bool), String> {
-    let parse =
-        |s: &str| byoc_protocol::parse_public_key(s.trim()).map_err(|e| format!("bad key {s:?}: {e}"));
+) -> Result<(byoc_audit::verify::Trust, bool), TrustError> {
+    let read = |path: PathBuf| {
+        std::fs::read_to_string(&path)
+            .map(|text| (text, path.clone()))
+            .map_err(|source| TrustError::Read { path, source })
+    };
+    let parse = |path: &Path, key: &str| {
+        byoc_protocol::parse_public_key(key.trim()).map_err(|source| TrustError::BadKey {
+            path: path.to_path_buf(),
+            key: key.trim().to_string(),
+            source,
+        })
+    };
     match trust_file {
         Some(path) => {
-            let text =
-                std::fs::read_to_string(path).map_err(|e| format!("reading {}: {e}", path.display()))?;
+            let (text, path) = read(path.to_path_buf())?;
             let mut runner = None;
             let mut cps = Vec::new();
             for line in text.lines().filter(|l| !l.trim().is_empty() && !l.starts_with('#')) {
                 match line.split_once(' ') {
-                    Some(("runner", k)) => runner = Some(parse(k)?),
-                    Some(("control-plane", k)) => cps.push(parse(k)?),
-                    _ => return Err(format!("{}: unexpected line {line:?}", path.display())),
+                    Some(("runner", k)) => runner = Some(parse(&path, k)?),
+                    Some(("control-plane", k)) => cps.push(parse(&path, k)?),
+                    _ => return Err(TrustError::UnexpectedLine { path, line: line.to_string() }),
                 }
             }
-            let runner = runner.ok_or_else(|| format!("{}: no `runner <key>` line", path.display()))?;
+            let runner = runner.ok_or(TrustError::NoRunnerKey { path })?;
             Ok((byoc_audit::verify::Trust { runner, control_plane: cps }, true))
         }
         None => {
-            let read = |f: &str| {
-                std::fs::read_to_string(dir.join(f))
-                    .map_err(|e| format!("reading {}: {e}", dir.join(f).display()))
-            };
-            let runner = parse(&read(byoc_audit::log::RUNNER_PUB)?)?;
-            let cps = read(byoc_audit::log::CONTROL_PLANE_PUB)?
+            let (runner, runner_path) = read(dir.join(byoc_audit::log::RUNNER_PUB))?;
+            let runner = parse(&runner_path, &runner)?;
+            let (cps, cps_path) = read(dir.join(byoc_audit::log::CONTROL_PLANE_PUB))?;
+            let cps = cps
                 .lines()
                 .filter(|l| !l.trim().is_empty())
-                .map(parse)
+                .map(|k| parse(&cps_path, k))
                 .collect::<Result<Vec<_>, _>>()?;
             Ok((byoc_audit::verify::Trust { runner, control_plane: cps }, false))
         }
     }
 }
 
+#[derive(Debug, thiserror::Error)]
+pub enum ProveError {
+    #[error(transparent)]
+    Read(#[from] AuditError),
+    #[error("no checkpoint covers record {seq} (the log has {records} records)")]
+    NotCovered { seq: u64, records: usize },
+}
+
 /// Inclusion proof for record `seq` against the latest checkpoint, as JSON a third
 /// party can check with any RFC 6962 implementation.
-pub fn prove(dir: &Path, seq: u64) -> Result<serde_json::Value, String> {
-    let lines = byoc_audit::log::read_lines(dir, 0, u64::MAX).map_err(|e| e.to_string())?;
+pub fn prove(dir: &Path, seq: u64) -> Result<serde_json::Value, ProveError> {
+    let lines = byoc_audit::log::read_lines(dir, 0, u64::MAX)?;
     let leaves: Vec<merkle::Hash> = lines.iter().map(|l| merkle::leaf_hash(l.as_bytes())).collect();
     let checkpoints = byoc_audit::log::read_checkpoints(&dir.join(byoc_audit::log::CHECKPOINTS));
     let latest = checkpoints
         .iter()
         .filter(|c| c.size > seq && c.size as usize <= leaves.len())
         .max_by_key(|c| c.size)
-        .ok_or_else(|| format!("no checkpoint covers record {seq}"))?;
+        .ok_or(ProveError::NotCovered { seq, records: leaves.len() })?;
     let size = latest.size as usize;
     let proof = merkle::inclusion_proof(&leaves[..size], seq as usize);
     Ok(serde_json::json!({

@@ -20,13 +20,14 @@ use tokio::sync::Notify;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-use crate::client::{ClientError, CpClient};
+use crate::clock::{now_ms, unix_now};
 use crate::config::Config;
+use crate::control_plane::retry::{self, Backoff, Retried};
+use crate::control_plane::{ClientError, ControlPlane, CpClient};
 use crate::identity::{self, Enrollment};
-use crate::journal::{Event, Journal, Phase, now_ms};
-use crate::pipeline::claim::{self, ClaimOutcome};
-use crate::pipeline::verify::Verifier;
-use crate::pipeline::{Backoff, PolledJob, Rejection, Rt, Runtime, execute, report, resolve_role};
+use crate::journal::{Journal, Phase};
+use crate::pipeline::{self, Accepted, JobsInHand, PolledJob, execute};
+use crate::runtime::{Rt, Runtime};
 use crate::spool;
 
 /// Environment variable that may carry the bootstrap token instead of a file.
@@ -38,6 +39,10 @@ pub const PID_FILE: &str = "daemon.pid";
 pub enum DaemonError {
     #[error("preparing state directory {path}: {source}")]
     StateDir { path: String, source: std::io::Error },
+    #[error("finding this executable (the sandbox helper and policy evaluator): {0}")]
+    CurrentExe(std::io::Error),
+    #[error("setting up the lifecycle roles (the credential endpoint): {0}")]
+    Roles(std::io::Error),
     #[error(transparent)]
     Identity(#[from] identity::IdentityError),
     #[error(transparent)]
@@ -58,18 +63,14 @@ pub enum DaemonError {
         "state dir belongs to install {enrolled:?} but the config says {configured:?}; use the right state_dir or re-enroll"
     )]
     InstallMismatch { enrolled: String, configured: String },
-    #[error("opening the audit log: {0}")]
-    Audit(String),
+    #[error("opening or writing the audit log: {0}")]
+    Audit(#[from] byoc_audit::log::AuditError),
     #[error("installing signal handlers: {0}")]
     Signals(std::io::Error),
     #[error(
         "the job sandbox cannot be built on this host: {0}. Check that user namespaces are enabled (sysctl user.max_user_namespaces > 0) and the unit allows them, or set [sandbox] enabled = false to run jobs unsandboxed"
     )]
-    Sandbox(String),
-}
-
-pub fn unix_now() -> i64 {
-    (now_ms() / 1000) as i64
+    Sandbox(#[from] byoc_job_executors::sandboxed::SelfTestError),
 }
 
 fn sd_notify(states: &[sd_notify::NotifyState]) {
@@ -82,10 +83,8 @@ struct Slots {
     limits: BTreeMap<String, usize>,
     running: Mutex<BTreeMap<String, usize>>,
     changed: Notify,
-    /// Jobs with a live task (from `received` until reported or refused). A second
-    /// delivery of one of these (the server re-offered it while our claim was still
-    /// being retried) is dropped: the live task claims and runs it, once.
-    in_hand: Mutex<std::collections::HashSet<String>>,
+    /// Jobs with a live task: a second delivery of one is dropped.
+    in_hand: JobsInHand,
 }
 
 impl Slots {
@@ -118,7 +117,10 @@ pub async fn run(config: Config) -> Result<(), DaemonError> {
     if created {
         tracing::info!(path = %state_dir.join(identity::KEY_FILE).display(), "created runner identity key");
     }
+    let reserve = crate::disk::Reserve::new(&state_dir, &config.disk);
+    reserve.hold();
     let (journal, torn) = Journal::open(&state_dir)?;
+    let journal = journal.with_reserve(reserve.clone());
     if torn > 0 {
         tracing::warn!(bytes = torn, "cut a torn record from the end of the job journal (crash mid-write)");
     }
@@ -137,8 +139,8 @@ pub async fn run(config: Config) -> Result<(), DaemonError> {
         &enrollment.runner_id,
         &enrollment.install_id,
         &cp_keys,
-    )
-    .map_err(|e| DaemonError::Audit(e.to_string()))?;
+    )?;
+    let audit = audit.with_reserve(reserve.clone());
     if audit_cut > 0 {
         tracing::warn!(
             bytes = audit_cut,
@@ -150,27 +152,28 @@ pub async fn run(config: Config) -> Result<(), DaemonError> {
         detail: Some(format!("byoc-runner {}", env!("CARGO_PKG_VERSION"))),
         ..Default::default()
     };
-    audit.record(started).map_err(|e| DaemonError::Audit(e.to_string()))?;
+    audit.record(started)?;
     let mut loaded = byoc_audit::log::Record {
         event: "config_loaded".into(),
         detail: Some(config.source.display().to_string()),
         ..Default::default()
     };
     loaded.digests.insert("config_sha256".into(), config.digest.clone());
-    audit.record(loaded).map_err(|e| DaemonError::Audit(e.to_string()))?;
+    audit.record(loaded)?;
     if created {
         let mut r = byoc_audit::log::Record { event: "key_created".into(), ..Default::default() };
         r.digests
             .insert("public_key_sha256".into(), byoc_protocol::sha256_hex(key.verifying_key().as_bytes()));
-        audit.record(r).map_err(|e| DaemonError::Audit(e.to_string()))?;
+        audit.record(r)?;
     }
-    let client = CpClient::new(&config.control_plane)?.with_identity(enrollment.runner_id.clone(), key);
+    let client: Arc<dyn ControlPlane> =
+        Arc::new(CpClient::new(&config.control_plane)?.with_identity(enrollment.runner_id.clone(), key));
+    let audit = Arc::new(audit);
 
-    let helper = std::env::current_exe()
-        .map_err(|e| DaemonError::StateDir { path: "current executable".into(), source: e })?;
-    let sandbox = crate::pipeline::sandbox_settings(&config, helper);
+    let helper = std::env::current_exe().map_err(DaemonError::CurrentExe)?;
+    let sandbox = crate::runtime::sandbox_settings(&config, helper);
     if let Some(s) = &sandbox {
-        crate::pipeline::sandbox_self_test(s, &state_dir).await.map_err(DaemonError::Sandbox)?;
+        crate::runtime::sandbox_self_test(s, &state_dir).await?;
     }
     match &sandbox {
         Some(s) => tracing::info!(
@@ -195,7 +198,7 @@ pub async fn run(config: Config) -> Result<(), DaemonError> {
             ),
         }
     }
-    let mut containers = crate::pipeline::container_settings(&config);
+    let mut containers = crate::runtime::container_settings(&config);
     if let Some(c) = &mut containers {
         c.owner = enrollment.runner_id.clone();
         // No job runs yet: containers and networks of jobs a killed runner left behind
@@ -204,7 +207,7 @@ pub async fn run(config: Config) -> Result<(), DaemonError> {
     }
     let roles = crate::roles::Roles::from_config(&config, &enrollment.install_id, &state_dir)
         .await
-        .map_err(|e| DaemonError::StateDir { path: "credential endpoint on 127.0.0.1".into(), source: e })?;
+        .map_err(DaemonError::Roles)?;
     prepare_control_dir(&state_dir, config.roles.admin_group.as_deref())?;
     tracing::info!(switches = %roles.source.describe(), sts = roles.assumer.is_some(), "lifecycle roles");
     let rt: Rt = Arc::new(Runtime {
@@ -215,11 +218,12 @@ pub async fn run(config: Config) -> Result<(), DaemonError> {
         runner_id: enrollment.runner_id.clone(),
         install_id: enrollment.install_id.clone(),
         state_dir: state_dir.clone(),
-        journal,
-        audit,
-        client,
+        journal: Arc::new(journal),
+        audit: audit.clone(),
+        client: client.clone(),
         abort: CancellationToken::new(),
         stop_reporting: CancellationToken::new(),
+        clock: Arc::new(crate::clock::SystemClock),
         config,
     });
     let _ = std::fs::write(state_dir.join(PID_FILE), std::process::id().to_string());
@@ -231,25 +235,52 @@ pub async fn run(config: Config) -> Result<(), DaemonError> {
         limits: rt.config.jobs.groups.clone(),
         running: Mutex::new(BTreeMap::new()),
         changed: Notify::new(),
-        in_hand: Mutex::new(Default::default()),
+        in_hand: JobsInHand::default(),
     });
     let mut tasks: JoinSet<()> = JoinSet::new();
-    recover(&rt, &slots, &mut tasks)?;
-    rt.check_pause();
+    for settle in pipeline::recover::recover(&rt, &slots.in_hand)? {
+        tasks.spawn(settle);
+    }
+    rt.check_customer_controls();
+    compact_journal(&rt);
 
-    let audit_task = tokio::spawn(crate::audit::upload_loop(rt.clone()));
+    let audit_task =
+        tokio::spawn(crate::audit::upload_loop(audit.clone(), client, rt.stop_reporting.clone()));
     let idle = rt.clone();
+    let idle_audit = audit.clone();
     let idle_task = tokio::spawn(async move {
         // Idle heartbeat checkpoints make a silently cut tail visible as a gap.
         let mut tick = tokio::time::interval(Duration::from_secs(10));
         loop {
             tick.tick().await;
             // A pause written by the CLI is audited within one tick even when no job comes.
-            idle.check_pause();
-            if let Err(e) = idle.audit.checkpoint_if_idle() {
+            idle.check_customer_controls();
+            compact_journal(&idle);
+            if let Err(e) = idle_audit.checkpoint_if_idle() {
                 tracing::error!(error = %e, "audit checkpoint failed");
             }
         }
+    });
+    let retention_task = rt.config.jobs.log_retention.map(|keep| {
+        let rt = rt.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_secs(3600));
+            loop {
+                tick.tick().await;
+                sweep_logs(&rt, keep);
+            }
+        })
+    });
+    let metrics_task = rt.config.metrics_textfile.clone().map(|path| {
+        let rt = rt.clone();
+        tokio::spawn(async move {
+            let mut tally = crate::metrics::AuditTally::default();
+            let mut tick = tokio::time::interval(Duration::from_secs(15));
+            loop {
+                tick.tick().await;
+                write_metrics(&rt, &path, &mut tally);
+            }
+        })
     });
     let health = Arc::new(AtomicU64::new(now_ms()));
     spawn_watchdog(&rt, health.clone(), drain.clone());
@@ -297,38 +328,47 @@ pub async fn run(config: Config) -> Result<(), DaemonError> {
         }
     }
     if let Err(e) =
-        rt.audit.record(byoc_audit::log::Record { event: "runner_stopped".into(), ..Default::default() })
+        audit.record(byoc_audit::log::Record { event: "runner_stopped".into(), ..Default::default() })
     {
         tracing::error!(error = %e, "could not audit the stop");
     }
     // Give the control plane a moment to acknowledge the last records.
     let _ = tokio::time::timeout(Duration::from_secs(3), async {
-        while byoc_audit::log::acknowledged_size(rt.audit.dir()) < rt.audit.size() {
-            rt.audit.changed.notify_waiters();
+        while byoc_audit::log::acknowledged_size(audit.dir()) < audit.size() {
+            audit.changed.notify_waiters();
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     })
     .await;
     rt.stop_reporting.cancel();
     idle_task.abort();
+    for t in [retention_task, metrics_task].into_iter().flatten() {
+        t.abort();
+    }
     let _ = audit_task.await;
     let _ = std::fs::remove_file(state_dir.join(PID_FILE));
     tracing::info!("runner stopped");
     Ok(())
 }
 
-/// `control/` holds the customer's pause file. With `roles.admin_group` its group may
-/// write there (0770), so the group can pause without root.
+/// `control/` holds the customer's pause file and allowances, and `control/audit-inbox/`
+/// the CLI's records for the audit log: made here, by the daemon's user, so the daemon
+/// can read and remove what root (or the admin group) leaves there. With
+/// `roles.admin_group` its group may write there (0770), so the group can act without
+/// root.
 fn prepare_control_dir(state_dir: &Path, admin_group: Option<&str>) -> Result<(), DaemonError> {
     use std::os::unix::fs::PermissionsExt as _;
     let dir = state_dir.join(crate::roles::pause::CONTROL_DIR);
+    let inbox = crate::roles::inbox::inbox_dir(state_dir);
     let err = |e| DaemonError::StateDir { path: dir.display().to_string(), source: e };
-    std::fs::DirBuilder::new().recursive(true).mode(0o700).create(&dir).map_err(err)?;
+    std::fs::DirBuilder::new().recursive(true).mode(0o700).create(&inbox).map_err(err)?;
     if let Some(name) = admin_group {
         match nix::unistd::Group::from_name(name) {
             Ok(Some(g)) => {
-                std::os::unix::fs::chown(&dir, None, Some(g.gid.as_raw())).map_err(err)?;
-                std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o770)).map_err(err)?;
+                for d in [&dir, &inbox] {
+                    std::os::unix::fs::chown(d, None, Some(g.gid.as_raw())).map_err(err)?;
+                    std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o770)).map_err(err)?;
+                }
                 // The group must also reach control/ through the state dir.
                 let _ = std::os::unix::fs::chown(state_dir, None, Some(g.gid.as_raw()));
                 let _ = std::fs::set_permissions(state_dir, std::fs::Permissions::from_mode(0o710));
@@ -339,7 +379,7 @@ fn prepare_control_dir(state_dir: &Path, admin_group: Option<&str>) -> Result<()
     Ok(())
 }
 
-fn prepare_state_dir(state_dir: &Path) -> Result<(), DaemonError> {
+pub(crate) fn prepare_state_dir(state_dir: &Path) -> Result<(), DaemonError> {
     for dir in [state_dir.to_path_buf(), state_dir.join(spool::SPOOL_DIR), state_dir.join(execute::WORK_DIR)]
     {
         std::fs::DirBuilder::new()
@@ -380,17 +420,25 @@ async fn enroll_if_needed(
         public_key: public_key.clone(),
         hostname: config.runner.hostname.clone().unwrap_or_else(hostname),
     };
-    let mut backoff = Backoff::new(config.poll.backoff_initial, config.poll.backoff_max);
-    let resp = loop {
+    // Until it works or fails for good: without an identity there is nothing else to do.
+    let policy = retry::Policy::new(config.poll.backoff_initial, config.poll.backoff_max);
+    let enrolled = retry::retry(policy, &CancellationToken::new(), |_| async {
         match client.enroll(&req).await {
-            Ok(r) => break r,
             Err(e) if e.is_transient() => {
                 tracing::warn!(error = %e, "enrollment failed; retrying");
-                tokio::time::sleep(backoff.next_delay()).await;
+                Err(e)
             }
-            Err(ClientError::Unauthorized { body, .. }) => return Err(DaemonError::EnrollmentRefused(body)),
-            Err(e) => return Err(e.into()),
+            done => Ok(done),
         }
+    })
+    .await;
+    let resp = match enrolled {
+        Retried::Done(Ok(r)) => r,
+        Retried::Done(Err(ClientError::Unauthorized { body, .. })) => {
+            return Err(DaemonError::EnrollmentRefused(body));
+        }
+        Retried::Done(Err(e)) | Retried::Exhausted(e) => return Err(e.into()),
+        Retried::Stopped => unreachable!("the enrollment retry has no stop"),
     };
     if resp.install_id != config.runner.install_id {
         return Err(DaemonError::InstallMismatch {
@@ -420,123 +468,87 @@ fn hostname() -> String {
     nix::unistd::gethostname().ok().and_then(|h| h.into_string().ok()).unwrap_or_else(|| "unknown".into())
 }
 
-/// After a crash: started-but-unfinished jobs become `interrupted` (they are not run
-/// again: the runner cannot know what they already did), then every finished job that
-/// was never acknowledged is reported.
-fn recover(rt: &Rt, slots: &Arc<Slots>, tasks: &mut JoinSet<()>) -> Result<(), DaemonError> {
-    // Received but not claimed (as far as the journal knows): the claim may have reached
-    // the control plane before the crash, in which case it will never offer the job
-    // again. Claim it again (claims are idempotent per runner) and, having no spec to
-    // run (payloads are not stored), report it interrupted rather than leave it hanging.
-    let unclaimed: Vec<(String, String)> = rt.journal.with_index(|i| {
-        i.jobs
-            .values()
-            .filter(|j| j.phase == Phase::Received)
-            .map(|j| (j.job_id.clone(), j.delivery_id.clone()))
-            .collect()
-    });
-    for (job_id, delivery_id) in unclaimed {
-        slots.in_hand.lock().unwrap_or_else(|e| e.into_inner()).insert(job_id.clone());
-        let in_hand = InHand { slots: slots.clone(), job_id: job_id.clone() };
-        let rt = rt.clone();
-        let span = tracing::info_span!("job", job_id = %job_id, install_id = %rt.install_id);
-        tasks.spawn(tracing::Instrument::instrument(
-            async move {
-                let _in_hand = in_hand;
-                if let Err(e) = settle_unclaimed(&rt, &job_id, &delivery_id).await {
-                    tracing::error!(error = %e, "journal write failed while settling an unclaimed job");
-                }
-            },
-            span,
-        ));
+/// The metrics textfile, replaced whole; failures are logged (they never touch jobs).
+fn write_metrics(rt: &Rt, path: &Path, tally: &mut crate::metrics::AuditTally) {
+    if let Err(e) = tally.update(&rt.state_dir.join(crate::audit::AUDIT_DIR)) {
+        tracing::warn!(error = %e, "reading the audit log for metrics");
     }
-    let pending: Vec<(String, Phase)> = rt.journal.with_index(|i| {
-        i.jobs
-            .values()
-            .filter(|j| matches!(j.phase, Phase::Claimed | Phase::Started | Phase::Finished))
-            .map(|j| (j.job_id.clone(), j.phase))
-            .collect()
-    });
-    for (job_id, phase) in pending {
-        if phase != Phase::Finished {
-            let (log_size, log_sha256) = spool::digest_file(&spool::spool_path(&rt.state_dir, &job_id))
-                .unwrap_or((0, byoc_protocol::sha256_hex(b"")));
-            let started = rt.journal.job(&job_id).and_then(|j| j.started_at_ms);
-            tracing::warn!(job_id = %job_id, was = phase.as_str(), "job was interrupted by a runner restart; reporting it, not re-running it");
-            rt.transition(Event::Finished {
-                job_id: job_id.clone(),
-                status: byoc_protocol::JobStatus::Interrupted,
-                exit_code: None,
-                error: Some(format!(
-                    "the runner stopped while the job was {}; it was not re-run",
-                    phase.as_str()
-                )),
-                log_size,
-                log_sha256,
-                started_at_ms: started,
-                finished_at_ms: now_ms(),
-                outputs: serde_json::Value::Null,
-            })?;
-            let _ = std::fs::remove_dir_all(rt.state_dir.join(execute::WORK_DIR).join(&job_id));
-            // The sandbox's mount point (its namespace died with the runner).
-            let _ = std::fs::remove_dir(rt.state_dir.join(crate::pipeline::ROOTS_DIR).join(&job_id));
-        }
-        let rt = rt.clone();
-        let span = tracing::info_span!("job", job_id = %job_id, install_id = %rt.install_id);
-        tasks.spawn(tracing::Instrument::instrument(
-            async move {
-                if let Err(e) = report::report(&rt, &job_id).await {
-                    tracing::error!(error = %e, "journal write failed while reporting");
-                }
-            },
-            span,
-        ));
+    let written = crate::metrics::collect(&rt.state_dir, &rt.config.disk, tally, rt.clock.now_ms())
+        .map_err(|e| e.to_string())
+        .and_then(|f| {
+            crate::metrics::write_textfile(path, &crate::metrics::render(&f)).map_err(|e| e.to_string())
+        });
+    if let Err(e) = written {
+        tracing::warn!(error = %e, path = %path.display(), "could not write the metrics textfile");
     }
-    Ok(())
 }
 
-async fn settle_unclaimed(
-    rt: &Rt,
-    job_id: &str,
-    delivery_id: &str,
-) -> Result<(), crate::journal::JournalError> {
-    let mut backoff = Backoff::new(rt.config.poll.backoff_initial, rt.config.poll.backoff_max);
-    let claimed = loop {
-        match rt.client.claim(job_id, delivery_id).await {
-            Ok(c) => break Ok(c.lease_secs),
-            Err(e) if e.is_transient() => tokio::select! {
-                _ = tokio::time::sleep(backoff.next_delay()) => {}
-                _ = rt.stop_reporting.cancelled() => return Ok(()),
-            },
-            Err(e) => break Err(e.to_string()),
+/// Remove acknowledged job logs past their retention; audited when anything went.
+/// Settled jobs past `jobs.journal_keep` to the journal's archive (audited), so the
+/// journal and its in-memory index stay bounded however long the runner runs.
+fn compact_journal(rt: &Rt) {
+    use std::sync::atomic::Ordering;
+    // After a failure (a full disk, say) the next try waits: this runs before every
+    // poll, and each try reads the whole journal.
+    static RETRY_AT_MS: AtomicU64 = AtomicU64::new(0);
+    let now_ms = rt.clock.now_ms();
+    if now_ms < RETRY_AT_MS.load(Ordering::Relaxed) {
+        return;
+    }
+    // An envelope is accepted until its expiry plus the allowed skew: its nonce is
+    // kept known until then.
+    let now_secs = (now_ms / 1000) as i64 - rt.config.jobs.max_clock_skew.as_secs() as i64;
+    match rt.journal.compact(rt.config.jobs.journal_keep, now_secs) {
+        Ok(None) => {}
+        Ok(Some(c)) => {
+            let name = c.archive.file_name().unwrap_or_default().to_string_lossy().to_string();
+            tracing::info!(jobs = c.jobs, lines = c.lines, archive = %name, "archived settled jobs from the journal");
+            let r = byoc_audit::log::Record {
+                event: "journal_compacted".into(),
+                detail: Some(format!(
+                    "{} settled jobs ({} lines) moved to {}/{name}; {} lines kept (jobs.journal_keep = {})",
+                    c.jobs,
+                    c.lines,
+                    crate::journal::ARCHIVE_DIR,
+                    c.kept_lines,
+                    rt.config.jobs.journal_keep
+                )),
+                ..Default::default()
+            };
+            if let Err(e) = rt.audit.record(r) {
+                tracing::error!(error = %e, "could not audit a journal compaction");
+            }
         }
+        // Nothing lost: the journal is replaced only after the archive is durable.
+        Err(e) => {
+            RETRY_AT_MS.store(now_ms + 600_000, Ordering::Relaxed);
+            tracing::error!(error = %e, "could not compact the job journal (next try in 10 minutes); it keeps growing until this is fixed")
+        }
+    }
+}
+
+fn sweep_logs(rt: &Rt, keep: Duration) {
+    let swept = crate::retention::sweep_spools(rt.journal.as_ref(), &rt.state_dir, keep, rt.clock.now_ms());
+    if swept.logs == 0 {
+        return;
+    }
+    let days = keep.as_secs() / 86_400;
+    tracing::info!(
+        logs = swept.logs,
+        bytes = swept.bytes,
+        days,
+        "removed acknowledged job logs past their retention"
+    );
+    let r = byoc_audit::log::Record {
+        event: "logs_removed".into(),
+        detail: Some(format!(
+            "{} acknowledged job logs ({} bytes) older than {days} days (jobs.log_retention_days)",
+            swept.logs, swept.bytes
+        )),
+        ..Default::default()
     };
-    match claimed {
-        Err(detail) => {
-            rt.transition(Event::ClaimRefused { job_id: job_id.into(), detail })?;
-            Ok(())
-        }
-        Ok(lease_secs) => {
-            tracing::warn!(
-                "job was received but not started before a runner restart; reporting it, not running it"
-            );
-            rt.transition(Event::Claimed { job_id: job_id.into(), lease_secs })?;
-            rt.transition(Event::Finished {
-                job_id: job_id.into(),
-                status: byoc_protocol::JobStatus::Interrupted,
-                exit_code: None,
-                error: Some(
-                    "the runner restarted after receiving the job and before starting it; it was not run"
-                        .into(),
-                ),
-                log_size: 0,
-                log_sha256: byoc_protocol::sha256_hex(b""),
-                started_at_ms: None,
-                finished_at_ms: now_ms(),
-                outputs: serde_json::Value::Null,
-            })?;
-            report::report(rt, job_id).await.map(|_| ())
-        }
+    if let Err(e) = rt.audit.record(r) {
+        tracing::error!(error = %e, "could not audit the removal of expired job logs");
     }
 }
 
@@ -567,7 +579,10 @@ async fn poll_loop(
             }
             continue;
         }
-        let pause = rt.check_pause();
+        let pause = rt.check_customer_controls();
+        // Before every poll too, not only on the idle tick: a busy runner stays within
+        // journal_keep (the check is a count; the file is rewritten every keep/4 jobs).
+        compact_journal(rt);
         let running_jobs: Vec<String> = rt.journal.with_index(|i| {
             i.jobs
                 .values()
@@ -600,7 +615,7 @@ async fn poll_loop(
             Ok(None) => backoff.reset(),
             Ok(Some(resp)) => {
                 backoff.reset();
-                handle_delivery(rt, slots, tasks, PolledJob::from(resp)).await;
+                handle_delivery(rt, slots, tasks, PolledJob::from(resp));
             }
             Err(e) => {
                 let delay = backoff.next_delay();
@@ -614,32 +629,19 @@ async fn poll_loop(
     }
 }
 
-async fn handle_delivery(rt: &Rt, slots: &Arc<Slots>, tasks: &mut JoinSet<()>, polled: PolledJob) {
-    let pause = rt.check_pause();
-    let verifier = Verifier {
-        install: &rt.roles.install,
-        paused: pause.as_ref(),
-        keys: &rt.config.control_plane.public_keys,
-        runner_id: &rt.runner_id,
-        install_id: &rt.install_id,
-        max_skew: rt.config.jobs.max_clock_skew,
-        max_timeout: rt.config.jobs.max_timeout,
-        now: unix_now(),
-        readiness: &|exec| {
-            byoc_job_executors::refusal(exec.placement(), rt.sandbox.as_ref(), rt.containers.as_ref())
-        },
-    };
-    let verified = rt.journal.with_index(|index| verifier.verify(polled, index));
-    let job = match verified {
-        Ok(job) => job,
-        Err(rejection) => return reject(rt, tasks, rejection),
+/// A delivery through `pipeline::accept`; an accepted job runs in its own task with a
+/// slot of its group.
+fn handle_delivery(rt: &Rt, slots: &Arc<Slots>, tasks: &mut JoinSet<()>, polled: PolledJob) {
+    let (job, in_hand) = match pipeline::accept(rt, polled, &slots.in_hand) {
+        Accepted::Job(job, in_hand) => (*job, in_hand),
+        Accepted::Rejected(rejection) => {
+            let rt = rt.clone();
+            tasks.spawn(async move { pipeline::refuse::send_rejection(&rt, &rejection).await });
+            return;
+        }
+        Accepted::Dropped => return,
     };
     let p = &job.payload;
-    if !slots.in_hand.lock().unwrap_or_else(|e| e.into_inner()).insert(p.job_id.clone()) {
-        tracing::info!(job_id = %p.job_id, "duplicate delivery of a job already in hand; ignored");
-        return;
-    }
-    let in_hand = InHand { slots: slots.clone(), job_id: p.job_id.clone() };
     let span = tracing::info_span!(
         "job",
         job_id = %p.job_id,
@@ -648,11 +650,6 @@ async fn handle_delivery(rt: &Rt, slots: &Arc<Slots>, tasks: &mut JoinSet<()>, p
         operation = %p.operation,
         role = p.requested_role.as_deref().unwrap_or("none"),
     );
-    if let Err(e) = claim::record_received(rt, &job) {
-        // Without a durable record the runner cannot promise not to re-run it: refuse.
-        tracing::error!(parent: &span, error = %e, "could not journal the job; not running it");
-        return;
-    }
     let group = byoc_protocol::job_group(&p.kind).to_string();
     slots.acquire(&group);
     let slot = SlotGuard { slots: slots.clone(), group };
@@ -660,76 +657,12 @@ async fn handle_delivery(rt: &Rt, slots: &Arc<Slots>, tasks: &mut JoinSet<()>, p
     tasks.spawn(tracing::Instrument::instrument(
         async move {
             let _in_hand = in_hand;
-            let job_id = job.payload.job_id.clone();
-            let scoped = match resolve_role::scope(&rt, job).await {
-                Ok(scoped) => scoped,
-                Err(refused) => {
-                    let (job, rejection) = *refused;
-                    if let Err(e) = refuse_received(&rt, &job, rejection).await {
-                        tracing::error!(error = %e, "job journal write failed while refusing a job");
-                    }
-                    return;
-                }
-            };
-            if let Some(role) = &scoped.role {
-                let p = &scoped.verified.payload;
-                let mut r = byoc_audit::log::Record {
-                    event: "role_resolved".into(),
-                    job: Some(job_id.clone()),
-                    kind: Some(p.kind.clone()),
-                    operation: Some(p.operation.clone()),
-                    role: Some(role.derived.role.name.clone()),
-                    detail: Some(format!(
-                        "{} by {} {:?}; {}",
-                        role.arn,
-                        role.derived.step.as_str(),
-                        role.derived.reference,
-                        role.switch_source
-                    )),
-                    ..Default::default()
-                };
-                if let Some(app) = &p.app_config {
-                    r.digests.insert(
-                        "app_config_sha256".into(),
-                        byoc_protocol::sha256_hex(&serde_json::to_vec(app).unwrap_or_default()),
-                    );
-                }
-                if let Err(e) = rt.audit.record(r) {
-                    tracing::error!(error = %e, "could not audit the role; not running the job");
-                    return;
-                }
-            }
-            let result = match claim::claim(&rt, scoped).await {
-                Ok(ClaimOutcome::NotClaimed { .. }) => Ok(()),
-                Ok(ClaimOutcome::Claimed(claimed)) => {
-                    let finished = execute::execute(&rt, *claimed).await;
-                    // The slot frees when execution ends; reporting may take longer.
-                    drop(slot);
-                    match finished {
-                        Ok(_) => report::report(&rt, &job_id).await.map(|_| ()),
-                        Err(e) => Err(e),
-                    }
-                }
-                Err(e) => Err(e),
-            };
-            if let Err(e) = result {
+            if let Err(e) = pipeline::run_job(rt, job, slot).await {
                 tracing::error!(error = %e, "job journal write failed; the job's state is uncertain until restart");
             }
         },
         span,
     ));
-}
-
-/// Marks a job as having a live task until dropped.
-struct InHand {
-    slots: Arc<Slots>,
-    job_id: String,
-}
-
-impl Drop for InHand {
-    fn drop(&mut self) {
-        self.slots.in_hand.lock().unwrap_or_else(|e| e.into_inner()).remove(&self.job_id);
-    }
 }
 
 /// Holds a group slot; frees it (and wakes the poll loop) when dropped.
@@ -742,67 +675,6 @@ impl Drop for SlotGuard {
     fn drop(&mut self) {
         self.slots.release(&self.group);
     }
-}
-
-/// A received job refused before its claim: journaled (and audited) as refused, then
-/// reported to the control plane like any rejection.
-async fn refuse_received(
-    rt: &Rt,
-    job: &crate::pipeline::VerifiedJob,
-    r: Rejection,
-) -> Result<(), crate::journal::JournalError> {
-    tracing::warn!(reason = r.reason.code(), detail = %r.detail, "job refused");
-    rt.transition(Event::Refused {
-        job_id: job.payload.job_id.clone(),
-        delivery_id: r.delivery_id.clone(),
-        reason: r.reason,
-        detail: r.detail.clone(),
-        role: job.role.as_ref().map(|d| d.role.name.clone()),
-    })?;
-    send_rejection(rt, &r).await;
-    Ok(())
-}
-
-/// Tell the control plane why a delivery was refused (bounded retries).
-async fn send_rejection(rt: &Rt, r: &Rejection) {
-    let mut backoff = Backoff::new(rt.config.poll.backoff_initial, rt.config.poll.backoff_max);
-    for _ in 0..5 {
-        match rt.client.reject(&r.delivery_id, r.reason, &r.detail).await {
-            Ok(()) => return,
-            Err(e) if e.is_transient() => {
-                tokio::select! {
-                    _ = tokio::time::sleep(backoff.next_delay()) => {}
-                    _ = rt.stop_reporting.cancelled() => return,
-                }
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "control plane did not take the rejection report");
-                return;
-            }
-        }
-    }
-}
-
-fn reject(rt: &Rt, tasks: &mut JoinSet<()>, r: Rejection) {
-    tracing::warn!(
-        reason = r.reason.code(),
-        delivery_id = %r.delivery_id,
-        job_id = r.job_id.as_deref().unwrap_or(""),
-        detail = %r.detail,
-        "job rejected"
-    );
-    if let Err(e) = rt.transition(Event::Rejected {
-        delivery_id: r.delivery_id.clone(),
-        job_id: r.job_id.clone(),
-        nonce: r.nonce.clone(),
-        expires_at: r.expires_at,
-        reason: r.reason,
-        detail: r.detail.clone(),
-    }) {
-        tracing::error!(error = %e, "could not journal a rejection");
-    }
-    let rt = rt.clone();
-    tasks.spawn(async move { send_rejection(&rt, &r).await });
 }
 
 fn spawn_signal_handler(rt: Rt, drain: CancellationToken) -> Result<(), DaemonError> {

@@ -47,8 +47,6 @@ fn check(name: &'static str, status: Status, detail: impl Into<String>, fix: Opt
 const NET_TIMEOUT: Duration = Duration::from_secs(5);
 /// Skew below this is not worth a word.
 const CLOCK_OK_SECS: i64 = 5;
-const DISK_FAIL_BYTES: u64 = 100 << 20;
-const DISK_WARN_BYTES: u64 = 1 << 30;
 
 pub async fn run(config_path: &Path) -> Vec<Check> {
     let mut out = Vec::new();
@@ -74,7 +72,7 @@ pub async fn run(config_path: &Path) -> Vec<Check> {
     };
     match &config {
         Some(c) => {
-            out.push(state_dir(&c.runner.state_dir));
+            out.push(state_dir(&c.runner.state_dir, &c.disk));
             out.extend(control_plane(c).await);
             out.push(imds(c).await);
             out.extend(install_stack(c).await);
@@ -90,12 +88,12 @@ pub async fn run(config_path: &Path) -> Vec<Check> {
     out
 }
 
-fn state_dir(dir: &Path) -> Check {
+fn state_dir(dir: &Path, disk: &crate::disk::DiskSettings) -> Check {
     // The runner creates it on first start; then its parent must take it.
     let existing =
         if dir.is_dir() { dir.to_path_buf() } else { dir.parent().unwrap_or(Path::new("/")).to_path_buf() };
-    let free = match nix::sys::statvfs::statvfs(&existing) {
-        Ok(s) => s.blocks_available() * s.fragment_size(),
+    let (free, total) = match crate::disk::space(&existing) {
+        Ok(s) => (s.free, s.total),
         Err(e) => {
             return check(
                 "state_dir",
@@ -116,16 +114,28 @@ fn state_dir(dir: &Path) -> Check {
             Some("run as root or the byoc-runner user (the unit's StateDirectory= creates it)"),
         );
     }
-    let detail = format!("{} {what}; {gib:.1} GiB free", dir.display());
-    if free < DISK_FAIL_BYTES {
+    let threshold = disk.threshold(total);
+    let detail = format!(
+        "{} {what}; {gib:.1} GiB free; new jobs are refused (disk_low) under {} MiB",
+        dir.display(),
+        threshold >> 20
+    );
+    if free < threshold {
         check(
             "state_dir",
             Status::Fail,
-            detail,
-            Some("free disk space: job logs, the journal and the audit log live here"),
+            format!("{detail}: the runner refuses new jobs now (disk_low)"),
+            Some(
+                "free disk space (job logs, the journal and the audit log live here), or lower [disk] min_free_mib / min_free_percent",
+            ),
         )
-    } else if free < DISK_WARN_BYTES {
-        check("state_dir", Status::Warn, detail, Some("less than 1 GiB free: job logs may fill it"))
+    } else if free < threshold.saturating_mul(2) {
+        check(
+            "state_dir",
+            Status::Warn,
+            detail,
+            Some("less than twice the disk_low threshold free: job logs may reach it"),
+        )
     } else {
         check("state_dir", Status::Ok, detail, None)
     }
@@ -217,7 +227,7 @@ async fn control_plane(c: &Config) -> Vec<Check> {
         }
     }
 
-    let probe = match crate::client::CpClient::new(&c.control_plane) {
+    let probe = match crate::control_plane::CpClient::new(&c.control_plane) {
         Ok(client) => client.probe().await,
         Err(e) => Err(e),
     };
@@ -265,7 +275,7 @@ fn clock(date: Option<&str>, max: Duration) -> Check {
     }) else {
         return check("clock", Status::Warn, "the control plane sent no Date header to compare with", None);
     };
-    let skew = crate::daemon::unix_now() - parsed.secs();
+    let skew = crate::clock::unix_now() - parsed.secs();
     let detail = format!("{skew:+} s against the control plane");
     let fix = "keep the clock synchronised (chrony with the Amazon Time Sync Service, 169.254.169.123)";
     if skew.abs() <= CLOCK_OK_SECS {
@@ -535,13 +545,13 @@ async fn sandbox(config: Option<&Config>) -> Vec<Check> {
             return out;
         }
     };
-    let Some(mut settings) = crate::pipeline::sandbox_settings(c, helper) else {
+    let Some(mut settings) = crate::runtime::sandbox_settings(c, helper) else {
         return out;
     };
     settings.roots_dir = scratch.path().join("roots");
     out.push(match byoc_job_executors::sandboxed::self_test(&settings, scratch.path()).await {
         Ok(()) => check("sandbox", Status::Ok, "a test job ran in a full sandbox (namespaces, new root, seccomp, no capabilities)", None),
-        Err(e) => check("sandbox", Status::Fail, e, Some("the daemon refuses to start without it: check the unit allows namespaces, or see docs/THREAT_MODEL.md")),
+        Err(e) => check("sandbox", Status::Fail, e.to_string(), Some("the daemon refuses to start without it: check the unit allows namespaces, or see docs/THREAT_MODEL.md")),
     });
     out.extend(network_boundary(&settings, scratch.path()).await);
     if c.containers.enabled {

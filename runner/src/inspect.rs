@@ -24,6 +24,10 @@ pub enum InspectError {
     NoSuchJob(String),
     #[error("reading {path}: {source}")]
     Io { path: String, source: std::io::Error },
+    #[error(
+        "job {job_id}'s log ({size} bytes, sha256 {sha256}) is no longer on this runner: it was removed after its retention (jobs.log_retention_days), once the control plane had acknowledged it"
+    )]
+    LogRemoved { job_id: String, size: u64, sha256: String },
 }
 
 fn check_state_dir(state_dir: &Path) -> Result<(), InspectError> {
@@ -39,7 +43,7 @@ fn check_state_dir(state_dir: &Path) -> Result<(), InspectError> {
     }
 }
 
-fn load_index(state_dir: &Path) -> Result<Index, InspectError> {
+pub fn load_index(state_dir: &Path) -> Result<Index, InspectError> {
     check_state_dir(state_dir)?;
     if !state_dir.join(journal::JOURNAL_FILE).exists() {
         return Ok(Index::default());
@@ -64,10 +68,43 @@ pub struct Status {
     pub last_rejection: Option<journal::Rejection>,
     /// The customer's pause, if in force.
     pub paused: Option<crate::roles::pause::Pause>,
+    /// Bytes on disk of each part of the state dir.
+    pub disk_use: std::collections::BTreeMap<&'static str, u64>,
+}
+
+/// Bytes of each part of the state dir the runner grows: job logs, the journal, the
+/// audit log, unpacked components, terraform state, plan-only jobs' saved plans.
+fn disk_use(state_dir: &Path) -> std::collections::BTreeMap<&'static str, u64> {
+    fn bytes(path: &Path) -> u64 {
+        match std::fs::symlink_metadata(path) {
+            Ok(m) if m.is_dir() => std::fs::read_dir(path)
+                .map(|entries| entries.flatten().map(|e| bytes(&e.path())).sum())
+                .unwrap_or(0),
+            Ok(m) => m.len(),
+            Err(_) => 0,
+        }
+    }
+    use crate::pipeline::execute::{ARTIFACTS_DIR, PLANS_DIR, TFSTATE_DIR};
+    [
+        ("job_logs", state_dir.join(spool::SPOOL_DIR)),
+        ("journal", state_dir.join(journal::JOURNAL_FILE)),
+        ("audit", state_dir.join(crate::audit::AUDIT_DIR)),
+        ("artifacts", state_dir.join(ARTIFACTS_DIR)),
+        ("terraform_state", state_dir.join(TFSTATE_DIR)),
+        ("plans", state_dir.join(PLANS_DIR)),
+        ("disk_reserve", state_dir.join(crate::disk::RESERVE_FILE)),
+    ]
+    .into_iter()
+    .map(|(name, path)| (name, bytes(&path)))
+    .collect()
 }
 
 pub fn status(state_dir: &Path) -> Result<Status, InspectError> {
-    let index = load_index(state_dir)?;
+    status_of(state_dir, &load_index(state_dir)?)
+}
+
+/// The status over a journal index already read.
+pub fn status_of(state_dir: &Path, index: &Index) -> Result<Status, InspectError> {
     let enrollment = identity::load_enrollment(state_dir)?;
     let pid: Option<u32> =
         std::fs::read_to_string(state_dir.join(PID_FILE)).ok().and_then(|s| s.trim().parse().ok());
@@ -85,12 +122,13 @@ pub fn status(state_dir: &Path) -> Result<Status, InspectError> {
         daemon_pid: pid.filter(|_| running),
         daemon_running: running,
         jobs_total: index.jobs.len(),
-        jobs_running: ids_in(&index, &[Phase::Claimed, Phase::Started]),
-        jobs_unreported: ids_in(&index, &[Phase::Finished]),
+        jobs_running: ids_in(index, &[Phase::Claimed, Phase::Started]),
+        jobs_unreported: ids_in(index, &[Phase::Finished]),
         jobs_by_status: by_status,
         rejections: index.rejections.len(),
         last_rejection: index.rejections.last().cloned(),
         paused: crate::roles::pause::read(state_dir),
+        disk_use: disk_use(state_dir),
     })
 }
 
@@ -114,27 +152,52 @@ pub fn status_label(j: &JobRecord) -> String {
     }
 }
 
-pub fn jobs(state_dir: &Path, limit: usize) -> Result<Vec<JobRecord>, InspectError> {
-    let index = load_index(state_dir)?;
+/// The journal's jobs, or with `all` the archive's too.
+fn index_of(state_dir: &Path, all: bool) -> Result<Index, InspectError> {
+    if all {
+        check_state_dir(state_dir)?;
+        Ok(journal::read_index_all(state_dir)?)
+    } else {
+        load_index(state_dir)
+    }
+}
+
+/// Newest first; `all`: archived jobs too.
+pub fn jobs(state_dir: &Path, limit: usize, all: bool) -> Result<Vec<JobRecord>, InspectError> {
+    let index = index_of(state_dir, all)?;
     Ok(index.order.iter().rev().take(limit).filter_map(|id| index.jobs.get(id).cloned()).collect())
 }
 
-pub fn rejections(state_dir: &Path, limit: usize) -> Result<Vec<journal::Rejection>, InspectError> {
-    let index = load_index(state_dir)?;
+pub fn rejections(
+    state_dir: &Path,
+    limit: usize,
+    all: bool,
+) -> Result<Vec<journal::Rejection>, InspectError> {
+    let index = index_of(state_dir, all)?;
     Ok(index.rejections.iter().rev().take(limit).cloned().collect())
 }
 
+/// One job, from the journal or, once archived, from the archive.
 pub fn job(state_dir: &Path, job_id: &str) -> Result<JobRecord, InspectError> {
-    let index = load_index(state_dir)?;
-    index.jobs.get(job_id).cloned().ok_or_else(|| InspectError::NoSuchJob(job_id.into()))
+    if let Some(j) = load_index(state_dir)?.jobs.get(job_id) {
+        return Ok(j.clone());
+    }
+    index_of(state_dir, true)?.jobs.get(job_id).cloned().ok_or_else(|| InspectError::NoSuchJob(job_id.into()))
 }
 
 pub fn log(state_dir: &Path, job_id: &str) -> Result<Vec<u8>, InspectError> {
-    job(state_dir, job_id)?;
+    let record = job(state_dir, job_id)?;
     let path = spool::spool_path(state_dir, job_id);
     match std::fs::read(&path) {
         Ok(b) => Ok(b),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Vec::new()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => match record.finished {
+            Some(f) if record.phase == Phase::Reported && f.log_size > 0 => Err(InspectError::LogRemoved {
+                job_id: job_id.into(),
+                size: f.log_size,
+                sha256: f.log_sha256,
+            }),
+            _ => Ok(Vec::new()),
+        },
         Err(e) => Err(InspectError::Io { path: path.display().to_string(), source: e }),
     }
 }

@@ -52,6 +52,32 @@ pub struct CustomerPolicies {
 }
 
 impl CustomerPolicies {
+    /// The scope a job's (or a local run's, or `policy test`'s) decisions are made in:
+    /// these policies with the vendor's, evaluated by this very binary as
+    /// `policy-eval` under an address-space limit.
+    pub fn scope(
+        &self,
+        vendor: Vec<Policy>,
+        decision: Decision,
+        limits: byoc_policy::Limits,
+        memory_mib: u64,
+    ) -> byoc_job_executors::PolicyScope {
+        byoc_job_executors::PolicyScope {
+            policies: self.with_vendor(vendor),
+            params: self.params.clone(),
+            phase: decision.phase,
+            operation: decision.operation,
+            install: decision.install,
+            limits,
+            cluster_policies: decision.cluster_policies,
+            evaluator: std::env::current_exe().ok().map(|program| byoc_job_executors::Evaluator {
+                program,
+                args: vec!["policy-eval".into()],
+                memory_mib,
+            }),
+        }
+    }
+
     /// Everything that applies to a decision: built-ins, the vendor's, the customer's.
     pub fn with_vendor(&self, vendor: Vec<Policy>) -> Vec<Policy> {
         let mut all = self.builtin.clone();
@@ -59,6 +85,16 @@ impl CustomerPolicies {
         all.extend(self.own.iter().cloned());
         all
     }
+}
+
+/// What a decision is about: the lifecycle phase (the role's type), the operation
+/// (`component.deploy`), the install, and the app's cluster policies.
+#[derive(Debug, Clone, Default)]
+pub struct Decision {
+    pub phase: String,
+    pub operation: String,
+    pub install: String,
+    pub cluster_policies: Vec<(String, String)>,
 }
 
 fn level(s: &str) -> Option<Enforcement> {
@@ -165,12 +201,21 @@ pub fn load(dir: &Path) -> Result<CustomerPolicies, Vec<String>> {
     Ok(CustomerPolicies { dir: dir.to_path_buf(), builtin, own, params, off })
 }
 
+/// A policy file that could not be read.
+#[derive(Debug, thiserror::Error)]
+#[error("{path}: {source}")]
+pub struct ReadPolicyError {
+    pub path: PathBuf,
+    pub source: std::io::Error,
+}
+
 /// Policies from files given on the command line (vendors testing theirs).
-pub fn load_files(paths: &[PathBuf], origin: Origin) -> Result<Vec<Policy>, String> {
+pub fn load_files(paths: &[PathBuf], origin: Origin) -> Result<Vec<Policy>, ReadPolicyError> {
     paths
         .iter()
         .map(|p| {
-            let text = std::fs::read_to_string(p).map_err(|e| format!("{}: {e}", p.display()))?;
+            let text =
+                std::fs::read_to_string(p).map_err(|source| ReadPolicyError { path: p.clone(), source })?;
             let file = p.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default();
             let prefix = match origin {
                 Origin::Vendor => "vendor",

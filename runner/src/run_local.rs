@@ -90,17 +90,34 @@ pub fn local_sandbox(roots: &Path) -> Result<byoc_job_executors::SandboxSettings
     })
 }
 
+/// How a local run decides and deploys.
+pub struct LocalOptions {
+    pub sandboxed: bool,
+    /// Stop after the policy decision.
+    pub decide_only: bool,
+    /// The policies terraform, helm and kubernetes jobs are decided with.
+    pub policy: Option<byoc_job_executors::PolicyScope>,
+    pub terraform: PathBuf,
+    pub helm: PathBuf,
+    /// terraform state, saved plans and fetched components, kept between local runs.
+    pub state_dir: PathBuf,
+    /// For components by digest: any registry (there is no install), this credential.
+    pub registry_credential: Option<byoc_oci_sync::Credential>,
+    pub registry_endpoints: std::collections::BTreeMap<String, String>,
+    pub ca_bundle: Option<PathBuf>,
+}
+
 /// Run the job; output goes to stdout unless `capture` is given.
 pub async fn run(
     job: &LocalJob,
     exec: &dyn byoc_job_executors::Executor,
     capture: Option<&mut Vec<u8>>,
-    sandboxed: bool,
+    options: &LocalOptions,
 ) -> Result<ExecOutcome, RunLocalError> {
     let dir = tempfile::Builder::new().prefix("byoc-run-local-").tempdir().map_err(RunLocalError::WorkDir)?;
     let roots =
         tempfile::Builder::new().prefix("byoc-run-local-root-").tempdir().map_err(RunLocalError::WorkDir)?;
-    let sandbox = if sandboxed { Some(local_sandbox(roots.path())?) } else { None };
+    let mut sandbox = if options.sandboxed { Some(local_sandbox(roots.path())?) } else { None };
     let cancel = CancellationToken::new();
     let c = cancel.clone();
     // Ctrl-C cancels the job the way the control plane would (interrupt → kill).
@@ -114,30 +131,55 @@ pub async fn run(
         Some(buf) => buf,
         None => &mut stdout,
     };
-    let ctx = ExecContext {
-        job_id: "local".into(),
-        work_dir: dir.path().to_path_buf(),
-        timeout: Duration::from_secs(job.timeout_secs),
-        kill_grace: Duration::from_secs(5),
-        cancel,
-        output,
-        sandbox,
-        containers: Some(byoc_job_executors::ContainerSettings {
-            docker_socket: PathBuf::from("/var/run/docker.sock"),
-            memory_bytes: 2048 << 20,
-            pids: 1024,
-            uid: 65534,
-            gid: 65534,
-            busybox: PathBuf::from("/bin/busybox"),
-            network: Default::default(),
-            owner: "local".into(),
-        }),
-        credentials: None,
-        oci: Default::default(),
-        audit: None,
-        tools: Default::default(),
-        policy: None,
+    let containers = byoc_job_executors::ContainerSettings {
+        docker_socket: PathBuf::from("/var/run/docker.sock"),
+        memory_bytes: 2048 << 20,
+        pids: 1024,
+        uid: 65534,
+        gid: 65534,
+        busybox: PathBuf::from("/bin/busybox"),
+        network: Default::default(),
+        owner: "local".into(),
     };
+    let mut tools = byoc_job_executors::ToolSettings {
+        terraform: options.terraform.clone(),
+        helm: options.helm.clone(),
+        plans_dir: options.state_dir.join("plans"),
+        artifacts: byoc_job_executors::artifact::CacheSettings {
+            dir: Some(options.state_dir.join("artifacts")),
+            ..Default::default()
+        },
+        artifact_source: byoc_job_executors::artifact::ArtifactSource::AnyRegistry {
+            credential: options.registry_credential.clone(),
+        },
+        ..Default::default()
+    };
+    tools.state.backend =
+        byoc_job_executors::terraform::state::Backend::Local { root: options.state_dir.join("tfstate") };
+    if let Some(s) = &mut sandbox {
+        // The tools must be visible inside the sandbox wherever they are installed.
+        for tool in [&options.terraform, &options.helm] {
+            if let Some(dir) = tool.parent().filter(|d| d.is_absolute() && !d.starts_with("/usr")) {
+                s.ro_paths.push(dir.to_path_buf());
+            }
+        }
+    }
+    // Its own name: concurrent local runs must not share a cgroup (the end of one would
+    // kill the other's processes).
+    let job_id = format!("local-{}", byoc_protocol::random_hex(4));
+    let ctx = ExecContext::builder(job_id, dir.path())
+        .timeout(Duration::from_secs(job.timeout_secs), Duration::from_secs(5))
+        .cancel(cancel)
+        .isolation(sandbox, Some(containers))
+        .oci(byoc_job_executors::OciSettings {
+            registry_endpoints: options.registry_endpoints.clone(),
+            ca_bundle: options.ca_bundle.clone(),
+            ..Default::default()
+        })
+        .tools(tools)
+        .policy(options.policy.clone())
+        .decide_only(options.decide_only)
+        .build(output);
     let outcome = byoc_job_executors::run_masked(exec, ctx).await;
     ctrl_c.abort();
     Ok(outcome)

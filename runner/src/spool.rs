@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use byoc_job_executors::OutputSink;
 use sha2::{Digest as _, Sha256};
 
-use crate::client::{ClientError, CpClient};
+use crate::control_plane::{ClientError, ControlPlane};
 
 pub const SPOOL_DIR: &str = "spool";
 /// Largest log chunk sent in one request.
@@ -23,37 +23,283 @@ pub fn spool_path(state_dir: &Path, job_id: &str) -> PathBuf {
     state_dir.join(SPOOL_DIR).join(format!("{job_id}.log"))
 }
 
+/// Where a job's log stops growing on disk: the first `head` bytes are kept as they
+/// come (and uploaded as they come); past them the output goes to a ring file of `tail`
+/// bytes beside the spool, appended when the job ends (after an omission marker if the
+/// ring wrapped). A log within the cap is therefore kept byte for byte. A
+/// runaway job therefore costs at most `head + tail` bytes of the customer's disk, keeps
+/// running, and its log still shows how it started and how it ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LogCap {
+    pub head: u64,
+    pub tail: u64,
+}
+
+impl LogCap {
+    /// Half the cap for the head, half for the tail.
+    pub fn of(max_bytes: u64) -> LogCap {
+        let head = max_bytes / 2;
+        LogCap { head, tail: max_bytes - head }
+    }
+
+    pub fn max_bytes(self) -> u64 {
+        self.head + self.tail
+    }
+}
+
+/// What the spool holds when the job ends.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SpoolDigest {
+    pub size: u64,
+    /// SHA-256 of exactly the bytes kept (and uploaded).
+    pub sha256: String,
+    /// Output dropped between the head and the tail (0: nothing was dropped).
+    pub omitted: u64,
+}
+
+pub fn tail_path(state_dir: &Path, job_id: &str) -> PathBuf {
+    state_dir.join(SPOOL_DIR).join(format!("{job_id}.tail"))
+}
+
 pub struct SpoolWriter {
     file: File,
     path: PathBuf,
     len: u64,
     hasher: Sha256,
+    cap: LogCap,
+    tail: Option<TailRing>,
+    /// The last byte the spool holds (a runner line starts on a line of its own).
+    last: u8,
+    /// Free space the log may not take (the disk reserve), checked every `DISK_CHECK_EVERY`.
+    disk_floor: u64,
+    since_disk_check: u64,
+    /// The first write that failed: the log ends there, whole.
+    failed: Option<(std::io::ErrorKind, String)>,
+}
+
+/// How much log may be written between two looks at the free space.
+const DISK_CHECK_EVERY: u64 = 8 << 20;
+
+/// The last `capacity` bytes of the output past the head, written round a file.
+struct TailRing {
+    file: File,
+    path: PathBuf,
+    capacity: u64,
+    /// Every byte ever written to the ring; `written % capacity` is where the next goes.
+    written: u64,
+}
+
+impl TailRing {
+    fn write(&mut self, mut chunk: &[u8]) -> std::io::Result<()> {
+        use std::os::unix::fs::FileExt as _;
+        if self.capacity == 0 {
+            self.written += chunk.len() as u64;
+            return Ok(());
+        }
+        // Only the last `capacity` bytes of a huge chunk can survive.
+        if chunk.len() as u64 > self.capacity {
+            let skip = chunk.len() - self.capacity as usize;
+            self.written += skip as u64;
+            chunk = &chunk[skip..];
+        }
+        while !chunk.is_empty() {
+            let at = self.written % self.capacity;
+            let n = chunk.len().min((self.capacity - at) as usize);
+            self.file.write_all_at(&chunk[..n], at)?;
+            self.written += n as u64;
+            chunk = &chunk[n..];
+        }
+        Ok(())
+    }
+
+    fn kept(&self) -> u64 {
+        self.written.min(self.capacity)
+    }
+
+    /// The kept bytes, oldest first, in pieces of at most 64 KiB.
+    fn drain_into(&self, mut out: impl FnMut(&[u8]) -> std::io::Result<()>) -> std::io::Result<()> {
+        use std::os::unix::fs::FileExt as _;
+        let kept = self.kept();
+        let start = if self.written > self.capacity { self.written % self.capacity } else { 0 };
+        let mut buf = vec![0u8; 64 * 1024];
+        let mut done = 0;
+        while done < kept {
+            let at = (start + done) % self.capacity.max(1);
+            let n = (kept - done).min(buf.len() as u64).min(self.capacity - at) as usize;
+            self.file.read_exact_at(&mut buf[..n], at)?;
+            out(&buf[..n])?;
+            done += n as u64;
+        }
+        Ok(())
+    }
 }
 
 impl SpoolWriter {
-    pub fn create(state_dir: &Path, job_id: &str) -> std::io::Result<SpoolWriter> {
+    /// `disk_floor`: the log stops (the write fails, the job is stopped) rather than
+    /// leave less free space than this on the state dir's disk.
+    pub fn create(
+        state_dir: &Path,
+        job_id: &str,
+        cap: LogCap,
+        disk_floor: u64,
+    ) -> std::io::Result<SpoolWriter> {
         let path = spool_path(state_dir, job_id);
         let file = OpenOptions::new().create(true).truncate(true).write(true).mode(0o600).open(&path)?;
-        Ok(SpoolWriter { file, path, len: 0, hasher: Sha256::new() })
+        Ok(SpoolWriter {
+            file,
+            path,
+            len: 0,
+            hasher: Sha256::new(),
+            cap,
+            tail: None,
+            last: b'\n',
+            disk_floor,
+            since_disk_check: DISK_CHECK_EVERY,
+            failed: None,
+        })
+    }
+
+    /// Refuse the write if the disk is down to the reserve (or its space unreadable).
+    fn check_disk(&mut self, n: u64) -> std::io::Result<()> {
+        self.since_disk_check += n;
+        if self.disk_floor == 0 || self.since_disk_check < DISK_CHECK_EVERY {
+            return Ok(());
+        }
+        self.since_disk_check = 0;
+        let dir = self.path.parent().unwrap_or(Path::new("/"));
+        let free = crate::disk::space(dir)?.free;
+        if free < self.disk_floor + n {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::StorageFull,
+                format!(
+                    "the runner's disk has {} MiB free, and the last {} MiB are kept for the audit log and journal",
+                    free >> 20,
+                    self.disk_floor >> 20
+                ),
+            ));
+        }
+        Ok(())
     }
 
     pub fn path(&self) -> &Path {
         &self.path
     }
 
-    /// Fsync and return (size, SHA-256 hex) of the whole log.
-    pub fn finish(self) -> std::io::Result<(u64, String)> {
+    fn append(&mut self, chunk: &[u8]) -> std::io::Result<()> {
+        if let Err(e) = self.file.write_all(chunk) {
+            // Cut what part of the chunk reached the file: the log and its digest agree.
+            self.file.set_len(self.len)?;
+            self.file.seek(SeekFrom::Start(self.len))?;
+            return Err(e);
+        }
+        self.hasher.update(chunk);
+        self.len += chunk.len() as u64;
+        if let Some(&b) = chunk.last() {
+            self.last = b;
+        }
+        Ok(())
+    }
+
+    /// A line of the runner's own, on a line of its own.
+    fn append_note(&mut self, note: &str) -> std::io::Result<()> {
+        if self.last != b'\n' {
+            self.append(b"\n")?;
+        }
+        self.append(note.as_bytes())
+    }
+
+    fn start_tail(&mut self) -> std::io::Result<&mut TailRing> {
+        if self.tail.is_none() {
+            let path = self.path.with_extension("tail");
+            let file = OpenOptions::new()
+                .create(true)
+                .truncate(true)
+                .read(true)
+                .write(true)
+                .mode(0o600)
+                .open(&path)?;
+            self.tail = Some(TailRing { file, path, capacity: self.cap.tail, written: 0 });
+        }
+        Ok(self.tail.as_mut().expect("just set"))
+    }
+
+    /// Append the omission marker and the tail, fsync, and return what the spool holds.
+    pub fn finish(mut self) -> std::io::Result<SpoolDigest> {
+        let mut omitted = 0;
+        if let Some(ring) = self.tail.take() {
+            if self.failed.is_some() {
+                // The disk is at its reserve: copying the tail in would take what the
+                // journal and audit log are kept. The log ends where writing failed.
+                drop(ring.file);
+                let _ = std::fs::remove_file(&ring.path);
+                self.file.sync_all()?;
+                let omitted = ring.written;
+                return Ok(SpoolDigest {
+                    size: self.len,
+                    sha256: hex::encode(self.hasher.finalize()),
+                    omitted,
+                });
+            }
+            omitted = ring.written - ring.kept();
+            if omitted > 0 {
+                self.append_note(&format!("[runner] … {omitted} bytes omitted …\n"))?;
+            }
+            ring.drain_into(|piece| self.append(piece))?;
+            if omitted > 0 {
+                let end = format!(
+                    "[runner] log truncated: {omitted} bytes omitted; kept the first {} and the last {} bytes\n",
+                    self.cap.head,
+                    ring.kept()
+                );
+                self.append_note(&end)?;
+            }
+            self.file.sync_all()?;
+            drop(ring.file);
+            if let Err(e) = std::fs::remove_file(&ring.path) {
+                tracing::warn!(error = %e, path = %ring.path.display(), "could not remove the log's tail ring");
+            }
+        }
         self.file.sync_all()?;
-        Ok((self.len, hex::encode(self.hasher.finalize())))
+        Ok(SpoolDigest { size: self.len, sha256: hex::encode(self.hasher.finalize()), omitted })
+    }
+
+    fn write_capped(&mut self, mut chunk: &[u8]) -> std::io::Result<()> {
+        if self.tail.is_none() {
+            let room = self.cap.head.saturating_sub(self.len);
+            let n = chunk.len().min(usize::try_from(room).unwrap_or(usize::MAX));
+            self.append(&chunk[..n])?;
+            chunk = &chunk[n..];
+            if chunk.is_empty() {
+                return Ok(());
+            }
+        }
+        let ring = self.start_tail()?;
+        let was_whole = ring.written <= ring.capacity;
+        ring.write(chunk)?;
+        if was_whole && ring.written > ring.capacity {
+            // Output is being dropped from now on: say so at once, for whoever follows
+            // the log live (it pauses here until the job ends).
+            let note = format!(
+                "[runner] the job's log reached its cap of {} bytes (jobs.log_max_mib): output is dropped from here, except the last {} bytes, which follow when the job ends\n",
+                self.cap.max_bytes(),
+                self.cap.tail
+            );
+            self.append_note(&note)?;
+        }
+        Ok(())
     }
 }
 
 impl OutputSink for SpoolWriter {
     fn write(&mut self, chunk: &[u8]) -> std::io::Result<()> {
-        self.file.write_all(chunk)?;
-        self.hasher.update(chunk);
-        self.len += chunk.len() as u64;
-        Ok(())
+        if let Some((kind, why)) = &self.failed {
+            return Err(std::io::Error::new(*kind, why.clone()));
+        }
+        let written = self.check_disk(chunk.len() as u64).and_then(|()| self.write_capped(chunk));
+        if let Err(e) = &written {
+            self.failed = Some((e.kind(), e.to_string()));
+        }
+        written
     }
 }
 
@@ -107,7 +353,7 @@ impl Uploader {
     }
 
     /// Upload everything that is durably in the spool now.
-    pub async fn upload_available(&mut self, client: &CpClient) -> Result<(), UploadError> {
+    pub async fn upload_available(&mut self, client: &dyn ControlPlane) -> Result<(), UploadError> {
         let spool_err = |e| UploadError::Spool { path: self.path.clone(), source: e };
         let mut file = match File::open(&self.path) {
             Ok(f) => f,
@@ -144,5 +390,131 @@ impl Uploader {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn writer(dir: &Path, cap: LogCap) -> SpoolWriter {
+        std::fs::create_dir_all(dir.join(SPOOL_DIR)).expect("spool dir");
+        SpoolWriter::create(dir, "job-1", cap, 0).expect("spool")
+    }
+
+    /// Output written in uneven pieces: 1 byte up to 3 KiB, numbered lines so any
+    /// misplaced byte shows.
+    fn output(len: usize) -> Vec<u8> {
+        let mut out = Vec::with_capacity(len + 16);
+        let mut i = 0u64;
+        while out.len() < len {
+            out.extend_from_slice(format!("line {i:08}\n").as_bytes());
+            i += 1;
+        }
+        out.truncate(len);
+        out
+    }
+
+    fn write_unevenly(w: &mut SpoolWriter, bytes: &[u8]) {
+        let mut at = 0;
+        let mut step = 1;
+        while at < bytes.len() {
+            let n = step.min(bytes.len() - at);
+            w.write(&bytes[at..at + n]).expect("write");
+            at += n;
+            step = (step * 7 + 3) % 3072 + 1;
+        }
+    }
+
+    #[test]
+    fn a_log_under_the_cap_is_kept_whole() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut w = writer(dir.path(), LogCap::of(64 * 1024));
+        let out = output(64 * 1024);
+        write_unevenly(&mut w, &out);
+        let d = w.finish().expect("finish");
+        let kept = std::fs::read(spool_path(dir.path(), "job-1")).expect("spool");
+        assert_eq!(kept, out);
+        assert_eq!((d.size, d.sha256, d.omitted), (out.len() as u64, byoc_protocol::sha256_hex(&out), 0));
+        assert!(!tail_path(dir.path(), "job-1").exists());
+    }
+
+    #[test]
+    fn past_the_cap_the_head_and_the_tail_are_kept_and_the_rest_is_counted() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let cap = LogCap { head: 10_000, tail: 7_000 };
+        let mut w = writer(dir.path(), cap);
+        let out = output(1_000_003);
+        write_unevenly(&mut w, &out[..500_000]);
+        // Disk use is bounded while the job still runs: the spool holds the head and a
+        // note, the ring at most the tail.
+        let spool_len = std::fs::metadata(spool_path(dir.path(), "job-1")).expect("spool").len();
+        let ring_len = std::fs::metadata(tail_path(dir.path(), "job-1")).expect("ring").len();
+        assert!(spool_len < cap.head + 300 && ring_len <= cap.tail, "spool {spool_len}, ring {ring_len}");
+        write_unevenly(&mut w, &out[500_000..]);
+        let d = w.finish().expect("finish");
+        let kept = std::fs::read(spool_path(dir.path(), "job-1")).expect("spool");
+        assert_eq!(d.omitted, out.len() as u64 - cap.max_bytes());
+        assert_eq!(
+            (d.size, d.sha256.as_str()),
+            (kept.len() as u64, byoc_protocol::sha256_hex(&kept).as_str())
+        );
+        assert!(kept.starts_with(&out[..cap.head as usize]));
+        let text = String::from_utf8_lossy(&kept);
+        let marker = format!("[runner] … {} bytes omitted …\n", d.omitted);
+        let after_marker = text.find(&marker).expect("omission marker") + marker.len();
+        let tail = &out[out.len() - cap.tail as usize..];
+        assert_eq!(&kept[after_marker..after_marker + tail.len()], tail);
+        assert!(text.ends_with(&format!(
+            "log truncated: {} bytes omitted; kept the first 10000 and the last 7000 bytes\n",
+            d.omitted
+        )));
+        assert!(!tail_path(dir.path(), "job-1").exists(), "the ring was left behind");
+    }
+
+    #[test]
+    fn one_write_larger_than_the_whole_cap_keeps_its_own_head_and_tail() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let cap = LogCap::of(4096);
+        let mut w = writer(dir.path(), cap);
+        let out = output(100_000);
+        w.write(&out).expect("write");
+        let d = w.finish().expect("finish");
+        let kept = std::fs::read(spool_path(dir.path(), "job-1")).expect("spool");
+        assert!(kept.starts_with(&out[..2048]));
+        assert_eq!(d.omitted, 100_000 - 4096);
+        let tail = &out[out.len() - 2048..];
+        assert!(kept.windows(tail.len()).any(|w| w == tail), "the last 2048 bytes are missing");
+    }
+
+    #[test]
+    fn after_a_failed_write_the_tail_is_not_copied_in_and_counts_as_omitted() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut w = writer(dir.path(), LogCap { head: 1000, tail: 1000 });
+        let out = output(1500);
+        w.write(&out).expect("write");
+        // As a full disk would: the next write fails and the writer stays failed.
+        w.failed = Some((std::io::ErrorKind::StorageFull, "disk full".into()));
+        assert!(w.write(b"more").is_err());
+        let d = w.finish().expect("finish");
+        let kept = std::fs::read(spool_path(dir.path(), "job-1")).expect("spool");
+        assert_eq!(kept, &out[..1000]);
+        assert_eq!((d.size, d.omitted), (1000, 500));
+        assert_eq!(d.sha256, byoc_protocol::sha256_hex(&kept));
+        assert!(!tail_path(dir.path(), "job-1").exists());
+    }
+
+    #[test]
+    fn output_just_past_the_head_is_kept_without_an_omission() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let cap = LogCap { head: 1000, tail: 1000 };
+        let mut w = writer(dir.path(), cap);
+        let out = output(1500);
+        write_unevenly(&mut w, &out);
+        let d = w.finish().expect("finish");
+        let kept = std::fs::read(spool_path(dir.path(), "job-1")).expect("spool");
+        assert_eq!(d.omitted, 0);
+        assert!(kept.starts_with(&out[..1000]) && kept.ends_with(&out[1000..]));
+        assert!(!String::from_utf8_lossy(&kept).contains("omitted"));
     }
 }

@@ -5,6 +5,7 @@
 
 mod common;
 
+use byoc_control_plane::harness::RunnerOptions;
 use byoc_control_plane::{EnqueueRequest, Tamper};
 use byoc_protocol::{JobStatus, RejectReason};
 use common::*;
@@ -105,7 +106,7 @@ async fn every_envelope_rejection_has_its_reason_code() {
         local.as_array().unwrap().iter().map(|r| r["reason"].as_str().unwrap().to_string()).collect();
     codes.sort();
     // Role and pause refusals have their own suite (e2e_roles), the sandbox's theirs
-    // (e2e_network, e2e_sandbox).
+    // (e2e_network, e2e_sandbox), the disk's (e2e_disk).
     let not_here = [
         RejectReason::RoleMismatch,
         RejectReason::RoleDisabled,
@@ -113,6 +114,7 @@ async fn every_envelope_rejection_has_its_reason_code() {
         RejectReason::Paused,
         RejectReason::SandboxNetworkUnavailable,
         RejectReason::SandboxLimitsUnavailable,
+        RejectReason::DiskLow,
     ];
     let mut want: Vec<String> =
         RejectReason::ALL.iter().filter(|r| !not_here.contains(r)).map(|r| r.code().to_string()).collect();
@@ -247,6 +249,39 @@ async fn slow_control_plane_answers_do_not_break_jobs() {
     assert_eq!(v.claims, 1);
 }
 
+/// The job's output goes to the spool, not to the control plane: with every request
+/// taking 3 s (one 256 KiB upload every few seconds at best), a job printing 16 MiB
+/// gets all of it through masking into the spool while the server holds a fraction.
+#[tokio::test]
+async fn a_slow_control_plane_does_not_hold_back_the_jobs_output() {
+    let e = env().await;
+    let go = e.dir.path().join("go");
+    e.cp.set_faults(byoc_control_plane::Faults { slow_ms: 3000, ..Default::default() }).await.unwrap();
+    let id = e
+        .cp
+        .enqueue(script(&format!(
+            "head -c 16777216 /dev/zero | tr '\\0' y | fold -w 64; echo; echo flood-done; while [ ! -f {} ]; do sleep 0.05; done",
+            go.display()
+        )))
+        .unwrap();
+    let spool = e.runner.state_dir.join("spool").join(format!("{id}.log"));
+    let deadline = std::time::Instant::now() + WAIT;
+    // Polls the spool for the job's last line (condition polling, not a timed sleep).
+    while !std::fs::read(&spool).is_ok_and(|l| l.ends_with(b"flood-done\n")) {
+        assert!(std::time::Instant::now() < deadline, "the job's output never reached the spool");
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    let held = e.cp.log(&id).map(|l| l.len()).unwrap_or(0);
+    assert!(held < 8 << 20, "the server already holds {held} bytes: output waited for uploads");
+    e.cp.set_faults(byoc_control_plane::Faults::default()).await.unwrap();
+    std::fs::write(&go, "1").unwrap();
+    let v = e.finished(&id).await;
+    let result = v.result.unwrap();
+    assert_eq!(result.status, JobStatus::Succeeded, "{:?}", result.error);
+    assert_eq!(result.log_omitted_bytes, 0);
+    assert_eq!(e.cp.log(&id).unwrap(), std::fs::read(&spool).unwrap());
+}
+
 #[tokio::test]
 async fn a_job_re_offered_while_its_claim_is_retried_runs_once() {
     let e = env().await;
@@ -308,6 +343,102 @@ async fn a_secret_never_reaches_spool_upload_result_or_runner_log() {
     }
 }
 
+/// The encodings real tools print that a list of whole encoded forms missed (issue 21):
+/// `/` left as is by `urllib.parse.quote` and `encodeURI`, lower-case hex, JSON's `\/`.
+#[tokio::test]
+async fn partly_escaped_secrets_never_reach_log_result_or_outputs() {
+    let e = env().await;
+    let secret = "s3cr3t-T0ken/with+chars==";
+    let printer = r#"import json, os, re, sys, urllib.parse
+k = os.environ["API_KEY"]
+quoted = urllib.parse.quote(k)
+lower = re.sub("%[0-9A-F]{2}", lambda m: m.group().lower(), quoted)
+slashed = json.dumps(k).replace("/", "\\/")
+print("quote", quoted)
+print("lower", lower)
+print("json", slashed)
+with open(os.environ["BYOC_OUTPUT"], "a") as f:
+    f.write("token=" + lower + "\n")
+print("failing with", slashed, file=sys.stderr)
+sys.exit(3)
+"#;
+    let id =
+        e.cp.enqueue(EnqueueRequest::new(
+            "action.script",
+            serde_json::json!({
+                "script": format!("python3 - <<'PY'\n{printer}PY"),
+                "secret_env": {"API_KEY": secret}
+            }),
+        ))
+        .unwrap();
+    let v = e.finished(&id).await;
+    let result = v.result.clone().unwrap();
+    assert_eq!(result.status, JobStatus::Failed);
+    let forms =
+        ["s3cr3t-T0ken/with%2Bchars%3D%3D", "s3cr3t-T0ken/with%2bchars%3d%3d", "s3cr3t-T0ken\\/with+chars=="];
+    let leaks = |what: &str, bytes: &[u8]| {
+        let text = String::from_utf8_lossy(bytes);
+        for form in forms.iter().chain([&secret]) {
+            assert!(!text.contains(form), "{what} leaks {form:?}:\n{text}");
+        }
+    };
+    let uploaded = e.cp.log(&id).unwrap();
+    let text = String::from_utf8_lossy(&uploaded);
+    for line in ["quote ***\n", "lower ***\n", "json \"***\"\n"] {
+        assert!(text.contains(line), "{line:?} missing from the log:\n{text}");
+    }
+    leaks("uploaded log", &uploaded);
+    leaks("spool", &std::fs::read(e.runner.state_dir.join("spool").join(format!("{id}.log"))).unwrap());
+    leaks("result", serde_json::to_string(&result).unwrap().as_bytes());
+    assert_eq!(result.outputs["token"], "***");
+    leaks("runner log", e.runner.log().as_bytes());
+}
+
+/// A runaway job's log is capped on disk; the job keeps running to its end, and the
+/// result says what was dropped and digests what was kept.
+#[tokio::test]
+async fn a_log_past_its_cap_keeps_head_and_tail_and_the_job_runs_on() {
+    let e = env_with(byoc_control_plane::harness::RunnerOptions {
+        env: vec![("BYOC_RUNNER__JOBS__LOG_MAX_MIB".into(), "1".into())],
+        ..Default::default()
+    })
+    .await;
+    let id = e
+        .cp
+        .enqueue(script(
+            "echo first-line; head -c 6000000 /dev/zero | tr '\\0' x | fold -w 100; echo last-line; echo ran=yes >> \"$BYOC_OUTPUT\"",
+        ))
+        .unwrap();
+    let v = e.finished(&id).await;
+    let result = v.result.clone().unwrap();
+    assert_eq!(result.status, JobStatus::Succeeded, "{:?}", result.error);
+    assert_eq!(result.outputs["ran"], "yes", "the job did not run to its end");
+    let uploaded = e.cp.log(&id).unwrap();
+    let text = String::from_utf8_lossy(&uploaded);
+    // The log opens with the runner's own lines (the job's network), then the job's.
+    let first = text.find("first-line\n").expect("the head is gone") + "first-line\n".len();
+    assert!(first < 1024, "the head is not at the start");
+    assert!(
+        text.contains("last-line\n[runner] log truncated: "),
+        "the tail is gone: {:?}",
+        &text[text.len().saturating_sub(300)..]
+    );
+    // Everything up to the first line, 6,000,000 x's folded into lines of 100 (the last
+    // without a newline), the last line.
+    let produced = first + 6_059_999 + "last-line\n".len();
+    let kept_output = produced as u64 - result.log_omitted_bytes;
+    assert_eq!(kept_output, 1 << 20, "head and tail together are not the cap");
+    assert!(text.contains(&format!("… {} bytes omitted …", result.log_omitted_bytes)));
+    assert_eq!(result.log_size, uploaded.len() as u64);
+    assert_eq!(result.log_sha256, byoc_protocol::sha256_hex(&uploaded), "the digest is not of what was kept");
+    assert!(uploaded.len() < (1 << 20) + 1024, "{} bytes kept", uploaded.len());
+    let spool = std::fs::read(e.runner.state_dir.join("spool").join(format!("{id}.log"))).unwrap();
+    assert_eq!(spool, uploaded);
+    assert!(!e.runner.state_dir.join("spool").join(format!("{id}.tail")).exists());
+    let show = e.cli_json(&["jobs", "show", &id]);
+    assert_eq!(show["finished"]["log_omitted"], result.log_omitted_bytes);
+}
+
 #[tokio::test]
 async fn a_slot_freed_during_a_held_poll_is_used_at_once() {
     // One action at a time, polls held the full 30 s.
@@ -325,4 +456,48 @@ async fn a_slot_freed_during_a_held_poll_is_used_at_once() {
     // ...but not for the 30 s hold of the poll in flight when the slot freed.
     let v = e.cp.wait_for(&second, std::time::Duration::from_secs(20), |v| v.result.is_some()).await;
     assert!(v.is_some(), "the freed slot was not used until the held poll ended");
+}
+
+#[tokio::test]
+async fn settled_jobs_past_the_journal_keep_move_to_the_archive_and_stay_visible() {
+    // Envelopes valid for 3 s and no skew allowance: their nonces expire soon after.
+    let opts = RunnerOptions {
+        jobs_extra: "journal_keep = 10\nmax_clock_skew_secs = 0".into(),
+        ..Default::default()
+    };
+    let e = env_with(opts).await;
+    let mut ids = Vec::new();
+    for i in 0..14 {
+        let req = EnqueueRequest {
+            ttl_secs: 3,
+            ..EnqueueRequest::new("runner.noop", serde_json::json!({ "message": format!("job {i}") }))
+        };
+        let id = e.cp.enqueue(req).unwrap();
+        assert_eq!(e.finished(&id).await.result.unwrap().status, JobStatus::Succeeded);
+        ids.push(id);
+    }
+    // The daemon compacts on its 10 s tick once the nonces have expired.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(40);
+    while audit_events(&e.runner.state_dir, "journal_compacted").is_empty() {
+        assert!(std::time::Instant::now() < deadline, "no compaction:\n{}", e.runner.log());
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+    let compacted = &audit_events(&e.runner.state_dir, "journal_compacted")[0];
+    assert!(compacted["detail"].as_str().unwrap().starts_with("4 settled jobs"), "{compacted}");
+    // The journal keeps the newest 10; `--all` and `jobs show` still find the oldest.
+    let listed = e.cli_json(&["jobs", "list"]);
+    assert_eq!(listed.as_array().unwrap().len(), 10, "{listed}");
+    let all = e.cli_json(&["jobs", "list", "--all"]);
+    let all_ids: Vec<&str> = all.as_array().unwrap().iter().map(|j| j["job_id"].as_str().unwrap()).collect();
+    assert_eq!(all_ids.len(), 14);
+    assert_eq!(all_ids.last(), Some(&ids[0].as_str()), "newest first");
+    let oldest = e.cli_json(&["jobs", "show", &ids[0]]);
+    assert_eq!(oldest["phase"], "reported", "{oldest}");
+    let journal = std::fs::read_to_string(e.runner.state_dir.join("journal.jsonl")).unwrap();
+    assert!(!journal.contains(&ids[0]) && journal.contains(&ids[13]));
+    // A restart replays the shorter journal and compacts nothing more.
+    let stopped = e.cp.enqueue(EnqueueRequest::new("runner.noop", serde_json::Value::Null)).unwrap();
+    e.finished(&stopped).await;
+    let out = e.runner.cli(&["audit", "verify"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
 }

@@ -230,12 +230,52 @@ async fn break_glass_is_refused_until_enabled_then_allowed_then_refused_again() 
         "{detail}"
     );
     e.set("EnableS3ObjectBreakGlassRole", "true").await;
+    // Switched on in the stack, but a break-glass role also needs the customer's local
+    // allowance (roles.require_local_allow), checked before any call to STS.
+    let (no_allowance, detail) = e.refused(bg(), RejectReason::RoleDisabled).await;
+    assert!(detail.contains("local allowance") && detail.contains("roles allow"), "{detail}");
+    let role = "inst-demo-s3-object-break-glass";
+    let granted = e.env.cli_json(&["roles", "allow", role, "--for", "1h", "--reason", "incident 42"]);
+    assert_eq!(granted["allowance"]["reason"], "incident 42", "{granted}");
+    let listed = e.env.cli_json(&["roles"]);
+    assert!(listed["local_allowance"][role].as_str().unwrap_or("").starts_with("allowed until"), "{listed}");
     let (allowed, out) = e.succeeds(bg()).await;
     assert!(out.contains("role=inst-demo-s3-object-break-glass"), "{out}");
+    // Revoked: refused again, with the switch still on.
+    e.env.cli_json(&["roles", "revoke", role]);
+    let (revoked, _) = e.refused(bg(), RejectReason::RoleDisabled).await;
+    // An allowance that ran out: refused, saying so.
+    let short = e.env.cli_json(&["roles", "allow", role, "--for", "1s", "--reason", "brief"]);
+    let until = short["allowance"]["until_ms"].as_u64().unwrap();
+    // The condition under test is the wall clock passing the allowance's end.
+    let now_ms =
+        || std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64;
+    while now_ms() <= until {
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    let (expired, detail) = e.refused(bg(), RejectReason::RoleDisabled).await;
+    assert!(detail.contains("expired"), "{detail}");
+    // Unknown roles and bad durations are refused by the CLI.
+    for args in [
+        &["roles", "allow", "no-such-role", "--for", "1h", "--reason", "x"][..],
+        &["roles", "allow", role, "--for", "8d", "--reason", "x"][..],
+        &["roles", "allow", role, "--for", "1h", "--reason", ""][..],
+    ] {
+        assert!(!e.env.runner.cli(args).status.success(), "{args:?}");
+    }
     e.set("EnableS3ObjectBreakGlassRole", "false").await;
     let (third, _) = e.refused(bg(), RejectReason::RoleDisabled).await;
-    assert!(e.assumed_for(&first).await.is_empty());
-    assert!(e.assumed_for(&third).await.is_empty());
+    for refused in [&first, &no_allowance, &revoked, &expired, &third] {
+        assert!(e.assumed_for(refused).await.is_empty(), "{refused} reached STS");
+    }
+    // Granted and revoked on the record, by whom and why.
+    let state = &e.env.runner.state_dir;
+    let granted = audit_events(state, "allowance_granted");
+    assert_eq!(granted.len(), 2, "{granted:?}");
+    assert!(granted[0]["detail"].as_str().unwrap().contains("incident 42"), "{granted:?}");
+    assert_eq!(granted[0]["role"], role);
+    assert_eq!(audit_events(state, "allowance_revoked").len(), 1);
+    assert!(audit_events(state, "customer_record_invalid").is_empty());
     let calls = e.assumed_for(&allowed).await;
     assert_eq!(calls.len(), 1);
     assert_eq!(calls[0].params["RoleArn"], arn("s3-object-break-glass"));

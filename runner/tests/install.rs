@@ -216,6 +216,7 @@ fn user_data(root: &Path, release: &Release, stub_bin: &Path) -> std::process::O
         .env("BYOC_STACK_NAME", "byoc-install-demo")
         .env("BYOC_SIGNAL_RESOURCE", "RunnerInstance")
         .env("BYOC_EXTERNAL_ID", "ext-123")
+        .env("BYOC_STATE_BUCKET", "inst-demo-state-123456789012")
         .env("BYOC_BOOTSTRAP_SECRET", "arn:aws:secretsmanager:eu-west-1:123456789012:secret:bootstrap")
         .output()
         .unwrap()
@@ -244,6 +245,7 @@ fn user_data_installs_configures_starts_and_then_signals_and_is_safe_to_rerun() 
         "stack_name = \"byoc-install-demo\"",
         "external_id = \"ext-123\"",
         "region = \"eu-west-1\"",
+        "[terraform.state]\nbucket = \"inst-demo-state-123456789012\"",
     ] {
         assert!(text.contains(needle), "{needle} not in:\n{text}");
     }

@@ -128,9 +128,38 @@ fn the_template_is_hardened_as_promised() {
     assert_eq!(r["MaintenanceBoundary"]["Type"], "AWS::IAM::ManagedPolicy");
     assert_eq!(r["MaintenanceBoundary"]["Condition"], "MaintenanceOn");
     assert_eq!(props("Maintenance")["Policies"][0]["PolicyName"]["Fn::Sub"], "${InstallId}-ecr-push");
-    assert!(props("Maintenance").get("ManagedPolicyArns").is_none(), "the app gives maintenance none");
+    // Besides what the app gives them, every lifecycle role may use its install's state.
+    for key in ["Provision", "Maintenance", "Deprovision", "EksUpgrade", "S3ObjectBreakGlass"] {
+        let managed = props(key)["ManagedPolicyArns"].as_array().unwrap();
+        assert!(managed.iter().any(|m| m["Ref"] == "StateAccess"), "{key}: {managed:?}");
+    }
+    assert_eq!(props("Maintenance")["ManagedPolicyArns"].as_array().unwrap().len(), 1, "only StateAccess");
     assert!(props("EksUpgrade").get("PermissionsBoundary").is_none(), "no boundary in eks_upgrade.toml");
     assert_eq!(props("S3ObjectBreakGlass")["Policies"][0]["PolicyName"], "s3-object-operations");
+
+    // The terraform state bucket: kept when the stack goes, versioned, encrypted, never
+    // public, TLS only, its name an output the user-data writes into runner.toml.
+    let bucket = &r["StateBucket"];
+    assert_eq!(bucket["DeletionPolicy"], "Retain");
+    let b = &bucket["Properties"];
+    assert_eq!(b["VersioningConfiguration"]["Status"], "Enabled");
+    assert_eq!(
+        b["BucketEncryption"]["ServerSideEncryptionConfiguration"][0]["ServerSideEncryptionByDefault"]["SSEAlgorithm"],
+        "AES256"
+    );
+    for k in ["BlockPublicAcls", "BlockPublicPolicy", "IgnorePublicAcls", "RestrictPublicBuckets"] {
+        assert_eq!(b["PublicAccessBlockConfiguration"][k], true, "{k}");
+    }
+    let tls = &r["StateBucketPolicy"]["Properties"]["PolicyDocument"]["Statement"][0];
+    assert_eq!(
+        (tls["Effect"].as_str(), tls["Condition"]["Bool"]["aws:SecureTransport"].as_str()),
+        (Some("Deny"), Some("false"))
+    );
+    assert_eq!(t["Outputs"]["StateBucketName"]["Value"]["Ref"], "StateBucket");
+    assert!(user_data.contains("BYOC_STATE_BUCKET='${StateBucket}'"));
+    // The roles reach only their install's keys.
+    let access = &r["StateAccess"]["Properties"]["PolicyDocument"]["Statement"];
+    assert_eq!(access[1]["Resource"]["Fn::Sub"], "${StateBucket.Arn}/${InstallId}/*");
 }
 
 fn render_stack(app: &Path, out: &Path) -> std::process::Output {
@@ -353,6 +382,10 @@ async fn the_stack_creates_and_the_runner_reads_its_switches_and_arns() {
     .await;
     assert!(described.contains("CREATE_COMPLETE"), "{described}");
     assert!(described.contains(":role/inst-demo-maintenance<"), "{described}");
+    assert!(described.contains("<OutputKey>StateBucketName</OutputKey>"), "{described}");
+    // The bucket exists (moto's CloudFormation does not model its versioning setting:
+    // that is asserted on the template, above).
+    assert!(moto.bucket_versioning("inst-demo-state-123456789012").await.is_some(), "no state bucket");
     assert!(described.contains(":role/inst-demo-provision<"));
     for off in ["deprovision", "eks-upgrade-role", "s3-object-break-glass"] {
         assert!(!described.contains(&format!(":role/inst-demo-{off}<")), "{off} must not exist");

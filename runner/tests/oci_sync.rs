@@ -239,6 +239,34 @@ async fn an_upload_cut_mid_blob_is_completed_and_verified() {
 }
 
 #[tokio::test]
+async fn an_upload_the_destination_dropped_is_started_over_a_bounded_number_of_times() {
+    use byoc_control_plane::registry::ReferrersFront;
+    let p = pair().await;
+    let img = p.src.push_random_image("vendor/drop", Some("1"), 1, 5_000_000, 21).await;
+    // distribution answers a chunk 404 BLOB_UPLOAD_UNKNOWN once it has dropped the
+    // session (it does so after a cut chunk, even after a status query said resume).
+    let front = ReferrersFront::dropping_uploads(&p.dst, 1).await;
+    let c =
+        copier(&p.src.host(), &front.host(), TOKEN, Options { chunk_size: 2 << 20, ..Options::default() });
+    let r = sync_with(&c, "vendor/drop", &img, "install/drop", &["1"]).await.unwrap();
+    assert_eq!(r.restarted, 1, "{r:?}");
+    assert_copied(&p, "vendor/drop", &img, "install/drop", "1").await;
+    // A destination that drops every upload is given up on, naming the blob.
+    let front = ReferrersFront::dropping_uploads(&p.dst, u64::MAX).await;
+    let c =
+        copier(&p.src.host(), &front.host(), TOKEN, Options { chunk_size: 2 << 20, ..Options::default() });
+    let err = sync_with(&c, "vendor/drop", &img, "install/drop2", &["1"]).await.unwrap_err();
+    assert!(err.to_string().contains("restarts"), "{err}");
+    assert!(err.code().starts_with("destination_"), "{}", err.code());
+    assert_eq!(
+        front.chunks_seen.load(std::sync::atomic::Ordering::SeqCst),
+        4,
+        "one chunk per try, 1 + 3 restarts"
+    );
+    assert!(p.dst.tags("install/drop2").await.is_empty());
+}
+
+#[tokio::test]
 async fn a_wrong_token_is_a_clear_error_naming_the_source() {
     let p = pair().await;
     let img = p.src.push_random_image("vendor/api", Some("1"), 1, 1000, 11).await;

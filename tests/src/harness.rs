@@ -31,6 +31,8 @@ pub struct RunnerOptions {
     pub sandbox_ro_paths: Vec<PathBuf>,
     /// Appended to the `[sandbox]` table.
     pub sandbox_extra: String,
+    /// Appended to the `[jobs]` table.
+    pub jobs_extra: String,
     /// A command the runner is started through (it must exec the runner in place, as
     /// `unshare` does), e.g. to give it a mount namespace of its own.
     pub wrap: Vec<String>,
@@ -51,6 +53,7 @@ impl Default for RunnerOptions {
             env: Vec::new(),
             sandbox_ro_paths: Vec::new(),
             sandbox_extra: String::new(),
+            jobs_extra: String::new(),
             wrap: Vec::new(),
         }
     }
@@ -114,6 +117,7 @@ backoff_max_secs = {bm}
 heartbeat_secs = {hb}
 drain_grace_secs = {dg}
 kill_grace_secs = {kg}
+{jobs_extra}
 
 [jobs.groups]
 actions = {al}
@@ -142,6 +146,7 @@ level = "info"
             extra = opts.extra.replace("@RUNNER_DIR@", &dir.display().to_string()),
             ro = serde_json::to_string(&opts.sandbox_ro_paths).unwrap_or_else(|_| "[]".into()),
             sandbox_extra = opts.sandbox_extra,
+            jobs_extra = opts.jobs_extra,
         );
         std::fs::write(&config_path, config)?;
         Ok(RunnerProcess {

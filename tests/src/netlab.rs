@@ -37,8 +37,41 @@ pub struct NetLab {
 }
 
 fn ip(args: &[&str]) {
-    let out = Command::new("ip").args(args).output().expect("ip (iproute2) is required");
-    assert!(out.status.success(), "ip {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim());
+    // Under heavy load `ip -n NS …` now and then fails to join a namespace that exists
+    // ("setting the network namespace … Invalid argument", seen on a 2-core machine
+    // building alongside): that one error is retried, a few times; any other fails.
+    let mut tries = 0;
+    loop {
+        let out = Command::new("ip").args(args).output().expect("ip (iproute2) is required");
+        let err = String::from_utf8_lossy(&out.stderr).trim().to_string();
+        if out.status.success() {
+            return;
+        }
+        tries += 1;
+        if tries < 5 && err.contains("setting the network namespace") && err.contains("Invalid argument") {
+            std::thread::sleep(std::time::Duration::from_millis(50 * tries));
+            continue;
+        }
+        panic!("ip {}: {err}", args.join(" "));
+    }
+}
+
+/// `ip netns add NAME`, one at a time in this process: the first one makes /run/netns
+/// a mount point of its own, and two doing that at once stack two mounts and hide one
+/// namespace's bind mount (every later setns into it fails with EINVAL). Also across
+/// processes (two suites, or two checkouts, on one machine): an flock beside /run/netns.
+fn netns_add(name: &str) {
+    static NETNS_ADD: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one = NETNS_ADD.lock().unwrap_or_else(|e| e.into_inner());
+    let lock = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open("/run/byoc-netlab.lock")
+        .expect("/run/byoc-netlab.lock (the network suites need root)");
+    lock.lock().expect("locking /run/byoc-netlab.lock");
+    ip(&["netns", "add", name]);
+    let _ = lock.unlock();
 }
 
 /// Run `f` on a new thread that has joined namespace `ns` (by name, /run/netns/NAME).
@@ -59,8 +92,8 @@ impl NetLab {
         assert!(nix::unistd::geteuid().is_root(), "the network suites need root (ip netns)");
         let tag = byoc_protocol::random_hex(4);
         let (r, o) = (format!("byoc-r-{tag}"), format!("byoc-o-{tag}"));
-        ip(&["netns", "add", &r]);
-        ip(&["netns", "add", &o]);
+        netns_add(&r);
+        netns_add(&o);
         let mut lab = NetLab {
             runner_ns: r.clone(),
             outside_ns: o.clone(),
@@ -275,7 +308,7 @@ impl Peer {
         let tag = byoc_protocol::random_hex(4);
         let ns = format!("byoc-p-{tag}");
         let host_if = format!("byocp{tag}");
-        ip(&["netns", "add", &ns]);
+        netns_add(&ns);
         ip(&["link", "add", &host_if, "type", "veth", "peer", "name", "v1", "netns", &ns]);
         ip(&["addr", "add", &format!("{PEER_HOST_SIDE_V4}/24"), "dev", &host_if]);
         ip(&["link", "set", &host_if, "up"]);

@@ -243,6 +243,21 @@ impl LocalRegistry {
         self.push_manifest(repo, tag, OCI_MANIFEST, m).await
     }
 
+    /// A component artifact: one tar.gz layer of `files` (path → content; a path
+    /// ending in `/` is a directory), as a terraform module, chart or manifests bundle
+    /// is published.
+    pub async fn push_tar_artifact(
+        &self,
+        repo: &str,
+        tag: Option<&str>,
+        artifact_type: &str,
+        files: &[(&str, &str)],
+    ) -> Pushed {
+        let layer = self.push_bytes(repo, OCI_LAYER, tar_gz(files)).await;
+        let config = self.push_bytes(repo, "application/vnd.oci.empty.v1+json", b"{}".to_vec()).await;
+        self.push_image(repo, tag, config, &[layer], Some(artifact_type), None).await
+    }
+
     /// A runnable-looking image: a config and `layers` random layers of `size` bytes.
     pub async fn push_random_image(
         &self,
@@ -343,6 +358,28 @@ impl LocalRegistry {
             .map(|a| a.iter().filter_map(|t| t.as_str().map(String::from)).collect())
             .unwrap_or_default()
     }
+}
+
+/// A gzip-compressed tar of `files` (path → content; a path ending in `/` is a
+/// directory), with fixed times and owners so the same files give the same digest.
+pub fn tar_gz(files: &[(&str, &str)]) -> Vec<u8> {
+    let mut b = tar::Builder::new(flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default()));
+    for (path, content) in files {
+        let mut h = tar::Header::new_gnu();
+        if path.ends_with('/') {
+            h.set_entry_type(tar::EntryType::Directory);
+            h.set_mode(0o755);
+            h.set_size(0);
+        } else {
+            h.set_mode(0o644);
+            h.set_size(content.len() as u64);
+        }
+        h.set_mtime(1_700_000_000);
+        h.set_path(path).expect("tar path");
+        h.set_cksum();
+        b.append(&h, content.as_bytes()).expect("tar entry");
+    }
+    b.into_inner().expect("tar").finish().expect("gzip")
 }
 
 pub fn free_port() -> u16 {
@@ -541,6 +578,9 @@ pub struct ReferrersFront {
     pub addr: SocketAddr,
     /// Referrers API requests answered.
     pub api_calls: Arc<AtomicU64>,
+    /// Upload chunks (PATCH) seen; the first `drop_chunks` of them were answered `404`
+    /// (see [`ReferrersFront::dropping_uploads`]).
+    pub chunks_seen: Arc<AtomicU64>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -552,15 +592,25 @@ impl Drop for ReferrersFront {
 
 impl ReferrersFront {
     pub async fn start(backend: &LocalRegistry) -> ReferrersFront {
+        Self::dropping_uploads(backend, 0).await
+    }
+
+    /// As [`ReferrersFront::start`], and the first `drop_chunks` upload chunks (PATCH)
+    /// are answered `404 BLOB_UPLOAD_UNKNOWN` without reaching the backend, as a
+    /// registry answers once it has dropped an upload session.
+    pub async fn dropping_uploads(backend: &LocalRegistry, drop_chunks: u64) -> ReferrersFront {
         use axum::body::Body;
         use axum::extract::{Request, State};
         use axum::response::Response;
         #[derive(Clone)]
         struct Front {
+            public: String,
             backend: String,
             auth: Option<(String, String)>,
             http: reqwest::Client,
             calls: Arc<AtomicU64>,
+            dropped: Arc<AtomicU64>,
+            drop_chunks: u64,
         }
         async fn handle(State(f): State<Front>, req: Request) -> Response {
             let path = req.uri().path().to_string();
@@ -593,6 +643,16 @@ impl ReferrersFront {
             if parts.len() == 3 && parts[1] == "manifests" && parts[0].starts_with("sha256-") {
                 return status(404);
             }
+            if req.method() == axum::http::Method::PATCH
+                && path.contains("/blobs/uploads/")
+                && f.dropped.fetch_add(1, Ordering::SeqCst) < f.drop_chunks
+            {
+                return Response::builder()
+                    .status(404)
+                    .header("Content-Type", "application/json")
+                    .body(Body::from(r#"{"errors":[{"code":"BLOB_UPLOAD_UNKNOWN","message":"blob upload unknown to registry"}]}"#))
+                    .unwrap_or_default();
+            }
             let (head, body) = req.into_parts();
             let mut r = f.http.request(head.method.clone(), format!("{}{path}{query}", f.backend));
             for (k, v) in &head.headers {
@@ -607,7 +667,13 @@ impl ReferrersFront {
             };
             let mut out = Response::builder().status(resp.status().as_u16());
             for (k, v) in resp.headers() {
-                out = out.header(k.as_str(), v.as_bytes());
+                // Upload locations may be absolute: keep the client on the front.
+                match v.to_str() {
+                    Ok(v) if k == axum::http::header::LOCATION => {
+                        out = out.header(k.as_str(), v.replace(&f.backend, &f.public))
+                    }
+                    _ => out = out.header(k.as_str(), v.as_bytes()),
+                }
             }
             out.body(Body::from(resp.bytes().await.unwrap_or_default())).unwrap_or_default()
         }
@@ -615,6 +681,7 @@ impl ReferrersFront {
         let addr = listener.local_addr().expect("front addr");
         let calls = Arc::new(AtomicU64::new(0));
         let front = Front {
+            public: format!("http://{addr}"),
             backend: backend.url(),
             auth: backend.auth.clone(),
             http: reqwest::Client::builder()
@@ -622,12 +689,15 @@ impl ReferrersFront {
                 .build()
                 .expect("client"),
             calls: calls.clone(),
+            dropped: Arc::new(AtomicU64::new(0)),
+            drop_chunks,
         };
+        let chunks_seen = front.dropped.clone();
         let app = axum::Router::new().fallback(handle).with_state(front);
         let task = tokio::spawn(async move {
             let _ = axum::serve(listener, app).await;
         });
-        ReferrersFront { addr, api_calls: calls, task }
+        ReferrersFront { addr, api_calls: calls, chunks_seen, task }
     }
 
     pub fn host(&self) -> String {

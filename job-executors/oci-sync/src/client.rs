@@ -11,8 +11,11 @@ use reqwest::header::{HeaderMap, HeaderValue};
 use reqwest::{Method, RequestBuilder, Response, StatusCode};
 use url::Url;
 
+use crate::auth::{Challenge, parse_challenge};
 use crate::error::{Side, SyncError};
 use crate::reference::{Digest, is_loopback_host};
+
+pub use crate::auth::Credential;
 
 /// Manifests larger than this are refused (the spec recommends registries accept 4 MiB).
 pub const MAX_MANIFEST_BYTES: usize = 4 << 20;
@@ -22,39 +25,6 @@ pub const OCI_MANIFEST: &str = "application/vnd.oci.image.manifest.v1+json";
 pub const DOCKER_LIST: &str = "application/vnd.docker.distribution.manifest.list.v2+json";
 pub const DOCKER_MANIFEST: &str = "application/vnd.docker.distribution.manifest.v2+json";
 const ACCEPT: &str = "application/vnd.oci.image.index.v1+json, application/vnd.oci.image.manifest.v1+json, application/vnd.docker.distribution.manifest.list.v2+json, application/vnd.docker.distribution.manifest.v2+json";
-
-/// A registry credential. Debug never shows the secret.
-#[derive(Clone)]
-pub enum Credential {
-    /// Username and password or token: sent as Basic auth, or to the registry's token realm.
-    Basic { username: String, secret: String },
-    /// A ready registry bearer token.
-    Bearer(String),
-}
-
-impl std::fmt::Debug for Credential {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Credential::Basic { username, .. } => write!(f, "Basic({username}, <secret>)"),
-            Credential::Bearer(_) => f.write_str("Bearer(<secret>)"),
-        }
-    }
-}
-
-impl Credential {
-    pub fn secret(&self) -> &str {
-        match self {
-            Credential::Basic { secret, .. } => secret,
-            Credential::Bearer(t) => t,
-        }
-    }
-}
-
-#[derive(Debug, Clone)]
-enum Challenge {
-    Basic,
-    Bearer { realm: String, service: Option<String> },
-}
 
 /// Retry policy for requests that can be repeated.
 #[derive(Debug, Clone, Copy)]
@@ -71,15 +41,9 @@ impl Default for Retry {
 }
 
 impl Retry {
-    pub fn backoff(&self, attempt: u32) -> Duration {
-        let exp = self.first_backoff.saturating_mul(1u32 << attempt.min(16));
-        let capped = exp.min(self.max_backoff);
-        // Jitter in [50%, 100%]: concurrent blob copies do not retry in lockstep.
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.subsec_nanos())
-            .unwrap_or(0);
-        capped.mul_f64(0.5 + (nanos % 1000) as f64 / 2000.0)
+    /// The delays between attempts (the workspace's one backoff schedule).
+    pub fn backoff(&self) -> byoc_protocol::backoff::Backoff {
+        byoc_protocol::backoff::Backoff::new(self.first_backoff, self.max_backoff)
     }
 }
 
@@ -224,6 +188,7 @@ impl Registry {
     ) -> Result<Response, SyncError> {
         let mut authenticated = false;
         let mut attempt = 0u32;
+        let mut backoff = self.retry.backoff();
         loop {
             let mut req = build(&self.http);
             if let Some(h) = self.auth_header(scope) {
@@ -267,7 +232,7 @@ impl Registry {
                     None => self.err_transport(what, format!("{reason} (after {attempt} attempts)")),
                 });
             }
-            let delay = wait.unwrap_or_else(|| self.retry.backoff(attempt - 1)).min(self.retry.max_backoff);
+            let delay = wait.unwrap_or_else(|| backoff.next_delay()).min(self.retry.max_backoff);
             tracing::debug!(side = %self.side, registry = %self.name, what, reason, ?delay, "retrying");
             tokio::time::sleep(delay).await;
         }
@@ -651,51 +616,6 @@ impl Registry {
     }
 }
 
-fn parse_challenge(h: &str) -> Option<Challenge> {
-    let (scheme, params) = h.trim().split_once(' ').unwrap_or((h.trim(), ""));
-    if scheme.eq_ignore_ascii_case("basic") {
-        return Some(Challenge::Basic);
-    }
-    if !scheme.eq_ignore_ascii_case("bearer") {
-        return None;
-    }
-    let mut realm = None;
-    let mut service = None;
-    for (k, v) in parse_params(params) {
-        match k.as_str() {
-            "realm" => realm = Some(v),
-            "service" => service = Some(v),
-            _ => {}
-        }
-    }
-    Some(Challenge::Bearer { realm: realm?, service })
-}
-
-/// `k="v", k2="v,2"`: values may be quoted and contain commas.
-fn parse_params(s: &str) -> Vec<(String, String)> {
-    let mut out = Vec::new();
-    let mut rest = s.trim();
-    while !rest.is_empty() {
-        let Some((k, after)) = rest.split_once('=') else { break };
-        let key = k.trim().trim_start_matches(',').trim().to_ascii_lowercase();
-        let after = after.trim_start();
-        let (value, next) = if let Some(q) = after.strip_prefix('"') {
-            match q.find('"') {
-                Some(end) => (q[..end].to_string(), &q[end + 1..]),
-                None => (q.to_string(), ""),
-            }
-        } else {
-            match after.find(',') {
-                Some(end) => (after[..end].trim().to_string(), &after[end..]),
-                None => (after.trim().to_string(), ""),
-            }
-        };
-        out.push((key, value));
-        rest = next.trim_start().trim_start_matches(',').trim_start();
-    }
-    out
-}
-
 fn retry_after(h: &HeaderMap) -> Option<Duration> {
     h.get("Retry-After")?.to_str().ok()?.trim().parse::<u64>().ok().map(Duration::from_secs)
 }
@@ -730,44 +650,4 @@ async fn read_bounded(mut resp: Response, max: usize) -> Result<Bytes, String> {
         out.extend_from_slice(&chunk);
     }
     Ok(out.freeze())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn challenges_parse() {
-        let c = parse_challenge(
-            r#"Bearer realm="https://auth.example.com/token",service="registry.example.com",scope="repository:a/b:pull,push""#,
-        );
-        match c {
-            Some(Challenge::Bearer { realm, service }) => {
-                assert_eq!(realm, "https://auth.example.com/token");
-                assert_eq!(service.as_deref(), Some("registry.example.com"));
-            }
-            other => panic!("{other:?}"),
-        }
-        assert!(matches!(parse_challenge(r#"Basic realm="Registry Realm""#), Some(Challenge::Basic)));
-        assert!(parse_challenge("Negotiate").is_none());
-        assert!(parse_challenge("Bearer service=x").is_none());
-    }
-
-    #[test]
-    fn credentials_never_print_their_secret() {
-        let c = Credential::Basic { username: "u".into(), secret: "s3cr3t-token".into() };
-        assert!(!format!("{c:?}").contains("s3cr3t"));
-        assert!(!format!("{:?}", Credential::Bearer("s3cr3t-token".into())).contains("s3cr3t"));
-    }
-
-    #[test]
-    fn backoff_grows_and_is_capped() {
-        let r = Retry {
-            attempts: 5,
-            first_backoff: Duration::from_millis(100),
-            max_backoff: Duration::from_secs(1),
-        };
-        assert!(r.backoff(0) <= Duration::from_millis(100) && r.backoff(0) >= Duration::from_millis(50));
-        assert!(r.backoff(10) <= Duration::from_secs(1) && r.backoff(10) >= Duration::from_millis(500));
-    }
 }

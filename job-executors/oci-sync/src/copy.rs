@@ -271,9 +271,9 @@ impl Copier {
                     (m.bytes, m.media_type)
                 }
             };
-            let parsed = Parsed::parse(&bytes, &header_type).map_err(|reason| SyncError::Invalid {
+            let parsed = Parsed::parse(&bytes, &header_type).map_err(|e| SyncError::Invalid {
                 what: format!("manifest {repo}@{digest} from the source"),
-                reason,
+                reason: e.0,
             })?;
             let media_type = serde_json::from_slice::<serde_json::Value>(&bytes)
                 .ok()
@@ -292,9 +292,9 @@ impl Copier {
             if self.options.referrers && depth < REFERRER_DEPTH {
                 let entries = self.source_referrers(repo, &digest).await?;
                 for e in &entries {
-                    let d = Digest::parse(&e.digest).map_err(|reason| SyncError::Invalid {
+                    let d = Digest::parse(&e.digest).map_err(|e| SyncError::Invalid {
                         what: format!("referrer of {digest} at the source"),
-                        reason,
+                        reason: e.0,
                     })?;
                     self.walk(plan, repo, d, None, depth + 1).await?;
                 }
@@ -314,9 +314,9 @@ impl Copier {
         };
         match index {
             None => Ok(vec![]),
-            Some(b) => index_entries(&b).map_err(|reason| SyncError::Invalid {
+            Some(b) => index_entries(&b).map_err(|e| SyncError::Invalid {
                 what: format!("referrers of {digest} at the source"),
-                reason,
+                reason: e.0,
             }),
         }
     }
@@ -425,13 +425,15 @@ impl Copier {
                         self.dst.cancel_upload(dst_repo, &upload).await;
                         return Err(Upload::Fatal(src_err));
                     }
-                    if matches!(
-                        e,
-                        SyncError::Unauthorized { .. }
-                            | SyncError::Forbidden { .. }
-                            | SyncError::NotFound { .. }
-                    ) {
+                    if matches!(e, SyncError::Unauthorized { .. } | SyncError::Forbidden { .. }) {
                         return Err(Upload::Fatal(e));
+                    }
+                    // 404 on a chunk is BLOB_UPLOAD_UNKNOWN: the registry dropped the
+                    // session (distribution does so after a cut chunk, possibly after it
+                    // already answered a status query that let us resume). The
+                    // repository exists (the upload was opened), so start the blob over.
+                    if matches!(e, SyncError::NotFound { .. }) {
+                        return Err(Upload::Restart(e.to_string()));
                     }
                     let status = self.dst.upload_status(dst_repo, &upload).await;
                     match status {
@@ -501,6 +503,7 @@ struct SourceReader {
     resp: Option<reqwest::Response>,
     pending: Bytes,
     reopens: u32,
+    reopen_backoff: byoc_protocol::backoff::Backoff,
     counters: Arc<Counters>,
     /// Set when the source fails for good while a chunk streams (the upload sees only
     /// a broken body).
@@ -521,6 +524,7 @@ impl SourceReader {
         counters: Arc<Counters>,
     ) -> SourceReader {
         SourceReader {
+            reopen_backoff: src.retry.backoff(),
             src,
             repo: repo.to_string(),
             digest,
@@ -581,7 +585,7 @@ impl SourceReader {
                             ));
                         }
                         tracing::info!(digest = %self.digest, pos = self.pos, reason, "resuming the source download");
-                        tokio::time::sleep(self.src.retry.backoff(self.reopens - 1)).await;
+                        tokio::time::sleep(self.reopen_backoff.next_delay()).await;
                         continue;
                     }
                 }

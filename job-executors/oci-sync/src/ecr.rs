@@ -59,11 +59,12 @@ impl Default for RepositorySettings {
 }
 
 impl RepositorySettings {
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), SyncError> {
+        let invalid = |reason: String| SyncError::Invalid { what: "repository".into(), reason };
         match (self.encryption.as_str(), &self.kms_key) {
             ("AES256", None) | ("KMS", _) => Ok(()),
-            ("AES256", Some(_)) => Err("kms_key is only valid with encryption = \"KMS\"".into()),
-            (other, _) => Err(format!("encryption {other:?} must be \"AES256\" or \"KMS\"")),
+            ("AES256", Some(_)) => Err(invalid("kms_key is only valid with encryption = \"KMS\"".into())),
+            (other, _) => Err(invalid(format!("encryption {other:?} must be \"AES256\" or \"KMS\""))),
         }
     }
 }
@@ -145,6 +146,17 @@ pub async fn prepare(
             Err(e) => return Err(aws_err(&format!("CreateRepository {repository}"), e)),
         }
     }
+    let (registry_host, credential) = authorization(&ecr).await?;
+    Ok(EcrDestination { registry_host, credential, repository_created: created })
+}
+
+/// The install's registry (`<account>.dkr.ecr.<region>.amazonaws.com`) and a
+/// credential for it, from ECR's GetAuthorizationToken under the job's role.
+pub async fn registry_access(aws: &AwsAccess) -> Result<(String, Credential), SyncError> {
+    authorization(&client(aws)).await
+}
+
+async fn authorization(ecr: &aws_sdk_ecr::Client) -> Result<(String, Credential), SyncError> {
     let out = ecr.get_authorization_token().send().await.map_err(|e| aws_err("GetAuthorizationToken", e))?;
     let data = out
         .authorization_data()
@@ -179,9 +191,5 @@ pub async fn prepare(
                 std::io::Error::other(format!("proxy endpoint {endpoint:?} is not a URL")),
             )
         })?;
-    Ok(EcrDestination {
-        registry_host,
-        credential: Credential::Basic { username: username.into(), secret: secret.into() },
-        repository_created: created,
-    })
+    Ok((registry_host, Credential::Basic { username: username.into(), secret: secret.into() }))
 }

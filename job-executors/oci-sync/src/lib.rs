@@ -6,6 +6,7 @@
 //! destination's upload, hashed on the way; nothing is tagged before every blob and
 //! manifest has arrived and been verified.
 
+pub mod auth;
 pub mod client;
 pub mod copy;
 pub mod ecr;

@@ -6,6 +6,17 @@ use serde::Deserialize;
 use crate::client::{DOCKER_LIST, DOCKER_MANIFEST, OCI_INDEX, OCI_MANIFEST};
 use crate::reference::Digest;
 
+/// A manifest or index this copier cannot walk: what is wrong with it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct InvalidManifest(pub String);
+
+impl From<crate::reference::InvalidReference> for InvalidManifest {
+    fn from(e: crate::reference::InvalidReference) -> Self {
+        InvalidManifest(e.0)
+    }
+}
+
 #[derive(Debug, Clone, Deserialize, serde::Serialize)]
 pub struct Descriptor {
     #[serde(rename = "mediaType", default)]
@@ -39,21 +50,24 @@ pub enum Parsed {
 }
 
 impl Parsed {
-    pub fn parse(bytes: &[u8], header_type: &str) -> Result<Parsed, String> {
-        let doc: Doc = serde_json::from_slice(bytes).map_err(|e| format!("not a manifest: {e}"))?;
+    pub fn parse(bytes: &[u8], header_type: &str) -> Result<Parsed, InvalidManifest> {
+        let doc: Doc =
+            serde_json::from_slice(bytes).map_err(|e| InvalidManifest(format!("not a manifest: {e}")))?;
         if doc.schema_version != 2 {
-            return Err(format!(
+            return Err(InvalidManifest(format!(
                 "schemaVersion {} is not supported (Docker schema 1 manifests are deprecated)",
                 doc.schema_version
-            ));
+            )));
         }
         let media_type = doc.media_type.as_deref().filter(|m| !m.is_empty()).unwrap_or(header_type);
         let digest = |d: &Descriptor| Digest::parse(&d.digest);
         match (media_type, doc.manifests, doc.config) {
             (OCI_INDEX | DOCKER_LIST, Some(children), _)
             | ("" | "application/json", Some(children), None) => {
-                let out =
-                    children.into_iter().map(|d| Ok((digest(&d)?, d))).collect::<Result<Vec<_>, String>>()?;
+                let out = children
+                    .into_iter()
+                    .map(|d| Ok((digest(&d)?, d)))
+                    .collect::<Result<Vec<_>, InvalidManifest>>()?;
                 Ok(Parsed::Index(out))
             }
             (OCI_MANIFEST | DOCKER_MANIFEST | "" | "application/json", None, Some(config)) => {
@@ -63,21 +77,22 @@ impl Parsed {
                 }
                 Ok(Parsed::Image(blobs))
             }
-            (m, _, _) => {
-                Err(format!("media type {m:?} is not an image manifest or index this runner copies"))
-            }
+            (m, _, _) => Err(InvalidManifest(format!(
+                "media type {m:?} is not an image manifest or index this runner copies"
+            ))),
         }
     }
 }
 
 /// The descriptors an index (a referrers answer or a fallback tag) lists.
-pub fn index_entries(bytes: &[u8]) -> Result<Vec<Descriptor>, String> {
+pub fn index_entries(bytes: &[u8]) -> Result<Vec<Descriptor>, InvalidManifest> {
     #[derive(Deserialize)]
     struct Index {
         #[serde(default)]
         manifests: Vec<Descriptor>,
     }
-    let i: Index = serde_json::from_slice(bytes).map_err(|e| format!("not an index: {e}"))?;
+    let i: Index =
+        serde_json::from_slice(bytes).map_err(|e| InvalidManifest(format!("not an index: {e}")))?;
     Ok(i.manifests)
 }
 
@@ -118,7 +133,7 @@ mod tests {
     #[test]
     fn bad_manifests_are_refused_with_a_reason() {
         assert!(Parsed::parse(b"{", "").is_err());
-        assert!(Parsed::parse(br#"{"schemaVersion":1}"#, "").unwrap_err().contains("schema 1"));
+        assert!(Parsed::parse(br#"{"schemaVersion":1}"#, "").unwrap_err().0.contains("schema 1"));
         let bad_digest = r#"{"schemaVersion":2,"config":{"digest":"md5:x","size":1},"layers":[]}"#;
         assert!(Parsed::parse(bad_digest.as_bytes(), OCI_MANIFEST).is_err());
         let wrong_type = format!(

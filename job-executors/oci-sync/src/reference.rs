@@ -2,6 +2,11 @@
 
 use std::fmt;
 
+/// A reference, digest, repository or tag that is not well formed: what is wrong with it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct InvalidReference(pub String);
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Reference {
     /// `host` or `host:port`, as written.
@@ -17,10 +22,12 @@ pub struct Reference {
 pub struct Digest(String);
 
 impl Digest {
-    pub fn parse(s: &str) -> Result<Digest, String> {
-        let hex = s.strip_prefix("sha256:").ok_or_else(|| format!("digest {s:?} is not sha256:<64 hex>"))?;
+    pub fn parse(s: &str) -> Result<Digest, InvalidReference> {
+        let hex = s
+            .strip_prefix("sha256:")
+            .ok_or_else(|| InvalidReference(format!("digest {s:?} is not sha256:<64 hex>")))?;
         if hex.len() != 64 || !hex.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)) {
-            return Err(format!("digest {s:?} is not sha256:<64 lowercase hex>"));
+            return Err(InvalidReference(format!("digest {s:?} is not sha256:<64 lowercase hex>")));
         }
         Ok(Digest(s.to_string()))
     }
@@ -52,13 +59,13 @@ impl fmt::Display for Digest {
 }
 
 impl Reference {
-    pub fn parse(s: &str) -> Result<Reference, String> {
-        let bad = |why: &str| format!("reference {s:?}: {why}");
+    pub fn parse(s: &str) -> Result<Reference, InvalidReference> {
+        let bad = |why: &str| InvalidReference(format!("reference {s:?}: {why}"));
         if s.len() > 1024 {
             return Err(bad("longer than 1024 bytes"));
         }
         let (rest, digest) = match s.split_once('@') {
-            Some((r, d)) => (r, Some(Digest::parse(d).map_err(|e| bad(&e))?)),
+            Some((r, d)) => (r, Some(Digest::parse(d).map_err(|e| bad(&e.0))?)),
             None => (s, None),
         };
         let (registry, path) =
@@ -78,9 +85,9 @@ impl Reference {
             Some(i) if !path[i..].contains('/') => (&path[..i], Some(path[i + 1..].to_string())),
             _ => (path, None),
         };
-        validate_repository(repository).map_err(|e| bad(&e))?;
+        validate_repository(repository).map_err(|e| bad(&e.0))?;
         if let Some(t) = &tag {
-            validate_tag(t).map_err(|e| bad(&e))?;
+            validate_tag(t).map_err(|e| bad(&e.0))?;
         }
         Ok(Reference { registry: registry.to_string(), repository: repository.to_string(), tag, digest })
     }
@@ -103,9 +110,9 @@ pub fn is_loopback_host(registry: &str) -> bool {
 }
 
 /// OCI distribution spec: `[a-z0-9]+((\.|_|__|-+)[a-z0-9]+)*(\/[a-z0-9]+((\.|_|__|-+)[a-z0-9]+)*)*`.
-pub fn validate_repository(r: &str) -> Result<(), String> {
+pub fn validate_repository(r: &str) -> Result<(), InvalidReference> {
     if r.is_empty() || r.len() > 255 {
-        return Err(format!("repository {r:?} must be 1 to 255 characters"));
+        return Err(InvalidReference(format!("repository {r:?} must be 1 to 255 characters")));
     }
     for part in r.split('/') {
         let ok = !part.is_empty()
@@ -113,16 +120,16 @@ pub fn validate_repository(r: &str) -> Result<(), String> {
             && part.bytes().next().is_some_and(|b| b.is_ascii_alphanumeric())
             && part.bytes().last().is_some_and(|b| b.is_ascii_alphanumeric());
         if !ok {
-            return Err(format!(
+            return Err(InvalidReference(format!(
                 "repository {r:?}: each path component is lowercase letters and digits, separated by . _ or -"
-            ));
+            )));
         }
     }
     Ok(())
 }
 
 /// OCI distribution spec: `[a-zA-Z0-9_][a-zA-Z0-9._-]{0,127}`.
-pub fn validate_tag(t: &str) -> Result<(), String> {
+pub fn validate_tag(t: &str) -> Result<(), InvalidReference> {
     let ok = !t.is_empty()
         && t.len() <= 128
         && t.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
@@ -130,7 +137,7 @@ pub fn validate_tag(t: &str) -> Result<(), String> {
     if ok {
         Ok(())
     } else {
-        Err(format!("tag {t:?} is not a valid tag ([A-Za-z0-9_][A-Za-z0-9._-]{{0,127}})"))
+        Err(InvalidReference(format!("tag {t:?} is not a valid tag ([A-Za-z0-9_][A-Za-z0-9._-]{{0,127}})")))
     }
 }
 

@@ -171,19 +171,25 @@ fn inputs_are_checked_before_evaluation() {
     assert!(
         parse_document(Source::Terraform, b"{\"format_version\": \"1.2\"}", &l)
             .unwrap_err()
+            .0
             .contains("limit")
     );
     assert!(
-        parse_document(Source::Terraform, b"not json", &Limits::default()).unwrap_err().contains("not JSON")
+        parse_document(Source::Terraform, b"not json", &Limits::default())
+            .unwrap_err()
+            .0
+            .contains("not JSON")
     );
     assert!(
         parse_document(Source::Terraform, b"{\"a\": 1}", &Limits::default())
             .unwrap_err()
+            .0
             .contains("not a terraform plan")
     );
     assert!(
         parse_document(Source::Kubernetes, b"[{\"metadata\": {}}]", &Limits::default())
             .unwrap_err()
+            .0
             .contains("kind")
     );
     let list =

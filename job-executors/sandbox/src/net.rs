@@ -67,19 +67,27 @@ fn mask(addr: IpAddr, len: u8) -> IpAddr {
     }
 }
 
+/// An address or range that does not parse: what is wrong with it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct InvalidCidr(pub String);
+
 impl FromStr for Cidr {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Cidr, String> {
+    type Err = InvalidCidr;
+    fn from_str(s: &str) -> Result<Cidr, InvalidCidr> {
         let (addr, len) = match s.split_once('/') {
             Some((a, l)) => (a, Some(l)),
             None => (s, None),
         };
-        let addr: IpAddr = addr.parse().map_err(|_| format!("{s:?} is not an IP address or CIDR range"))?;
+        let addr: IpAddr =
+            addr.parse().map_err(|_| InvalidCidr(format!("{s:?} is not an IP address or CIDR range")))?;
         let Some(len) = len else { return Ok(Cidr::host(addr)) };
-        let len: u8 = len.parse().map_err(|_| format!("{s:?}: prefix length is not a number"))?;
-        let cidr = Cidr::new(addr, len).ok_or_else(|| format!("{s:?}: prefix length too long"))?;
+        let len: u8 =
+            len.parse().map_err(|_| InvalidCidr(format!("{s:?}: prefix length is not a number")))?;
+        let cidr =
+            Cidr::new(addr, len).ok_or_else(|| InvalidCidr(format!("{s:?}: prefix length too long")))?;
         if cidr.addr != addr {
-            return Err(format!("{s:?} has host bits set (did you mean {cidr}?)"));
+            return Err(InvalidCidr(format!("{s:?} has host bits set (did you mean {cidr}?)")));
         }
         Ok(cidr)
     }
@@ -183,7 +191,7 @@ mod tests {
         assert!(v6.contains("fd00:ec2::254".parse().unwrap()));
         assert!(!v6.contains("fd00::254".parse().unwrap()));
         assert_eq!("10.1.2.3".parse::<Cidr>().unwrap().to_string(), "10.1.2.3/32");
-        assert!("10.1.2.3/8".parse::<Cidr>().unwrap_err().contains("10.0.0.0/8"));
+        assert!("10.1.2.3/8".parse::<Cidr>().unwrap_err().0.contains("10.0.0.0/8"));
         assert!("10.0.0.0/33".parse::<Cidr>().is_err());
         assert!("example.com".parse::<Cidr>().is_err());
         assert!("0.0.0.0/0".parse::<Cidr>().unwrap().overlaps(&c));

@@ -1,14 +1,19 @@
-//! Stage 3: journal the job as received (spending its nonce), then claim it with a
-//! lease. Transient failures are retried until the envelope expires; a refusal
-//! (cancelled or taken) ends the job here, journaled, without running anything.
+//! Stage 5, claim: take the job with a lease. Transient failures are retried until the
+//! envelope expires or the runner stops; a refusal (cancelled or taken) ends the job
+//! here, journaled, without running anything.
 
-use super::{Backoff, Rt, ScopedJob, VerifiedJob};
-use crate::client::ClientError;
+use super::VerifiedJob;
+use super::authorize::{AuthorizedJob, PolicyChoice};
+use super::resolve_role::ScopedRole;
+use crate::control_plane::ClientError;
+use crate::control_plane::retry::{Policy, Retried, retry};
 use crate::journal::{Event, JournalError};
+use crate::runtime::Rt;
 
 pub struct ClaimedJob {
     pub verified: VerifiedJob,
-    pub role: Option<super::resolve_role::ScopedRole>,
+    pub role: Option<ScopedRole>,
+    pub policy: PolicyChoice,
     pub lease_secs: u64,
 }
 
@@ -20,61 +25,124 @@ pub enum ClaimOutcome {
     },
 }
 
-/// Journal `received` before anything acts on the job. Must run on the poll loop,
-/// before the next poll, so a replay of the same nonce is refused deterministically.
-pub fn record_received(rt: &Rt, job: &VerifiedJob) -> Result<(), JournalError> {
-    let p = &job.payload;
-    rt.transition(Event::Received {
-        job_id: p.job_id.clone(),
-        delivery_id: job.delivery_id.clone(),
-        nonce: p.nonce.clone(),
-        expires_at: p.expires_at,
-        kind: p.kind.clone(),
-        operation: p.operation.clone(),
-        entity: p.entity.clone(),
-        payload_sha256: job.payload_sha256.clone(),
-        timeout_secs: p.timeout_secs,
-    })
-}
-
-pub async fn claim(rt: &Rt, scoped: ScopedJob) -> Result<ClaimOutcome, JournalError> {
-    let ScopedJob { verified: job, role } = scoped;
-    let job_id = job.payload.job_id.clone();
-    let mut backoff = Backoff::new(rt.config.poll.backoff_initial, rt.config.poll.backoff_max);
-    loop {
-        let refused = match rt.client.claim(&job_id, &job.delivery_id).await {
-            Ok(c) => {
-                rt.transition(Event::Claimed { job_id: job_id.clone(), lease_secs: c.lease_secs })?;
-                return Ok(ClaimOutcome::Claimed(Box::new(ClaimedJob {
-                    verified: job,
-                    role,
-                    lease_secs: c.lease_secs,
-                })));
-            }
+pub async fn claim(rt: &Rt, job: AuthorizedJob) -> Result<ClaimOutcome, JournalError> {
+    let AuthorizedJob { verified, role, policy } = job;
+    let job_id = verified.payload.job_id.clone();
+    let expires_at = verified.payload.expires_at;
+    let retry_policy = Policy::new(rt.config.poll.backoff_initial, rt.config.poll.backoff_max);
+    // Ok(Ok(lease)): claimed; Ok(Err(why)): refused for good; Err: transient.
+    let claimed = retry(retry_policy, &rt.abort, |_| async {
+        match rt.client.claim(&job_id, &verified.delivery_id).await {
+            Ok(c) => Ok(Ok(c.lease_secs)),
             Err(e) if e.is_transient() => {
-                let now = crate::daemon::unix_now();
-                if now > job.payload.expires_at {
-                    Some(format!("envelope expired before the claim went through: {e}"))
-                } else if rt.abort.is_cancelled() || rt.stop_reporting.is_cancelled() {
-                    Some("runner stopped before the job was claimed".to_string())
+                if rt.clock.unix_now() > expires_at {
+                    Ok(Err(format!("envelope expired before the claim went through: {e}")))
+                } else if rt.stop_reporting.is_cancelled() {
+                    Ok(Err("runner stopped before the job was claimed".to_string()))
                 } else {
                     tracing::warn!(error = %e, "claim failed, retrying");
-                    None
+                    Err(e)
                 }
             }
             Err(ClientError::Conflict { body, .. }) => {
-                Some(format!("control plane refused the claim: {body}"))
+                Ok(Err(format!("control plane refused the claim: {body}")))
             }
-            Err(e) => Some(format!("claim failed: {e}")),
+            Err(e) => Ok(Err(format!("claim failed: {e}"))),
+        }
+    })
+    .await;
+    let refused = match claimed {
+        Retried::Done(Ok(lease_secs)) => {
+            rt.transition(Event::Claimed { job_id: job_id.clone(), lease_secs })?;
+            return Ok(ClaimOutcome::Claimed(Box::new(ClaimedJob { verified, role, policy, lease_secs })));
+        }
+        Retried::Done(Err(detail)) => detail,
+        Retried::Stopped | Retried::Exhausted(_) => "runner stopped before the job was claimed".to_string(),
+    };
+    tracing::warn!(reason = %refused, "job not claimed; it will not run");
+    rt.transition(Event::ClaimRefused { job_id, detail: refused.clone() })?;
+    Ok(ClaimOutcome::NotClaimed { detail: refused })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::{self, conflict, journaled, unavailable};
+
+    fn authorized(f: &testing::Fakes, job_id: &str) -> AuthorizedJob {
+        let verified = testing::verified(job_id, None);
+        testing::receive(f, &verified);
+        AuthorizedJob { verified, role: None, policy: PolicyChoice::default() }
+    }
+
+    #[tokio::test]
+    async fn a_claim_the_control_plane_grants_is_journaled_with_its_lease() {
+        let f = testing::runtime().await;
+        f.cp.script_claims([Ok(byoc_protocol::ClaimResponse { lease_secs: 90 })]);
+        let outcome = claim(&f.rt, authorized(&f, "job-1")).await.expect("journal");
+        let ClaimOutcome::Claimed(c) = outcome else { panic!("not claimed") };
+        assert_eq!(c.lease_secs, 90);
+        assert_eq!(journaled(&f), ["received", "claimed"]);
+        assert_eq!(f.audit.events(), ["job_received", "job_claimed"]);
+    }
+
+    #[tokio::test]
+    async fn transient_failures_are_retried_until_the_claim_goes_through() {
+        let f = testing::runtime().await;
+        f.cp.script_claims([
+            Err(unavailable("claim")),
+            Err(unavailable("claim")),
+            Ok(byoc_protocol::ClaimResponse { lease_secs: 60 }),
+        ]);
+        let outcome = claim(&f.rt, authorized(&f, "job-1")).await.expect("journal");
+        assert!(matches!(outcome, ClaimOutcome::Claimed(_)));
+        assert_eq!(f.cp.calls(), ["claim job-1"; 3]);
+    }
+
+    #[tokio::test]
+    async fn a_refused_claim_ends_the_job_journaled_and_never_run() {
+        let f = testing::runtime().await;
+        f.cp.script_claims([Err(conflict("claim", "job taken by rn-2"))]);
+        let outcome = claim(&f.rt, authorized(&f, "job-1")).await.expect("journal");
+        let ClaimOutcome::NotClaimed { detail } = outcome else { panic!("claimed") };
+        assert!(detail.contains("job taken by rn-2"), "{detail}");
+        assert_eq!(journaled(&f), ["received", "claim_refused"]);
+        assert_eq!(f.cp.calls().len(), 1, "a refusal is not retried");
+    }
+
+    #[tokio::test]
+    async fn an_envelope_that_expires_while_claims_fail_is_given_up() {
+        let f = testing::runtime().await;
+        let job = authorized(&f, "job-1");
+        // Past the envelope's expiry: the next transient failure ends the attempts.
+        f.clock.advance_secs(301);
+        f.cp.script_claims([Err(unavailable("claim"))]);
+        let ClaimOutcome::NotClaimed { detail } = claim(&f.rt, job).await.expect("journal") else {
+            panic!("claimed")
         };
-        if let Some(detail) = refused {
-            tracing::warn!(reason = %detail, "job not claimed; it will not run");
-            rt.transition(Event::ClaimRefused { job_id, detail: detail.clone() })?;
-            return Ok(ClaimOutcome::NotClaimed { detail });
-        }
-        tokio::select! {
-            _ = tokio::time::sleep(backoff.next_delay()) => {}
-            _ = rt.abort.cancelled() => {}
-        }
+        assert!(detail.contains("envelope expired"), "{detail}");
+        assert_eq!(journaled(&f), ["received", "claim_refused"]);
+    }
+
+    #[tokio::test]
+    async fn an_abort_stops_the_retries() {
+        let f = testing::runtime().await;
+        f.cp.script_claims((0..1000).map(|_| Err(unavailable("claim"))));
+        f.rt.abort.cancel();
+        let ClaimOutcome::NotClaimed { detail } =
+            claim(&f.rt, authorized(&f, "job-1")).await.expect("journal")
+        else {
+            panic!("claimed")
+        };
+        assert!(detail.contains("runner stopped"), "{detail}");
+    }
+
+    #[tokio::test]
+    async fn a_claim_that_cannot_be_journaled_is_an_error() {
+        let f = testing::runtime().await;
+        let job = authorized(&f, "job-1");
+        f.journal.fail_appends.store(true, std::sync::atomic::Ordering::SeqCst);
+        let err = claim(&f.rt, job).await.err().expect("journal failure surfaces");
+        assert!(err.to_string().contains("no space left"), "{err}");
     }
 }

@@ -1,4 +1,4 @@
-//! Stage 4: run the claimed job. The working directory (0700) and the log spool are
+//! Stage 7, execute: run the job. The working directory (0700) and the log spool are
 //! created, `started` is journaled, and the executor runs while a companion task
 //! heartbeats the lease (picking up cancellation) and uploads the spooled log. When the
 //! executor returns, the spool is fsynced and `finished` is journaled with the log's
@@ -6,31 +6,30 @@
 
 use std::os::unix::fs::DirBuilderExt as _;
 use std::path::PathBuf;
-
 use std::sync::Arc;
 
-use byoc_job_executors::mask::SecretFeed;
-use byoc_job_executors::{ContainerCredentials, ExecContext, ExecOutcome, JobCredentials, JobStatus};
+use byoc_job_executors::{ExecContext, ExecOutcome, JobStatus};
 use tokio_util::sync::CancellationToken;
 
-use super::resolve_role::ScopedRole;
-use super::{ClaimedJob, Rt};
-use crate::journal::{Event, JournalError, now_ms};
-use crate::roles::creds::{
-    CONTAINER_BUSYBOX, CONTAINER_CREDENTIALS_DIR, CredentialFile, JobEndpoint, JobSession, rfc3339,
-};
-use crate::roles::sts::{SessionParams, session_duration, sts_identifier, tag_value};
-use crate::spool::{SpoolWriter, Uploader};
-
+use super::assume_role::AssumedJob;
+use crate::clock::now_ms;
+use crate::journal::{Event, JournalError};
+use crate::runtime::Rt;
+use crate::spool::{LogCap, SpoolDigest, SpoolWriter, Uploader};
 pub const WORK_DIR: &str = "work";
 /// Saved plans of plan-only terraform jobs.
 pub const PLANS_DIR: &str = "plans";
+/// Local terraform state, by workspace (without a state bucket).
+pub const TFSTATE_DIR: &str = "tfstate";
+/// Components fetched by digest, unpacked, by digest.
+pub const ARTIFACTS_DIR: &str = "artifacts";
 
 pub struct FinishedJob {
     pub job_id: String,
 }
 
-pub async fn execute(rt: &Rt, job: ClaimedJob) -> Result<FinishedJob, JournalError> {
+pub async fn execute(rt: &Rt, job: AssumedJob) -> Result<FinishedJob, JournalError> {
+    let AssumedJob { claimed: job, session } = job;
     let job_id = job.verified.payload.job_id.clone();
     let work_dir = rt.state_dir.join(WORK_DIR).join(&job_id);
     let started_at_ms = now_ms();
@@ -43,95 +42,66 @@ pub async fn execute(rt: &Rt, job: ClaimedJob) -> Result<FinishedJob, JournalErr
     tracing::info!("job started");
 
     let outcome;
-    let (log_size, log_sha256);
+    let log: SpoolDigest;
     match prepare(rt, &job_id, &work_dir) {
         Err(error) => {
-            outcome = ExecOutcome::failed(error);
-            (log_size, log_sha256) =
-                crate::spool::digest_file(&crate::spool::spool_path(&rt.state_dir, &job_id))
-                    .unwrap_or((0, byoc_protocol::sha256_hex(b"")));
+            outcome = ExecOutcome::failed(error.to_string());
+            log = spool_as_found(rt, &job_id);
         }
         Ok(mut spool) => {
-            // The role session lives as long as the executor runs; dropping it stops a
-            // container's renewal (a process job's endpoint ends with its sandbox).
-            let (registration, credentials) = match &job.role {
-                None => (None, None),
-                Some(role) => match assume_for_job(rt, &job, role).await {
-                    Ok((reg, creds, note)) => {
-                        let _ = byoc_job_executors::OutputSink::write(&mut spool, note.as_bytes());
-                        (Some(reg), Some(creds))
-                    }
-                    Err(e) => {
-                        let _ = byoc_job_executors::OutputSink::write(
-                            &mut spool,
-                            format!("[runner] {e}\n").as_bytes(),
-                        );
-                        (None, None)
-                    }
-                },
-            };
-            let assume_failed = job.role.is_some() && credentials.is_none();
+            for note in [&session.log_note, &job.policy.note].into_iter().flatten() {
+                let _ = byoc_job_executors::OutputSink::write(&mut spool, note.as_bytes());
+            }
             let cancel = rt.abort.child_token();
             let done = CancellationToken::new();
             let companion =
                 tokio::spawn(heartbeat_and_upload(rt.clone(), job_id.clone(), cancel.clone(), done.clone()));
-            // Only jobs that are decided by policy load it (and may note its problems).
-            let decided = byoc_protocol::JobKind::parse(&job.verified.payload.kind)
-                .is_some_and(byoc_protocol::JobKind::decided_by_policy);
-            let policy = if decided { policy_scope(rt, &job, &mut spool) } else { None };
-            let ctx = ExecContext {
-                job_id: job_id.clone(),
-                work_dir: work_dir.clone(),
-                timeout: job.verified.timeout,
-                kill_grace: rt.config.jobs.kill_grace,
-                cancel,
-                output: &mut spool,
-                sandbox: rt.sandbox.clone(),
-                containers: rt.containers.clone(),
-                credentials,
-                oci: byoc_job_executors::OciSettings {
+            let ctx = ExecContext::builder(job_id.clone(), work_dir.clone())
+                .timeout(job.verified.timeout, rt.config.jobs.kill_grace)
+                .cancel(cancel)
+                .isolation(rt.sandbox.clone(), rt.containers.clone())
+                .credentials(session.credentials)
+                .oci(byoc_job_executors::OciSettings {
                     registry_endpoints: rt.config.oci.registry_endpoints.clone(),
                     parallel: rt.config.oci.parallel,
                     chunk_size: rt.config.oci.chunk_bytes,
                     ca_bundle: rt.config.control_plane.ca_bundle.clone(),
-                },
-                tools: byoc_job_executors::ToolSettings {
+                })
+                .tools(byoc_job_executors::ToolSettings {
                     terraform: rt.config.terraform.binary.clone(),
                     helm: rt.config.helm.binary.clone(),
                     plans_dir: rt.state_dir.join(PLANS_DIR),
                     plan_max_age: rt.config.terraform.plan_max_age,
                     cli_config_file: rt.config.terraform.cli_config_file.clone(),
                     plugin_cache_dir: rt.config.terraform.plugin_cache_dir.clone(),
-                },
-                policy,
-                audit: Some(Arc::new(ExecutorAudit {
+                    artifacts: artifact_cache(rt),
+                    // The runner deploys only what was synced into the install's registry.
+                    artifact_source: byoc_job_executors::artifact::ArtifactSource::InstallRegistry,
+                    state: terraform_state(rt),
+                })
+                .policy(job.policy.scope)
+                .audit(Arc::new(ExecutorAudit {
                     rt: rt.clone(),
                     job_id: job_id.clone(),
                     kind: job.verified.payload.kind.clone(),
                     operation: job.verified.payload.operation.clone(),
                     role: job.role.as_ref().map(|r| r.derived.role.name.clone()),
-                })),
+                }))
+                .build(&mut spool);
+            outcome = match &session.failed {
+                Some(why) => ExecOutcome::failed(why.clone()),
+                None => byoc_job_executors::run_masked(job.verified.executor.as_ref(), ctx).await,
             };
-            outcome = if assume_failed {
-                ExecOutcome::failed(format!(
-                    "could not assume role {:?}; the job did not run (see the job log)",
-                    job.role.as_ref().map(|r| r.derived.role.name.as_str()).unwrap_or("")
-                ))
-            } else {
-                byoc_job_executors::run_masked(job.verified.executor.as_ref(), ctx).await
-            };
-            drop(registration);
+            drop(session.keep_alive);
             done.cancel();
             let _ = companion.await;
-            match spool.finish() {
-                Ok(d) => (log_size, log_sha256) = d,
+            log = match spool.finish() {
+                Ok(d) => d,
                 Err(e) => {
-                    tracing::error!(error = %e, "fsync of the job log failed");
-                    (log_size, log_sha256) =
-                        crate::spool::digest_file(&crate::spool::spool_path(&rt.state_dir, &job_id))
-                            .unwrap_or((0, byoc_protocol::sha256_hex(b"")));
+                    tracing::error!(error = %e, "finishing the job log failed");
+                    spool_as_found(rt, &job_id)
                 }
-            }
+            };
         }
     }
     if let Err(e) = std::fs::remove_dir_all(&work_dir)
@@ -144,14 +114,22 @@ pub async fn execute(rt: &Rt, job: ClaimedJob) -> Result<FinishedJob, JournalErr
         status: outcome.status,
         exit_code: outcome.exit_code,
         error: outcome.error.clone(),
-        log_size,
-        log_sha256,
+        log_size: log.size,
+        log_sha256: log.sha256,
+        log_omitted: log.omitted,
         started_at_ms: Some(started_at_ms),
         finished_at_ms: now_ms(),
         outputs: outcome.outputs,
     })?;
     match outcome.status {
-        JobStatus::Succeeded => tracing::info!(status = outcome.status.as_str(), log_size, "job finished"),
+        JobStatus::Succeeded => {
+            tracing::info!(
+                status = outcome.status.as_str(),
+                log_size = log.size,
+                log_omitted = log.omitted,
+                "job finished"
+            )
+        }
         _ => tracing::warn!(
             status = outcome.status.as_str(),
             exit_code = outcome.exit_code,
@@ -162,256 +140,35 @@ pub async fn execute(rt: &Rt, job: ClaimedJob) -> Result<FinishedJob, JournalErr
     Ok(FinishedJob { job_id })
 }
 
-/// AssumeRole for the job (audited), then its credential endpoint registration and
-/// the environment that reaches the sandbox. Returns a line for the job log.
-async fn assume_for_job(
-    rt: &Rt,
-    job: &ClaimedJob,
-    role: &ScopedRole,
-) -> Result<(RoleSession, JobCredentials, String), String> {
-    let p = &job.verified.payload;
-    let roles = &rt.roles;
-    let name = &role.derived.role.name;
-    let Some(assumer) = &roles.assumer else {
-        return Err(format!("role {name:?} cannot be assumed: aws.region is not configured on this runner"));
-    };
-    let params = SessionParams {
-        role_arn: role.arn.clone(),
-        session_name: sts_identifier("byoc-", &p.job_id),
-        external_id: roles.external_id.clone(),
-        source_identity: sts_identifier("", &p.job_id),
-        tags: vec![
-            ("install".into(), tag_value(&p.install_id)),
-            ("operation".into(), tag_value(&format!("{}.{}", p.entity, p.operation))),
-            ("job".into(), tag_value(&p.job_id)),
-        ],
-        duration_secs: session_duration(p.timeout_secs, roles.session_min_secs, roles.session_max_secs),
-    };
-    let audit = |event: &str, detail: String| {
-        let r = byoc_audit::log::Record {
-            event: event.into(),
-            job: Some(p.job_id.clone()),
-            kind: Some(p.kind.clone()),
-            operation: Some(p.operation.clone()),
-            role: Some(name.clone()),
-            detail: Some(detail),
-            ..Default::default()
-        };
-        rt.audit.record(r).map_err(|e| format!("auditing {event}: {e}"))
-    };
-    let first = match assumer.assume(&params).await {
-        Ok(c) => c,
-        Err(e) => {
-            let msg = format!("AssumeRole {} failed: {}", role.arn, e.message);
-            audit("role_assume_failed", msg.chars().take(300).collect())?;
-            return Err(msg);
-        }
-    };
-    let expires = rfc3339(first.expiration);
-    audit(
-        "role_assumed",
-        format!(
-            "{} session {} for {}s, expires {expires}",
-            role.arn, params.session_name, params.duration_secs
-        ),
-    )?;
-    roles.assumed(name, &p.job_id);
-    let mut static_env = vec![
-        ("AWS_ACCESS_KEY_ID".to_string(), first.access_key_id.clone()),
-        ("AWS_SECRET_ACCESS_KEY".to_string(), first.secret_access_key.clone()),
-        ("AWS_SESSION_TOKEN".to_string(), first.session_token.clone()),
-    ];
-    let feed = SecretFeed::default();
-    let on_refresh = {
-        let rt = rt.clone();
-        let (job_id, role_name) = (p.job_id.clone(), name.clone());
-        Arc::new(move |params: &SessionParams, c: &crate::roles::sts::Credentials| {
-            let r = byoc_audit::log::Record {
-                event: "role_session_refreshed".into(),
-                job: Some(job_id.clone()),
-                role: Some(role_name.clone()),
-                detail: Some(format!(
-                    "{} session {} expires {}",
-                    params.role_arn,
-                    params.session_name,
-                    rfc3339(c.expiration)
-                )),
-                ..Default::default()
-            };
-            if let Err(e) = rt.audit.record(r) {
-                tracing::error!(error = %e, "could not audit a role session refresh");
-            }
-        })
-    };
-    let session = JobSession::new(
-        params.clone(),
-        assumer.clone(),
-        first,
-        roles.refresh_before,
-        feed.clone(),
-        on_refresh,
-    );
-    let mut common =
-        vec![("BYOC_ROLE".to_string(), name.clone()), ("BYOC_ROLE_ARN".to_string(), role.arn.clone())];
-    if let Some(region) = &roles.region {
-        common.push(("AWS_REGION".into(), region.clone()));
-        common.push(("AWS_DEFAULT_REGION".into(), region.clone()));
-    }
-    if let Some(url) = &roles.endpoint_url {
-        common.push(("AWS_ENDPOINT_URL".into(), url.clone()));
-    }
-    static_env.extend(common.iter().cloned());
-    let intro = format!(
-        "[runner] assumed role {name} ({}) chosen by {}; session {} expires {expires}",
-        role.arn,
-        role.derived.step.as_str(),
-        params.session_name
-    );
-    tracing::info!(role = %name, role_arn = %role.arn, "assumed the job's role");
-
-    // Containers cannot reach the loopback endpoint: a renewed credentials file instead.
-    if p.kind == "action.container" {
-        let file = if !crate::roles::creds::is_static_elf(&roles.busybox) {
-            Err(format!(
-                "{} is missing or not statically linked (install busybox-static)",
-                roles.busybox.display()
-            ))
-        } else {
-            CredentialFile::start(
-                &roles.container_credentials_dir,
-                &p.job_id,
-                session,
-                roles.region.as_deref(),
-            )
-            .map_err(|e| {
-                format!(
-                    "writing the credentials file under {}: {e}",
-                    roles.container_credentials_dir.display()
-                )
-            })
-        };
-        return Ok(match file {
-            Ok(file) => {
-                let mut env = vec![
-                    ("AWS_CONFIG_FILE".to_string(), format!("{CONTAINER_CREDENTIALS_DIR}/config")),
-                    // The Go SDK v1 reads the config file only when asked to.
-                    ("AWS_SDK_LOAD_CONFIG".to_string(), "1".to_string()),
-                ];
-                env.extend(common);
-                let container = ContainerCredentials {
-                    host_dir: file.dir.clone(),
-                    mount: CONTAINER_CREDENTIALS_DIR.into(),
-                    busybox: roles.busybox.clone(),
-                    busybox_mount: CONTAINER_BUSYBOX.into(),
-                    env,
-                };
-                let note =
-                    format!("{intro}, renewed before expiry through the container's credential_process\n");
-                let creds = JobCredentials {
-                    endpoint_env: vec![],
-                    endpoint: None,
-                    static_env,
-                    container: Some(container),
-                    feed,
-                };
-                (RoleSession { _file: Some(file) }, creds, note)
-            }
-            Err(why) => {
-                tracing::warn!(reason = %why, "a container gets its role session's keys without renewal");
-                let note = format!("{intro}; the container gets its keys without renewal: {why}\n");
-                let creds = JobCredentials {
-                    endpoint_env: vec![],
-                    endpoint: None,
-                    static_env,
-                    container: None,
-                    feed,
-                };
-                (RoleSession { _file: None }, creds, note)
-            }
-        });
-    }
-    let endpoint = JobEndpoint::new(session);
-    let mut endpoint_env = endpoint.env();
-    endpoint_env.extend(common);
-    let note = format!(
-        "{intro}, renewed before expiry through the credential endpoint in the job's own network namespace\n"
-    );
-    let endpoint: Arc<dyn byoc_job_executors::jobnet::CredentialEndpoint> = endpoint;
-    let creds = JobCredentials { endpoint_env, endpoint: Some(endpoint), static_env, container: None, feed };
-    Ok((RoleSession { _file: None }, creds, note))
-}
-
-/// What keeps a container's role session alive while it runs: dropping it stops the
-/// renewal and deletes its credentials file.
-struct RoleSession {
-    _file: Option<CredentialFile>,
-}
-
-/// The policies this job's decisions are made with: the built-in pack at the customer's
-/// levels, the vendor's from the signed app config, the customer's own. `None` (and a
-/// line in the job log) when the customer's directory has problems: decisions then deny.
-fn policy_scope(rt: &Rt, job: &ClaimedJob, log: &mut SpoolWriter) -> Option<byoc_job_executors::PolicyScope> {
-    let p = &job.verified.payload;
-    let customer = match crate::policy::load(&rt.config.policy.dir) {
-        Ok(c) => c,
-        Err(problems) => {
-            let line = format!(
-                "[runner] the customer's policy directory {} has problems, so policy decisions deny: {}\n",
-                rt.config.policy.dir.display(),
-                problems.join("; ")
-            );
-            let _ = byoc_job_executors::OutputSink::write(log, line.as_bytes());
-            return None;
-        }
-    };
-    // The app config's blanket policies and the declarations for this job's type and
-    // component (checked when the job was verified).
-    let vendor = match &p.app_config {
-        None => vec![],
-        Some(app) => {
-            let component = p.role_request.as_ref().map(|r| r.entity_name.as_str()).unwrap_or("");
-            match crate::app_policies::for_job(app, &p.kind, &p.entity, component) {
-                Ok(v) => v,
-                Err(problems) => {
-                    let line = format!(
-                        "[runner] the app config's policies have problems, so policy decisions deny: {}\n",
-                        problems.join("; ")
-                    );
-                    let _ = byoc_job_executors::OutputSink::write(log, line.as_bytes());
-                    return None;
-                }
-            }
-        }
-    };
-    Some(byoc_job_executors::PolicyScope {
-        policies: customer.with_vendor(vendor),
-        params: customer.params.clone(),
-        phase: job
-            .role
-            .as_ref()
-            .map(|r| r.derived.role.role_type.as_str().to_string())
-            .unwrap_or_else(|| "none".into()),
-        operation: format!("{}.{}", p.entity, p.operation),
-        install: p.install_id.clone(),
-        limits: byoc_policy::Limits {
-            time_per_policy: rt.config.policy.time_limit,
-            max_input_bytes: rt.config.policy.max_input_bytes,
+/// Where terraform workspaces' state lives: the customer's bucket, or local state in
+/// the state dir.
+pub fn terraform_state(rt: &Rt) -> byoc_job_executors::terraform::state::StateSettings {
+    use byoc_job_executors::terraform::state::{Backend, StateSettings};
+    let s = &rt.config.terraform.state;
+    let backend = match &s.bucket {
+        Some(bucket) => Backend::S3 {
+            bucket: bucket.clone(),
+            region: s.region.clone().or_else(|| rt.config.aws.region.clone()).unwrap_or_default(),
+            key_prefix: s.key_prefix.clone().unwrap_or_else(|| rt.install_id.clone()),
+            endpoint: s.endpoint.clone(),
         },
-        cluster_policies: p
-            .app_config
-            .as_ref()
-            .and_then(|app| crate::app_policies::cluster_policies(app).ok())
-            .unwrap_or_default()
-            .iter()
-            .map(|d| (d.policy().name, d.text.clone()))
-            .collect(),
-        // This very binary, as `policy-eval`, under an address-space limit.
-        evaluator: std::env::current_exe().ok().map(|program| byoc_job_executors::Evaluator {
-            program,
-            args: vec!["policy-eval".into()],
-            memory_mib: rt.config.policy.memory_mib,
-        }),
-    })
+        None => Backend::Local { root: rt.state_dir.join(TFSTATE_DIR) },
+    };
+    StateSettings { backend, allow_job_backend: s.allow_job_backend }
+}
+
+/// Where components fetched by digest are cached, and the unpacking limits.
+pub fn artifact_cache(rt: &Rt) -> byoc_job_executors::artifact::CacheSettings {
+    let a = &rt.config.artifacts;
+    byoc_job_executors::artifact::CacheSettings {
+        dir: (a.cache_bytes > 0).then(|| rt.state_dir.join(ARTIFACTS_DIR)),
+        max_bytes: a.cache_bytes,
+        limits: byoc_job_executors::artifact::unpack::Limits {
+            max_entries: a.max_files,
+            max_bytes: a.max_unpacked_bytes,
+            ..Default::default()
+        },
+    }
 }
 
 /// Records an executor makes (one per synced artifact, say), with the job's identity.
@@ -429,7 +186,7 @@ impl byoc_job_executors::JobAudit for ExecutorAudit {
         event: &str,
         detail: String,
         digests: std::collections::BTreeMap<String, String>,
-    ) -> Result<(), String> {
+    ) -> Result<(), byoc_job_executors::AuditFailed> {
         let r = byoc_audit::log::Record {
             event: event.into(),
             job: Some(self.job_id.clone()),
@@ -440,16 +197,36 @@ impl byoc_job_executors::JobAudit for ExecutorAudit {
             detail: Some(detail.chars().take(500).collect()),
             ..Default::default()
         };
-        self.rt.audit.record(r).map(|_| ()).map_err(|e| e.to_string())
+        self.rt.audit.record(r).map(|_| ()).map_err(|e| byoc_job_executors::AuditFailed(e.to_string()))
     }
 }
 
-fn prepare(rt: &Rt, job_id: &str, work_dir: &PathBuf) -> Result<SpoolWriter, String> {
+/// What stops a job before its executor runs: no place to work or to log.
+#[derive(Debug, thiserror::Error)]
+enum PrepareError {
+    #[error("creating working directory {path}: {source}")]
+    WorkDir { path: PathBuf, source: std::io::Error },
+    #[error("creating the log spool: {0}")]
+    Spool(std::io::Error),
+}
+
+fn prepare(rt: &Rt, job_id: &str, work_dir: &PathBuf) -> Result<SpoolWriter, PrepareError> {
     std::fs::DirBuilder::new()
         .mode(0o700)
         .create(work_dir)
-        .map_err(|e| format!("creating working directory {}: {e}", work_dir.display()))?;
-    SpoolWriter::create(&rt.state_dir, job_id).map_err(|e| format!("creating the log spool: {e}"))
+        .map_err(|source| PrepareError::WorkDir { path: work_dir.clone(), source })?;
+    // A job's log never takes the space held back for the journal and audit log.
+    let floor = rt.config.disk.reserve_bytes;
+    SpoolWriter::create(&rt.state_dir, job_id, LogCap::of(rt.config.jobs.log_max_bytes), floor)
+        .map_err(PrepareError::Spool)
+}
+
+/// What the spool holds when the writer's own account is lost (it could not be created
+/// or finished): digested from the file.
+fn spool_as_found(rt: &Rt, job_id: &str) -> SpoolDigest {
+    let (size, sha256) = crate::spool::digest_file(&crate::spool::spool_path(&rt.state_dir, job_id))
+        .unwrap_or((0, byoc_protocol::sha256_hex(b"")));
+    SpoolDigest { size, sha256, omitted: 0 }
 }
 
 /// Heartbeat the lease and stream the log while the job runs. Errors are logged and
@@ -471,8 +248,103 @@ async fn heartbeat_and_upload(rt: Rt, job_id: String, cancel: CancellationToken,
             Ok(_) => {}
             Err(e) => tracing::warn!(error = %e, "job heartbeat failed"),
         }
-        if let Err(e) = uploader.upload_available(&rt.client).await {
+        if let Err(e) = uploader.upload_available(rt.client.as_ref()).await {
             tracing::debug!(error = %e, "log upload deferred");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pipeline::assume_role::Session;
+    use crate::pipeline::authorize::PolicyChoice;
+    use crate::pipeline::claim::ClaimedJob;
+    use crate::testing::{self, Fakes, journaled};
+
+    fn assumed(f: &Fakes, verified: crate::pipeline::VerifiedJob, session: Session) -> AssumedJob {
+        testing::receive(f, &verified);
+        f.rt.transition(Event::Claimed { job_id: verified.payload.job_id.clone(), lease_secs: 60 })
+            .expect("journal");
+        let claimed = ClaimedJob { verified, role: None, policy: PolicyChoice::default(), lease_secs: 60 };
+        AssumedJob { claimed, session }
+    }
+
+    fn finished(f: &Fakes, job_id: &str) -> crate::journal::Finished {
+        f.rt.journal.job(job_id).and_then(|j| j.finished).expect("finished")
+    }
+
+    #[tokio::test]
+    async fn a_job_runs_and_its_log_is_spooled_digested_and_journaled() {
+        let f = testing::runtime().await;
+        let job = assumed(&f, testing::verified("job-1", None), Session::default());
+        execute(&f.rt, job).await.expect("journal");
+        assert_eq!(journaled(&f), ["received", "claimed", "started", "finished"]);
+        let done = finished(&f, "job-1");
+        assert_eq!(done.status, JobStatus::Succeeded);
+        let log = std::fs::read(crate::spool::spool_path(&f.rt.state_dir, "job-1")).expect("spool");
+        assert_eq!(log, b"noop\n");
+        assert_eq!((done.log_size, done.log_sha256), (5, byoc_protocol::sha256_hex(b"noop\n")));
+        assert!(!f.rt.state_dir.join(WORK_DIR).join("job-1").exists(), "the working directory is removed");
+    }
+
+    #[tokio::test]
+    async fn a_job_whose_role_could_not_be_assumed_fails_without_running() {
+        let f = testing::runtime().await;
+        let session = Session {
+            log_note: Some("[runner] AssumeRole arn:x failed: AccessDenied\n".into()),
+            failed: Some("could not assume role \"maintenance\"; the job did not run".into()),
+            ..Session::default()
+        };
+        execute(&f.rt, assumed(&f, testing::verified("job-1", None), session)).await.expect("journal");
+        let done = finished(&f, "job-1");
+        assert_eq!(done.status, JobStatus::Failed);
+        assert!(done.error.as_deref().is_some_and(|e| e.contains("did not run")));
+        let log = std::fs::read_to_string(crate::spool::spool_path(&f.rt.state_dir, "job-1")).expect("spool");
+        assert_eq!(log, "[runner] AssumeRole arn:x failed: AccessDenied\n", "the executor never ran");
+    }
+
+    /// Runs until cancelled.
+    struct UntilCancelled;
+
+    impl byoc_job_executors::Executor for UntilCancelled {
+        fn run<'a>(&'a self, ctx: ExecContext<'a>) -> byoc_job_executors::ExecFuture<'a> {
+            Box::pin(async move {
+                ctx.settings.cancel.cancelled().await;
+                ExecOutcome {
+                    status: JobStatus::Cancelled,
+                    exit_code: None,
+                    error: None,
+                    outputs: Default::default(),
+                }
+            })
+        }
+    }
+
+    #[tokio::test]
+    async fn a_cancellation_carried_by_a_heartbeat_reaches_the_executor() {
+        let f = testing::runtime().await;
+        f.cp.heartbeats
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push_back(Ok(byoc_protocol::JobHeartbeatResponse { lease_secs: 60, cancel: true }));
+        let mut verified = testing::verified("job-1", None);
+        verified.executor = Box::new(UntilCancelled);
+        execute(&f.rt, assumed(&f, verified, Session::default())).await.expect("journal");
+        assert_eq!(finished(&f, "job-1").status, JobStatus::Cancelled);
+        assert_eq!(f.cp.calls(), ["heartbeat job-1"]);
+    }
+
+    #[tokio::test]
+    async fn a_start_that_cannot_be_journaled_runs_nothing() {
+        let f = testing::runtime().await;
+        let job = assumed(&f, testing::verified("job-1", None), Session::default());
+        f.journal.fail_appends.store(true, std::sync::atomic::Ordering::SeqCst);
+        assert!(execute(&f.rt, job).await.is_err());
+        assert!(
+            !crate::spool::spool_path(&f.rt.state_dir, "job-1").exists() || {
+                std::fs::read(crate::spool::spool_path(&f.rt.state_dir, "job-1")).is_ok_and(|l| l.is_empty())
+            }
+        );
     }
 }

@@ -1,208 +1,235 @@
-//! A job's path through the runner, one module per stage:
+//! A job's path through the runner, one module per stage, each taking the previous
+//! stage's type and giving the next, so no stage can be skipped and still compile:
 //!
-//! `poll → verify → resolve_role → claim → execute → report`
+//! | stage          | module             | takes → gives                          |
+//! |----------------|--------------------|----------------------------------------|
+//! | receive        | `receive.rs`       | poll response → `PolledJob`            |
+//! | verify         | `verify.rs`        | `PolledJob` → `VerifiedJob` (journaled) |
+//! | resolve_role   | `resolve_role.rs`  | `VerifiedJob` → `ScopedJob`            |
+//! | authorize      | `authorize.rs`     | `ScopedJob` → `AuthorizedJob`          |
+//! | claim          | `claim.rs`         | `AuthorizedJob` → `ClaimedJob`         |
+//! | assume_role    | `assume_role.rs`   | `ClaimedJob` → `AssumedJob`            |
+//! | execute        | `execute.rs`       | `AssumedJob` → `FinishedJob`           |
+//! | report         | `report.rs`        | `FinishedJob` → `Reported`             |
 //!
-//! Each stage consumes the previous stage's type (`PolledJob → VerifiedJob →
-//! ScopedJob → ClaimedJob → FinishedJob`), so no stage can be skipped and still
-//! compile. `verify` also derives the job's role with the precedence chain and refuses
-//! a proposal that differs; `resolve_role` checks the customer's switches; `execute`
-//! assumes the role. Policy authorization slots in before `execute` the same way.
+//! `accept` runs receive and verify on the poll loop, so the job's receipt (its nonce
+//! spent) is journaled before the next poll and a replay is refused deterministically;
+//! `run_job` runs the rest in the job's own task. Refusals on the way are `refuse.rs`;
+//! after a crash, `recover.rs` settles what the journal shows unfinished.
 
+pub mod assume_role;
+pub mod authorize;
 pub mod claim;
 pub mod execute;
-pub mod poll;
+pub mod receive;
+pub mod recover;
+pub mod refuse;
 pub mod report;
 pub mod resolve_role;
 pub mod verify;
 
-use std::path::PathBuf;
-use std::sync::Arc;
-use std::time::Duration;
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
 
-use tokio_util::sync::CancellationToken;
+use crate::journal::{Event, JournalError};
+use crate::runtime::Rt;
 
-use crate::client::CpClient;
-use crate::config::Config;
-use crate::journal::Journal;
-
+pub use assume_role::AssumedJob;
+pub use authorize::AuthorizedJob;
 pub use claim::ClaimedJob;
 pub use execute::FinishedJob;
-pub use poll::PolledJob;
+pub use receive::PolledJob;
 pub use resolve_role::ScopedJob;
 pub use verify::{Rejection, VerifiedJob};
 
-/// What every stage may use: shared, read-mostly runner context.
-pub struct Runtime {
-    pub config: Config,
-    pub runner_id: String,
-    pub install_id: String,
-    pub state_dir: PathBuf,
-    pub journal: Journal,
-    pub audit: crate::audit::Audit,
-    pub client: CpClient,
-    /// Cancelled on the second SIGTERM: every running job is cancelled.
-    pub abort: CancellationToken,
-    /// How process jobs are sandboxed (None: disabled by configuration).
-    pub sandbox: Option<byoc_job_executors::SandboxSettings>,
-    pub containers: Option<byoc_job_executors::ContainerSettings>,
-    /// Lifecycle roles: switches, STS, the credential endpoint.
-    pub roles: crate::roles::Roles,
-    /// The pause last seen in force (audited when it changes).
-    pub pause: std::sync::Mutex<Option<crate::roles::pause::Pause>>,
-    /// Cancelled when the daemon stops for good: reporting loops give up (the journal
-    /// keeps what was not reported, for the next start).
-    pub stop_reporting: CancellationToken,
+/// What `accept` made of a delivery.
+pub enum Accepted {
+    /// Verified and journaled as received: run it with `run_job`, holding the mark.
+    Job(Box<VerifiedJob>, InHand),
+    /// Refused by `verify`; journaled. The caller reports it (`refuse::send_rejection`).
+    Rejected(Rejection),
+    /// Nothing to do: a second delivery of a job already in hand, or a job whose
+    /// receipt could not be journaled (without it the runner cannot promise not to
+    /// run it twice, so it does not run it at all).
+    Dropped,
 }
 
-pub type Rt = Arc<Runtime>;
-
-impl Runtime {
-    /// Journal a job transition, then audit it; both are fsynced before the caller acts.
-    pub fn transition(&self, event: crate::journal::Event) -> Result<(), crate::journal::JournalError> {
-        let record = crate::audit::record_for(&event);
-        self.journal.append(event)?;
-        self.audit.record(record).map_err(|e| crate::journal::JournalError::Audit(e.to_string()))?;
-        Ok(())
+/// receive → verify → journal receipt. On the poll loop, before the next poll.
+pub fn accept(rt: &Rt, polled: PolledJob, in_hand: &JobsInHand) -> Accepted {
+    let pause = rt.check_customer_controls();
+    let disk = rt.config.disk.check(&rt.state_dir);
+    if disk.low.is_none() {
+        crate::disk::Reserve::new(&rt.state_dir, &rt.config.disk).hold();
     }
-}
-
-impl Runtime {
-    /// The customer's pause as of now. A change since the last look is audited (the
-    /// CLI that writes the pause file cannot write the daemon's audit log).
-    pub fn check_pause(&self) -> Option<crate::roles::pause::Pause> {
-        let now = crate::roles::pause::read(&self.state_dir);
-        let mut last = self.pause.lock().unwrap_or_else(|e| e.into_inner());
-        if *last != now {
-            let record = match &now {
-                Some(p) => {
-                    tracing::warn!(by = %p.by, reason = p.reason.as_deref().unwrap_or(""), "runner paused by the customer: new jobs are refused");
-                    byoc_audit::log::Record {
-                        event: "runner_paused".into(),
-                        reason: Some("paused".into()),
-                        detail: Some(format!(
-                            "by {}{}",
-                            p.by,
-                            p.reason.as_deref().map(|r| format!(": {r}")).unwrap_or_default()
-                        )),
-                        ..Default::default()
-                    }
-                }
-                None => {
-                    tracing::info!("runner resumed by the customer");
-                    byoc_audit::log::Record { event: "runner_resumed".into(), ..Default::default() }
-                }
-            };
-            if let Err(e) = self.audit.record(record) {
-                tracing::error!(error = %e, "could not audit a pause change");
-            } else {
-                *last = now.clone();
-            }
+    let readiness = |exec: &dyn byoc_job_executors::Executor| {
+        byoc_job_executors::refusal(exec.placement(), rt.sandbox.as_ref(), rt.containers.as_ref())
+    };
+    let verifier = verify::Verifier {
+        install: &rt.roles.install,
+        paused: pause.as_ref(),
+        disk_low: disk.low.as_deref(),
+        keys: &rt.config.control_plane.public_keys,
+        runner_id: &rt.runner_id,
+        install_id: &rt.install_id,
+        max_skew: rt.config.jobs.max_clock_skew,
+        max_timeout: rt.config.jobs.max_timeout,
+        now: rt.clock.unix_now(),
+        readiness: &readiness,
+    };
+    let job = match rt.journal.with_index(|index| verifier.verify(polled, index)) {
+        Ok(job) => job,
+        Err(rejection) => {
+            refuse::journal_rejection(rt, &rejection);
+            return Accepted::Rejected(rejection);
         }
-        now
+    };
+    let Some(mark) = in_hand.mark(&job.payload.job_id) else {
+        tracing::info!(job_id = %job.payload.job_id, "duplicate delivery of a job already in hand; ignored");
+        return Accepted::Dropped;
+    };
+    if let Err(e) = record_received(rt, &job) {
+        tracing::error!(job_id = %job.payload.job_id, error = %e, "could not journal the job; not running it");
+        return Accepted::Dropped;
     }
+    Accepted::Job(Box::new(job), mark)
 }
 
-/// The directory under the state dir where per-job sandbox root mount points live.
-pub const ROOTS_DIR: &str = "roots";
-
-/// Prove the sandbox can be built here before taking any job.
-pub async fn sandbox_self_test(
-    settings: &byoc_job_executors::SandboxSettings,
-    state_dir: &std::path::Path,
-) -> Result<(), String> {
-    byoc_job_executors::sandboxed::self_test(settings, &state_dir.join(ROOTS_DIR)).await
-}
-
-/// Container settings from the configuration (limits shared with the sandbox).
-pub fn container_settings(config: &Config) -> Option<byoc_job_executors::ContainerSettings> {
-    let c = &config.containers;
-    c.enabled.then(|| byoc_job_executors::ContainerSettings {
-        docker_socket: c.docker_socket.clone(),
-        memory_bytes: config.sandbox.memory_mib * 1024 * 1024,
-        pids: config.sandbox.pids,
-        uid: config.sandbox.uid,
-        gid: config.sandbox.gid,
-        busybox: config.roles.busybox.clone(),
-        network: config.sandbox.egress.clone(),
-        owner: String::new(),
+/// Journal `received` before anything acts on the job: its nonce is spent.
+pub(crate) fn record_received(rt: &Rt, job: &VerifiedJob) -> Result<(), JournalError> {
+    let p = &job.payload;
+    rt.transition(Event::Received {
+        job_id: p.job_id.clone(),
+        delivery_id: job.delivery_id.clone(),
+        nonce: p.nonce.clone(),
+        expires_at: p.expires_at,
+        kind: p.kind.clone(),
+        operation: p.operation.clone(),
+        entity: p.entity.clone(),
+        payload_sha256: job.payload_sha256.clone(),
+        timeout_secs: p.timeout_secs,
     })
 }
 
-/// Sandbox settings from the configuration: the helper is this very binary.
-pub fn sandbox_settings(
-    config: &Config,
-    helper: std::path::PathBuf,
-) -> Option<byoc_job_executors::SandboxSettings> {
-    let s = &config.sandbox;
-    if !s.enabled {
-        return None;
-    }
-    let state_dir = config.runner.state_dir.clone();
-    let mut hidden = vec![state_dir.clone(), PathBuf::from("/etc/byoc-runner")];
-    if let Some(dir) = config.source.parent().filter(|d| d.is_absolute()) {
-        hidden.push(dir.to_path_buf());
-    }
-    Some(byoc_job_executors::SandboxSettings {
-        helper,
-        helper_args: vec!["sandbox-exec".into()],
-        roots_dir: state_dir.join(ROOTS_DIR),
-        limits: byoc_sandbox::cgroup::Limits {
-            memory_bytes: s.memory_mib * 1024 * 1024,
-            pids: s.pids,
-            cpu_millis: s.cpu_percent * 10,
-        },
-        cgroups: s.cgroups,
-        tmp_size_mib: s.tmp_size_mib,
-        nofile: s.nofile,
-        ro_paths: s.extra_ro_paths.clone(),
-        hidden_paths: hidden,
-        host_uid: s.uid,
-        host_gid: s.gid,
-        network: s.egress.clone(),
-        require_limits: s.require_limits,
-    })
+/// The rest of an accepted job's path, in order. `slot` (the daemon's concurrency
+/// slot) is released when execution ends; reporting may take longer. An error is a
+/// journal write that failed: the job's state is uncertain until the next start.
+pub async fn run_job<Slot: Send>(rt: Rt, job: VerifiedJob, slot: Slot) -> Result<(), JournalError> {
+    let scoped = match resolve_role::scope(&rt, job).await {
+        Ok(scoped) => scoped,
+        Err(refused) => {
+            let (job, rejection) = *refused;
+            return refuse::refuse_received(&rt, &job, rejection).await;
+        }
+    };
+    let authorized = match authorize::authorize(&rt, scoped) {
+        Ok(job) => job,
+        Err(e) => {
+            // Left `received`: the next start settles it as interrupted.
+            tracing::error!(error = %e, "not running the job");
+            return Ok(());
+        }
+    };
+    let claimed = match claim::claim(&rt, authorized).await? {
+        claim::ClaimOutcome::Claimed(claimed) => *claimed,
+        claim::ClaimOutcome::NotClaimed { .. } => return Ok(()),
+    };
+    let assumed = assume_role::assume(&rt, claimed).await;
+    let finished = execute::execute(&rt, assumed).await?;
+    drop(slot);
+    report::report(&rt, &finished.job_id).await.map(|_| ())
 }
 
-/// Jittered exponential backoff, capped: only used after errors.
-pub struct Backoff {
-    initial: Duration,
-    max: Duration,
-    current: Duration,
+/// Jobs with a live task (from `received` until reported or refused). A second
+/// delivery of one of these (the server re-offered it while our claim was still
+/// being retried) is dropped: the live task claims and runs it, once.
+#[derive(Clone, Default)]
+pub struct JobsInHand(Arc<Mutex<HashSet<String>>>);
+
+impl JobsInHand {
+    /// Mark a job in hand; `None` if it already was.
+    pub fn mark(&self, job_id: &str) -> Option<InHand> {
+        let fresh = self.0.lock().unwrap_or_else(|e| e.into_inner()).insert(job_id.to_string());
+        fresh.then(|| InHand { set: self.clone(), job_id: job_id.to_string() })
+    }
 }
 
-impl Backoff {
-    pub fn new(initial: Duration, max: Duration) -> Self {
-        Backoff { initial, max, current: initial }
-    }
+/// A job's mark in `JobsInHand`, removed when dropped.
+pub struct InHand {
+    set: JobsInHand,
+    job_id: String,
+}
 
-    pub fn reset(&mut self) {
-        self.current = self.initial;
-    }
-
-    /// Next delay: uniformly in [current/2, current], then current doubles (capped).
-    pub fn next_delay(&mut self) -> Duration {
-        let base = self.current;
-        self.current = (self.current * 2).min(self.max);
-        let half = base / 2;
-        half + half.mul_f64(rand::random::<f64>())
+impl Drop for InHand {
+    fn drop(&mut self) {
+        self.set.0.lock().unwrap_or_else(|e| e.into_inner()).remove(&self.job_id);
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testing::{self, journaled};
+    use byoc_protocol::RejectReason;
 
-    #[test]
-    fn backoff_grows_caps_and_resets() {
-        let mut b = Backoff::new(Duration::from_millis(100), Duration::from_millis(800));
-        let delays: Vec<Duration> = (0..6).map(|_| b.next_delay()).collect();
-        for (d, cap) in delays.iter().zip([100u64, 200, 400, 800, 800, 800]) {
-            assert!(
-                *d <= Duration::from_millis(cap) && *d >= Duration::from_millis(cap / 2),
-                "{d:?} vs {cap}"
-            );
-        }
-        b.reset();
-        assert!(b.next_delay() <= Duration::from_millis(100));
+    #[tokio::test]
+    async fn an_accepted_job_runs_every_stage_in_order() {
+        let f = testing::runtime().await;
+        let in_hand = JobsInHand::default();
+        let Accepted::Job(job, mark) = accept(&f.rt, f.delivery(&testing::payload("job-1")), &in_hand) else {
+            panic!("not accepted")
+        };
+        // A second delivery while the first is in hand is dropped, not run twice.
+        assert!(matches!(accept(&f.rt, f.delivery(&testing::payload("job-1")), &in_hand), Accepted::Dropped));
+        run_job(f.rt.clone(), *job, ()).await.expect("journal");
+        drop(mark);
+        assert_eq!(journaled(&f), ["received", "claimed", "started", "finished", "reported"]);
+        assert_eq!(f.cp.calls(), ["claim job-1", "result job-1 succeeded"]);
+    }
+
+    #[tokio::test]
+    async fn a_replayed_envelope_is_rejected_and_journaled() {
+        let f = testing::runtime().await;
+        let in_hand = JobsInHand::default();
+        let Accepted::Job(job, _mark) = accept(&f.rt, f.delivery(&testing::payload("job-1")), &in_hand)
+        else {
+            panic!("not accepted")
+        };
+        run_job(f.rt.clone(), *job, ()).await.expect("journal");
+        let mut replay = testing::payload("job-2");
+        replay.nonce = "nonce-job-1".into();
+        let Accepted::Rejected(r) = accept(&f.rt, f.delivery(&replay), &in_hand) else { panic!("accepted") };
+        assert_eq!(r.reason, RejectReason::ReplayedNonce);
+        assert_eq!(journaled(&f).last().map(String::as_str), Some("rejected"));
+    }
+
+    #[tokio::test]
+    async fn an_expired_envelope_is_rejected_by_the_runtime_clock() {
+        let f = testing::runtime().await;
+        f.clock.advance_secs(3600);
+        let Accepted::Rejected(r) =
+            accept(&f.rt, f.delivery(&testing::payload("job-1")), &JobsInHand::default())
+        else {
+            panic!("accepted")
+        };
+        assert_eq!(r.reason, RejectReason::Expired);
+    }
+
+    #[tokio::test]
+    async fn a_receipt_that_cannot_be_journaled_is_never_run() {
+        let f = testing::runtime().await;
+        f.journal.fail_appends.store(true, std::sync::atomic::Ordering::SeqCst);
+        let in_hand = JobsInHand::default();
+        assert!(matches!(accept(&f.rt, f.delivery(&testing::payload("job-1")), &in_hand), Accepted::Dropped));
+        assert!(in_hand.mark("job-1").is_some(), "its mark is released");
+        assert!(f.cp.calls().is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_switched_off_role_is_refused_before_the_claim() {
+        let f = testing::runtime().await;
+        f.switches.set("maintenance", false);
+        run_job(f.rt.clone(), testing::verified("job-1", Some("maintenance")), ()).await.expect("journal");
+        assert_eq!(f.cp.calls(), ["reject dl-job-1 role_disabled"]);
+        assert_eq!(f.sts.calls.load(std::sync::atomic::Ordering::SeqCst), 0);
     }
 }

@@ -1,12 +1,13 @@
-//! Stage 5: deliver the rest of the log and the result, retrying until the control
+//! Stage 8, report: deliver the rest of the log and the result, retrying until the control
 //! plane acknowledges; then journal `reported`. Results are idempotent on the server,
 //! so a retry after a lost acknowledgement is harmless.
 
 use byoc_protocol::JobResult;
 
-use super::{Backoff, Rt};
-use crate::client::ClientError;
+use crate::control_plane::ClientError;
+use crate::control_plane::retry::{Policy, Retried, retry};
 use crate::journal::{Event, Finished, JobRecord, JournalError};
+use crate::runtime::Rt;
 use crate::spool::Uploader;
 
 pub fn result_of(record: &JobRecord, finished: &Finished) -> JobResult {
@@ -15,6 +16,7 @@ pub fn result_of(record: &JobRecord, finished: &Finished) -> JobResult {
         exit_code: finished.exit_code,
         log_size: finished.log_size,
         log_sha256: finished.log_sha256.clone(),
+        log_omitted_bytes: finished.log_omitted,
         error: finished.error.clone(),
         outputs: finished.outputs.clone(),
         started_at_ms: record.started_at_ms,
@@ -39,11 +41,14 @@ pub async fn report(rt: &Rt, job_id: &str) -> Result<Reported, JournalError> {
         return Ok(Reported::Refused(format!("job {job_id} has not finished")));
     };
     let result = result_of(&record, &finished);
-    let mut uploader = Uploader::new(&rt.state_dir, job_id);
-    let mut backoff = Backoff::new(rt.config.poll.backoff_initial, rt.config.poll.backoff_max);
-    loop {
+    // Shared by the attempts (a retry resumes the upload where the last one stopped).
+    let uploader = tokio::sync::Mutex::new(Uploader::new(&rt.state_dir, job_id));
+    let policy = Policy::new(rt.config.poll.backoff_initial, rt.config.poll.backoff_max);
+    // Ok(None): acknowledged; Ok(Some(why)): refused for good; Err: try again.
+    let reported = retry(policy, &rt.stop_reporting, |_| async {
         let attempt = async {
-            uploader.upload_available(&rt.client).await.map_err(|e| e.to_string())?;
+            let mut uploader = uploader.lock().await;
+            uploader.upload_available(rt.client.as_ref()).await.map_err(|e| e.to_string())?;
             match rt.client.result(job_id, &result).await {
                 Ok(()) => Ok(None),
                 Err(e) if e.is_transient() => Err(e.to_string()),
@@ -55,25 +60,125 @@ pub async fn report(rt: &Rt, job_id: &str) -> Result<Reported, JournalError> {
                 Err(e) => Ok(Some(e.to_string())),
             }
         };
-        let outcome = tokio::select! {
-            r = attempt => r,
-            _ = rt.stop_reporting.cancelled() => return Ok(Reported::Deferred),
-        };
-        match outcome {
-            Ok(None) => {
-                rt.transition(Event::Reported { job_id: job_id.to_string() })?;
-                tracing::info!(status = result.status.as_str(), "result acknowledged");
-                return Ok(Reported::Acknowledged);
-            }
-            Ok(Some(refusal)) => {
-                tracing::error!(error = %refusal, "control plane refused the job result");
-                return Ok(Reported::Refused(refusal));
-            }
-            Err(e) => tracing::warn!(error = %e, "reporting the result failed; retrying"),
-        }
         tokio::select! {
-            _ = tokio::time::sleep(backoff.next_delay()) => {}
-            _ = rt.stop_reporting.cancelled() => return Ok(Reported::Deferred),
+            r = attempt => r.inspect_err(|e| tracing::warn!(error = %e, "reporting the result failed; retrying")),
+            // Stopping mid-attempt: the journal keeps the job finished-not-reported.
+            _ = rt.stop_reporting.cancelled() => Err("the runner is stopping".to_string()),
         }
+    })
+    .await;
+    match reported {
+        Retried::Done(None) => {
+            rt.transition(Event::Reported { job_id: job_id.to_string() })?;
+            tracing::info!(status = result.status.as_str(), "result acknowledged");
+            Ok(Reported::Acknowledged)
+        }
+        Retried::Done(Some(refusal)) => {
+            tracing::error!(error = %refusal, "control plane refused the job result");
+            Ok(Reported::Refused(refusal))
+        }
+        Retried::Stopped | Retried::Exhausted(_) => Ok(Reported::Deferred),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::Ordering;
+
+    use super::*;
+    use crate::testing::{self, Fakes, conflict, journaled, unavailable};
+
+    /// A job journaled through `finished`, with `log` in its spool.
+    fn finished(f: &Fakes, job_id: &str, log: &[u8]) {
+        let job = testing::verified(job_id, None);
+        testing::receive(f, &job);
+        let spool = crate::spool::spool_path(&f.rt.state_dir, job_id);
+        std::fs::create_dir_all(spool.parent().expect("spool dir")).expect("spool dir");
+        std::fs::write(&spool, log).expect("spool");
+        for event in [
+            Event::Claimed { job_id: job_id.into(), lease_secs: 60 },
+            Event::Started { job_id: job_id.into(), started_at_ms: 1, network: None },
+            Event::Finished {
+                job_id: job_id.into(),
+                status: byoc_protocol::JobStatus::Succeeded,
+                exit_code: Some(0),
+                error: None,
+                log_size: log.len() as u64,
+                log_sha256: byoc_protocol::sha256_hex(log),
+                log_omitted: 0,
+                started_at_ms: Some(1),
+                finished_at_ms: 2,
+                outputs: serde_json::Value::Null,
+            },
+        ] {
+            f.rt.transition(event).expect("journal");
+        }
+    }
+
+    #[tokio::test]
+    async fn the_log_then_the_result_are_delivered_and_reported_is_journaled() {
+        let f = testing::runtime().await;
+        finished(&f, "job-1", b"hello\nworld\n");
+        let r = report(&f.rt, "job-1").await.expect("journal");
+        assert!(matches!(r, Reported::Acknowledged), "{r:?}");
+        assert_eq!(*f.cp.log.lock().unwrap_or_else(|e| e.into_inner()), b"hello\nworld\n");
+        let reported = f.cp.reported.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        assert_eq!(reported.len(), 1);
+        assert_eq!(reported[0].log_sha256, byoc_protocol::sha256_hex(b"hello\nworld\n"));
+        assert_eq!(journaled(&f).last().map(String::as_str), Some("reported"));
+    }
+
+    #[tokio::test]
+    async fn transient_failures_are_retried_and_the_log_is_not_sent_twice() {
+        let f = testing::runtime().await;
+        finished(&f, "job-1", b"once\n");
+        f.cp.script_results([Err(unavailable("result")), Err(unavailable("result"))]);
+        let r = report(&f.rt, "job-1").await.expect("journal");
+        assert!(matches!(r, Reported::Acknowledged), "{r:?}");
+        assert_eq!(f.cp.calls(), ["result job-1 succeeded"; 3]);
+        assert_eq!(*f.cp.log.lock().unwrap_or_else(|e| e.into_inner()), b"once\n");
+    }
+
+    #[tokio::test]
+    async fn a_result_refused_for_good_is_not_journaled_as_reported() {
+        let f = testing::runtime().await;
+        finished(&f, "job-1", b"");
+        f.cp.script_results([Err(conflict("result", "job was cancelled"))]);
+        let r = report(&f.rt, "job-1").await.expect("journal");
+        let Reported::Refused(why) = r else { panic!("{r:?}") };
+        assert!(why.contains("job was cancelled"), "{why}");
+        assert_ne!(journaled(&f).last().map(String::as_str), Some("reported"));
+        assert_eq!(f.cp.calls().len(), 1);
+    }
+
+    #[tokio::test]
+    async fn a_stopping_runner_defers_the_report_to_the_next_start() {
+        let f = testing::runtime().await;
+        finished(&f, "job-1", b"x\n");
+        f.cp.script_results((0..1000).map(|_| Err(unavailable("result"))));
+        f.rt.stop_reporting.cancel();
+        let r = report(&f.rt, "job-1").await.expect("journal");
+        assert!(matches!(r, Reported::Deferred), "{r:?}");
+        assert_eq!(journaled(&f).last().map(String::as_str), Some("finished"));
+    }
+
+    #[tokio::test]
+    async fn jobs_unknown_or_unfinished_are_not_reported() {
+        let f = testing::runtime().await;
+        assert!(matches!(report(&f.rt, "nope").await.expect("journal"), Reported::Refused(_)));
+        testing::receive(&f, &testing::verified("job-2", None));
+        let Reported::Refused(why) = report(&f.rt, "job-2").await.expect("journal") else { panic!() };
+        assert!(why.contains("has not finished"), "{why}");
+        assert!(f.cp.calls().is_empty());
+    }
+
+    #[tokio::test]
+    async fn an_acknowledgement_that_cannot_be_journaled_is_an_error() {
+        let f = testing::runtime().await;
+        finished(&f, "job-1", b"");
+        f.journal.fail_appends.store(true, Ordering::SeqCst);
+        assert!(report(&f.rt, "job-1").await.is_err());
+        // The control plane has the result; the next start sends it again (idempotent).
+        assert_eq!(f.cp.calls(), ["result job-1 succeeded"]);
     }
 }

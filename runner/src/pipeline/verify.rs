@@ -49,6 +49,8 @@ pub struct Verifier<'a> {
     pub install: &'a crate::roles::template::InstallState,
     /// The customer's pause, if in force: authentic new jobs are refused with `paused`.
     pub paused: Option<&'a crate::roles::pause::Pause>,
+    /// Why the state dir's disk cannot take a new job (`disk_low`), if it cannot.
+    pub disk_low: Option<&'a str>,
     /// Whether this host can build the job's sandbox as documented right now (its
     /// network boundary, its limits): `None` when it can.
     pub readiness: &'a (dyn Fn(&dyn Executor) -> Option<byoc_job_executors::Refusal> + Sync),
@@ -211,6 +213,9 @@ impl Verifier<'_> {
                 ),
             ));
         }
+        if let Some(why) = self.disk_low {
+            return Err(reject(RejectReason::DiskLow, why.to_string()));
+        }
         if let Some(refusal) = (self.readiness)(executor.as_ref()) {
             return Err(match refusal {
                 byoc_job_executors::Refusal::NetworkUnavailable(why) => reject(
@@ -296,12 +301,41 @@ mod tests {
         verify_paused(f, env, index, now, None)
     }
 
+    fn verify_on_low_disk(f: &Fixture, env: JobEnvelope, why: &str) -> Result<VerifiedJob, Rejection> {
+        verify_with(f, env, &Index::default(), 1100, None, Some(why))
+    }
+
+    #[test]
+    fn a_low_disk_refuses_authentic_jobs_only() {
+        let f = fixture();
+        let r =
+            verify_on_low_disk(&f, JobEnvelope::sign(&payload(), &f.key), "only 3 MiB free").err().unwrap();
+        assert_eq!(r.reason, RejectReason::DiskLow);
+        assert_eq!(r.detail, "only 3 MiB free");
+        let r =
+            verify_on_low_disk(&f, JobEnvelope::sign(&payload(), &generate_signing_key()), "only 3 MiB free")
+                .err()
+                .unwrap();
+        assert_eq!(r.reason, RejectReason::UnknownKey);
+    }
+
     fn verify_paused(
         f: &Fixture,
         env: JobEnvelope,
         index: &Index,
         now: i64,
         paused: Option<&crate::roles::pause::Pause>,
+    ) -> Result<VerifiedJob, Rejection> {
+        verify_with(f, env, index, now, paused, None)
+    }
+
+    fn verify_with(
+        f: &Fixture,
+        env: JobEnvelope,
+        index: &Index,
+        now: i64,
+        paused: Option<&crate::roles::pause::Pause>,
+        disk_low: Option<&str>,
     ) -> Result<VerifiedJob, Rejection> {
         let v = Verifier {
             keys: &f.keys,
@@ -312,6 +346,7 @@ mod tests {
             now,
             install: &install(),
             paused,
+            disk_low,
             readiness: &|_| None,
         };
         v.verify(PolledJob { delivery_id: "dl-1".into(), envelope: env, received_at: Instant::now() }, index)

@@ -30,6 +30,8 @@ pub struct JobSession {
     refresh_before: Duration,
     feed: SecretFeed,
     on_refresh: OnAssume,
+    /// Unix seconds past which the session is not renewed (a local allowance's end).
+    renew_until: Option<i64>,
 }
 
 impl JobSession {
@@ -49,15 +51,32 @@ impl JobSession {
             refresh_before,
             feed,
             on_refresh,
+            renew_until: None,
         }
+    }
+
+    /// Do not renew the session past `unix_secs` (the role's local allowance ends then):
+    /// the job keeps what it has until that session expires, and nothing after.
+    pub fn renew_until(mut self, unix_secs: i64) -> Self {
+        self.renew_until = Some(unix_secs);
+        self
     }
 
     /// Valid credentials: the current session, or a new one when it is about to expire.
     async fn credentials(&self) -> Result<Credentials, String> {
         let mut current = self.current.lock().await;
-        let now = crate::daemon::unix_now();
+        let now = crate::clock::unix_now();
         if current.expiration - now > self.refresh_before.as_secs() as i64 {
             return Ok(current.clone());
+        }
+        if let Some(until) = self.renew_until.filter(|until| now >= *until) {
+            if current.expiration > now {
+                return Ok(current.clone());
+            }
+            return Err(format!(
+                "the role's local allowance ended at {}: its session is not renewed",
+                rfc3339(until)
+            ));
         }
         match self.assumer.assume(&self.params).await {
             Ok(fresh) => {
@@ -242,7 +261,7 @@ impl CredentialFile {
             let mut current = first;
             loop {
                 let lead = session.refresh_before.as_secs().max(session.params.duration_secs as u64 / 2);
-                let wait = (current.expiration - lead as i64 - crate::daemon::unix_now()).max(1) as u64;
+                let wait = (current.expiration - lead as i64 - crate::clock::unix_now()).max(1) as u64;
                 tokio::time::sleep(Duration::from_secs(wait)).await;
                 match session.assumer.assume(&session.params).await {
                     Ok(fresh) => {
@@ -348,7 +367,7 @@ mod tests {
                     access_key_id: format!("ASIAKEY{n:013}"),
                     secret_access_key: format!("secret-{n}-xxxxxxxx"),
                     session_token: format!("token-{n}-yyyyyyyy"),
-                    expiration: crate::daemon::unix_now() + lifetime,
+                    expiration: crate::clock::unix_now() + lifetime,
                 })
             })
         }
@@ -443,6 +462,29 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_session_is_not_renewed_past_its_local_allowance() {
+        let assumer = Arc::new(Counting { calls: AtomicU32::new(0), lifetime: 30 });
+        let first = assumer.assume(&params()).await.unwrap();
+        let now = crate::clock::unix_now();
+        let session = JobSession::new(
+            params(),
+            assumer.clone(),
+            first,
+            Duration::from_secs(10),
+            SecretFeed::default(),
+            Arc::new(|_, _| {}),
+        )
+        .renew_until(now - 1);
+        // Due for renewal, but the allowance has ended: the current one, while it lasts.
+        session.current.lock().await.expiration = now + 5;
+        assert_eq!(session.credentials().await.unwrap().access_key_id, "ASIAKEY0000000000001");
+        session.current.lock().await.expiration = now - 1;
+        let err = session.credentials().await.unwrap_err();
+        assert!(err.contains("local allowance ended"), "{err}");
+        assert_eq!(assumer.calls.load(Ordering::SeqCst), 1, "no renewal");
+    }
+
+    #[tokio::test]
     async fn serves_and_refreshes_with_the_jobs_token_only() {
         use byoc_job_executors::jobnet::CredentialEndpoint as _;
         let assumer = Arc::new(Counting { calls: AtomicU32::new(0), lifetime: 30 });
@@ -482,7 +524,7 @@ mod tests {
         assert_eq!(get(&url, "nope").await.0, 401);
         assert_eq!(get(&url, "").await.0, 401);
         // Less than refresh_before left: a new session, fed to the masker first.
-        endpoint.session.current.lock().await.expiration = crate::daemon::unix_now() + 5;
+        endpoint.session.current.lock().await.expiration = crate::clock::unix_now() + 5;
         let (_, body) = get(&url, &format!("Bearer {token}")).await;
         assert_eq!(body["AccessKeyId"], "ASIAKEY0000000000002");
         assert_eq!(refreshed.load(Ordering::SeqCst), 1);

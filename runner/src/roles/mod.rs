@@ -5,10 +5,13 @@
 //! - `chain`: the precedence chain that derives a job's role (and refuses a mismatch);
 //! - `switches`: the customer's switches, from the install stack or a local file;
 //! - `sts`: AssumeRole per job; `creds`: the per-job credential endpoint;
-//! - `pause`: the customer's local pause.
+//! - `pause`: the customer's local pause; `allowance`: time-boxed local allowances;
+//! - `inbox`: audit records the CLI leaves for the daemon (`state unlock`).
 
+pub mod allowance;
 pub mod chain;
 pub mod creds;
+pub mod inbox;
 pub mod model;
 pub mod pause;
 pub mod sts;
@@ -63,7 +66,7 @@ impl RolesStatus {
     /// Merge a fresh view of the roles an app defines with what was known before.
     pub fn update(&mut self, roles: &[RoleDef], snapshot: &Snapshot, source: String) {
         self.switch_source = source;
-        self.switches_read_ms = Some(crate::journal::now_ms());
+        self.switches_read_ms = Some(crate::clock::now_ms());
         for def in roles {
             let sw = snapshot.switch_for(def);
             let fresh = RoleStatus {
@@ -92,7 +95,7 @@ impl RolesStatus {
     /// Re-evaluate every known role against a new snapshot (`roles --refresh`).
     pub fn refresh(&mut self, snapshot: &Snapshot, source: String) {
         self.switch_source = source;
-        self.switches_read_ms = Some(crate::journal::now_ms());
+        self.switches_read_ms = Some(crate::clock::now_ms());
         for r in &mut self.roles {
             let def = RoleDef {
                 name: r.name.clone(),
@@ -127,6 +130,8 @@ pub struct Roles {
     pub endpoint_url: Option<String>,
     pub container_credentials_dir: PathBuf,
     pub busybox: PathBuf,
+    /// Roles that also need a local allowance (`roles allow`).
+    pub require_local_allow: Vec<String>,
     status_path: PathBuf,
     status: Mutex<RolesStatus>,
 }
@@ -185,6 +190,7 @@ impl Roles {
             endpoint_url: config.aws.endpoint_url.clone(),
             container_credentials_dir: config.roles.container_credentials_dir.clone(),
             busybox: config.roles.busybox.clone(),
+            require_local_allow: config.roles.require_local_allow.clone(),
             status: Mutex::new(RolesStatus::load(state_dir).unwrap_or_default()),
             status_path,
         })
@@ -209,7 +215,7 @@ impl Roles {
     pub fn assumed(&self, role: &str, job_id: &str) {
         let mut s = self.status.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(r) = s.roles.iter_mut().find(|r| r.name == role) {
-            r.last_assumed_ms = Some(crate::journal::now_ms());
+            r.last_assumed_ms = Some(crate::clock::now_ms());
             r.last_job = Some(job_id.to_string());
         }
         self.save_status(&s);

@@ -71,7 +71,7 @@ pub fn pause(state_dir: &Path, reason: Option<String>, by: String) -> Result<Pau
         path: dir.clone(),
         source: e,
     })?;
-    let p = Pause { paused_at_ms: crate::journal::now_ms(), reason, by };
+    let p = Pause { paused_at_ms: crate::clock::now_ms(), reason, by };
     let path = pause_path(state_dir);
     let tmp = dir.join(format!(".{PAUSE_FILE}.tmp"));
     let io = |op, e| PauseError::Io { op, path: tmp.clone(), source: e };

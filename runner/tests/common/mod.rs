@@ -80,8 +80,12 @@ pub async fn gone(needle: &str) -> Vec<i32> {
 }
 
 pub async fn env_with(opts: RunnerOptions) -> Env {
+    env_in(tempfile::tempdir().expect("tempdir"), opts).await
+}
+
+/// A runner whose directory the test prepared (its state dir is `dir/state`).
+pub async fn env_in(dir: tempfile::TempDir, opts: RunnerOptions) -> Env {
     let cp = start_cp().await;
-    let dir = tempfile::tempdir().expect("tempdir");
     let base = test_options(dir.path());
     let opts = RunnerOptions {
         sandbox_ro_paths: [base.sandbox_ro_paths, opts.sandbox_ro_paths.clone()].concat(),

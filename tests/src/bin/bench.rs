@@ -3,7 +3,8 @@
 //! - pickup latency, enqueue → the job's child process running, p50/p99 over N jobs
 //!   run one after another (also enqueue → runner journaled `started`);
 //! - the runner's resident memory after an idle minute;
-//! - requests the runner sends per minute while idle.
+//! - requests the runner sends per minute while idle;
+//! - masking throughput: job output through the masker with 20 secrets, one core.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -35,6 +36,17 @@ struct Args {
     /// Records for the audit-log figures (0 skips them).
     #[arg(long, default_value_t = 200_000)]
     audit_records: usize,
+    /// MiB of job output for the masking throughput figure (0 skips it).
+    #[arg(long, default_value_t = 512)]
+    mask_mib: usize,
+    /// MiB a job prints for the output-path figure, through the runner (0 skips it);
+    /// the default passes the 256 MiB log cap, so the ring's path is measured too.
+    #[arg(long, default_value_t = 1024)]
+    output_mib: usize,
+    /// Soak: this many `runner.noop` jobs one after another; RSS, open files and threads
+    /// after the first 1,000 and after the last (0 skips it; `scripts/bench soak` runs 20,000).
+    #[arg(long, default_value_t = 0)]
+    soak_jobs: usize,
     /// Warm runs for the container start figure (0 skips it; needs Docker and busybox).
     #[arg(long, default_value_t = 20)]
     container_runs: usize,
@@ -79,30 +91,23 @@ async fn container_start_ms(image: &str, dir: &std::path::Path) -> anyhow::Resul
     let work = tempfile::tempdir_in(dir)?;
     let mut sink = FirstWrite(None);
     let t0 = std::time::Instant::now();
-    let ctx = byoc_job_executors::ExecContext {
-        job_id: format!("bench-{}", byoc_protocol::random_hex(4)),
-        work_dir: work.path().to_path_buf(),
-        timeout: Duration::from_secs(60),
-        kill_grace: Duration::from_secs(2),
-        cancel: Default::default(),
-        output: &mut sink,
-        sandbox: None,
-        containers: Some(byoc_job_executors::ContainerSettings {
-            docker_socket: "/var/run/docker.sock".into(),
-            memory_bytes: 256 << 20,
-            pids: 64,
-            uid: 65534,
-            gid: 65534,
-            busybox: "/bin/busybox".into(),
-            network: Default::default(),
-            owner: "local".into(),
-        }),
-        credentials: None,
-        oci: Default::default(),
-        audit: None,
-        tools: Default::default(),
-        policy: None,
+    let containers = byoc_job_executors::ContainerSettings {
+        docker_socket: "/var/run/docker.sock".into(),
+        memory_bytes: 256 << 20,
+        pids: 64,
+        uid: 65534,
+        gid: 65534,
+        busybox: "/bin/busybox".into(),
+        network: Default::default(),
+        owner: "local".into(),
     };
+    let ctx = byoc_job_executors::ExecContext::builder(
+        format!("bench-{}", byoc_protocol::random_hex(4)),
+        work.path(),
+    )
+    .timeout(Duration::from_secs(60), Duration::from_secs(2))
+    .isolation(None, Some(containers))
+    .build(&mut sink);
     let outcome = exec.run(ctx).await;
     anyhow::ensure!(
         outcome.status == byoc_protocol::JobStatus::Succeeded,
@@ -172,7 +177,11 @@ fn audit_bench(n: usize) -> anyhow::Result<()> {
         rest as f64 / t.elapsed().as_secs_f64(),
         percentile(&blat, 0.99) as f64 / 1000.0
     );
-    let note = byoc_audit::note::cosign(&w.sign_at(w.size()), byoc_audit::log::CONTROL_PLANE_KEY_NAME, &cp)?;
+    let note = byoc_audit::note::cosign(
+        &w.sign_at(w.size()).context("signing")?,
+        byoc_audit::log::CONTROL_PLANE_KEY_NAME,
+        &cp,
+    )?;
     w.store_cosigned(w.size(), &note)?;
     let trust =
         byoc_audit::verify::Trust { runner: key.verifying_key(), control_plane: vec![cp.verifying_key()] };
@@ -194,6 +203,181 @@ fn audit_bench(n: usize) -> anyhow::Result<()> {
         report.checkpoints + report.cosigned,
         hash_rate,
         10_000_000.0 / (report.records as f64 / secs)
+    );
+    Ok(())
+}
+
+/// RSS (KiB), open descriptors and threads of a process.
+fn process_figures(pid: u32) -> anyhow::Result<(u64, usize, u64)> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    let field = |name: &str| -> Option<u64> {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.split_whitespace().next()?.parse().ok())
+    };
+    let fds = std::fs::read_dir(format!("/proc/{pid}/fd"))?.count();
+    Ok((field("VmRSS:").context("VmRSS")?, fds, field("Threads:").context("Threads")?))
+}
+
+/// `n` noop jobs through the runner, one after another: does anything grow per job?
+async fn soak(cp: &ControlPlane, pid: u32, n: usize) -> anyhow::Result<()> {
+    let started = std::time::Instant::now();
+    let mut after_first = None;
+    for i in 0..n {
+        // Short-lived envelopes, so settled jobs can leave the journal (their nonces
+        // expire) as they would on a VM running for months.
+        let req =
+            EnqueueRequest { ttl_secs: 5, ..EnqueueRequest::new("runner.noop", serde_json::Value::Null) };
+        let id = cp.enqueue(req).map_err(|e| anyhow::anyhow!("{e}"))?;
+        cp.wait_for(&id, Duration::from_secs(30), |v| v.result.is_some())
+            .await
+            .context("soak job did not finish")?;
+        if i + 1 == n.min(1000) {
+            after_first = Some(process_figures(pid)?);
+        }
+    }
+    let (rss0, fds0, threads0) = after_first.context("no figures after the first jobs")?;
+    let (rss1, fds1, threads1) = process_figures(pid)?;
+    println!(
+        "soak, {n} noop jobs in {:.0} s: RSS after the first {} {:.1} MiB, after the last {:.1} MiB (growth {:+.2} MiB; target within 2 MiB; journal_keep 500); open files {fds0} -> {fds1}; threads {threads0} -> {threads1}",
+        started.elapsed().as_secs_f64(),
+        n.min(1000),
+        rss0 as f64 / 1024.0,
+        rss1 as f64 / 1024.0,
+        (rss1 as f64 - rss0 as f64) / 1024.0
+    );
+    Ok(())
+}
+
+/// A sandboxed job with 20 secrets prints `mib` MiB of 100-byte lines: the job's own
+/// clock around the printing is the output path (pipe → read → mask → spool), since the
+/// pipe blocks the job whenever the runner falls behind; the same printing into
+/// /dev/null in the same job is what the job could do alone.
+async fn output_path_bench(cp: &ControlPlane, mib: usize) -> anyhow::Result<()> {
+    let secret_env: serde_json::Map<String, serde_json::Value> = (0..20)
+        .map(|i| {
+            (
+                format!("SECRET_{i}"),
+                serde_json::Value::String(format!("s3cr3t-{i}-{}", byoc_protocol::random_hex(12))),
+            )
+        })
+        .collect();
+    let bytes = mib << 20;
+    let script = format!(
+        "line='module.network.aws_subnet.private[0]: Still creating... [10s elapsed] id=subnet-0a1b2c3d4e5f6a7b8 ok'\n\
+         t0=$EPOCHREALTIME; yes \"$line\" | head -c {bytes} >/dev/null; t1=$EPOCHREALTIME\n\
+         yes \"$line\" | head -c {bytes}; t2=$EPOCHREALTIME\n\
+         echo \"alone=$t0,$t1\" >> \"$BYOC_OUTPUT\"; echo \"through=$t1,$t2\" >> \"$BYOC_OUTPUT\""
+    );
+    let mut req = EnqueueRequest::new(
+        "action.script",
+        serde_json::json!({"script": script, "interpreter": "/bin/bash", "secret_env": secret_env}),
+    );
+    req.timeout_secs = 3600;
+    let enqueued = std::time::Instant::now();
+    let id = cp.enqueue(req).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let v = cp
+        .wait_for(&id, Duration::from_secs(3600), |v| v.result.is_some() || !v.rejections.is_empty())
+        .await
+        .context("job did not finish")?;
+    anyhow::ensure!(v.rejections.is_empty(), "output job refused: {:?}", v.rejections);
+    let total = enqueued.elapsed().as_secs_f64();
+    let result = v.result.context("no result")?;
+    anyhow::ensure!(
+        result.status == byoc_protocol::JobStatus::Succeeded,
+        "output job failed: {:?}",
+        result.error
+    );
+    let span = |key: &str| -> anyhow::Result<f64> {
+        let s = result.outputs[key].as_str().with_context(|| format!("no {key} output"))?;
+        let (a, b) = s.split_once(',').context("bad span")?;
+        Ok(b.parse::<f64>()? - a.parse::<f64>()?)
+    };
+    let (alone, through) = (span("alone")?, span("through")?);
+    println!(
+        "job output path, {mib} MiB printed by a sandboxed job with 20 secrets (pipe -> mask -> spool{}): {:.0} MB/s ({through:.2} s); the same printing into /dev/null {:.0} MB/s; to the result acknowledged {total:.1} s; log kept {} MiB, {} MiB omitted (target >= 200 MB/s)",
+        if mib > 256 { ", past the 256 MiB cap" } else { "" },
+        bytes as f64 / through / 1e6,
+        bytes as f64 / alone / 1e6,
+        result.log_size >> 20,
+        result.log_omitted_bytes >> 20,
+    );
+    Ok(())
+}
+
+/// Job output through the masking sink: 20 secrets (one a 1,100-character session
+/// token), log lines of words, hex and base64 that keep the automaton busy, 64 KiB reads.
+fn mask_bench(mib: usize) -> anyhow::Result<()> {
+    use byoc_job_executors::OutputSink;
+    use byoc_job_executors::mask::{Masker, MaskingSink};
+    struct Count(usize);
+    impl OutputSink for Count {
+        fn write(&mut self, chunk: &[u8]) -> std::io::Result<()> {
+            self.0 += chunk.len();
+            Ok(())
+        }
+    }
+    let mut n: u64 = 0x9e3779b97f4a7c15;
+    let mut next = move || {
+        n ^= n << 13;
+        n ^= n >> 7;
+        n ^= n << 17;
+        n
+    };
+    const B64: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let token: String = (0..1100).map(|_| B64[(next() % 64) as usize] as char).collect();
+    let mut secrets = vec![token];
+    secrets
+        .push("AKIA".to_string() + &(0..16).map(|_| B64[(next() % 26) as usize] as char).collect::<String>());
+    secrets.push((0..40).map(|_| B64[(next() % 64) as usize] as char).collect());
+    secrets.extend((0..17).map(|i| format!("vendor-secret-{i}-{:x}", next())));
+    let masker = Masker::new(&secrets).map_err(anyhow::Error::msg)?;
+    let words = [
+        "module.network",
+        "aws_subnet.private[0]",
+        "Creating...",
+        "Still creating...",
+        "id=",
+        "10.0.1.0/24",
+        "tags.%",
+        "Refreshing state",
+        "null_resource",
+        "TF_LOG",
+        "DEBUG",
+        "provider",
+        "2026-11-24T09:00:00Z",
+    ];
+    let mut text = Vec::with_capacity(8 << 20);
+    while text.len() < 8 << 20 {
+        for _ in 0..8 {
+            match next() % 4 {
+                0 => text.extend_from_slice(format!("{:016x}", next()).as_bytes()),
+                1 => text.extend((0..24).map(|_| B64[(next() % 64) as usize])),
+                _ => text.extend_from_slice(words[(next() % words.len() as u64) as usize].as_bytes()),
+            }
+            text.push(b' ');
+        }
+        text.push(b'\n');
+    }
+    let mut count = Count(0);
+    let started = std::time::Instant::now();
+    {
+        let mut sink = MaskingSink::new(masker, &mut count);
+        let mut written = 0;
+        while written < mib << 20 {
+            for chunk in text.chunks(64 << 10) {
+                sink.write(chunk)?;
+            }
+            written += text.len();
+        }
+        sink.flush_end()?;
+    }
+    let secs = started.elapsed().as_secs_f64();
+    println!(
+        "masking, 20 secrets (one of 1,100 characters) in every form, 64 KiB reads: {:.0} MiB in {secs:.2} s = {:.0} MB/s on one core (target >= 200 MB/s for the whole output path)",
+        count.0 as f64 / (1 << 20) as f64,
+        count.0 as f64 / secs / 1e6
     );
     Ok(())
 }
@@ -380,6 +564,9 @@ async fn main() -> anyhow::Result<()> {
         user_mode.saturating_sub(shared) as f64 / 1000.0
     );
 
+    if args.mask_mib > 0 {
+        mask_bench(args.mask_mib)?;
+    }
     if args.audit_records > 0 {
         audit_bench(args.audit_records)?;
     }
@@ -413,7 +600,12 @@ async fn main() -> anyhow::Result<()> {
 
     let cp = ControlPlane::start(ControlPlaneConfig::default()).await?;
     let dir = tempfile::tempdir()?;
-    let opts = RunnerOptions { heartbeat_secs: 15, ..Default::default() };
+    // journal_keep 500: the soak (thousands of jobs) crosses it many times.
+    let opts = RunnerOptions {
+        heartbeat_secs: 15,
+        jobs_extra: "journal_keep = 500\nmax_clock_skew_secs = 0".into(),
+        ..Default::default()
+    };
     let mut runner = RunnerProcess::start(&runner_bin, dir.path(), &cp, &opts)?;
     if !wait_polling(&cp, Duration::from_secs(30)).await {
         bail!("runner did not start:\n{}", runner.log());
@@ -427,6 +619,7 @@ async fn main() -> anyhow::Result<()> {
 
     let mut to_child = Vec::with_capacity(args.jobs);
     let mut to_started = Vec::with_capacity(args.jobs);
+    let mut last_job = String::new();
     for _ in 0..args.jobs {
         // The child's first act is to print the wall clock in ms (a bash builtin: no
         // extra process in between).
@@ -436,6 +629,7 @@ async fn main() -> anyhow::Result<()> {
         );
         let enqueued = byoc_control_plane::state::unix_ms();
         let id = cp.enqueue(req).map_err(|e| anyhow::anyhow!("{e}"))?;
+        last_job = id.clone();
         let v = cp
             .wait_for(&id, Duration::from_secs(30), |v| v.result.is_some())
             .await
@@ -468,17 +662,66 @@ async fn main() -> anyhow::Result<()> {
         percentile(&to_started, 0.99)
     );
 
-    let before: u64 = cp.request_counts().values().sum();
+    if args.output_mib > 0 {
+        output_path_bench(&cp, args.output_mib).await?;
+    }
+    if args.soak_jobs > 0 {
+        soak(&cp, runner.pid().context("runner exited")?, args.soak_jobs).await?;
+        let state = dir.path().join("state");
+        let lines =
+            std::fs::read_to_string(state.join("journal.jsonl")).map(|t| t.lines().count()).unwrap_or(0);
+        let archives = std::fs::read_dir(state.join("journal-archive")).map(|d| d.count()).unwrap_or(0);
+        println!("soak: the journal holds {lines} lines; {archives} archive files");
+    }
+
+    // The last job's closing record (its result acknowledged) is written and uploaded
+    // after the result: let that finish, so the idle window counts idle traffic only.
+    let runner_id = cp.runners().first().map(|r| r.runner_id.clone()).unwrap_or_default();
+    let audit_log = dir.path().join("state").join("audit").join(byoc_audit::log::LOG);
+    let closing = format!("\"event\":\"job_reported\",\"job\":\"{last_job}\"");
+    let settled = |cp: &ControlPlane| {
+        let log = std::fs::read_to_string(&audit_log).unwrap_or_default();
+        (last_job.is_empty() || log.contains(&closing))
+            && cp.audit_size(&runner_id) >= log.lines().count() as u64
+    };
+    if !cp.wait_until(Duration::from_secs(30), settled).await {
+        bail!("the runner's audit records were not acknowledged within 30 s");
+    }
+    let counts_before = cp.request_counts();
     tokio::time::sleep(Duration::from_secs(args.idle_secs)).await;
-    let after: u64 = cp.request_counts().values().sum();
+    let counts_after = cp.request_counts();
+    let before: u64 = counts_before.values().sum();
+    let after: u64 = counts_after.values().sum();
+    let by_kind: Vec<String> = counts_after
+        .iter()
+        .map(|(k, n)| (k, n - counts_before.get(k).copied().unwrap_or(0)))
+        .filter(|(_, n)| *n > 0)
+        .map(|(k, n)| format!("{k} {n}"))
+        .collect();
     let pid = runner.pid().context("runner exited")?;
     let rss = rss_kib(pid).context("reading runner RSS")?;
-    println!("idle RSS after {} s: {:.1} MiB ({} KiB)", args.idle_secs, rss as f64 / 1024.0, rss);
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let kib = |name: &str| -> u64 {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.split_whitespace().next()?.parse().ok())
+            .unwrap_or(0)
+    };
     println!(
-        "idle requests: {} in {} s = {:.2} per minute",
+        "idle RSS after {} s: {:.1} MiB ({} KiB: heap and stacks {} KiB, the binary's and libraries' pages {} KiB)",
+        args.idle_secs,
+        rss as f64 / 1024.0,
+        rss,
+        kib("RssAnon:"),
+        kib("RssFile:") + kib("RssShmem:")
+    );
+    println!(
+        "idle requests: {} in {} s = {:.2} per minute ({})",
         after - before,
         args.idle_secs,
-        (after - before) as f64 * 60.0 / args.idle_secs as f64
+        (after - before) as f64 * 60.0 / args.idle_secs as f64,
+        by_kind.join(", ")
     );
     println!("targets: pickup p50 <= 20 ms, idle RSS <= 15 MB, <= 2 requests/minute idle");
     println!(

@@ -46,7 +46,20 @@ struct Plan {
     /// machines: the demo uses the tests' stand-in, which says so in every job log).
     #[serde(default)]
     terraform: Option<TerraformDemo>,
+    /// A terraform module published to the vendor's registry (`${MODULE_DIGEST}`).
+    #[serde(default)]
+    component: Option<ComponentDemo>,
     job: Vec<PlannedJob>,
+}
+
+/// A component module the demo publishes as an OCI artifact (one tar.gz layer).
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ComponentDemo {
+    /// Relative to the plan file.
+    module_dir: PathBuf,
+    repository: String,
+    tag: String,
 }
 
 /// Two local registries: the vendor's (basic auth, reached with a one-time token) and
@@ -56,8 +69,12 @@ struct Plan {
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct TerraformDemo {
-    /// Relative to the plan file.
+    /// The stand-in, relative to the plan file: for modules whose plans only a
+    /// provider could make (they carry fake-plan.json).
     binary: PathBuf,
+    /// The real terraform for every other module: a path, or a name on PATH.
+    #[serde(default)]
+    real: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -244,6 +261,16 @@ async fn main() -> anyhow::Result<()> {
             ("${SOURCE_USER}".into(), r.vendor_user.clone()),
             ("${SOURCE_TOKEN}".into(), token),
         ];
+        placeholders.push(("${INSTALL_REGISTRY}".into(), ecr_host.clone()));
+        if let Some(c) = &plan.component {
+            let files = module_files(&base.join(&c.module_dir))?;
+            let refs: Vec<(&str, &str)> = files.iter().map(|(p, t)| (p.as_str(), t.as_str())).collect();
+            let module = vendor
+                .push_tar_artifact(&c.repository, Some(&c.tag), "application/vnd.opentofu.modulepkg", &refs)
+                .await;
+            println!("component       {}:{} {} ({} files)", c.repository, c.tag, module.digest, files.len());
+            placeholders.push(("${MODULE_DIGEST}".into(), module.digest.clone()));
+        }
         registries = Some((vendor, ecr));
     }
     // Copied out of the source tree: inside the sandbox the job's directory is /work.
@@ -252,19 +279,51 @@ async fn main() -> anyhow::Result<()> {
     if let Some(t) = &plan.terraform {
         use std::os::unix::fs::PermissionsExt as _;
         std::fs::set_permissions(tools.path(), std::fs::Permissions::from_mode(0o755))?;
-        let bin = tools.path().join("terraform");
-        std::fs::copy(base.join(&t.binary), &bin)
+        let stand_in = tools.path().join("terraform-stand-in");
+        std::fs::copy(base.join(&t.binary), &stand_in)
             .with_context(|| format!("copying {}", t.binary.display()))?;
+        let bin = tools.path().join("terraform");
+        let real = match &t.real {
+            None => None,
+            Some(r) => Some(which(r).with_context(|| {
+                format!("the demo applies a real module with terraform ({r}), which is not on PATH")
+            })?),
+        };
+        // One binary for the runner: the real terraform, unless the module carries the
+        // stand-in's fixtures (its plan holds aws_* resources no provider can make here).
+        let script = match &real {
+            Some(real) => format!(
+                "#!/bin/sh\ndir=.\ncase \"${{1:-}}\" in -chdir=*) dir=\"${{1#-chdir=}}\" ;; esac\nif [ -f \"$dir/fake-plan.json\" ] || [ -f \"$dir/fake-destroy-plan.json\" ]; then exec {} \"$@\"; fi\nexec {} \"$@\"\n",
+                stand_in.display(),
+                real.display()
+            ),
+            None => format!("#!/bin/sh\nexec {} \"$@\"\n", stand_in.display()),
+        };
+        std::fs::write(&bin, script)?;
+        std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755))?;
         options.extra.push_str(&format!(
             "\n[terraform]\nbinary = \"{}\"\n\n[policy]\ndir = \"{}\"\n",
             bin.display(),
             policies.path().display()
         ));
         options.sandbox_ro_paths.push(tools.path().to_path_buf());
-        println!(
-            "terraform       {} (the tests' stand-in: no terraform can be downloaded here)",
-            t.binary.display()
-        );
+        match &real {
+            Some(real) => {
+                let version = std::process::Command::new(real).arg("version").output().ok();
+                let version = version
+                    .map(|o| String::from_utf8_lossy(&o.stdout).lines().next().unwrap_or("").to_string())
+                    .unwrap_or_default();
+                println!(
+                    "terraform       {} ({version}); the tests' stand-in {} for the two aws_* plans",
+                    real.display(),
+                    t.binary.display()
+                );
+            }
+            None => println!(
+                "terraform       {} (the tests' stand-in: no terraform can be downloaded here)",
+                t.binary.display()
+            ),
+        }
     }
     let mut runner = RunnerProcess::start(&runner_bin, &dir, &cp, &options)?;
     println!("runner         {} (state {})", runner_bin.display(), runner.state_dir.display());
@@ -446,13 +505,19 @@ async fn main() -> anyhow::Result<()> {
             && let Some(r) = &v.result
         {
             let o = &r.outputs;
+            let counts = &o["summary"]["counts"];
+            let changes = if counts.as_object().is_some_and(|c| c.is_empty()) {
+                "no changes".to_string()
+            } else {
+                format!("changes {counts}")
+            };
+            let state = o["state_serial"].as_u64().map(|n| format!(", state serial {n}")).unwrap_or_default();
             println!(
-                "{} terraform {}: policy {} on plan {} (changes {}){}",
+                "{} terraform {}: policy {} on plan {} ({changes}{state}){}",
                 ids[i],
                 r.status.as_str(),
                 o["verdict"].as_str().unwrap_or("-"),
                 o["plan_digest"].as_str().unwrap_or("-"),
-                o["summary"]["counts"],
                 r.error.as_deref().map(|e| format!("; {e}")).unwrap_or_default()
             );
             continue;
@@ -511,4 +576,30 @@ async fn main() -> anyhow::Result<()> {
     }
     println!("demo passed: every job ended as expected");
     Ok(())
+}
+
+/// A name on PATH (or a path) as an absolute path.
+fn which(name: &str) -> Option<PathBuf> {
+    let p = PathBuf::from(name);
+    if p.is_absolute() {
+        return p.is_file().then_some(p);
+    }
+    std::env::var_os("PATH")
+        .and_then(|path| std::env::split_paths(&path).map(|d| d.join(name)).find(|f| f.is_file()))
+}
+
+/// A module directory's files (path relative to it → content), directories first.
+fn module_files(dir: &std::path::Path) -> anyhow::Result<Vec<(String, String)>> {
+    let mut out = vec![("./".to_string(), String::new())];
+    let mut entries: Vec<_> = std::fs::read_dir(dir)
+        .with_context(|| format!("reading {}", dir.display()))?
+        .collect::<std::io::Result<_>>()?;
+    entries.sort_by_key(|e| e.file_name());
+    for e in entries {
+        if e.file_type()?.is_file() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            out.push((name, std::fs::read_to_string(e.path())?));
+        }
+    }
+    Ok(out)
 }

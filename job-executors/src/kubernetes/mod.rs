@@ -6,9 +6,14 @@
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
-use kube::api::{Api, ApiResource, DeleteParams, DynamicObject, GroupVersionKind, Patch, PatchParams};
+mod cluster_policies;
+mod objects;
+
+use kube::api::{Api, DeleteParams, DynamicObject, Patch, PatchParams};
 use serde::Deserialize;
 
+use self::cluster_policies::sync_cluster_policies;
+use self::objects::{CLUSTER_SCOPED, ObjRef, api, is_not_found, readiness};
 use crate::{ExecContext, ExecFuture, ExecOutcome, Executor, JobStatus};
 
 /// Our field manager: what we apply is ours, and conflicts with other managers are
@@ -17,29 +22,6 @@ pub const FIELD_MANAGER: &str = "byoc-runner";
 const INVENTORY_PREFIX: &str = "byoc-inventory-";
 const POLL: Duration = Duration::from_millis(500);
 
-/// Kinds that live outside namespaces (the ones a component plausibly ships).
-const CLUSTER_SCOPED: [&str; 12] = [
-    "Namespace",
-    "ClusterRole",
-    "ClusterRoleBinding",
-    "CustomResourceDefinition",
-    "StorageClass",
-    "PersistentVolume",
-    "PriorityClass",
-    "IngressClass",
-    "ValidatingWebhookConfiguration",
-    "MutatingWebhookConfiguration",
-    // Kyverno's cluster-wide policies (the app's `kubernetes_cluster` policies).
-    "ClusterPolicy",
-    "ClusterCleanupPolicy",
-];
-
-/// Where the inventory of the app's cluster policies lives (they are cluster-scoped;
-/// the inventory ConfigMap needs a namespace every cluster has).
-const CLUSTER_POLICY_INVENTORY: &str = "byoc-inventory-cluster-policies";
-const CLUSTER_POLICY_NAMESPACE: &str = "kube-system";
-const DIGEST_ANNOTATION: &str = "byoc-runner/policies-digest";
-
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "lowercase")]
 enum Action {
@@ -47,7 +29,7 @@ enum Action {
     Delete,
 }
 
-#[derive(Deserialize)]
+#[derive(Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct Spec {
     action: Action,
@@ -55,7 +37,12 @@ struct Spec {
     component: String,
     /// Default namespace for namespaced objects that name none.
     namespace: String,
-    /// Manifests as objects, or as multi-document YAML.
+    /// A manifests bundle from the install's registry, by digest:
+    /// `<registry>/<repo>@sha256:…` (one tar.gz layer of `.yaml`, `.yml` and `.json`
+    /// files, applied in path order), synced there first.
+    #[serde(default)]
+    bundle: Option<String>,
+    /// Or inline: manifests as objects, or as multi-document YAML.
     #[serde(default)]
     manifests: Vec<serde_json::Value>,
     #[serde(default)]
@@ -74,7 +61,7 @@ fn default_wait() -> u64 {
 }
 
 /// An EKS cluster reached with a token signed by the job's role session.
-#[derive(Deserialize)]
+#[derive(Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct Eks {
     cluster: String,
@@ -85,65 +72,14 @@ struct Eks {
     certificate_authority_data: Option<String>,
 }
 
-/// One object's identity: what the inventory records and prune deletes.
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
-struct ObjRef {
-    api_version: String,
-    kind: String,
-    namespace: Option<String>,
-    name: String,
-}
-
-impl ObjRef {
-    fn encode(&self) -> String {
-        format!(
-            "{}|{}|{}|{}",
-            self.api_version,
-            self.kind,
-            self.namespace.as_deref().unwrap_or(""),
-            self.name
-        )
-    }
-    fn decode(s: &str) -> Option<ObjRef> {
-        let mut p = s.split('|');
-        let (v, k, ns, n) = (p.next()?, p.next()?, p.next()?, p.next()?);
-        Some(ObjRef {
-            api_version: v.into(),
-            kind: k.into(),
-            namespace: (!ns.is_empty()).then(|| ns.to_string()),
-            name: n.into(),
-        })
-    }
-    fn display(&self) -> String {
-        format!("{}/{}/{}", self.kind, self.namespace.as_deref().unwrap_or("-"), self.name)
-    }
-    fn api_resource(&self) -> ApiResource {
-        let (group, version) = self.api_version.rsplit_once('/').unwrap_or(("", &self.api_version));
-        let gvk = GroupVersionKind::gvk(group, version, &self.kind);
-        ApiResource::from_gvk_with_plural(&gvk, &plural(&self.kind))
-    }
-}
-
-/// Kubernetes' resource names: lower-case kind, pluralised the way the built-in
-/// resources are (Ingress → ingresses, NetworkPolicy → networkpolicies).
-fn plural(kind: &str) -> String {
-    let k = kind.to_ascii_lowercase();
-    if k.ends_with('s') || k.ends_with("ch") || k.ends_with("sh") || k.ends_with('x') {
-        format!("{k}es")
-    } else if let Some(stem) = k.strip_suffix('y').filter(|s| !s.ends_with(['a', 'e', 'i', 'o', 'u'])) {
-        format!("{stem}ies")
-    } else {
-        format!("{k}s")
-    }
-}
-
 pub struct Kubernetes {
     spec: Spec,
     objects: Vec<(ObjRef, serde_json::Value)>,
+    bundle: Option<byoc_oci_sync::Reference>,
 }
 
 impl Kubernetes {
-    pub fn from_spec(spec: &serde_json::Value) -> Result<Self, String> {
+    pub fn from_spec(spec: &serde_json::Value) -> Result<Self, crate::InvalidSpec> {
         let s: Spec = serde_json::from_value(spec.clone()).map_err(|e| e.to_string())?;
         let label = |v: &str| {
             !v.is_empty()
@@ -151,58 +87,51 @@ impl Kubernetes {
                 && v.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
         };
         if !label(&s.component) || !label(&s.namespace) {
-            return Err("component and namespace: DNS labels ([a-z0-9-], 1-63)".into());
+            return Err(crate::InvalidSpec::from("component and namespace: DNS labels ([a-z0-9-], 1-63)"));
         }
         match (&s.kubeconfig, &s.eks) {
             (Some(_), None) => {}
             (None, Some(e)) if !e.cluster.is_empty() && e.server.starts_with("http") => {}
-            (None, Some(_)) => return Err("eks: cluster and an https:// server are required".into()),
-            _ => return Err("exactly one of kubeconfig or eks".into()),
+            (None, Some(_)) => {
+                return Err(crate::InvalidSpec::from("eks: cluster and an https:// server are required"));
+            }
+            _ => return Err(crate::InvalidSpec::from("exactly one of kubeconfig or eks")),
         }
         let mut manifests = s.manifests.clone();
         if let Some(y) = &s.manifests_yaml {
-            manifests.extend(crate::helm::parse_manifests(y)?);
+            manifests.extend(crate::tool::parse_manifests(y)?);
         }
-        if manifests.is_empty() && s.action == Action::Apply {
-            return Err("apply needs manifests".into());
-        }
-        let mut objects = Vec::new();
-        for (i, m) in manifests.into_iter().enumerate() {
-            let get = |k: &str| m.get(k).and_then(|v| v.as_str()).map(str::to_string);
-            let (Some(api_version), Some(kind)) = (get("apiVersion"), get("kind")) else {
-                return Err(format!("manifest {}: apiVersion and kind are required", i + 1));
-            };
-            let Some(name) = m["metadata"]["name"].as_str().map(str::to_string) else {
-                return Err(format!("manifest {} ({kind}): metadata.name is required", i + 1));
-            };
-            let namespace = if CLUSTER_SCOPED.contains(&kind.as_str()) {
-                None
-            } else {
-                Some(m["metadata"]["namespace"].as_str().unwrap_or(&s.namespace).to_string())
-            };
-            let r = ObjRef { api_version, kind, namespace, name };
-            if objects.iter().any(|(o, _)| *o == r) {
-                return Err(format!("{} appears twice", r.display()));
+        let bundle = match &s.bundle {
+            Some(_) if !manifests.is_empty() => {
+                return Err(crate::InvalidSpec::from(
+                    "name the manifests by digest (bundle) or inline (manifests), not both",
+                ));
             }
-            // The namespace it will land in, before policy sees it (addresses match).
-            let mut m = m;
-            if let Some(ns) = &r.namespace {
-                m["metadata"]["namespace"] = ns.clone().into();
-            }
-            objects.push((r, m));
+            Some(b) => Some(crate::artifact::parse_reference("bundle", b)?),
+            None => None,
+        };
+        if manifests.is_empty() && bundle.is_none() && s.action == Action::Apply {
+            return Err(crate::InvalidSpec::from(
+                "apply needs manifests (bundle, manifests or manifests_yaml)",
+            ));
         }
-        Ok(Kubernetes { spec: s, objects })
+        let objects = objects_of(manifests, &s.namespace)?;
+        Ok(Kubernetes { spec: s, objects, bundle })
     }
 
     /// The job's kubeconfig, or one for the EKS cluster with a token signed by the
     /// job's role session (`aws eks get-token`).
-    fn kubeconfig(&self, ctx: &ExecContext<'_>) -> Result<String, String> {
+    fn kubeconfig(&self, ctx: &ExecContext<'_>) -> Result<String, crate::eks::ClusterAccessError> {
         if let Some(k) = &self.spec.kubeconfig {
             return Ok(k.clone());
         }
         let Some(eks) = &self.spec.eks else { return Err("no cluster credentials".into()) };
-        let env =
-            &ctx.credentials.as_ref().ok_or("eks needs the job's role (set requested_role)")?.static_env;
+        let env = &ctx
+            .settings
+            .credentials
+            .as_ref()
+            .ok_or("eks needs the job's role (set requested_role)")?
+            .static_env;
         let get = |k: &str| env.iter().find(|(n, _)| n == k).map(|(_, v)| v.as_str());
         let (Some(ak), Some(sk), Some(region)) =
             (get("AWS_ACCESS_KEY_ID"), get("AWS_SECRET_ACCESS_KEY"), get("AWS_REGION"))
@@ -231,21 +160,44 @@ impl Kubernetes {
     }
 }
 
-fn api(client: &kube::Client, r: &ObjRef) -> Api<DynamicObject> {
-    let ar = r.api_resource();
-    match &r.namespace {
-        Some(ns) => Api::namespaced_with(client.clone(), ns, &ar),
-        None => Api::all_with(client.clone(), &ar),
-    }
-}
-
-fn is_not_found(e: &kube::Error) -> bool {
-    matches!(e, kube::Error::Api(s) if s.code == 404)
-}
-
 impl Kubernetes {
+    /// A bundle by digest is fetched, verified and read first; then the deploy.
     async fn go(&self, ctx: &mut ExecContext<'_>) -> ExecOutcome {
-        let failed = crate::terraform::failed;
+        let Some(reference) = &self.bundle else { return self.deploy(ctx).await };
+        let failed = |code: &str, why: String| {
+            crate::tool::failed(code, why, serde_json::json!({"bundle": reference.to_string()}))
+        };
+        let fetched = match crate::artifact::fetch(&ctx.settings, reference).await {
+            Ok(f) => f,
+            Err(e) => {
+                let _ = ctx.output.write(format!("[kubernetes] bundle {reference}: {e}\n").as_bytes());
+                return failed(&e.code(), e.to_string());
+            }
+        };
+        let manifests = match read_bundle(&fetched.tree) {
+            Ok(m) => m,
+            Err(e) => return failed("artifact_invalid", format!("bundle {reference}: {e}")),
+        };
+        let objects = match objects_of(manifests, &self.spec.namespace) {
+            Ok(o) if !o.is_empty() || self.spec.action == Action::Delete => o,
+            Ok(_) => return failed("artifact_invalid", format!("bundle {reference}: no manifests in it")),
+            Err(e) => return failed("invalid_spec", format!("bundle {reference}: {e}")),
+        };
+        let _ = ctx.output.write(
+            format!(
+                "[kubernetes] bundle {reference}: {} objects{}\n",
+                objects.len(),
+                if fetched.cached { " (cached)" } else { ", fetched and verified" }
+            )
+            .as_bytes(),
+        );
+        ctx.settings.artifact = Some(fetched.digest.to_string());
+        let resolved = Kubernetes { spec: self.spec.clone(), objects, bundle: None };
+        resolved.deploy(ctx).await
+    }
+
+    async fn deploy(&self, ctx: &mut ExecContext<'_>) -> ExecOutcome {
+        let failed = crate::tool::failed;
         // Policy first: nothing reaches the cluster before the decision.
         let mut decided = serde_json::Value::Null;
         if self.spec.action == Action::Apply {
@@ -260,7 +212,9 @@ impl Kubernetes {
             };
             let d = match crate::policy_gate::decide(ctx, subject, &bytes).await {
                 Ok(d) => d,
-                Err(e) => return failed(crate::policy_gate::UNAVAILABLE, e, serde_json::Value::Null),
+                Err(e) => {
+                    return failed(crate::policy_gate::UNAVAILABLE, e.to_string(), serde_json::Value::Null);
+                }
             };
             decided = serde_json::json!({"verdict": d.verdict, "manifests_digest": d.input_digest});
             if d.verdict == byoc_policy::Verdict::Deny {
@@ -271,20 +225,30 @@ impl Kubernetes {
                 );
             }
         }
+        if ctx.settings.decide_only {
+            let _ =
+                ctx.output.write(b"[kubernetes] stopping after the decision: nothing sent to the cluster\n");
+            return ExecOutcome {
+                status: JobStatus::Succeeded,
+                exit_code: Some(0),
+                error: None,
+                outputs: decided,
+            };
+        }
         let kubeconfig = match self.kubeconfig(ctx) {
             Ok(k) => k,
-            Err(e) => return failed("cluster_credentials", e, decided),
+            Err(e) => return failed("cluster_credentials", e.0, decided),
         };
         let client = match client(&kubeconfig).await {
             Ok(c) => c,
-            Err(e) => return failed("cluster_unreachable", e, decided),
+            Err(e) => return failed("cluster_unreachable", e.0, decided),
         };
         // Readiness is waited for up to wait_secs (and never past the job's timeout).
-        let deadline = Instant::now() + ctx.timeout.min(Duration::from_secs(self.spec.wait_secs));
-        let cancel = ctx.cancel.clone();
+        let deadline = Instant::now() + ctx.settings.timeout.min(Duration::from_secs(self.spec.wait_secs));
+        let cancel = ctx.settings.cancel.clone();
         // The app's cluster policies: kept in step by every apply, removed when the
         // sandbox is deprovisioned.
-        let cluster = ctx.policy.as_ref().map(|p| (p.cluster_policies.clone(), p.operation.clone()));
+        let cluster = ctx.settings.policy.as_ref().map(|p| (p.cluster_policies.clone(), p.operation.clone()));
         let work = async {
             let mut out = match self.spec.action {
                 Action::Apply => self.apply(ctx, &client, deadline).await?,
@@ -510,171 +474,100 @@ async fn review_deletions(
     };
     let d = crate::policy_gate::decide(ctx, subject, &bytes)
         .await
-        .map_err(|e| (crate::policy_gate::UNAVAILABLE, e))?;
+        .map_err(|e| (crate::policy_gate::UNAVAILABLE, e.to_string()))?;
     if d.verdict == byoc_policy::Verdict::Deny {
         return Err(("policy_denied", format!("policy denied deleting: {}", d.denials().join(", "))));
     }
     Ok(())
 }
 
-/// The inventory ConfigMap of the app's cluster policies.
-fn cluster_inventory_ref() -> ObjRef {
-    ObjRef {
-        api_version: "v1".into(),
-        kind: "ConfigMap".into(),
-        namespace: Some(CLUSTER_POLICY_NAMESPACE.into()),
-        name: CLUSTER_POLICY_INVENTORY.into(),
+/// Every manifest's identity (namespaced ones in `namespace` unless they name their
+/// own, so policy sees the addresses they will have); no object twice.
+fn objects_of(
+    manifests: Vec<serde_json::Value>,
+    namespace: &str,
+) -> Result<Vec<(ObjRef, serde_json::Value)>, crate::InvalidSpec> {
+    let mut objects = Vec::new();
+    for (i, m) in manifests.into_iter().enumerate() {
+        let get = |k: &str| m.get(k).and_then(|v| v.as_str()).map(str::to_string);
+        let (Some(api_version), Some(kind)) = (get("apiVersion"), get("kind")) else {
+            return Err(crate::InvalidSpec::from(format!(
+                "manifest {}: apiVersion and kind are required",
+                i + 1
+            )));
+        };
+        let Some(name) = m["metadata"]["name"].as_str().map(str::to_string) else {
+            return Err(crate::InvalidSpec::from(format!(
+                "manifest {} ({kind}): metadata.name is required",
+                i + 1
+            )));
+        };
+        let namespace = if CLUSTER_SCOPED.contains(&kind.as_str()) {
+            None
+        } else {
+            Some(m["metadata"]["namespace"].as_str().unwrap_or(namespace).to_string())
+        };
+        let r = ObjRef { api_version, kind, namespace, name };
+        if objects.iter().any(|(o, _)| *o == r) {
+            return Err(crate::InvalidSpec::from(format!("{} appears twice", r.display())));
+        }
+        // The namespace it will land in, before policy sees it (addresses match).
+        let mut m = m;
+        if let Some(ns) = &r.namespace {
+            m["metadata"]["namespace"] = ns.clone().into();
+        }
+        objects.push((r, m));
     }
+    Ok(objects)
 }
 
-/// Apply the app's cluster policies (Kyverno objects) with our field manager, prune the
-/// ones no longer declared, and record them in their inventory with the digest of what
-/// was applied; skip all of it when nothing changed. With `remove`, delete every one
-/// the inventory records. Audited with each policy's digest.
-async fn sync_cluster_policies(
-    ctx: &mut ExecContext<'_>,
-    client: &kube::Client,
-    policies: &[(String, String)],
-    remove: bool,
-) -> Result<serde_json::Value, (&'static str, String)> {
-    use sha2::Digest as _;
-    let inv = cluster_inventory_ref();
-    let cms: Api<DynamicObject> = api(client, &inv);
-    let existing = cms
-        .get_opt(CLUSTER_POLICY_INVENTORY)
-        .await
-        .map_err(|e| ("cluster_error", format!("reading the cluster policies' inventory: {e}")))?;
-    if existing.is_none() && policies.is_empty() {
-        return Ok(serde_json::json!({"applied": [], "pruned": []}));
+/// Every `.yaml`, `.yml` and `.json` file of an unpacked bundle, in path order, as
+/// manifests (several YAML documents to a file, a JSON object, array or List).
+fn read_bundle(tree: &std::path::Path) -> Result<Vec<serde_json::Value>, crate::tool::InvalidManifests> {
+    fn walk(dir: &std::path::Path, out: &mut Vec<std::path::PathBuf>) -> std::io::Result<()> {
+        for entry in std::fs::read_dir(dir)? {
+            let entry = entry?;
+            let kind = entry.file_type()?;
+            if kind.is_dir() {
+                walk(&entry.path(), out)?;
+            } else if kind.is_file() {
+                out.push(entry.path());
+            }
+        }
+        Ok(())
     }
-    let previous: Vec<ObjRef> = existing
-        .as_ref()
-        .map(|cm| {
-            cm.data["data"]["objects"].as_str().unwrap_or("").lines().filter_map(ObjRef::decode).collect()
-        })
-        .unwrap_or_default();
-    let stored_digest = existing
-        .as_ref()
-        .and_then(|cm| cm.metadata.annotations.as_ref()?.get(DIGEST_ANNOTATION).cloned())
-        .unwrap_or_default();
-    let mut objects: Vec<(ObjRef, serde_json::Value)> = Vec::new();
-    let mut digests = std::collections::BTreeMap::new();
-    let mut all = sha2::Sha256::new();
-    if !remove {
-        for (name, yaml) in policies {
-            let digest = format!("sha256:{}", hex::encode(sha2::Sha256::digest(yaml.as_bytes())));
-            all.update(name.as_bytes());
-            all.update(digest.as_bytes());
-            digests.insert(format!("policy:{name}"), digest);
-            for m in
-                crate::helm::parse_manifests(yaml).map_err(|e| ("invalid_spec", format!("{name}: {e}")))?
-            {
-                let get = |k: &str| m.get(k).and_then(|v| v.as_str()).map(str::to_string);
-                let (Some(api_version), Some(kind), Some(obj_name)) =
-                    (get("apiVersion"), get("kind"), m["metadata"]["name"].as_str().map(str::to_string))
-                else {
-                    return Err((
-                        "invalid_spec",
-                        format!("{name}: every object needs apiVersion, kind and metadata.name"),
-                    ));
-                };
-                let namespace = (!CLUSTER_SCOPED.contains(&kind.as_str()))
-                    .then(|| m["metadata"]["namespace"].as_str().unwrap_or("default").to_string());
-                objects.push((ObjRef { api_version, kind, namespace, name: obj_name }, m));
+    let mut files = Vec::new();
+    let bad = crate::tool::InvalidManifests;
+    walk(tree, &mut files).map_err(|e| bad(format!("reading the bundle: {e}")))?;
+    files.retain(|p| p.extension().is_some_and(|e| e == "yaml" || e == "yml" || e == "json"));
+    files.sort();
+    let mut manifests = Vec::new();
+    for f in files {
+        let rel = f.strip_prefix(tree).unwrap_or(&f).display().to_string();
+        let text = std::fs::read_to_string(&f).map_err(|e| bad(format!("{rel}: {e}")))?;
+        let docs = match serde_json::from_str::<serde_json::Value>(&text) {
+            Ok(serde_json::Value::Array(items)) => items,
+            Ok(one @ serde_json::Value::Object(_)) => vec![one],
+            _ => crate::tool::parse_manifests(&text).map_err(|e| bad(format!("{rel}: {e}")))?,
+        };
+        for m in docs {
+            match m.get("items").and_then(|i| i.as_array()) {
+                Some(items) if m["kind"].as_str().is_some_and(|k| k.ends_with("List")) => {
+                    manifests.extend(items.iter().cloned())
+                }
+                _ => manifests.push(m),
             }
         }
     }
-    let digest = format!("sha256:{}", hex::encode(all.finalize()));
-    let current: BTreeSet<&ObjRef> = objects.iter().map(|(r, _)| r).collect();
-    if !remove && digest == stored_digest && previous.iter().collect::<BTreeSet<_>>() == current {
-        return Ok(serde_json::json!({"unchanged": digest}));
-    }
-    let pp = PatchParams::apply(FIELD_MANAGER).force();
-    let mut applied = Vec::new();
-    for (r, m) in &objects {
-        api(client, r)
-            .patch(&r.name, &pp, &Patch::Apply(m))
-            .await
-            .map_err(|e| ("apply_failed", format!("applying cluster policy {}: {e}", r.display())))?;
-        let _ = ctx.output.write(format!("[kubernetes] applied cluster policy {}\n", r.display()).as_bytes());
-        applied.push(r.display());
-    }
-    let mut pruned = Vec::new();
-    for r in previous.iter().filter(|r| !current.contains(r)) {
-        match api(client, r).delete(&r.name, &DeleteParams::background()).await {
-            Ok(_) => {}
-            Err(e) if is_not_found(&e) => {}
-            Err(e) => return Err(("prune_failed", format!("removing cluster policy {}: {e}", r.display()))),
-        }
-        let _ = ctx.output.write(format!("[kubernetes] removed cluster policy {}\n", r.display()).as_bytes());
-        pruned.push(r.display());
-    }
-    if remove {
-        match cms.delete(CLUSTER_POLICY_INVENTORY, &DeleteParams::background()).await {
-            Ok(_) => {}
-            Err(e) if is_not_found(&e) => {}
-            Err(e) => {
-                return Err(("delete_failed", format!("deleting the cluster policies' inventory: {e}")));
-            }
-        }
-    } else {
-        let lines: Vec<String> = objects.iter().map(|(r, _)| r.encode()).collect();
-        let cm = serde_json::json!({
-            "apiVersion": "v1", "kind": "ConfigMap",
-            "metadata": {"name": CLUSTER_POLICY_INVENTORY, "namespace": CLUSTER_POLICY_NAMESPACE,
-                         "labels": {"app.kubernetes.io/managed-by": FIELD_MANAGER},
-                         "annotations": {DIGEST_ANNOTATION: digest}},
-            "data": {"objects": lines.join("\n")}
-        });
-        cms.patch(CLUSTER_POLICY_INVENTORY, &pp, &Patch::Apply(&cm))
-            .await
-            .map_err(|e| ("apply_failed", format!("writing the cluster policies' inventory: {e}")))?;
-    }
-    if let Some(audit) = &ctx.audit {
-        let event = if remove { "cluster_policies_removed" } else { "cluster_policies_applied" };
-        let detail = format!("applied [{}], removed [{}]", applied.join(", "), pruned.join(", "));
-        if let Err(e) = audit.record(event, detail, digests) {
-            tracing::error!(error = %e, "could not audit the cluster policies");
-        }
-    }
-    Ok(serde_json::json!({"applied": applied, "pruned": pruned}))
+    Ok(manifests)
 }
 
-/// Ready, not yet, or failed (with why).
-fn readiness(kind: &str, o: &DynamicObject) -> Result<bool, String> {
-    let s = &o.data["status"];
-    let spec = &o.data["spec"];
-    let n = |v: &serde_json::Value| v.as_i64().unwrap_or(0);
-    let generation = o.metadata.generation.unwrap_or(0);
-    match kind {
-        "Deployment" => {
-            let want = spec["replicas"].as_i64().unwrap_or(1);
-            Ok(n(&s["observedGeneration"]) >= generation
-                && n(&s["updatedReplicas"]) >= want
-                && n(&s["availableReplicas"]) >= want)
-        }
-        "StatefulSet" => {
-            let want = spec["replicas"].as_i64().unwrap_or(1);
-            Ok(n(&s["observedGeneration"]) >= generation
-                && n(&s["readyReplicas"]) >= want
-                && n(&s["updatedReplicas"]) >= want)
-        }
-        "Job" => {
-            if n(&s["failed"]) > spec["backoffLimit"].as_i64().unwrap_or(6) {
-                return Err(format!("{} pods failed", n(&s["failed"])));
-            }
-            Ok(n(&s["succeeded"]) >= spec["completions"].as_i64().unwrap_or(1))
-        }
-        _ => Ok(true),
-    }
-}
-
-async fn client(kubeconfig: &str) -> Result<kube::Client, String> {
+async fn client(kubeconfig: &str) -> Result<kube::Client, crate::eks::ClusterAccessError> {
     let kc = kube::config::Kubeconfig::from_yaml(kubeconfig).map_err(|e| format!("kubeconfig: {e}"))?;
     let config = kube::Config::from_custom_kubeconfig(kc, &kube::config::KubeConfigOptions::default())
         .await
         .map_err(|e| format!("kubeconfig: {e}"))?;
-    kube::Client::try_from(config).map_err(|e| format!("cluster client: {e}"))
+    kube::Client::try_from(config).map_err(|e| crate::eks::ClusterAccessError(format!("cluster client: {e}")))
 }
 
 impl Executor for Kubernetes {
@@ -694,42 +587,5 @@ impl Executor for Kubernetes {
             .filter(|v| v.len() >= 16 && !v.starts_with("http"))
             .map(|v| v.as_bytes().to_vec())
             .collect()
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn plurals_follow_the_built_in_resources() {
-        for (k, p) in [
-            ("Deployment", "deployments"),
-            ("Ingress", "ingresses"),
-            ("NetworkPolicy", "networkpolicies"),
-            ("ConfigMap", "configmaps"),
-            ("Gateway", "gateways"),
-            ("StorageClass", "storageclasses"),
-        ] {
-            assert_eq!(plural(k), p);
-        }
-    }
-
-    #[test]
-    fn inventory_entries_round_trip() {
-        let r = ObjRef {
-            api_version: "apps/v1".into(),
-            kind: "Deployment".into(),
-            namespace: Some("acme".into()),
-            name: "api".into(),
-        };
-        assert_eq!(ObjRef::decode(&r.encode()), Some(r));
-        let c = ObjRef {
-            api_version: "v1".into(),
-            kind: "Namespace".into(),
-            namespace: None,
-            name: "acme".into(),
-        };
-        assert_eq!(ObjRef::decode(&c.encode()), Some(c));
     }
 }

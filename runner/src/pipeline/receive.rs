@@ -1,4 +1,4 @@
-//! Stage 1: a delivery as it came off the wire. Nothing in it is trusted yet.
+//! Stage 1, receive: a delivery as it came off the wire. Nothing in it is trusted yet.
 
 use std::time::Instant;
 

@@ -1,0 +1,365 @@
+//! `byoc-runner sandbox-exec`: builds the job's sandbox and execs the job.
+//!
+//! Three processes, so that every namespace has an owner outside it and the job's
+//! whole tree dies with it:
+//!
+//! ```text
+//! helper (runner's namespaces) ── clone(NEWUSER|NEWNS|NEWPID|NEWIPC|NEWUTS|NEWNET) ──▶ init (pid 1)
+//!   writes init's uid/gid maps,                                                  sets the job's routes and rules,
+//!   starts the user-mode network stack                                           hands the runner its sockets,
+//!   (slirp4netns) for init's namespace,                                          mounts the new root,
+//!   relays signals, exits with the job's status                                  forks the job, reaps,
+//!                                                                                relays signals, exits
+//!                                                                                with the job's status
+//! ```
+//!
+//! When init exits the kernel kills everything left in the pid namespace, so nothing
+//! of the job survives it; `PR_SET_PDEATHSIG` ties helper to the runner and init to
+//! the helper, so not even a `kill -9` of the runner leaves a job behind.
+//!
+//! The steps run in this order, and the order matters (each comment says why).
+
+use std::ffi::CString;
+use std::io::Read as _;
+use std::os::fd::{AsRawFd as _, OwnedFd};
+use std::path::PathBuf;
+
+use nix::sched::CloneFlags;
+use nix::sys::signal::{SigSet, SigmaskHow, Signal, kill, sigprocmask};
+use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
+use nix::unistd::{Gid, Pid, Uid};
+
+mod error;
+mod net;
+mod root;
+
+pub use self::error::SetupError;
+use self::error::StepExt as _;
+use self::net::{blocked_ranges, configure_user_mode, hand_over, start_user_mode_stack};
+use self::root::build_root;
+use crate::net::Cidr;
+use crate::netlink::Netlink;
+use crate::spec::{
+    HANDOVER_FD, MAX_SPEC_BYTES, NetworkSpec, SANDBOX_INNER_ID, SANDBOX_WORK_DIR, SandboxSpec,
+};
+use crate::sys;
+
+/// Exit code when the sandbox could not be built (as container runtimes use).
+pub const EXIT_SANDBOX_FAILED: i32 = 125;
+/// Exit code when the job's program could not be executed.
+pub const EXIT_EXEC_FAILED: i32 = 127;
+/// Exit code when the job's network boundary could not be built (nothing ran).
+pub const EXIT_NETWORK_FAILED: i32 = 122;
+/// Priority of the `prohibit` rules: ahead of the main table (32766).
+const PROHIBIT_PRIORITY: u32 = 100;
+
+const RELAYED: &[Signal] = &[Signal::SIGINT, Signal::SIGTERM, Signal::SIGHUP, Signal::SIGQUIT];
+
+pub fn sandbox_exec_main() -> i32 {
+    match helper() {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("sandbox: {e}");
+            e.exit_code()
+        }
+    }
+}
+
+fn helper() -> Result<i32, SetupError> {
+    // 1. The spec arrives on stdin; afterwards stdin is /dev/null, so the job can read
+    //    nothing the runner wrote.
+    let spec = read_spec()?;
+    // 2. Die with the runner: a kill -9 of the daemon takes the sandbox with it.
+    nix::sys::prctl::set_pdeathsig(Signal::SIGKILL).step("PR_SET_PDEATHSIG")?;
+    if nix::unistd::getppid() == Pid::from_raw(1) {
+        return Err(SetupError::Refused("the runner exited before the sandbox started".into()));
+    }
+    // 3. Nothing the runner had open (sockets, journal, keys) may leak in; only the
+    //    hand-over channel stays, close-on-exec so the network stack does not get it.
+    let user_mode = match &spec.network {
+        NetworkSpec::UserMode(net) => Some(net.clone()),
+        _ => None,
+    };
+    let wants_handover = user_mode.as_ref().is_some_and(|n| n.handover);
+    sys::close_fds_from(if wants_handover { HANDOVER_FD as u32 + 1 } else { HANDOVER_FD as u32 })
+        .step("closing inherited descriptors")?;
+    let mut channel = if wants_handover {
+        Some(sys::take_handover_fd(HANDOVER_FD).step("the hand-over channel")?)
+    } else {
+        None
+    };
+    // 4. Join the job's cgroup first, so every process of the job is counted and limited.
+    let pid = std::process::id().to_string();
+    for procs in &spec.cgroup_procs {
+        std::fs::write(procs, &pid).step(format!("joining cgroup {}", procs.display()))?;
+    }
+    // The ranges the job may never reach, with this host's own addresses, which only
+    // the helper (still in the runner's namespace) can list.
+    let blocked = match &user_mode {
+        Some(net) => Some(blocked_ranges(net)?),
+        None => None,
+    };
+    // 5. Signals are handled synchronously (sigwait) by helper and init; block them
+    //    before the clone so none is lost in between. The job unblocks them.
+    let mut mask = SigSet::empty();
+    for s in RELAYED.iter().chain([&Signal::SIGCHLD]) {
+        mask.add(*s);
+    }
+    sigprocmask(SigmaskHow::SIG_BLOCK, Some(&mask), None).step("blocking signals")?;
+    // 6. New namespaces. init waits on the pipe until its id maps exist.
+    //    Close-on-exec: the network stack the helper starts must not hold init's pipe.
+    let (ready_r, ready_w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).step("pipe")?;
+    let mut flags = CloneFlags::CLONE_NEWUSER
+        | CloneFlags::CLONE_NEWNS
+        | CloneFlags::CLONE_NEWPID
+        | CloneFlags::CLONE_NEWIPC
+        | CloneFlags::CLONE_NEWUTS;
+    if !matches!(spec.network, NetworkSpec::SharedWithHost) {
+        flags |= CloneFlags::CLONE_NEWNET;
+    }
+    let root_mode = nix::unistd::geteuid().is_root();
+    let write_end = ready_w.as_raw_fd();
+    let child = sys::clone_with(
+        flags,
+        Box::new(|| {
+            sys::close_raw(write_end);
+            match init(&spec, &ready_r, root_mode, blocked.as_deref(), channel.take()) {
+                Ok(code) => code as isize,
+                Err(e) => {
+                    eprintln!("sandbox: {e}");
+                    e.exit_code() as isize
+                }
+            }
+        }),
+    )
+    .step("creating namespaces (clone; are unprivileged user namespaces allowed?)")?;
+    drop(ready_r);
+    // init has its own copy of the hand-over channel; ours would only keep the runner
+    // from seeing it close should init fail before sending.
+    drop(channel.take());
+    // 7. Map ids: as root, inner 0 (setup only) and inner 1000 → the unprivileged host
+    //    uid the job runs as; otherwise the only possible map, inner 0 → our own uid.
+    if let Err(e) = write_id_maps(child, root_mode, &spec) {
+        let _ = kill(child, Signal::SIGKILL);
+        return Err(e);
+    }
+    // init builds the job's root while the network comes up (the stack takes a few
+    // milliseconds to start): release it now, and again once the network is up.
+    nix::unistd::write(&ready_w, b"1").step("releasing the sandbox init")?;
+    // 7b. The job's way out: the user-mode stack joins init's namespaces and brings up
+    //     its interface. It lives as long as this helper (its exit descriptor closes
+    //     when we exit) and sits in the job's cgroup.
+    let _stack = match &user_mode {
+        Some(net) => match start_user_mode_stack(child, net) {
+            Ok(stack) => {
+                nix::unistd::write(&ready_w, b"2").step("releasing the sandbox init")?;
+                Some(stack)
+            }
+            Err(e) => {
+                let _ = kill(child, Signal::SIGKILL);
+                return Err(SetupError::Network(Box::new(e)));
+            }
+        },
+        None => None,
+    };
+    drop(ready_w);
+    // 8. Relay stop signals to init and exit with its status.
+    supervise(child, &mask, |sig| {
+        let _ = kill(child, sig);
+    })
+}
+
+fn read_spec() -> Result<SandboxSpec, SetupError> {
+    let mut buf = Vec::new();
+    std::io::stdin().take(MAX_SPEC_BYTES + 1).read_to_end(&mut buf).step("reading the sandbox spec")?;
+    if buf.len() as u64 > MAX_SPEC_BYTES {
+        return Err(SetupError::Refused("sandbox spec too large".into()));
+    }
+    let spec: SandboxSpec = serde_json::from_slice(&buf).step("sandbox spec")?;
+    let null = std::fs::File::open("/dev/null").step("opening /dev/null")?;
+    nix::unistd::dup2_stdin(&null).step("redirecting stdin")?;
+    if spec.argv.is_empty() || !spec.argv[0].starts_with('/') {
+        return Err(SetupError::Refused("sandbox spec: argv[0] must be an absolute path".into()));
+    }
+    Ok(spec)
+}
+
+fn write_id_maps(child: Pid, root_mode: bool, spec: &SandboxSpec) -> Result<(), SetupError> {
+    let proc_dir = PathBuf::from(format!("/proc/{child}"));
+    let write = |file: &str, text: String| {
+        std::fs::write(proc_dir.join(file), &text).step(format!("writing {file} ({})", text.trim()))
+    };
+    if root_mode {
+        write("uid_map", format!("0 0 1\n{SANDBOX_INNER_ID} {} 1\n", spec.host_uid))?;
+        write("gid_map", format!("0 0 1\n{SANDBOX_INNER_ID} {} 1\n", spec.host_gid))?;
+    } else {
+        write("setgroups", "deny".into())?;
+        write("uid_map", format!("0 {} 1\n", nix::unistd::geteuid()))?;
+        write("gid_map", format!("0 {} 1\n", nix::unistd::getegid()))?;
+    }
+    Ok(())
+}
+
+/// Wait for `child`, calling `relay` for each stop signal; return its exit status
+/// (128 + signal when it was killed, as a shell reports it).
+fn supervise(child: Pid, mask: &SigSet, mut relay: impl FnMut(Signal)) -> Result<i32, SetupError> {
+    loop {
+        let sig = mask.wait().step("waiting for signals")?;
+        if sig != Signal::SIGCHLD {
+            relay(sig);
+            continue;
+        }
+        loop {
+            match waitpid(Pid::from_raw(-1), Some(WaitPidFlag::WNOHANG)) {
+                Ok(WaitStatus::Exited(pid, code)) if pid == child => return Ok(code),
+                Ok(WaitStatus::Signaled(pid, sig, _)) if pid == child => return Ok(128 + sig as i32),
+                Ok(WaitStatus::StillAlive) | Err(_) => break,
+                Ok(_) => continue,
+            }
+        }
+    }
+}
+
+/// pid 1 of the sandbox.
+fn init(
+    spec: &SandboxSpec,
+    ready: &OwnedFd,
+    root_mode: bool,
+    blocked: Option<&[Cidr]>,
+    channel: Option<OwnedFd>,
+) -> Result<i32, SetupError> {
+    // If the helper dies, init dies, and with it the whole pid namespace.
+    nix::sys::prctl::set_pdeathsig(Signal::SIGKILL).step("PR_SET_PDEATHSIG")?;
+    let mut b = [0u8; 1];
+    match nix::unistd::read(ready, &mut b) {
+        Ok(1) => {}
+        _ => return Err(SetupError::Refused("the helper did not map our ids".into())),
+    }
+    // The root first: it does not need the network, which the helper is bringing up
+    // meanwhile.
+    build_root(spec)?;
+    // The network boundary is complete before anything of the job exists: routes and
+    // rules are set by init, which still holds capabilities in the job's namespaces;
+    // the job holds none and cannot change them.
+    match &spec.network {
+        NetworkSpec::UserMode(net) => {
+            match nix::unistd::read(ready, &mut b) {
+                Ok(1) if b[0] == b'2' => {}
+                _ => {
+                    let why = SetupError::Refused("the user-mode network stack did not come up".into());
+                    return Err(SetupError::Network(Box::new(why)));
+                }
+            }
+            configure_user_mode(net, blocked.unwrap_or_default())
+                .map_err(|e| SetupError::Network(Box::new(e)))?;
+            if let Some(channel) = channel {
+                hand_over(net, channel).map_err(|e| SetupError::Network(Box::new(e)))?;
+            }
+        }
+        NetworkSpec::Off => {
+            // Loopback up, so the job's own local services work; nothing else exists.
+            Netlink::open().and_then(|mut nl| nl.link_up(1)).step("netlink")?;
+        }
+        NetworkSpec::SharedWithHost => {}
+    }
+    nix::unistd::sethostname(&spec.hostname).step("sethostname")?;
+    // Everything the job needs is prepared before the fork, so the job's own steps
+    // are only restrictions.
+    let filters = crate::seccomp::job_filters().step("building the seccomp filter")?;
+    let argv: Vec<CString> = spec.argv.iter().map(|a| cstring(a)).collect::<Result<_, _>>()?;
+    let env: Vec<CString> =
+        spec.env.iter().map(|(k, v)| cstring(&format!("{k}={v}"))).collect::<Result<_, _>>()?;
+    let job = match sys::fork().step("fork")? {
+        sys::Forked::Child => {
+            let e = exec_job(spec, root_mode, &filters, &argv, &env);
+            eprintln!("sandbox: {e}");
+            sys::exit_now(e.exit_code());
+        }
+        sys::Forked::Parent(pid) => pid,
+    };
+    let mut mask = SigSet::empty();
+    for s in RELAYED.iter().chain([&Signal::SIGCHLD]) {
+        mask.add(*s);
+    }
+    // pid 1 reaps every orphan in the namespace; the job's status is the sandbox's.
+    supervise(job, &mask, |sig| {
+        // -1 from pid 1: every process in the namespace but init itself.
+        let _ = kill(Pid::from_raw(-1), sig);
+    })
+}
+
+fn cstring(s: &str) -> Result<CString, SetupError> {
+    CString::new(s).map_err(|_| SetupError::Refused(format!("{s:?} contains a NUL byte")))
+}
+
+/// In the job process: restrictions only, then exec. Returns only on failure.
+fn exec_job(
+    spec: &SandboxSpec,
+    root_mode: bool,
+    filters: &[seccompiler::BpfProgram],
+    argv: &[CString],
+    env: &[CString],
+) -> SetupError {
+    let step = || -> Result<(), SetupError> {
+        // Signals back to normal for the job (the helper and init block them).
+        sigprocmask(SigmaskHow::SIG_SETMASK, Some(&SigSet::empty()), None).step("signal mask")?;
+        nix::unistd::chdir(SANDBOX_WORK_DIR).step(format!("chdir {SANDBOX_WORK_DIR}"))?;
+        use nix::sys::resource::{Resource, getrlimit, setrlimit};
+        let (_, hard) = getrlimit(Resource::RLIMIT_NOFILE).step("getrlimit")?;
+        let nofile = spec.nofile.min(hard);
+        setrlimit(Resource::RLIMIT_NOFILE, nofile, nofile).step("RLIMIT_NOFILE")?;
+        setrlimit(Resource::RLIMIT_CORE, 0, 0).step("RLIMIT_CORE")?;
+        // Capabilities: none now, none by exec as (inner) root, none by ambient raise.
+        caps::clear(None, caps::CapSet::Ambient).step("clearing ambient caps")?;
+        caps::clear(None, caps::CapSet::Inheritable).step("clearing inheritable caps")?;
+        for cap in caps::all() {
+            caps::drop(None, caps::CapSet::Bounding, cap)
+                .step(format!("dropping {cap} from the bounding set"))?;
+        }
+        sys::lock_securebits().step("securebits")?;
+        if root_mode {
+            // A distinct unprivileged uid: inner 1000 is the host's `host_uid`.
+            let id = SANDBOX_INNER_ID;
+            nix::unistd::setgroups(&[]).step("setgroups")?;
+            nix::unistd::setresgid(Gid::from_raw(id), Gid::from_raw(id), Gid::from_raw(id))
+                .step("setresgid")?;
+            nix::unistd::setresuid(Uid::from_raw(id), Uid::from_raw(id), Uid::from_raw(id))
+                .step("setresuid")?;
+        }
+        caps::clear(None, caps::CapSet::Effective).step("clearing effective caps")?;
+        caps::clear(None, caps::CapSet::Permitted).step("clearing permitted caps")?;
+        nix::sys::prctl::set_no_new_privs().step("no_new_privs")?;
+        landlock_rules()?;
+        // Last: after it, the calls above would be refused.
+        crate::seccomp::apply(filters).step("applying the seccomp filter")?;
+        Ok(())
+    };
+    if let Err(e) = step() {
+        return e;
+    }
+    match nix::unistd::execve(&argv[0], argv, env) {
+        Err(source) => SetupError::Exec { program: argv[0].to_string_lossy().into_owned(), source },
+        Ok(never) => match never {},
+    }
+}
+
+/// Landlock (where the kernel has it): read and execute anywhere in the sandbox's
+/// root, write only in the working directory, /tmp and /dev/shm (and to /dev/null).
+fn landlock_rules() -> Result<(), SetupError> {
+    use landlock::{ABI, Access, AccessFs, Ruleset, RulesetAttr, RulesetCreatedAttr, path_beneath_rules};
+    let abi = ABI::V5;
+    Ruleset::default()
+        .handle_access(AccessFs::from_all(abi))
+        .step("landlock")?
+        .create()
+        .step("landlock")?
+        .add_rules(path_beneath_rules(["/"], AccessFs::from_read(abi)))
+        .step("landlock")?
+        .add_rules(path_beneath_rules([SANDBOX_WORK_DIR, "/tmp", "/dev/shm"], AccessFs::from_all(abi)))
+        .step("landlock")?
+        .add_rules(path_beneath_rules(["/dev/null", "/dev/zero", "/dev/full"], AccessFs::from_all(abi)))
+        .step("landlock")?
+        .restrict_self()
+        .step("landlock")?;
+    Ok(())
+}

@@ -1,0 +1,722 @@
+//! `terraform`: plan, decide, apply. The `terraform` CLI runs in the sandbox with the
+//! job's role credentials: `init`, `plan -out`, `show -json` (into a file, never the
+//! job log), the policy decision (audited), then `apply` of exactly that plan file,
+//! checked against its digest right before; `output -json` into the result with
+//! sensitive values masked. A plan-only job keeps its plan for a later job that names
+//! its digest. Destroy is `plan -destroy` through the same gate. The control plane gets
+//! a summary (counts per action, addresses) and digests, not the plan.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use serde::Deserialize;
+use sha2::Digest as _;
+
+use crate::tool::{DEFAULT_PATH, Run, Step, failed, hand_over, safe_relative};
+use crate::{ExecContext, ExecFuture, ExecOutcome, Executor, JobStatus};
+
+pub mod bucket;
+pub mod providers;
+pub mod state;
+
+/// The root module, in the job's working directory.
+pub const MODULE_DIR: &str = "module";
+const PLAN_FILE: &str = "plan.tfplan";
+const PLAN_JSON: &str = "plan.json";
+const OUTPUTS_JSON: &str = "outputs.json";
+const MAX_FILES: usize = 512;
+const MAX_FILES_BYTES: usize = 8 << 20;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+enum Mode {
+    /// Plan, decide, keep the plan for a later apply; nothing changes.
+    Plan,
+    /// Plan (or take a saved plan by digest), decide, apply.
+    Apply,
+    /// `plan -destroy`, decide, apply.
+    Destroy,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Spec {
+    mode: Mode,
+    /// The root module from the install's registry: `<registry>/<repo>@sha256:…` (an
+    /// OCI artifact whose one layer is a tar.gz of the module), synced there first.
+    #[serde(default)]
+    module: Option<String>,
+    /// Or inline, for small modules and tests: relative path → content.
+    #[serde(default)]
+    files: BTreeMap<String, String>,
+    /// A provider mirror from the install's registry, by digest (terraform's
+    /// filesystem-mirror layout as an OCI artifact): its providers come from it and
+    /// never from the network.
+    #[serde(default)]
+    providers: Option<String>,
+    /// Names the saved plans (`[a-z0-9_-]`, e.g. the component).
+    workspace: String,
+    #[serde(default)]
+    vars: BTreeMap<String, String>,
+    /// Passed as TF_VAR_*, masked wherever output goes.
+    #[serde(default)]
+    secret_vars: BTreeMap<String, String>,
+    /// The job's own backend (`-backend-config` pairs for the backend its module
+    /// declares): only where the customer's configuration allows it
+    /// (`[terraform.state] allow_job_backend`); otherwise the state is the customer's
+    /// (their bucket, or local state on the runner) and this is refused.
+    #[serde(default)]
+    backend_config: BTreeMap<String, String>,
+    /// Apply this saved plan (from a plan-only job) instead of planning again.
+    #[serde(default)]
+    plan_digest: Option<String>,
+}
+
+pub struct Terraform {
+    spec: Spec,
+    module: Option<byoc_oci_sync::Reference>,
+    providers: Option<byoc_oci_sync::Reference>,
+}
+
+/// A workspace or plan name (`[a-z0-9_-]`, 1-64): it becomes a directory and a key part.
+pub fn valid_name(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 64
+        && s.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
+}
+
+fn valid_var(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 128
+        && !s.starts_with(|c: char| c.is_ascii_digit())
+        && s.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+}
+
+impl Terraform {
+    pub fn from_spec(spec: &serde_json::Value) -> Result<Self, crate::InvalidSpec> {
+        let s: Spec = serde_json::from_value(spec.clone()).map_err(|e| e.to_string())?;
+        let module = match (&s.module, s.files.is_empty()) {
+            (Some(m), true) => Some(crate::artifact::parse_reference("module", m)?),
+            (Some(_), false) => {
+                return Err(crate::InvalidSpec::from(
+                    "name the module by digest (module) or inline (files), not both",
+                ));
+            }
+            (None, true) => {
+                return Err(crate::InvalidSpec::from(
+                    "the module: module = \"<registry>/<repo>@sha256:…\", or files",
+                ));
+            }
+            (None, false) => None,
+        };
+        if s.files.len() > MAX_FILES {
+            return Err(crate::InvalidSpec::from(format!("files: 1 to {MAX_FILES} files")));
+        }
+        if s.files.values().map(String::len).sum::<usize>() > MAX_FILES_BYTES {
+            return Err(crate::InvalidSpec::from(format!("files: more than {MAX_FILES_BYTES} bytes in all")));
+        }
+        if let Some(bad) = s.files.keys().find(|p| !safe_relative(p)) {
+            return Err(crate::InvalidSpec::from(format!(
+                "files: {bad:?} is not a relative path inside the module"
+            )));
+        }
+        if !valid_name(&s.workspace) {
+            return Err(crate::InvalidSpec::from(format!("workspace {:?}: 1-64 of [a-z0-9_-]", s.workspace)));
+        }
+        if let Some(bad) = s.vars.keys().chain(s.secret_vars.keys()).find(|v| !valid_var(v)) {
+            return Err(crate::InvalidSpec::from(format!("variable name {bad:?} is not valid")));
+        }
+        if let Some(dup) = s.vars.keys().find(|k| s.secret_vars.contains_key(*k)) {
+            return Err(crate::InvalidSpec::from(format!("{dup} is in both vars and secret_vars")));
+        }
+        if let Some((k, _)) = s.secret_vars.iter().find(|(_, v)| v.len() < crate::mask::MIN_SECRET_LEN) {
+            return Err(crate::InvalidSpec::from(format!(
+                "secret_vars {k}: values shorter than {} bytes cannot be masked reliably",
+                crate::mask::MIN_SECRET_LEN
+            )));
+        }
+        match (&s.plan_digest, s.mode) {
+            (Some(d), Mode::Apply) => {
+                let hex = d.strip_prefix("sha256:").unwrap_or("");
+                if hex.len() != 64 || !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
+                    return Err(crate::InvalidSpec::from(format!(
+                        "plan_digest {d:?} is not sha256:<64 hex>"
+                    )));
+                }
+            }
+            (Some(_), _) => return Err(crate::InvalidSpec::from("plan_digest is only for mode = apply")),
+            (None, _) => {}
+        }
+        let providers =
+            s.providers.as_deref().map(|p| crate::artifact::parse_reference("providers", p)).transpose()?;
+        Ok(Terraform { spec: s, module, providers })
+    }
+}
+
+fn sha256_file(p: &Path) -> std::io::Result<String> {
+    let mut f = std::fs::File::open(p)?;
+    let mut h = sha2::Sha256::new();
+    std::io::copy(&mut f, &mut h)?;
+    Ok(format!("sha256:{}", hex::encode(h.finalize())))
+}
+
+/// terraform's own command lines.
+impl Run<'_, '_> {
+    /// Several terraform commands in one sandbox (each sandbox costs tens of ms to build
+    /// and tear down): each announced in the log, the first failure ends the step with
+    /// its exit code. A stop signal lets the running command stop gracefully (it gets
+    /// the signal too; the shell exits after it, running nothing more). `extra` are
+    /// appended, as arguments, to the first command (never interpolated).
+    fn tf_script(&self, commands: &[(&str, String)], extra: &[String]) -> Vec<String> {
+        let mut script = String::from("trap 'exit 130' INT TERM\n");
+        for (i, (label, args)) in commands.iter().enumerate() {
+            let tail = if i == 0 { " \"$@\"" } else { "" };
+            let (args, redirect) = match args.split_once(" > ") {
+                Some((a, file)) => (a, format!(" > {MODULE_DIR}/{file}")),
+                None => (args.as_str(), String::new()),
+            };
+            script.push_str(&format!(
+                "echo '[terraform] {label}'\n\"$0\" -chdir={MODULE_DIR} {args}{tail}{redirect} || exit $?\n"
+            ));
+        }
+        let mut v = vec![
+            "/bin/sh".into(),
+            "-c".into(),
+            script,
+            self.ctx.settings.tools.terraform.display().to_string(),
+        ];
+        v.extend(extra.iter().cloned());
+        v
+    }
+}
+
+/// Counts per action and the addresses: what the control plane may see of a plan.
+fn summary(plan: &serde_json::Value) -> serde_json::Value {
+    let mut counts: BTreeMap<&str, u64> = BTreeMap::new();
+    let mut addresses: BTreeMap<&str, Vec<String>> = BTreeMap::new();
+    for rc in plan["resource_changes"].as_array().map(Vec::as_slice).unwrap_or_default() {
+        let actions: Vec<&str> = rc["change"]["actions"]
+            .as_array()
+            .map(|a| a.iter().filter_map(|x| x.as_str()).collect())
+            .unwrap_or_default();
+        let action = match actions.as_slice() {
+            ["no-op"] => continue,
+            ["create"] => "create",
+            ["update"] => "update",
+            ["delete"] => "delete",
+            ["read"] => "read",
+            [_, _] => "replace",
+            _ => "other",
+        };
+        *counts.entry(action).or_default() += 1;
+        addresses.entry(action).or_default().push(rc["address"].as_str().unwrap_or("").to_string());
+    }
+    serde_json::json!({ "counts": counts, "addresses": addresses })
+}
+
+/// `output -json` with sensitive values replaced.
+fn masked_outputs(raw: &[u8]) -> Result<serde_json::Value, serde_json::Error> {
+    let v: serde_json::Value = serde_json::from_slice(raw)?;
+    let mut out = serde_json::Map::new();
+    for (k, o) in v.as_object().into_iter().flatten() {
+        let value = if o["sensitive"].as_bool().unwrap_or(false) { "***".into() } else { o["value"].clone() };
+        out.insert(k.clone(), value);
+    }
+    Ok(serde_json::Value::Object(out))
+}
+
+impl Terraform {
+    /// The provider mirror by digest, linked into the job's directory, and the CLI
+    /// configuration naming it (its path as the job sees it, `inside`).
+    async fn provider_mirror(
+        &self,
+        ctx: &mut ExecContext<'_>,
+        reference: &byoc_oci_sync::Reference,
+        inside: &Path,
+    ) -> Result<String, ExecOutcome> {
+        let fail = |code: &str, why: String| {
+            failed(code, why, serde_json::json!({"providers": reference.to_string()}))
+        };
+        let fetched = match crate::artifact::fetch(&ctx.settings, reference).await {
+            Ok(f) => f,
+            Err(e) => {
+                let _ = ctx.output.write(format!("[terraform] providers {reference}: {e}\n").as_bytes());
+                return Err(fail(&e.code(), e.to_string()));
+            }
+        };
+        let mirror = ctx.settings.work_dir.join(providers::MIRROR_DIR);
+        providers::link_tree(&fetched.tree, &mirror).map_err(|e| {
+            ExecOutcome::failed(format!("linking the provider mirror into the job's directory: {e}"))
+        })?;
+        let found = providers::addresses(&mirror).unwrap_or_default();
+        if found.is_empty() {
+            return Err(fail(
+                "artifact_invalid",
+                format!(
+                    "providers {reference}: no HOST/NAMESPACE/TYPE directories (terraform's filesystem-mirror layout)"
+                ),
+            ));
+        }
+        let rc = ctx.settings.work_dir.join(providers::CLI_CONFIG);
+        std::fs::write(&rc, providers::cli_config(&inside.join(providers::MIRROR_DIR), &found))
+            .map_err(|e| ExecOutcome::failed(format!("writing the terraform CLI configuration: {e}")))?;
+        if ctx.settings.tools.cli_config_file.is_some() {
+            let _ = ctx.output.write(
+                b"[terraform] the job's provider mirror replaces terraform.cli_config_file for this job\n",
+            );
+        }
+        let _ = ctx.output.write(
+            format!(
+                "[terraform] providers {reference}: {} from the mirror, never the network ({}){}\n",
+                found.join(", "),
+                fetched.digest,
+                if fetched.cached { ", cached" } else { ", fetched and verified" }
+            )
+            .as_bytes(),
+        );
+        Ok(inside.join(providers::CLI_CONFIG).display().to_string())
+    }
+
+    fn saved_plan(&self, plans_dir: &Path, digest: &str) -> PathBuf {
+        plans_dir.join(&self.spec.workspace).join(format!("{}.tfplan", digest.trim_start_matches("sha256:")))
+    }
+
+    async fn go(&self, ctx: &mut ExecContext<'_>) -> ExecOutcome {
+        let Some(policy) = ctx.settings.policy.clone() else {
+            return failed(
+                "policy_unavailable",
+                "no policy context: terraform jobs are decided by policy".into(),
+                serde_json::Value::Null,
+            );
+        };
+        let module = ctx.settings.work_dir.join(MODULE_DIR);
+        if let Some(reference) = &self.module {
+            match crate::artifact::fetch(&ctx.settings, reference).await {
+                Ok(fetched) => {
+                    let _ = ctx.output.write(
+                        format!(
+                            "[terraform] module {reference}: {} files, {} bytes{}\n",
+                            fetched.files,
+                            fetched.bytes,
+                            if fetched.cached { " (cached)" } else { ", fetched and verified" }
+                        )
+                        .as_bytes(),
+                    );
+                    if let Err(e) = crate::artifact::copy_tree(&fetched.tree, &module) {
+                        return ExecOutcome::failed(format!(
+                            "copying the module into the job's directory: {e}"
+                        ));
+                    }
+                    ctx.settings.artifact = Some(fetched.digest.to_string());
+                }
+                Err(e) => {
+                    let _ = ctx.output.write(format!("[terraform] module {reference}: {e}\n").as_bytes());
+                    return failed(
+                        &e.code(),
+                        e.to_string(),
+                        serde_json::json!({"module": reference.to_string()}),
+                    );
+                }
+            }
+        }
+        for (rel, content) in &self.spec.files {
+            let path = module.join(rel);
+            if let Some(parent) = path.parent()
+                && let Err(e) = std::fs::create_dir_all(parent)
+            {
+                return ExecOutcome::failed(format!("writing module file {rel}: {e}"));
+            }
+            if let Err(e) = std::fs::write(&path, content) {
+                return ExecOutcome::failed(format!("writing module file {rel}: {e}"));
+            }
+        }
+        let dir = match &ctx.settings.sandbox {
+            Some(_) => crate::sandboxed::work_dir_inside(),
+            None => ctx.settings.work_dir.clone(),
+        };
+        // The state: never the job's scratch directory.
+        let state_settings = ctx.settings.tools.state.clone();
+        let own_backend = !self.spec.backend_config.is_empty();
+        if own_backend && !state_settings.allow_job_backend {
+            return failed(
+                "backend_not_allowed",
+                "the job names its own terraform backend (backend_config), which this runner's configuration does not allow: its state goes to the install's state bucket or the runner's local state".into(),
+                serde_json::Value::Null,
+            );
+        }
+        let mut local_state = None;
+        if !own_backend {
+            let override_path = module.join(state::OVERRIDE_FILE);
+            let text = state::override_file(&state_settings.backend, &self.spec.workspace);
+            if let Err(e) = std::fs::write(&override_path, text) {
+                return ExecOutcome::failed(format!("writing the backend configuration: {e}"));
+            }
+            if let state::Backend::Local { root } = &state_settings.backend {
+                let held = match state::LocalState::acquire(root, &self.spec.workspace) {
+                    Ok(held) => held,
+                    Err(e) => return failed(e.code(), e.to_string(), serde_json::Value::Null),
+                };
+                if let Err(e) = held.stage(&ctx.settings.work_dir, &module) {
+                    return failed(e.code(), e.to_string(), serde_json::Value::Null);
+                }
+                local_state = Some(held);
+            }
+            let _ = ctx.output.write(
+                format!(
+                    "[terraform] state of workspace {}: {}\n",
+                    self.spec.workspace,
+                    match &state_settings.backend {
+                        state::Backend::Local { .. } => "local, on this runner".to_string(),
+                        state::Backend::S3 { bucket, key_prefix, .. } => format!(
+                            "s3://{bucket}/{}/{}/terraform.tfstate",
+                            key_prefix.trim_matches('/'),
+                            self.spec.workspace
+                        ),
+                    }
+                )
+                .as_bytes(),
+            );
+        }
+        if let Err(e) = hand_over(ctx, &module) {
+            return ExecOutcome::failed(format!("handing the module to the job's uid: {e}"));
+        }
+        let mut env: Vec<(String, String)> = vec![
+            ("PATH".into(), DEFAULT_PATH.into()),
+            ("HOME".into(), dir.display().to_string()),
+            ("BYOC_JOB_ID".into(), ctx.settings.job_id.clone()),
+            ("TF_IN_AUTOMATION".into(), "1".into()),
+            ("TF_INPUT".into(), "0".into()),
+            ("CHECKPOINT_DISABLE".into(), "1".into()),
+        ];
+        match &self.providers {
+            Some(reference) => match self.provider_mirror(ctx, reference, &dir).await {
+                Ok(rc) => env.push(("TF_CLI_CONFIG_FILE".into(), rc)),
+                Err(outcome) => return outcome,
+            },
+            None => {
+                if let Some(f) = &ctx.settings.tools.cli_config_file {
+                    env.push(("TF_CLI_CONFIG_FILE".into(), f.display().to_string()));
+                }
+            }
+        }
+        if let Some(d) = &ctx.settings.tools.plugin_cache_dir {
+            env.push(("TF_PLUGIN_CACHE_DIR".into(), d.display().to_string()));
+        }
+        for (k, v) in self.spec.vars.iter().chain(&self.spec.secret_vars) {
+            env.push((format!("TF_VAR_{k}"), v.clone()));
+        }
+        crate::add_role_env(ctx, &mut env, true);
+        let mut run = Run {
+            tool: "terraform",
+            ctx,
+            started: Instant::now(),
+            env,
+            watch: Some("Error acquiring the state lock"),
+            seen: false,
+        };
+        let mut outcome = match self.steps(&mut run, &policy, &module, local_state.is_some()).await {
+            Ok(o) | Err(o) => o,
+        };
+        if run.seen && outcome.status != JobStatus::Succeeded {
+            // Another holder, or a lock a killed runner left in the state bucket.
+            outcome = failed(
+                "state_locked",
+                format!(
+                    "workspace {:?}'s state is locked by another terraform run (its lock ID is in the job log); if none is running, \
+                     remove the stale lock: `byoc-runner state unlock {} LOCK_ID` on the runner (audited)",
+                    self.spec.workspace, self.spec.workspace
+                ),
+                outcome.outputs,
+            );
+        }
+        // Whatever happened: what terraform wrote is the truth about what exists.
+        if let Some(held) = &local_state {
+            match held.keep(&module) {
+                Ok(serial) => {
+                    if let (Some(serial), Some(o)) = (serial, outcome.outputs.as_object_mut()) {
+                        o.insert("state_serial".into(), serial.into());
+                    }
+                }
+                Err(e) => {
+                    run.log(&format!("[terraform] keeping the state failed: {e}\n"));
+                    if outcome.status == JobStatus::Succeeded {
+                        outcome = failed(e.code(), e.to_string(), outcome.outputs);
+                    }
+                }
+            }
+        }
+        outcome
+    }
+
+    async fn steps(
+        &self,
+        run: &mut Run<'_, '_>,
+        policy: &crate::PolicyScope,
+        module: &Path,
+        state_beside_module: bool,
+    ) -> Step<ExecOutcome> {
+        let backend: Vec<String> =
+            self.spec.backend_config.iter().map(|(k, v)| format!("-backend-config={k}={v}")).collect();
+        let init = ("init", "init -input=false -no-color".to_string());
+        let show = ("show -json", format!("show -json {PLAN_FILE} > {PLAN_JSON}"));
+        if self.spec.plan_digest.is_some() {
+            run.cmd("init", run.tf_script(std::slice::from_ref(&init), &backend)).await?;
+        }
+        let plan_path = module.join(PLAN_FILE);
+        match &self.spec.plan_digest {
+            Some(want) => {
+                let saved = self.saved_plan(&run.ctx.settings.tools.plans_dir, want);
+                let age =
+                    std::fs::metadata(&saved).and_then(|m| m.modified()).ok().and_then(|t| t.elapsed().ok());
+                let Some(age) = age else {
+                    return Err(failed(
+                        "plan_unknown",
+                        format!("no saved plan {want} for workspace {}", self.spec.workspace),
+                        serde_json::Value::Null,
+                    ));
+                };
+                if age > run.ctx.settings.tools.plan_max_age {
+                    return Err(failed(
+                        "plan_stale",
+                        format!(
+                            "saved plan {want} is {}s old (the limit is {}s): plan again",
+                            age.as_secs(),
+                            run.ctx.settings.tools.plan_max_age.as_secs()
+                        ),
+                        serde_json::Value::Null,
+                    ));
+                }
+                match sha256_file(&saved) {
+                    Ok(d) if d == *want => {}
+                    Ok(d) => {
+                        return Err(failed(
+                            "plan_digest_mismatch",
+                            format!("saved plan has digest {d}, the job names {want}"),
+                            serde_json::Value::Null,
+                        ));
+                    }
+                    Err(e) => return Err(ExecOutcome::failed(format!("reading saved plan: {e}"))),
+                }
+                if let Err(e) = std::fs::copy(&saved, &plan_path).and_then(|_| hand_over(run.ctx, &plan_path))
+                {
+                    return Err(ExecOutcome::failed(format!("copying saved plan: {e}")));
+                }
+                run.log(&format!("[terraform] applying saved plan {want}\n"));
+            }
+            None => {
+                // init and plan in one sandbox.
+                let destroy = self.spec.mode == Mode::Destroy;
+                let plan = (
+                    if destroy { "plan -destroy" } else { "plan" },
+                    format!(
+                        "plan -input=false -no-color -out={PLAN_FILE}{}",
+                        if destroy { " -destroy" } else { "" }
+                    ),
+                );
+                run.cmd("init, plan", run.tf_script(&[init, plan], &backend)).await?;
+            }
+        }
+        // The digest of the plan the policies are about to see, taken before anything
+        // else reads it (show starts the providers, which could change the file): apply
+        // later runs only if the file still has it. So show runs in a sandbox of its own.
+        let plan_digest =
+            sha256_file(&plan_path).map_err(|e| ExecOutcome::failed(format!("hashing the plan: {e}")))?;
+        run.cmd("show -json", run.tf_script(&[show], &[])).await?;
+        let plan_bytes = std::fs::read(module.join(PLAN_JSON))
+            .map_err(|e| ExecOutcome::failed(format!("reading the plan JSON: {e}")))?;
+        // The plan's JSON has values the control plane must not see: drop it now.
+        let _ = std::fs::remove_file(module.join(PLAN_JSON));
+        let plan_value: serde_json::Value = serde_json::from_slice(&plan_bytes).map_err(|e| {
+            failed(
+                "plan_unreadable",
+                format!("terraform show -json is not JSON: {e}"),
+                serde_json::Value::Null,
+            )
+        })?;
+        let summary = summary(&plan_value);
+        let subject = crate::policy_gate::Subject {
+            // A sandbox's runs are decided as sandbox plans (their own policies).
+            source: if policy.operation.starts_with("sandbox.") {
+                byoc_policy::Source::Sandbox
+            } else {
+                byoc_policy::Source::Terraform
+            },
+            admission: Default::default(),
+            name: "plan",
+            digest: Some(&plan_digest),
+        };
+        let decision = crate::policy_gate::decide(run.ctx, subject, &plan_bytes)
+            .await
+            .map_err(|e| failed(crate::policy_gate::UNAVAILABLE, e.to_string(), serde_json::Value::Null))?;
+        let base = serde_json::json!({
+            "plan_digest": plan_digest,
+            "input_digest": decision.input_digest,
+            "summary": summary,
+            "verdict": decision.verdict,
+            "violations": decision.violations.iter().map(|v| serde_json::json!({"rule": v.rule, "address": v.address, "policy": v.policy})).collect::<Vec<_>>(),
+        });
+        if decision.verdict == byoc_policy::Verdict::Deny {
+            return Err(failed(
+                "policy_denied",
+                format!("policy denied the plan: {}", decision.denials().join(", ")),
+                base,
+            ));
+        }
+        run.log(&format!("[policy] ALLOW plan {plan_digest} ({} policies)\n", decision.policies.len()));
+        if run.ctx.settings.decide_only {
+            run.log("[terraform] stopping after the decision: nothing applied\n");
+            return Ok(ExecOutcome {
+                status: JobStatus::Succeeded,
+                exit_code: Some(0),
+                error: None,
+                outputs: base,
+            });
+        }
+        if self.spec.mode == Mode::Plan {
+            let saved = self.saved_plan(&run.ctx.settings.tools.plans_dir, &plan_digest);
+            // The result names this digest: the file and its directory entry are on
+            // disk before the job reports success.
+            let dir = saved.parent().map(Path::to_path_buf).unwrap_or_default();
+            let keep = std::fs::create_dir_all(&dir)
+                .and_then(|_| std::fs::copy(&plan_path, &saved).map(|_| ()))
+                .and_then(|_| std::fs::File::open(&saved)?.sync_all())
+                .and_then(|_| std::fs::File::open(&dir)?.sync_all());
+            if let Err(e) = keep {
+                return Err(ExecOutcome::failed(format!("saving the plan: {e}")));
+            }
+            return Ok(ExecOutcome {
+                status: JobStatus::Succeeded,
+                exit_code: Some(0),
+                error: None,
+                outputs: base,
+            });
+        }
+        // Exactly the plan the policies saw, or nothing.
+        match sha256_file(&plan_path) {
+            Ok(d) if d == plan_digest => {}
+            other => {
+                let now = other.unwrap_or_else(|e| format!("unreadable ({e})"));
+                if let Some(a) = &run.ctx.settings.audit {
+                    let _ = a.record(
+                        "plan_tampered",
+                        format!(
+                            "plan file changed between the policy decision and apply: {plan_digest} -> {now}"
+                        ),
+                        BTreeMap::from([("plan".to_string(), plan_digest.clone())]),
+                    );
+                }
+                return Err(failed(
+                    "plan_tampered",
+                    format!(
+                        "the plan file changed after the policy decision ({plan_digest} -> {now}); not applied"
+                    ),
+                    base,
+                ));
+            }
+        }
+        // The outputs, without another terraform run where they can be had otherwise
+        // (a run is ~30 ms of a fast module): none declared, none to read; with local
+        // state, the state file holds them in `output -json`'s own shape.
+        let declares_outputs =
+            plan_value["configuration"]["root_module"]["outputs"].as_object().is_some_and(|o| !o.is_empty());
+        let apply = ("apply", format!("apply -input=false -no-color -auto-approve {PLAN_FILE}"));
+        let raw = if declares_outputs && !state_beside_module {
+            // apply and output in one sandbox.
+            let output = ("output -json", format!("output -json > {OUTPUTS_JSON}"));
+            run.cmd("apply, output -json", run.tf_script(&[apply, output], &[])).await?;
+            std::fs::read(module.join(OUTPUTS_JSON))
+                .map_err(|e| ExecOutcome::failed(format!("reading outputs: {e}")))?
+        } else {
+            run.cmd("apply", run.tf_script(&[apply], &[])).await?;
+            if declares_outputs {
+                let state = std::fs::read(module.join(state::LOCAL_STATE))
+                    .map_err(|e| ExecOutcome::failed(format!("reading outputs from the state: {e}")))?;
+                let v: serde_json::Value = serde_json::from_slice(&state).map_err(|e| {
+                    ExecOutcome::failed(format!("reading outputs: the state is not JSON: {e}"))
+                })?;
+                serde_json::to_vec(&v["outputs"]).unwrap_or_default()
+            } else {
+                b"{}".to_vec()
+            }
+        };
+        let outputs = masked_outputs(&raw)
+            .map_err(|e| ExecOutcome::failed(format!("terraform output -json is not JSON: {e}")))?;
+        let mut result = base;
+        result["outputs"] = outputs;
+        Ok(ExecOutcome { status: JobStatus::Succeeded, exit_code: Some(0), error: None, outputs: result })
+    }
+}
+
+/// The decision, in the audit log: plan digest, policy digests, verdict, every
+/// violation with its rule and resource address.
+/// The decision in the job log (each violation, warning and error) and the audit log.
+impl Executor for Terraform {
+    fn run<'a>(&'a self, mut ctx: ExecContext<'a>) -> ExecFuture<'a> {
+        Box::pin(async move { self.go(&mut ctx).await })
+    }
+
+    fn placement(&self) -> crate::Placement {
+        crate::Placement::Sandbox { network: true }
+    }
+
+    fn secrets(&self) -> Vec<Vec<u8>> {
+        self.spec.secret_vars.values().map(|v| v.as_bytes().to_vec()).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(extra: serde_json::Value) -> serde_json::Value {
+        let mut base = serde_json::json!({"mode": "apply", "files": {"main.tf": ""}, "workspace": "api"});
+        for (k, v) in extra.as_object().into_iter().flatten() {
+            base[k] = v.clone();
+        }
+        base
+    }
+
+    #[test]
+    fn specs_are_validated_before_the_claim() {
+        assert!(Terraform::from_spec(&spec(serde_json::json!({}))).is_ok());
+        for (bad, why) in [
+            (serde_json::json!({"files": {"../x.tf": ""}}), "relative path"),
+            (serde_json::json!({"files": {"/etc/passwd": ""}}), "relative path"),
+            (serde_json::json!({"files": {}}), "files"),
+            (serde_json::json!({"workspace": "Bad Name"}), "workspace"),
+            (serde_json::json!({"vars": {"a b": "1"}}), "variable name"),
+            (serde_json::json!({"secret_vars": {"pw": "abc"}}), "masked"),
+            (serde_json::json!({"plan_digest": "sha256:xyz"}), "plan_digest"),
+            (
+                serde_json::json!({"mode": "plan", "plan_digest": format!("sha256:{}", "a".repeat(64))}),
+                "only for mode",
+            ),
+            (serde_json::json!({"mode": "yolo"}), "variant"),
+        ] {
+            let err = Terraform::from_spec(&spec(bad.clone())).err().map(|e| e.0).unwrap_or_default();
+            assert!(err.contains(why), "{bad}: {err}");
+        }
+    }
+
+    #[test]
+    fn the_summary_counts_actions_and_lists_addresses() {
+        let plan = serde_json::json!({"resource_changes": [
+            {"address": "a.x", "change": {"actions": ["create"]}},
+            {"address": "a.y", "change": {"actions": ["delete", "create"]}},
+            {"address": "a.z", "change": {"actions": ["no-op"]}},
+            {"address": "a.w", "change": {"actions": ["update"]}},
+        ]});
+        let s = summary(&plan);
+        assert_eq!(s["counts"], serde_json::json!({"create": 1, "replace": 1, "update": 1}));
+        assert_eq!(s["addresses"]["replace"][0], "a.y");
+    }
+
+    #[test]
+    fn sensitive_outputs_are_masked() {
+        let raw = br#"{"endpoint": {"sensitive": false, "type": "string", "value": "db.example"}, "password": {"sensitive": true, "type": "string", "value": "hunter2-hunter2"}}"#;
+        let o = masked_outputs(raw).unwrap_or_default();
+        assert_eq!(o["endpoint"], "db.example");
+        assert_eq!(o["password"], "***");
+    }
+}

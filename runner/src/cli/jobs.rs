@@ -1,0 +1,131 @@
+//! `jobs list|show|logs|rejections`: the local journal and log spool, read-only.
+
+use std::io::Write as _;
+
+use clap::Subcommand;
+
+use super::{Output, StateArgs, print_json, state_dir};
+use crate::inspect;
+
+#[derive(Subcommand)]
+pub(super) enum JobsCmd {
+    /// List jobs, newest first.
+    List {
+        #[command(flatten)]
+        state: StateArgs,
+        #[arg(long, default_value_t = 50)]
+        limit: usize,
+        /// Include jobs archived from the journal (past jobs.journal_keep).
+        #[arg(long)]
+        all: bool,
+    },
+    /// Show one job's journal record.
+    Show {
+        #[command(flatten)]
+        state: StateArgs,
+        job_id: String,
+    },
+    /// Print a job's log from the local spool.
+    Logs {
+        #[command(flatten)]
+        state: StateArgs,
+        job_id: String,
+    },
+    /// List refused deliveries with their reason codes, newest first.
+    Rejections {
+        #[command(flatten)]
+        state: StateArgs,
+        #[arg(long, default_value_t = 50)]
+        limit: usize,
+        /// Include refusals archived from the journal.
+        #[arg(long)]
+        all: bool,
+    },
+}
+
+pub(super) fn run(cmd: JobsCmd) -> anyhow::Result<()> {
+    match cmd {
+        JobsCmd::List { state, limit, all } => {
+            let jobs = inspect::jobs(&state_dir(&state), limit, all)?;
+            if state.output == Output::Json {
+                return print_json(&jobs);
+            }
+            println!("{:<24} {:<16} {:<12} {:<21} {:>10}", "JOB", "KIND", "STATUS", "RECEIVED", "DURATION");
+            for j in jobs {
+                let dur = match (j.started_at_ms, j.finished.as_ref().map(|f| f.finished_at_ms)) {
+                    (Some(s), Some(f)) => format!("{:.1}s", f.saturating_sub(s) as f64 / 1000.0),
+                    _ => "-".into(),
+                };
+                println!(
+                    "{:<24} {:<16} {:<12} {:<21} {:>10}",
+                    j.job_id,
+                    j.kind,
+                    inspect::status_label(&j),
+                    inspect::format_ms(j.received_at_ms),
+                    dur
+                );
+            }
+            Ok(())
+        }
+        JobsCmd::Show { state, job_id } => {
+            let j = inspect::job(&state_dir(&state), &job_id)?;
+            if state.output == Output::Json {
+                return print_json(&j);
+            }
+            println!("job:        {}", j.job_id);
+            println!("kind:       {} ({} {})", j.kind, j.entity, j.operation);
+            println!("status:     {}", inspect::status_label(&j));
+            println!("phase:      {}", j.phase.as_str());
+            println!("received:   {}", inspect::format_ms(j.received_at_ms));
+            if let Some(s) = j.started_at_ms {
+                println!("started:    {}", inspect::format_ms(s));
+            }
+            if let Some(f) = &j.finished {
+                println!("finished:   {}", inspect::format_ms(f.finished_at_ms));
+                println!("exit code:  {}", f.exit_code.map(|c| c.to_string()).unwrap_or_else(|| "-".into()));
+                println!("log:        {} bytes, sha256 {}", f.log_size, f.log_sha256);
+                if f.log_omitted > 0 {
+                    println!("            truncated: {} bytes omitted (jobs.log_max_mib)", f.log_omitted);
+                }
+                if let Some(e) = &f.error {
+                    println!("error:      {e}");
+                }
+            }
+            if let Some(d) = &j.detail {
+                println!("detail:     {d}");
+            }
+            println!("payload:    sha256 {}", j.payload_sha256);
+            Ok(())
+        }
+        JobsCmd::Logs { state, job_id } => {
+            let log = inspect::log(&state_dir(&state), &job_id)?;
+            if state.output == Output::Json {
+                return print_json(&serde_json::json!({
+                    "job_id": job_id,
+                    "size": log.len(),
+                    "sha256": byoc_protocol::sha256_hex(&log),
+                    "log": String::from_utf8_lossy(&log),
+                }));
+            }
+            std::io::stdout().write_all(&log)?;
+            Ok(())
+        }
+        JobsCmd::Rejections { state, limit, all } => {
+            let rs = inspect::rejections(&state_dir(&state), limit, all)?;
+            if state.output == Output::Json {
+                return print_json(&rs);
+            }
+            println!("{:<21} {:<20} {:<24} DETAIL", "TIME", "REASON", "JOB");
+            for r in rs {
+                println!(
+                    "{:<21} {:<20} {:<24} {}",
+                    inspect::format_ms(r.ts),
+                    r.reason.code(),
+                    r.job_id.as_deref().unwrap_or("-"),
+                    r.detail
+                );
+            }
+            Ok(())
+        }
+    }
+}

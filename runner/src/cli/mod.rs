@@ -1,0 +1,239 @@
+//! Command line: the daemon entry point and the customer's inspection commands, one
+//! file per subcommand group. anyhow lives only here, at the edge.
+//!
+//! | file        | subcommands                                        |
+//! |-------------|----------------------------------------------------|
+//! | `run.rs`    | `run` (the daemon), `run-local`                    |
+//! | `config.rs` | `config validate`, `config check`                  |
+//! | `state.rs`  | `status`, `pause`, `resume`, `roles`               |
+//! | `jobs.rs`   | `jobs list/show/logs/rejections`                   |
+//! | `audit.rs`  | `audit verify/tail/show/export/prove`              |
+//! | `policy.rs` | `policy list/test`, and the hidden `policy-eval`   |
+//! | `sync.rs`   | `sync`                                             |
+//! | `tfstate.rs`| `state list/show` (terraform state on this runner) |
+
+mod audit;
+mod config;
+mod jobs;
+mod policy;
+mod run;
+mod state;
+mod sync;
+mod tfstate;
+
+use std::path::{Path, PathBuf};
+
+use clap::{Parser, Subcommand, ValueEnum};
+
+use crate::config::{Config, DEFAULT_CONFIG_PATH, DEFAULT_STATE_DIR};
+
+/// sysexits.h: the command was used incorrectly (bad arguments or configuration).
+pub const EX_USAGE: i32 = 64;
+/// sysexits.h: the input data was incorrect.
+pub const EX_DATAERR: i32 = 65;
+
+#[derive(Parser)]
+#[command(
+    name = "byoc-runner",
+    version,
+    about = "Runs the vendor's signed jobs in this cloud account, and shows what it did"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Clone, Copy, Debug, Default, ValueEnum, PartialEq, Eq)]
+pub enum Output {
+    #[default]
+    Text,
+    Json,
+}
+
+#[derive(clap::Args, Clone)]
+pub(crate) struct StateArgs {
+    /// Configuration file (for the state dir location).
+    #[arg(long, env = "BYOC_RUNNER_CONFIG", default_value = DEFAULT_CONFIG_PATH)]
+    config: PathBuf,
+    /// State directory; overrides the config file.
+    #[arg(long)]
+    state_dir: Option<PathBuf>,
+    #[arg(long, short = 'o', value_enum, default_value_t = Output::Text)]
+    output: Output,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Run the daemon (systemd's ExecStart).
+    Run {
+        #[arg(long, env = "BYOC_RUNNER_CONFIG", default_value = DEFAULT_CONFIG_PATH)]
+        config: PathBuf,
+    },
+    /// Show enrollment, daemon and job summary from the state dir.
+    Status(StateArgs),
+    /// Print the runner's metrics in Prometheus text format (the same the daemon writes
+    /// to `[metrics] textfile`), read from the state dir.
+    Metrics(StateArgs),
+    /// Inspect jobs recorded in the local journal.
+    Jobs {
+        #[command(subcommand)]
+        cmd: jobs::JobsCmd,
+    },
+    /// Run a job file locally with no control plane (for vendors testing actions).
+    RunLocal(run::LocalArgs),
+    /// Internal: build a job sandbox from the spec on stdin and exec the job.
+    #[command(hide = true)]
+    SandboxExec,
+    /// Internal: evaluate the policy request on stdin under an address-space limit and
+    /// print the decision.
+    #[command(hide = true)]
+    PolicyEval {
+        #[arg(long)]
+        memory_mib: u64,
+    },
+    /// Internal: report, from inside a sandbox, what a job can see and do (JSON).
+    #[command(hide = true)]
+    SandboxProbe {
+        #[arg(long)]
+        runner_pid: i32,
+        #[arg(long)]
+        state_dir: PathBuf,
+        #[arg(long, default_value = "/etc/byoc-runner")]
+        config_dir: PathBuf,
+        /// Another `host:port` the job must not reach (repeatable), besides IMDS
+        /// (IPv4 and IPv6) and the ECS/EKS credential addresses, always tried.
+        #[arg(long = "unreachable", value_name = "HOST:PORT")]
+        unreachable: Vec<String>,
+    },
+    /// Inspect and verify the signed audit log (offline).
+    Audit {
+        #[command(subcommand)]
+        cmd: audit::AuditCmd,
+    },
+    /// Pause the runner: it refuses new jobs (reason `paused`) until `resume`; running
+    /// jobs finish. Survives restarts. Needs root or roles.admin_group.
+    Pause {
+        #[command(flatten)]
+        state: StateArgs,
+        /// Why (shown to the vendor in heartbeats and kept in the audit log).
+        #[arg(long)]
+        reason: Option<String>,
+    },
+    /// Undo `pause`.
+    Resume(StateArgs),
+    /// List the lifecycle roles: enabled or not, ARN, where the switch came from, last
+    /// assumed.
+    #[command(args_conflicts_with_subcommands = true)]
+    Roles {
+        #[command(flatten)]
+        state: StateArgs,
+        /// Read the switches now (install stack or switches file) instead of showing the
+        /// daemon's last reading.
+        #[arg(long)]
+        refresh: bool,
+        #[command(subcommand)]
+        action: Option<state::RolesAction>,
+    },
+    /// Copy an OCI artifact (image, index, chart, module, and its referrers) between
+    /// two registries with the engine `oci.sync` jobs use. Loopback registries are
+    /// plain HTTP; others HTTPS. Secrets come from the environment or files, never argv.
+    Sync(sync::SyncArgs),
+    /// The policies that decide plans and manifests: list them, or test an input.
+    Policy {
+        #[command(subcommand)]
+        cmd: policy::PolicyCmd,
+    },
+    /// The terraform state this runner keeps for the install's workspaces (addresses
+    /// and serials, never values).
+    State {
+        #[command(subcommand)]
+        cmd: tfstate::TfStateCmd,
+    },
+    /// Configuration commands.
+    Config {
+        #[command(subcommand)]
+        cmd: config::ConfigCmd,
+    },
+}
+
+pub fn main() -> i32 {
+    let cli = match Cli::try_parse() {
+        Ok(c) => c,
+        Err(e) => {
+            let code = if e.use_stderr() { EX_USAGE } else { 0 };
+            let _ = e.print();
+            return code;
+        }
+    };
+    match cli.cmd {
+        // First and without a runtime: the helper must stay single-threaded.
+        Cmd::SandboxExec => byoc_sandbox::helper::sandbox_exec_main(),
+        Cmd::PolicyEval { memory_mib } => policy::eval(memory_mib),
+        Cmd::SandboxProbe { runner_pid, state_dir, config_dir, unreachable } => {
+            let key = state_dir.join(crate::identity::KEY_FILE);
+            let report = byoc_sandbox::probe::run(&byoc_sandbox::probe::ProbeArgs {
+                runner_pid,
+                state_dir: &state_dir,
+                identity_key: &key,
+                config_dir: &config_dir,
+                unreachable: &unreachable,
+            });
+            match serde_json::to_string(&report) {
+                Ok(s) => {
+                    println!("{s}");
+                    0
+                }
+                Err(_) => 1,
+            }
+        }
+        Cmd::Run { config } => run::daemon(&config),
+        Cmd::RunLocal(args) => run::local(args),
+        Cmd::Status(s) => edge(|| state::status(&s)),
+        Cmd::Metrics(s) => edge(|| state::metrics(&s)),
+        Cmd::Pause { state, reason } => edge(|| state::pause(&state, reason)),
+        Cmd::Resume(s) => edge(|| state::resume(&s)),
+        Cmd::Roles { state, refresh, action: None } => edge(|| state::roles(&state, refresh)),
+        Cmd::Roles { action: Some(action), .. } => edge(|| state::roles_action(action)),
+        Cmd::Jobs { cmd } => edge(|| jobs::run(cmd)),
+        Cmd::Audit { cmd } => audit::run(cmd),
+        Cmd::Config { cmd } => config::run(cmd),
+        Cmd::Sync(args) => sync::run(args),
+        Cmd::Policy { cmd } => policy::run(cmd),
+        Cmd::State { cmd } => tfstate::run(cmd),
+    }
+}
+
+/// Run a command that reports errors with anyhow: exit 1 with the error chain.
+fn edge(f: impl FnOnce() -> anyhow::Result<()>) -> i32 {
+    crate::logging::init_cli();
+    match f() {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            1
+        }
+    }
+}
+
+fn load_config(path: &Path) -> Result<Config, i32> {
+    Config::load(path).map_err(|e| {
+        eprintln!("error: {e}");
+        EX_USAGE
+    })
+}
+
+fn state_dir(s: &StateArgs) -> PathBuf {
+    if let Some(d) = &s.state_dir {
+        return d.clone();
+    }
+    // The inspection CLI must work with a broken config too: fall back to the default.
+    match Config::load(&s.config) {
+        Ok(c) => c.runner.state_dir,
+        Err(_) => PathBuf::from(DEFAULT_STATE_DIR),
+    }
+}
+
+fn print_json(v: &impl serde::Serialize) -> anyhow::Result<()> {
+    println!("{}", serde_json::to_string_pretty(v)?);
+    Ok(())
+}

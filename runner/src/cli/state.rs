@@ -1,0 +1,302 @@
+//! `status`, `pause`, `resume`, `roles`: the runner's state as the customer sees it.
+
+use super::{Output, StateArgs, print_json, state_dir};
+use crate::config::Config;
+use crate::inspect;
+
+pub(super) fn status(s: &StateArgs) -> anyhow::Result<()> {
+    let dir = state_dir(s);
+    let st = inspect::status(&dir)?;
+    // The customer's thresholds if the config reads, else the defaults the daemon uses.
+    let disk = Config::load(&s.config).map(|c| c.disk).unwrap_or_default().check(&dir);
+    if s.output == Output::Json {
+        let mut v = serde_json::to_value(&st)?;
+        v["disk"] = serde_json::to_value(&disk)?;
+        return print_json(&v);
+    }
+    let or_dash = |o: &Option<String>| o.clone().unwrap_or_else(|| "-".into());
+    println!("state dir:      {}", st.state_dir);
+    println!("enrolled:       {}", if st.enrolled { "yes" } else { "no" });
+    println!("runner id:      {}", or_dash(&st.runner_id));
+    println!("install id:     {}", or_dash(&st.install_id));
+    println!("control plane:  {}", or_dash(&st.control_plane_url));
+    match st.daemon_pid {
+        Some(pid) => println!("daemon:         running (pid {pid})"),
+        None => println!("daemon:         not running"),
+    }
+    let counts: Vec<String> = st.jobs_by_status.iter().map(|(k, v)| format!("{k} {v}")).collect();
+    println!(
+        "jobs:           {} ({})",
+        st.jobs_total,
+        if counts.is_empty() { "none".into() } else { counts.join(", ") }
+    );
+    println!(
+        "running:        {}",
+        if st.jobs_running.is_empty() { "-".into() } else { st.jobs_running.join(", ") }
+    );
+    println!(
+        "unreported:     {}",
+        if st.jobs_unreported.is_empty() { "-".into() } else { st.jobs_unreported.join(", ") }
+    );
+    match &st.paused {
+        Some(p) => println!(
+            "paused:         yes, by {} since {}{}",
+            p.by,
+            inspect::format_ms(p.paused_at_ms),
+            p.reason.as_deref().map(|r| format!(" ({r})")).unwrap_or_default()
+        ),
+        None => println!("paused:         no"),
+    }
+    let mib = |b: Option<u64>| b.map(|b| format!("{} MiB", b >> 20)).unwrap_or_else(|| "?".into());
+    println!(
+        "disk:           {} free of {}, new jobs refused under {}{}",
+        mib(disk.free_bytes),
+        mib(disk.total_bytes),
+        mib(Some(disk.threshold_bytes)),
+        disk.low.as_deref().map(|why| format!("\n                LOW (disk_low): {why}")).unwrap_or_default()
+    );
+    let used: Vec<String> =
+        st.disk_use.iter().map(|(k, v)| format!("{k} {:.1} MiB", *v as f64 / 1048576.0)).collect();
+    println!("disk use:       {}", used.join(", "));
+    match &st.last_rejection {
+        Some(r) => {
+            println!("rejections:     {} (last: {} at {})", st.rejections, r.reason, inspect::format_ms(r.ts))
+        }
+        None => println!("rejections:     0"),
+    }
+    Ok(())
+}
+
+pub(super) fn metrics(s: &StateArgs) -> anyhow::Result<()> {
+    let dir = state_dir(s);
+    let disk = Config::load(&s.config).map(|c| c.disk).unwrap_or_default();
+    let mut tally = crate::metrics::AuditTally::default();
+    tally.update(&dir.join(crate::audit::AUDIT_DIR))?;
+    let families = crate::metrics::collect(&dir, &disk, &tally, crate::clock::now_ms())?;
+    if s.output == Output::Json {
+        return print_json(&crate::metrics::samples(&families));
+    }
+    print!("{}", crate::metrics::render(&families));
+    Ok(())
+}
+
+fn admin_group(s: &StateArgs) -> Option<String> {
+    Config::load(&s.config).ok().and_then(|c| c.roles.admin_group)
+}
+
+pub(super) fn pause(s: &StateArgs, reason: Option<String>) -> anyhow::Result<()> {
+    use crate::roles::pause;
+    let who = pause::authorize(admin_group(s).as_deref())?;
+    let dir = state_dir(s);
+    anyhow::ensure!(
+        dir.is_dir(),
+        "state dir {} does not exist (is the runner installed here?)",
+        dir.display()
+    );
+    let p = pause::pause(&dir, reason, who)?;
+    if s.output == Output::Json {
+        return print_json(&serde_json::json!({ "paused": true, "pause": p }));
+    }
+    println!(
+        "paused by {}{}: new jobs are refused (reason code `paused`) until `byoc-runner resume`; running jobs finish",
+        p.by,
+        p.reason.as_deref().map(|r| format!(" ({r})")).unwrap_or_default()
+    );
+    Ok(())
+}
+
+pub(super) fn resume(s: &StateArgs) -> anyhow::Result<()> {
+    use crate::roles::pause;
+    pause::authorize(admin_group(s).as_deref())?;
+    let was = pause::resume(&state_dir(s))?;
+    if s.output == Output::Json {
+        return print_json(&serde_json::json!({ "paused": false, "was_paused": was }));
+    }
+    println!(
+        "{}",
+        if was { "resumed: the runner takes new jobs again" } else { "the runner was not paused" }
+    );
+    Ok(())
+}
+
+pub(super) fn roles(s: &StateArgs, refresh: bool) -> anyhow::Result<()> {
+    let dir = state_dir(s);
+    let mut status = crate::roles::RolesStatus::load(&dir).unwrap_or_default();
+    if refresh {
+        let config = Config::load(&s.config).map_err(|e| anyhow::anyhow!("{e}"))?;
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+        rt.block_on(async {
+            let sdk = crate::roles::sdk_config(&config).await;
+            let source = crate::roles::switch_source(&config, sdk.as_ref());
+            let snapshot = source.read().await?;
+            status.refresh(&snapshot, source.describe());
+            anyhow::Ok(())
+        })?;
+    }
+    let require = Config::load(&s.config)
+        .map(|c| c.roles.require_local_allow)
+        .unwrap_or_else(|_| vec!["break_glass".into()]);
+    let allowances = crate::roles::allowance::read(&dir);
+    let now = crate::clock::now_ms();
+    // What each role's local allowance says, for the roles that need one.
+    let local: std::collections::BTreeMap<String, String> = status
+        .roles
+        .iter()
+        .filter(|r| require.iter().any(|q| *q == r.name || q == r.role_type.as_str()))
+        .map(|r| {
+            let said = match &allowances {
+                Err(e) => format!("none holds: {e}"),
+                Ok(all) => match all.get(&r.name) {
+                    Some(a) if a.until_ms > now => format!(
+                        "allowed until {} by {} ({})",
+                        crate::roles::creds::rfc3339((a.until_ms / 1000) as i64),
+                        a.by,
+                        a.reason
+                    ),
+                    Some(a) => {
+                        format!("expired {}", crate::roles::creds::rfc3339((a.until_ms / 1000) as i64))
+                    }
+                    None => format!("needs `byoc-runner roles allow {} --for DURATION --reason …`", r.name),
+                },
+            };
+            (r.name.clone(), said)
+        })
+        .collect();
+    if s.output == Output::Json {
+        let mut v = serde_json::to_value(&status)?;
+        v["local_allowance"] = serde_json::to_value(&local)?;
+        return print_json(&v);
+    }
+    if status.roles.is_empty() {
+        println!(
+            "no roles known yet: they are learned from the first job that asks for a role (switch source: {})",
+            if status.switch_source.is_empty() { "not read yet" } else { &status.switch_source }
+        );
+        return Ok(());
+    }
+    println!(
+        "switches: {} (read {})",
+        status.switch_source,
+        status.switches_read_ms.map(inspect::format_ms).unwrap_or_else(|| "never".into())
+    );
+    println!(
+        "{:<36} {:<12} {:<8} {:<21} {:<24} SWITCH",
+        "ROLE", "TYPE", "ENABLED", "LAST ASSUMED", "LAST JOB"
+    );
+    for r in &status.roles {
+        println!(
+            "{:<36} {:<12} {:<8} {:<21} {:<24} {}",
+            r.name,
+            r.role_type.as_str(),
+            if r.enabled { "yes" } else { "no" },
+            r.last_assumed_ms.map(inspect::format_ms).unwrap_or_else(|| "-".into()),
+            r.last_job.as_deref().unwrap_or("-"),
+            r.source
+        );
+        if let Some(arn) = &r.arn {
+            println!("    arn: {arn}");
+        }
+        if let Some(how) = r.how_to_enable.as_ref().filter(|_| !r.enabled) {
+            println!("    to enable: {how}");
+        }
+        if let Some(said) = local.get(&r.name) {
+            println!("    local allowance: {said}");
+        }
+    }
+    Ok(())
+}
+
+#[derive(clap::Subcommand)]
+pub(super) enum RolesAction {
+    /// Allow a role that needs a local allowance (`roles.require_local_allow`; break-glass
+    /// roles by default) for a while: a second key beside its stack switch. Audited.
+    /// Needs root or roles.admin_group.
+    Allow {
+        #[command(flatten)]
+        state: StateArgs,
+        /// The role's name (as `byoc-runner roles` lists it).
+        role: String,
+        /// How long: 90s, 30m, 2h, 1d (at most 7d).
+        #[arg(long = "for", value_name = "DURATION")]
+        duration: String,
+        /// Why (kept in the audit log).
+        #[arg(long)]
+        reason: String,
+    },
+    /// Withdraw a role's local allowance now. Audited.
+    Revoke {
+        #[command(flatten)]
+        state: StateArgs,
+        role: String,
+    },
+}
+
+pub(super) fn roles_action(action: RolesAction) -> anyhow::Result<()> {
+    use crate::roles::{allowance, inbox};
+    let (s, role) = match &action {
+        RolesAction::Allow { state, role, .. } | RolesAction::Revoke { state, role } => (state, role),
+    };
+    let who = crate::roles::pause::authorize(admin_group(s).as_deref())?;
+    let dir = state_dir(s);
+    anyhow::ensure!(
+        dir.is_dir(),
+        "state dir {} does not exist (is the runner installed here?)",
+        dir.display()
+    );
+    // Only roles the runner knows: a typo must not look like a grant.
+    let known = crate::roles::RolesStatus::load(&dir).unwrap_or_default();
+    anyhow::ensure!(
+        known.roles.iter().any(|r| r.name == *role),
+        "no role {role:?} known to this runner (known: {}); `byoc-runner roles` lists them",
+        known.roles.iter().map(|r| r.name.as_str()).collect::<Vec<_>>().join(", ")
+    );
+    let audit = |event: &str, detail: String| {
+        let r = byoc_audit::log::Record {
+            event: event.into(),
+            role: Some(role.clone()),
+            detail: Some(detail),
+            ..Default::default()
+        };
+        inbox::submit(&dir, &r).map_err(|e| {
+            anyhow::anyhow!("recording for the audit log in {}: {e}", inbox::inbox_dir(&dir).display())
+        })
+    };
+    match &action {
+        RolesAction::Allow { duration, reason, .. } => {
+            let reason = reason.clone();
+            let secs = allowance::parse_duration(duration).map_err(|e| anyhow::anyhow!("--for {e}"))?;
+            anyhow::ensure!(
+                !reason.trim().is_empty() && reason.chars().count() <= 500,
+                "--reason: 1 to 500 characters"
+            );
+            let now = crate::clock::now_ms();
+            let a = allowance::Allowance { granted_ms: now, until_ms: now + secs * 1000, by: who, reason };
+            let until = crate::roles::creds::rfc3339((a.until_ms / 1000) as i64);
+            // On record before it takes effect.
+            audit("allowance_granted", format!("until {until} ({secs}s) by {}: {}", a.by, a.reason))?;
+            allowance::grant(&dir, role, a.clone())?;
+            if s.output == Output::Json {
+                return print_json(&serde_json::json!({ "role": role, "allowance": a }));
+            }
+            println!(
+                "role {role} is allowed until {until} (its stack switch must be on too); `byoc-runner roles revoke {role}` ends it sooner"
+            );
+        }
+        RolesAction::Revoke { .. } => {
+            audit("allowance_revoked", format!("by {who}"))?;
+            let removed = allowance::revoke(&dir, role)?;
+            if s.output == Output::Json {
+                return print_json(&serde_json::json!({ "role": role, "revoked": removed.is_some() }));
+            }
+            println!(
+                "{}",
+                if removed.is_some() {
+                    format!("role {role}'s local allowance is withdrawn")
+                } else {
+                    format!("role {role} had no local allowance")
+                }
+            );
+        }
+    }
+    Ok(())
+}

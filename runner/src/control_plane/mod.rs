@@ -1,0 +1,60 @@
+//! Everything that talks to the vendor's control plane: the HTTP client (`client`),
+//! the one retry/backoff helper every caller uses (`retry`), and the [`ControlPlane`]
+//! trait the job's stages see, so each stage can be tested against a fake.
+
+pub mod client;
+pub mod retry;
+
+use std::future::Future;
+use std::pin::Pin;
+
+use byoc_protocol::{
+    AuditUploadRequest, AuditUploadResponse, ClaimResponse, JobHeartbeatResponse, JobResult, PollRequest,
+    PollResponse, RejectReason,
+};
+
+pub use client::{ClientError, CpClient};
+pub use retry::{Backoff, Retried, retry, sleep_unless_stopped};
+
+pub type CpFuture<'a, T> = Pin<Box<dyn Future<Output = Result<T, ClientError>> + Send + 'a>>;
+
+/// The calls a job's path makes to the control plane once the runner is enrolled
+/// (enrollment and the reachability probe stay on [`CpClient`]: they happen before any
+/// stage runs). One method per endpoint; see docs/PROTOCOL.md.
+pub trait ControlPlane: Send + Sync {
+    /// Long poll. `Ok(None)` when the server held the request and had nothing.
+    fn poll<'a>(&'a self, req: &'a PollRequest) -> CpFuture<'a, Option<PollResponse>>;
+    /// Tell the control plane why a delivery was refused.
+    fn reject<'a>(&'a self, delivery_id: &'a str, reason: RejectReason, detail: &'a str) -> CpFuture<'a, ()>;
+    fn claim<'a>(&'a self, job_id: &'a str, delivery_id: &'a str) -> CpFuture<'a, ClaimResponse>;
+    fn heartbeat<'a>(&'a self, job_id: &'a str) -> CpFuture<'a, JobHeartbeatResponse>;
+    /// Append log bytes at `offset`; the server's new offset.
+    fn append_log<'a>(&'a self, job_id: &'a str, offset: u64, bytes: &'a [u8]) -> CpFuture<'a, u64>;
+    fn audit<'a>(&'a self, req: &'a AuditUploadRequest) -> CpFuture<'a, AuditUploadResponse>;
+    /// Idempotent: the same result twice is a no-op on the server.
+    fn result<'a>(&'a self, job_id: &'a str, result: &'a JobResult) -> CpFuture<'a, ()>;
+}
+
+impl ControlPlane for CpClient {
+    fn poll<'a>(&'a self, req: &'a PollRequest) -> CpFuture<'a, Option<PollResponse>> {
+        Box::pin(CpClient::poll(self, req))
+    }
+    fn reject<'a>(&'a self, delivery_id: &'a str, reason: RejectReason, detail: &'a str) -> CpFuture<'a, ()> {
+        Box::pin(CpClient::reject(self, delivery_id, reason, detail))
+    }
+    fn claim<'a>(&'a self, job_id: &'a str, delivery_id: &'a str) -> CpFuture<'a, ClaimResponse> {
+        Box::pin(CpClient::claim(self, job_id, delivery_id))
+    }
+    fn heartbeat<'a>(&'a self, job_id: &'a str) -> CpFuture<'a, JobHeartbeatResponse> {
+        Box::pin(CpClient::heartbeat(self, job_id))
+    }
+    fn append_log<'a>(&'a self, job_id: &'a str, offset: u64, bytes: &'a [u8]) -> CpFuture<'a, u64> {
+        Box::pin(CpClient::append_log(self, job_id, offset, bytes))
+    }
+    fn audit<'a>(&'a self, req: &'a AuditUploadRequest) -> CpFuture<'a, AuditUploadResponse> {
+        Box::pin(CpClient::audit(self, req))
+    }
+    fn result<'a>(&'a self, job_id: &'a str, result: &'a JobResult) -> CpFuture<'a, ()> {
+        Box::pin(CpClient::result(self, job_id, result))
+    }
+}

@@ -1,0 +1,251 @@
+//! After a crash or restart, before the first poll: what the journal shows unfinished
+//! is settled, never re-run (the runner cannot know what a job already did, and
+//! payloads are not stored).
+//!
+//! - received, not claimed: the claim may have reached the control plane before the
+//!   crash, in which case it will never offer the job again. Claim it again (claims are
+//!   idempotent per runner) and report it interrupted rather than leave it hanging.
+//! - claimed or started, not finished: journaled `interrupted` with what its log holds.
+//! - finished, not acknowledged: reported again.
+
+use std::future::Future;
+
+use crate::clock::now_ms;
+use crate::control_plane::retry::{Policy, Retried, retry};
+use crate::journal::{Event, JournalError, Phase};
+use crate::runtime::Rt;
+use crate::spool;
+
+use super::{JobsInHand, execute, report};
+
+/// A job recovery wants finished in the background (on the daemon's task set).
+pub type Settle = std::pin::Pin<Box<dyn Future<Output = ()> + Send>>;
+
+/// Settle every unfinished job in the journal. Interrupted jobs are journaled before
+/// this returns; their claims and reports are returned as tasks for the caller to run.
+pub fn recover(rt: &Rt, in_hand: &JobsInHand) -> Result<Vec<Settle>, JournalError> {
+    let mut tasks: Vec<Settle> = Vec::new();
+    let unclaimed: Vec<(String, String)> = rt.journal.with_index(|i| {
+        i.jobs
+            .values()
+            .filter(|j| j.phase == Phase::Received)
+            .map(|j| (j.job_id.clone(), j.delivery_id.clone()))
+            .collect()
+    });
+    for (job_id, delivery_id) in unclaimed {
+        let mark = in_hand.mark(&job_id);
+        let rt = rt.clone();
+        tasks.push(in_job_span(&rt.clone(), job_id.clone(), async move {
+            let _mark = mark;
+            if let Err(e) = settle_unclaimed(&rt, &job_id, &delivery_id).await {
+                tracing::error!(error = %e, "journal write failed while settling an unclaimed job");
+            }
+        }));
+    }
+    let pending: Vec<(String, Phase)> = rt.journal.with_index(|i| {
+        i.jobs
+            .values()
+            .filter(|j| matches!(j.phase, Phase::Claimed | Phase::Started | Phase::Finished))
+            .map(|j| (j.job_id.clone(), j.phase))
+            .collect()
+    });
+    for (job_id, phase) in pending {
+        if phase != Phase::Finished {
+            interrupt(rt, &job_id, phase)?;
+        }
+        let rt = rt.clone();
+        tasks.push(in_job_span(&rt.clone(), job_id.clone(), async move {
+            if let Err(e) = report::report(&rt, &job_id).await {
+                tracing::error!(error = %e, "journal write failed while reporting");
+            }
+        }));
+    }
+    Ok(tasks)
+}
+
+fn in_job_span(rt: &Rt, job_id: String, task: impl Future<Output = ()> + Send + 'static) -> Settle {
+    let span = tracing::info_span!("job", job_id = %job_id, install_id = %rt.install_id);
+    Box::pin(tracing::Instrument::instrument(task, span))
+}
+
+/// A claimed or started job the runner stopped under: finished as interrupted, with
+/// what its log holds; its working directory and sandbox mount point removed.
+fn interrupt(rt: &Rt, job_id: &str, phase: Phase) -> Result<(), JournalError> {
+    let (log_size, log_sha256) = spool::digest_file(&spool::spool_path(&rt.state_dir, job_id))
+        .unwrap_or((0, byoc_protocol::sha256_hex(b"")));
+    let started = rt.journal.job(job_id).and_then(|j| j.started_at_ms);
+    tracing::warn!(job_id = %job_id, was = phase.as_str(), "job was interrupted by a runner restart; reporting it, not re-running it");
+    rt.transition(Event::Finished {
+        job_id: job_id.to_string(),
+        status: byoc_protocol::JobStatus::Interrupted,
+        exit_code: None,
+        error: Some(format!("the runner stopped while the job was {}; it was not re-run", phase.as_str())),
+        log_size,
+        log_sha256,
+        log_omitted: 0,
+        started_at_ms: started,
+        finished_at_ms: now_ms(),
+        outputs: serde_json::Value::Null,
+    })?;
+    // Past its cap the log's tail was in a ring only the writer could order: the head
+    // and its note stand as the log; the ring goes.
+    let ring = spool::tail_path(&rt.state_dir, job_id);
+    if let Err(e) = std::fs::remove_file(&ring)
+        && e.kind() != std::io::ErrorKind::NotFound
+    {
+        tracing::warn!(error = %e, path = %ring.display(), "could not remove an interrupted job's log tail");
+    }
+    let work_dir = rt.state_dir.join(execute::WORK_DIR).join(job_id);
+    // A terraform job's local state, as far as terraform got, goes back to its workspace
+    // before the directory does: what it created exists, and the next plan must know.
+    let tfstate = rt.state_dir.join(execute::TFSTATE_DIR);
+    use byoc_job_executors::terraform::{MODULE_DIR, state};
+    match state::salvage(&work_dir, &tfstate, MODULE_DIR) {
+        Ok(Some(workspace)) => tracing::warn!(workspace, "kept the terraform state the interrupted job left"),
+        Ok(None) => {}
+        Err(e) => {
+            // Keep the directory: the state in it is the only record of what was made.
+            tracing::error!(error = %e, dir = %work_dir.display(), "could not keep an interrupted job's terraform state; its directory is left in place");
+            return Ok(());
+        }
+    }
+    let _ = std::fs::remove_dir_all(&work_dir);
+    // The sandbox's mount point (its namespace died with the runner).
+    let _ = std::fs::remove_dir(rt.state_dir.join(crate::runtime::ROOTS_DIR).join(job_id));
+    Ok(())
+}
+
+async fn settle_unclaimed(rt: &Rt, job_id: &str, delivery_id: &str) -> Result<(), JournalError> {
+    let policy = Policy::new(rt.config.poll.backoff_initial, rt.config.poll.backoff_max);
+    let claimed = retry(policy, &rt.stop_reporting, |_| async {
+        match rt.client.claim(job_id, delivery_id).await {
+            Ok(c) => Ok(Ok(c.lease_secs)),
+            Err(e) if e.is_transient() => Err(e),
+            Err(e) => Ok(Err(e.to_string())),
+        }
+    })
+    .await;
+    match claimed {
+        Retried::Stopped | Retried::Exhausted(_) => Ok(()),
+        Retried::Done(Err(detail)) => rt.transition(Event::ClaimRefused { job_id: job_id.into(), detail }),
+        Retried::Done(Ok(lease_secs)) => {
+            tracing::warn!(
+                "job was received but not started before a runner restart; reporting it, not running it"
+            );
+            rt.transition(Event::Claimed { job_id: job_id.into(), lease_secs })?;
+            rt.transition(Event::Finished {
+                job_id: job_id.into(),
+                status: byoc_protocol::JobStatus::Interrupted,
+                exit_code: None,
+                error: Some(
+                    "the runner restarted after receiving the job and before starting it; it was not run"
+                        .into(),
+                ),
+                log_size: 0,
+                log_sha256: byoc_protocol::sha256_hex(b""),
+                log_omitted: 0,
+                started_at_ms: None,
+                finished_at_ms: now_ms(),
+                outputs: serde_json::Value::Null,
+            })?;
+            report::report(rt, job_id).await.map(|_| ())
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::Ordering;
+
+    use super::*;
+    use crate::testing::{self, Fakes, conflict, journaled};
+
+    async fn settle(f: &Fakes) {
+        for task in recover(&f.rt, &JobsInHand::default()).expect("journal") {
+            task.await;
+        }
+    }
+
+    fn reported_statuses(f: &Fakes) -> Vec<&'static str> {
+        f.cp.reported.lock().unwrap_or_else(|e| e.into_inner()).iter().map(|r| r.status.as_str()).collect()
+    }
+
+    #[tokio::test]
+    async fn a_started_job_is_reported_interrupted_never_rerun() {
+        let f = testing::runtime().await;
+        testing::receive(&f, &testing::verified("job-1", None));
+        f.rt.transition(Event::Claimed { job_id: "job-1".into(), lease_secs: 60 }).expect("journal");
+        f.rt.transition(Event::Started { job_id: "job-1".into(), started_at_ms: 5, network: None })
+            .expect("journal");
+        let work = f.rt.state_dir.join(execute::WORK_DIR).join("job-1");
+        std::fs::create_dir_all(&work).expect("work dir");
+        settle(&f).await;
+        assert_eq!(journaled(&f), ["received", "claimed", "started", "finished", "reported"]);
+        assert_eq!(reported_statuses(&f), ["interrupted"]);
+        assert!(!work.exists(), "the interrupted job's working directory is removed");
+        assert!(!f.cp.calls().iter().any(|c| c.starts_with("claim")), "nothing is claimed again");
+    }
+
+    #[tokio::test]
+    async fn a_received_job_is_claimed_again_then_reported_interrupted() {
+        let f = testing::runtime().await;
+        testing::receive(&f, &testing::verified("job-1", None));
+        settle(&f).await;
+        assert_eq!(journaled(&f), ["received", "claimed", "finished", "reported"]);
+        assert_eq!(f.cp.calls(), ["claim job-1", "result job-1 interrupted"]);
+    }
+
+    #[tokio::test]
+    async fn a_received_job_whose_claim_is_refused_is_left_unrun_and_unreported() {
+        let f = testing::runtime().await;
+        testing::receive(&f, &testing::verified("job-1", None));
+        f.cp.script_claims([Err(conflict("claim", "job expired"))]);
+        settle(&f).await;
+        assert_eq!(journaled(&f), ["received", "claim_refused"]);
+        assert!(reported_statuses(&f).is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_finished_unreported_job_is_reported_as_it_finished() {
+        let f = testing::runtime().await;
+        testing::receive(&f, &testing::verified("job-1", None));
+        for event in [
+            Event::Claimed { job_id: "job-1".into(), lease_secs: 60 },
+            Event::Finished {
+                job_id: "job-1".into(),
+                status: byoc_protocol::JobStatus::Failed,
+                exit_code: Some(3),
+                error: None,
+                log_size: 0,
+                log_sha256: byoc_protocol::sha256_hex(b""),
+                log_omitted: 0,
+                started_at_ms: None,
+                finished_at_ms: 9,
+                outputs: serde_json::Value::Null,
+            },
+        ] {
+            f.rt.transition(event).expect("journal");
+        }
+        settle(&f).await;
+        assert_eq!(reported_statuses(&f), ["failed"]);
+        assert_eq!(journaled(&f).iter().filter(|e| *e == "finished").count(), 1);
+    }
+
+    #[tokio::test]
+    async fn reported_and_refused_jobs_are_left_alone() {
+        let f = testing::runtime().await;
+        testing::receive(&f, &testing::verified("job-1", None));
+        f.rt.transition(Event::ClaimRefused { job_id: "job-1".into(), detail: "taken".into() })
+            .expect("journal");
+        assert!(recover(&f.rt, &JobsInHand::default()).expect("journal").is_empty());
+    }
+
+    #[tokio::test]
+    async fn an_interruption_that_cannot_be_journaled_stops_the_start() {
+        let f = testing::runtime().await;
+        testing::receive(&f, &testing::verified("job-1", None));
+        f.rt.transition(Event::Claimed { job_id: "job-1".into(), lease_secs: 60 }).expect("journal");
+        f.journal.fail_appends.store(true, Ordering::SeqCst);
+        assert!(recover(&f.rt, &JobsInHand::default()).is_err());
+    }
+}

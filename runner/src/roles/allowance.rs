@@ -1,0 +1,154 @@
+//! Time-boxed local allowances: a second key, held on the VM, for the roles the
+//! customer marks `[roles] require_local_allow` (break-glass roles by default). Such a
+//! role is usable only while its stack switch is on *and* a local allowance,
+//! granted with `byoc-runner roles allow ROLE --for 2h --reason …`, has not expired.
+//!
+//! Kept in `control/allowances.json` beside the pause (written durably: temp file,
+//! fsync, rename, fsync of the directory). A file that cannot be read allows nothing.
+
+use std::collections::BTreeMap;
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use super::model::RoleDef;
+use super::pause::CONTROL_DIR;
+
+pub const ALLOWANCES_FILE: &str = "allowances.json";
+/// The longest allowance one command grants: elevation is for a window of use.
+pub const MAX_SECS: u64 = 7 * 86_400;
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Allowance {
+    pub granted_ms: u64,
+    pub until_ms: u64,
+    /// Who granted it (user name or uid).
+    pub by: String,
+    pub reason: String,
+}
+
+pub fn path(state_dir: &Path) -> PathBuf {
+    state_dir.join(CONTROL_DIR).join(ALLOWANCES_FILE)
+}
+
+/// Every allowance on record, by role name (expired ones included until replaced).
+pub fn read(state_dir: &Path) -> Result<BTreeMap<String, Allowance>, String> {
+    let p = path(state_dir);
+    match std::fs::read(&p) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(BTreeMap::new()),
+        Err(e) => Err(format!("reading {}: {e}", p.display())),
+        Ok(bytes) => serde_json::from_slice(&bytes).map_err(|e| format!("{} is damaged: {e}", p.display())),
+    }
+}
+
+fn write(state_dir: &Path, all: &BTreeMap<String, Allowance>) -> std::io::Result<()> {
+    use std::os::unix::fs::DirBuilderExt as _;
+    let dir = state_dir.join(CONTROL_DIR);
+    std::fs::DirBuilder::new().recursive(true).mode(0o700).create(&dir)?;
+    let tmp = dir.join(format!(".{ALLOWANCES_FILE}.tmp"));
+    let mut f = std::fs::File::create(&tmp)?;
+    f.write_all(&serde_json::to_vec_pretty(all).map_err(std::io::Error::other)?)?;
+    f.sync_all()?;
+    std::fs::rename(&tmp, path(state_dir))?;
+    std::fs::File::open(&dir)?.sync_all()
+}
+
+/// Grant (or replace) `role`'s allowance. A damaged file is replaced: the customer is
+/// granting, and what it held allowed nothing.
+pub fn grant(state_dir: &Path, role: &str, allowance: Allowance) -> std::io::Result<()> {
+    let mut all = read(state_dir).unwrap_or_default();
+    all.insert(role.to_string(), allowance);
+    write(state_dir, &all)
+}
+
+/// Returns the allowance removed, if there was one.
+pub fn revoke(state_dir: &Path, role: &str) -> std::io::Result<Option<Allowance>> {
+    let mut all = read(state_dir).unwrap_or_default();
+    let removed = all.remove(role);
+    write(state_dir, &all)?;
+    Ok(removed)
+}
+
+/// Whether `role` needs a local allowance: `require` names roles by name or by type
+/// (`break_glass`, `maintenance`, …).
+pub fn required(require: &[String], role: &RoleDef) -> bool {
+    require.iter().any(|r| *r == role.name || r == role.role_type.as_str())
+}
+
+/// Why `role` may not be used now, or `None` if its allowance holds at `now_ms`.
+pub fn refusal(state_dir: &Path, role: &str, now_ms: u64) -> Option<String> {
+    let how = format!("`byoc-runner roles allow {role} --for 1h --reason …` on the runner");
+    match read(state_dir) {
+        Err(e) => Some(format!("its local allowances cannot be read ({e}), so none holds; {how}")),
+        Ok(all) => match all.get(role) {
+            None => Some(format!("it needs a local allowance (roles.require_local_allow): {how}")),
+            Some(a) if a.until_ms <= now_ms => Some(format!(
+                "its local allowance (granted by {}) expired at {}; {how}",
+                a.by,
+                crate::roles::creds::rfc3339((a.until_ms / 1000) as i64)
+            )),
+            Some(_) => None,
+        },
+    }
+}
+
+/// `90s`, `30m`, `2h`, `1d` → seconds, within 1 s ..= [`MAX_SECS`].
+pub fn parse_duration(s: &str) -> Result<u64, String> {
+    let s = s.trim();
+    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (n, unit) = s.split_at(split);
+    let n: u64 = n.parse().map_err(|_| format!("{s:?}: expected a number and a unit (90s, 30m, 2h, 1d)"))?;
+    let mult = match unit {
+        "s" => 1,
+        "m" => 60,
+        "h" => 3600,
+        "d" => 86_400,
+        _ => return Err(format!("{s:?}: the unit is s, m, h or d")),
+    };
+    let secs = n.saturating_mul(mult);
+    if secs == 0 || secs > MAX_SECS {
+        return Err(format!("{s:?}: between 1s and {}d", MAX_SECS / 86_400));
+    }
+    Ok(secs)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn allowance(until_ms: u64) -> Allowance {
+        Allowance { granted_ms: 1, until_ms, by: "alice".into(), reason: "incident 42".into() }
+    }
+
+    #[test]
+    fn an_allowance_holds_until_it_expires_or_is_revoked() {
+        let dir = tempfile::tempdir().unwrap();
+        let role = "inst-demo-s3-object-break-glass";
+        assert!(refusal(dir.path(), role, 10).unwrap().contains("roles allow"));
+        grant(dir.path(), role, allowance(1_000)).unwrap();
+        assert_eq!(refusal(dir.path(), role, 999), None);
+        assert!(refusal(dir.path(), role, 1_000).unwrap().contains("expired"));
+        assert_eq!(revoke(dir.path(), role).unwrap(), Some(allowance(1_000)));
+        assert!(refusal(dir.path(), role, 10).is_some());
+        assert_eq!(revoke(dir.path(), role).unwrap(), None);
+    }
+
+    #[test]
+    fn a_damaged_file_allows_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        grant(dir.path(), "r", allowance(u64::MAX)).unwrap();
+        std::fs::write(path(dir.path()), b"{not json").unwrap();
+        assert!(refusal(dir.path(), "r", 10).unwrap().contains("cannot be read"));
+    }
+
+    #[test]
+    fn durations_have_units_and_bounds() {
+        assert_eq!(parse_duration("90s"), Ok(90));
+        assert_eq!(parse_duration("2h"), Ok(7200));
+        assert_eq!(parse_duration("1d"), Ok(86_400));
+        for bad in ["", "2", "h", "0s", "8d", "2 hours", "-1h", "99999999999999999999d"] {
+            assert!(parse_duration(bad).is_err(), "{bad:?}");
+        }
+    }
+}

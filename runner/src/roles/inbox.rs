@@ -1,0 +1,181 @@
+//! Audit records for what the customer does with the CLI outside the daemon (`state
+//! unlock`). The audit log has one writer, the daemon (it holds the chain and the
+//! tree), so the CLI leaves each record in `control/audit-inbox/`, written and fsynced
+//! *before* it acts; the daemon appends them to the log in order at its next check
+//! (within seconds, or at its next start) and removes them.
+
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+
+use byoc_audit::log::Record;
+
+use super::pause::CONTROL_DIR;
+
+pub const INBOX_DIR: &str = "audit-inbox";
+/// Events the CLI may leave; anything else in the inbox is audited as
+/// `customer_record_invalid` and dropped.
+pub const EVENTS: &[&str] = &[
+    "allowance_granted",
+    "allowance_revoked",
+    "state_read",
+    "state_unlock_requested",
+    "state_unlocked",
+    "state_unlock_failed",
+];
+const MAX_RECORD: u64 = 16 << 10;
+
+pub fn inbox_dir(state_dir: &Path) -> PathBuf {
+    state_dir.join(CONTROL_DIR).join(INBOX_DIR)
+}
+
+/// Leave `record` for the daemon, durably (temp file, fsync, rename, fsync the dir).
+pub fn submit(state_dir: &Path, record: &Record) -> std::io::Result<PathBuf> {
+    use std::os::unix::fs::{DirBuilderExt as _, MetadataExt as _, PermissionsExt as _};
+    let dir = inbox_dir(state_dir);
+    if !dir.is_dir() {
+        // The daemon makes it at start; before it ever ran, make it as `control/` is
+        // (its owner and mode), so the daemon can still drain it.
+        std::fs::DirBuilder::new().recursive(true).mode(0o700).create(&dir)?;
+        if let Ok(control) = std::fs::metadata(state_dir.join(CONTROL_DIR)) {
+            let _ = std::os::unix::fs::chown(&dir, Some(control.uid()), Some(control.gid()));
+            let _ = std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(control.mode() & 0o770));
+        }
+    }
+    // Time first, so a name sort is submission order.
+    let name = format!("{:016}-{}-{}.json", crate::clock::now_ms(), std::process::id(), unique());
+    let tmp = dir.join(format!(".{name}.tmp"));
+    let mut f = std::fs::File::create(&tmp)?;
+    f.write_all(&serde_json::to_vec(record).map_err(std::io::Error::other)?)?;
+    f.sync_all()?;
+    let path = dir.join(name);
+    std::fs::rename(&tmp, &path)?;
+    std::fs::File::open(&dir)?.sync_all()?;
+    Ok(path)
+}
+
+fn unique() -> u64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static N: AtomicU64 = AtomicU64::new(0);
+    N.fetch_add(1, Ordering::Relaxed)
+}
+
+/// Append every waiting record through `audit`, oldest first, removing each once it is
+/// in the log. Stops at the first record `audit` cannot write (it stays for next time).
+pub fn drain<E: std::fmt::Display>(
+    state_dir: &Path,
+    mut audit: impl FnMut(Record) -> Result<(), E>,
+) -> usize {
+    let dir = inbox_dir(state_dir);
+    let Ok(entries) = std::fs::read_dir(&dir) else { return 0 };
+    let mut names: Vec<PathBuf> = entries
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == "json"))
+        .filter(|p| !p.file_name().is_some_and(|n| n.to_string_lossy().starts_with('.')))
+        .collect();
+    names.sort();
+    let mut done = 0;
+    for path in names {
+        let record = read(&path);
+        if let Err(e) = audit(record) {
+            tracing::error!(error = %e, path = %path.display(), "could not audit a customer action; kept for the next try");
+            break;
+        }
+        if let Err(e) = std::fs::remove_file(&path) {
+            tracing::error!(error = %e, path = %path.display(), "could not remove an audited customer action");
+            break;
+        }
+        done += 1;
+    }
+    if done > 0
+        && let Ok(d) = std::fs::File::open(&dir)
+    {
+        let _ = d.sync_all();
+    }
+    done
+}
+
+/// The record as left, reduced to what the CLI may say; a file that is not one is
+/// audited as such (its name only: its content is not trusted).
+fn read(path: &Path) -> Record {
+    let invalid = |why: &str| Record {
+        event: "customer_record_invalid".into(),
+        reason: Some("invalid_request".into()),
+        detail: Some(format!("{}: {why}", path.file_name().unwrap_or_default().to_string_lossy())),
+        ..Default::default()
+    };
+    let too_big = std::fs::metadata(path).map(|m| m.len() > MAX_RECORD).unwrap_or(true);
+    if too_big {
+        return invalid("unreadable or larger than 16 KiB");
+    }
+    let Ok(r) = std::fs::read(path)
+        .map_err(|_| ())
+        .and_then(|b| serde_json::from_slice::<Record>(&b).map_err(|_| ()))
+    else {
+        return invalid("not an audit record");
+    };
+    if !EVENTS.contains(&r.event.as_str()) {
+        return invalid("not an event the CLI leaves");
+    }
+    // The log numbers, times and attributes records itself.
+    Record {
+        event: r.event,
+        operation: r.operation,
+        role: r.role,
+        reason: r.reason,
+        status: r.status,
+        detail: r.detail.map(|d| d.chars().take(1000).collect()),
+        ..Default::default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn records_are_audited_in_order_once_and_bad_ones_are_named_not_trusted() {
+        let dir = tempfile::tempdir().unwrap();
+        for event in ["state_unlock_requested", "state_unlocked"] {
+            let r = Record {
+                event: event.into(),
+                seq: 99,
+                detail: Some("workspace network".into()),
+                ..Default::default()
+            };
+            submit(dir.path(), &r).unwrap();
+        }
+        std::fs::write(inbox_dir(dir.path()).join("zzzz-forged.json"), br#"{"event":"job_succeeded"}"#)
+            .unwrap();
+        std::fs::write(inbox_dir(dir.path()).join("zzzz-junk.json"), b"not json").unwrap();
+        let mut seen = Vec::new();
+        assert_eq!(
+            drain(dir.path(), |r| {
+                seen.push(r);
+                Ok::<(), String>(())
+            }),
+            4
+        );
+        let events: Vec<&str> = seen.iter().map(|r| r.event.as_str()).collect();
+        assert_eq!(
+            events,
+            [
+                "state_unlock_requested",
+                "state_unlocked",
+                "customer_record_invalid",
+                "customer_record_invalid"
+            ]
+        );
+        assert_eq!(seen[0].seq, 0, "the log numbers records, not the file");
+        assert!(seen[2].detail.as_deref().unwrap_or("").contains("zzzz-forged.json"));
+        assert_eq!(drain(dir.path(), |_| Ok::<(), String>(())), 0, "each is audited once");
+    }
+
+    #[test]
+    fn a_record_the_log_cannot_take_stays_for_the_next_try() {
+        let dir = tempfile::tempdir().unwrap();
+        submit(dir.path(), &Record { event: "state_unlocked".into(), ..Default::default() }).unwrap();
+        assert_eq!(drain(dir.path(), |_| Err("disk full")), 0);
+        assert_eq!(drain(dir.path(), |_| Ok::<(), String>(())), 1);
+    }
+}

@@ -1,0 +1,150 @@
+//! What every stage of a job's path may use: the runner's shared, read-mostly context
+//! (`Runtime`), built once by the daemon, and how the configuration becomes sandbox and
+//! container settings.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use tokio_util::sync::CancellationToken;
+
+use crate::audit::AuditSink;
+use crate::config::Config;
+use crate::control_plane::ControlPlane;
+use crate::journal::JobJournal;
+
+/// What every stage may use: shared, read-mostly runner context.
+pub struct Runtime {
+    pub config: Config,
+    pub runner_id: String,
+    pub install_id: String,
+    pub state_dir: PathBuf,
+    /// Where the stages meet the outside: each a trait, so every stage can be unit
+    /// tested against fakes (the `testing` module).
+    pub journal: Arc<dyn JobJournal>,
+    pub audit: Arc<dyn AuditSink>,
+    pub client: Arc<dyn ControlPlane>,
+    /// Cancelled on the second SIGTERM: every running job is cancelled.
+    pub abort: CancellationToken,
+    /// How process jobs are sandboxed (None: disabled by configuration).
+    pub sandbox: Option<byoc_job_executors::SandboxSettings>,
+    pub containers: Option<byoc_job_executors::ContainerSettings>,
+    /// Lifecycle roles: switches, STS, the credential endpoint.
+    pub roles: crate::roles::Roles,
+    /// The pause last seen in force (audited when it changes).
+    pub pause: std::sync::Mutex<Option<crate::roles::pause::Pause>>,
+    /// Cancelled when the daemon stops for good: reporting loops give up (the journal
+    /// keeps what was not reported, for the next start).
+    pub stop_reporting: CancellationToken,
+    /// The clock decisions are made by (envelope validity, claim expiry).
+    pub clock: Arc<dyn crate::clock::Clock>,
+}
+
+pub type Rt = Arc<Runtime>;
+
+impl Runtime {
+    /// Journal a job transition, then audit it; both are fsynced before the caller acts.
+    pub fn transition(&self, event: crate::journal::Event) -> Result<(), crate::journal::JournalError> {
+        let record = crate::audit::record_for(&event);
+        self.journal.append(event)?;
+        self.audit.record(record).map_err(|e| crate::journal::JournalError::Audit(e.to_string()))?;
+        Ok(())
+    }
+}
+
+impl Runtime {
+    /// What the customer did with the CLI since the last look, audited (the CLI cannot
+    /// write the daemon's audit log): its inbox records, then the pause as of now.
+    pub fn check_customer_controls(&self) -> Option<crate::roles::pause::Pause> {
+        crate::roles::inbox::drain(&self.state_dir, |r| self.audit.record(r).map(drop));
+        let now = crate::roles::pause::read(&self.state_dir);
+        let mut last = self.pause.lock().unwrap_or_else(|e| e.into_inner());
+        if *last != now {
+            let record = match &now {
+                Some(p) => {
+                    tracing::warn!(by = %p.by, reason = p.reason.as_deref().unwrap_or(""), "runner paused by the customer: new jobs are refused");
+                    byoc_audit::log::Record {
+                        event: "runner_paused".into(),
+                        reason: Some("paused".into()),
+                        detail: Some(format!(
+                            "by {}{}",
+                            p.by,
+                            p.reason.as_deref().map(|r| format!(": {r}")).unwrap_or_default()
+                        )),
+                        ..Default::default()
+                    }
+                }
+                None => {
+                    tracing::info!("runner resumed by the customer");
+                    byoc_audit::log::Record { event: "runner_resumed".into(), ..Default::default() }
+                }
+            };
+            if let Err(e) = self.audit.record(record) {
+                tracing::error!(error = %e, "could not audit a pause change");
+            } else {
+                *last = now.clone();
+            }
+        }
+        now
+    }
+}
+
+/// The directory under the state dir where per-job sandbox root mount points live.
+pub const ROOTS_DIR: &str = "roots";
+
+/// Prove the sandbox can be built here before taking any job.
+pub async fn sandbox_self_test(
+    settings: &byoc_job_executors::SandboxSettings,
+    state_dir: &std::path::Path,
+) -> Result<(), byoc_job_executors::sandboxed::SelfTestError> {
+    byoc_job_executors::sandboxed::self_test(settings, &state_dir.join(ROOTS_DIR)).await
+}
+
+/// Container settings from the configuration (limits shared with the sandbox).
+pub fn container_settings(config: &Config) -> Option<byoc_job_executors::ContainerSettings> {
+    let c = &config.containers;
+    c.enabled.then(|| byoc_job_executors::ContainerSettings {
+        docker_socket: c.docker_socket.clone(),
+        memory_bytes: config.sandbox.memory_mib * 1024 * 1024,
+        pids: config.sandbox.pids,
+        uid: config.sandbox.uid,
+        gid: config.sandbox.gid,
+        busybox: config.roles.busybox.clone(),
+        network: config.sandbox.egress.clone(),
+        owner: String::new(),
+    })
+}
+
+/// Sandbox settings from the configuration: the helper is this very binary.
+pub fn sandbox_settings(
+    config: &Config,
+    helper: std::path::PathBuf,
+) -> Option<byoc_job_executors::SandboxSettings> {
+    let s = &config.sandbox;
+    if !s.enabled {
+        return None;
+    }
+    let state_dir = config.runner.state_dir.clone();
+    let mut hidden = vec![state_dir.clone(), PathBuf::from("/etc/byoc-runner")];
+    if let Some(dir) = config.source.parent().filter(|d| d.is_absolute()) {
+        hidden.push(dir.to_path_buf());
+    }
+    Some(byoc_job_executors::SandboxSettings {
+        helper,
+        helper_args: vec!["sandbox-exec".into()],
+        roots_dir: state_dir.join(ROOTS_DIR),
+        limits: byoc_sandbox::cgroup::Limits {
+            memory_bytes: s.memory_mib * 1024 * 1024,
+            pids: s.pids,
+            cpu_millis: s.cpu_percent * 10,
+        },
+        cgroups: s.cgroups,
+        tmp_size_mib: s.tmp_size_mib,
+        nofile: s.nofile,
+        ro_paths: s.extra_ro_paths.clone(),
+        hidden_paths: hidden,
+        host_uid: s.uid,
+        host_gid: s.gid,
+        network: s.egress.clone(),
+        require_limits: s.require_limits,
+    })
+}

@@ -1,0 +1,583 @@
+//! Components by digest from the install's own registry, on the real terraform (1.11
+//! on these machines; `terraform_data` needs no provider, so it all runs offline): a
+//! module is published as an OCI artifact to the vendor's registry, synced into the
+//! install's ECR (moto, its registry host mapped to a second local registry) by an
+//! `oci.sync` job, then applied by digest under the job's role, with its state kept
+//! by the runner between jobs. Helm charts and kubernetes bundles by digest too.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use byoc_control_plane::EnqueueRequest;
+use byoc_control_plane::moto::MotoServer;
+use byoc_control_plane::registry::{LocalRegistry, Pushed};
+use byoc_protocol::JobStatus;
+use common::roles::*;
+use common::*;
+
+const USER: &str = "vendor-sync";
+const TOKEN: &str = "otk-5e2b9c1d7a8f403e9b6c";
+const ECR_HOST: &str = "123456789012.dkr.ecr.us-east-1.amazonaws.com";
+const MODULE_TYPE: &str = "application/vnd.opentofu.modulepkg";
+
+struct CEnv {
+    env: Env,
+    moto: MotoServer,
+    vendor: LocalRegistry,
+    ecr: LocalRegistry,
+    _policies: tempfile::TempDir,
+    _tools: Option<tempfile::TempDir>,
+}
+
+fn terraform() -> std::path::PathBuf {
+    let out = std::process::Command::new("sh").args(["-c", "command -v terraform"]).output().unwrap();
+    let path = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    assert!(!path.is_empty(), "terraform is required on PATH (terraform 1.11 on these machines)");
+    std::path::PathBuf::from(path)
+}
+
+async fn components_env(extra: &str) -> CEnv {
+    components_env_with(extra, "", |_| String::new()).await
+}
+
+/// With `sandbox_extra` for `[sandbox]`, and config made from moto's URL (a state bucket).
+async fn components_env_with(
+    extra: &str,
+    sandbox_extra: &str,
+    with_moto: impl FnOnce(&MotoServer) -> String,
+) -> CEnv {
+    let params = base_params();
+    let (moto, vendor, ecr) = tokio::join!(
+        moto_with_stack(&params),
+        LocalRegistry::start(Some((USER, TOKEN))),
+        LocalRegistry::start(None)
+    );
+    let extra = format!("{extra}\n{}", with_moto(&moto));
+    let policies = tempfile::tempdir().unwrap();
+    let (tools, helm) = stand_in("helm");
+    let mut opts = role_options(&moto, "");
+    opts.extra.push_str(&format!(
+        "\n[oci]\nregistry_endpoints = {{ \"{ECR_HOST}\" = \"{}\" }}\n\n[terraform]\nbinary = \"{}\"\n\n[helm]\nbinary = \"{}\"\n\n[policy]\ndir = \"{}\"\n{extra}\n",
+        ecr.url(),
+        terraform().display(),
+        helm.display(),
+        policies.path().display()
+    ));
+    opts.sandbox_ro_paths.push(tools.path().to_path_buf());
+    opts.sandbox_extra = sandbox_extra.into();
+    let env = env_with(opts).await;
+    CEnv { env, moto, vendor, ecr, _policies: policies, _tools: Some(tools) }
+}
+
+fn module(resources: usize, sleep: Option<u32>) -> Vec<(String, String)> {
+    let mut main = String::from("variable \"label\" {\n  type = string\n}\n");
+    for i in 0..resources {
+        main.push_str(&format!(
+            "resource \"terraform_data\" \"r{i}\" {{\n  input = \"${{var.label}}-{i}\"\n"
+        ));
+        if let (0, Some(secs)) = (i, sleep) {
+            main.push_str(&format!(
+                "  provisioner \"local-exec\" {{\n    command = \"echo slow-create-started; sleep {secs}\"\n  }}\n"
+            ));
+        }
+        main.push_str("}\n");
+    }
+    main.push_str("output \"first\" {\n  value = terraform_data.r0.output\n}\n");
+    main.push_str("output \"token\" {\n  value = \"${var.label}-t0ken\"\n  sensitive = true\n}\n");
+    vec![("./".into(), String::new()), ("main.tf".into(), main)]
+}
+
+/// Publish `files` to the vendor's registry and sync it into the install's ECR.
+async fn publish(e: &CEnv, repo: &str, artifact_type: &str, files: &[(String, String)]) -> Pushed {
+    let files: Vec<(&str, &str)> = files.iter().map(|(p, c)| (p.as_str(), c.as_str())).collect();
+    let pushed = e.vendor.push_tar_artifact(repo, Some("1.0.0"), artifact_type, &files).await;
+    let sync = EnqueueRequest {
+        entity: "artifact".into(),
+        operation: "sync".into(),
+        requested_role: Some("inst-demo-maintenance".into()),
+        app_config: Some(app_config()),
+        role_request: Some(named("api-image")),
+        ..EnqueueRequest::new(
+            "oci.sync",
+            serde_json::json!({
+                "source": format!("{}/{repo}:1.0.0@{}", e.vendor.host(), pushed.digest),
+                "source_credential": {"username": USER, "token": TOKEN},
+                "destination": {"repository": format!("inst-demo/{repo}"), "tags": ["1.0.0"]},
+            }),
+        )
+    };
+    let id = e.env.cp.enqueue(sync).unwrap();
+    let r = e.env.finished(&id).await.result.unwrap();
+    assert_eq!(r.status, JobStatus::Succeeded, "sync: {:?}\n{}", r.error, e.env.output(&id));
+    pushed
+}
+
+fn deploy(kind: &str, spec: serde_json::Value) -> EnqueueRequest {
+    let mut req = EnqueueRequest {
+        timeout_secs: 300,
+        ..role_job("component", "deploy", "inst-demo-maintenance", named("api"), "")
+    };
+    req.kind = kind.into();
+    req.spec = spec;
+    req
+}
+
+fn tf(mode: &str, module_ref: &str) -> EnqueueRequest {
+    deploy(
+        "terraform",
+        serde_json::json!({"mode": mode, "module": module_ref, "workspace": "network", "vars": {"label": "net"}}),
+    )
+}
+
+async fn run(e: &CEnv, req: EnqueueRequest) -> (String, byoc_protocol::JobResult, String) {
+    let id = e.env.cp.enqueue(req).unwrap();
+    let r = e.env.finished(&id).await.result.unwrap();
+    let log = e.env.output(&id);
+    (id, r, log)
+}
+
+#[tokio::test]
+async fn a_module_by_digest_applies_once_then_finds_no_changes_then_destroys() {
+    let e = components_env("").await;
+    let pushed = publish(&e, "tf-network", MODULE_TYPE, &module(3, None)).await;
+    let reference = format!("{ECR_HOST}/inst-demo/tf-network@{}", pushed.digest);
+
+    let (id, r, log) = run(&e, tf("apply", &reference)).await;
+    assert_eq!(r.status, JobStatus::Succeeded, "{:?}\n{log}", r.error);
+    assert!(log.contains("fetched and verified"), "{log}");
+    assert!(log.contains("Apply complete! Resources: 3 added"), "{log}");
+    assert_eq!(r.outputs["outputs"]["first"], "net-0");
+    // Read from the local state, a sensitive output still reaches nobody.
+    assert_eq!(r.outputs["outputs"]["token"], "***", "{}", r.outputs);
+    assert!(!log.contains("net-t0ken"), "{log}");
+    let serial = r.outputs["state_serial"].as_u64().unwrap();
+    assert!(serial >= 1, "{}", r.outputs);
+    // The decision names the artifact it was about.
+    let decisions = audit_events(&e.env.runner.state_dir, "policy_decision");
+    let d = decisions.iter().find(|d| d["job"] == id.as_str()).unwrap();
+    assert_eq!(d["digests"]["artifact"], pushed.digest.as_str(), "{d}");
+
+    // A second job with the same module: the state survived the first job's directory.
+    let (_, r, log) = run(&e, tf("apply", &reference)).await;
+    assert_eq!(r.status, JobStatus::Succeeded, "{:?}\n{log}", r.error);
+    assert!(log.contains("(cached)"), "served from the cache: {log}");
+    assert!(log.contains("No changes."), "{log}");
+    assert_eq!(r.outputs["summary"]["counts"], serde_json::json!({}), "{}", r.outputs);
+    assert_eq!(r.outputs["state_serial"].as_u64(), Some(serial), "no change, no new state version");
+
+    // The customer sees addresses and serials, never values.
+    let shown = e.env.cli_json(&["state", "show", "network"]);
+    assert_eq!(
+        shown["resources"],
+        serde_json::json!(["terraform_data.r0", "terraform_data.r1", "terraform_data.r2"])
+    );
+    assert!(!shown.to_string().contains("net-1"), "{shown}");
+    // Local state is locked only while a job holds it; a hostile name is no path.
+    for (args, code) in [
+        (&["state", "unlock", "network", "any-id"][..], "state_not_locked"),
+        (&["state", "show", "../audit"][..], "invalid_request"),
+        (&["state", "show", "nowhere"][..], "state_not_found"),
+        (&["state", "unlock", "nowhere", "any-id"][..], "state_not_found"),
+    ] {
+        let out = e.env.runner.cli(&[args, &["--output", "json"]].concat());
+        assert!(!out.status.success(), "{args:?}");
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(v["code"], code, "{args:?}: {v}");
+    }
+
+    let (_, r, log) = run(&e, tf("destroy", &reference)).await;
+    assert_eq!(r.status, JobStatus::Succeeded, "{:?}\n{log}", r.error);
+    assert!(log.contains("0 added, 0 changed, 3 destroyed"), "{log}");
+    let shown = e.env.cli_json(&["state", "show", "network"]);
+    assert_eq!(shown["resources"], serde_json::json!([]));
+    assert!(shown["previous_versions"].as_u64().unwrap() >= 1, "{shown}");
+}
+
+#[tokio::test]
+async fn a_tampered_artifact_is_refused_before_terraform_runs() {
+    let e = components_env("").await;
+    let pushed = publish(&e, "tf-tampered", MODULE_TYPE, &module(1, None)).await;
+    // One byte of the layer, changed in the install's registry behind its back.
+    let manifest: serde_json::Value = serde_json::from_slice(&pushed.bytes).unwrap();
+    let layer = manifest["layers"][0]["digest"].as_str().unwrap();
+    let path = e.ecr.blob_path(layer);
+    let mut bytes = std::fs::read(&path).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 1;
+    std::fs::write(&path, bytes).unwrap();
+    let reference = format!("{ECR_HOST}/inst-demo/tf-tampered@{}", pushed.digest);
+    let (_, r, log) = run(&e, tf("apply", &reference)).await;
+    assert_eq!(r.status, JobStatus::Failed);
+    assert_eq!(r.outputs["reason"], "artifact_digest_mismatch", "{}\n{log}", r.outputs);
+    assert!(!log.contains("[terraform] init"), "terraform never ran: {log}");
+
+    // A reference outside the install's registry, even one the runner could reach.
+    let elsewhere = format!("{}/tf-tampered@{}", e.vendor.host(), pushed.digest);
+    let (_, r, _) = run(&e, tf("apply", &elsewhere)).await;
+    assert_eq!(r.outputs["reason"], "artifact_not_in_install_registry", "{}", r.outputs);
+}
+
+#[tokio::test]
+async fn a_job_may_not_choose_its_own_backend_unless_the_customer_allows_it() {
+    let e = components_env("").await;
+    let spec = serde_json::json!({
+        "mode": "apply", "workspace": "db",
+        "files": {"main.tf": "resource \"terraform_data\" \"x\" {}\n"},
+        "backend_config": {"bucket": "vendor-bucket", "key": "elsewhere"},
+    });
+    let (_, r, log) = run(&e, deploy("terraform", spec)).await;
+    assert_eq!(r.status, JobStatus::Failed);
+    assert_eq!(r.outputs["reason"], "backend_not_allowed", "{}\n{log}", r.outputs);
+    assert!(!log.contains("[terraform] init"), "{log}");
+}
+
+#[tokio::test]
+async fn cancelling_mid_apply_keeps_what_was_made_and_releases_the_workspace() {
+    let e = components_env("").await;
+    let pushed = publish(&e, "tf-slow", MODULE_TYPE, &module(2, Some(60))).await;
+    let reference = format!("{ECR_HOST}/inst-demo/tf-slow@{}", pushed.digest);
+    let id = e.env.cp.enqueue(tf("apply", &reference)).unwrap();
+    e.env.log_contains(&id, "slow-create-started").await;
+    e.env.cp.cancel(&id).unwrap();
+    let r = e.env.finished(&id).await.result.unwrap();
+    assert_eq!(r.status, JobStatus::Cancelled, "{:?}\n{}", r.error, e.env.output(&id));
+    // The next job takes the workspace and finishes what the first one started.
+    let fast = publish(&e, "tf-fast", MODULE_TYPE, &module(2, None)).await;
+    let reference = format!("{ECR_HOST}/inst-demo/tf-fast@{}", fast.digest);
+    let (_, r, log) = run(&e, tf("apply", &reference)).await;
+    assert_eq!(r.status, JobStatus::Succeeded, "{:?}\n{log}", r.error);
+    assert!(!log.contains("state_locked"), "{log}");
+}
+
+#[tokio::test]
+async fn a_chart_by_digest_reaches_helm_as_a_local_path_without_credentials() {
+    let e = components_env("").await;
+    let chart = vec![
+        ("api/".to_string(), String::new()),
+        ("api/Chart.yaml".to_string(), "apiVersion: v2\nname: api\nversion: 1.0.0\n".to_string()),
+        (
+            "api/templates/cm.yaml".to_string(),
+            "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: api\ndata:\n  a: b\n".to_string(),
+        ),
+        // What the stand-in "renders".
+        (
+            "api/fake-rendered.yaml".to_string(),
+            "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: api\n  namespace: acme\ndata:\n  a: b\n"
+                .to_string(),
+        ),
+    ];
+    let pushed = publish(&e, "charts-api", "application/vnd.cncf.helm.config.v1+json", &chart).await;
+    let spec = serde_json::json!({
+        "action": "upgrade", "release": "api", "namespace": "acme",
+        "chart": format!("{ECR_HOST}/inst-demo/charts-api@{}", pushed.digest),
+        "kubeconfig": "apiVersion: v1\nkind: Config\n",
+    });
+    let (_, r, log) = run(&e, deploy("helm", spec)).await;
+    assert_eq!(r.status, JobStatus::Succeeded, "{:?}\n{log}", r.error);
+    assert!(log.contains("[helm] chart") && log.contains("fetched and verified"), "{log}");
+    // The stand-in reports its argv (and refuses a remote chart or a credential in it).
+    assert!(log.contains("fake-helm: upgrade") && log.contains("./chart"), "{log}");
+    assert!(!log.contains("refusing"), "{log}");
+}
+
+/// `byoc-runner run-local JOB_FILE ARGS…` in `dir`: (exit code, stdout + stderr).
+fn run_local(dir: &std::path::Path, job: &serde_json::Value, args: &[&str]) -> (i32, String) {
+    run_local_with(dir, job, args, &[])
+}
+
+fn run_local_with(
+    dir: &std::path::Path,
+    job: &serde_json::Value,
+    args: &[&str],
+    env: &[(&str, &str)],
+) -> (i32, String) {
+    let file = dir.join(format!("job-{}.json", rand_suffix()));
+    std::fs::write(&file, job.to_string()).unwrap();
+    let out = std::process::Command::new(BIN)
+        .current_dir(dir)
+        .envs(env.iter().copied())
+        .arg("run-local")
+        .arg(&file)
+        .args(["--policies", "/nonexistent-policies", "--terraform"])
+        .arg(terraform())
+        .args(args)
+        .output()
+        .unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    (out.status.code().unwrap_or(-1), text)
+}
+
+fn rand_suffix() -> String {
+    byoc_protocol::random_hex(4)
+}
+
+#[test]
+fn run_local_applies_a_component_keeps_its_state_and_stops_at_the_decision_when_asked() {
+    let dir = tempfile::tempdir().unwrap();
+    let job = serde_json::json!({"kind": "terraform", "timeout_secs": 120, "spec": {
+        "mode": "apply", "workspace": "local-demo",
+        "files": {"main.tf": "resource \"terraform_data\" \"a\" {\n  input = \"x\"\n}\n"},
+    }});
+    let (code, out) = run_local(dir.path(), &job, &[]);
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("[policy] ALLOW plan") && out.contains("1 added"), "{out}");
+    let (code, out) = run_local(dir.path(), &job, &[]);
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("No changes."), "the state was kept between runs: {out}");
+    assert!(dir.path().join(".byoc-run-local/tfstate/local-demo/terraform.tfstate").is_file());
+
+    // --plan-only: decided, nothing applied.
+    let more = serde_json::json!({"kind": "terraform", "timeout_secs": 120, "spec": {
+        "mode": "apply", "workspace": "local-demo",
+        "files": {"main.tf": "resource \"terraform_data\" \"a\" {\n  input = \"x\"\n}\nresource \"terraform_data\" \"b\" {}\n"},
+    }});
+    let (code, out) = run_local(dir.path(), &more, &["--plan-only"]);
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("stopping after the decision") && !out.contains("Apply complete"), "{out}");
+}
+
+#[tokio::test]
+async fn run_local_fetches_a_component_by_digest_from_the_vendors_registry() {
+    let registry = LocalRegistry::start(Some((USER, TOKEN))).await;
+    let files = module(2, None);
+    let files: Vec<(&str, &str)> = files.iter().map(|(p, c)| (p.as_str(), c.as_str())).collect();
+    let pushed = registry.push_tar_artifact("vendor/tf-local", Some("1.0.0"), MODULE_TYPE, &files).await;
+    let dir = tempfile::tempdir().unwrap();
+    let job = |digest: &str| {
+        serde_json::json!({"kind": "terraform", "timeout_secs": 120, "spec": {
+            "mode": "apply", "workspace": "by-digest", "vars": {"label": "loc"},
+            "module": format!("{}/vendor/tf-local@{digest}", registry.host()),
+        }})
+    };
+    // No credential: the registry says no, and nothing runs.
+    let (code, out) = run_local(dir.path(), &job(&pushed.digest), &[]);
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("HTTP 401") && !out.contains("Initializing"), "{out}");
+    // With the vendor's credential (the token from the environment, never argv).
+    let auth = ["--registry-user", USER];
+    let token = [("BYOC_REGISTRY_TOKEN", TOKEN)];
+    let (code, out) = run_local_with(dir.path(), &job(&pushed.digest), &auth, &token);
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains(&pushed.digest) && out.contains("2 added"), "{out}");
+    assert!(!out.contains(TOKEN), "{out}");
+    // Again: served from the cache, the state kept.
+    let (code, out) = run_local_with(dir.path(), &job(&pushed.digest), &auth, &token);
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("No changes."), "{out}");
+    assert!(
+        dir.path()
+            .join(".byoc-run-local/artifacts")
+            .join(pushed.digest.trim_start_matches("sha256:"))
+            .is_dir()
+    );
+    // A digest the repository does not hold is refused before terraform runs.
+    let missing = format!("sha256:{}", "0".repeat(64));
+    let (code, out) = run_local_with(dir.path(), &job(&missing), &auth, &token);
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("artifact_not_found") || out.contains("not found"), "{out}");
+}
+
+#[test]
+fn run_local_decides_with_the_vendor_policies_and_the_app_config() {
+    let dir = tempfile::tempdir().unwrap();
+    let examples = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../examples/policy");
+    let deny_all = dir.path().join("deny-all.rego");
+    std::fs::write(&deny_all, "package main\n\ndeny contains msg if {\n  some rc in input.resource_changes\n  msg := sprintf(\"%s: no new resources today\", [rc.address])\n}\n").unwrap();
+    let job = serde_json::json!({"kind": "terraform", "timeout_secs": 120, "spec": {
+        "mode": "apply", "workspace": "denied",
+        "files": {"main.tf": "resource \"terraform_data\" \"a\" {}\n"},
+    }});
+    let (code, out) = run_local(dir.path(), &job, &["--vendor-policy", deny_all.to_str().unwrap()]);
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("DENY") && out.contains("no new resources today"), "{out}");
+    assert!(!out.contains("Apply complete"), "{out}");
+    // An app config's declarations for the component are loaded (and a broken one refused).
+    let policies = |out: &str| -> usize {
+        let at = out.find(" policies)").unwrap_or_else(|| panic!("no decision line: {out}"));
+        out[..at].rsplit('(').next().unwrap().parse().unwrap()
+    };
+    let (code, out) = run_local(dir.path(), &job, &["--plan-only"]);
+    assert_eq!(code, 0, "{out}");
+    let without = policies(&out);
+    let (code, out) = run_local(
+        dir.path(),
+        &job,
+        &["--app-config", examples.join("app").to_str().unwrap(), "--component", "api", "--plan-only"],
+    );
+    assert_eq!(code, 0, "{out}");
+    assert_eq!(policies(&out), without + 1, "the app's terraform_module policy was decided with: {out}");
+    let (code, out) = run_local(dir.path(), &job, &["--app-config", "/nonexistent-app"]);
+    assert_eq!(code, 64, "{out}");
+}
+
+#[test]
+fn run_local_reviews_kubernetes_manifests_without_a_cluster_when_planning() {
+    let dir = tempfile::tempdir().unwrap();
+    let job = serde_json::json!({"kind": "kubernetes", "timeout_secs": 60, "spec": {
+        "action": "apply", "component": "api", "namespace": "acme",
+        "kubeconfig": "apiVersion: v1\nkind: Config\n",
+        "manifests": [{"apiVersion": "v1", "kind": "Service", "metadata": {"name": "api"}, "spec": {"type": "LoadBalancer"}}],
+    }});
+    let (code, out) = run_local(dir.path(), &job, &["--plan-only"]);
+    // The built-in pack refuses a new public LoadBalancer; nothing reaches a cluster.
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("DENY") && out.contains("public_ingress"), "{out}");
+}
+
+#[tokio::test]
+async fn a_manifests_bundle_by_digest_is_decided_and_applied_to_the_cluster() {
+    let (e, api) = tokio::join!(components_env(""), byoc_control_plane::kube_api::FakeKubeApi::start());
+    let bundle = vec![
+        ("manifests/".to_string(), String::new()),
+        (
+            "manifests/10-config.yaml".to_string(),
+            "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: api-config\ndata:\n  mode: prod\n---\napiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: api-flags\ndata:\n  beta: \"false\"\n".to_string(),
+        ),
+        (
+            "manifests/20-more.json".to_string(),
+            r#"[{"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "api-extra"}, "data": {"k": "v"}}]"#.to_string(),
+        ),
+        ("README.md".to_string(), "not a manifest: skipped".to_string()),
+    ];
+    let pushed = publish(&e, "manifests-api", "application/vnd.byoc.manifests.v1", &bundle).await;
+    let spec = serde_json::json!({
+        "action": "apply", "component": "api", "namespace": "acme", "wait_secs": 30,
+        "bundle": format!("{ECR_HOST}/inst-demo/manifests-api@{}", pushed.digest),
+        "kubeconfig": api.kubeconfig("cluster-token-9d8e7f6a5b4c3d2e"),
+    });
+    let (id, r, log) = run(&e, deploy("kubernetes", spec)).await;
+    assert_eq!(r.status, JobStatus::Succeeded, "{:?}\n{log}", r.error);
+    assert!(log.contains("3 objects") && log.contains("fetched and verified"), "{log}");
+    for name in ["api-config", "api-flags", "api-extra"] {
+        assert!(api.object(&format!("/api/v1/namespaces/acme/configmaps/{name}")).is_some(), "{name}");
+    }
+    let decisions = audit_events(&e.env.runner.state_dir, "policy_decision");
+    let d = decisions.iter().find(|d| d["job"] == id.as_str()).unwrap();
+    assert_eq!(d["digests"]["artifact"], pushed.digest.as_str(), "{d}");
+}
+
+#[tokio::test]
+async fn state_goes_to_the_install_bucket_under_the_jobs_role() {
+    // The job must reach moto's S3 on this host's loopback, which its sandbox refuses
+    // (as it should): this suite runs the job unsandboxed; the backend settings are the
+    // same either way.
+    let e = components_env_with("", "enabled = false", |moto| {
+        format!("\n[terraform.state]\nbucket = \"inst-demo-state\"\nendpoint = \"{}\"\n", moto.url())
+    })
+    .await;
+    e.moto.create_bucket("inst-demo-state").await;
+    let pushed = publish(&e, "tf-bucket", MODULE_TYPE, &module(2, None)).await;
+    let reference = format!("{ECR_HOST}/inst-demo/tf-bucket@{}", pushed.digest);
+    let (_, r, log) = run(&e, tf("apply", &reference)).await;
+    assert_eq!(r.status, JobStatus::Succeeded, "{:?}\n{log}", r.error);
+    assert!(log.contains("s3://inst-demo-state/inst-demo/network/terraform.tfstate"), "{log}");
+    assert!(log.contains("Successfully configured the backend \"s3\""), "{log}");
+    // State elsewhere: the outputs come from `terraform output -json`.
+    assert_eq!(r.outputs["outputs"]["first"], "net-0", "{}", r.outputs);
+    assert_eq!(r.outputs["outputs"]["token"], "***", "{}", r.outputs);
+    // One key per workspace, under the install's prefix; no lock left behind.
+    assert_eq!(e.moto.s3_keys("inst-demo-state").await, ["inst-demo/network/terraform.tfstate"]);
+    let state = e.moto.s3_object("inst-demo-state", "inst-demo/network/terraform.tfstate").await.unwrap();
+    assert!(String::from_utf8_lossy(&state).contains("terraform_data"));
+    // Nothing on the runner's disk: the bucket is the state.
+    assert!(!e.env.runner.state_dir.join("tfstate/network/terraform.tfstate").exists());
+    let (_, r, log) = run(&e, tf("apply", &reference)).await;
+    assert_eq!(r.status, JobStatus::Succeeded, "{:?}\n{log}", r.error);
+    assert!(log.contains("No changes."), "{log}");
+
+    // A lock a killed runner left in the bucket: the next job says so, and what to do.
+    let stale = br#"{"ID":"5b1f2c3d-dead-beef","Operation":"OperationTypeApply","Who":"killed-runner"}"#;
+    e.moto.s3_put("inst-demo-state", "inst-demo/network/terraform.tfstate.tflock", stale.to_vec()).await;
+    let (_, r, log) = run(&e, tf("apply", &reference)).await;
+    assert_eq!(r.status, JobStatus::Failed);
+    assert_eq!(r.outputs["reason"], "state_locked", "{}\n{log}", r.outputs);
+    assert!(r.error.as_deref().unwrap_or("").contains("state unlock"), "{:?}", r.error);
+
+    // The customer sees the workspace and its lock in the bucket, read under the
+    // maintenance role: addresses and serials, never values.
+    let listed = e.env.cli_json(&["state", "list"]);
+    assert_eq!(listed[0]["workspace"], "network", "{listed}");
+    assert_eq!(listed[0]["resources"].as_array().map(Vec::len), Some(2), "{listed}");
+    assert_eq!(listed[0]["lock"]["ID"], "5b1f2c3d-dead-beef", "{listed}");
+    let shown = e.env.cli_json(&["state", "show", "network"]);
+    assert_eq!(shown["resources"], serde_json::json!(["terraform_data.r0", "terraform_data.r1"]), "{shown}");
+    assert!(!shown.to_string().contains("net-0"), "a value reached the CLI: {shown}");
+    let text = e.env.runner.cli(&["state", "show", "network"]);
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(text.contains("s3://inst-demo-state/inst-demo/network/terraform.tfstate"), "{text}");
+    assert!(text.contains("state unlock network 5b1f2c3d-dead-beef"), "{text}");
+    // A role switched off is refused, never bypassed.
+    let out = e.env.runner.cli(&["state", "list", "--role", "deprovision", "--output", "json"]);
+    assert!(!out.status.success());
+    let refused: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(refused["code"], "role_disabled", "{refused}");
+    // A wrong lock ID removes nothing.
+    let out = e.env.runner.cli(&["state", "unlock", "network", "not-the-id", "--output", "json"]);
+    assert!(!out.status.success());
+    let refused: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(refused["code"], "lock_id_mismatch", "{refused}");
+    assert!(e.moto.s3_keys("inst-demo-state").await.iter().any(|k| k.ends_with(".tflock")));
+    // The right one removes the lock; the next job takes the workspace.
+    let removed = e.env.cli_json(&["state", "unlock", "network", "5b1f2c3d-dead-beef"]);
+    assert_eq!(removed["removed"]["Who"], "killed-runner", "{removed}");
+    assert_eq!(e.moto.s3_keys("inst-demo-state").await, ["inst-demo/network/terraform.tfstate"]);
+    let (_, r, log) = run(&e, tf("apply", &reference)).await;
+    assert_eq!(r.status, JobStatus::Succeeded, "{:?}\n{log}", r.error);
+    assert!(log.contains("No changes."), "{log}");
+    // Audited by the daemon before it took that job, in the order they happened.
+    let records = audit_records(&e.env.runner.state_dir);
+    let events: Vec<&str> = records
+        .iter()
+        .filter_map(|r| r["event"].as_str())
+        .filter(|ev| ev.starts_with("state_unlock"))
+        .collect();
+    assert_eq!(
+        events,
+        ["state_unlock_requested", "state_unlock_failed", "state_unlock_requested", "state_unlocked"]
+    );
+    let unlocked = &audit_events(&e.env.runner.state_dir, "state_unlocked")[0];
+    let detail = unlocked["detail"].as_str().unwrap_or("");
+    assert!(detail.contains("5b1f2c3d-dead-beef") && detail.contains("killed-runner"), "{unlocked}");
+    assert_eq!(unlocked["role"], "inst-demo-maintenance", "{unlocked}");
+    assert_eq!(audit_events(&e.env.runner.state_dir, "state_unlock_failed")[0]["reason"], "lock_id_mismatch");
+    assert_eq!(audit_events(&e.env.runner.state_dir, "state_read").len(), 3);
+    assert!(audit_events(&e.env.runner.state_dir, "customer_record_invalid").is_empty());
+}
+
+#[tokio::test]
+async fn providers_come_from_a_mirror_by_digest_and_never_from_the_network() {
+    let e = components_env("").await;
+    // terraform's filesystem-mirror layout: HOST/NAMESPACE/TYPE/VERSION/OS_ARCH/binary.
+    let mirror = vec![
+        ("example.com/".to_string(), String::new()),
+        ("example.com/acme/".to_string(), String::new()),
+        ("example.com/acme/fake/".to_string(), String::new()),
+        ("example.com/acme/fake/1.0.0/".to_string(), String::new()),
+        ("example.com/acme/fake/1.0.0/linux_amd64/".to_string(), String::new()),
+        (
+            "example.com/acme/fake/1.0.0/linux_amd64/terraform-provider-fake_v1.0.0".to_string(),
+            "#!/bin/sh\necho not a real provider >&2\nexit 1\n".to_string(),
+        ),
+    ];
+    let pushed = publish(&e, "tf-providers", "application/vnd.byoc.terraform.mirror.v1", &mirror).await;
+    let main_tf = "terraform {\n  required_providers {\n    fake = {\n      source  = \"example.com/acme/fake\"\n      version = \"1.0.0\"\n    }\n  }\n}\nresource \"terraform_data\" \"a\" {}\n";
+    let with_mirror = deploy(
+        "terraform",
+        serde_json::json!({"mode": "plan", "workspace": "mirror", "files": {"main.tf": main_tf},
+            "providers": format!("{ECR_HOST}/inst-demo/tf-providers@{}", pushed.digest)}),
+    );
+    let (_, _, log) = run(&e, with_mirror).await;
+    assert!(log.contains("from the mirror, never the network"), "{log}");
+    assert!(log.contains("Installing example.com/acme/fake v1.0.0"), "{log}");
+    assert!(log.contains("Terraform has been successfully initialized!"), "init used the mirror: {log}");
+    // (The stand-in provider cannot serve a plan: the job fails after init, as it should.)
+
+    // Without the mirror the same module cannot even init: nothing reaches example.com.
+    let without = deploy(
+        "terraform",
+        serde_json::json!({"mode": "plan", "workspace": "no-mirror", "files": {"main.tf": main_tf}}),
+    );
+    let (_, r, log) = run(&e, without).await;
+    assert_eq!(r.status, JobStatus::Failed);
+    assert!(!log.contains("successfully initialized"), "{log}");
+}
