@@ -27,6 +27,7 @@ fuzz_target!(|data: &[u8]| {
         operation: "component.deploy".into(),
         install: "inst-1".into(),
         admission,
+        context: Default::default(),
     };
     for convention in [Convention::Builtin, Convention::Conftest, Convention::Nuon] {
         let _ = byoc_policy::inputs_for(convention, &parsed, &ctx);

@@ -167,6 +167,9 @@ pub struct PolicyScope {
     /// The app's admission policies for the cluster (`kubernetes_cluster`, Kyverno):
     /// (name, YAML). Kubernetes jobs apply them; a sandbox's deprovision removes them.
     pub cluster_policies: Vec<(String, String)>,
+    /// `input.byoc.context`: the guardrails as the job was admitted (see
+    /// `byoc_policy::Context::context`).
+    pub context: serde_json::Value,
 }
 
 /// The separate evaluator: `program args… --memory-mib N`, an `EvalRequest` on stdin,

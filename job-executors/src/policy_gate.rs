@@ -44,6 +44,7 @@ pub async fn decide(
         operation: policy.operation.clone(),
         install: policy.install.clone(),
         admission: subject.admission,
+        context: policy.context.clone(),
     };
     let started = std::time::Instant::now();
     let d = policy.decide(pctx, input).await;

@@ -312,6 +312,13 @@ pub enum RejectReason {
     SandboxLimitsUnavailable,
     /// Free space on the runner's state dir is under the customer's threshold.
     DiskLow,
+    /// The customer's maintenance windows do not allow this job now, and its rule
+    /// refuses rather than waits.
+    OutsideWindow,
+    /// A local admin denied the approval the customer's rules require.
+    ApprovalDenied,
+    /// Nobody approved the job before its approval request expired.
+    ApprovalExpired,
 }
 
 impl RejectReason {
@@ -336,6 +343,9 @@ impl RejectReason {
             Self::SandboxNetworkUnavailable => "sandbox_network_unavailable",
             Self::SandboxLimitsUnavailable => "sandbox_limits_unavailable",
             Self::DiskLow => "disk_low",
+            Self::OutsideWindow => "outside_window",
+            Self::ApprovalDenied => "approval_denied",
+            Self::ApprovalExpired => "approval_expired",
         }
     }
 
@@ -359,6 +369,9 @@ impl RejectReason {
         Self::SandboxNetworkUnavailable,
         Self::SandboxLimitsUnavailable,
         Self::DiskLow,
+        Self::OutsideWindow,
+        Self::ApprovalDenied,
+        Self::ApprovalExpired,
     ];
 }
 
@@ -446,6 +459,25 @@ pub struct ClaimResponse {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct RejectRequest {
     pub reason: RejectReason,
+    pub detail: String,
+}
+
+/// A job heartbeat's body: what the job is doing when it is not running yet.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct JobHeartbeatRequest {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub waiting: Option<JobWaiting>,
+}
+
+/// A claimed job held back by the customer's guardrails.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct JobWaiting {
+    /// `waiting_window`.
+    pub state: String,
+    /// When the job can run (unix seconds), if known: the next window's start.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub until: Option<i64>,
+    /// For people: which rule and window.
     pub detail: String,
 }
 

@@ -152,6 +152,15 @@ pub fn record_for(event: &Event) -> Record {
                 n => format!("log {log_size} bytes kept, {n} bytes omitted (log cap)"),
             });
         }
+        Event::Waiting { job_id, state, until, detail } => {
+            r.event = if state == "awaiting_approval" { "approval_requested" } else { "window_wait" }.into();
+            r.job = Some(job_id.clone());
+            r.status = Some(state.clone());
+            r.detail = Some(match until {
+                Some(t) => format!("{detail}; until {}", crate::guardrails::rfc3339(*t)),
+                None => detail.clone(),
+            });
+        }
         Event::Reported { job_id } => {
             r.event = "job_reported".into();
             r.job = Some(job_id.clone());

@@ -99,6 +99,18 @@ impl Slots {
     fn total(&self) -> usize {
         self.running.lock().unwrap_or_else(|e| e.into_inner()).values().sum()
     }
+    /// Take a slot if the group has room under its limit.
+    fn try_acquire(&self, group: &str) -> bool {
+        let mut running = self.running.lock().unwrap_or_else(|e| e.into_inner());
+        let limit = self.limits.get(group).copied().unwrap_or(1);
+        let n = running.entry(group.to_string()).or_default();
+        if *n < limit {
+            *n += 1;
+            true
+        } else {
+            false
+        }
+    }
     fn acquire(&self, group: &str) {
         *self.running.lock().unwrap_or_else(|e| e.into_inner()).entry(group.to_string()).or_default() += 1;
     }
@@ -586,7 +598,12 @@ async fn poll_loop(
         let running_jobs: Vec<String> = rt.journal.with_index(|i| {
             i.jobs
                 .values()
-                .filter(|j| matches!(j.phase, Phase::Claimed | Phase::Started))
+                .filter(|j| {
+                    matches!(
+                        j.phase,
+                        Phase::Claimed | Phase::WaitingWindow | Phase::AwaitingApproval | Phase::Started
+                    )
+                })
                 .map(|j| j.job_id.clone())
                 .collect()
         });
@@ -652,7 +669,7 @@ fn handle_delivery(rt: &Rt, slots: &Arc<Slots>, tasks: &mut JoinSet<()>, polled:
     );
     let group = byoc_protocol::job_group(&p.kind).to_string();
     slots.acquire(&group);
-    let slot = SlotGuard { slots: slots.clone(), group };
+    let slot = SlotGuard { slots: slots.clone(), group, held: true };
     let rt = rt.clone();
     tasks.spawn(tracing::Instrument::instrument(
         async move {
@@ -665,15 +682,39 @@ fn handle_delivery(rt: &Rt, slots: &Arc<Slots>, tasks: &mut JoinSet<()>, polled:
     ));
 }
 
-/// Holds a group slot; frees it (and wakes the poll loop) when dropped.
+/// Holds a group slot; frees it (and wakes the poll loop) when dropped or while its
+/// job waits for a maintenance window.
 struct SlotGuard {
     slots: Arc<Slots>,
     group: String,
+    held: bool,
+}
+
+impl pipeline::window::JobSlot for SlotGuard {
+    fn release(&mut self) {
+        if std::mem::take(&mut self.held) {
+            self.slots.release(&self.group);
+        }
+    }
+    fn reacquire(&mut self) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send + '_>> {
+        Box::pin(async move {
+            while !self.held {
+                let freed = self.slots.changed.notified();
+                tokio::pin!(freed);
+                freed.as_mut().enable();
+                if self.slots.try_acquire(&self.group) {
+                    self.held = true;
+                } else {
+                    freed.await;
+                }
+            }
+        })
+    }
 }
 
 impl Drop for SlotGuard {
     fn drop(&mut self) {
-        self.slots.release(&self.group);
+        pipeline::window::JobSlot::release(self);
     }
 }
 

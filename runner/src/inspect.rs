@@ -62,6 +62,8 @@ pub struct Status {
     pub daemon_running: bool,
     pub jobs_total: usize,
     pub jobs_running: Vec<String>,
+    /// Claimed, held back until a maintenance window opens or an admin approves.
+    pub jobs_waiting: Vec<String>,
     pub jobs_unreported: Vec<String>,
     pub jobs_by_status: std::collections::BTreeMap<String, usize>,
     pub rejections: usize,
@@ -123,6 +125,7 @@ pub fn status_of(state_dir: &Path, index: &Index) -> Result<Status, InspectError
         daemon_running: running,
         jobs_total: index.jobs.len(),
         jobs_running: ids_in(index, &[Phase::Claimed, Phase::Started]),
+        jobs_waiting: ids_in(index, &[Phase::WaitingWindow, Phase::AwaitingApproval]),
         jobs_unreported: ids_in(index, &[Phase::Finished]),
         jobs_by_status: by_status,
         rejections: index.rejections.len(),

@@ -91,6 +91,15 @@ pub enum Event {
         #[serde(default)]
         outputs: serde_json::Value,
     },
+    /// A claimed job held back by the customer's guardrails (`state`:
+    /// `waiting_window`) until `until` (unix seconds), if known.
+    Waiting {
+        job_id: String,
+        state: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        until: Option<i64>,
+        detail: String,
+    },
     /// The control plane acknowledged the result.
     Reported {
         job_id: String,
@@ -118,6 +127,10 @@ pub enum Phase {
     /// Received, then refused before it was claimed (a role the customer switched
     /// off); the refusal was reported instead of a result.
     Refused,
+    /// Claimed, held back by a maintenance window.
+    WaitingWindow,
+    /// Claimed, held until a local admin approves it.
+    AwaitingApproval,
     Started,
     Finished,
     Reported,
@@ -128,9 +141,11 @@ impl Phase {
         match self {
             Phase::Received => 0,
             Phase::Claimed => 1,
-            Phase::Started => 2,
-            Phase::ClaimRefused | Phase::Refused | Phase::Finished => 3,
-            Phase::Reported => 4,
+            Phase::WaitingWindow => 2,
+            Phase::AwaitingApproval => 3,
+            Phase::Started => 4,
+            Phase::ClaimRefused | Phase::Refused | Phase::Finished => 5,
+            Phase::Reported => 6,
         }
     }
 
@@ -140,6 +155,8 @@ impl Phase {
             Phase::Claimed => "claimed",
             Phase::ClaimRefused => "claim_refused",
             Phase::Refused => "refused",
+            Phase::WaitingWindow => "waiting_window",
+            Phase::AwaitingApproval => "awaiting_approval",
             Phase::Started => "started",
             Phase::Finished => "finished",
             Phase::Reported => "reported",
@@ -305,6 +322,19 @@ impl Index {
                         log_omitted: *log_omitted,
                         finished_at_ms: *finished_at_ms,
                         outputs: outputs.clone(),
+                    });
+                }
+            }
+            Event::Waiting { job_id, state, until, detail } => {
+                let phase =
+                    if state == "awaiting_approval" { Phase::AwaitingApproval } else { Phase::WaitingWindow };
+                self.set_phase(job_id, phase);
+                if let Some(j) = self.jobs.get_mut(job_id)
+                    && j.phase == phase
+                {
+                    j.detail = Some(match until {
+                        Some(t) => format!("{detail} (until {})", crate::guardrails::rfc3339(*t)),
+                        None => detail.clone(),
                     });
                 }
             }
@@ -571,6 +601,7 @@ fn event_job(e: &Event) -> Option<&str> {
         | Event::ClaimRefused { job_id, .. }
         | Event::Started { job_id, .. }
         | Event::Finished { job_id, .. }
+        | Event::Waiting { job_id, .. }
         | Event::Reported { job_id } => Some(job_id),
         Event::Rejected { .. } => None,
     }

@@ -11,6 +11,7 @@
 //! in `testing`.
 
 pub mod app_policies;
+pub mod approvals;
 pub mod audit;
 pub mod cli;
 pub mod clock;
@@ -19,6 +20,7 @@ pub mod control_plane;
 pub mod daemon;
 pub mod disk;
 pub mod doctor;
+pub mod guardrails;
 pub mod identity;
 pub mod inspect;
 pub mod journal;

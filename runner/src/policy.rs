@@ -70,6 +70,7 @@ impl CustomerPolicies {
             install: decision.install,
             limits,
             cluster_policies: decision.cluster_policies,
+            context: serde_json::Value::Null,
             evaluator: std::env::current_exe().ok().map(|program| byoc_job_executors::Evaluator {
                 program,
                 args: vec!["policy-eval".into()],

@@ -95,8 +95,15 @@ impl ControlPlane for FakeControlPlane {
         let answer = lock(&self.claims).pop_front().unwrap_or(Ok(ClaimResponse { lease_secs: 60 }));
         Box::pin(async move { answer })
     }
-    fn heartbeat<'a>(&'a self, job_id: &'a str) -> CpFuture<'a, JobHeartbeatResponse> {
-        self.call(format!("heartbeat {job_id}"));
+    fn heartbeat<'a>(
+        &'a self,
+        job_id: &'a str,
+        waiting: Option<&'a byoc_protocol::JobWaiting>,
+    ) -> CpFuture<'a, JobHeartbeatResponse> {
+        match waiting {
+            Some(w) => self.call(format!("heartbeat {job_id} {}", w.state)),
+            None => self.call(format!("heartbeat {job_id}")),
+        }
         let answer = lock(&self.heartbeats)
             .pop_front()
             .unwrap_or(Ok(JobHeartbeatResponse { lease_secs: 60, cancel: false }));
@@ -292,6 +299,11 @@ impl Fakes {
 pub const NOW: i64 = 1_900_000_000;
 
 pub async fn runtime() -> Fakes {
+    runtime_with("").await
+}
+
+/// [`runtime`] with more configuration (whole sections, e.g. `[[guardrails.window]]`).
+pub async fn runtime_with(extra: &str) -> Fakes {
     let dir = tempfile::tempdir().expect("temp dir");
     let signing_key = byoc_protocol::generate_signing_key();
     let key = byoc_protocol::b64(signing_key.verifying_key().as_bytes());
@@ -299,7 +311,7 @@ pub async fn runtime() -> Fakes {
         "[control_plane]\nurl = \"https://cp.example.com\"\npublic_keys = [\"{key}\"]\n\
          [runner]\ninstall_id = \"inst-1\"\nstate_dir = \"{}\"\n\
          [poll]\nbackoff_initial_ms = 10\nbackoff_max_secs = 1\n[jobs]\nheartbeat_secs = 1\n\
-         [sandbox]\nenabled = false\n[containers]\nenabled = false\n",
+         [sandbox]\nenabled = false\n[containers]\nenabled = false\n{extra}",
         dir.path().display()
     );
     let config = Config::parse(&text, "test", []).expect("test config");

@@ -222,6 +222,7 @@ fn the_policy_evaluator_runs_without_any_network() {
             operation: "component.deploy".into(),
             install: "inst-1".into(),
             admission: Default::default(),
+            context: Default::default(),
         },
         input: r#"{"resource_changes": []}"#.into(),
         time_per_policy_ms: 5000,
@@ -394,4 +395,50 @@ fn an_app_configs_declarations_are_listed_and_tested() {
     assert_eq!(code, 1, "{out}");
     assert!(out.contains("vendor/policies/no-eip-delete.rego (nuon, mandatory)"), "{out}");
     assert!(!out.contains("no-privileged"), "a kubernetes_manifest policy is not evaluated on a plan: {out}");
+}
+
+/// A customer policy that reads `input.byoc.context` (docs/GUARDRAILS.md), tried with
+/// `--context`: the database replacement is denied outside a window, allowed inside.
+#[test]
+fn a_policy_on_the_guardrails_context_decides_by_the_window() {
+    let policy = std::fs::read_to_string(examples().join("no-db-replacement-outside-window.rego")).unwrap();
+    // The built-in checks that would deny this plan anyway are off, so only the
+    // window policy decides.
+    let d = customer_dir(
+        "[builtin]\npublic_ingress = \"off\"\ndatabase_protection = \"off\"\n",
+        &[("windows.rego", &policy)],
+    );
+    let plan = examples().join("plan-open-ingress.json");
+    let ctx = tempfile::tempdir().unwrap();
+    let outside = ctx.path().join("outside.json");
+    std::fs::write(&outside, r#"{"now": "2026-11-25T12:00:00Z", "window": null, "windows_open": []}"#)
+        .unwrap();
+    let inside = ctx.path().join("inside.json");
+    std::fs::write(
+        &inside,
+        r#"{"now": "2026-11-28T02:00:00Z", "window": {"name": "weekend", "rule": "db"}, "windows_open": ["weekend"]}"#,
+    )
+    .unwrap();
+    let args = |context: &std::path::Path| {
+        run(&[
+            "test",
+            "--input",
+            plan.to_str().unwrap(),
+            "--policies",
+            d.path().to_str().unwrap(),
+            "--context",
+            context.to_str().unwrap(),
+        ])
+    };
+    let (code, out, err) = args(&outside);
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(out.contains("aws_db_instance.main would be replaced outside a maintenance window"), "{out}");
+    let (code, out, err) = args(&inside);
+    assert_eq!(code, 0, "{out}{err}");
+    // Not a JSON object: a usage error, nothing decided.
+    let bad = ctx.path().join("bad.json");
+    std::fs::write(&bad, "[1]").unwrap();
+    let (code, _, err) = args(&bad);
+    assert_eq!(code, 64, "a usage error (EX_USAGE): {err}");
+    assert!(err.contains("must be a JSON object"), "{err}");
 }

@@ -61,8 +61,21 @@ fn ip(args: &[&str]) {
 /// namespace's bind mount (every later setns into it fails with EINVAL). Also across
 /// processes (two suites, or two checkouts, on one machine): an flock beside /run/netns.
 fn netns_add(name: &str) {
-    static NETNS_ADD: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    let _one = NETNS_ADD.lock().unwrap_or_else(|e| e.into_inner());
+    netns_locked(|| ip(&["netns", "add", name]));
+}
+
+/// `ip netns del NAME` under the same locks as `netns_add`: a delete unmounting its
+/// bind mount while another add is making /run/netns a mount point loses the other's
+/// (seen in CI: `ip -n NS` then failed with EINVAL for good).
+fn netns_del(name: &str) {
+    netns_locked(|| {
+        let _ = Command::new("ip").args(["netns", "del", name]).status();
+    });
+}
+
+fn netns_locked(f: impl FnOnce()) {
+    static NETNS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one = NETNS.lock().unwrap_or_else(|e| e.into_inner());
     let lock = std::fs::OpenOptions::new()
         .create(true)
         .truncate(false)
@@ -70,7 +83,7 @@ fn netns_add(name: &str) {
         .open("/run/byoc-netlab.lock")
         .expect("/run/byoc-netlab.lock (the network suites need root)");
     lock.lock().expect("locking /run/byoc-netlab.lock");
-    ip(&["netns", "add", name]);
+    f();
     let _ = lock.unlock();
 }
 
@@ -174,7 +187,7 @@ impl Drop for NetLab {
             let _ = t.join();
         }
         for ns in [&self.runner_ns, &self.outside_ns] {
-            let _ = Command::new("ip").args(["netns", "del", ns]).status();
+            netns_del(ns);
         }
     }
 }
@@ -350,6 +363,6 @@ impl Drop for Peer {
             let _ = t.join();
         }
         // Deleting the namespace deletes its end of the veth pair, and with it ours.
-        let _ = Command::new("ip").args(["netns", "del", &self.ns]).status();
+        netns_del(&self.ns);
     }
 }

@@ -433,9 +433,16 @@ async fn heartbeat(
     AxState(sh): Sh,
     headers: HeaderMap,
     Path(job): Path<String>,
+    body: Bytes,
 ) -> Result<Json<JobHeartbeatResponse>, CpError> {
     let runner = runner_id(&sh, &headers)?;
-    let (lease_secs, cancel) = sh.update(|s| s.heartbeat(&runner, &job))?;
+    // An empty body is a heartbeat from a runner that predates waiting reports.
+    let req: byoc_protocol::JobHeartbeatRequest = if body.is_empty() {
+        Default::default()
+    } else {
+        serde_json::from_slice(&body).map_err(|e| CpError::BadRequest(format!("heartbeat body: {e}")))?
+    };
+    let (lease_secs, cancel) = sh.update(|s| s.heartbeat(&runner, &job, req.waiting))?;
     Ok(Json(JobHeartbeatResponse { lease_secs, cancel }))
 }
 

@@ -156,6 +156,10 @@ struct Job {
     claims: u32,
     heartbeats: u32,
     log_416s: u32,
+    /// What the runner last said holds the job back (cleared by a plain heartbeat).
+    waiting: Option<byoc_protocol::JobWaiting>,
+    /// Every distinct waiting report, in order.
+    waited: Vec<byoc_protocol::JobWaiting>,
 }
 
 struct Delivery {
@@ -180,6 +184,12 @@ pub struct JobView {
     pub claims: u32,
     pub heartbeats: u32,
     pub log_416s: u32,
+    /// The runner holds the job back (a maintenance window): what it last reported.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub waiting: Option<byoc_protocol::JobWaiting>,
+    /// Every distinct waiting report the runner sent for this job.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub waited: Vec<byoc_protocol::JobWaiting>,
     /// Enqueue → the runner started the job (from the result's `started_at_ms`).
     pub pickup_ms: Option<u64>,
     pub duration_ms: Option<u64>,
@@ -401,6 +411,8 @@ impl State {
                     claims: 0,
                     heartbeats: 0,
                     log_416s: 0,
+                    waiting: None,
+                    waited: Vec::new(),
                 },
             );
             self.job_order.push(job_id.clone());
@@ -519,8 +531,14 @@ impl State {
         let job_id = self.delivery_job(delivery_id, runner_id)?;
         let job = self.jobs.get_mut(&job_id).ok_or_else(|| CpError::NotFound(job_id.clone()))?;
         job.rejections.push((reason, detail));
-        if matches!(job.state, JobState::Pending | JobState::Offered) {
+        // A runner may also refuse a job it claimed but never started: one that
+        // expired while it waited for the customer's maintenance window.
+        let claimed_unfinished = job.state == JobState::Claimed
+            && job.claimed_by.as_deref() == Some(runner_id)
+            && job.result.is_none();
+        if matches!(job.state, JobState::Pending | JobState::Offered) || claimed_unfinished {
             job.state = JobState::Rejected;
+            job.waiting = None;
         }
         Ok(())
     }
@@ -556,10 +574,21 @@ impl State {
         Ok(job)
     }
 
-    pub fn heartbeat(&mut self, runner_id: &str, job_id: &str) -> Result<(u64, bool), CpError> {
+    pub fn heartbeat(
+        &mut self,
+        runner_id: &str,
+        job_id: &str,
+        waiting: Option<byoc_protocol::JobWaiting>,
+    ) -> Result<(u64, bool), CpError> {
         let lease = self.lease_secs;
         let job = self.claimed_job(runner_id, job_id)?;
         job.heartbeats += 1;
+        if let Some(w) = &waiting
+            && job.waited.last() != Some(w)
+        {
+            job.waited.push(w.clone());
+        }
+        job.waiting = waiting;
         Ok((lease, job.cancel_requested))
     }
 
@@ -602,6 +631,7 @@ impl State {
         }
         job.result = Some(result);
         job.state = JobState::Finished;
+        job.waiting = None;
         Ok(false)
     }
 
@@ -702,6 +732,8 @@ impl State {
             claims: j.claims,
             heartbeats: j.heartbeats,
             log_416s: j.log_416s,
+            waiting: j.waiting.clone(),
+            waited: j.waited.clone(),
             pickup_ms: started_ms.map(|s| s.saturating_sub(j.enqueued_ms)),
             duration_ms: started_ms.zip(finished_ms).map(|(s, f)| f.saturating_sub(s)),
         })

@@ -86,7 +86,7 @@ pub fn object_identity(obj: &regorus::Value) -> String {
 
 /// The admission review of one object, as Gatekeeper builds it: `group` absent for the
 /// core API (`apiVersion: v1`).
-fn review(obj: &regorus::Value, admission: Admission) -> regorus::Value {
+fn review(obj: &regorus::Value, admission: Admission, context: &regorus::Value) -> regorus::Value {
     let api_version = get_str(obj, "apiVersion").unwrap_or_default();
     let (group, version) = match api_version.split_once('/') {
         Some((g, v)) => (Some(g.to_string()), v.to_string()),
@@ -104,12 +104,16 @@ fn review(obj: &regorus::Value, admission: Admission) -> regorus::Value {
     r.insert(key("object"), obj.clone());
     let mut input = std::collections::BTreeMap::new();
     input.insert(key("review"), regorus::Value::from(r));
+    if *context != regorus::Value::Null {
+        input.insert(key("context"), context.clone());
+    }
     regorus::Value::from(input)
 }
 
 impl Inputs {
     pub(crate) fn new(doc: &Document, ctx: &Context) -> Inputs {
         let byoc = regorus::Value::from(serde_json::to_value(ctx).unwrap_or_default());
+        let context = regorus::Value::from(ctx.context.clone());
         match doc {
             Document::Plan(plan) => {
                 let mut with_byoc = plan.clone();
@@ -119,6 +123,9 @@ impl Inputs {
                 // The plan exactly as terraform printed it, under `plan`.
                 let mut nuon = std::collections::BTreeMap::new();
                 nuon.insert(key("plan"), plan.clone());
+                if context != regorus::Value::Null {
+                    nuon.insert(key("context"), context.clone());
+                }
                 Inputs {
                     builtin: with_byoc.clone(),
                     conftest: vec![(with_byoc, String::new())],
@@ -132,7 +139,10 @@ impl Inputs {
                 Inputs {
                     builtin: regorus::Value::from(o),
                     conftest: ms.iter().map(|m| (m.clone(), object_identity(m))).collect(),
-                    nuon: ms.iter().map(|m| (review(m, ctx.admission), object_identity(m))).collect(),
+                    nuon: ms
+                        .iter()
+                        .map(|m| (review(m, ctx.admission, &context), object_identity(m)))
+                        .collect(),
                 }
             }
         }

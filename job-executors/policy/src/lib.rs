@@ -226,6 +226,11 @@ pub struct Context {
     /// What the manifests are reviewed as (nuon's `input.review.operation`).
     #[serde(default)]
     pub admission: Admission,
+    /// The customer's guardrails when the job was admitted (`input.byoc.context`, and
+    /// `input.context` for Gatekeeper-shaped inputs): `now`, the maintenance `window`
+    /// open for the job or null, the `role`. Null outside a job.
+    #[serde(default, skip_serializing_if = "serde_json::Value::is_null")]
+    pub context: serde_json::Value,
 }
 
 #[derive(Debug, Clone, Copy)]

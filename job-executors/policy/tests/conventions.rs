@@ -31,6 +31,7 @@ fn ctx(source: Source, admission: Admission) -> Context {
         operation: "component.deploy".into(),
         install: "inst-1".into(),
         admission,
+        context: Default::default(),
     }
 }
 

@@ -14,6 +14,7 @@ fn ctx(source: Source, phase: &str) -> Context {
         operation: "component.deploy".into(),
         install: "inst-1".into(),
         admission: Admission::Update,
+        context: Default::default(),
     }
 }
 

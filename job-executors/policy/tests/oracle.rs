@@ -256,6 +256,7 @@ fn findings_equal_opas_for_every_policy_and_input() {
                 operation: "component.deploy".into(),
                 install: "inst-1".into(),
                 admission: c.admission,
+                context: Default::default(),
             };
             let doc = if c.source.is_plan() {
                 Document::plan(c.doc.clone())

@@ -56,6 +56,7 @@ fn decide(doc: &Document, phase: &str, params: Value) -> Decision {
         operation: "component.deploy".into(),
         install: "inst-1".into(),
         admission: Default::default(),
+        context: Default::default(),
     };
     evaluate(&builtin_pack(), &params, &ctx, doc, b"fixture", &Limits::default())
 }

@@ -12,6 +12,7 @@
 //! | `sync.rs`   | `sync`                                             |
 //! | `tfstate.rs`| `state list/show` (terraform state on this runner) |
 
+mod approvals;
 mod audit;
 mod config;
 mod jobs;
@@ -121,6 +122,28 @@ enum Cmd {
     },
     /// Undo `pause`.
     Resume(StateArgs),
+    /// List the jobs awaiting a local approval ([[guardrails.approval_rule]]): what
+    /// each will do, under which rule, until when.
+    Approvals(StateArgs),
+    /// Approve a job awaiting approval: it runs. Audited with who and why. Needs root
+    /// or roles.admin_group.
+    Approve {
+        #[command(flatten)]
+        state: StateArgs,
+        job_id: String,
+        #[arg(long)]
+        reason: Option<String>,
+    },
+    /// Deny a job awaiting approval: it is refused (approval_denied) and never runs.
+    /// Audited. Needs root or roles.admin_group.
+    Deny {
+        #[command(flatten)]
+        state: StateArgs,
+        job_id: String,
+        /// Why (kept in the audit log, reported to the vendor).
+        #[arg(long)]
+        reason: String,
+    },
     /// List the lifecycle roles: enabled or not, ARN, where the switch came from, last
     /// assumed.
     #[command(args_conflicts_with_subcommands = true)]
@@ -192,6 +215,11 @@ pub fn main() -> i32 {
         Cmd::Metrics(s) => edge(|| state::metrics(&s)),
         Cmd::Pause { state, reason } => edge(|| state::pause(&state, reason)),
         Cmd::Resume(s) => edge(|| state::resume(&s)),
+        Cmd::Approvals(s) => edge(|| approvals::list(&s)),
+        Cmd::Approve { state, job_id, reason } => edge(|| approvals::decide(&state, &job_id, true, reason)),
+        Cmd::Deny { state, job_id, reason } => {
+            edge(|| approvals::decide(&state, &job_id, false, Some(reason)))
+        }
         Cmd::Roles { state, refresh, action: None } => edge(|| state::roles(&state, refresh)),
         Cmd::Roles { action: Some(action), .. } => edge(|| state::roles_action(action)),
         Cmd::Jobs { cmd } => edge(|| jobs::run(cmd)),

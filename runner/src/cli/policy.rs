@@ -62,6 +62,11 @@ pub(super) struct TestArgs {
     /// Memory limit of the evaluator process, MiB.
     #[arg(long, default_value_t = 2048)]
     memory_mib: u64,
+    /// A JSON object given to the policies as `input.byoc.context`, as a job's
+    /// guardrails would be (`{"now": …, "window": {…} or null, "role": {…}}`; see
+    /// docs/GUARDRAILS.md), to test policies that depend on it.
+    #[arg(long)]
+    context: Option<PathBuf>,
     #[arg(long, short = 'o', value_enum, default_value_t = Output::Text)]
     output: Output,
 }
@@ -208,6 +213,16 @@ fn test(t: TestArgs) -> i32 {
         Ok(a) => a,
         Err(e) => return usage(e.to_string()),
     };
+    let context = match &t.context {
+        None => serde_json::Value::Null,
+        Some(path) => match std::fs::read(path).map_err(|e| e.to_string()).and_then(|b| {
+            serde_json::from_slice::<serde_json::Value>(&b).map_err(|e| format!("not JSON: {e}"))
+        }) {
+            Ok(v @ serde_json::Value::Object(_)) => v,
+            Ok(_) => return usage(format!("--context {}: must be a JSON object", path.display())),
+            Err(e) => return usage(format!("--context {}: {e}", path.display())),
+        },
+    };
     let mut bytes = match std::fs::read(&t.input) {
         Ok(b) => b,
         Err(e) => return usage(format!("reading {}: {e}", t.input.display())),
@@ -276,7 +291,7 @@ fn test(t: TestArgs) -> i32 {
             Err(problems) => return usage(problems.join("; ")),
         }
     }
-    let ctx = Context { source, phase: t.phase, operation, install: String::new(), admission };
+    let ctx = Context { source, phase: t.phase, operation, install: String::new(), admission, context };
     // The same evaluator process, under the same memory limit, as jobs use.
     let about = crate::policy::Decision {
         phase: ctx.phase.clone(),

@@ -34,6 +34,9 @@ pub(super) fn status(s: &StateArgs) -> anyhow::Result<()> {
         "running:        {}",
         if st.jobs_running.is_empty() { "-".into() } else { st.jobs_running.join(", ") }
     );
+    if !st.jobs_waiting.is_empty() {
+        println!("held:           {} (byoc-runner jobs list; approvals)", st.jobs_waiting.join(", "));
+    }
     println!(
         "unreported:     {}",
         if st.jobs_unreported.is_empty() { "-".into() } else { st.jobs_unreported.join(", ") }

@@ -44,6 +44,8 @@ pub struct Config {
     pub policy: PolicyConfig,
     pub artifacts: ArtifactsConfig,
     pub disk: crate::disk::DiskSettings,
+    /// `[[guardrails.window]]` and `[[guardrails.window_rule]]`: maintenance windows.
+    pub guardrails: crate::guardrails::Guardrails,
     /// `[metrics] textfile`: where the daemon writes its metrics for node_exporter.
     pub metrics_textfile: Option<PathBuf>,
     /// Where the configuration was read from (hidden from jobs).
@@ -97,6 +99,7 @@ impl Config {
             (t("aws"), t("roles"), t("oci"), t("terraform"), t("helm"), t("policy"), t("artifacts"));
         let disk_t = t("disk");
         let metrics_t = t("metrics");
+        let guardrails_t = t("guardrails");
         top.finish();
 
         let control_plane = ControlPlaneConfig::parse(cp_t, &mut problems);
@@ -113,6 +116,7 @@ impl Config {
         let helm = HelmConfig::parse(helm_t, &mut problems);
         let policy = PolicyConfig::parse(policy_t, &mut problems);
         let artifacts = ArtifactsConfig::parse(artifacts_t, &mut problems);
+        let guardrails = crate::guardrails::parse(guardrails_t, &mut problems);
         let disk = {
             let mut f = fields::Fields::new("disk", disk_t, &mut problems);
             let settings = crate::disk::DiskSettings {
@@ -160,6 +164,7 @@ impl Config {
             policy,
             artifacts,
             disk,
+            guardrails,
             metrics_textfile,
             source: PathBuf::from(source_name),
             digest,

@@ -253,9 +253,15 @@ impl CpClient {
         Self::json("claim", r).await
     }
 
-    pub async fn heartbeat(&self, job_id: &str) -> Result<JobHeartbeatResponse, ClientError> {
+    pub async fn heartbeat(
+        &self,
+        job_id: &str,
+        waiting: Option<&byoc_protocol::JobWaiting>,
+    ) -> Result<JobHeartbeatResponse, ClientError> {
         let path = format!("/v1/jobs/{}/heartbeat", path_segment(job_id));
-        let r = self.authed::<()>("heartbeat", Method::POST, &path, None, None, self.request_timeout).await?;
+        let body = byoc_protocol::JobHeartbeatRequest { waiting: waiting.cloned() };
+        let r =
+            self.authed("heartbeat", Method::POST, &path, Some(&body), None, self.request_timeout).await?;
         Self::json("heartbeat", r).await
     }
 

@@ -9,8 +9,8 @@ use std::future::Future;
 use std::pin::Pin;
 
 use byoc_protocol::{
-    AuditUploadRequest, AuditUploadResponse, ClaimResponse, JobHeartbeatResponse, JobResult, PollRequest,
-    PollResponse, RejectReason,
+    AuditUploadRequest, AuditUploadResponse, ClaimResponse, JobHeartbeatResponse, JobResult, JobWaiting,
+    PollRequest, PollResponse, RejectReason,
 };
 
 pub use client::{ClientError, CpClient};
@@ -27,7 +27,12 @@ pub trait ControlPlane: Send + Sync {
     /// Tell the control plane why a delivery was refused.
     fn reject<'a>(&'a self, delivery_id: &'a str, reason: RejectReason, detail: &'a str) -> CpFuture<'a, ()>;
     fn claim<'a>(&'a self, job_id: &'a str, delivery_id: &'a str) -> CpFuture<'a, ClaimResponse>;
-    fn heartbeat<'a>(&'a self, job_id: &'a str) -> CpFuture<'a, JobHeartbeatResponse>;
+    /// Renew the lease; `waiting` says the job is held back by the customer's guardrails.
+    fn heartbeat<'a>(
+        &'a self,
+        job_id: &'a str,
+        waiting: Option<&'a JobWaiting>,
+    ) -> CpFuture<'a, JobHeartbeatResponse>;
     /// Append log bytes at `offset`; the server's new offset.
     fn append_log<'a>(&'a self, job_id: &'a str, offset: u64, bytes: &'a [u8]) -> CpFuture<'a, u64>;
     fn audit<'a>(&'a self, req: &'a AuditUploadRequest) -> CpFuture<'a, AuditUploadResponse>;
@@ -45,8 +50,12 @@ impl ControlPlane for CpClient {
     fn claim<'a>(&'a self, job_id: &'a str, delivery_id: &'a str) -> CpFuture<'a, ClaimResponse> {
         Box::pin(CpClient::claim(self, job_id, delivery_id))
     }
-    fn heartbeat<'a>(&'a self, job_id: &'a str) -> CpFuture<'a, JobHeartbeatResponse> {
-        Box::pin(CpClient::heartbeat(self, job_id))
+    fn heartbeat<'a>(
+        &'a self,
+        job_id: &'a str,
+        waiting: Option<&'a JobWaiting>,
+    ) -> CpFuture<'a, JobHeartbeatResponse> {
+        Box::pin(CpClient::heartbeat(self, job_id, waiting))
     }
     fn append_log<'a>(&'a self, job_id: &'a str, offset: u64, bytes: &'a [u8]) -> CpFuture<'a, u64> {
         Box::pin(CpClient::append_log(self, job_id, offset, bytes))

@@ -282,6 +282,7 @@ mod tests {
             role: scoped.role,
             policy: PolicyChoice::default(),
             lease_secs: 60,
+            window_close: None,
         }
     }
 

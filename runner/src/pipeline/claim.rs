@@ -15,6 +15,8 @@ pub struct ClaimedJob {
     pub role: Option<ScopedRole>,
     pub policy: PolicyChoice,
     pub lease_secs: u64,
+    /// When its maintenance window closes, for a rule that cancels the job then.
+    pub window_close: Option<super::window::WindowClose>,
 }
 
 pub enum ClaimOutcome {
@@ -54,7 +56,13 @@ pub async fn claim(rt: &Rt, job: AuthorizedJob) -> Result<ClaimOutcome, JournalE
     let refused = match claimed {
         Retried::Done(Ok(lease_secs)) => {
             rt.transition(Event::Claimed { job_id: job_id.clone(), lease_secs })?;
-            return Ok(ClaimOutcome::Claimed(Box::new(ClaimedJob { verified, role, policy, lease_secs })));
+            return Ok(ClaimOutcome::Claimed(Box::new(ClaimedJob {
+                verified,
+                role,
+                policy,
+                lease_secs,
+                window_close: None,
+            })));
         }
         Retried::Done(Err(detail)) => detail,
         Retried::Stopped | Retried::Exhausted(_) => "runner stopped before the job was claimed".to_string(),

@@ -56,6 +56,16 @@ pub async fn execute(rt: &Rt, job: AssumedJob) -> Result<FinishedJob, JournalErr
             let done = CancellationToken::new();
             let companion =
                 tokio::spawn(heartbeat_and_upload(rt.clone(), job_id.clone(), cancel.clone(), done.clone()));
+            let window_closed = CancellationToken::new();
+            if let Some(close) = &job.window_close {
+                tokio::spawn(cancel_at_window_close(
+                    rt.clone(),
+                    close.at,
+                    cancel.clone(),
+                    window_closed.clone(),
+                    done.clone(),
+                ));
+            }
             let ctx = ExecContext::builder(job_id.clone(), work_dir.clone())
                 .timeout(job.verified.timeout, rt.config.jobs.kill_grace)
                 .cancel(cancel)
@@ -88,10 +98,20 @@ pub async fn execute(rt: &Rt, job: AssumedJob) -> Result<FinishedJob, JournalErr
                     role: job.role.as_ref().map(|r| r.derived.role.name.clone()),
                 }))
                 .build(&mut spool);
-            outcome = match &session.failed {
+            let mut ran = match &session.failed {
                 Some(why) => ExecOutcome::failed(why.clone()),
                 None => byoc_job_executors::run_masked(job.verified.executor.as_ref(), ctx).await,
             };
+            if let Some(close) = job.window_close.as_ref().filter(|_| window_closed.is_cancelled())
+                && ran.status == byoc_protocol::JobStatus::Cancelled
+            {
+                ran.error = Some(format!(
+                    "maintenance window {:?} closed at {} and its rule cancels jobs then (on_close = \"cancel\")",
+                    close.window,
+                    crate::guardrails::rfc3339(close.at)
+                ));
+            }
+            outcome = ran;
             drop(session.keep_alive);
             done.cancel();
             let _ = companion.await;
@@ -229,6 +249,26 @@ fn spool_as_found(rt: &Rt, job_id: &str) -> SpoolDigest {
     SpoolDigest { size, sha256, omitted: 0 }
 }
 
+/// Cancel the job when its maintenance window closes (a rule with `on_close =
+/// "cancel"`), unless it ended first.
+async fn cancel_at_window_close(
+    rt: Rt,
+    closes_at: i64,
+    cancel: CancellationToken,
+    closed: CancellationToken,
+    done: CancellationToken,
+) {
+    let left = closes_at.saturating_sub(rt.clock.unix_now()).max(0) as u64;
+    tokio::select! {
+        _ = done.cancelled() => {}
+        _ = tokio::time::sleep(std::time::Duration::from_secs(left)) => {
+            tracing::warn!("the job's maintenance window closed: cancelling it (on_close = \"cancel\")");
+            closed.cancel();
+            cancel.cancel();
+        }
+    }
+}
+
 /// Heartbeat the lease and stream the log while the job runs. Errors are logged and
 /// retried next tick: an outage must not stop the job; the report stage catches up.
 async fn heartbeat_and_upload(rt: Rt, job_id: String, cancel: CancellationToken, done: CancellationToken) {
@@ -240,7 +280,7 @@ async fn heartbeat_and_upload(rt: Rt, job_id: String, cancel: CancellationToken,
             _ = done.cancelled() => return,
             _ = tick.tick() => {}
         }
-        match rt.client.heartbeat(&job_id).await {
+        match rt.client.heartbeat(&job_id, None).await {
             Ok(hb) if hb.cancel && !cancel.is_cancelled() => {
                 tracing::warn!("control plane cancelled the job");
                 cancel.cancel();
@@ -266,7 +306,13 @@ mod tests {
         testing::receive(f, &verified);
         f.rt.transition(Event::Claimed { job_id: verified.payload.job_id.clone(), lease_secs: 60 })
             .expect("journal");
-        let claimed = ClaimedJob { verified, role: None, policy: PolicyChoice::default(), lease_secs: 60 };
+        let claimed = ClaimedJob {
+            verified,
+            role: None,
+            policy: PolicyChoice::default(),
+            lease_secs: 60,
+            window_close: None,
+        };
         AssumedJob { claimed, session }
     }
 

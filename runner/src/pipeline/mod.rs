@@ -7,6 +7,7 @@
 //! | verify         | `verify.rs`        | `PolledJob` → `VerifiedJob` (journaled) |
 //! | resolve_role   | `resolve_role.rs`  | `VerifiedJob` → `ScopedJob`            |
 //! | authorize      | `authorize.rs`     | `ScopedJob` → `AuthorizedJob`          |
+//! | window         | `window.rs`        | refuses or holds a job outside its maintenance window |
 //! | claim          | `claim.rs`         | `AuthorizedJob` → `ClaimedJob`         |
 //! | assume_role    | `assume_role.rs`   | `ClaimedJob` → `AssumedJob`            |
 //! | execute        | `execute.rs`       | `AssumedJob` → `FinishedJob`           |
@@ -27,6 +28,7 @@ pub mod refuse;
 pub mod report;
 pub mod resolve_role;
 pub mod verify;
+pub mod window;
 
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
@@ -111,9 +113,15 @@ pub(crate) fn record_received(rt: &Rt, job: &VerifiedJob) -> Result<(), JournalE
 }
 
 /// The rest of an accepted job's path, in order. `slot` (the daemon's concurrency
-/// slot) is released when execution ends; reporting may take longer. An error is a
-/// journal write that failed: the job's state is uncertain until the next start.
-pub async fn run_job<Slot: Send>(rt: Rt, job: VerifiedJob, slot: Slot) -> Result<(), JournalError> {
+/// slot) is released when execution ends, and while the job waits for a maintenance
+/// window; reporting may take longer. An error is a journal write that failed: the
+/// job's state is uncertain until the next start.
+pub async fn run_job<Slot: window::JobSlot>(
+    rt: Rt,
+    job: VerifiedJob,
+    mut slot: Slot,
+) -> Result<(), JournalError> {
+    let job_id = job.payload.job_id.clone();
     let scoped = match resolve_role::scope(&rt, job).await {
         Ok(scoped) => scoped,
         Err(refused) => {
@@ -129,14 +137,42 @@ pub async fn run_job<Slot: Send>(rt: Rt, job: VerifiedJob, slot: Slot) -> Result
             return Ok(());
         }
     };
-    let claimed = match claim::claim(&rt, authorized).await? {
+    let window = window::check(&rt, &authorized.verified);
+    if let Some(rejection) = window::outside_window(&authorized.verified, &window) {
+        return refuse::refuse_received(&rt, &authorized.verified, rejection).await;
+    }
+    let mut claimed = match claim::claim(&rt, authorized).await? {
         claim::ClaimOutcome::Claimed(claimed) => *claimed,
         claim::ClaimOutcome::NotClaimed { .. } => return Ok(()),
     };
+    if matches!(window, crate::guardrails::WindowCheck::Closed { .. }) {
+        claimed = match window::wait(&rt, claimed, &mut slot, window).await? {
+            window::Waited::Run(claimed) => *claimed,
+            window::Waited::Settled => return report_if_finished(&rt, &job_id).await,
+        };
+    } else {
+        claimed.window_close = window::close_of(&window);
+    }
+    if let Some(rule) = window::approval_rule(&rt, &claimed.verified) {
+        claimed = match window::await_approval(&rt, claimed, &mut slot, &rule).await? {
+            window::Waited::Run(claimed) => *claimed,
+            window::Waited::Settled => return report_if_finished(&rt, &job_id).await,
+        };
+    }
+    if let Some(scope) = claimed.policy.scope.as_mut() {
+        let now = window::check(&rt, &claimed.verified);
+        scope.context = window::policy_context(&rt, &claimed.verified, &now);
+    }
     let assumed = assume_role::assume(&rt, claimed).await;
     let finished = execute::execute(&rt, assumed).await?;
     drop(slot);
     report::report(&rt, &finished.job_id).await.map(|_| ())
+}
+
+/// A job settled while it waited: a cancelled one has a result to report.
+async fn report_if_finished(rt: &Rt, job_id: &str) -> Result<(), JournalError> {
+    let finished = rt.journal.job(job_id).is_some_and(|j| j.phase == crate::journal::Phase::Finished);
+    if finished { report::report(rt, job_id).await.map(|_| ()) } else { Ok(()) }
 }
 
 /// Jobs with a live task (from `received` until reported or refused). A second

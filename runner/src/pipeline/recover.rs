@@ -45,7 +45,16 @@ pub fn recover(rt: &Rt, in_hand: &JobsInHand) -> Result<Vec<Settle>, JournalErro
     let pending: Vec<(String, Phase)> = rt.journal.with_index(|i| {
         i.jobs
             .values()
-            .filter(|j| matches!(j.phase, Phase::Claimed | Phase::Started | Phase::Finished))
+            .filter(|j| {
+                matches!(
+                    j.phase,
+                    Phase::Claimed
+                        | Phase::WaitingWindow
+                        | Phase::AwaitingApproval
+                        | Phase::Started
+                        | Phase::Finished
+                )
+            })
             .map(|j| (j.job_id.clone(), j.phase))
             .collect()
     });

@@ -16,6 +16,8 @@ pub const INBOX_DIR: &str = "audit-inbox";
 /// `customer_record_invalid` and dropped.
 pub const EVENTS: &[&str] = &[
     "allowance_granted",
+    "approved",
+    "denied",
     "allowance_revoked",
     "state_read",
     "state_unlock_requested",
@@ -120,6 +122,8 @@ fn read(path: &Path) -> Record {
     // The log numbers, times and attributes records itself.
     Record {
         event: r.event,
+        job: r.job.map(|j| j.chars().take(128).collect()),
+        kind: r.kind.map(|k| k.chars().take(64).collect()),
         operation: r.operation,
         role: r.role,
         reason: r.reason,

@@ -139,6 +139,7 @@ fn main() {
         operation: "component.deploy".into(),
         install: "inst-bench".into(),
         admission: Default::default(),
+        context: Default::default(),
     };
     let limits = Limits { time_per_policy: Duration::from_secs(60), ..Limits::default() };
     for &n in &a.sizes {

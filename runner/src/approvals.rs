@@ -1,0 +1,259 @@
+//! Local approvals (`[[guardrails.approval_rule]]`, docs/GUARDRAILS.md). The daemon
+//! leaves a request for each job it holds in `control/approvals/<job>.request.json`;
+//! `byoc-runner approve|deny` (root or `roles.admin_group`) answers it with
+//! `<job>.decision.json`. Both are written durably (temp file, fsync, rename, fsync the
+//! directory) before anyone acts on them; the daemon removes both when the job leaves
+//! the gate. A decision that cannot be read counts as a denial: nothing runs on a
+//! guess.
+
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::roles::pause::CONTROL_DIR;
+
+pub const APPROVALS_DIR: &str = "approvals";
+const MAX_FILE: u64 = 64 << 10;
+
+/// What a held job will do, for the person asked to approve it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Request {
+    pub job_id: String,
+    pub kind: String,
+    /// `entity.operation`.
+    pub operation: String,
+    pub role: Option<String>,
+    pub component: Option<String>,
+    pub rule: String,
+    pub requested_at_ms: u64,
+    pub expires_at_ms: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Decision {
+    pub approved: bool,
+    /// User name (or `uid N`).
+    pub by: String,
+    pub uid: u32,
+    #[serde(default)]
+    pub reason: Option<String>,
+    pub at_ms: u64,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ApprovalError {
+    #[error("no job {0:?} is awaiting approval (`byoc-runner approvals` lists those that are)")]
+    NotAwaiting(String),
+    #[error("job {0:?} was already {1}")]
+    AlreadyDecided(String, &'static str),
+    #[error("the approval request of job {0:?} expired; the job will be refused (approval_expired)")]
+    Expired(String),
+    #[error("{0:?} is not a job id")]
+    BadJobId(String),
+    #[error("the reason is longer than 500 characters")]
+    ReasonTooLong,
+    #[error("{op} {path}: {source}")]
+    Io { op: &'static str, path: PathBuf, source: std::io::Error },
+}
+
+pub fn dir(state_dir: &Path) -> PathBuf {
+    state_dir.join(CONTROL_DIR).join(APPROVALS_DIR)
+}
+
+/// Job ids name files here: letters, digits, `-`, `_`, `.`, not leading with a dot.
+fn file_safe(job_id: &str) -> bool {
+    !job_id.is_empty()
+        && job_id.len() <= 128
+        && !job_id.starts_with('.')
+        && job_id.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
+}
+
+fn request_path(state_dir: &Path, job_id: &str) -> PathBuf {
+    dir(state_dir).join(format!("{job_id}.request.json"))
+}
+
+fn decision_path(state_dir: &Path, job_id: &str) -> PathBuf {
+    dir(state_dir).join(format!("{job_id}.decision.json"))
+}
+
+fn write_durably(path: &Path, bytes: &[u8]) -> Result<(), ApprovalError> {
+    use std::os::unix::fs::DirBuilderExt as _;
+    let parent = path.parent().unwrap_or(Path::new("."));
+    let io = |op, p: &Path, e| ApprovalError::Io { op, path: p.to_path_buf(), source: e };
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o750)
+        .create(parent)
+        .map_err(|e| io("creating", parent, e))?;
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let tmp = parent.join(format!(".{name}.tmp"));
+    let mut f = std::fs::File::create(&tmp).map_err(|e| io("creating", &tmp, e))?;
+    f.write_all(bytes).map_err(|e| io("writing", &tmp, e))?;
+    f.sync_all().map_err(|e| io("syncing", &tmp, e))?;
+    std::fs::rename(&tmp, path).map_err(|e| io("renaming to", path, e))?;
+    std::fs::File::open(parent).and_then(|d| d.sync_all()).map_err(|e| io("syncing", parent, e))
+}
+
+fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> Option<Result<T, String>> {
+    use std::io::Read as _;
+    let f = match std::fs::File::open(path) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return None,
+        Err(e) => return Some(Err(e.to_string())),
+        Ok(f) => f,
+    };
+    let mut bytes = Vec::new();
+    if let Err(e) = f.take(MAX_FILE).read_to_end(&mut bytes) {
+        return Some(Err(e.to_string()));
+    }
+    Some(serde_json::from_slice(&bytes).map_err(|e| e.to_string()))
+}
+
+/// The daemon: ask for approval of a held job.
+pub fn write_request(state_dir: &Path, r: &Request) -> Result<(), ApprovalError> {
+    if !file_safe(&r.job_id) {
+        return Err(ApprovalError::BadJobId(r.job_id.clone()));
+    }
+    // A decision left from before (a restart) must not answer this new request.
+    let _ = std::fs::remove_file(decision_path(state_dir, &r.job_id));
+    write_durably(&request_path(state_dir, &r.job_id), &serde_json::to_vec_pretty(r).unwrap_or_default())
+}
+
+/// The daemon: the answer, if any. A damaged decision denies.
+pub fn decision(state_dir: &Path, job_id: &str) -> Option<Decision> {
+    match read_json::<Decision>(&decision_path(state_dir, job_id))? {
+        Ok(d) => Some(d),
+        Err(e) => Some(Decision {
+            approved: false,
+            by: "unknown".into(),
+            uid: u32::MAX,
+            reason: Some(format!("the decision file could not be read ({e}); treated as a denial")),
+            at_ms: 0,
+        }),
+    }
+}
+
+/// The daemon: the job left the gate.
+pub fn clear(state_dir: &Path, job_id: &str) {
+    if !file_safe(job_id) {
+        return;
+    }
+    for p in [request_path(state_dir, job_id), decision_path(state_dir, job_id)] {
+        if let Err(e) = std::fs::remove_file(&p)
+            && e.kind() != std::io::ErrorKind::NotFound
+        {
+            tracing::warn!(error = %e, path = %p.display(), "could not remove an approval file");
+        }
+    }
+}
+
+/// Requests the daemon left, each with its answer if it has one, oldest first.
+pub fn requests(state_dir: &Path) -> Vec<(Request, Option<Decision>)> {
+    let Ok(entries) = std::fs::read_dir(dir(state_dir)) else { return Vec::new() };
+    let mut out: Vec<(Request, Option<Decision>)> = entries
+        .filter_map(|e| e.ok())
+        .filter_map(|e| e.file_name().to_str()?.strip_suffix(".request.json").map(str::to_string))
+        .filter(|id| file_safe(id))
+        .filter_map(|id| {
+            let r = read_json::<Request>(&request_path(state_dir, &id))?.ok()?;
+            Some((r, decision(state_dir, &id)))
+        })
+        .collect();
+    out.sort_by_key(|(r, _)| r.requested_at_ms);
+    out
+}
+
+/// The CLI: answer a waiting request. Refuses an unknown or answered job, or an
+/// expired request, and writes nothing then.
+pub fn decide(
+    state_dir: &Path,
+    job_id: &str,
+    decision: Decision,
+    now_ms: u64,
+) -> Result<Request, ApprovalError> {
+    if !file_safe(job_id) {
+        return Err(ApprovalError::BadJobId(job_id.to_string()));
+    }
+    if decision.reason.as_ref().is_some_and(|r| r.chars().count() > 500) {
+        return Err(ApprovalError::ReasonTooLong);
+    }
+    let request = match read_json::<Request>(&request_path(state_dir, job_id)) {
+        Some(Ok(r)) => r,
+        _ => return Err(ApprovalError::NotAwaiting(job_id.to_string())),
+    };
+    if let Some(d) = read_json::<Decision>(&decision_path(state_dir, job_id)) {
+        let was = match d {
+            Ok(d) if d.approved => "approved",
+            _ => "denied",
+        };
+        return Err(ApprovalError::AlreadyDecided(job_id.to_string(), was));
+    }
+    if now_ms >= request.expires_at_ms {
+        return Err(ApprovalError::Expired(job_id.to_string()));
+    }
+    write_durably(
+        &decision_path(state_dir, job_id),
+        &serde_json::to_vec_pretty(&decision).unwrap_or_default(),
+    )?;
+    Ok(request)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn request(job_id: &str, expires_at_ms: u64) -> Request {
+        Request {
+            job_id: job_id.into(),
+            kind: "action.script".into(),
+            operation: "action.trigger".into(),
+            role: Some("break_glass".into()),
+            component: None,
+            rule: "break-glass".into(),
+            requested_at_ms: 1_000,
+            expires_at_ms,
+        }
+    }
+
+    fn by(approved: bool) -> Decision {
+        Decision { approved, by: "alice".into(), uid: 0, reason: Some("INC-42".into()), at_ms: 2_000 }
+    }
+
+    #[test]
+    fn a_request_is_answered_once_and_cleared() {
+        let d = tempfile::tempdir().unwrap();
+        write_request(d.path(), &request("job-1", 10_000)).unwrap();
+        assert_eq!(requests(d.path()), vec![(request("job-1", 10_000), None)]);
+        assert_eq!(decision(d.path(), "job-1"), None);
+        decide(d.path(), "job-1", by(true), 5_000).unwrap();
+        assert_eq!(decision(d.path(), "job-1"), Some(by(true)));
+        assert!(matches!(
+            decide(d.path(), "job-1", by(false), 5_000),
+            Err(ApprovalError::AlreadyDecided(_, "approved"))
+        ));
+        clear(d.path(), "job-1");
+        assert!(requests(d.path()).is_empty());
+        assert!(matches!(decide(d.path(), "job-1", by(true), 5_000), Err(ApprovalError::NotAwaiting(_))));
+    }
+
+    #[test]
+    fn unknown_expired_hostile_and_damaged_are_refused_or_deny() {
+        let d = tempfile::tempdir().unwrap();
+        assert!(matches!(decide(d.path(), "job-9", by(true), 0), Err(ApprovalError::NotAwaiting(_))));
+        write_request(d.path(), &request("job-1", 10_000)).unwrap();
+        assert!(matches!(decide(d.path(), "job-1", by(true), 10_000), Err(ApprovalError::Expired(_))));
+        assert_eq!(decision(d.path(), "job-1"), None, "nothing written for an expired request");
+        for hostile in ["../x", "", ".hidden", "a/b"] {
+            assert!(
+                matches!(decide(d.path(), hostile, by(true), 0), Err(ApprovalError::BadJobId(_))),
+                "{hostile}"
+            );
+        }
+        std::fs::write(decision_path(d.path(), "job-1"), b"{not json").unwrap();
+        let damaged = decision(d.path(), "job-1").unwrap();
+        assert!(!damaged.approved);
+        // A new request for the same job is not answered by an old decision.
+        write_request(d.path(), &request("job-1", 20_000)).unwrap();
+        assert_eq!(decision(d.path(), "job-1"), None);
+    }
+}

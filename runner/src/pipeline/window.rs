@@ -1,0 +1,600 @@
+//! Between authorize and assume_role: the customer's maintenance windows
+//! (`crate::guardrails`). A job no rule names goes straight on. Outside its windows a
+//! job whose rule says `refuse` is refused before its claim (`outside_window`); one
+//! whose rule says `wait` is claimed (so the control plane knows this runner holds it),
+//! journaled `waiting_window` and reported with the next opening on every heartbeat,
+//! without holding its group's slot. When the window opens the job is checked again
+//! as if it had just arrived (expiry, pause, the role's switch and allowance) and runs;
+//! one that expired meanwhile is refused `expired`, one the vendor cancelled is
+//! settled cancelled, and neither ever ran.
+//!
+//! The envelope waits in memory: a runner restart settles a waiting job as
+//! interrupted, like a running one (see docs/GUARDRAILS.md).
+
+use std::time::Duration;
+
+use byoc_protocol::{JobStatus, JobWaiting, RejectReason};
+
+use super::claim::ClaimedJob;
+use super::{Rejection, VerifiedJob, refuse, resolve_role};
+use crate::guardrails::{JobScope, OnClose, Outside, WindowCheck, rfc3339};
+use crate::journal::{Event, JournalError};
+use crate::runtime::Rt;
+
+/// A concurrency slot a job can give back while it waits and take again to run.
+pub trait JobSlot: Send {
+    fn release(&mut self);
+    /// Wait until the group has room, then hold a slot again.
+    fn reacquire(&mut self) -> std::pin::Pin<Box<dyn Future<Output = ()> + Send + '_>>;
+}
+
+/// No slots (unit tests, `run-local`).
+impl JobSlot for () {
+    fn release(&mut self) {}
+    fn reacquire(&mut self) -> std::pin::Pin<Box<dyn Future<Output = ()> + Send + '_>> {
+        Box::pin(async {})
+    }
+}
+
+/// When the window the job runs in closes, if its rule cancels the job then.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WindowClose {
+    pub window: String,
+    /// Unix seconds.
+    pub at: i64,
+}
+
+pub fn scope_of(job: &VerifiedJob) -> (Option<String>, Option<String>, String, Option<String>) {
+    let p = &job.payload;
+    let role = job.role.as_ref().map(|d| d.role.name.clone());
+    let role_type = job.role.as_ref().map(|d| d.role.role_type.as_str().to_string());
+    let component = p.role_request.as_ref().map(|r| r.entity_name.clone()).filter(|n| !n.is_empty());
+    (role, role_type, format!("{}.{}", p.entity, p.operation), component)
+}
+
+/// The verdict of the customer's windows on `job` now.
+pub fn check(rt: &Rt, job: &VerifiedJob) -> WindowCheck {
+    if rt.config.guardrails.is_empty() {
+        return WindowCheck::Unbound;
+    }
+    let (role, role_type, operation, component) = scope_of(job);
+    let scope = JobScope {
+        role: role.as_deref(),
+        role_type: role_type.as_deref(),
+        operation: &operation,
+        component: component.as_deref(),
+        kind: &job.payload.kind,
+    };
+    rt.config.guardrails.check(&scope, rt.clock.unix_now())
+}
+
+/// The approval rule that holds `job`, if any.
+pub fn approval_rule(rt: &Rt, job: &VerifiedJob) -> Option<crate::guardrails::ApprovalRule> {
+    let (role, role_type, operation, component) = scope_of(job);
+    let scope = JobScope {
+        role: role.as_deref(),
+        role_type: role_type.as_deref(),
+        operation: &operation,
+        component: component.as_deref(),
+        kind: &job.payload.kind,
+    };
+    rt.config.guardrails.approval_for(&scope).cloned()
+}
+
+/// The refusal of a job outside a window whose rule refuses.
+pub fn outside_window(job: &VerifiedJob, check: &WindowCheck) -> Option<Rejection> {
+    let WindowCheck::Closed { rule, outside: Outside::Refuse, next } = check else { return None };
+    let p = &job.payload;
+    Some(Rejection {
+        delivery_id: job.delivery_id.clone(),
+        reason: RejectReason::OutsideWindow,
+        detail: format!("outside the maintenance windows of rule {rule:?}; {}", next_opening(next)),
+        job_id: Some(p.job_id.clone()),
+        nonce: Some(p.nonce.clone()),
+        expires_at: Some(p.expires_at),
+    })
+}
+
+fn next_opening(next: &Option<(String, i64)>) -> String {
+    match next {
+        Some((w, t)) => format!("window {w:?} opens next at {}", rfc3339(*t)),
+        None => "no window of the rule opens again (add one in [[guardrails.window]])".into(),
+    }
+}
+
+/// `input.byoc.context` for the job's policy decisions: when it was admitted, the
+/// window it runs in (the one its rule opened, else any of the customer's windows
+/// open then, else null), every window open then, and its role.
+pub fn policy_context(rt: &Rt, job: &VerifiedJob, check: &WindowCheck) -> serde_json::Value {
+    let now = rt.clock.unix_now();
+    let g = &rt.config.guardrails;
+    let open: Vec<(&str, i64)> = g.open_windows(now);
+    let window = match check {
+        WindowCheck::Open { rule, window, closes_at, .. } => serde_json::json!({
+            "name": window, "rule": rule, "closes_at": rfc3339(*closes_at), "closes_at_unix": closes_at,
+        }),
+        _ => match open.first() {
+            Some((name, closes_at)) => serde_json::json!({
+                "name": name, "rule": null, "closes_at": rfc3339(*closes_at), "closes_at_unix": closes_at,
+            }),
+            None => serde_json::Value::Null,
+        },
+    };
+    let role = job.role.as_ref().map_or(
+        serde_json::Value::Null,
+        |d| serde_json::json!({"name": d.role.name, "type": d.role.role_type.as_str()}),
+    );
+    serde_json::json!({
+        "now": rfc3339(now),
+        "now_unix": now,
+        "window": window,
+        "windows_open": open.iter().map(|(n, _)| *n).collect::<Vec<_>>(),
+        "role": role,
+    })
+}
+
+/// What to cancel the job at, for a rule with `on_close = "cancel"`.
+pub fn close_of(check: &WindowCheck) -> Option<WindowClose> {
+    match check {
+        WindowCheck::Open { window, closes_at, on_close: OnClose::Cancel, .. } => {
+            Some(WindowClose { window: window.clone(), at: *closes_at })
+        }
+        _ => None,
+    }
+}
+
+pub enum Waited {
+    /// The window opened and the job passed its checks again: run it.
+    Run(Box<ClaimedJob>),
+    /// Refused, expired or cancelled while it waited; journaled and reported.
+    Settled,
+}
+
+/// What a gate says about a held job at one look.
+enum Look {
+    /// It may go on.
+    Ready,
+    /// Not yet: what to report.
+    Wait(JobWaiting),
+    /// Never: refuse it with this reason.
+    Refuse(RejectReason, String),
+}
+
+/// Hold a claimed job until its window opens. `slot` is given back while it waits.
+pub async fn wait(
+    rt: &Rt,
+    job: ClaimedJob,
+    slot: &mut impl JobSlot,
+    first: WindowCheck,
+) -> Result<Waited, JournalError> {
+    let mut current = Some(first);
+    hold(rt, job, slot, |rt, job| {
+        let now = current.take().unwrap_or_else(|| check(rt, job));
+        match now {
+            WindowCheck::Closed { rule, next, .. } => Look::Wait(JobWaiting {
+                state: "waiting_window".into(),
+                until: next.as_ref().map(|(_, t)| *t),
+                detail: format!("rule {rule:?}: {}", next_opening(&next)),
+            }),
+            _ => Look::Ready,
+        }
+    })
+    .await
+}
+
+/// Hold a claimed job until a local admin approves it (`byoc-runner approve`), under
+/// `rule`. Denied → refused `approval_denied`; unanswered past the rule's expiry →
+/// refused `approval_expired`.
+pub async fn await_approval(
+    rt: &Rt,
+    job: ClaimedJob,
+    slot: &mut impl JobSlot,
+    rule: &crate::guardrails::ApprovalRule,
+) -> Result<Waited, JournalError> {
+    use crate::approvals;
+    let (role, _, operation, component) = scope_of(&job.verified);
+    let now_ms = rt.clock.now_ms();
+    let request = approvals::Request {
+        job_id: job.verified.payload.job_id.clone(),
+        kind: job.verified.payload.kind.clone(),
+        operation,
+        role,
+        component,
+        rule: rule.name.clone(),
+        requested_at_ms: now_ms,
+        expires_at_ms: now_ms + rule.expires_secs * 1000,
+    };
+    if let Err(e) = approvals::write_request(&rt.state_dir, &request) {
+        // Nobody could approve a request that was never written: refuse, say why.
+        let detail = format!("the approval request could not be written, so nobody could approve it: {e}");
+        let rejection = rejection_of(&job.verified, RejectReason::ApprovalDenied, detail);
+        refuse::refuse_received(rt, &job.verified, rejection).await?;
+        return Ok(Waited::Settled);
+    }
+    let job_id = request.job_id.clone();
+    let waited = hold(rt, job, slot, |rt, _| match approvals::decision(&rt.state_dir, &job_id) {
+        Some(d) if d.approved => Look::Ready,
+        Some(d) => Look::Refuse(
+            RejectReason::ApprovalDenied,
+            format!("denied by {}{}", d.by, d.reason.map(|r| format!(": {r}")).unwrap_or_default()),
+        ),
+        None if rt.clock.now_ms() >= request.expires_at_ms => Look::Refuse(
+            RejectReason::ApprovalExpired,
+            format!(
+                "nobody approved it before its request expired at {} (rule {:?})",
+                rfc3339((request.expires_at_ms / 1000) as i64),
+                request.rule
+            ),
+        ),
+        None => Look::Wait(JobWaiting {
+            state: "awaiting_approval".into(),
+            until: Some((request.expires_at_ms / 1000) as i64),
+            detail: format!(
+                "rule {:?}: approve with `byoc-runner approve {job_id}` or refuse with `byoc-runner deny {job_id} --reason …`",
+                request.rule
+            ),
+        }),
+    })
+    .await;
+    approvals::clear(&rt.state_dir, &job_id);
+    waited
+}
+
+/// A held job's state, for people.
+fn held_as(state: &str) -> &str {
+    match state {
+        "waiting_window" => "waiting for its maintenance window",
+        "awaiting_approval" => "awaiting approval",
+        other => other,
+    }
+}
+
+fn rejection_of(job: &VerifiedJob, reason: RejectReason, detail: String) -> Rejection {
+    let p = &job.payload;
+    Rejection {
+        delivery_id: job.delivery_id.clone(),
+        reason,
+        detail,
+        job_id: Some(p.job_id.clone()),
+        nonce: Some(p.nonce.clone()),
+        expires_at: Some(p.expires_at),
+    }
+}
+
+/// The loop every gate shares: journal and report what the job waits for (again
+/// whenever that changes), heartbeat the lease (a vendor cancel settles the job),
+/// refuse it once its envelope expires, look at the gate about every second, then
+/// check it again as if it had just arrived.
+async fn hold<F>(
+    rt: &Rt,
+    job: ClaimedJob,
+    slot: &mut impl JobSlot,
+    mut look: F,
+) -> Result<Waited, JournalError>
+where
+    F: FnMut(&Rt, &VerifiedJob) -> Look,
+{
+    let job_id = job.verified.payload.job_id.clone();
+    let expires_at = job.verified.payload.expires_at;
+    slot.release();
+    let mut reported: Option<JobWaiting> = None;
+    let mut last_heartbeat: Option<std::time::Instant> = None;
+    loop {
+        // The CLI's records (an approval, a denial) reach the audit log before what
+        // they cause.
+        let _ = rt.check_customer_controls();
+        let waiting = match look(rt, &job.verified) {
+            Look::Ready => break,
+            Look::Refuse(reason, detail) => {
+                refuse::refuse_received(rt, &job.verified, rejection_of(&job.verified, reason, detail))
+                    .await?;
+                return Ok(Waited::Settled);
+            }
+            Look::Wait(w) => w,
+        };
+        let changed = reported.as_ref() != Some(&waiting);
+        if changed {
+            tracing::info!(state = %waiting.state, until = waiting.until, detail = %waiting.detail, "job held by the customer's guardrails");
+            rt.transition(Event::Waiting {
+                job_id: job_id.clone(),
+                state: waiting.state.clone(),
+                until: waiting.until,
+                detail: waiting.detail.clone(),
+            })?;
+            reported = Some(waiting.clone());
+        }
+        if changed || last_heartbeat.is_none_or(|t| t.elapsed() >= rt.config.jobs.heartbeat_interval) {
+            last_heartbeat = Some(std::time::Instant::now());
+            match rt.client.heartbeat(&job_id, Some(&waiting)).await {
+                Ok(hb) if hb.cancel => {
+                    tracing::warn!("control plane cancelled the job while it was held");
+                    settle_cancelled(rt, &job_id, &waiting.state)?;
+                    return Ok(Waited::Settled);
+                }
+                Ok(_) => {}
+                Err(e) => tracing::warn!(error = %e, "heartbeat of a held job failed"),
+            }
+        }
+        if rt.clock.unix_now() > expires_at {
+            let detail = format!(
+                "the envelope expired at {} while the job was {}; it never ran",
+                rfc3339(expires_at),
+                held_as(&waiting.state)
+            );
+            refuse::refuse_received(
+                rt,
+                &job.verified,
+                rejection_of(&job.verified, RejectReason::Expired, detail),
+            )
+            .await?;
+            return Ok(Waited::Settled);
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_secs(1).min(rt.config.jobs.heartbeat_interval)) => {}
+            _ = rt.abort.cancelled() => {
+                // The runner is stopping: the next start settles the job as interrupted.
+                return Ok(Waited::Settled);
+            }
+        }
+    }
+    slot.reacquire().await;
+    // Checked again as if it had just arrived: the customer may have paused the runner
+    // or switched the role off while the job waited.
+    let ClaimedJob { verified, policy, lease_secs, .. } = job;
+    if let Some(p) = rt.check_customer_controls() {
+        let detail = format!("the customer paused the runner while the job was held (by {})", p.by);
+        let rejection = rejection_of(&verified, RejectReason::Paused, detail);
+        refuse::refuse_received(rt, &verified, rejection).await?;
+        return Ok(Waited::Settled);
+    }
+    match resolve_role::scope(rt, verified).await {
+        Ok(scoped) => {
+            let window_close = close_of(&check(rt, &scoped.verified));
+            Ok(Waited::Run(Box::new(ClaimedJob {
+                verified: scoped.verified,
+                role: scoped.role,
+                policy,
+                lease_secs,
+                window_close,
+            })))
+        }
+        Err(refused) => {
+            let (verified, rejection) = *refused;
+            refuse::refuse_received(rt, &verified, rejection).await?;
+            Ok(Waited::Settled)
+        }
+    }
+}
+
+/// The vendor cancelled a job that never started: journaled cancelled, reported.
+fn settle_cancelled(rt: &Rt, job_id: &str, state: &str) -> Result<(), JournalError> {
+    rt.transition(Event::Finished {
+        job_id: job_id.to_string(),
+        status: JobStatus::Cancelled,
+        exit_code: None,
+        error: Some(format!("cancelled by the control plane while it was {}; it never ran", held_as(state))),
+        log_size: 0,
+        log_sha256: byoc_protocol::sha256_hex(b""),
+        log_omitted: 0,
+        started_at_ms: None,
+        finished_at_ms: crate::clock::now_ms(),
+        outputs: serde_json::Value::Null,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::clock::Clock as _;
+    use crate::pipeline::{Accepted, JobsInHand, accept, run_job};
+    use crate::testing::{self, NOW, journaled};
+    use byoc_protocol::JobHeartbeatResponse;
+
+    /// One window an hour after the fixed clock's start, for an hour; jobs of
+    /// `action.trigger` are bound to it.
+    fn config(outside: &str) -> String {
+        format!(
+            "[[guardrails.window]]\nname = \"change\"\nonce = [\"{}/1h\"]\n\
+             [[guardrails.window_rule]]\nname = \"actions\"\nwindows = [\"change\"]\n\
+             operations = [\"action.trigger\"]\noutside = \"{outside}\"\n",
+            rfc3339(NOW + 3600)
+        )
+    }
+
+    fn accepted(f: &testing::Fakes, payload: byoc_protocol::JobPayload) -> VerifiedJob {
+        let in_hand = JobsInHand::default();
+        match accept(&f.rt, f.delivery(&payload), &in_hand) {
+            Accepted::Job(job, _) => *job,
+            _ => panic!("not accepted"),
+        }
+    }
+
+    /// Until the job is journaled waiting (the stage runs in another task).
+    async fn until_waiting(f: &testing::Fakes) {
+        for _ in 0..500 {
+            if journaled(f).iter().any(|e| e == "waiting") {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("never waited: {:?}", journaled(f));
+    }
+
+    #[tokio::test]
+    async fn a_job_outside_its_window_waits_is_reported_and_runs_when_it_opens() {
+        let f = testing::runtime_with(&config("wait")).await;
+        let mut payload = testing::payload("job-1");
+        payload.expires_at = NOW + 7200;
+        let job = accepted(&f, payload);
+        let task = tokio::spawn(run_job(f.rt.clone(), job, ()));
+        until_waiting(&f).await;
+        assert!(!task.is_finished());
+        let detail = f.rt.journal.job("job-1").and_then(|j| j.detail).unwrap_or_default();
+        assert!(detail.contains("\"change\" opens next at"), "{detail}");
+        assert_eq!(f.rt.journal.job("job-1").map(|j| j.phase), Some(crate::journal::Phase::WaitingWindow));
+        f.clock.advance_secs(3600);
+        task.await.expect("task").expect("journal");
+        assert_eq!(journaled(&f), ["received", "claimed", "waiting", "started", "finished", "reported"]);
+        let calls = f.cp.calls();
+        assert_eq!(calls.first().map(String::as_str), Some("claim job-1"));
+        assert!(calls.contains(&"heartbeat job-1 waiting_window".to_string()), "{calls:?}");
+        assert_eq!(calls.last().map(String::as_str), Some("result job-1 succeeded"));
+        let audited = f.audit.records.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let wait = audited.iter().find(|r| r.event == "window_wait").expect("window_wait audited");
+        assert!(wait.detail.as_deref().unwrap_or("").contains(&rfc3339(NOW + 3600)), "{wait:?}");
+    }
+
+    #[tokio::test]
+    async fn a_rule_that_refuses_refuses_outside_its_window_before_the_claim() {
+        let f = testing::runtime_with(&config("refuse")).await;
+        let job = accepted(&f, testing::payload("job-1"));
+        run_job(f.rt.clone(), job, ()).await.expect("journal");
+        assert_eq!(journaled(&f), ["received", "refused"]);
+        assert_eq!(f.cp.calls(), ["reject dl-job-1 outside_window"]);
+        let detail = f.rt.journal.job("job-1").and_then(|j| j.detail).unwrap_or_default();
+        assert!(detail.starts_with("outside_window: "), "{detail}");
+        assert!(detail.contains(&rfc3339(NOW + 3600)), "{detail}");
+    }
+
+    #[tokio::test]
+    async fn inside_its_window_a_job_runs_at_once_and_other_jobs_are_not_bound() {
+        let f = testing::runtime_with(&config("refuse")).await;
+        f.clock.advance_secs(3601);
+        let mut payload = testing::payload("job-1");
+        payload.issued_at = NOW + 3590;
+        payload.expires_at = NOW + 4000;
+        run_job(f.rt.clone(), accepted(&f, payload), ()).await.expect("journal");
+        assert_eq!(journaled(&f), ["received", "claimed", "started", "finished", "reported"]);
+        // A sandbox job is not named by the rule: it runs outside the window.
+        let f = testing::runtime_with(&config("refuse")).await;
+        let mut other = testing::payload("job-2");
+        other.entity = "sandbox".into();
+        other.operation = "provision".into();
+        run_job(f.rt.clone(), accepted(&f, other), ()).await.expect("journal");
+        assert_eq!(journaled(&f), ["received", "claimed", "started", "finished", "reported"]);
+    }
+
+    #[tokio::test]
+    async fn a_job_that_expires_while_it_waits_is_rejected_expired_and_never_runs() {
+        let f = testing::runtime_with(&config("wait")).await;
+        let job = accepted(&f, testing::payload("job-1"));
+        let task = tokio::spawn(run_job(f.rt.clone(), job, ()));
+        until_waiting(&f).await;
+        // The envelope (valid 300 s) expires an hour before the window opens.
+        f.clock.advance_secs(301);
+        task.await.expect("task").expect("journal");
+        assert_eq!(journaled(&f), ["received", "claimed", "waiting", "refused"]);
+        assert_eq!(f.cp.calls().last().map(String::as_str), Some("reject dl-job-1 expired"));
+    }
+
+    #[tokio::test]
+    async fn a_job_cancelled_while_it_waits_is_settled_cancelled_and_never_runs() {
+        let f = testing::runtime_with(&config("wait")).await;
+        f.cp.heartbeats
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push_back(Ok(JobHeartbeatResponse { lease_secs: 60, cancel: true }));
+        let job = accepted(&f, testing::payload("job-1"));
+        run_job(f.rt.clone(), job, ()).await.expect("journal");
+        assert_eq!(journaled(&f), ["received", "claimed", "waiting", "finished", "reported"]);
+        let j = f.rt.journal.job("job-1").expect("job");
+        let finished = j.finished.expect("finished");
+        assert_eq!(finished.status, JobStatus::Cancelled);
+        assert_eq!(j.started_at_ms, None);
+    }
+
+    #[tokio::test]
+    async fn the_policy_context_names_the_open_window_and_the_role() {
+        let f = testing::runtime_with(&config("wait")).await;
+        let job = testing::verified("job-1", Some("maintenance"));
+        let closed = policy_context(&f.rt, &job, &check(&f.rt, &job));
+        assert_eq!(closed["window"], serde_json::Value::Null);
+        assert_eq!(closed["now_unix"], NOW);
+        assert_eq!(closed["role"]["type"], "maintenance");
+        f.clock.advance_secs(3600);
+        let open = policy_context(&f.rt, &job, &check(&f.rt, &job));
+        assert_eq!(open["window"]["name"], "change");
+        assert_eq!(open["window"]["rule"], "actions");
+        assert_eq!(open["window"]["closes_at_unix"], NOW + 7200);
+        assert_eq!(open["windows_open"], serde_json::json!(["change"]));
+    }
+
+    /// Every action needs approval; requests live 10 minutes.
+    const APPROVALS: &str = "[[guardrails.approval_rule]]\nname = \"actions\"\noperations = [\"action.trigger\"]\nexpires = \"10m\"\n";
+
+    async fn until_requested(f: &testing::Fakes) -> crate::approvals::Request {
+        for _ in 0..500 {
+            if let Some((r, _)) = crate::approvals::requests(&f.rt.state_dir).into_iter().next() {
+                return r;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("no approval request: {:?}", journaled(f));
+    }
+
+    fn decision(approved: bool) -> crate::approvals::Decision {
+        crate::approvals::Decision {
+            approved,
+            by: "alice".into(),
+            uid: 0,
+            reason: Some("INC-7".into()),
+            at_ms: 0,
+        }
+    }
+
+    #[tokio::test]
+    async fn an_approved_job_runs_and_its_request_is_cleared() {
+        let f = testing::runtime_with(APPROVALS).await;
+        let task = tokio::spawn(run_job(f.rt.clone(), accepted(&f, testing::payload("job-1")), ()));
+        let r = until_requested(&f).await;
+        assert_eq!(
+            (r.kind.as_str(), r.operation.as_str(), r.rule.as_str()),
+            ("runner.noop", "action.trigger", "actions")
+        );
+        assert_eq!(r.expires_at_ms, (NOW as u64 + 600) * 1000);
+        assert_eq!(f.rt.journal.job("job-1").map(|j| j.phase), Some(crate::journal::Phase::AwaitingApproval));
+        crate::approvals::decide(&f.rt.state_dir, "job-1", decision(true), f.clock.now_ms()).expect("decide");
+        task.await.expect("task").expect("journal");
+        assert_eq!(journaled(&f), ["received", "claimed", "waiting", "started", "finished", "reported"]);
+        assert!(f.cp.calls().contains(&"heartbeat job-1 awaiting_approval".to_string()));
+        assert!(crate::approvals::requests(&f.rt.state_dir).is_empty(), "request left behind");
+        let audited = f.audit.records.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        assert!(audited.iter().any(|r| r.event == "approval_requested"));
+    }
+
+    #[tokio::test]
+    async fn a_denied_job_is_refused_and_never_runs() {
+        let f = testing::runtime_with(APPROVALS).await;
+        let task = tokio::spawn(run_job(f.rt.clone(), accepted(&f, testing::payload("job-1")), ()));
+        until_requested(&f).await;
+        crate::approvals::decide(&f.rt.state_dir, "job-1", decision(false), f.clock.now_ms())
+            .expect("decide");
+        task.await.expect("task").expect("journal");
+        assert_eq!(journaled(&f), ["received", "claimed", "waiting", "refused"]);
+        assert_eq!(f.cp.calls().last().map(String::as_str), Some("reject dl-job-1 approval_denied"));
+        let detail = f.rt.journal.job("job-1").and_then(|j| j.detail).unwrap_or_default();
+        assert!(detail.contains("denied by alice: INC-7"), "{detail}");
+    }
+
+    #[tokio::test]
+    async fn an_unanswered_request_expires_and_the_job_is_refused() {
+        let f = testing::runtime_with(APPROVALS).await;
+        let mut payload = testing::payload("job-1");
+        payload.expires_at = NOW + 3600;
+        let task = tokio::spawn(run_job(f.rt.clone(), accepted(&f, payload), ()));
+        until_requested(&f).await;
+        f.clock.advance_secs(600);
+        task.await.expect("task").expect("journal");
+        assert_eq!(journaled(&f), ["received", "claimed", "waiting", "refused"]);
+        assert_eq!(f.cp.calls().last().map(String::as_str), Some("reject dl-job-1 approval_expired"));
+    }
+
+    #[test]
+    fn only_a_rule_that_cancels_gives_a_close_time() {
+        let open =
+            |on_close| WindowCheck::Open { rule: "r".into(), window: "w".into(), closes_at: 42, on_close };
+        assert_eq!(close_of(&open(OnClose::Cancel)), Some(WindowClose { window: "w".into(), at: 42 }));
+        assert_eq!(close_of(&open(OnClose::Continue)), None);
+        assert_eq!(close_of(&WindowCheck::Unbound), None);
+    }
+}

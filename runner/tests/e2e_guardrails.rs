@@ -1,0 +1,237 @@
+//! End to end against the reference control plane: the customer's maintenance windows
+//! (docs/GUARDRAILS.md). A real runner, a real clock: the window opens a few seconds
+//! after the job arrives.
+
+#![allow(clippy::unwrap_used)] // a failed unwrap is a failed test
+
+mod common;
+
+use std::time::Duration;
+
+use byoc_control_plane::EnqueueRequest;
+use byoc_control_plane::harness::RunnerOptions;
+use byoc_protocol::{JobStatus, RejectReason};
+use common::*;
+
+fn unix_now() -> i64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs() as i64
+}
+
+fn rfc3339(unix: i64) -> String {
+    byoc_runner::guardrails::rfc3339(unix)
+}
+
+/// Actions wait for a window opening at `opens`; sandbox provisioning is refused
+/// outside a window that opened and closed long ago.
+fn guardrails(opens: i64) -> String {
+    format!(
+        r#"
+[[guardrails.window]]
+name = "soon"
+once = ["{}/1h"]
+
+[[guardrails.window]]
+name = "past"
+time_zone = "Europe/Berlin"
+once = ["2020-01-01T00:00/1h"]
+
+[[guardrails.window_rule]]
+name = "actions-wait"
+windows = ["soon"]
+operations = ["action.trigger"]
+
+[[guardrails.window_rule]]
+name = "provisioning-refused"
+windows = ["past"]
+operations = ["sandbox.provision"]
+outside = "refuse"
+"#,
+        rfc3339(opens)
+    )
+}
+
+#[tokio::test]
+async fn a_job_waits_for_its_window_is_reported_waiting_then_runs_and_others_are_refused() {
+    let opens = unix_now() + 8;
+    // One action at a time: the job that waits must give its slot back.
+    let e =
+        env_with(RunnerOptions { extra: guardrails(opens), actions_limit: 1, ..Default::default() }).await;
+
+    // Refused outside its window, before any claim.
+    let refused =
+        e.cp.enqueue(EnqueueRequest {
+            entity: "sandbox".into(),
+            operation: "provision".into(),
+            ..script("echo never")
+        })
+        .unwrap();
+    let v = e.rejected(&refused).await;
+    assert_eq!(v.rejections[0].0, RejectReason::OutsideWindow, "{:?}", v.rejections);
+    assert!(v.rejections[0].1.contains("provisioning-refused"), "{:?}", v.rejections);
+    assert_eq!(v.claims, 0);
+
+    // Held: claimed, reported waiting with the window's start, not run.
+    let held = e.cp.enqueue(script("echo ran in the window")).unwrap();
+    let v =
+        e.cp.wait_for(&held, Duration::from_secs(30), |v| v.waiting.is_some() || v.result.is_some())
+            .await
+            .unwrap();
+    let waiting = v.waiting.clone().expect("reported waiting before it ran");
+    assert_eq!(waiting.state, "waiting_window");
+    assert_eq!(waiting.until, Some(opens));
+    assert!(waiting.detail.contains("actions-wait"), "{waiting:?}");
+    assert_eq!(v.claims, 1);
+    // The customer sees it too, from the state dir alone.
+    let show = e.cli_json(&["jobs", "show", &held]);
+    assert_eq!(show["phase"], "waiting_window", "{show}");
+    let status = e.cli_json(&["status"]);
+    assert_eq!(status["jobs_waiting"][0], held.as_str(), "{status}");
+
+    // Another action no rule names runs meanwhile: the waiting job holds no slot.
+    let free =
+        e.cp.enqueue(EnqueueRequest {
+            entity: "artifact".into(),
+            operation: "sync".into(),
+            ..EnqueueRequest::new("runner.noop", serde_json::json!({}))
+        })
+        .unwrap();
+    let free_v = e.finished(&free).await;
+    assert!(e.cp.job(&held).unwrap().result.is_none(), "the held job ran before its window");
+    assert_eq!(free_v.result.unwrap().status, JobStatus::Succeeded);
+
+    // The window opens: it runs, once.
+    let v = e.finished(&held).await;
+    let r = v.result.clone().unwrap();
+    assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
+    assert!(r.started_at_ms.unwrap() >= opens as u64 * 1000, "started before the window opened");
+    assert!(e.output(&held).contains("ran in the window"));
+    assert_eq!(v.waiting, None);
+    assert_eq!(v.waited.len(), 1, "{:?}", v.waited);
+    assert_eq!(started_count(&e.dir.path().join("state"), &held), 1);
+
+    // Audited, and the log verifies.
+    let waits = audit_events(&e.dir.path().join("state"), "window_wait");
+    assert_eq!(waits.len(), 1);
+    assert_eq!(waits[0]["job"], held.as_str());
+    let rejected = audit_events(&e.dir.path().join("state"), "job_rejected");
+    assert!(rejected.iter().any(|r| r["reason"] == "outside_window"), "{rejected:?}");
+    let out = e.runner.cli(&["audit", "verify"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stdout));
+}
+
+#[tokio::test]
+async fn a_job_that_expires_while_it_waits_is_rejected_expired_and_never_runs() {
+    // The window opens an hour from now; the envelope lives 3 s.
+    let e = env_with(RunnerOptions { extra: guardrails(unix_now() + 3600), ..Default::default() }).await;
+    let id = e.cp.enqueue(EnqueueRequest { ttl_secs: 3, ..script("echo never") }).unwrap();
+    let v = e.rejected(&id).await;
+    assert_eq!(v.rejections[0].0, RejectReason::Expired, "{:?}", v.rejections);
+    assert!(v.rejections[0].1.contains("waiting for its maintenance window"), "{:?}", v.rejections);
+    assert_eq!(v.waited.len(), 1, "it was reported waiting first");
+    assert!(v.result.is_none());
+    assert_eq!(started_count(&e.dir.path().join("state"), &id), 0);
+}
+
+#[tokio::test]
+async fn a_bad_guardrails_config_is_refused_with_every_problem() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("runner.toml");
+    let key = byoc_protocol::b64(byoc_protocol::generate_signing_key().verifying_key().as_bytes());
+    std::fs::write(
+        &config,
+        format!(
+            "[control_plane]\nurl = \"https://cp.example.com\"\npublic_keys = [\"{key}\"]\n\
+             [runner]\ninstall_id = \"inst-1\"\n\
+             [[guardrails.window]]\nname = \"w\"\ntime_zone = \"Mars/Olympus\"\nweekly = [\"caturday 01:00-02:00\"]\n\
+             [[guardrails.window_rule]]\nname = \"r\"\nwindows = [\"nope\"]\n"
+        ),
+    )
+    .unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_byoc-runner"))
+        .args(["config", "validate", "--config"])
+        .arg(&config)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    for needle in ["Mars/Olympus", "caturday", "window \"nope\" is not defined"] {
+        assert!(text.contains(needle), "missing {needle:?}:\n{text}");
+    }
+}
+
+/// Every action needs a local approval; requests stay open 10 minutes.
+const APPROVALS: &str = r#"
+[[guardrails.approval_rule]]
+name = "actions-need-approval"
+operations = ["action.trigger"]
+expires = "10m"
+"#;
+
+/// Until the daemon has asked for approval of `job_id` (it writes the request before it
+/// journals the job `awaiting_approval`).
+async fn until_awaiting(e: &Env, job_id: &str) -> serde_json::Value {
+    let v =
+        e.cp.wait_for(job_id, Duration::from_secs(30), |v| v.waiting.is_some() || v.result.is_some())
+            .await
+            .unwrap();
+    assert_eq!(v.waiting.as_ref().map(|w| w.state.as_str()), Some("awaiting_approval"), "{v:?}");
+    let list = e.cli_json(&["approvals"]);
+    list.as_array().unwrap().iter().find(|r| r["job_id"] == job_id).cloned().expect("listed")
+}
+
+#[tokio::test]
+async fn approvals_hold_jobs_until_an_admin_answers_and_every_answer_is_audited() {
+    let e = env_with(RunnerOptions { extra: APPROVALS.into(), ..Default::default() }).await;
+    let state = e.dir.path().join("state");
+
+    // Approved: it runs, once.
+    let yes = e.cp.enqueue(script("echo approved and ran")).unwrap();
+    let listed = until_awaiting(&e, &yes).await;
+    assert_eq!(listed["kind"], "action.script");
+    assert_eq!(listed["operation"], "action.trigger");
+    assert_eq!(listed["rule"], "actions-need-approval");
+    assert!(e.cp.job(&yes).unwrap().result.is_none(), "ran before it was approved");
+    // Not root and not in roles.admin_group: refused, nothing written.
+    let denied = std::process::Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups", BIN, "approve", &yes, "--state-dir"])
+        .arg(&state)
+        .output()
+        .expect("setpriv (util-linux)");
+    assert_eq!(denied.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&denied.stderr).contains("need root"), "{denied:?}");
+    let out = e.runner.cli(&["approve", &yes, "--reason", "CHG-1"]);
+    assert!(out.status.success(), "{out:?}");
+    let v = e.finished(&yes).await;
+    assert_eq!(v.result.unwrap().status, JobStatus::Succeeded);
+    assert!(e.output(&yes).contains("approved and ran"));
+    // Answering it again: an error, no second record.
+    let again = e.runner.cli(&["approve", &yes]);
+    assert_eq!(again.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&again.stderr).contains("is awaiting approval"), "{again:?}");
+
+    // Denied: refused with the reason, never run.
+    let no = e.cp.enqueue(script("echo never")).unwrap();
+    until_awaiting(&e, &no).await;
+    let out = e.runner.cli(&["deny", &no, "--reason", "not during the audit"]);
+    assert!(out.status.success(), "{out:?}");
+    let v = e.rejected(&no).await;
+    assert_eq!(v.rejections[0].0, RejectReason::ApprovalDenied, "{:?}", v.rejections);
+    assert!(v.rejections[0].1.contains("not during the audit"), "{:?}", v.rejections);
+    assert_eq!(started_count(&state, &no), 0);
+
+    // An unknown job: an error.
+    let unknown = e.runner.cli(&["deny", "job-nope", "--reason", "x"]);
+    assert_eq!(unknown.status.code(), Some(1));
+
+    // Audited: the request, who answered and why; the log verifies.
+    let requested = audit_events(&state, "approval_requested");
+    assert_eq!(requested.len(), 2, "{requested:?}");
+    let approved = audit_events(&state, "approved");
+    assert_eq!(approved.len(), 1, "{approved:?}");
+    assert_eq!(approved[0]["job"], yes.as_str());
+    assert!(approved[0]["detail"].as_str().unwrap().contains("CHG-1"), "{approved:?}");
+    let denied = audit_events(&state, "denied");
+    assert_eq!(denied.len(), 1, "{denied:?}");
+    let out = e.runner.cli(&["audit", "verify"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stdout));
+}
