@@ -119,6 +119,15 @@ pub fn write_request(state_dir: &Path, r: &Request) -> Result<(), ApprovalError>
     write_durably(&request_path(state_dir, &r.job_id), &serde_json::to_vec_pretty(r).unwrap_or_default())
 }
 
+/// The request left for `job_id`, if any (a resumed job keeps its first one: its
+/// expiry and any answer given while the runner was down).
+pub fn read_request(state_dir: &Path, job_id: &str) -> Option<Request> {
+    if !file_safe(job_id) {
+        return None;
+    }
+    read_json::<Request>(&request_path(state_dir, job_id))?.ok()
+}
+
 /// The daemon: the answer, if any. A damaged decision denies.
 pub fn decision(state_dir: &Path, job_id: &str) -> Option<Decision> {
     match read_json::<Decision>(&decision_path(state_dir, job_id))? {

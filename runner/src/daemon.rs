@@ -250,8 +250,15 @@ pub async fn run(config: Config) -> Result<(), DaemonError> {
         in_hand: JobsInHand::default(),
     });
     let mut tasks: JoinSet<()> = JoinSet::new();
-    for settle in pipeline::recover::recover(&rt, &slots.in_hand)? {
+    let resumed = pipeline::recover::resume_held(&rt);
+    let resumed_ids = resumed.iter().map(|j| j.payload.job_id.clone()).collect();
+    for settle in pipeline::recover::recover(&rt, &slots.in_hand, &resumed_ids)? {
         tasks.spawn(settle);
+    }
+    for job in resumed {
+        if let Some(in_hand) = slots.in_hand.mark(&job.payload.job_id) {
+            start_job(&rt, &slots, &mut tasks, job, in_hand);
+        }
     }
     rt.check_customer_controls();
     compact_journal(&rt);
@@ -658,6 +665,17 @@ fn handle_delivery(rt: &Rt, slots: &Arc<Slots>, tasks: &mut JoinSet<()>, polled:
         }
         Accepted::Dropped => return,
     };
+    start_job(rt, slots, tasks, job, in_hand);
+}
+
+/// Run an accepted (or resumed) job in its own task with a slot of its group.
+fn start_job(
+    rt: &Rt,
+    slots: &Arc<Slots>,
+    tasks: &mut JoinSet<()>,
+    job: pipeline::VerifiedJob,
+    in_hand: pipeline::InHand,
+) {
     let p = &job.payload;
     let span = tracing::info_span!(
         "job",

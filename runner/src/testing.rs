@@ -392,6 +392,7 @@ pub fn verified(job_id: &str, role: Option<&str>) -> VerifiedJob {
             step: Step::Default,
             reference: "maintenance".into(),
         }),
+        envelope: byoc_protocol::JobEnvelope::sign(&payload, &byoc_protocol::generate_signing_key()),
         payload,
     }
 }

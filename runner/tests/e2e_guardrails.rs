@@ -235,3 +235,57 @@ async fn approvals_hold_jobs_until_an_admin_answers_and_every_answer_is_audited(
     let out = e.runner.cli(&["audit", "verify"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stdout));
 }
+
+/// A runner killed while jobs are held keeps their envelopes: the next start verifies
+/// them again and holds them again; each then runs once, when its gate opens.
+#[tokio::test]
+async fn held_jobs_survive_a_runner_restart_and_run_once_when_their_gate_opens() {
+    let opens = unix_now() + 15;
+    let config = format!(
+        "{}\n[[guardrails.approval_rule]]\nname = \"syncs\"\noperations = [\"artifact.sync\"]\n",
+        guardrails(opens)
+    );
+    let mut e = env_with(RunnerOptions { extra: config, ..Default::default() }).await;
+    let state = e.dir.path().join("state");
+    let windowed = e.cp.enqueue(script("echo windowed ran")).unwrap();
+    let approved =
+        e.cp.enqueue(EnqueueRequest {
+            entity: "artifact".into(),
+            operation: "sync".into(),
+            ..script("echo approved ran")
+        })
+        .unwrap();
+    for id in [&windowed, &approved] {
+        e.cp.wait_for(id, Duration::from_secs(30), |v| v.waiting.is_some()).await.expect("held");
+        assert!(state.join("held").join(format!("{id}.json")).exists(), "envelope of {id} not kept");
+    }
+    e.runner.kill9().await;
+    e.runner.spawn(None).unwrap();
+    // Answered after the restart: the request the first run left still stands.
+    until_awaiting(&e, &approved).await;
+    let out = e.runner.cli(&["approve", &approved, "--reason", "after restart"]);
+    assert!(out.status.success(), "{out:?}");
+    for (id, said) in [(&approved, "approved ran"), (&windowed, "windowed ran")] {
+        let v = e.finished(id).await;
+        assert_eq!(v.result.as_ref().unwrap().status, JobStatus::Succeeded, "{v:?}\n{}", e.runner.log());
+        assert!(e.output(id).contains(said));
+        assert_eq!(started_count(&state, id), 1, "{id} ran more than once");
+        assert!(!state.join("held").join(format!("{id}.json")).exists(), "envelope of {id} left behind");
+    }
+    let r = e.cp.job(&windowed).unwrap().result.unwrap();
+    assert!(r.started_at_ms.unwrap() >= opens as u64 * 1000, "ran before its window");
+}
+
+#[tokio::test]
+async fn an_unanswered_approval_request_expires_and_the_job_never_runs() {
+    let config = "[[guardrails.approval_rule]]\nname = \"quick\"\noperations = [\"action.trigger\"]\nexpires = \"2s\"\n";
+    let e = env_with(RunnerOptions { extra: config.into(), ..Default::default() }).await;
+    let id = e.cp.enqueue(script("echo never")).unwrap();
+    let v = e.rejected(&id).await;
+    assert_eq!(v.rejections[0].0, RejectReason::ApprovalExpired, "{:?}", v.rejections);
+    assert!(v.rejections[0].1.contains("quick"), "{:?}", v.rejections);
+    assert_eq!(started_count(&e.dir.path().join("state"), &id), 0);
+    // Too late to answer now.
+    let late = e.runner.cli(&["approve", &id]);
+    assert_eq!(late.status.code(), Some(1));
+}

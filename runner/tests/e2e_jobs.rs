@@ -106,7 +106,8 @@ async fn every_envelope_rejection_has_its_reason_code() {
         local.as_array().unwrap().iter().map(|r| r["reason"].as_str().unwrap().to_string()).collect();
     codes.sort();
     // Role and pause refusals have their own suite (e2e_roles), the sandbox's theirs
-    // (e2e_network, e2e_sandbox), the disk's (e2e_disk).
+    // (e2e_network, e2e_sandbox), the disk's (e2e_disk), the guardrails' theirs
+    // (e2e_guardrails).
     let not_here = [
         RejectReason::RoleMismatch,
         RejectReason::RoleDisabled,
@@ -115,6 +116,9 @@ async fn every_envelope_rejection_has_its_reason_code() {
         RejectReason::SandboxNetworkUnavailable,
         RejectReason::SandboxLimitsUnavailable,
         RejectReason::DiskLow,
+        RejectReason::OutsideWindow,
+        RejectReason::ApprovalDenied,
+        RejectReason::ApprovalExpired,
     ];
     let mut want: Vec<String> =
         RejectReason::ALL.iter().filter(|r| !not_here.contains(r)).map(|r| r.code().to_string()).collect();

@@ -77,6 +77,7 @@ pub fn accept(rt: &Rt, polled: PolledJob, in_hand: &JobsInHand) -> Accepted {
         max_timeout: rt.config.jobs.max_timeout,
         now: rt.clock.unix_now(),
         readiness: &readiness,
+        resume_held: false,
     };
     let job = match rt.journal.with_index(|index| verifier.verify(polled, index)) {
         Ok(job) => job,

@@ -5,6 +5,9 @@
 //! - received, not claimed: the claim may have reached the control plane before the
 //!   crash, in which case it will never offer the job again. Claim it again (claims are
 //!   idempotent per runner) and report it interrupted rather than leave it hanging.
+//! - held by the customer's guardrails (`waiting_window`, `awaiting_approval`) with its
+//!   envelope kept (`window::HELD_DIR`) that still verifies: resumed (`resume_held`),
+//!   never settled here.
 //! - claimed or started, not finished: journaled `interrupted` with what its log holds.
 //! - finished, not acknowledged: reported again.
 
@@ -23,7 +26,11 @@ pub type Settle = std::pin::Pin<Box<dyn Future<Output = ()> + Send>>;
 
 /// Settle every unfinished job in the journal. Interrupted jobs are journaled before
 /// this returns; their claims and reports are returned as tasks for the caller to run.
-pub fn recover(rt: &Rt, in_hand: &JobsInHand) -> Result<Vec<Settle>, JournalError> {
+pub fn recover(
+    rt: &Rt,
+    in_hand: &JobsInHand,
+    resumed: &std::collections::HashSet<String>,
+) -> Result<Vec<Settle>, JournalError> {
     let mut tasks: Vec<Settle> = Vec::new();
     let unclaimed: Vec<(String, String)> = rt.journal.with_index(|i| {
         i.jobs
@@ -55,6 +62,7 @@ pub fn recover(rt: &Rt, in_hand: &JobsInHand) -> Result<Vec<Settle>, JournalErro
                         | Phase::Finished
                 )
             })
+            .filter(|j| !resumed.contains(&j.job_id))
             .map(|j| (j.job_id.clone(), j.phase))
             .collect()
     });
@@ -70,6 +78,56 @@ pub fn recover(rt: &Rt, in_hand: &JobsInHand) -> Result<Vec<Settle>, JournalErro
         }));
     }
     Ok(tasks)
+}
+
+/// Jobs the guardrails held when the runner stopped whose kept envelope still
+/// verifies: they go through their path again (`pipeline::run_job`). The others are
+/// left to `recover`, which settles them as interrupted.
+pub fn resume_held(rt: &Rt) -> Vec<super::VerifiedJob> {
+    let held: Vec<String> = rt.journal.with_index(|i| {
+        i.jobs
+            .values()
+            .filter(|j| matches!(j.phase, Phase::WaitingWindow | Phase::AwaitingApproval))
+            .map(|j| j.job_id.clone())
+            .collect()
+    });
+    let readiness = |exec: &dyn byoc_job_executors::Executor| {
+        byoc_job_executors::refusal(exec.placement(), rt.sandbox.as_ref(), rt.containers.as_ref())
+    };
+    let mut out = Vec::new();
+    for job_id in held {
+        let Some(polled) = super::window::kept_delivery(&rt.state_dir, &job_id) else {
+            tracing::warn!(job_id = %job_id, "a held job's envelope was not kept; settling it as interrupted");
+            continue;
+        };
+        // Pause and disk are checked again when it leaves the gate, not here.
+        let verifier = super::verify::Verifier {
+            install: &rt.roles.install,
+            paused: None,
+            disk_low: None,
+            keys: &rt.config.control_plane.public_keys,
+            runner_id: &rt.runner_id,
+            install_id: &rt.install_id,
+            max_skew: rt.config.jobs.max_clock_skew,
+            max_timeout: rt.config.jobs.max_timeout,
+            now: rt.clock.unix_now(),
+            readiness: &readiness,
+            resume_held: true,
+        };
+        match rt.journal.with_index(|index| verifier.verify(polled, index)) {
+            Ok(job) if job.payload.job_id == job_id => {
+                tracing::info!(job_id = %job_id, "resuming a job the guardrails held when the runner stopped");
+                out.push(job);
+            }
+            Ok(_) => {
+                tracing::warn!(job_id = %job_id, "a held job's kept envelope is another job's; settling it as interrupted")
+            }
+            Err(r) => {
+                tracing::warn!(job_id = %job_id, reason = r.reason.code(), detail = %r.detail, "a held job's kept envelope no longer verifies; settling it as interrupted")
+            }
+        }
+    }
+    out
 }
 
 fn in_job_span(rt: &Rt, job_id: String, task: impl Future<Output = ()> + Send + 'static) -> Settle {
@@ -170,7 +228,7 @@ mod tests {
     use crate::testing::{self, Fakes, conflict, journaled};
 
     async fn settle(f: &Fakes) {
-        for task in recover(&f.rt, &JobsInHand::default()).expect("journal") {
+        for task in recover(&f.rt, &JobsInHand::default(), &Default::default()).expect("journal") {
             task.await;
         }
     }
@@ -246,7 +304,7 @@ mod tests {
         testing::receive(&f, &testing::verified("job-1", None));
         f.rt.transition(Event::ClaimRefused { job_id: "job-1".into(), detail: "taken".into() })
             .expect("journal");
-        assert!(recover(&f.rt, &JobsInHand::default()).expect("journal").is_empty());
+        assert!(recover(&f.rt, &JobsInHand::default(), &Default::default()).expect("journal").is_empty());
     }
 
     #[tokio::test]
@@ -255,6 +313,6 @@ mod tests {
         testing::receive(&f, &testing::verified("job-1", None));
         f.rt.transition(Event::Claimed { job_id: "job-1".into(), lease_secs: 60 }).expect("journal");
         f.journal.fail_appends.store(true, Ordering::SeqCst);
-        assert!(recover(&f.rt, &JobsInHand::default()).is_err());
+        assert!(recover(&f.rt, &JobsInHand::default(), &Default::default()).is_err());
     }
 }

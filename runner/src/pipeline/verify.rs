@@ -24,6 +24,9 @@ pub struct VerifiedJob {
     /// The role the precedence chain derived (and the control plane proposed); `None`
     /// when the job asked for none.
     pub role: Option<crate::roles::chain::Derived>,
+    /// The envelope as delivered: kept (durably) while the job is held by the
+    /// customer's guardrails, so a restart can verify and resume it.
+    pub envelope: byoc_protocol::JobEnvelope,
 }
 
 #[derive(Debug, Clone)]
@@ -54,6 +57,9 @@ pub struct Verifier<'a> {
     /// Whether this host can build the job's sandbox as documented right now (its
     /// network boundary, its limits): `None` when it can.
     pub readiness: &'a (dyn Fn(&dyn Executor) -> Option<byoc_job_executors::Refusal> + Sync),
+    /// Recovery only: accept the envelope of a job the journal shows held by the
+    /// guardrails (its nonce is its own). Never set for a delivery.
+    pub resume_held: bool,
 }
 
 /// A job id names files and URL segments: keep it to a safe alphabet.
@@ -171,6 +177,8 @@ impl Verifier<'_> {
                 // The same envelope again after we received it but never claimed (we
                 // crashed, or the offer timed out): accepting it runs the job once.
                 Phase::Received if job.payload_sha256 == payload_sha256 => {}
+                Phase::WaitingWindow | Phase::AwaitingApproval
+                    if self.resume_held && job.payload_sha256 == payload_sha256 => {}
                 phase => {
                     return Err(reject(
                         RejectReason::ReplayedNonce,
@@ -243,6 +251,7 @@ impl Verifier<'_> {
             .map_err(|e| reject(e.reason, e.detail))?;
         Ok(VerifiedJob {
             delivery_id: polled.delivery_id,
+            envelope: polled.envelope,
             payload,
             payload_sha256,
             executor,
@@ -348,6 +357,7 @@ mod tests {
             paused,
             disk_low,
             readiness: &|_| None,
+            resume_held: false,
         };
         v.verify(PolledJob { delivery_id: "dl-1".into(), envelope: env, received_at: Instant::now() }, index)
     }

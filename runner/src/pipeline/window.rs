@@ -8,8 +8,11 @@
 //! one that expired meanwhile is refused `expired`, one the vendor cancelled is
 //! settled cancelled, and neither ever ran.
 //!
-//! The envelope waits in memory: a runner restart settles a waiting job as
-//! interrupted, like a running one (see docs/GUARDRAILS.md).
+//! A held job's envelope is kept in `<state dir>/held/<job>.json` (0600, fsynced) from
+//! the moment it is held until it leaves the gate, unless it carries secrets (those
+//! never go to disk): after a restart, `recover` verifies
+//! it again (signature, runner, expiry) and the job goes through its path again from
+//! `resolve_role`, claimed again (claims are idempotent per runner) and held again.
 
 use std::time::Duration;
 
@@ -20,6 +23,54 @@ use super::{Rejection, VerifiedJob, refuse, resolve_role};
 use crate::guardrails::{JobScope, OnClose, Outside, WindowCheck, rfc3339};
 use crate::journal::{Event, JournalError};
 use crate::runtime::Rt;
+
+/// Where held jobs' envelopes wait (see the module's doc).
+pub const HELD_DIR: &str = "held";
+
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Held {
+    delivery_id: String,
+    envelope: byoc_protocol::JobEnvelope,
+}
+
+fn held_path(state_dir: &std::path::Path, job_id: &str) -> std::path::PathBuf {
+    state_dir.join(HELD_DIR).join(format!("{job_id}.json"))
+}
+
+/// Keep a held job's envelope so a restart can resume it.
+fn keep_held(rt: &Rt, job: &VerifiedJob) -> Result<(), String> {
+    use std::os::unix::fs::DirBuilderExt as _;
+    let dir = rt.state_dir.join(HELD_DIR);
+    std::fs::DirBuilder::new().recursive(true).mode(0o700).create(&dir).map_err(|e| e.to_string())?;
+    let held = Held { delivery_id: job.delivery_id.clone(), envelope: job.envelope.clone() };
+    let bytes = serde_json::to_vec(&held).map_err(|e| e.to_string())?;
+    crate::identity::write_atomic(&held_path(&rt.state_dir, &job.payload.job_id), &bytes, 0o600)
+        .map_err(|e| e.to_string())
+}
+
+/// The job left the gate (ran, or was settled): its envelope goes.
+fn forget_held(rt: &Rt, job_id: &str) {
+    let path = held_path(&rt.state_dir, job_id);
+    if let Err(e) = std::fs::remove_file(&path)
+        && e.kind() != std::io::ErrorKind::NotFound
+    {
+        tracing::warn!(error = %e, path = %path.display(), "could not remove a held job's envelope");
+    }
+}
+
+/// A held job's delivery as kept, for `recover`.
+pub fn kept_delivery(state_dir: &std::path::Path, job_id: &str) -> Option<super::PolledJob> {
+    if !super::verify::valid_job_id(job_id) {
+        return None;
+    }
+    let bytes = std::fs::read(held_path(state_dir, job_id)).ok()?;
+    let held: Held = serde_json::from_slice(&bytes).ok()?;
+    Some(super::PolledJob {
+        delivery_id: held.delivery_id,
+        envelope: held.envelope,
+        received_at: std::time::Instant::now(),
+    })
+}
 
 /// A concurrency slot a job can give back while it waits and take again to run.
 pub trait JobSlot: Send {
@@ -194,7 +245,9 @@ pub async fn await_approval(
     use crate::approvals;
     let (role, _, operation, component) = scope_of(&job.verified);
     let now_ms = rt.clock.now_ms();
-    let request = approvals::Request {
+    let kept = approvals::read_request(&rt.state_dir, &job.verified.payload.job_id);
+    let resumed = kept.is_some();
+    let request = kept.unwrap_or_else(|| approvals::Request {
         job_id: job.verified.payload.job_id.clone(),
         kind: job.verified.payload.kind.clone(),
         operation,
@@ -203,8 +256,9 @@ pub async fn await_approval(
         rule: rule.name.clone(),
         requested_at_ms: now_ms,
         expires_at_ms: now_ms + rule.expires_secs * 1000,
-    };
-    if let Err(e) = approvals::write_request(&rt.state_dir, &request) {
+    });
+    // A resumed job's request stands as it was (with any answer given meanwhile).
+    if let Err(e) = if resumed { Ok(()) } else { approvals::write_request(&rt.state_dir, &request) } {
         // Nobody could approve a request that was never written: refuse, say why.
         let detail = format!("the approval request could not be written, so nobody could approve it: {e}");
         let rejection = rejection_of(&job.verified, RejectReason::ApprovalDenied, detail);
@@ -275,8 +329,35 @@ where
     F: FnMut(&Rt, &VerifiedJob) -> Look,
 {
     let job_id = job.verified.payload.job_id.clone();
-    let expires_at = job.verified.payload.expires_at;
+    if !job.verified.executor.secrets().is_empty() {
+        // A job's secrets (a one-time registry token, secret_env) never go to disk.
+        tracing::info!(
+            "the held job carries secrets, so its envelope is not kept on disk: a restart meanwhile would settle it as interrupted"
+        );
+    } else if let Err(e) = keep_held(rt, &job.verified) {
+        // It can still wait; only a restart meanwhile would lose it (settled interrupted).
+        tracing::warn!(error = %e, "could not keep the held job's envelope; a restart would settle it as interrupted");
+    }
     slot.release();
+    let waited = hold_loop(rt, job, slot, &mut look).await;
+    // Kept only while held: a runner stopping mid-wait keeps it for the next start.
+    if !rt.abort.is_cancelled() {
+        forget_held(rt, &job_id);
+    }
+    waited
+}
+
+async fn hold_loop<F>(
+    rt: &Rt,
+    job: ClaimedJob,
+    slot: &mut impl JobSlot,
+    look: &mut F,
+) -> Result<Waited, JournalError>
+where
+    F: FnMut(&Rt, &VerifiedJob) -> Look,
+{
+    let job_id = job.verified.payload.job_id.clone();
+    let expires_at = job.verified.payload.expires_at;
     let mut reported: Option<JobWaiting> = None;
     let mut last_heartbeat: Option<std::time::Instant> = None;
     loop {

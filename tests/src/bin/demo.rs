@@ -49,7 +49,17 @@ struct Plan {
     /// A terraform module published to the vendor's registry (`${MODULE_DIGEST}`).
     #[serde(default)]
     component: Option<ComponentDemo>,
+    /// The customer's guardrails: TOML appended to the runner's configuration
+    /// (`[[guardrails.window]]`, `[[guardrails.approval_rule]]`, docs/GUARDRAILS.md).
+    #[serde(default)]
+    guardrails: Option<GuardrailsDemo>,
     job: Vec<PlannedJob>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct GuardrailsDemo {
+    runner_config: String,
 }
 
 /// A component module the demo publishes as an OCI artifact (one tar.gz layer).
@@ -136,6 +146,13 @@ struct PlannedJob {
     /// Send only once every earlier job has settled.
     #[serde(default)]
     after_earlier: bool,
+    /// Once the job awaits approval, the customer approves it on the VM with this
+    /// reason (`byoc-runner approve`).
+    #[serde(default)]
+    approve: Option<String>,
+    /// Once the job awaits approval, the customer denies it with this reason.
+    #[serde(default)]
+    deny: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -325,6 +342,11 @@ async fn main() -> anyhow::Result<()> {
             ),
         }
     }
+    if let Some(g) = &plan.guardrails {
+        options.extra.push('\n');
+        options.extra.push_str(&g.runner_config);
+        println!("guardrails     the customer's approval rules and windows (docs/GUARDRAILS.md)");
+    }
     let mut runner = RunnerProcess::start(&runner_bin, &dir, &cp, &options)?;
     println!("runner         {} (state {})", runner_bin.display(), runner.state_dir.display());
     if !wait_polling(&cp, Duration::from_secs(30)).await {
@@ -414,6 +436,26 @@ async fn main() -> anyhow::Result<()> {
                 .await
                 .context("job to cancel was never claimed")?;
             cp.cancel(&id).map_err(|e| anyhow::anyhow!("{e}"))?;
+        }
+        let answer = match (&job.approve, &job.deny) {
+            (Some(reason), None) => Some(("approve", reason)),
+            (None, Some(reason)) => Some(("deny", reason)),
+            (None, None) => None,
+            (Some(_), Some(_)) => bail!("job {i}: approve and deny both given"),
+        };
+        if let Some((verb, reason)) = answer {
+            let held = cp
+                .wait_for(&id, wait, |v| v.waiting.as_ref().is_some_and(|w| w.state == "awaiting_approval"))
+                .await
+                .context("the job never awaited approval")?;
+            let detail = held.waiting.map(|w| w.detail).unwrap_or_default();
+            println!(
+                "job {id} awaits approval ({detail}); the customer runs: byoc-runner {verb} {id} --reason {reason:?}"
+            );
+            let out = runner.cli(&[verb, &id, "--reason", reason]);
+            if !out.status.success() {
+                bail!("byoc-runner {verb} failed: {}", String::from_utf8_lossy(&out.stderr));
+            }
         }
         ids.push(id);
     }
