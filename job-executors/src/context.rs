@@ -48,6 +48,8 @@ pub struct ExecSettings {
     pub artifact: Option<String>,
     /// Stop after the policy decision: nothing is applied (`run-local --plan-only`).
     pub decide_only: bool,
+    /// Asked before an allowed plan is applied, when the customer requires approval.
+    pub apply_approval: Option<Arc<dyn crate::policy_gate::ApplyApproval>>,
 }
 
 impl ExecContext<'_> {
@@ -67,6 +69,7 @@ impl ExecContext<'_> {
             policy: None,
             artifact: None,
             decide_only: false,
+            apply_approval: None,
         }
     }
 }
@@ -120,6 +123,10 @@ impl ExecSettings {
     }
     pub fn policy(mut self, policy: Option<PolicyScope>) -> Self {
         self.policy = policy;
+        self
+    }
+    pub fn apply_approval(mut self, approval: Option<Arc<dyn crate::policy_gate::ApplyApproval>>) -> Self {
+        self.apply_approval = approval;
         self
     }
     pub fn decide_only(mut self, decide_only: bool) -> Self {

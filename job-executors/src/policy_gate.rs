@@ -17,6 +17,40 @@ pub struct Subject<'a> {
     pub digest: Option<&'a str>,
 }
 
+/// What an allowed plan is, for the customer asked to approve it before it is applied.
+pub struct ApplyRequest<'a> {
+    /// `terraform`.
+    pub tool: &'a str,
+    /// The plan file's digest: an approval binds to exactly this plan.
+    pub plan_digest: &'a str,
+    /// Counts and addresses per action (never values).
+    pub summary: &'a serde_json::Value,
+    pub decision: &'a byoc_policy::Decision,
+    /// The job's cancellation: a cancel while it waits ends the wait.
+    pub cancel: &'a tokio_util::sync::CancellationToken,
+}
+
+/// Why an allowed plan is not applied after all.
+#[derive(Debug, Clone)]
+pub struct ApprovalRefused {
+    /// `approval_denied`, `approval_expired`, `cancelled`, …
+    pub reason: String,
+    pub message: String,
+}
+
+/// The customer's approval of an allowed plan, asked between the decision and apply
+/// (the runner's `[[guardrails.approval_rule]]` with `on = "plan"`). Returns once the
+/// plan may be applied (with a line for the job's log if an approval was given), or
+/// why not. The time it waits does not count against the job's timeout.
+pub trait ApplyApproval: Send + Sync {
+    fn approve<'a>(
+        &'a self,
+        req: ApplyRequest<'a>,
+    ) -> std::pin::Pin<
+        Box<dyn std::future::Future<Output = Result<Option<String>, ApprovalRefused>> + Send + 'a>,
+    >;
+}
+
 /// A job's decisions need a policy scope; without one nothing is decided (and so
 /// nothing proceeds): `policy_unavailable`.
 pub const UNAVAILABLE: &str = "policy_unavailable";

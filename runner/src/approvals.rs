@@ -28,6 +28,14 @@ pub struct Request {
     pub rule: String,
     pub requested_at_ms: u64,
     pub expires_at_ms: u64,
+    /// Plan approvals (`on = "plan"`): the plan the approval binds to, what it does
+    /// (counts and addresses, never values) and why the rule asked.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub plan_digest: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub summary: Option<serde_json::Value>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub findings: Vec<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -39,6 +47,9 @@ pub struct Decision {
     #[serde(default)]
     pub reason: Option<String>,
     pub at_ms: u64,
+    /// The plan approved (copied from the request): the daemon applies only that plan.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub plan_digest: Option<String>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -138,6 +149,7 @@ pub fn decision(state_dir: &Path, job_id: &str) -> Option<Decision> {
             uid: u32::MAX,
             reason: Some(format!("the decision file could not be read ({e}); treated as a denial")),
             at_ms: 0,
+            plan_digest: None,
         }),
     }
 }
@@ -221,11 +233,21 @@ mod tests {
             rule: "break-glass".into(),
             requested_at_ms: 1_000,
             expires_at_ms,
+            plan_digest: None,
+            summary: None,
+            findings: Vec::new(),
         }
     }
 
     fn by(approved: bool) -> Decision {
-        Decision { approved, by: "alice".into(), uid: 0, reason: Some("INC-42".into()), at_ms: 2_000 }
+        Decision {
+            approved,
+            by: "alice".into(),
+            uid: 0,
+            reason: Some("INC-42".into()),
+            at_ms: 2_000,
+            plan_digest: None,
+        }
     }
 
     #[test]

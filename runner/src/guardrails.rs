@@ -61,6 +61,45 @@ pub struct ApprovalRule {
     pub scope: Scope,
     /// How long a request stays open.
     pub expires_secs: u64,
+    /// Before the job runs, or between its plan's decision and apply (terraform).
+    pub on: ApprovalPoint,
+    /// `on = "plan"`: ask only when the decision has an advisory finding.
+    pub when_warn: bool,
+    /// `on = "plan"`: ask only when one of these policies has a finding (by name, as
+    /// the decision lists them: `builtin/public_ingress`, `customer/db.rego`, …).
+    pub policies: Vec<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ApprovalPoint {
+    Job,
+    Plan,
+}
+
+impl ApprovalRule {
+    /// Why this allowed plan needs approval (`on = "plan"` rules), or `None`.
+    pub fn asks_for(&self, decision: &byoc_policy::Decision) -> Option<Vec<String>> {
+        if self.on != ApprovalPoint::Plan {
+            return None;
+        }
+        let findings = || decision.violations.iter().chain(&decision.warnings);
+        if !self.when_warn && self.policies.is_empty() {
+            return Some(vec![format!("rule {:?} asks for every plan", self.name)]);
+        }
+        let mut why: Vec<String> = Vec::new();
+        if self.when_warn {
+            why.extend(
+                decision.warnings.iter().map(|w| format!("WARN {} [{}] {}", w.policy, w.rule, w.address)),
+            );
+        }
+        why.extend(
+            findings()
+                .filter(|f| self.policies.iter().any(|p| *p == f.policy))
+                .map(|f| format!("{} [{}] {}", f.policy, f.rule, f.address)),
+        );
+        why.dedup();
+        (!why.is_empty()).then_some(why)
+    }
 }
 
 /// Default life of an approval request.
@@ -166,9 +205,14 @@ impl Guardrails {
         self.rules.iter().find(|r| r.scope.matches(job))
     }
 
-    /// The approval rule that holds `job`, if any.
+    /// The approval rule that holds `job` before it runs, if any.
     pub fn approval_for(&self, job: &JobScope) -> Option<&ApprovalRule> {
-        self.approval_rules.iter().find(|r| r.scope.matches(job))
+        self.approval_rules.iter().find(|r| r.on == ApprovalPoint::Job && r.scope.matches(job))
+    }
+
+    /// The approval rule asked between `job`'s plan decision and apply, if any.
+    pub fn plan_approval_for(&self, job: &JobScope) -> Option<&ApprovalRule> {
+        self.approval_rules.iter().find(|r| r.on == ApprovalPoint::Plan && r.scope.matches(job))
     }
 
     /// Every window open at `now`, with when it closes (unix seconds).
@@ -289,6 +333,12 @@ struct RawApprovalRule {
     scope: Scope,
     /// `30m`, `1h`, `2d`.
     expires: Option<String>,
+    /// `job` (default) or `plan`.
+    on: Option<String>,
+    /// `always` (default) or `warn`; `on = "plan"` only.
+    when: Option<String>,
+    #[serde(default)]
+    policies: Vec<String>,
 }
 
 /// Parse `[guardrails]`. Every problem is pushed to `problems`, each entry checked on
@@ -341,7 +391,7 @@ pub fn parse(mut table: toml::Table, problems: &mut Vec<String>) -> Guardrails {
     for (i, raw) in entries::<RawApprovalRule>(
         approvals,
         "guardrails.approval_rule",
-        &[SCOPE_KEYS, &["name", "expires"]].concat(),
+        &[SCOPE_KEYS, &["name", "expires", "on", "when", "policies"]].concat(),
         problems,
     )
     .into_iter()
@@ -358,17 +408,50 @@ pub fn parse(mut table: toml::Table, problems: &mut Vec<String>) -> Guardrails {
                 APPROVAL_EXPIRES_SECS
             }
         };
+        let on = match raw.on.as_deref() {
+            None | Some("job") => ApprovalPoint::Job,
+            Some("plan") => ApprovalPoint::Plan,
+            Some(o) => {
+                problems.push(format!("{at}: on = {o:?}: expected \"job\" or \"plan\""));
+                ApprovalPoint::Job
+            }
+        };
+        let when_warn = match raw.when.as_deref() {
+            None | Some("always") => false,
+            Some("warn") => true,
+            Some(w) => {
+                problems.push(format!("{at}: when = {w:?}: expected \"always\" or \"warn\""));
+                false
+            }
+        };
+        if on == ApprovalPoint::Job && (when_warn || !raw.policies.is_empty()) {
+            problems.push(format!(
+                "{at}: when and policies need on = \"plan\" (a job is approved before any plan exists)"
+            ));
+        }
+        if on == ApprovalPoint::Plan && raw.scope.kinds.iter().any(|k| k != "terraform") {
+            problems.push(format!(
+                "{at}: on = \"plan\" applies to terraform jobs only (kinds = [\"terraform\"])"
+            ));
+        }
         if g.approval_rules.iter().any(|o| o.name == raw.name) {
             problems.push(format!("{at}: an approval rule named {:?} is already defined", raw.name));
         }
-        for other in g.approval_rules.iter().filter(|o| o.scope.overlaps(&raw.scope)) {
+        for other in g.approval_rules.iter().filter(|o| o.on == on && o.scope.overlaps(&raw.scope)) {
             problems.push(format!(
                 "{at}: overlaps approval rule {:?}: a job could match both (give them disjoint roles, operations, components or kinds)",
                 other.name
             ));
         }
         if problems.len() == before {
-            g.approval_rules.push(ApprovalRule { name: raw.name, scope: raw.scope, expires_secs });
+            g.approval_rules.push(ApprovalRule {
+                name: raw.name,
+                scope: raw.scope,
+                expires_secs,
+                on,
+                when_warn,
+                policies: raw.policies,
+            });
         }
     }
     g
@@ -782,6 +865,85 @@ mod tests {
             g.check(&deploy("maintenance"), at("2027-01-01T00:00:00Z")),
             WindowCheck::Closed { next: None, .. }
         ));
+    }
+
+    fn finding(policy: &str, advisory: bool) -> byoc_policy::Finding {
+        byoc_policy::Finding {
+            policy: policy.into(),
+            origin: byoc_policy::Origin::Customer,
+            enforcement: if advisory {
+                byoc_policy::Enforcement::Advisory
+            } else {
+                byoc_policy::Enforcement::Mandatory
+            },
+            rule: "r".into(),
+            address: "aws_db_instance.main".into(),
+            message: "m".into(),
+            convention: None,
+            from_rule: String::new(),
+            details: None,
+        }
+    }
+
+    #[test]
+    fn plan_approval_rules_ask_by_outcome() {
+        let g = guardrails(
+            r#"
+            [[approval_rule]]
+            name = "every-plan"
+            kinds = ["terraform"]
+            components = ["db"]
+            on = "plan"
+            [[approval_rule]]
+            name = "warned"
+            kinds = ["terraform"]
+            components = ["web"]
+            on = "plan"
+            when = "warn"
+            [[approval_rule]]
+            name = "named"
+            kinds = ["terraform"]
+            components = ["cache"]
+            on = "plan"
+            policies = ["customer/db.rego"]
+            [[approval_rule]]
+            name = "before-running"
+            components = ["db"]
+            "#,
+        )
+        .expect("valid: rules on the job and on the plan may overlap");
+        let clean = byoc_policy::Decision {
+            verdict: byoc_policy::Verdict::Allow,
+            input_digest: String::new(),
+            policies: vec![],
+            violations: vec![],
+            warnings: vec![],
+            errors: vec![],
+            elapsed_ms: 0,
+        };
+        let warned =
+            byoc_policy::Decision { warnings: vec![finding("customer/tags.rego", true)], ..clean.clone() };
+        let named =
+            byoc_policy::Decision { warnings: vec![finding("customer/db.rego", true)], ..clean.clone() };
+        let rule = |name: &str| g.approval_rules.iter().find(|r| r.name == name).unwrap();
+        assert!(rule("every-plan").asks_for(&clean).is_some());
+        assert_eq!(rule("warned").asks_for(&clean), None);
+        assert!(rule("warned").asks_for(&warned).unwrap()[0].contains("customer/tags.rego"));
+        assert_eq!(rule("named").asks_for(&warned), None);
+        assert!(rule("named").asks_for(&named).is_some());
+        assert_eq!(rule("before-running").asks_for(&clean), None, "a job rule asks before the job runs");
+        let db = JobScope { component: Some("db"), ..deploy("maintenance") };
+        assert_eq!(g.plan_approval_for(&db).map(|r| r.name.as_str()), Some("every-plan"));
+        assert_eq!(g.approval_for(&db).map(|r| r.name.as_str()), Some("before-running"));
+
+        let problems = guardrails(
+            "[[approval_rule]]\nname = \"x\"\nwhen = \"warn\"\n[[approval_rule]]\nname = \"y\"\non = \"plan\"\nkinds = [\"helm\"]\n[[approval_rule]]\nname = \"z\"\non = \"later\"\n",
+        )
+        .expect_err("invalid");
+        let all = problems.join("\n");
+        for needle in ["when and policies need on = \"plan\"", "terraform jobs only", "on = \"later\""] {
+            assert!(all.contains(needle), "missing {needle:?} in:\n{all}");
+        }
     }
 
     #[test]

@@ -329,8 +329,9 @@ impl Index {
                 let phase =
                     if state == "awaiting_approval" { Phase::AwaitingApproval } else { Phase::WaitingWindow };
                 self.set_phase(job_id, phase);
+                // Also while it runs: a plan awaiting approval is held inside the job.
                 if let Some(j) = self.jobs.get_mut(job_id)
-                    && j.phase == phase
+                    && matches!(j.phase, Phase::WaitingWindow | Phase::AwaitingApproval | Phase::Started)
                 {
                     j.detail = Some(match until {
                         Some(t) => format!("{detail} (until {})", crate::guardrails::rfc3339(*t)),

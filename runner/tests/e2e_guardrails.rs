@@ -289,3 +289,71 @@ async fn an_unanswered_approval_request_expires_and_the_job_never_runs() {
     let late = e.runner.cli(&["approve", &id]);
     assert_eq!(late.status.code(), Some(1));
 }
+
+fn tf_module(resources: usize) -> String {
+    (0..resources)
+        .map(|i| format!("resource \"terraform_data\" \"r{i}\" {{\n  input = \"v{i}\"\n}}\n"))
+        .collect()
+}
+
+fn tf_job(workspace: &str, resources: usize, timeout_secs: u64) -> EnqueueRequest {
+    EnqueueRequest {
+        timeout_secs,
+        ..EnqueueRequest::new(
+            "terraform",
+            serde_json::json!({"mode": "apply", "workspace": workspace, "files": {"main.tf": tf_module(resources)}}),
+        )
+    }
+}
+
+/// Approval of the plan itself (`on = "plan"`), with the real terraform: the job plans,
+/// the policies allow, and the plan waits for the customer; the approval binds to that
+/// plan's digest; the wait is not the job's time.
+#[tokio::test]
+async fn a_plan_waits_for_approval_between_decision_and_apply_bound_to_its_digest() {
+    let terraform = {
+        let out = std::process::Command::new("sh").args(["-c", "command -v terraform"]).output().unwrap();
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    };
+    assert!(!terraform.is_empty(), "terraform is required on PATH (terraform 1.11 on these machines)");
+    let policies = tempfile::tempdir().unwrap();
+    let extra = format!(
+        "\n[terraform]\nbinary = \"{terraform}\"\n\n[policy]\ndir = \"{}\"\n\n\
+         [[guardrails.approval_rule]]\nname = \"plans\"\nkinds = [\"terraform\"]\non = \"plan\"\n",
+        policies.path().display()
+    );
+    let e = env_with(RunnerOptions { extra, ..Default::default() }).await;
+
+    // Approved, after longer than the job's own timeout: applied.
+    let first = e.cp.enqueue(tf_job("approvals", 2, 12)).unwrap();
+    let listed = until_awaiting(&e, &first).await;
+    let digest = listed["plan_digest"].as_str().expect("plan digest in the request").to_string();
+    assert!(digest.starts_with("sha256:") || digest.len() == 64, "{listed}");
+    assert_eq!(listed["summary"]["counts"]["create"], 2, "{listed}");
+    assert!(e.cp.job(&first).unwrap().result.is_none());
+    tokio::time::sleep(Duration::from_secs(13)).await;
+    let out = e.runner.cli(&["approve", &first, "--reason", "CHG-7"]);
+    assert!(out.status.success(), "{out:?}");
+    let v = e.finished(&first).await;
+    let r = v.result.unwrap();
+    let log = e.output(&first);
+    assert_eq!(r.status, JobStatus::Succeeded, "{:?}\n{log}", r.error);
+    assert!(log.contains(&format!("[approval] plan {digest} approved by")), "{log}");
+    assert!(log.contains("Apply complete! Resources: 2 added"), "{log}");
+
+    // A changed module is a different plan: a new request, with its own digest.
+    let second = e.cp.enqueue(tf_job("approvals", 3, 120)).unwrap();
+    let listed = until_awaiting(&e, &second).await;
+    assert_ne!(listed["plan_digest"].as_str(), Some(digest.as_str()), "{listed}");
+    assert_eq!(listed["summary"]["counts"]["create"], 1, "{listed}");
+    let out = e.runner.cli(&["deny", &second, "--reason", "not this one"]);
+    assert!(out.status.success(), "{out:?}");
+    let v = e.finished(&second).await;
+    let r = v.result.unwrap();
+    let log = e.output(&second);
+    assert_eq!(r.status, JobStatus::Failed, "{log}");
+    assert_eq!(r.outputs["reason"], "approval_denied", "{}", r.outputs);
+    assert!(!log.contains("Apply complete"), "{log}");
+    let approved = audit_events(&e.dir.path().join("state"), "approved");
+    assert!(approved[0]["detail"].as_str().unwrap().contains(&digest), "{approved:?}");
+}

@@ -36,8 +36,40 @@ pub(super) fn list(s: &StateArgs) -> anyhow::Result<()> {
             format_ms(r.requested_at_ms),
             format_ms(r.expires_at_ms)
         );
+        if let Some(d) = &r.plan_digest {
+            println!("    plan {d}: {}", plan_line(r.summary.as_ref()));
+            for f in &r.findings {
+                println!("    because: {f}");
+            }
+        }
     }
     Ok(())
+}
+
+/// `create 3, replace 1 (aws_db_instance.main)`: what a plan summary says it does.
+fn plan_line(summary: Option<&serde_json::Value>) -> String {
+    let Some(s) = summary else { return "no summary".into() };
+    let counts = s["counts"].as_object().cloned().unwrap_or_default();
+    if counts.is_empty() {
+        return "no changes".into();
+    }
+    counts
+        .iter()
+        .map(|(action, n)| {
+            let addrs: Vec<&str> = s["addresses"][action]
+                .as_array()
+                .map(|a| a.iter().filter_map(|x| x.as_str()).collect())
+                .unwrap_or_default();
+            let shown: Vec<&str> = addrs.iter().take(5).copied().collect();
+            let more = addrs.len().saturating_sub(shown.len());
+            format!(
+                "{action} {n} ({}{})",
+                shown.join(", "),
+                if more > 0 { format!(", +{more} more") } else { String::new() }
+            )
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
 }
 
 pub(super) fn decide(
@@ -71,6 +103,7 @@ pub(super) fn decide(
         uid: nix::unistd::geteuid().as_raw(),
         reason: reason.clone(),
         at_ms: crate::clock::now_ms(),
+        plan_digest: None,
     };
     // Checked before it is audited: an answer to nothing leaves no record claiming one.
     let pending = approvals::requests(&dir).into_iter().find(|(r, _)| r.job_id == job_id);
@@ -83,6 +116,8 @@ pub(super) fn decide(
         request.expires_at_ms > decision.at_ms,
         "the approval request of job {job_id:?} expired; the job will be refused (approval_expired)"
     );
+    // A plan approval binds to the plan the person was shown.
+    let decision = Decision { plan_digest: request.plan_digest.clone(), ..decision };
     let event = if approved { "approved" } else { "denied" };
     let record = byoc_audit::log::Record {
         event: event.into(),
@@ -91,9 +126,10 @@ pub(super) fn decide(
         operation: Some(request.operation.clone()),
         role: request.role.clone(),
         detail: Some(format!(
-            "by {who} (uid {}) under rule {:?}{}",
+            "by {who} (uid {}) under rule {:?}{}{}",
             decision.uid,
             request.rule,
+            request.plan_digest.as_deref().map(|d| format!(", plan {d}")).unwrap_or_default(),
             reason.as_deref().map(|r| format!(": {r}")).unwrap_or_default()
         )),
         ..Default::default()

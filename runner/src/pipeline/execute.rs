@@ -54,8 +54,15 @@ pub async fn execute(rt: &Rt, job: AssumedJob) -> Result<FinishedJob, JournalErr
             }
             let cancel = rt.abort.child_token();
             let done = CancellationToken::new();
-            let companion =
-                tokio::spawn(heartbeat_and_upload(rt.clone(), job_id.clone(), cancel.clone(), done.clone()));
+            let holding = super::plan_approval::Holding::default();
+            let companion = tokio::spawn(heartbeat_and_upload(
+                rt.clone(),
+                job_id.clone(),
+                cancel.clone(),
+                done.clone(),
+                holding.clone(),
+            ));
+            let apply_approval = super::plan_approval::PlanApprover::for_job(rt, &job.verified, holding);
             let window_closed = CancellationToken::new();
             if let Some(close) = &job.window_close {
                 tokio::spawn(cancel_at_window_close(
@@ -90,6 +97,7 @@ pub async fn execute(rt: &Rt, job: AssumedJob) -> Result<FinishedJob, JournalErr
                     state: terraform_state(rt),
                 })
                 .policy(job.policy.scope)
+                .apply_approval(apply_approval)
                 .audit(Arc::new(ExecutorAudit {
                     rt: rt.clone(),
                     job_id: job_id.clone(),
@@ -271,7 +279,13 @@ async fn cancel_at_window_close(
 
 /// Heartbeat the lease and stream the log while the job runs. Errors are logged and
 /// retried next tick: an outage must not stop the job; the report stage catches up.
-async fn heartbeat_and_upload(rt: Rt, job_id: String, cancel: CancellationToken, done: CancellationToken) {
+async fn heartbeat_and_upload(
+    rt: Rt,
+    job_id: String,
+    cancel: CancellationToken,
+    done: CancellationToken,
+    holding: super::plan_approval::Holding,
+) {
     let mut uploader = Uploader::new(&rt.state_dir, &job_id);
     let mut tick = tokio::time::interval(rt.config.jobs.heartbeat_interval);
     tick.tick().await;
@@ -280,7 +294,8 @@ async fn heartbeat_and_upload(rt: Rt, job_id: String, cancel: CancellationToken,
             _ = done.cancelled() => return,
             _ = tick.tick() => {}
         }
-        match rt.client.heartbeat(&job_id, None).await {
+        let waiting = holding.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        match rt.client.heartbeat(&job_id, waiting.as_ref()).await {
             Ok(hb) if hb.cancel && !cancel.is_cancelled() => {
                 tracing::warn!("control plane cancelled the job");
                 cancel.cancel();

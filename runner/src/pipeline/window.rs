@@ -256,6 +256,9 @@ pub async fn await_approval(
         rule: rule.name.clone(),
         requested_at_ms: now_ms,
         expires_at_ms: now_ms + rule.expires_secs * 1000,
+        plan_digest: None,
+        summary: None,
+        findings: Vec::new(),
     });
     // A resumed job's request stands as it was (with any answer given meanwhile).
     if let Err(e) = if resumed { Ok(()) } else { approvals::write_request(&rt.state_dir, &request) } {
@@ -620,6 +623,7 @@ mod tests {
             uid: 0,
             reason: Some("INC-7".into()),
             at_ms: 0,
+            plan_digest: None,
         }
     }
 
