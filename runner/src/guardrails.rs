@@ -94,7 +94,7 @@ impl ApprovalRule {
         }
         why.extend(
             findings()
-                .filter(|f| self.policies.iter().any(|p| *p == f.policy))
+                .filter(|f| self.policies.contains(&f.policy))
                 .map(|f| format!("{} [{}] {}", f.policy, f.rule, f.address)),
         );
         why.dedup();
