@@ -52,10 +52,44 @@ impl Runtime {
 }
 
 impl Runtime {
+    /// Each local allowance that ran out since the last look, audited once
+    /// (`allowance_expired`).
+    fn audit_expired_allowances(&self) {
+        use crate::roles::allowance;
+        let expired = allowance::newly_expired(&self.state_dir, self.clock.now_ms());
+        if expired.is_empty() {
+            return;
+        }
+        let mut done = Vec::new();
+        for (role, a) in expired {
+            let record = byoc_audit::log::Record {
+                event: "allowance_expired".into(),
+                role: Some(role.clone()),
+                detail: Some(format!(
+                    "granted by {} ({}), expired at {}",
+                    a.by,
+                    a.reason,
+                    crate::roles::creds::rfc3339((a.until_ms / 1000) as i64)
+                )),
+                ..Default::default()
+            };
+            tracing::info!(role = %role, "a local allowance expired");
+            if let Err(e) = self.audit.record(record) {
+                tracing::error!(error = %e, "could not audit an expired allowance");
+                break;
+            }
+            done.push((role, a));
+        }
+        if let Err(e) = allowance::mark_expired_audited(&self.state_dir, &done) {
+            tracing::warn!(error = %e, "could not note audited allowance expiries; they may be audited again");
+        }
+    }
+
     /// What the customer did with the CLI since the last look, audited (the CLI cannot
     /// write the daemon's audit log): its inbox records, then the pause as of now.
     pub fn check_customer_controls(&self) -> Option<crate::roles::pause::Pause> {
         crate::roles::inbox::drain(&self.state_dir, |r| self.audit.record(r).map(drop));
+        self.audit_expired_allowances();
         let now = crate::roles::pause::read(&self.state_dir);
         let mut last = self.pause.lock().unwrap_or_else(|e| e.into_inner());
         if *last != now {

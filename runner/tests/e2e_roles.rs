@@ -275,6 +275,11 @@ async fn break_glass_is_refused_until_enabled_then_allowed_then_refused_again() 
     assert!(granted[0]["detail"].as_str().unwrap().contains("incident 42"), "{granted:?}");
     assert_eq!(granted[0]["role"], role);
     assert_eq!(audit_events(state, "allowance_revoked").len(), 1);
+    // The one that ran out, once, before the job it refused.
+    let expired_events = audit_events(state, "allowance_expired");
+    assert_eq!(expired_events.len(), 1, "{expired_events:?}");
+    assert_eq!(expired_events[0]["role"], role);
+    assert!(expired_events[0]["detail"].as_str().unwrap().contains("brief"), "{expired_events:?}");
     assert!(audit_events(state, "customer_record_invalid").is_empty());
     let calls = e.assumed_for(&allowed).await;
     assert_eq!(calls.len(), 1);

@@ -283,6 +283,7 @@ mod tests {
             policy: PolicyChoice::default(),
             lease_secs: 60,
             window_close: None,
+            approvals: Vec::new(),
         }
     }
 

@@ -17,6 +17,8 @@ pub struct ClaimedJob {
     pub lease_secs: u64,
     /// When its maintenance window closes, for a rule that cancels the job then.
     pub window_close: Option<super::window::WindowClose>,
+    /// Approvals a local admin gave it (for the policy context).
+    pub approvals: Vec<serde_json::Value>,
 }
 
 pub enum ClaimOutcome {
@@ -62,6 +64,7 @@ pub async fn claim(rt: &Rt, job: AuthorizedJob) -> Result<ClaimOutcome, JournalE
                 policy,
                 lease_secs,
                 window_close: None,
+                approvals: Vec::new(),
             })));
         }
         Retried::Done(Err(detail)) => detail,

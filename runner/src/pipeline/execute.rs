@@ -327,6 +327,7 @@ mod tests {
             policy: PolicyChoice::default(),
             lease_secs: 60,
             window_close: None,
+            approvals: Vec::new(),
         };
         AssumedJob { claimed, session }
     }

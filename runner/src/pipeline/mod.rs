@@ -163,7 +163,7 @@ pub async fn run_job<Slot: window::JobSlot>(
     }
     if let Some(scope) = claimed.policy.scope.as_mut() {
         let now = window::check(&rt, &claimed.verified);
-        scope.context = window::policy_context(&rt, &claimed.verified, &now);
+        scope.context = window::policy_context(&rt, &claimed.verified, &now, &claimed.approvals);
     }
     let assumed = assume_role::assume(&rt, claimed).await;
     let finished = execute::execute(&rt, assumed).await?;

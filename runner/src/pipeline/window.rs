@@ -156,7 +156,12 @@ fn next_opening(next: &Option<(String, i64)>) -> String {
 /// `input.byoc.context` for the job's policy decisions: when it was admitted, the
 /// window it runs in (the one its rule opened, else any of the customer's windows
 /// open then, else null), every window open then, and its role.
-pub fn policy_context(rt: &Rt, job: &VerifiedJob, check: &WindowCheck) -> serde_json::Value {
+pub fn policy_context(
+    rt: &Rt,
+    job: &VerifiedJob,
+    check: &WindowCheck,
+    approvals: &[serde_json::Value],
+) -> serde_json::Value {
     let now = rt.clock.unix_now();
     let g = &rt.config.guardrails;
     let open: Vec<(&str, i64)> = g.open_windows(now);
@@ -181,6 +186,7 @@ pub fn policy_context(rt: &Rt, job: &VerifiedJob, check: &WindowCheck) -> serde_
         "window": window,
         "windows_open": open.iter().map(|(n, _)| *n).collect::<Vec<_>>(),
         "role": role,
+        "approvals": approvals,
     })
 }
 
@@ -269,8 +275,12 @@ pub async fn await_approval(
         return Ok(Waited::Settled);
     }
     let job_id = request.job_id.clone();
+    let mut given: Option<approvals::Decision> = None;
     let waited = hold(rt, job, slot, |rt, _| match approvals::decision(&rt.state_dir, &job_id) {
-        Some(d) if d.approved => Look::Ready,
+        Some(d) if d.approved => {
+            given = Some(d);
+            Look::Ready
+        }
         Some(d) => Look::Refuse(
             RejectReason::ApprovalDenied,
             format!("denied by {}{}", d.by, d.reason.map(|r| format!(": {r}")).unwrap_or_default()),
@@ -294,7 +304,15 @@ pub async fn await_approval(
     })
     .await;
     approvals::clear(&rt.state_dir, &job_id);
-    waited
+    match (waited, given) {
+        (Ok(Waited::Run(mut job)), Some(d)) => {
+            job.approvals.push(serde_json::json!({
+                "rule": request.rule, "by": d.by, "reason": d.reason, "at_ms": d.at_ms,
+            }));
+            Ok(Waited::Run(job))
+        }
+        (waited, _) => waited,
+    }
 }
 
 /// A held job's state, for people.
@@ -424,7 +442,7 @@ where
     slot.reacquire().await;
     // Checked again as if it had just arrived: the customer may have paused the runner
     // or switched the role off while the job waited.
-    let ClaimedJob { verified, policy, lease_secs, .. } = job;
+    let ClaimedJob { verified, policy, lease_secs, approvals, .. } = job;
     if let Some(p) = rt.check_customer_controls() {
         let detail = format!("the customer paused the runner while the job was held (by {})", p.by);
         let rejection = rejection_of(&verified, RejectReason::Paused, detail);
@@ -440,6 +458,7 @@ where
                 policy,
                 lease_secs,
                 window_close,
+                approvals,
             })))
         }
         Err(refused) => {
@@ -591,16 +610,17 @@ mod tests {
     async fn the_policy_context_names_the_open_window_and_the_role() {
         let f = testing::runtime_with(&config("wait")).await;
         let job = testing::verified("job-1", Some("maintenance"));
-        let closed = policy_context(&f.rt, &job, &check(&f.rt, &job));
+        let closed = policy_context(&f.rt, &job, &check(&f.rt, &job), &[]);
         assert_eq!(closed["window"], serde_json::Value::Null);
         assert_eq!(closed["now_unix"], NOW);
         assert_eq!(closed["role"]["type"], "maintenance");
         f.clock.advance_secs(3600);
-        let open = policy_context(&f.rt, &job, &check(&f.rt, &job));
+        let open = policy_context(&f.rt, &job, &check(&f.rt, &job), &[serde_json::json!({"by": "alice"})]);
         assert_eq!(open["window"]["name"], "change");
         assert_eq!(open["window"]["rule"], "actions");
         assert_eq!(open["window"]["closes_at_unix"], NOW + 7200);
         assert_eq!(open["windows_open"], serde_json::json!(["change"]));
+        assert_eq!(open["approvals"][0]["by"], "alice");
     }
 
     /// Every action needs approval; requests live 10 minutes.

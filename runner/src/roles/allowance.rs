@@ -70,6 +70,41 @@ pub fn revoke(state_dir: &Path, role: &str) -> std::io::Result<Option<Allowance>
     Ok(removed)
 }
 
+/// The daemon's own record of which expiries it audited (`role` → `until_ms`). The
+/// CLI writes `allowances.json`; the daemon never rewrites it (a write racing a grant
+/// could lose the grant), so it keeps what it has audited here.
+const EXPIRED_AUDITED_FILE: &str = "allowances-expired-audited.json";
+
+/// Allowances that ran out by `now_ms` and were not yet audited as expired.
+pub fn newly_expired(state_dir: &Path, now_ms: u64) -> Vec<(String, Allowance)> {
+    let Ok(all) = read(state_dir) else { return Vec::new() };
+    let audited: BTreeMap<String, u64> =
+        std::fs::read(state_dir.join(CONTROL_DIR).join(EXPIRED_AUDITED_FILE))
+            .ok()
+            .and_then(|b| serde_json::from_slice(&b).ok())
+            .unwrap_or_default();
+    all.into_iter()
+        .filter(|(role, a)| a.until_ms <= now_ms && audited.get(role) != Some(&a.until_ms))
+        .collect()
+}
+
+/// Note these expiries as audited (durably), forgetting roles no longer on record.
+pub fn mark_expired_audited(state_dir: &Path, done: &[(String, Allowance)]) -> std::io::Result<()> {
+    let dir = state_dir.join(CONTROL_DIR);
+    let file = dir.join(EXPIRED_AUDITED_FILE);
+    let mut audited: BTreeMap<String, u64> =
+        std::fs::read(&file).ok().and_then(|b| serde_json::from_slice(&b).ok()).unwrap_or_default();
+    let current = read(state_dir).unwrap_or_default();
+    audited.retain(|role, _| current.contains_key(role));
+    audited.extend(done.iter().map(|(role, a)| (role.clone(), a.until_ms)));
+    let tmp = dir.join(format!(".{EXPIRED_AUDITED_FILE}.tmp"));
+    let mut f = std::fs::File::create(&tmp)?;
+    f.write_all(&serde_json::to_vec(&audited).map_err(std::io::Error::other)?)?;
+    f.sync_all()?;
+    std::fs::rename(&tmp, &file)?;
+    std::fs::File::open(&dir)?.sync_all()
+}
+
 /// Whether `role` needs a local allowance: `require` names roles by name or by type
 /// (`break_glass`, `maintenance`, …).
 pub fn required(require: &[String], role: &RoleDef) -> bool {
@@ -132,6 +167,22 @@ mod tests {
         assert_eq!(revoke(dir.path(), role).unwrap(), Some(allowance(1_000)));
         assert!(refusal(dir.path(), role, 10).is_some());
         assert_eq!(revoke(dir.path(), role).unwrap(), None);
+    }
+
+    #[test]
+    fn each_expiry_is_reported_once_and_a_new_grant_expires_anew() {
+        let dir = tempfile::tempdir().unwrap();
+        grant(dir.path(), "a", allowance(1_000)).unwrap();
+        grant(dir.path(), "b", allowance(5_000)).unwrap();
+        assert!(newly_expired(dir.path(), 999).is_empty());
+        let first = newly_expired(dir.path(), 1_000);
+        assert_eq!(first, vec![("a".to_string(), allowance(1_000))]);
+        mark_expired_audited(dir.path(), &first).unwrap();
+        assert!(newly_expired(dir.path(), 2_000).is_empty(), "reported once");
+        // Granted again and run out again: a new expiry.
+        grant(dir.path(), "a", allowance(3_000)).unwrap();
+        let both: Vec<String> = newly_expired(dir.path(), 6_000).into_iter().map(|(r, _)| r).collect();
+        assert_eq!(both, ["a", "b"]);
     }
 
     #[test]
