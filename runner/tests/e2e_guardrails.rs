@@ -357,3 +357,28 @@ async fn a_plan_waits_for_approval_between_decision_and_apply_bound_to_its_diges
     let approved = audit_events(&e.dir.path().join("state"), "approved");
     assert!(approved[0]["detail"].as_str().unwrap().contains(&digest), "{approved:?}");
 }
+
+/// `on_close = "cancel"`: a job still running when its window closes is cancelled, and
+/// its result says which window closed.
+#[tokio::test]
+async fn a_window_that_cancels_on_close_stops_a_job_still_running() {
+    let now = unix_now();
+    // Opened ten seconds ago, closes in five.
+    let config = format!(
+        "[[guardrails.window]]\nname = \"short\"\nonce = [\"{}/15s\"]\n\
+         [[guardrails.window_rule]]\nname = \"strict\"\nwindows = [\"short\"]\noperations = [\"action.trigger\"]\non_close = \"cancel\"\n",
+        rfc3339(now - 10)
+    );
+    let e = env_with(RunnerOptions { extra: config, ..Default::default() }).await;
+    let id =
+        e.cp.enqueue(EnqueueRequest { timeout_secs: 120, ..script("echo started; sleep 60; echo finished") })
+            .unwrap();
+    let v = e.finished(&id).await;
+    let r = v.result.unwrap();
+    assert_eq!(r.status, JobStatus::Cancelled, "{r:?}");
+    let error = r.error.unwrap_or_default();
+    assert!(error.contains("\"short\"") && error.contains("on_close"), "{error}");
+    let out = e.output(&id);
+    assert!(out.contains("started") && !out.contains("finished"), "{out}");
+    assert!(r.finished_at_ms.unwrap() < (now as u64 + 60) * 1000, "it ran to the end");
+}
