@@ -28,6 +28,7 @@ fuzz_target!(|data: &[u8]| {
         install: "inst-1".into(),
         admission,
         context: Default::default(),
+        drift: false,
     };
     for convention in [Convention::Builtin, Convention::Conftest, Convention::Nuon] {
         let _ = byoc_policy::inputs_for(convention, &parsed, &ctx);

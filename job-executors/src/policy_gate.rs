@@ -7,6 +7,9 @@ use std::collections::BTreeMap;
 
 use crate::ExecContext;
 
+/// The subject name of a drift check's decision (`input.byoc.drift` is then true).
+pub const DRIFT_SUBJECT: &str = "drift";
+
 /// What a decision is about.
 pub struct Subject<'a> {
     pub source: byoc_policy::Source,
@@ -79,6 +82,7 @@ pub async fn decide(
         install: policy.install.clone(),
         admission: subject.admission,
         context: policy.context.clone(),
+        drift: subject.name == DRIFT_SUBJECT,
     };
     let started = std::time::Instant::now();
     let d = policy.decide(pctx, input).await;

@@ -20,6 +20,7 @@ pub mod control_plane;
 pub mod daemon;
 pub mod disk;
 pub mod doctor;
+pub mod drift;
 pub mod guardrails;
 pub mod identity;
 pub mod inspect;

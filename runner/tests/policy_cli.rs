@@ -223,6 +223,7 @@ fn the_policy_evaluator_runs_without_any_network() {
             install: "inst-1".into(),
             admission: Default::default(),
             context: Default::default(),
+            drift: false,
         },
         input: r#"{"resource_changes": []}"#.into(),
         time_per_policy_ms: 5000,

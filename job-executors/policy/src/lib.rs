@@ -231,6 +231,10 @@ pub struct Context {
     /// open for the job or null, the `role`. Null outside a job.
     #[serde(default, skip_serializing_if = "serde_json::Value::is_null")]
     pub context: serde_json::Value,
+    /// A drift check (`input.byoc.drift`): the document is the refreshed state's
+    /// changes made outside terraform, not a plan anyone proposed.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub drift: bool,
 }
 
 #[derive(Debug, Clone, Copy)]

@@ -32,6 +32,7 @@ fn ctx(source: Source, admission: Admission) -> Context {
         install: "inst-1".into(),
         admission,
         context: Default::default(),
+        drift: false,
     }
 }
 

@@ -15,6 +15,7 @@ fn ctx(source: Source, phase: &str) -> Context {
         install: "inst-1".into(),
         admission: Admission::Update,
         context: Default::default(),
+        drift: false,
     }
 }
 

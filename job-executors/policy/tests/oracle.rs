@@ -257,6 +257,7 @@ fn findings_equal_opas_for_every_policy_and_input() {
                 install: "inst-1".into(),
                 admission: c.admission,
                 context: Default::default(),
+                drift: false,
             };
             let doc = if c.source.is_plan() {
                 Document::plan(c.doc.clone())

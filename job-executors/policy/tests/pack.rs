@@ -57,6 +57,7 @@ fn decide(doc: &Document, phase: &str, params: Value) -> Decision {
         install: "inst-1".into(),
         admission: Default::default(),
         context: Default::default(),
+        drift: false,
     };
     evaluate(&builtin_pack(), &params, &ctx, doc, b"fixture", &Limits::default())
 }

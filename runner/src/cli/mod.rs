@@ -122,6 +122,10 @@ enum Cmd {
     },
     /// Undo `pause`.
     Resume(StateArgs),
+    /// The last drift check of each terraform workspace (terraform jobs with
+    /// mode = "drift"): clean, drifted or violating, when, what drifted (addresses and
+    /// attribute paths, never values), what a deploy would change.
+    Drift(StateArgs),
     /// List the jobs awaiting a local approval ([[guardrails.approval_rule]]): what
     /// each will do, under which rule, until when.
     Approvals(StateArgs),
@@ -216,6 +220,7 @@ pub fn main() -> i32 {
         Cmd::Pause { state, reason } => edge(|| state::pause(&state, reason)),
         Cmd::Resume(s) => edge(|| state::resume(&s)),
         Cmd::Approvals(s) => edge(|| approvals::list(&s)),
+        Cmd::Drift(s) => edge(|| state::drift(&s)),
         Cmd::Approve { state, job_id, reason } => edge(|| approvals::decide(&state, &job_id, true, reason)),
         Cmd::Deny { state, job_id, reason } => {
             edge(|| approvals::decide(&state, &job_id, false, Some(reason)))

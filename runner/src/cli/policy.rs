@@ -291,7 +291,15 @@ fn test(t: TestArgs) -> i32 {
             Err(problems) => return usage(problems.join("; ")),
         }
     }
-    let ctx = Context { source, phase: t.phase, operation, install: String::new(), admission, context };
+    let ctx = Context {
+        source,
+        phase: t.phase,
+        operation,
+        install: String::new(),
+        admission,
+        context,
+        drift: false,
+    };
     // The same evaluator process, under the same memory limit, as jobs use.
     let about = crate::policy::Decision {
         phase: ctx.phase.clone(),

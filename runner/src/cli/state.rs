@@ -12,6 +12,7 @@ pub(super) fn status(s: &StateArgs) -> anyhow::Result<()> {
     if s.output == Output::Json {
         let mut v = serde_json::to_value(&st)?;
         v["disk"] = serde_json::to_value(&disk)?;
+        v["drift"] = serde_json::to_value(crate::drift::list(&dir))?;
         return print_json(&v);
     }
     let or_dash = |o: &Option<String>| o.clone().unwrap_or_else(|| "-".into());
@@ -34,6 +35,14 @@ pub(super) fn status(s: &StateArgs) -> anyhow::Result<()> {
         "running:        {}",
         if st.jobs_running.is_empty() { "-".into() } else { st.jobs_running.join(", ") }
     );
+    let drift: Vec<String> = crate::drift::list(&state_dir(s))
+        .into_iter()
+        .filter(|r| r.verdict != "clean")
+        .map(|r| format!("{} {}", r.workspace, r.verdict))
+        .collect();
+    if !drift.is_empty() {
+        println!("drift:          {} (byoc-runner drift)", drift.join(", "));
+    }
     if !st.jobs_waiting.is_empty() {
         println!("held:           {} (byoc-runner jobs list; approvals)", st.jobs_waiting.join(", "));
     }
@@ -80,6 +89,50 @@ pub(super) fn metrics(s: &StateArgs) -> anyhow::Result<()> {
         return print_json(&crate::metrics::samples(&families));
     }
     print!("{}", crate::metrics::render(&families));
+    Ok(())
+}
+
+pub(super) fn drift(s: &StateArgs) -> anyhow::Result<()> {
+    let all = crate::drift::list(&state_dir(s));
+    if s.output == Output::Json {
+        return print_json(&all);
+    }
+    if all.is_empty() {
+        println!("no drift check has run (terraform jobs with mode = \"drift\"; docs/DRIFT.md)");
+        return Ok(());
+    }
+    println!(
+        "{:<20} {:<10} {:<21} {:<24} {:>8} {:>12}",
+        "WORKSPACE", "VERDICT", "CHECKED", "JOB", "DRIFTED", "WOULD CHANGE"
+    );
+    for r in &all {
+        let would: u64 = r.would_change["counts"]
+            .as_object()
+            .map(|c| c.values().filter_map(|v| v.as_u64()).sum())
+            .unwrap_or(0);
+        println!(
+            "{:<20} {:<10} {:<21} {:<24} {:>8} {:>12}",
+            r.workspace,
+            r.verdict,
+            inspect::format_ms(r.checked_at_ms),
+            r.job_id,
+            r.drifted.as_array().map_or(0, Vec::len),
+            would
+        );
+        for d in r.drifted.as_array().into_iter().flatten() {
+            let paths: Vec<&str> =
+                d["paths"].as_array().into_iter().flatten().filter_map(|p| p.as_str()).collect();
+            println!("    drifted {}: {}", d["address"].as_str().unwrap_or("?"), paths.join(", "));
+        }
+        for v in r.violations.as_array().into_iter().flatten() {
+            println!(
+                "    violates {} [{}] {}",
+                v["policy"].as_str().unwrap_or("?"),
+                v["rule"].as_str().unwrap_or("?"),
+                v["address"].as_str().unwrap_or("")
+            );
+        }
+    }
     Ok(())
 }
 

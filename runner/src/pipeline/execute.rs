@@ -137,6 +137,12 @@ pub async fn execute(rt: &Rt, job: AssumedJob) -> Result<FinishedJob, JournalErr
     {
         tracing::warn!(error = %e, path = %work_dir.display(), "could not remove the job's working directory");
     }
+    if outcome.status == JobStatus::Succeeded
+        && outcome.outputs.get("drift").is_some()
+        && let Err(e) = crate::drift::record(&rt.state_dir, &job_id, now_ms(), &outcome.outputs)
+    {
+        tracing::warn!(error = %e, "could not keep the drift check's result for `byoc-runner drift`");
+    }
     rt.transition(Event::Finished {
         job_id: job_id.clone(),
         status: outcome.status,

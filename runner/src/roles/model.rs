@@ -14,7 +14,8 @@ use super::template::InstallState;
 /// Entities and the operations each has. `artifact.sync` is OCI artifact sync.
 pub const OPERATIONS: &[(&str, &[&str])] = &[
     ("sandbox", &["provision", "reprovision", "deprovision"]),
-    ("component", &["deploy", "teardown"]),
+    // `drift`: a check that never changes anything (docs/DRIFT.md).
+    ("component", &["deploy", "teardown", "drift"]),
     ("action", &["trigger"]),
     ("artifact", &["sync"]),
 ];
@@ -27,6 +28,7 @@ pub const BUILT_IN_DEFAULTS: &[(&str, &str)] = &[
     ("sandbox.deprovision", "deprovision"),
     ("component.deploy", "maintenance"),
     ("component.teardown", "maintenance"),
+    ("component.drift", "maintenance"),
     ("action.trigger", "maintenance"),
     ("artifact.sync", "maintenance"),
 ];

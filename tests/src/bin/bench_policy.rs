@@ -140,6 +140,7 @@ fn main() {
         install: "inst-bench".into(),
         admission: Default::default(),
         context: Default::default(),
+        drift: false,
     };
     let limits = Limits { time_per_policy: Duration::from_secs(60), ..Limits::default() };
     for &n in &a.sizes {

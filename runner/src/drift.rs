@@ -1,0 +1,95 @@
+//! The last drift check of each terraform workspace (`mode = "drift"`, docs/DRIFT.md),
+//! kept in `<state dir>/drift/<workspace>.json` for `byoc-runner drift` and `status`:
+//! the verdict (clean, drifted, violating), when, which job, what drifted (addresses
+//! and attribute paths, never values), what a deploy would change, and the violations.
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+pub const DRIFT_DIR: &str = "drift";
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DriftRecord {
+    pub workspace: String,
+    pub job_id: String,
+    pub checked_at_ms: u64,
+    /// `clean`, `drifted` or `violating`.
+    pub verdict: String,
+    /// Address, actions and changed attribute paths per resource changed outside
+    /// terraform.
+    pub drifted: serde_json::Value,
+    /// Counts and addresses per action a deploy of the component would make.
+    pub would_change: serde_json::Value,
+    pub violations: serde_json::Value,
+    pub refresh_plan_digest: String,
+    pub plan_digest: String,
+}
+
+fn path(state_dir: &Path, workspace: &str) -> PathBuf {
+    state_dir.join(DRIFT_DIR).join(format!("{workspace}.json"))
+}
+
+/// Keep a finished drift job's result as its workspace's latest. `outputs` is the
+/// job's result outputs; anything but a drift result is ignored.
+pub fn record(
+    state_dir: &Path,
+    job_id: &str,
+    at_ms: u64,
+    outputs: &serde_json::Value,
+) -> std::io::Result<()> {
+    let d = &outputs["drift"];
+    let Some(workspace) = d["workspace"].as_str() else { return Ok(()) };
+    if !byoc_job_executors::terraform::valid_name(workspace) {
+        return Ok(());
+    }
+    let r = DriftRecord {
+        workspace: workspace.to_string(),
+        job_id: job_id.to_string(),
+        checked_at_ms: at_ms,
+        verdict: d["verdict"].as_str().unwrap_or("unknown").to_string(),
+        drifted: d["drifted"].clone(),
+        would_change: d["would_change"].clone(),
+        violations: outputs["violations"].clone(),
+        refresh_plan_digest: d["refresh_plan_digest"].as_str().unwrap_or("").to_string(),
+        plan_digest: d["plan_digest"].as_str().unwrap_or("").to_string(),
+    };
+    use std::os::unix::fs::DirBuilderExt as _;
+    std::fs::DirBuilder::new().recursive(true).mode(0o700).create(state_dir.join(DRIFT_DIR))?;
+    let bytes = serde_json::to_vec_pretty(&r).map_err(std::io::Error::other)?;
+    crate::identity::write_atomic(&path(state_dir, workspace), &bytes, 0o600).map_err(std::io::Error::other)
+}
+
+/// Every workspace's latest drift check, by name.
+pub fn list(state_dir: &Path) -> Vec<DriftRecord> {
+    let Ok(entries) = std::fs::read_dir(state_dir.join(DRIFT_DIR)) else { return Vec::new() };
+    let mut out: Vec<DriftRecord> = entries
+        .filter_map(|e| e.ok())
+        .filter(|e| e.path().extension().is_some_and(|x| x == "json"))
+        .filter_map(|e| serde_json::from_slice(&std::fs::read(e.path()).ok()?).ok())
+        .collect();
+    out.sort_by(|a, b| a.workspace.cmp(&b.workspace));
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_latest_check_per_workspace_is_kept_and_other_results_ignored() {
+        let d = tempfile::tempdir().unwrap();
+        let out = |verdict: &str| {
+            serde_json::json!({"drift": {"workspace": "network", "verdict": verdict, "drifted": [],
+                "would_change": {"counts": {}}, "refresh_plan_digest": "sha256:a", "plan_digest": "sha256:b"},
+                "violations": []})
+        };
+        record(d.path(), "job-1", 1, &out("drifted")).unwrap();
+        record(d.path(), "job-2", 2, &out("clean")).unwrap();
+        record(d.path(), "job-3", 3, &serde_json::json!({"summary": {}})).unwrap();
+        record(d.path(), "job-4", 4, &serde_json::json!({"drift": {"workspace": "../x"}})).unwrap();
+        let all = list(d.path());
+        assert_eq!(all.len(), 1);
+        assert_eq!((all[0].job_id.as_str(), all[0].verdict.as_str()), ("job-2", "clean"));
+    }
+}
