@@ -692,8 +692,14 @@ fn start_job(
     tasks.spawn(tracing::Instrument::instrument(
         async move {
             let _in_hand = in_hand;
-            if let Err(e) = pipeline::run_job(rt, job, slot).await {
+            let job_id = job.payload.job_id.clone();
+            if let Err(e) = pipeline::run_job(rt.clone(), job, slot).await {
                 tracing::error!(error = %e, "job journal write failed; the job's state is uncertain until restart");
+            }
+            // A resumed job may have gone through without being held again (its window
+            // had opened): its kept envelope goes too, unless the runner is stopping.
+            if !rt.abort.is_cancelled() {
+                pipeline::window::forget_held(&rt, &job_id);
             }
         },
         span,

@@ -64,22 +64,8 @@ pub fn accept(rt: &Rt, polled: PolledJob, in_hand: &JobsInHand) -> Accepted {
     if disk.low.is_none() {
         crate::disk::Reserve::new(&rt.state_dir, &rt.config.disk).hold();
     }
-    let readiness = |exec: &dyn byoc_job_executors::Executor| {
-        byoc_job_executors::refusal(exec.placement(), rt.sandbox.as_ref(), rt.containers.as_ref())
-    };
-    let verifier = verify::Verifier {
-        install: &rt.roles.install,
-        paused: pause.as_ref(),
-        disk_low: disk.low.as_deref(),
-        keys: &rt.config.control_plane.public_keys,
-        runner_id: &rt.runner_id,
-        install_id: &rt.install_id,
-        max_skew: rt.config.jobs.max_clock_skew,
-        max_timeout: rt.config.jobs.max_timeout,
-        now: rt.clock.unix_now(),
-        readiness: &readiness,
-        resume_held: false,
-    };
+    let readiness = readiness(rt);
+    let verifier = verifier(rt, &readiness, pause.as_ref(), disk.low.as_deref());
     let job = match rt.journal.with_index(|index| verifier.verify(polled, index)) {
         Ok(job) => job,
         Err(rejection) => {
@@ -96,6 +82,37 @@ pub fn accept(rt: &Rt, polled: PolledJob, in_hand: &JobsInHand) -> Accepted {
         return Accepted::Dropped;
     }
     Accepted::Job(Box::new(job), mark)
+}
+
+/// Whether this host can build a job's sandbox as documented now.
+pub(crate) fn readiness(
+    rt: &Rt,
+) -> impl Fn(&dyn byoc_job_executors::Executor) -> Option<byoc_job_executors::Refusal> + Sync + '_ {
+    |exec: &dyn byoc_job_executors::Executor| {
+        byoc_job_executors::refusal(exec.placement(), rt.sandbox.as_ref(), rt.containers.as_ref())
+    }
+}
+
+/// The runtime's verifier of deliveries, as of now.
+pub(crate) fn verifier<'a>(
+    rt: &'a Rt,
+    readiness: &'a (dyn Fn(&dyn byoc_job_executors::Executor) -> Option<byoc_job_executors::Refusal> + Sync),
+    paused: Option<&'a crate::roles::pause::Pause>,
+    disk_low: Option<&'a str>,
+) -> verify::Verifier<'a> {
+    verify::Verifier {
+        install: &rt.roles.install,
+        paused,
+        disk_low,
+        keys: &rt.config.control_plane.public_keys,
+        runner_id: &rt.runner_id,
+        install_id: &rt.install_id,
+        max_skew: rt.config.jobs.max_clock_skew,
+        max_timeout: rt.config.jobs.max_timeout,
+        now: rt.clock.unix_now(),
+        readiness,
+        resume_held: false,
+    }
 }
 
 /// Journal `received` before anything acts on the job: its nonce is spent.

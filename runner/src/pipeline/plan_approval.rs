@@ -12,7 +12,7 @@ use byoc_job_executors::policy_gate::{ApplyApproval, ApplyRequest, ApprovalRefus
 use byoc_protocol::JobWaiting;
 
 use crate::approvals;
-use crate::guardrails::{ApprovalRule, JobScope, rfc3339};
+use crate::guardrails::{ApprovalRule, rfc3339};
 use crate::journal::Event;
 use crate::runtime::Rt;
 
@@ -36,15 +36,9 @@ pub struct PlanApprover {
 impl PlanApprover {
     /// The approver for `job`, if an `on = "plan"` rule names it.
     pub fn for_job(rt: &Rt, job: &VerifiedJob, holding: Holding) -> Option<Arc<dyn ApplyApproval>> {
-        let (role, role_type, operation, component) = super::window::scope_of(job);
-        let scope = JobScope {
-            role: role.as_deref(),
-            role_type: role_type.as_deref(),
-            operation: &operation,
-            component: component.as_deref(),
-            kind: &job.payload.kind,
-        };
-        let rule = rt.config.guardrails.plan_approval_for(&scope)?.clone();
+        let scoped = super::window::Scoped::of(job);
+        let rule = rt.config.guardrails.plan_approval_for(&scoped.scope())?.clone();
+        let super::window::Scoped { role, operation, component, .. } = scoped;
         Some(Arc::new(PlanApprover {
             rt: rt.clone(),
             rule,

@@ -91,9 +91,7 @@ pub fn resume_held(rt: &Rt) -> Vec<super::VerifiedJob> {
             .map(|j| j.job_id.clone())
             .collect()
     });
-    let readiness = |exec: &dyn byoc_job_executors::Executor| {
-        byoc_job_executors::refusal(exec.placement(), rt.sandbox.as_ref(), rt.containers.as_ref())
-    };
+    let readiness = super::readiness(rt);
     let mut out = Vec::new();
     for job_id in held {
         let Some(polled) = super::window::kept_delivery(&rt.state_dir, &job_id) else {
@@ -101,19 +99,8 @@ pub fn resume_held(rt: &Rt) -> Vec<super::VerifiedJob> {
             continue;
         };
         // Pause and disk are checked again when it leaves the gate, not here.
-        let verifier = super::verify::Verifier {
-            install: &rt.roles.install,
-            paused: None,
-            disk_low: None,
-            keys: &rt.config.control_plane.public_keys,
-            runner_id: &rt.runner_id,
-            install_id: &rt.install_id,
-            max_skew: rt.config.jobs.max_clock_skew,
-            max_timeout: rt.config.jobs.max_timeout,
-            now: rt.clock.unix_now(),
-            readiness: &readiness,
-            resume_held: true,
-        };
+        let verifier =
+            super::verify::Verifier { resume_held: true, ..super::verifier(rt, &readiness, None, None) };
         match rt.journal.with_index(|index| verifier.verify(polled, index)) {
             Ok(job) if job.payload.job_id == job_id => {
                 tracing::info!(job_id = %job_id, "resuming a job the guardrails held when the runner stopped");

@@ -49,7 +49,7 @@ fn keep_held(rt: &Rt, job: &VerifiedJob) -> Result<(), String> {
 }
 
 /// The job left the gate (ran, or was settled): its envelope goes.
-fn forget_held(rt: &Rt, job_id: &str) {
+pub fn forget_held(rt: &Rt, job_id: &str) {
     let path = held_path(&rt.state_dir, job_id);
     if let Err(e) = std::fs::remove_file(&path)
         && e.kind() != std::io::ErrorKind::NotFound
@@ -95,12 +95,37 @@ pub struct WindowClose {
     pub at: i64,
 }
 
-pub fn scope_of(job: &VerifiedJob) -> (Option<String>, Option<String>, String, Option<String>) {
-    let p = &job.payload;
-    let role = job.role.as_ref().map(|d| d.role.name.clone());
-    let role_type = job.role.as_ref().map(|d| d.role.role_type.as_str().to_string());
-    let component = p.role_request.as_ref().map(|r| r.entity_name.clone()).filter(|n| !n.is_empty());
-    (role, role_type, format!("{}.{}", p.entity, p.operation), component)
+/// What the guardrails' rules match a job by, owned (see `guardrails::JobScope`).
+pub struct Scoped {
+    pub role: Option<String>,
+    pub role_type: Option<String>,
+    /// `entity.operation`.
+    pub operation: String,
+    pub component: Option<String>,
+    pub kind: String,
+}
+
+impl Scoped {
+    pub fn of(job: &VerifiedJob) -> Scoped {
+        let p = &job.payload;
+        Scoped {
+            role: job.role.as_ref().map(|d| d.role.name.clone()),
+            role_type: job.role.as_ref().map(|d| d.role.role_type.as_str().to_string()),
+            operation: format!("{}.{}", p.entity, p.operation),
+            component: p.role_request.as_ref().map(|r| r.entity_name.clone()).filter(|n| !n.is_empty()),
+            kind: p.kind.clone(),
+        }
+    }
+
+    pub fn scope(&self) -> JobScope<'_> {
+        JobScope {
+            role: self.role.as_deref(),
+            role_type: self.role_type.as_deref(),
+            operation: &self.operation,
+            component: self.component.as_deref(),
+            kind: &self.kind,
+        }
+    }
 }
 
 /// The verdict of the customer's windows on `job` now.
@@ -108,28 +133,12 @@ pub fn check(rt: &Rt, job: &VerifiedJob) -> WindowCheck {
     if rt.config.guardrails.is_empty() {
         return WindowCheck::Unbound;
     }
-    let (role, role_type, operation, component) = scope_of(job);
-    let scope = JobScope {
-        role: role.as_deref(),
-        role_type: role_type.as_deref(),
-        operation: &operation,
-        component: component.as_deref(),
-        kind: &job.payload.kind,
-    };
-    rt.config.guardrails.check(&scope, rt.clock.unix_now())
+    rt.config.guardrails.check(&Scoped::of(job).scope(), rt.clock.unix_now())
 }
 
-/// The approval rule that holds `job`, if any.
+/// The approval rule that holds `job` before it runs, if any.
 pub fn approval_rule(rt: &Rt, job: &VerifiedJob) -> Option<crate::guardrails::ApprovalRule> {
-    let (role, role_type, operation, component) = scope_of(job);
-    let scope = JobScope {
-        role: role.as_deref(),
-        role_type: role_type.as_deref(),
-        operation: &operation,
-        component: component.as_deref(),
-        kind: &job.payload.kind,
-    };
-    rt.config.guardrails.approval_for(&scope).cloned()
+    rt.config.guardrails.approval_for(&Scoped::of(job).scope()).cloned()
 }
 
 /// The refusal of a job outside a window whose rule refuses.
@@ -249,7 +258,7 @@ pub async fn await_approval(
     rule: &crate::guardrails::ApprovalRule,
 ) -> Result<Waited, JournalError> {
     use crate::approvals;
-    let (role, _, operation, component) = scope_of(&job.verified);
+    let Scoped { role, operation, component, .. } = Scoped::of(&job.verified);
     let now_ms = rt.clock.now_ms();
     let kept = approvals::read_request(&rt.state_dir, &job.verified.payload.job_id);
     let resumed = kept.is_some();
@@ -303,7 +312,10 @@ pub async fn await_approval(
         }),
     })
     .await;
-    approvals::clear(&rt.state_dir, &job_id);
+    // A runner stopping mid-wait keeps the request (and any answer) for the next start.
+    if !rt.abort.is_cancelled() {
+        approvals::clear(&rt.state_dir, &job_id);
+    }
     match (waited, given) {
         (Ok(Waited::Run(mut job)), Some(d)) => {
             job.approvals.push(serde_json::json!({
