@@ -413,6 +413,29 @@ impl Helm {
                         base,
                     ));
                 }
+                if !run.ctx.settings.decide_only {
+                    // The customer's approval of exactly these manifests, if asked for.
+                    let list = |k: &str| diff[k].as_array().cloned().unwrap_or_default();
+                    let (add, change, remove) = (list("added"), list("changed"), list("removed"));
+                    let mut counts = serde_json::Map::new();
+                    let mut addresses = serde_json::Map::new();
+                    for (action, objs) in [("add", add), ("change", change), ("remove", remove)] {
+                        if !objs.is_empty() {
+                            counts.insert(action.into(), objs.len().into());
+                            addresses.insert(action.into(), objs.into());
+                        }
+                    }
+                    let summary = serde_json::json!({"counts": counts, "addresses": addresses});
+                    run.started += crate::policy_gate::approve_apply(
+                        run.ctx,
+                        "helm",
+                        &decision.input_digest,
+                        &summary,
+                        &decision,
+                        &base,
+                    )
+                    .await?;
+                }
                 if run.ctx.settings.decide_only {
                     run.log("[helm] stopping after the decision: nothing applied\n");
                     return Ok(ExecOutcome {

@@ -54,6 +54,40 @@ pub trait ApplyApproval: Send + Sync {
     >;
 }
 
+/// Ask the customer's approval of an allowed change before it is made, if their rules
+/// want it (`ApplyApproval`): `Ok(waited)` to go on (the caller keeps the wait out of
+/// the job's time), `Err(outcome)` to stop with nothing applied. `digest` names exactly
+/// what is approved (a plan file's, the manifests'), `summary` what it does.
+pub async fn approve_apply(
+    ctx: &mut ExecContext<'_>,
+    tool: &str,
+    digest: &str,
+    summary: &serde_json::Value,
+    decision: &byoc_policy::Decision,
+    outputs: &serde_json::Value,
+) -> Result<std::time::Duration, crate::ExecOutcome> {
+    let Some(approval) = ctx.settings.apply_approval.clone() else { return Ok(std::time::Duration::ZERO) };
+    let asked = std::time::Instant::now();
+    let cancel = ctx.settings.cancel.clone();
+    let req = ApplyRequest { tool, plan_digest: digest, summary, decision, cancel: &cancel };
+    match approval.approve(req).await {
+        Ok(note) => {
+            if let Some(note) = note {
+                log(ctx, format!("[approval] {note}\n"));
+            }
+            Ok(asked.elapsed())
+        }
+        Err(r) => {
+            log(ctx, format!("[approval] not applied: {}\n", r.message));
+            let mut outcome = crate::tool::failed(&r.reason, r.message, outputs.clone());
+            if r.reason == "cancelled" {
+                outcome.status = crate::JobStatus::Cancelled;
+            }
+            Err(outcome)
+        }
+    }
+}
+
 /// A job's decisions need a policy scope; without one nothing is decided (and so
 /// nothing proceeds): `policy_unavailable`.
 pub const UNAVAILABLE: &str = "policy_unavailable";

@@ -429,9 +429,11 @@ pub fn parse(mut table: toml::Table, problems: &mut Vec<String>) -> Guardrails {
                 "{at}: when and policies need on = \"plan\" (a job is approved before any plan exists)"
             ));
         }
-        if on == ApprovalPoint::Plan && raw.scope.kinds.iter().any(|k| k != "terraform") {
+        if on == ApprovalPoint::Plan
+            && raw.scope.kinds.iter().any(|k| !["terraform", "helm", "kubernetes"].contains(&k.as_str()))
+        {
             problems.push(format!(
-                "{at}: on = \"plan\" applies to terraform jobs only (kinds = [\"terraform\"])"
+                "{at}: on = \"plan\" applies to what policy decides: terraform, helm and kubernetes jobs (kinds)"
             ));
         }
         if g.approval_rules.iter().any(|o| o.name == raw.name) {
@@ -937,11 +939,13 @@ mod tests {
         assert_eq!(g.approval_for(&db).map(|r| r.name.as_str()), Some("before-running"));
 
         let problems = guardrails(
-            "[[approval_rule]]\nname = \"x\"\nwhen = \"warn\"\n[[approval_rule]]\nname = \"y\"\non = \"plan\"\nkinds = [\"helm\"]\n[[approval_rule]]\nname = \"z\"\non = \"later\"\n",
+            "[[approval_rule]]\nname = \"x\"\nwhen = \"warn\"\n[[approval_rule]]\nname = \"y\"\non = \"plan\"\nkinds = [\"action.script\"]\n[[approval_rule]]\nname = \"z\"\non = \"later\"\n",
         )
         .expect_err("invalid");
         let all = problems.join("\n");
-        for needle in ["when and policies need on = \"plan\"", "terraform jobs only", "on = \"later\""] {
+        for needle in
+            ["when and policies need on = \"plan\"", "terraform, helm and kubernetes jobs", "on = \"later\""]
+        {
             assert!(all.contains(needle), "missing {needle:?} in:\n{all}");
         }
     }

@@ -19,6 +19,10 @@ struct HelmEnv {
 }
 
 async fn helm_env() -> HelmEnv {
+    helm_env_with("").await
+}
+
+async fn helm_env_with(extra: &str) -> HelmEnv {
     let moto = moto_with_stack(&base_params()).await;
     let policies = tempfile::tempdir().unwrap();
     std::fs::write(
@@ -29,7 +33,7 @@ async fn helm_env() -> HelmEnv {
     let (tools, helm) = stand_in("helm");
     let mut opts = role_options(&moto, "");
     opts.extra.push_str(&format!(
-        "\n[helm]\nbinary = \"{}\"\n\n[policy]\ndir = \"{}\"\n",
+        "\n[helm]\nbinary = \"{}\"\n\n[policy]\ndir = \"{}\"\n{extra}\n",
         helm.display(),
         policies.path().display()
     ));
@@ -193,4 +197,37 @@ async fn an_uninstall_is_reviewed_before_it_runs() {
     .await;
     assert_eq!(r.status, JobStatus::Succeeded, "{log}");
     assert!(log.contains("fake-helm: uninstall api"), "{log}");
+}
+
+/// `on = "plan"` approvals for helm: the release's rendered manifests wait for the
+/// customer between the ALLOW decision and `helm upgrade`, bound to their digest.
+#[tokio::test]
+async fn an_upgrade_waits_for_approval_of_its_manifests_then_runs() {
+    let e = helm_env_with(
+        "[[guardrails.approval_rule]]\nname = \"releases\"\nkinds = [\"helm\"]\non = \"plan\"\n",
+    )
+    .await;
+    let id = e
+        .env
+        .cp
+        .enqueue(job("upgrade", &chart(rendered(IMAGE, "ClusterIP")), serde_json::json!({})))
+        .unwrap();
+    let v = e
+        .env
+        .cp
+        .wait_for(&id, std::time::Duration::from_secs(60), |v| v.waiting.is_some() || v.result.is_some())
+        .await
+        .unwrap();
+    assert_eq!(v.waiting.map(|w| w.state).as_deref(), Some("awaiting_approval"), "{}", e.env.runner.log());
+    let listed = e.env.cli_json(&["approvals"]);
+    let r = listed.as_array().unwrap().iter().find(|r| r["job_id"] == id.as_str()).unwrap().clone();
+    assert_eq!(r["summary"]["counts"]["add"], 2, "{r}");
+    assert!(!r["plan_digest"].as_str().unwrap().is_empty(), "{r}");
+    assert!(!e.env.output(&id).contains("fake-helm: upgrade"), "upgraded before the approval");
+    let out = e.env.runner.cli(&["approve", &id, "--reason", "release train 12"]);
+    assert!(out.status.success(), "{out:?}");
+    let r = e.env.finished(&id).await.result.unwrap();
+    let log = e.env.output(&id);
+    assert_eq!(r.status, JobStatus::Succeeded, "{:?}\n{log}", r.error);
+    assert!(log.contains("[approval]") && log.contains("approved by"), "{log}");
 }

@@ -23,10 +23,14 @@ struct KubeEnv {
 }
 
 async fn kube_env() -> KubeEnv {
+    kube_env_with("").await
+}
+
+async fn kube_env_with(extra: &str) -> KubeEnv {
     let (moto, api) = tokio::join!(moto_with_stack_owned(), FakeKubeApi::start());
     let mut opts = role_options(&moto, "");
     let policies = tempfile::tempdir().unwrap();
-    opts.extra.push_str(&format!("\n[policy]\ndir = \"{}\"\n", policies.path().display()));
+    opts.extra.push_str(&format!("\n[policy]\ndir = \"{}\"\n{extra}\n", policies.path().display()));
     KubeEnv { env: env_with(opts).await, _moto: moto, api, _policies: policies }
 }
 
@@ -285,4 +289,37 @@ async fn deletions_are_reviewed_before_anything_is_deleted() {
     assert!(e.api.object(PVC).is_some() && e.api.object(EXTRA).is_some());
     let decisions = audit_events(&e.env.runner.state_dir, "policy_decision");
     assert!(decisions.iter().any(|d| d["digests"].get("deletions").is_some()), "deletion decisions audited");
+}
+
+/// `on = "plan"` approvals for kubernetes: nothing reaches the cluster until the
+/// customer approves the decided manifests; a denial sends nothing at all.
+#[tokio::test]
+async fn manifests_wait_for_approval_and_a_denial_sends_nothing() {
+    let e = kube_env_with(
+        "[[guardrails.approval_rule]]\nname = \"cluster\"\nkinds = [\"kubernetes\"]\non = \"plan\"\n",
+    )
+    .await;
+    let id =
+        e.env.cp.enqueue(job(&e.api, "apply", vec![deployment("api"), service("ClusterIP")], 30)).unwrap();
+    let v = e
+        .env
+        .cp
+        .wait_for(&id, std::time::Duration::from_secs(60), |v| v.waiting.is_some() || v.result.is_some())
+        .await
+        .unwrap();
+    assert_eq!(v.waiting.map(|w| w.state).as_deref(), Some("awaiting_approval"), "{}", e.env.runner.log());
+    let listed = e.env.cli_json(&["approvals"]);
+    let r = listed.as_array().unwrap().iter().find(|r| r["job_id"] == id.as_str()).unwrap().clone();
+    assert_eq!(
+        r["summary"]["addresses"]["apply"],
+        serde_json::json!(["Deployment/acme/api", "Service/acme/api"]),
+        "{r}"
+    );
+    assert!(e.api.requests().is_empty(), "sent before the approval: {:?}", e.api.requests());
+    let out = e.env.runner.cli(&["deny", &id, "--reason", "freeze"]);
+    assert!(out.status.success(), "{out:?}");
+    let r = e.env.finished(&id).await.result.unwrap();
+    assert_eq!(r.status, JobStatus::Failed);
+    assert_eq!(r.outputs["reason"], "approval_denied", "{}", r.outputs);
+    assert!(e.api.requests().is_empty(), "nothing may be sent: {:?}", e.api.requests());
 }

@@ -224,6 +224,32 @@ impl Kubernetes {
                     decided,
                 );
             }
+            if !ctx.settings.decide_only {
+                // The customer's approval of exactly these manifests, if asked for; the
+                // readiness deadline is taken after it.
+                let names: Vec<String> = self
+                    .objects
+                    .iter()
+                    .map(|(o, _)| match &o.namespace {
+                        Some(ns) => format!("{}/{ns}/{}", o.kind, o.name),
+                        None => format!("{}/{}", o.kind, o.name),
+                    })
+                    .collect();
+                let summary =
+                    serde_json::json!({"counts": {"apply": names.len()}, "addresses": {"apply": names}});
+                if let Err(outcome) = crate::policy_gate::approve_apply(
+                    ctx,
+                    "kubernetes",
+                    &d.input_digest,
+                    &summary,
+                    &d,
+                    &decided,
+                )
+                .await
+                {
+                    return outcome;
+                }
+            }
         }
         if ctx.settings.decide_only {
             let _ =

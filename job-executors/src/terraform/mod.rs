@@ -751,33 +751,9 @@ impl Terraform {
         }
         // The customer's approval of exactly this plan, if their rules ask for it; the
         // wait is not the job's time.
-        if let Some(approval) = run.ctx.settings.apply_approval.clone() {
-            let asked = Instant::now();
-            let cancel = run.ctx.settings.cancel.clone();
-            let req = crate::policy_gate::ApplyRequest {
-                tool: "terraform",
-                plan_digest: &plan_digest,
-                summary: &summary,
-                decision: &decision,
-                cancel: &cancel,
-            };
-            match approval.approve(req).await {
-                Ok(note) => {
-                    if let Some(note) = note {
-                        run.log(&format!("[approval] {note}\n"));
-                    }
-                }
-                Err(r) => {
-                    run.log(&format!("[approval] not applied: {}\n", r.message));
-                    let mut outcome = failed(&r.reason, r.message, base);
-                    if r.reason == "cancelled" {
-                        outcome.status = JobStatus::Cancelled;
-                    }
-                    return Err(outcome);
-                }
-            }
-            run.started += asked.elapsed();
-        }
+        run.started +=
+            crate::policy_gate::approve_apply(run.ctx, "terraform", &plan_digest, &summary, &decision, &base)
+                .await?;
         // Exactly the plan the policies saw, or nothing.
         match sha256_file(&plan_path) {
             Ok(d) if d == plan_digest => {}
