@@ -63,6 +63,7 @@ fuzz_target!(|data: &[u8]| {
         paused: None,
         disk_low: None,
         readiness: &|_| None,
+        resume_held: false,
     };
     let _ = verifier.verify(polled, &f.index);
 });

@@ -52,6 +52,10 @@ async fn a_drift_check_finds_an_edit_made_outside_terraform_and_changes_nothing(
     );
     let e = env_with(RunnerOptions { extra, ..Default::default() }).await;
     let files = serde_json::json!({"main.tf": module()});
+    // Before any deploy there is no state: said so, not reported as drift.
+    let (_, r, log) = done(&e, tf("drift", files.clone())).await;
+    assert_eq!(r.status, JobStatus::Succeeded, "{:?}\n{log}", r.error);
+    assert_eq!(r.outputs["drift"]["verdict"], "not_deployed", "{}\n{log}", r.outputs);
     let (_, r, log) = done(&e, tf("apply", files.clone())).await;
     assert_eq!(r.status, JobStatus::Succeeded, "{:?}\n{log}", r.error);
 
@@ -84,9 +88,9 @@ async fn a_drift_check_finds_an_edit_made_outside_terraform_and_changes_nothing(
     // Nothing was changed by the check: the state is byte for byte as it was.
     assert_eq!(std::fs::read_to_string(&state_file).unwrap(), edited);
     let checked = audit_events(&e.dir.path().join("state"), "drift_checked");
-    assert_eq!(checked.len(), 2, "{checked:?}");
-    assert!(checked[1]["detail"].as_str().unwrap().contains("drifted"), "{checked:?}");
-    assert_eq!(checked[1]["job"], id.as_str());
+    assert_eq!(checked.len(), 3, "{checked:?}");
+    assert!(checked[2]["detail"].as_str().unwrap().contains("drifted"), "{checked:?}");
+    assert_eq!(checked[2]["job"], id.as_str());
     let status = e.cli_json(&["status"]);
     assert_eq!(status["drift"][0]["verdict"], "drifted", "{status}");
 }
@@ -100,6 +104,8 @@ const REFRESH_OPENED: &str = r#"{"format_version": "1.2", "terraform_version": "
      "before": {"name": "web", "ingress": [{"cidr_blocks": ["10.0.0.0/8"], "from_port": 443, "ipv6_cidr_blocks": [], "protocol": "tcp", "to_port": 443}], "tags": {"owner": "platform"}},
      "after": {"name": "web", "ingress": [{"cidr_blocks": ["0.0.0.0/0"], "from_port": 443, "ipv6_cidr_blocks": [], "protocol": "tcp", "to_port": 443}], "tags": {"owner": "platform"}},
      "before_sensitive": {}, "after_sensitive": {}}}],
+ "prior_state": {"values": {"root_module": {"resources": [{"address": "aws_security_group.web", "mode": "managed",
+   "type": "aws_security_group", "name": "web", "values": {"name": "web"}}]}}},
  "resource_changes": []}"#;
 
 const CONTRACT_NO_CHANGES: &str =

@@ -360,6 +360,35 @@ impl Terraform {
         };
         let (refresh, refresh_digest) = read(DRIFT_JSON)?;
         let (contract, plan_digest) = read(PLAN_JSON)?;
+        // No state yet: the component was never deployed here; nothing can have drifted.
+        let root = &refresh["prior_state"]["values"]["root_module"];
+        let has = |k: &str| root[k].as_array().is_some_and(|a| !a.is_empty());
+        if !has("resources") && !has("child_modules") {
+            run.log(&format!(
+                "[drift] workspace {} has no state: the component was never deployed here\n",
+                self.spec.workspace
+            ));
+            if let Some(a) = &run.ctx.settings.audit {
+                let _ = a.record(
+                    "drift_checked",
+                    format!("workspace {}: not_deployed (no state)", self.spec.workspace),
+                    BTreeMap::from([("refresh_plan".to_string(), refresh_digest.clone())]),
+                );
+            }
+            return Ok(ExecOutcome {
+                status: JobStatus::Succeeded,
+                exit_code: Some(0),
+                error: None,
+                outputs: serde_json::json!({"drift": {
+                    "workspace": self.spec.workspace,
+                    "verdict": "not_deployed",
+                    "drifted": [],
+                    "would_change": summary(&contract),
+                    "refresh_plan_digest": refresh_digest,
+                    "plan_digest": plan_digest,
+                }, "violations": []}),
+            });
+        }
         let drifted = drifted(&refresh);
         let would_change = summary(&contract);
         // The policies see what drifted as changes: a console edit that opened a
