@@ -167,18 +167,6 @@ operations = ["action.trigger"]
 expires = "10m"
 "#;
 
-/// Until the daemon has asked for approval of `job_id` (it writes the request before it
-/// journals the job `awaiting_approval`).
-async fn until_awaiting(e: &Env, job_id: &str) -> serde_json::Value {
-    let v =
-        e.cp.wait_for(job_id, Duration::from_secs(30), |v| v.waiting.is_some() || v.result.is_some())
-            .await
-            .unwrap();
-    assert_eq!(v.waiting.as_ref().map(|w| w.state.as_str()), Some("awaiting_approval"), "{v:?}");
-    let list = e.cli_json(&["approvals"]);
-    list.as_array().unwrap().iter().find(|r| r["job_id"] == job_id).cloned().expect("listed")
-}
-
 #[tokio::test]
 async fn approvals_hold_jobs_until_an_admin_answers_and_every_answer_is_audited() {
     let e = env_with(RunnerOptions { extra: APPROVALS.into(), ..Default::default() }).await;
@@ -186,7 +174,7 @@ async fn approvals_hold_jobs_until_an_admin_answers_and_every_answer_is_audited(
 
     // Approved: it runs, once.
     let yes = e.cp.enqueue(script("echo approved and ran")).unwrap();
-    let listed = until_awaiting(&e, &yes).await;
+    let listed = e.awaiting_approval(&yes).await;
     assert_eq!(listed["kind"], "action.script");
     assert_eq!(listed["operation"], "action.trigger");
     assert_eq!(listed["rule"], "actions-need-approval");
@@ -211,7 +199,7 @@ async fn approvals_hold_jobs_until_an_admin_answers_and_every_answer_is_audited(
 
     // Denied: refused with the reason, never run.
     let no = e.cp.enqueue(script("echo never")).unwrap();
-    until_awaiting(&e, &no).await;
+    e.awaiting_approval(&no).await;
     let out = e.runner.cli(&["deny", &no, "--reason", "not during the audit"]);
     assert!(out.status.success(), "{out:?}");
     let v = e.rejected(&no).await;
@@ -262,7 +250,7 @@ async fn held_jobs_survive_a_runner_restart_and_run_once_when_their_gate_opens()
     e.runner.kill9().await;
     e.runner.spawn(None).unwrap();
     // Answered after the restart: the request the first run left still stands.
-    until_awaiting(&e, &approved).await;
+    e.awaiting_approval(&approved).await;
     let out = e.runner.cli(&["approve", &approved, "--reason", "after restart"]);
     assert!(out.status.success(), "{out:?}");
     for (id, said) in [(&approved, "approved ran"), (&windowed, "windowed ran")] {
@@ -326,7 +314,7 @@ async fn a_plan_waits_for_approval_between_decision_and_apply_bound_to_its_diges
 
     // Approved, after longer than the job's own timeout: applied.
     let first = e.cp.enqueue(tf_job("approvals", 2, 12)).unwrap();
-    let listed = until_awaiting(&e, &first).await;
+    let listed = e.awaiting_approval(&first).await;
     let digest = listed["plan_digest"].as_str().expect("plan digest in the request").to_string();
     assert!(digest.starts_with("sha256:") || digest.len() == 64, "{listed}");
     assert_eq!(listed["summary"]["counts"]["create"], 2, "{listed}");
@@ -343,7 +331,7 @@ async fn a_plan_waits_for_approval_between_decision_and_apply_bound_to_its_diges
 
     // A changed module is a different plan: a new request, with its own digest.
     let second = e.cp.enqueue(tf_job("approvals", 3, 120)).unwrap();
-    let listed = until_awaiting(&e, &second).await;
+    let listed = e.awaiting_approval(&second).await;
     assert_ne!(listed["plan_digest"].as_str(), Some(digest.as_str()), "{listed}");
     assert_eq!(listed["summary"]["counts"]["create"], 1, "{listed}");
     let out = e.runner.cli(&["deny", &second, "--reason", "not this one"]);

@@ -212,15 +212,7 @@ async fn an_upgrade_waits_for_approval_of_its_manifests_then_runs() {
         .cp
         .enqueue(job("upgrade", &chart(rendered(IMAGE, "ClusterIP")), serde_json::json!({})))
         .unwrap();
-    let v = e
-        .env
-        .cp
-        .wait_for(&id, std::time::Duration::from_secs(60), |v| v.waiting.is_some() || v.result.is_some())
-        .await
-        .unwrap();
-    assert_eq!(v.waiting.map(|w| w.state).as_deref(), Some("awaiting_approval"), "{}", e.env.runner.log());
-    let listed = e.env.cli_json(&["approvals"]);
-    let r = listed.as_array().unwrap().iter().find(|r| r["job_id"] == id.as_str()).unwrap().clone();
+    let r = e.env.awaiting_approval(&id).await;
     assert_eq!(r["summary"]["counts"]["add"], 2, "{r}");
     assert!(!r["plan_digest"].as_str().unwrap().is_empty(), "{r}");
     assert!(!e.env.output(&id).contains("fake-helm: upgrade"), "upgraded before the approval");

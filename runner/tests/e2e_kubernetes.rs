@@ -301,15 +301,7 @@ async fn manifests_wait_for_approval_and_a_denial_sends_nothing() {
     .await;
     let id =
         e.env.cp.enqueue(job(&e.api, "apply", vec![deployment("api"), service("ClusterIP")], 30)).unwrap();
-    let v = e
-        .env
-        .cp
-        .wait_for(&id, std::time::Duration::from_secs(60), |v| v.waiting.is_some() || v.result.is_some())
-        .await
-        .unwrap();
-    assert_eq!(v.waiting.map(|w| w.state).as_deref(), Some("awaiting_approval"), "{}", e.env.runner.log());
-    let listed = e.env.cli_json(&["approvals"]);
-    let r = listed.as_array().unwrap().iter().find(|r| r["job_id"] == id.as_str()).unwrap().clone();
+    let r = e.env.awaiting_approval(&id).await;
     assert_eq!(
         r["summary"]["addresses"]["apply"],
         serde_json::json!(["Deployment/acme/api", "Service/acme/api"]),

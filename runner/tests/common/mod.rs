@@ -154,6 +154,28 @@ impl Env {
         assert!(found, "job {job_id} never logged {needle:?}; runner log:\n{}", self.runner.log());
     }
 
+    /// Until the job awaits a local approval; its entry in `byoc-runner approvals`.
+    pub async fn awaiting_approval(&self, job_id: &str) -> serde_json::Value {
+        let v = self
+            .cp
+            .wait_for(job_id, WAIT, |v| v.waiting.is_some() || v.result.is_some())
+            .await
+            .unwrap_or_else(|| panic!("job {job_id} never settled; runner log:\n{}", self.runner.log()));
+        assert_eq!(
+            v.waiting.as_ref().map(|w| w.state.as_str()),
+            Some("awaiting_approval"),
+            "{v:?}\nrunner log:\n{}",
+            self.runner.log()
+        );
+        let list = self.cli_json(&["approvals"]);
+        list.as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["job_id"] == job_id)
+            .cloned()
+            .expect("listed by `approvals`")
+    }
+
     pub fn cli_json(&self, args: &[&str]) -> serde_json::Value {
         let mut all: Vec<&str> = args.to_vec();
         all.extend(["--output", "json"]);
