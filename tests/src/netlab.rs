@@ -28,8 +28,8 @@ pub const OUTSIDE_HTTP_PORT: u16 = 8080;
 pub const METADATA_ADDRS: &[&str] = &["169.254.169.254", "169.254.170.2", "169.254.170.23", "fd00:ec2::254"];
 
 pub struct NetLab {
-    pub runner_ns: String,
-    pub outside_ns: String,
+    pub runner_ns: Netns,
+    pub outside_ns: Netns,
     outside_stop: Option<tokio::sync::oneshot::Sender<()>>,
     outside_thread: Option<std::thread::JoinHandle<()>>,
     /// Requests the outside HTTP server answered.
@@ -37,59 +37,68 @@ pub struct NetLab {
 }
 
 fn ip(args: &[&str]) {
-    // Under heavy load `ip -n NS …` now and then fails to join a namespace that exists
-    // ("setting the network namespace … Invalid argument", seen on a 2-core machine
-    // building alongside): that one error is retried, a few times; any other fails.
-    let mut tries = 0;
-    loop {
-        let out = Command::new("ip").args(args).output().expect("ip (iproute2) is required");
-        let err = String::from_utf8_lossy(&out.stderr).trim().to_string();
-        if out.status.success() {
-            return;
-        }
-        tries += 1;
-        if tries < 5 && err.contains("setting the network namespace") && err.contains("Invalid argument") {
-            std::thread::sleep(std::time::Duration::from_millis(50 * tries));
-            continue;
-        }
-        panic!("ip {}: {err}", args.join(" "));
+    run_ip(Command::new("ip").args(args), args);
+}
+
+/// `ip ARGS` inside `ns`'s network namespace (nsenter, by the holder's /proc path).
+fn ip_in(ns: &Netns, args: &[&str]) {
+    run_ip(Command::new("nsenter").arg(format!("--net={}", ns.path())).arg("ip").args(args), args);
+}
+
+fn run_ip(cmd: &mut Command, args: &[&str]) {
+    let out = cmd.output().expect("ip (iproute2) and nsenter (util-linux) are required");
+    if !out.status.success() {
+        panic!("ip {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim());
     }
 }
 
-/// `ip netns add NAME`, one at a time in this process: the first one makes /run/netns
-/// a mount point of its own, and two doing that at once stack two mounts and hide one
-/// namespace's bind mount (every later setns into it fails with EINVAL). Also across
-/// processes (two suites, or two checkouts, on one machine): an flock beside /run/netns.
-fn netns_add(name: &str) {
-    netns_locked(|| ip(&["netns", "add", name]));
+/// A network namespace held by a `sleep` of its own (`unshare --net`), reached through
+/// /proc/PID/ns/net. Named namespaces (`ip netns add`) were abandoned: under load their
+/// bind mounts in /run/netns vanished now and then (every `ip -n NS` then failed with
+/// EINVAL, in two CI runs), whatever locking was tried; a holder process has no mount
+/// to lose, and its namespace goes when it is killed.
+pub struct Netns {
+    holder: std::process::Child,
 }
 
-/// `ip netns del NAME` under the same locks as `netns_add`: a delete unmounting its
-/// bind mount while another add is making /run/netns a mount point loses the other's
-/// (seen in CI: `ip -n NS` then failed with EINVAL for good).
-fn netns_del(name: &str) {
-    netns_locked(|| {
-        let _ = Command::new("ip").args(["netns", "del", name]).status();
-    });
+impl Netns {
+    fn new() -> Netns {
+        let own = std::fs::read_link("/proc/self/ns/net").expect("our network namespace");
+        let holder = Command::new("unshare")
+            .args(["--net", "--", "sleep", "1000000"])
+            .stdin(std::process::Stdio::null())
+            .spawn()
+            .expect("unshare (util-linux) is required");
+        let ns = Netns { holder };
+        // unshare enters the new namespace before it execs sleep: wait for that.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while std::fs::read_link(ns.path()).map_or(true, |l| l == own) {
+            assert!(std::time::Instant::now() < deadline, "unshare --net never entered its namespace");
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        ns
+    }
+
+    /// The namespace, for setns and nsenter.
+    pub fn path(&self) -> String {
+        format!("/proc/{}/ns/net", self.holder.id())
+    }
+
+    /// For `ip link … netns PID`.
+    fn pid(&self) -> String {
+        self.holder.id().to_string()
+    }
 }
 
-fn netns_locked(f: impl FnOnce()) {
-    static NETNS: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    let _one = NETNS.lock().unwrap_or_else(|e| e.into_inner());
-    let lock = std::fs::OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open("/run/byoc-netlab.lock")
-        .expect("/run/byoc-netlab.lock (the network suites need root)");
-    lock.lock().expect("locking /run/byoc-netlab.lock");
-    f();
-    let _ = lock.unlock();
+impl Drop for Netns {
+    fn drop(&mut self) {
+        let _ = self.holder.kill();
+        let _ = self.holder.wait();
+    }
 }
 
-/// Run `f` on a new thread that has joined namespace `ns` (by name, /run/netns/NAME).
-pub fn in_netns<T: Send + 'static>(ns: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
-    let path = format!("/run/netns/{ns}");
+/// Run `f` on a new thread that has joined the network namespace at `path`.
+pub fn in_netns<T: Send + 'static>(path: String, f: impl FnOnce() -> T + Send + 'static) -> T {
     std::thread::spawn(move || {
         let file = std::fs::File::open(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
         nix::sched::setns(file, nix::sched::CloneFlags::CLONE_NEWNET).expect("setns (the suites need root)");
@@ -102,39 +111,37 @@ pub fn in_netns<T: Send + 'static>(ns: &str, f: impl FnOnce() -> T + Send + 'sta
 impl NetLab {
     /// Build both namespaces, their link and addresses, and start the outside servers.
     pub fn create() -> NetLab {
-        assert!(nix::unistd::geteuid().is_root(), "the network suites need root (ip netns)");
-        let tag = byoc_protocol::random_hex(4);
-        let (r, o) = (format!("byoc-r-{tag}"), format!("byoc-o-{tag}"));
-        netns_add(&r);
-        netns_add(&o);
+        assert!(nix::unistd::geteuid().is_root(), "the network suites need root (unshare --net, veth)");
         let mut lab = NetLab {
-            runner_ns: r.clone(),
-            outside_ns: o.clone(),
+            runner_ns: Netns::new(),
+            outside_ns: Netns::new(),
             outside_stop: None,
             outside_thread: None,
             outside_hits: Arc::default(),
         };
-        ip(&["link", "add", "v0", "netns", &r, "type", "veth", "peer", "name", "v1", "netns", &o]);
-        for (ns, v4, v6) in
-            [(&r, "198.51.100.2/24", "2001:db8::2/64"), (&o, "198.51.100.1/24", "2001:db8::1/64")]
+        let (r, o) = (&lab.runner_ns, &lab.outside_ns);
+        // Created straight into the two namespaces: link names are per namespace.
+        let (rp, op) = (r.pid(), o.pid());
+        ip(&["link", "add", "v0", "netns", &rp, "type", "veth", "peer", "name", "v1", "netns", &op]);
+        for (ns, dev, v4, v6) in
+            [(r, "v0", "198.51.100.2/24", "2001:db8::2/64"), (o, "v1", "198.51.100.1/24", "2001:db8::1/64")]
         {
-            let dev = if ns == &r { "v0" } else { "v1" };
-            ip(&["-n", ns, "link", "set", "lo", "up"]);
-            ip(&["-n", ns, "addr", "add", v4, "dev", dev]);
-            ip(&["-n", ns, "-6", "addr", "add", v6, "dev", dev, "nodad"]);
-            ip(&["-n", ns, "link", "set", dev, "up"]);
+            ip_in(ns, &["link", "set", "lo", "up"]);
+            ip_in(ns, &["addr", "add", v4, "dev", dev]);
+            ip_in(ns, &["-6", "addr", "add", v6, "dev", dev, "nodad"]);
+            ip_in(ns, &["link", "set", dev, "up"]);
         }
-        ip(&["-n", &r, "route", "add", "default", "via", OUTSIDE_V4]);
-        ip(&["-n", &r, "-6", "route", "add", "default", "via", OUTSIDE_V6]);
+        ip_in(r, &["route", "add", "default", "via", OUTSIDE_V4]);
+        ip_in(r, &["-6", "route", "add", "default", "via", OUTSIDE_V6]);
         for a in METADATA_ADDRS {
             let len = if a.contains(':') { "/128" } else { "/32" };
-            ip(&["-n", &r, "addr", "add", &format!("{a}{len}"), "dev", "lo"]);
+            ip_in(r, &["addr", "add", &format!("{a}{len}"), "dev", "lo"]);
         }
         // The outside servers: a runtime on a thread inside the outside namespace.
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let (ready_tx, ready_rx) = std::sync::mpsc::channel();
         let hits = lab.outside_hits.clone();
-        let path = format!("/run/netns/{o}");
+        let path = lab.outside_ns.path();
         lab.outside_thread = Some(std::thread::spawn(move || {
             let file = std::fs::File::open(&path).expect("outside namespace");
             nix::sched::setns(file, nix::sched::CloneFlags::CLONE_NEWNET).expect("setns");
@@ -167,7 +174,7 @@ impl NetLab {
         Fut: Future + 'static,
         Fut::Output: Send + 'static,
     {
-        in_netns(&self.runner_ns, move || {
+        in_netns(self.runner_ns.path(), move || {
             let rt = tokio::runtime::Builder::new_multi_thread()
                 .worker_threads(2)
                 .enable_all()
@@ -186,9 +193,7 @@ impl Drop for NetLab {
         if let Some(t) = self.outside_thread.take() {
             let _ = t.join();
         }
-        for ns in [&self.runner_ns, &self.outside_ns] {
-            netns_del(ns);
-        }
+        // The namespaces (and the veth pair between them) go with their holders.
     }
 }
 
@@ -305,7 +310,7 @@ fn dns_answer(q: &[u8]) -> Option<Vec<u8>> {
 /// TEST-NET-3 range, with an HTTP server at 203.0.113.1:8080. The root namespace gets
 /// 203.0.113.2/24 on its end; all of it goes away when the peer is dropped.
 pub struct Peer {
-    pub ns: String,
+    pub ns: Netns,
     pub addr: SocketAddr,
     pub hits: Arc<AtomicUsize>,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
@@ -317,22 +322,21 @@ pub const PEER_HOST_SIDE_V4: &str = "203.0.113.2";
 
 impl Peer {
     pub fn create() -> Peer {
-        assert!(nix::unistd::geteuid().is_root(), "the network suites need root (ip netns)");
+        assert!(nix::unistd::geteuid().is_root(), "the network suites need root (unshare --net, veth)");
         let tag = byoc_protocol::random_hex(4);
-        let ns = format!("byoc-p-{tag}");
+        let ns = Netns::new();
         let host_if = format!("byocp{tag}");
-        netns_add(&ns);
-        ip(&["link", "add", &host_if, "type", "veth", "peer", "name", "v1", "netns", &ns]);
+        ip(&["link", "add", &host_if, "type", "veth", "peer", "name", "v1", "netns", &ns.pid()]);
         ip(&["addr", "add", &format!("{PEER_HOST_SIDE_V4}/24"), "dev", &host_if]);
         ip(&["link", "set", &host_if, "up"]);
-        ip(&["-n", &ns, "link", "set", "lo", "up"]);
-        ip(&["-n", &ns, "addr", "add", &format!("{PEER_V4}/24"), "dev", "v1"]);
-        ip(&["-n", &ns, "link", "set", "v1", "up"]);
+        ip_in(&ns, &["link", "set", "lo", "up"]);
+        ip_in(&ns, &["addr", "add", &format!("{PEER_V4}/24"), "dev", "v1"]);
+        ip_in(&ns, &["link", "set", "v1", "up"]);
         let addr: SocketAddr = format!("{PEER_V4}:{OUTSIDE_HTTP_PORT}").parse().expect("literal");
         let hits: Arc<AtomicUsize> = Arc::default();
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let (ready_tx, ready_rx) = std::sync::mpsc::channel();
-        let (path, h) = (format!("/run/netns/{ns}"), hits.clone());
+        let (path, h) = (ns.path(), hits.clone());
         let thread = std::thread::spawn(move || {
             let file = std::fs::File::open(&path).expect("peer namespace");
             nix::sched::setns(file, nix::sched::CloneFlags::CLONE_NEWNET).expect("setns");
@@ -362,7 +366,7 @@ impl Drop for Peer {
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
-        // Deleting the namespace deletes its end of the veth pair, and with it ours.
-        netns_del(&self.ns);
+        // The namespace goes with its holder (Netns's drop, after this), and with it
+        // its end of the veth pair and so ours.
     }
 }
