@@ -114,7 +114,7 @@ conf="$ROOT/etc/byoc-runner/runner.toml"
     echo
     echo "[runner]"
     echo "install_id = \"$BYOC_INSTALL_ID\""
-    echo "bootstrap_token_file = \"/etc/byoc-runner/bootstrap-token\""
+    echo "bootstrap_token_file = \"/var/lib/byoc-runner/bootstrap-token\""
     echo
     echo "[aws]"
     echo "region = \"$BYOC_REGION\""
@@ -133,10 +133,14 @@ chmod 0640 "$conf.new"
 mv "$conf.new" "$conf"
 "$ROOT/usr/bin/byoc-runner" config validate --config "$conf" >/dev/null || fail "the written runner.toml does not validate"
 
-# 5. The bootstrap token, before the first enrollment only.
+# 5. The bootstrap token, before the first enrollment only. It goes in the state
+#    directory (the unit's StateDirectory, created here as systemd would create it):
+#    under ProtectSystem=strict /etc is read-only to the runner, which could then not
+#    delete the token once it is spent.
 if [ ! -e "$ROOT/var/lib/byoc-runner/enrollment.json" ]; then
     [ -n "$BYOC_BOOTSTRAP_SECRET" ] || fail "not enrolled yet and BYOC_BOOTSTRAP_SECRET is not set"
-    token_file="$ROOT/etc/byoc-runner/bootstrap-token"
+    install -d -m 0700 -o "$uid" -g "$gid" "$ROOT/var/lib/byoc-runner" || fail "creating /var/lib/byoc-runner"
+    token_file="$ROOT/var/lib/byoc-runner/bootstrap-token"
     (
         umask 077
         aws secretsmanager get-secret-value --region "$BYOC_REGION" --secret-id "$BYOC_BOOTSTRAP_SECRET" \

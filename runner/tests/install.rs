@@ -251,7 +251,7 @@ fn user_data_installs_configures_starts_and_then_signals_and_is_safe_to_rerun() 
     }
     assert_eq!(mode(&conf), 0o640);
     run(Command::new(BIN).args(["config", "validate", "--config"]).arg(&conf));
-    let token = r.join("etc/byoc-runner/bootstrap-token");
+    let token = r.join("var/lib/byoc-runner/bootstrap-token");
     assert_eq!(std::fs::read_to_string(&token).unwrap().trim(), "bootstrap-token-from-secrets-manager");
     assert_eq!(mode(&token), 0o600);
     assert_eq!(std::fs::metadata(&token).unwrap().uid(), id_of(r, "etc/passwd", "byoc-runner"));

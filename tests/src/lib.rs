@@ -18,6 +18,7 @@ pub mod registry;
 pub mod server;
 pub mod state;
 pub mod tls;
+pub mod vm;
 
 pub use server::{ControlPlane, ControlPlaneConfig};
 pub use state::{EnqueueRequest, Faults, JobView, Tamper};

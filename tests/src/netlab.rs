@@ -134,8 +134,13 @@ impl NetLab {
         ip_in(r, &["route", "add", "default", "via", OUTSIDE_V4]);
         ip_in(r, &["-6", "route", "add", "default", "via", OUTSIDE_V6]);
         for a in METADATA_ADDRS {
-            let len = if a.contains(':') { "/128" } else { "/32" };
-            ip_in(r, &["addr", "add", &format!("{a}{len}"), "dev", "lo"]);
+            // An IPv6 address stays "tentative" (unbindable: EADDRNOTAVAIL) until the
+            // kernel's DAD work runs, even on lo; under load that is after the test binds.
+            if a.contains(':') {
+                ip_in(r, &["-6", "addr", "add", &format!("{a}/128"), "dev", "lo", "nodad"]);
+            } else {
+                ip_in(r, &["addr", "add", &format!("{a}/32"), "dev", "lo"]);
+            }
         }
         // The outside servers: a runtime on a thread inside the outside namespace.
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();

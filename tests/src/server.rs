@@ -239,7 +239,8 @@ async fn apply_faults(shared: &Arc<Shared>, faults: Faults) -> std::io::Result<(
 
 /// Accept loop whose connections all die with it (aborting the task drops the JoinSet),
 /// so `down` cuts long polls that are in flight, as a crashed server would.
-async fn serve(listener: TcpListener, router: Router, tls: Option<tokio_rustls::TlsAcceptor>) {
+/// Serve `router` on `listener`, over TLS when `tls` is given, until the task is aborted.
+pub async fn serve(listener: TcpListener, router: Router, tls: Option<tokio_rustls::TlsAcceptor>) {
     let mut conns = tokio::task::JoinSet::new();
     loop {
         tokio::select! {

@@ -18,6 +18,11 @@ pub struct PkiError(String);
 
 /// A CA and a server certificate for `localhost` and 127.0.0.1 signed by it.
 pub fn test_pki() -> Result<TestPki, PkiError> {
+    test_pki_for(&["localhost", "127.0.0.1"])
+}
+
+/// A CA and a server certificate for `names` (host names or IP addresses) signed by it.
+pub fn test_pki_for(names: &[&str]) -> Result<TestPki, PkiError> {
     let err = |e: &dyn std::fmt::Display| PkiError(e.to_string());
     let ca_key = rcgen::KeyPair::generate().map_err(|e| err(&e))?;
     let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).map_err(|e| err(&e))?;
@@ -27,7 +32,7 @@ pub fn test_pki() -> Result<TestPki, PkiError> {
     let issuer = rcgen::Issuer::new(ca_params, ca_key);
 
     let server_key = rcgen::KeyPair::generate().map_err(|e| err(&e))?;
-    let params = rcgen::CertificateParams::new(vec!["localhost".to_string(), "127.0.0.1".to_string()])
+    let params = rcgen::CertificateParams::new(names.iter().map(|n| n.to_string()).collect::<Vec<_>>())
         .map_err(|e| err(&e))?;
     let server_cert = params.signed_by(&server_key, &issuer).map_err(|e| err(&e))?;
 

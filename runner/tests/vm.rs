@@ -1,0 +1,591 @@
+//! The runner on a real VM, installed as a customer's stack installs it: Debian 12 under
+//! qemu (systemd as PID 1, cgroup v2, cloud-init), the install stack's own user-data
+//! (rendered from `ami/install-stack.yaml` with the stack's parameters and resources as
+//! moto created them) fetching a signed release over HTTPS, the bootstrap token from
+//! Secrets Manager, and the shipped unit. The control plane, moto, the release server and
+//! a fake instance metadata service run on the host's loopback; the guest reaches them,
+//! and nothing else, through qemu's user-mode network (see `byoc_control_plane::vm`).
+//!
+//! One guest is booted (a cold boot under software emulation takes about a minute) and
+//! the cases run in order inside it; the cases that disturb the runner (stop, kill,
+//! reboot) come last. This file has its own `main` (harness = false) so the order is
+//! explicit; it prints libtest's lines so `scripts/test` counts its cases.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use byoc_control_plane::imds::FakeImds;
+use byoc_control_plane::moto::MotoServer;
+use byoc_control_plane::state::JobState;
+use byoc_control_plane::vm::{Forward, IMDS_ADDR, Vm, VmImage, VmOptions, serve_files_tls};
+use byoc_control_plane::{ControlPlane, ControlPlaneConfig, EnqueueRequest, JobView};
+use byoc_protocol::JobStatus;
+use common::BIN;
+
+const RELEASE_ADDR: &str = "169.254.100.1";
+const CP_ADDR: &str = "169.254.100.2";
+const AWS_ADDR: &str = "169.254.100.3";
+const STACK: &str = "byoc-vm-install";
+const REGION: &str = "us-east-1";
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+fn run(cmd: &mut Command) -> std::process::Output {
+    let out = cmd.output().unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
+    assert!(
+        out.status.success(),
+        "{cmd:?} failed: {}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+/// Everything on the host side, and the guest.
+struct World {
+    rt: tokio::runtime::Runtime,
+    cp: ControlPlane,
+    moto: MotoServer,
+    vm: Vm,
+    _imds: FakeImds,
+    _release: tokio::task::JoinHandle<()>,
+    _dirs: Vec<tempfile::TempDir>,
+}
+
+impl World {
+    fn wait_job(&mut self, job_id: &str, timeout: Duration, done: impl Fn(&JobView) -> bool) -> JobView {
+        match self.rt.block_on(self.cp.wait_for(job_id, timeout, done)) {
+            Some(v) => v,
+            None => panic!(
+                "job {job_id} did not get there in {timeout:?}: {:?}\nrunner journal:\n{}",
+                self.cp.job(job_id),
+                self.journal_tail()
+            ),
+        }
+    }
+
+    fn finished(&mut self, job_id: &str) -> JobView {
+        self.wait_job(job_id, Duration::from_secs(300), |v| v.result.is_some())
+    }
+
+    fn output(&self, job_id: &str) -> String {
+        common::job_output(&self.cp.log(job_id).unwrap_or_default())
+    }
+
+    fn journal_tail(&mut self) -> String {
+        self.vm
+            .exec("journalctl -u byoc-runner --no-pager -n 60", Duration::from_secs(60))
+            .map(|o| o.stdout)
+            .unwrap_or_else(|e| e.to_string())
+    }
+}
+
+/// The release: a .deb of the binary under test (debug info stripped: the guest unpacks
+/// it under emulation), SHA256SUMS and its minisign signature; the key line.
+fn signed_release(dir: &Path, keys: &Path) -> String {
+    let bin = dir.join("byoc-runner");
+    run(Command::new("objcopy").arg("--strip-debug").arg(BIN).arg(&bin));
+    run(Command::new(repo().join("packaging/build-deb"))
+        .arg(&bin)
+        .arg(dir)
+        .arg("0.1.0-vm1")
+        .env("BYOC_DEB_COMPRESSION", "none"));
+    std::fs::remove_file(&bin).unwrap();
+    let (public, secret) = (keys.join("release.pub"), keys.join("release.key"));
+    run(Command::new("minisign").args(["-G", "-W", "-p"]).arg(&public).arg("-s").arg(&secret));
+    run(Command::new("minisign").arg("-S").arg("-s").arg(&secret).arg("-m").arg(dir.join("SHA256SUMS")));
+    std::fs::read_to_string(&public).unwrap().lines().nth(1).unwrap().to_string()
+}
+
+/// The template's UserData with `${…}` substituted as CloudFormation's Fn::Sub would.
+fn render_user_data(template: &serde_json::Value, vars: &[(&str, String)]) -> String {
+    let lt = &template["Resources"]["RunnerLaunchTemplate"]["Properties"]["LaunchTemplateData"];
+    let sub =
+        lt["UserData"]["Fn::Base64"]["Fn::Sub"].as_str().expect("the template's UserData is an Fn::Sub");
+    let mut out = String::new();
+    let mut rest = sub;
+    while let Some(i) = rest.find("${") {
+        out.push_str(&rest[..i]);
+        let after = &rest[i + 2..];
+        let end = after.find('}').expect("unterminated ${ in UserData");
+        let name = &after[..end];
+        if let Some(literal) = name.strip_prefix('!') {
+            out.push_str("${");
+            out.push_str(literal);
+            out.push('}');
+        } else {
+            let value = vars
+                .iter()
+                .find(|(k, _)| *k == name)
+                .unwrap_or_else(|| panic!("UserData names ${{{name}}}, which the suite does not set"));
+            out.push_str(&value.1);
+        }
+        rest = &after[end + 1..];
+    }
+    out.push_str(rest);
+    out
+}
+
+fn template() -> serde_json::Value {
+    let out = run(Command::new(repo().join(".venv/bin/python"))
+        .args(["-c", "import json, sys, yaml; print(json.dumps(yaml.safe_load(open(sys.argv[1]))))"])
+        .arg(repo().join("ami/install-stack.yaml")));
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// A resource's physical id (what `Ref` gives) from DescribeStackResources' answer.
+fn physical_id(resources: &str, logical: &str) -> String {
+    let at = resources
+        .find(&format!("<LogicalResourceId>{logical}</LogicalResourceId>"))
+        .unwrap_or_else(|| panic!("no resource {logical}: {resources}"));
+    let member = &resources[..at];
+    let member = &member[member.rfind("<member>").unwrap()..];
+    let rest = &resources[at..];
+    let end = rest.find("</member>").unwrap_or(rest.len());
+    let whole = format!("{member}{}", &rest[..end]);
+    whole.split("<PhysicalResourceId>").nth(1).and_then(|s| s.split('<').next()).unwrap().to_string()
+}
+
+/// What stands in for the cloud inside the guest, as vendor-data (cloud-init applies it
+/// before the user-data runs): trust for the test CA (the release and control plane
+/// certificates), and AWS's endpoints at moto for the aws CLI (a wrapper adding
+/// `--endpoint-url`: this Debian's aws CLI predates AWS_ENDPOINT_URL) and for the runner
+/// (a drop-in).
+fn vendor_data(ca_pem: &str, aws_url: &str) -> String {
+    let indent = |s: &str, n: usize| s.lines().map(|l| format!("{}{l}\n", " ".repeat(n))).collect::<String>();
+    format!(
+        "#cloud-config\nlocale: false\nca_certs:\n  trusted:\n    - |\n{ca}write_files:\n  - path: /usr/local/bin/aws\n    permissions: '0755'\n    content: |\n      #!/bin/sh\n      exec /usr/bin/aws --endpoint-url {aws_url} \"$@\"\n  - path: /etc/systemd/system/byoc-runner.service.d/test-endpoints.conf\n    content: |\n      [Service]\n      Environment=AWS_ENDPOINT_URL={aws_url}\n",
+        ca = indent(ca_pem, 6),
+    )
+}
+
+fn setup() -> World {
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let image = VmImage::get().unwrap_or_else(|e| panic!("the VM image: {e}"));
+    let pki = byoc_control_plane::tls::test_pki_for(&[RELEASE_ADDR, CP_ADDR]).unwrap();
+    let (release_dir, keys) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let release_key = signed_release(release_dir.path(), keys.path());
+
+    let cp = rt
+        .block_on(ControlPlane::start(ControlPlaneConfig {
+            tls: Some(pki.server.clone()),
+            ..Default::default()
+        }))
+        .unwrap();
+    let moto = rt.block_on(MotoServer::start());
+    let imds = rt.block_on(FakeImds::start()).unwrap();
+    let (release_port, release_task) =
+        rt.block_on(serve_files_tls(release_dir.path().to_path_buf(), pki.server.clone()));
+    let port_of = |url: &str| url.rsplit(':').next().unwrap().trim_end_matches('/').parse::<u16>().unwrap();
+
+    // The install stack, created by moto's CloudFormation from the shipped template.
+    let template = template();
+    let control_plane_url = format!("https://{CP_ADDR}");
+    let bootstrap_token = cp.bootstrap_token();
+    let (resources, secret_arn) = rt.block_on(async {
+        let images = moto
+            .query("ec2", &[("Action".into(), "DescribeImages".into()), ("Version".into(), "2016-11-15".into())])
+            .await;
+        let image_id = images.split("<imageId>").nth(1).and_then(|s| s.split('<').next()).unwrap().to_string();
+        let params = [
+            ("InstallId", cp.install_id()),
+            ("ControlPlaneUrl", control_plane_url.clone()),
+            ("ControlPlanePublicKeys", cp.public_key_b64()),
+            ("ReleaseUrl", format!("https://{RELEASE_ADDR}")),
+            ("ReleasePublicKey", release_key.clone()),
+            ("ImageId", image_id),
+            ("BootstrapToken", bootstrap_token.clone()),
+            ("ExternalId", "vm-suite-external-id".to_string()),
+        ];
+        let params: Vec<(&str, &str)> = params.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        moto.put_stack("CreateStack", STACK, &template, &params).await;
+        let described = moto
+            .query(
+                "cloudformation",
+                &[("Action".into(), "DescribeStacks".into()), ("StackName".into(), STACK.into())],
+            )
+            .await;
+        assert!(described.contains("CREATE_COMPLETE"), "{described}");
+        let resources = moto
+            .query(
+                "cloudformation",
+                &[("Action".into(), "DescribeStackResources".into()), ("StackName".into(), STACK.into())],
+            )
+            .await;
+        // moto's CloudFormation does not create AWS::SecretsManager::Secret resources: the
+        // suite creates the stack's bootstrap secret as the stack would.
+        let secret = moto
+            .json_call(
+                "secretsmanager",
+                "secretsmanager.CreateSecret",
+                serde_json::json!({"Name": format!("{STACK}-BootstrapSecret"), "SecretString": bootstrap_token}),
+            )
+            .await;
+        (resources, secret["ARN"].as_str().expect("CreateSecret's ARN").to_string())
+    });
+    let user_data = render_user_data(
+        &template,
+        &[
+            ("InstallId", cp.install_id()),
+            ("ControlPlaneUrl", control_plane_url),
+            ("ControlPlanePublicKeys", cp.public_key_b64()),
+            ("AWS::Region", REGION.into()),
+            ("AWS::StackName", STACK.into()),
+            ("ExternalId", "vm-suite-external-id".into()),
+            ("BootstrapSecret", secret_arn),
+            ("StateBucket", physical_id(&resources, "StateBucket")),
+            ("ReleaseUrl", format!("https://{RELEASE_ADDR}")),
+            ("ReleasePublicKey", release_key),
+        ],
+    );
+    let forwards = vec![
+        Forward { guest_addr: IMDS_ADDR.into(), guest_port: 80, host_port: port_of(&imds.url) },
+        Forward { guest_addr: RELEASE_ADDR.into(), guest_port: 443, host_port: release_port },
+        Forward { guest_addr: CP_ADDR.into(), guest_port: 443, host_port: port_of(&cp.runner_url()) },
+        Forward { guest_addr: AWS_ADDR.into(), guest_port: 80, host_port: port_of(&moto.url()) },
+    ];
+    let vm = Vm::boot(
+        &image,
+        &VmOptions {
+            user_data,
+            vendor_data: Some(vendor_data(&pki.ca_pem, &format!("http://{AWS_ADDR}"))),
+            forwards,
+            memory_mib: None,
+        },
+    )
+    .unwrap_or_else(|e| panic!("booting the VM: {e}"));
+    World { rt, cp, moto, vm, _imds: imds, _release: release_task, _dirs: vec![release_dir, keys] }
+}
+
+// ---- the cases, in the order they run -------------------------------------------------
+
+/// cloud-init ran the stack's user-data: release verified and installed, config written,
+/// token fetched, unit started and READY, stack signalled; the system is not degraded.
+fn the_stacks_user_data_installs_and_the_unit_becomes_ready(w: &mut World) {
+    w.vm.wait_agent(Duration::from_secs(300)).unwrap_or_else(|e| panic!("{e}\n{}", w.vm.serial_tail(80)));
+    let status = w.vm.exec("cloud-init status --wait --long", Duration::from_secs(600)).unwrap();
+    let install_log =
+        w.vm.sh("journalctl -t byoc-install --no-pager -o cat; tail -40 /var/log/cloud-init-output.log");
+    assert!(status.ok(), "cloud-init: {}\n{install_log}", status.stdout);
+    assert!(install_log.contains("release verified: byoc-runner_0.1.0-vm1_"), "{install_log}");
+    assert!(install_log.contains("byoc-runner is enrolled and polling"), "{install_log}");
+    assert_eq!(w.vm.sh("systemctl is-active byoc-runner").trim(), "active");
+    assert_eq!(
+        w.vm.sh("systemctl is-system-running || true").trim(),
+        "running",
+        "{}",
+        w.vm.sh("systemctl --failed --no-pager")
+    );
+    let show = w.vm.sh("systemctl show byoc-runner -p Type -p User -p StatusText -p NRestarts");
+    assert!(show.contains("Type=notify") && show.contains("User=byoc-runner"), "{show}");
+    assert!(show.contains("StatusText=") && !show.contains("StatusText=\n"), "no status text: {show}");
+    // Enrolled with the stack's one-time token, which is gone from the VM afterwards.
+    assert_eq!(w.cp.runners().len(), 1, "{:?}", w.cp.runners());
+    assert!(
+        !w.vm.exec("test -e /var/lib/byoc-runner/bootstrap-token", Duration::from_secs(30)).unwrap().ok()
+    );
+    let token_reads = w.rt.block_on(w.moto.calls_of("GetSecretValue"));
+    assert_eq!(token_reads.len(), 1, "{token_reads:?}");
+    // The stack was told (moto's SignalResource is not modelled beyond recording the
+    // call: the aws CLI retries its error, so there may be several).
+    let signals = w.rt.block_on(w.moto.calls_of("SignalResource"));
+    assert!(!signals.is_empty(), "the stack was never signalled");
+    for call in &signals {
+        assert_eq!(call.params.get("Status").map(String::as_str), Some("SUCCESS"), "{call:?}");
+        assert_eq!(
+            call.params.get("LogicalResourceId").map(String::as_str),
+            Some("RunnerInstance"),
+            "{call:?}"
+        );
+    }
+    // The unit runs the runner as its own user.
+    let user = w.vm.sh("stat -c %U /proc/$(systemctl show -p MainPID --value byoc-runner)");
+    assert_eq!(user.trim(), "byoc-runner");
+}
+
+fn exposure(w: &mut World) -> f64 {
+    let out = w.vm.sh("systemd-analyze security byoc-runner --no-pager 2>&1 | tail -1");
+    out.split("level for byoc-runner.service:")
+        .nth(1)
+        .and_then(|s| s.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("systemd-analyze security said: {out}"))
+}
+
+/// The running unit's exposure score, as systemd itself rates it.
+fn the_running_unit_is_rated_at_most_3_by_systemd_analyze_security(w: &mut World) {
+    let score = exposure(w);
+    eprintln!("vm: systemd-analyze security byoc-runner: {score}");
+    assert!(
+        score <= 3.0,
+        "exposure {score} > 3.0:\n{}",
+        w.vm.sh("systemd-analyze security byoc-runner --no-pager")
+    );
+}
+
+/// `byoc-runner config check` on the VM: IMDSv2, the stack, the sandbox, the boundary.
+fn config_check_on_the_vm_is_all_ok(w: &mut World) {
+    let out = w.vm.exec(
+        "runuser -u byoc-runner -- byoc-runner config check --config /etc/byoc-runner/runner.toml --output json",
+        Duration::from_secs(120),
+    )
+    .unwrap();
+    let report: serde_json::Value = serde_json::from_str(&out.stdout)
+        .unwrap_or_else(|_| panic!("config check printed {}\n{}", out.stdout, out.stderr));
+    let not_ok: Vec<&serde_json::Value> =
+        report["checks"].as_array().unwrap().iter().filter(|c| c["status"] != "ok").collect();
+    assert!(not_ok.is_empty(), "not ok: {not_ok:#?}");
+    assert!(out.ok(), "{}", out.stderr);
+}
+
+fn script(s: &str) -> EnqueueRequest {
+    EnqueueRequest::new("action.script", serde_json::json!({ "script": s }))
+}
+
+/// A job under the shipped unit: in a cgroup v2 leaf of the unit's delegated subtree,
+/// with the sandbox's limits, and inside the network boundary (no metadata service).
+fn a_job_runs_sandboxed_in_the_units_cgroup_v2_subtree(w: &mut World) {
+    let id = w
+        .cp
+        .enqueue(script(
+            "if (exec 3<>/dev/tcp/169.254.169.254/80) 2>/dev/null; then echo imds-reached; else echo imds-blocked; fi; \
+             echo waiting; sleep 3777",
+        ))
+        .unwrap();
+    w.wait_job(&id, Duration::from_secs(120), |v| v.log_size > 0);
+    let cgroup =
+        w.vm.wait_for("cat /proc/$(pgrep -f 'sleep 3777' | head -1)/cgroup", Duration::from_secs(60))
+            .unwrap()
+            .stdout;
+    assert!(cgroup.starts_with("0::/system.slice/byoc-runner.service/"), "the job's cgroup: {cgroup}");
+    w.rt.block_on(async { w.cp.cancel(&id) }).unwrap();
+    let v = w.finished(&id);
+    assert_eq!(v.result.unwrap().status, JobStatus::Cancelled);
+    let out = w.output(&id);
+    assert!(out.contains("imds-blocked"), "{out}");
+    let log = String::from_utf8_lossy(&w.cp.log(&id).unwrap()).into_owned();
+    assert!(log.contains("[sandbox] cgroup V2 limits: memory"), "{log}");
+    // The runner itself reaches the metadata service (config check, below, proves IMDSv2).
+}
+
+fn set_limits(w: &mut World, memory_mib: u64, pids: u64) {
+    w.vm.sh(&format!(
+        "printf '\\n[sandbox]\\nmemory_mib = {memory_mib}\\npids = {pids}\\n' >> /etc/byoc-runner/runner.toml && systemctl restart byoc-runner"
+    ));
+}
+
+/// cgroup v2 limits apply: a memory hog is killed and the job says so; a fork bomb
+/// meets the pids limit.
+fn cgroup_v2_limits_stop_a_memory_hog_and_a_fork_bomb(w: &mut World) {
+    set_limits(w, 96, 32);
+    let id =
+        w.cp.enqueue(script("set -e; head -c 400000000 /dev/zero | tail > /dev/null; echo survived"))
+            .unwrap();
+    let r = w.finished(&id).result.unwrap();
+    let log = w.output(&id);
+    assert_eq!(r.status, JobStatus::Failed, "{log}");
+    assert!(r.error.as_deref().unwrap_or("").contains("memory limit of 96 MiB"), "{:?}\n{log}", r.error);
+    assert!(
+        String::from_utf8_lossy(&w.cp.log(&id).unwrap()).contains("cgroup V2 limits: memory 96 MiB"),
+        "{log}"
+    );
+
+    let mut req = script("for i in $(seq 1 60); do sleep 3301 & done; wait");
+    req.timeout_secs = 120;
+    let id = w.cp.enqueue(req).unwrap();
+    let r = w.finished(&id).result.unwrap();
+    assert_eq!(r.status, JobStatus::Failed, "{}", w.output(&id));
+    assert!(r.error.as_deref().unwrap_or("").contains("limit of 32 processes"), "{:?}", r.error);
+    assert_eq!(w.vm.sh("pgrep -c -f 'sleep 3301' || true").trim(), "0", "the fork bomb outlived its job");
+}
+
+/// The journal has the runner's structured fields: a job's records by JOB_ID, a refused
+/// job by AUDIT_EVENT.
+fn the_journal_has_structured_fields(w: &mut World) {
+    let id = w.cp.enqueue(script("echo journal-me")).unwrap();
+    w.finished(&id);
+    let out = w.vm.sh(&format!("journalctl -u byoc-runner JOB_ID={id} -o json --no-pager"));
+    let records: Vec<serde_json::Value> = out.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert!(!records.is_empty(), "no journal records for {id}");
+    assert!(records.iter().all(|r| r["JOB_ID"] == id.as_str()), "{records:?}");
+    let mut bad = script("echo never");
+    bad.tamper.bad_signature = true;
+    let id = w.cp.enqueue(bad).unwrap();
+    w.wait_job(&id, Duration::from_secs(120), |v| v.state == JobState::Rejected);
+    let out = w
+        .vm
+        .sh(&format!("journalctl -u byoc-runner AUDIT_EVENT=job_rejected JOB_ID={id} -o json --no-pager"));
+    assert!(out.lines().count() >= 1, "no job_rejected record for {id}");
+}
+
+/// `systemctl stop` drains: a running job finishes within the grace period and the
+/// runner stops cleanly.
+fn systemctl_stop_drains_a_running_job(w: &mut World) {
+    let id = w.cp.enqueue(script("echo started; sleep 8; echo finished")).unwrap();
+    w.wait_job(&id, Duration::from_secs(120), |v| v.log_size > 0);
+    let stopped = w.vm.exec("systemctl stop byoc-runner", Duration::from_secs(120)).unwrap();
+    assert!(stopped.ok(), "{}", stopped.stderr);
+    let v = w.finished(&id);
+    assert_eq!(v.result.unwrap().status, JobStatus::Succeeded, "{}", w.output(&id));
+    assert!(w.output(&id).contains("finished"));
+    let result = w.vm.sh("systemctl show byoc-runner -p Result -p ActiveState");
+    assert!(result.contains("Result=success") && result.contains("ActiveState=inactive"), "{result}");
+    w.vm.sh("systemctl start byoc-runner");
+}
+
+/// SIGKILL of the runner: systemd restarts it, and the job it was running is reported
+/// interrupted (never run again).
+fn a_killed_runner_is_restarted_and_reports_the_job_interrupted(w: &mut World) {
+    let id = w.cp.enqueue(script("echo started; sleep 600")).unwrap();
+    w.wait_job(&id, Duration::from_secs(120), |v| v.log_size > 0);
+    let before = w.vm.sh("systemctl show byoc-runner -p NRestarts --value");
+    w.vm.sh("systemctl kill -s SIGKILL byoc-runner");
+    let v = w.finished(&id);
+    assert_eq!(v.result.unwrap().status, JobStatus::Interrupted, "{}", w.output(&id));
+    let after = w.vm.wait_for(
+        &format!("test \"$(systemctl show byoc-runner -p NRestarts --value)\" -gt {} && systemctl is-active byoc-runner", before.trim()),
+        Duration::from_secs(120),
+    );
+    assert!(after.is_ok(), "{after:?}");
+    assert_eq!(
+        w.vm.sh("pgrep -c -f 'sleep 600' || true").trim(),
+        "0",
+        "the job's processes outlived the runner"
+    );
+}
+
+/// A reboot: the runner comes back by itself, its audit log verifies, nothing re-runs.
+fn after_a_reboot_the_runner_returns_and_its_audit_log_verifies(w: &mut World) {
+    let jobs_before = w.cp.jobs().len();
+    let started_before: usize = w.cp.jobs().iter().map(|j| j.claims as usize).sum();
+    w.vm.reboot(Duration::from_secs(300)).unwrap_or_else(|e| panic!("{e}\n{}", w.vm.serial_tail(60)));
+    w.vm.wait_for("systemctl is-active byoc-runner", Duration::from_secs(300)).unwrap();
+    let verify =
+        w.vm.exec(
+            "runuser -u byoc-runner -- byoc-runner audit verify --config /etc/byoc-runner/runner.toml",
+            Duration::from_secs(120),
+        )
+        .unwrap();
+    assert!(verify.ok(), "audit verify: {}\n{}", verify.stdout, verify.stderr);
+    let id = w.cp.enqueue(script("echo after-reboot")).unwrap();
+    assert_eq!(w.finished(&id).result.unwrap().status, JobStatus::Succeeded);
+    assert_eq!(w.cp.jobs().len(), jobs_before + 1);
+    let started_after: usize = w.cp.jobs().iter().map(|j| j.claims as usize).sum();
+    assert_eq!(started_after, started_before + 1, "a job was claimed again after the reboot");
+}
+
+type Case = (&'static str, fn(&mut World));
+
+const CASES: &[Case] = &[
+    (
+        "the_stacks_user_data_installs_and_the_unit_becomes_ready",
+        the_stacks_user_data_installs_and_the_unit_becomes_ready,
+    ),
+    (
+        "the_running_unit_is_rated_at_most_3_by_systemd_analyze_security",
+        the_running_unit_is_rated_at_most_3_by_systemd_analyze_security,
+    ),
+    ("config_check_on_the_vm_is_all_ok", config_check_on_the_vm_is_all_ok),
+    (
+        "a_job_runs_sandboxed_in_the_units_cgroup_v2_subtree",
+        a_job_runs_sandboxed_in_the_units_cgroup_v2_subtree,
+    ),
+    ("the_journal_has_structured_fields", the_journal_has_structured_fields),
+    (
+        "cgroup_v2_limits_stop_a_memory_hog_and_a_fork_bomb",
+        cgroup_v2_limits_stop_a_memory_hog_and_a_fork_bomb,
+    ),
+    ("systemctl_stop_drains_a_running_job", systemctl_stop_drains_a_running_job),
+    (
+        "a_killed_runner_is_restarted_and_reports_the_job_interrupted",
+        a_killed_runner_is_restarted_and_reports_the_job_interrupted,
+    ),
+    (
+        "after_a_reboot_the_runner_returns_and_its_audit_log_verifies",
+        after_a_reboot_the_runner_returns_and_its_audit_log_verifies,
+    ),
+];
+
+fn main() {
+    // `cargo test -- NAME` runs the cases whose names contain NAME (and the first, which
+    // installs); --list lists them.
+    let args: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with('-')).collect();
+    if std::env::args().any(|a| a == "--list") {
+        for (name, _) in CASES {
+            println!("{name}: test");
+        }
+        return;
+    }
+    let started = Instant::now();
+    let selected: Vec<&Case> = CASES
+        .iter()
+        .enumerate()
+        .filter(|(i, (name, _))| *i == 0 || args.is_empty() || args.iter().any(|a| name.contains(a.as_str())))
+        .map(|(_, c)| c)
+        .collect();
+    println!("\nrunning {} tests", selected.len());
+    let mut world = match std::panic::catch_unwind(setup) {
+        Ok(w) => w,
+        Err(_) => {
+            for (name, _) in &selected {
+                println!("test {name} ... FAILED");
+            }
+            println!(
+                "\ntest result: FAILED. 0 passed; {} failed; 0 ignored; 0 measured; 0 filtered out; finished in {:.2}s\n",
+                selected.len(),
+                started.elapsed().as_secs_f64()
+            );
+            std::process::exit(101);
+        }
+    };
+    let mut failed = Vec::new();
+    for (i, (name, case)) in selected.iter().enumerate() {
+        if i > 0 && failed.first() == Some(&selected[0].0) {
+            // Nothing else can be checked on a VM the install did not finish on.
+            println!("test {name} ... FAILED (the install failed)");
+            failed.push(*name);
+            continue;
+        }
+        let t = Instant::now();
+        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| case(&mut world)));
+        match outcome {
+            Ok(()) => println!("test {name} ... ok ({:.1}s)", t.elapsed().as_secs_f64()),
+            Err(_) => {
+                println!("test {name} ... FAILED ({:.1}s)", t.elapsed().as_secs_f64());
+                failed.push(*name);
+                let journal = world
+                    .vm
+                    .exec("journalctl -u byoc-runner --no-pager -n 60", Duration::from_secs(60))
+                    .map(|o| o.stdout)
+                    .unwrap_or_else(|e| e.to_string());
+                eprintln!(
+                    "---- {name}: runner journal ----\n{journal}\n---- serial console ----\n{}",
+                    world.vm.serial_tail(40)
+                );
+            }
+        }
+    }
+    let _ = world.vm.power_off(Duration::from_secs(120));
+    let passed = selected.len() - failed.len();
+    if !failed.is_empty() {
+        println!("\nfailures:");
+        for name in &failed {
+            println!("    {name}");
+        }
+    }
+    println!(
+        "\ntest result: {}. {passed} passed; {} failed; 0 ignored; 0 measured; 0 filtered out; finished in {:.2}s\n",
+        if failed.is_empty() { "ok" } else { "FAILED" },
+        failed.len(),
+        started.elapsed().as_secs_f64()
+    );
+    if !failed.is_empty() {
+        std::process::exit(101);
+    }
+}
