@@ -571,6 +571,15 @@ fn sweep_logs(rt: &Rt, keep: Duration) {
     }
 }
 
+/// A test-only fault, read from the daemon's own environment (which only the unit's
+/// files set; a job cannot reach it): the poll loop stops coming round, so the watchdog's
+/// negative case can be shown under systemd. Never set it on a real install.
+const WEDGE_FAULT_ENV: &str = "BYOC_RUNNER_TEST_FAULT_WEDGE_POLL_LOOP";
+
+/// How often a poll loop that is waiting for a free slot refreshes its health (well
+/// under the watchdog's stall threshold, which is at least 10 s past a poll's length).
+const HEALTH_REFRESH: Duration = Duration::from_secs(5);
+
 async fn poll_loop(
     rt: &Rt,
     slots: &Arc<Slots>,
@@ -579,6 +588,12 @@ async fn poll_loop(
     health: &Arc<AtomicU64>,
 ) {
     let mut backoff = Backoff::new(rt.config.poll.backoff_initial, rt.config.poll.backoff_max);
+    if std::env::var_os(WEDGE_FAULT_ENV).is_some_and(|v| v == "1") {
+        // Test fault (the VM suite's watchdog case): a loop that never comes round.
+        tracing::error!("{WEDGE_FAULT_ENV}=1: the poll loop is wedged on purpose");
+        drain.cancelled().await;
+        return;
+    }
     loop {
         health.store(now_ms(), Ordering::Relaxed);
         while tasks.try_join_next().is_some() {}
@@ -591,9 +606,13 @@ async fn poll_loop(
             tokio::pin!(changed);
             changed.as_mut().enable();
             if slots.free_groups().is_empty() {
+                // Waiting for a slot is progress: the loop comes round to refresh its
+                // health, or the watchdog would restart a runner whose slots are all
+                // busy with long jobs.
                 tokio::select! {
                     _ = changed => {}
                     _ = drain.cancelled() => return,
+                    _ = tokio::time::sleep(HEALTH_REFRESH) => {}
                 }
             }
             continue;

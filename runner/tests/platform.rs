@@ -43,7 +43,7 @@ fn systemd_unit_verifies_clean() {
 }
 
 #[test]
-fn systemd_unit_exposure_is_at_most_3_2() {
+fn systemd_unit_exposure_is_at_most_3_0() {
     let dir = tempfile::tempdir().unwrap();
     let unit = unit_for_test(dir.path());
     let out = Command::new("systemd-analyze")
@@ -65,8 +65,11 @@ fn systemd_unit_exposure_is_at_most_3_2() {
     println!("systemd-analyze security exposure: {score}");
     // 3.0 before the job network boundary; +0.2 for it: /dev/net/tun through
     // DevicePolicy=closed + DeviceAllow instead of PrivateDevices (whose /dev lacks the
-    // device; binding it in broke with systemd 255), and AF_NETLINK.
-    assert!(score <= 3.2, "exposure {score} > 3.2:\n{text}");
+    // device; binding it in broke with systemd 255), and AF_NETLINK; +0.1 without
+    // ProtectHostname (its seccomp filter breaks every sandbox); -0.3 for @resources
+    // and ProtectProc=invisible. The running unit on a VM (runner/tests/vm.rs) must
+    // rate at most 3.0 as well.
+    assert!(score <= 3.0, "exposure {score} > 3.0:\n{text}");
 }
 
 #[test]

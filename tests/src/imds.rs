@@ -17,9 +17,12 @@ pub struct FakeImds {
     task: tokio::task::JoinHandle<()>,
 }
 
-async fn token(headers: HeaderMap) -> Result<&'static str, StatusCode> {
-    // IMDSv2 requires the TTL header on the token request.
-    headers.get("x-aws-ec2-metadata-token-ttl-seconds").map(|_| TOKEN).ok_or(StatusCode::BAD_REQUEST)
+async fn token(headers: HeaderMap) -> Result<([(&'static str, String); 1], &'static str), StatusCode> {
+    // IMDSv2 requires the TTL header on the token request and answers with it (the AWS
+    // SDKs refuse a token without it).
+    let ttl = headers.get("x-aws-ec2-metadata-token-ttl-seconds").ok_or(StatusCode::BAD_REQUEST)?;
+    let ttl = ttl.to_str().map_err(|_| StatusCode::BAD_REQUEST)?.to_string();
+    Ok(([("x-aws-ec2-metadata-token-ttl-seconds", ttl)], TOKEN))
 }
 
 fn authorized(headers: &HeaderMap) -> Result<(), StatusCode> {
