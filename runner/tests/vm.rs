@@ -22,7 +22,7 @@ use byoc_control_plane::imds::FakeImds;
 use byoc_control_plane::moto::MotoServer;
 use byoc_control_plane::state::JobState;
 use byoc_control_plane::vm::{Forward, IMDS_ADDR, Vm, VmImage, VmOptions, serve_files_tls};
-use byoc_control_plane::{ControlPlane, ControlPlaneConfig, EnqueueRequest, JobView};
+use byoc_control_plane::{ControlPlane, ControlPlaneConfig, EnqueueRequest, Faults, JobView};
 use byoc_protocol::JobStatus;
 use common::BIN;
 
@@ -53,6 +53,9 @@ struct World {
     cp: ControlPlane,
     moto: MotoServer,
     vm: Vm,
+    image: VmImage,
+    vm_options: VmOptions,
+    bootstrap_secret: String,
     _imds: FakeImds,
     _release: tokio::task::JoinHandle<()>,
     _dirs: Vec<tempfile::TempDir>,
@@ -84,6 +87,55 @@ impl World {
             .map(|o| o.stdout)
             .unwrap_or_else(|e| e.to_string())
     }
+}
+
+/// Three releases a user-data must refuse, in subdirectories of `dir`, each of version
+/// 0.1.0-vm2 so that an install of any of them would show: a package with one byte
+/// changed, a SHA256SUMS changed after signing, and one signed with a foreign key.
+fn tampered_releases(dir: &Path, keys: &Path) {
+    let good = dir.join("vm2");
+    std::fs::create_dir_all(&good).unwrap();
+    let bin = good.join("byoc-runner");
+    run(Command::new("objcopy").arg("--strip-debug").arg(BIN).arg(&bin));
+    let deb = run(Command::new(repo().join("packaging/build-deb"))
+        .arg(&bin)
+        .arg(&good)
+        .arg("0.1.0-vm2")
+        .env("BYOC_DEB_COMPRESSION", "none"));
+    let deb = PathBuf::from(String::from_utf8_lossy(&deb.stdout).trim());
+    let deb_name = deb.file_name().unwrap().to_owned();
+    std::fs::remove_file(&bin).unwrap();
+    let secret = keys.join("release.key");
+    let sign = |sums: &Path, key: &Path| {
+        run(Command::new("minisign").arg("-S").arg("-s").arg(key).arg("-m").arg(sums));
+    };
+    let copy_set = |name: &str| -> PathBuf {
+        let d = dir.join(name);
+        std::fs::create_dir_all(&d).unwrap();
+        std::fs::copy(good.join(&deb_name), d.join(&deb_name)).unwrap();
+        std::fs::copy(good.join("SHA256SUMS"), d.join("SHA256SUMS")).unwrap();
+        d
+    };
+    // One byte of the package changed; SHA256SUMS and its signature are genuine.
+    let d = copy_set("tampered-package");
+    sign(&d.join("SHA256SUMS"), &secret);
+    let p = d.join(&deb_name);
+    let mut bytes = std::fs::read(&p).unwrap();
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 0x01;
+    std::fs::write(&p, bytes).unwrap();
+    // SHA256SUMS edited after it was signed (as if to match a swapped package).
+    let d = copy_set("tampered-checksums");
+    sign(&d.join("SHA256SUMS"), &secret);
+    let sums = std::fs::read_to_string(d.join("SHA256SUMS")).unwrap();
+    let flipped = if sums.starts_with('0') { format!("1{}", &sums[1..]) } else { format!("0{}", &sums[1..]) };
+    std::fs::write(d.join("SHA256SUMS"), flipped).unwrap();
+    // Signed with a key the stack does not pin.
+    let d = copy_set("foreign-key");
+    let (fp, fs) = (keys.join("foreign.pub"), keys.join("foreign.key"));
+    run(Command::new("minisign").args(["-G", "-W", "-p"]).arg(&fp).arg("-s").arg(&fs));
+    sign(&d.join("SHA256SUMS"), &fs);
+    std::fs::remove_dir_all(&good).unwrap();
 }
 
 /// The release: a .deb of the binary under test (debug info stripped: the guest unpacks
@@ -171,6 +223,7 @@ fn setup() -> World {
     let pki = byoc_control_plane::tls::test_pki_for(&[RELEASE_ADDR, CP_ADDR]).unwrap();
     let (release_dir, keys) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     let release_key = signed_release(release_dir.path(), keys.path());
+    tampered_releases(release_dir.path(), keys.path());
 
     let cp = rt
         .block_on(ControlPlane::start(ControlPlaneConfig {
@@ -238,29 +291,38 @@ fn setup() -> World {
             ("AWS::Region", REGION.into()),
             ("AWS::StackName", STACK.into()),
             ("ExternalId", "vm-suite-external-id".into()),
-            ("BootstrapSecret", secret_arn),
+            ("BootstrapSecret", secret_arn.clone()),
             ("StateBucket", physical_id(&resources, "StateBucket")),
             ("ReleaseUrl", format!("https://{RELEASE_ADDR}")),
             ("ReleasePublicKey", release_key),
         ],
     );
+    let secret_arn_for_world = secret_arn;
     let forwards = vec![
         Forward { guest_addr: IMDS_ADDR.into(), guest_port: 80, host_port: port_of(&imds.url) },
         Forward { guest_addr: RELEASE_ADDR.into(), guest_port: 443, host_port: release_port },
         Forward { guest_addr: CP_ADDR.into(), guest_port: 443, host_port: port_of(&cp.runner_url()) },
         Forward { guest_addr: AWS_ADDR.into(), guest_port: 80, host_port: port_of(&moto.url()) },
     ];
-    let vm = Vm::boot(
-        &image,
-        &VmOptions {
-            user_data,
-            vendor_data: Some(vendor_data(&pki.ca_pem, &format!("http://{AWS_ADDR}"))),
-            forwards,
-            memory_mib: None,
-        },
-    )
-    .unwrap_or_else(|e| panic!("booting the VM: {e}"));
-    World { rt, cp, moto, vm, _imds: imds, _release: release_task, _dirs: vec![release_dir, keys] }
+    let vm_options = VmOptions {
+        user_data,
+        vendor_data: Some(vendor_data(&pki.ca_pem, &format!("http://{AWS_ADDR}"))),
+        forwards,
+        memory_mib: None,
+    };
+    let vm = Vm::boot(&image, &vm_options).unwrap_or_else(|e| panic!("booting the VM: {e}"));
+    World {
+        rt,
+        cp,
+        moto,
+        vm,
+        image,
+        vm_options,
+        bootstrap_secret: secret_arn_for_world,
+        _imds: imds,
+        _release: release_task,
+        _dirs: vec![release_dir, keys],
+    }
 }
 
 // ---- the cases, in the order they run -------------------------------------------------
@@ -492,6 +554,48 @@ fn a_wedged_poll_loop_is_restarted_by_the_watchdog(w: &mut World) {
     assert_eq!(w.vm.sh("systemctl is-active byoc-runner").trim(), "active");
 }
 
+fn failure_signals(w: &World) -> usize {
+    w.rt.block_on(w.moto.calls_of("SignalResource"))
+        .iter()
+        .filter(|c| c.params.get("Status").map(String::as_str) == Some("FAILURE"))
+        .count()
+}
+
+/// The stack's user-data, run again on the VM as cloud-init ran it (as root, the same
+/// script) but with its release URL pointing at a tampered release: nothing is
+/// installed, the runner keeps running, the stack is told FAILURE and the script says why.
+fn the_user_data_refuses_tampered_releases_and_tells_the_stack(w: &mut World) {
+    let installed = w.vm.sh("dpkg-query -W -f '${Version}' byoc-runner");
+    let binary = w.vm.sh("sha256sum /usr/bin/byoc-runner");
+    for (set, why) in [
+        ("tampered-package", "does not match its checksum in the signed SHA256SUMS"),
+        ("tampered-checksums", "SHA256SUMS signature does not verify with the pinned release key"),
+        ("foreign-key", "SHA256SUMS signature does not verify with the pinned release key"),
+    ] {
+        let failures_before = failure_signals(w);
+        let out = w
+            .vm
+            .exec(
+                &format!(
+                    "sed \"s|^export BYOC_RELEASE_URL=.*|export BYOC_RELEASE_URL='https://{RELEASE_ADDR}/{set}'|\" \
+                     /var/lib/cloud/instance/user-data.txt > /root/user-data-{set} && bash /root/user-data-{set}"
+                ),
+                Duration::from_secs(300),
+            )
+            .unwrap();
+        assert!(!out.ok(), "{set}: the user-data succeeded:\n{}\n{}", out.stdout, out.stderr);
+        assert!(
+            out.stderr.contains("byoc-install: FAILED: ") && out.stderr.contains(why),
+            "{set}: {}",
+            out.stderr
+        );
+        assert_eq!(w.vm.sh("dpkg-query -W -f '${Version}' byoc-runner"), installed, "{set} was installed");
+        assert_eq!(w.vm.sh("sha256sum /usr/bin/byoc-runner"), binary, "{set} changed the binary");
+        assert_eq!(w.vm.sh("systemctl is-active byoc-runner").trim(), "active");
+        assert!(failure_signals(w) > failures_before, "{set}: the stack was not told FAILURE");
+    }
+}
+
 /// `systemctl stop` drains: a running job finishes within the grace period and the
 /// runner stops cleanly.
 fn systemctl_stop_drains_a_running_job(w: &mut World) {
@@ -548,6 +652,51 @@ fn after_a_reboot_the_runner_returns_and_its_audit_log_verifies(w: &mut World) {
     assert_eq!(started_after, started_before + 1, "a job was claimed again after the reboot");
 }
 
+/// A fresh instance whose control plane is unreachable at first boot: the unit keeps
+/// retrying enrollment with backoff (the user-data's `systemctl restart` waits for
+/// READY) and becomes ready, and the stack is signalled, once the control plane is back.
+fn a_first_boot_with_the_control_plane_down_becomes_ready_when_it_returns(w: &mut World) {
+    w.vm.power_off(Duration::from_secs(120));
+    let token = w.cp.bootstrap_token();
+    let secret = w.bootstrap_secret.clone();
+    w.rt.block_on(async {
+        w.moto
+            .json_call(
+                "secretsmanager",
+                "secretsmanager.PutSecretValue",
+                serde_json::json!({"SecretId": secret, "SecretString": token}),
+            )
+            .await;
+        w.cp.set_faults(Faults { down: true, ..Default::default() }).await
+    })
+    .unwrap();
+    let successes = |w: &World| {
+        w.rt.block_on(w.moto.calls_of("SignalResource"))
+            .iter()
+            .filter(|c| c.params.get("Status").map(String::as_str) == Some("SUCCESS"))
+            .count()
+    };
+    let signalled_before = successes(w);
+    w.vm = Vm::boot(&w.image, &w.vm_options).unwrap_or_else(|e| panic!("booting the second VM: {e}"));
+    w.vm.wait_agent(Duration::from_secs(300)).unwrap_or_else(|e| panic!("{e}\n{}", w.vm.serial_tail(80)));
+    let retrying = w.vm.wait_for(
+        "test \"$(journalctl -u byoc-runner -o cat --no-pager | grep -c 'enrollment failed; retrying')\" -ge 2",
+        Duration::from_secs(400),
+    );
+    assert!(
+        retrying.is_ok(),
+        "the runner did not retry enrollment twice: {retrying:?}\n{}",
+        w.journal_tail()
+    );
+    assert_eq!(w.vm.sh("systemctl is-active byoc-runner || true").trim(), "activating");
+    w.rt.block_on(w.cp.set_faults(Faults::default())).unwrap();
+    let status = w.vm.exec("cloud-init status --wait", Duration::from_secs(600)).unwrap();
+    assert!(status.ok(), "cloud-init: {}\n{}", status.stdout, w.journal_tail());
+    assert_eq!(w.vm.sh("systemctl is-active byoc-runner").trim(), "active");
+    assert_eq!(w.cp.runners().len(), 2, "{:?}", w.cp.runners());
+    assert!(successes(w) > signalled_before, "the stack was not signalled after the outage");
+}
+
 type Case = (&'static str, fn(&mut World));
 
 const CASES: &[Case] = &[
@@ -574,6 +723,10 @@ const CASES: &[Case] = &[
         cgroup_v2_limits_stop_a_memory_hog_and_a_fork_bomb,
     ),
     ("a_wedged_poll_loop_is_restarted_by_the_watchdog", a_wedged_poll_loop_is_restarted_by_the_watchdog),
+    (
+        "the_user_data_refuses_tampered_releases_and_tells_the_stack",
+        the_user_data_refuses_tampered_releases_and_tells_the_stack,
+    ),
     ("systemctl_stop_drains_a_running_job", systemctl_stop_drains_a_running_job),
     (
         "a_killed_runner_is_restarted_and_reports_the_job_interrupted",
@@ -582,6 +735,10 @@ const CASES: &[Case] = &[
     (
         "after_a_reboot_the_runner_returns_and_its_audit_log_verifies",
         after_a_reboot_the_runner_returns_and_its_audit_log_verifies,
+    ),
+    (
+        "a_first_boot_with_the_control_plane_down_becomes_ready_when_it_returns",
+        a_first_boot_with_the_control_plane_down_becomes_ready_when_it_returns,
     ),
 ];
 
@@ -645,6 +802,8 @@ fn main() {
         }
     }
     let _ = world.vm.power_off(Duration::from_secs(120));
+    // Before exit(), which runs no destructors: the guests' and servers' temp dirs go.
+    drop(world);
     let passed = selected.len() - failed.len();
     if !failed.is_empty() {
         println!("\nfailures:");

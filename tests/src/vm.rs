@@ -436,8 +436,8 @@ fn relay_binary() -> Result<PathBuf, VmError> {
         .ok_or_else(|| VmError::Setup("byoc-vm-relay not built (cargo build -p byoc-control-plane)".into()))
 }
 
-/// Serve the files of `dir` (no subdirectories) over HTTPS on a loopback port, until the
-/// task is aborted: the release URL a stack's user-data downloads from.
+/// Serve the files of `dir` and of its direct subdirectories over HTTPS on a loopback
+/// port, until the task is aborted: the release URLs a stack's user-data downloads from.
 pub async fn serve_files_tls(
     dir: PathBuf,
     tls: std::sync::Arc<rustls::ServerConfig>,
@@ -446,18 +446,33 @@ pub async fn serve_files_tls(
     use axum::http::StatusCode;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("binding a loopback port");
     let port = listener.local_addr().expect("local addr").port();
-    let app = axum::Router::new().route(
-        "/{file}",
-        axum::routing::get(move |UrlPath(file): UrlPath<String>| {
-            let dir = dir.clone();
-            async move {
-                if file.contains('/') || file.starts_with('.') {
-                    return Err(StatusCode::NOT_FOUND);
+    let safe = |part: &str| !part.is_empty() && !part.contains('/') && !part.starts_with('.');
+    let top = dir.clone();
+    let app = axum::Router::new()
+        .route(
+            "/{file}",
+            axum::routing::get(move |UrlPath(file): UrlPath<String>| {
+                let dir = top.clone();
+                async move {
+                    if !safe(&file) {
+                        return Err(StatusCode::NOT_FOUND);
+                    }
+                    std::fs::read(dir.join(file)).map_err(|_| StatusCode::NOT_FOUND)
                 }
-                std::fs::read(dir.join(file)).map_err(|_| StatusCode::NOT_FOUND)
-            }
-        }),
-    );
+            }),
+        )
+        .route(
+            "/{sub}/{file}",
+            axum::routing::get(move |UrlPath((sub, file)): UrlPath<(String, String)>| {
+                let dir = dir.clone();
+                async move {
+                    if !safe(&sub) || !safe(&file) {
+                        return Err(StatusCode::NOT_FOUND);
+                    }
+                    std::fs::read(dir.join(sub).join(file)).map_err(|_| StatusCode::NOT_FOUND)
+                }
+            }),
+        );
     let task = tokio::spawn(crate::server::serve(listener, app, Some(tokio_rustls::TlsAcceptor::from(tls))));
     (port, task)
 }
