@@ -128,7 +128,10 @@ fn tampered_releases(dir: &Path, keys: &Path) {
     let d = copy_set("tampered-checksums");
     sign(&d.join("SHA256SUMS"), &secret);
     let sums = std::fs::read_to_string(d.join("SHA256SUMS")).unwrap();
-    let flipped = if sums.starts_with('0') { format!("1{}", &sums[1..]) } else { format!("0{}", &sums[1..]) };
+    let flipped = match sums.strip_prefix('0') {
+        Some(rest) => format!("1{rest}"),
+        None => format!("0{}", &sums[1..]),
+    };
     std::fs::write(d.join("SHA256SUMS"), flipped).unwrap();
     // Signed with a key the stack does not pin.
     let d = copy_set("foreign-key");
