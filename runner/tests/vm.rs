@@ -431,10 +431,14 @@ fn script(s: &str) -> EnqueueRequest {
 /// A job under the shipped unit: in a cgroup v2 leaf of the unit's delegated subtree,
 /// with the sandbox's limits, and inside the network boundary (no metadata service).
 fn a_job_runs_sandboxed_in_the_units_cgroup_v2_subtree(w: &mut World) {
+    // A service on the guest's loopback, which the guest itself reaches.
+    w.vm.sh("systemd-run --unit=vm-loopback-http python3 -m http.server --bind 127.0.0.1 7777");
+    w.vm.wait_for("curl -sf -o /dev/null http://127.0.0.1:7777/", Duration::from_secs(60)).unwrap();
     let id = w
         .cp
         .enqueue(script(
             "if (exec 3<>/dev/tcp/169.254.169.254/80) 2>/dev/null; then echo imds-reached; else echo imds-blocked; fi; \
+             if (exec 3<>/dev/tcp/127.0.0.1/7777) 2>/dev/null; then echo loopback-reached; else echo loopback-blocked; fi; \
              echo waiting; sleep 3777",
         ))
         .unwrap();
@@ -448,7 +452,8 @@ fn a_job_runs_sandboxed_in_the_units_cgroup_v2_subtree(w: &mut World) {
     let v = w.finished(&id);
     assert_eq!(v.result.unwrap().status, JobStatus::Cancelled);
     let out = w.output(&id);
-    assert!(out.contains("imds-blocked"), "{out}");
+    w.vm.sh("systemctl stop vm-loopback-http");
+    assert!(out.contains("imds-blocked") && out.contains("loopback-blocked"), "{out}");
     let log = String::from_utf8_lossy(&w.cp.log(&id).unwrap()).into_owned();
     assert!(log.contains("[sandbox] cgroup V2 limits: memory"), "{log}");
     // The runner itself reaches the metadata service (config check, below, proves IMDSv2).
@@ -614,6 +619,35 @@ fn systemctl_stop_drains_a_running_job(w: &mut World) {
     w.vm.sh("systemctl start byoc-runner");
 }
 
+/// A second stop request while the runner drains (SIGTERM to the runner alone, as
+/// `docs/OPERATIONS.md` says) cancels the running job, and the runner stops.
+fn a_second_stop_request_cancels_the_running_job(w: &mut World) {
+    let id = w.cp.enqueue(script("echo started; sleep 600")).unwrap();
+    w.wait_job(&id, Duration::from_secs(120), |v| v.log_size > 0);
+    w.vm.sh("systemctl stop --no-block byoc-runner");
+    w.vm.wait_for(
+        "test \"$(systemctl show -p ActiveState --value byoc-runner)\" = deactivating",
+        Duration::from_secs(60),
+    )
+    .unwrap();
+    w.vm.sh("systemctl kill --kill-who=main -s TERM byoc-runner");
+    let v = w.finished(&id);
+    assert_eq!(v.result.unwrap().status, JobStatus::Cancelled, "{}", w.output(&id));
+    let stopped = w.vm.wait_for(
+        "test \"$(systemctl show -p ActiveState --value byoc-runner)\" = inactive",
+        Duration::from_secs(120),
+    );
+    let result = w.vm.sh("systemctl show byoc-runner -p Result");
+    w.vm.sh("systemctl start byoc-runner");
+    assert!(stopped.is_ok(), "{stopped:?}");
+    assert_eq!(result.trim(), "Result=success");
+    assert_eq!(
+        w.vm.sh("pgrep -c -f '[s]leep 600' || true").trim(),
+        "0",
+        "the cancelled job's processes remain"
+    );
+}
+
 /// SIGKILL of the runner: systemd restarts it, and the job it was running is reported
 /// interrupted (never run again).
 fn a_killed_runner_is_restarted_and_reports_the_job_interrupted(w: &mut World) {
@@ -731,6 +765,7 @@ const CASES: &[Case] = &[
         the_user_data_refuses_tampered_releases_and_tells_the_stack,
     ),
     ("systemctl_stop_drains_a_running_job", systemctl_stop_drains_a_running_job),
+    ("a_second_stop_request_cancels_the_running_job", a_second_stop_request_cancels_the_running_job),
     (
         "a_killed_runner_is_restarted_and_reports_the_job_interrupted",
         a_killed_runner_is_restarted_and_reports_the_job_interrupted,
