@@ -320,3 +320,31 @@ pub fn job_networks(job_id: &str) -> Vec<String> {
         .expect("docker is required");
     String::from_utf8_lossy(&out.stdout).split_whitespace().map(str::to_string).collect()
 }
+
+/// The sandbox probe's JSON report from a job's output, with every escape check held.
+pub fn probe_report_all_held(out: &str) -> serde_json::Value {
+    let report: serde_json::Value =
+        serde_json::from_str(out.trim()).unwrap_or_else(|_| panic!("probe printed {out}"));
+    let checks = report["checks"].as_array().unwrap();
+    assert!(checks.len() >= 20, "{report}");
+    let failed: Vec<&serde_json::Value> = checks.iter().filter(|c| c["held"] != true).collect();
+    assert!(failed.is_empty(), "escapes possible: {failed:#?}");
+    report
+}
+
+/// The repository's root.
+pub fn repo() -> std::path::PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// Run a command that must succeed; its output.
+pub fn run(cmd: &mut std::process::Command) -> std::process::Output {
+    let out = cmd.output().unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
+    assert!(
+        out.status.success(),
+        "{cmd:?} failed: {}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
