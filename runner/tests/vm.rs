@@ -761,6 +761,8 @@ const CASES: &[Case] = &[
 ];
 
 fn main() {
+    // qemu starts this binary for each connection the guest makes to a forward.
+    byoc_control_plane::vm::relay_if_asked();
     // `cargo test -- NAME` runs the cases whose names contain NAME (and the first, which
     // installs); --list lists them.
     let args: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with('-')).collect();

@@ -7,9 +7,9 @@
 //! - cloud-init reads a NoCloud seed: the test's user-data unchanged, and vendor-data for
 //!   what stands in for the cloud (trusted CA, endpoints).
 //! - Networking is qemu's user mode with `restrict=on`: the guest reaches nothing but the
-//!   forwards the test declares, each relayed to a server on the host's loopback by
-//!   `byoc-vm-relay`. The guest's network is 169.254.0.0/16 so that 169.254.169.254 (the
-//!   instance metadata address) can be one of those forwards.
+//!   forwards the test declares, each relayed to a server on the host's loopback by the
+//!   suite's own binary (`relay_if_asked`). The guest's network is 169.254.0.0/16 so
+//!   that 169.254.169.254 (the instance metadata address) can be one of those forwards.
 //! - The suite reaches into the guest only through the qemu guest agent (a virtio serial
 //!   port): `exec` runs a command and returns its exit code and output.
 //! - The serial console is captured to a file; a failing suite prints its tail.
@@ -154,11 +154,12 @@ impl Vm {
         if !qemu.is_file() {
             return Err(VmError::Setup(format!("{} not found: run scripts/setup", qemu.display())));
         }
-        let relay = relay_binary()?;
+        let relay =
+            std::env::current_exe().map_err(|e| VmError::Setup(format!("the suite's own binary: {e}")))?;
         let mut netdev = format!("user,id=n0,net={GUEST_NET},restrict=on");
         for f in &opts.forwards {
             netdev.push_str(&format!(
-                ",guestfwd=tcp:{}:{}-cmd:{} 127.0.0.1 {}",
+                ",guestfwd=tcp:{}:{}-cmd:{} {RELAY_ARG} 127.0.0.1 {}",
                 f.guest_addr,
                 f.guest_port,
                 relay.display(),
@@ -419,21 +420,59 @@ impl Drop for Vm {
     }
 }
 
-/// The relay qemu runs for each forwarded connection (a binary of this crate).
-fn relay_binary() -> Result<PathBuf, VmError> {
-    let exe = std::env::current_exe().map_err(|e| VmError::Setup(e.to_string()))?;
-    // Test binaries live in target/<profile>/deps; the crate's binaries one level up.
-    let mut candidates = Vec::new();
-    if let Some(deps) = exe.parent() {
-        candidates.push(deps.join("byoc-vm-relay"));
-        if let Some(profile) = deps.parent() {
-            candidates.push(profile.join("byoc-vm-relay"));
+/// The argument with which qemu starts the suite's own binary as the relay for one
+/// forwarded connection (see [`relay_if_asked`]).
+pub const RELAY_ARG: &str = "--byoc-vm-relay";
+
+/// Call first in a VM suite's `main`: when qemu started this binary for a forwarded
+/// connection (`RELAY_ARG HOST PORT`), relay it and exit. The suite's own binary is the
+/// relay so that nothing else has to be built (cargo builds no other crate's binaries
+/// for a test).
+pub fn relay_if_asked() {
+    let args: Vec<String> = std::env::args().collect();
+    if args.get(1).map(String::as_str) != Some(RELAY_ARG) {
+        return;
+    }
+    let [_, _, host, port] = args.as_slice() else {
+        eprintln!("usage: {RELAY_ARG} HOST PORT");
+        std::process::exit(64);
+    };
+    std::process::exit(match relay(host, port) {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("vm relay to {host}:{port}: {e}");
+            1
+        }
+    });
+}
+
+/// The connection is this process's stdin and stdout; relay it to HOST:PORT, half-closes
+/// included.
+fn relay(host: &str, port: &str) -> std::io::Result<()> {
+    use std::io::Read as _;
+    use std::net::{Shutdown, TcpStream};
+    let up = TcpStream::connect(format!("{host}:{port}"))?;
+    let mut up_read = up.try_clone()?;
+    let to_guest = std::thread::spawn(move || {
+        let mut out = std::io::stdout().lock();
+        let mut buf = [0u8; 64 * 1024];
+        while let Ok(n) = up_read.read(&mut buf) {
+            if n == 0 || out.write_all(&buf[..n]).is_err() || out.flush().is_err() {
+                break;
+            }
+        }
+    });
+    let mut up_write = up;
+    let mut input = std::io::stdin().lock();
+    let mut buf = [0u8; 64 * 1024];
+    while let Ok(n) = input.read(&mut buf) {
+        if n == 0 || up_write.write_all(&buf[..n]).is_err() {
+            break;
         }
     }
-    candidates
-        .into_iter()
-        .find(|p| p.is_file())
-        .ok_or_else(|| VmError::Setup("byoc-vm-relay not built (cargo build -p byoc-control-plane)".into()))
+    let _ = up_write.shutdown(Shutdown::Write);
+    let _ = to_guest.join();
+    Ok(())
 }
 
 /// Serve the files of `dir` and of its direct subdirectories over HTTPS on a loopback
