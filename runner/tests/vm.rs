@@ -460,6 +460,13 @@ fn the_sandbox_probe_finds_every_escape_closed_under_the_unit(w: &mut World) {
     assert_eq!(report["hostname"], "byoc-job");
 }
 
+/// No process in the guest runs `command` (the bracket keeps pgrep from matching the
+/// shell that runs it).
+fn assert_no_process(w: &mut World, command: &str, what: &str) {
+    let pattern = format!("[{}]{}", &command[..1], &command[1..]);
+    assert_eq!(w.vm.sh(&format!("pgrep -c -f '{pattern}' || true")).trim(), "0", "{what}");
+}
+
 fn set_limits(w: &mut World, memory_mib: u64, pids: u64) {
     w.vm.sh(&format!(
         "printf '\\n[sandbox]\\nmemory_mib = {memory_mib}\\npids = {pids}\\n' >> /etc/byoc-runner/runner.toml && systemctl restart byoc-runner"
@@ -488,7 +495,7 @@ fn cgroup_v2_limits_stop_a_memory_hog_and_a_fork_bomb(w: &mut World) {
     let r = w.finished(&id).result.unwrap();
     assert_eq!(r.status, JobStatus::Failed, "{}", w.output(&id));
     assert!(r.error.as_deref().unwrap_or("").contains("limit of 32 processes"), "{:?}", r.error);
-    assert_eq!(w.vm.sh("pgrep -c -f '[s]leep 3301' || true").trim(), "0", "the fork bomb outlived its job");
+    assert_no_process(w, "sleep 3301", "the fork bomb outlived its job");
 }
 
 /// The journal has the runner's structured fields: a job's records by JOB_ID, a refused
@@ -499,7 +506,12 @@ fn the_journal_has_structured_fields(w: &mut World) {
     let out = w.vm.sh(&format!("journalctl -u byoc-runner JOB_ID={id} -o json --no-pager"));
     let records: Vec<serde_json::Value> = out.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
     assert!(!records.is_empty(), "no journal records for {id}");
-    assert!(records.iter().all(|r| r["JOB_ID"] == id.as_str()), "{records:?}");
+    // The job's span fields, unprefixed, on the record of its start.
+    let started =
+        records.iter().find(|r| r["MESSAGE"] == "job started").unwrap_or_else(|| panic!("{records:?}"));
+    assert_eq!(started["INSTALL_ID"], w.cp.install_id());
+    assert_eq!(started["KIND"], "action.script");
+    assert_eq!(started["SYSLOG_IDENTIFIER"], "byoc-runner");
     // Expired (signature good, so its id is the job's own): refused and audited.
     let mut expired = script("echo never");
     expired.tamper.issued_offset_secs = Some(-7200);
@@ -621,11 +633,7 @@ fn a_second_stop_request_cancels_the_running_job(w: &mut World) {
     w.vm.sh("systemctl start byoc-runner");
     assert!(stopped.is_ok(), "{stopped:?}");
     assert_eq!(result.trim(), "Result=success");
-    assert_eq!(
-        w.vm.sh("pgrep -c -f '[s]leep 600' || true").trim(),
-        "0",
-        "the cancelled job's processes remain"
-    );
+    assert_no_process(w, "sleep 600", "the cancelled job's processes remain");
 }
 
 /// SIGKILL of the runner: systemd restarts it, and the job it was running is reported
@@ -642,11 +650,7 @@ fn a_killed_runner_is_restarted_and_reports_the_job_interrupted(w: &mut World) {
         Duration::from_secs(120),
     );
     assert!(after.is_ok(), "{after:?}");
-    assert_eq!(
-        w.vm.sh("pgrep -c -f '[s]leep 600' || true").trim(),
-        "0",
-        "the job's processes outlived the runner"
-    );
+    assert_no_process(w, "sleep 600", "the job's processes outlived the runner");
 }
 
 /// A reboot: the runner comes back by itself, its audit log verifies, nothing re-runs.
@@ -673,7 +677,9 @@ fn after_a_reboot_the_runner_returns_and_its_audit_log_verifies(w: &mut World) {
 /// retrying enrollment with backoff (the user-data's `systemctl restart` waits for
 /// READY) and becomes ready, and the stack is signalled, once the control plane is back.
 fn a_first_boot_with_the_control_plane_down_becomes_ready_when_it_returns(w: &mut World) {
-    w.vm.power_off(Duration::from_secs(120));
+    // The harness's clean power-off: the guest stops by itself, qemu is not killed.
+    let off = w.vm.power_off(Duration::from_secs(180));
+    assert!(off.is_some(), "the guest did not power off within 180 s\n{}", w.vm.serial_tail(30));
     let token = w.cp.bootstrap_token();
     let secret = w.bootstrap_secret.clone();
     w.rt.block_on(async {

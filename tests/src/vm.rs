@@ -219,10 +219,6 @@ impl Vm {
         Ok(vm)
     }
 
-    pub fn dir(&self) -> &Path {
-        self.dir.path()
-    }
-
     fn qemu_stderr(&self) -> String {
         std::fs::read_to_string(self.dir.path().join("qemu.err")).unwrap_or_default()
     }
