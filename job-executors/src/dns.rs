@@ -154,7 +154,7 @@ impl Router {
         Router { netlink: Mutex::new(netlink), tap, ipv6, routed: Mutex::default() }
     }
 
-    fn route(&self, ip: IpAddr) -> Result<(), crate::jobnet::NetworkUnavailable> {
+    fn route(&self, ip: IpAddr) -> Result<(), byoc_sandbox::netlink::NetlinkError> {
         use byoc_sandbox::net::{GATEWAY_IPV4, GATEWAY_IPV6};
         if ip.is_ipv6() && !self.ipv6 {
             return Ok(());
@@ -167,7 +167,7 @@ impl Router {
         match nl.add_route_via(Cidr::host(ip), gateway, self.tap) {
             Err(e) if e.errno() != Some(nix::Error::EEXIST) => {
                 self.routed.lock().unwrap_or_else(|e| e.into_inner()).remove(&ip);
-                Err(crate::jobnet::NetworkUnavailable::from(e.to_string()))
+                Err(e)
             }
             _ => Ok(()),
         }

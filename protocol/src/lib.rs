@@ -23,6 +23,20 @@ pub const MAX_PAYLOAD_BYTES: usize = 256 * 1024;
 /// Header carrying the byte offset of a log chunk (and the server's offset on a 416).
 pub const LOG_OFFSET_HEADER: &str = "x-log-offset";
 
+/// Entities and the operations each has (a role request's `entity_name.operation`);
+/// `artifact.sync` is OCI artifact sync.
+pub const OPERATIONS: &[(&str, &[&str])] = &[
+    ("sandbox", &["provision", "reprovision", "deprovision"]),
+    // `drift`: a check that never changes anything (docs/DRIFT.md).
+    ("component", &["deploy", "teardown", "drift"]),
+    ("action", &["trigger"]),
+    ("artifact", &["sync"]),
+];
+
+pub fn known_operation(entity: &str, operation: &str) -> bool {
+    OPERATIONS.iter().any(|(e, ops)| *e == entity && ops.contains(&operation))
+}
+
 /// The job kinds this protocol version defines. A runner rejects anything else
 /// (`unknown_kind`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -106,18 +106,19 @@ fn write_durably(path: &Path, bytes: &[u8]) -> Result<(), ApprovalError> {
     std::fs::File::open(parent).and_then(|d| d.sync_all()).map_err(|e| io("syncing", parent, e))
 }
 
-fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> Option<Result<T, String>> {
+fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> Option<Result<T, ApprovalError>> {
     use std::io::Read as _;
+    let read_err = |source| ApprovalError::Io { op: "reading", path: path.to_path_buf(), source };
     let f = match std::fs::File::open(path) {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return None,
-        Err(e) => return Some(Err(e.to_string())),
+        Err(e) => return Some(Err(read_err(e))),
         Ok(f) => f,
     };
     let mut bytes = Vec::new();
     if let Err(e) = f.take(MAX_FILE).read_to_end(&mut bytes) {
-        return Some(Err(e.to_string()));
+        return Some(Err(read_err(e)));
     }
-    Some(serde_json::from_slice(&bytes).map_err(|e| e.to_string()))
+    Some(serde_json::from_slice(&bytes).map_err(|e| read_err(std::io::Error::other(e))))
 }
 
 /// The daemon: ask for approval of a held job.

@@ -2,6 +2,45 @@
 //! session lifetimes) takes a `&dyn Clock` where a test must fix the time; everything
 //! else reads `now_ms()`/`unix_now()`, which are the system clock.
 
+/// The longest duration a customer may type (an allowance, an approval's expiry, a
+/// one-off window): 7 days.
+pub const MAX_DURATION_SECS: u64 = 7 * 86_400;
+
+/// Text a customer typed (a duration, a day, a time of day, a window) that does not
+/// say what it must: the text and what is wrong with it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{text:?}: {problem}")]
+pub struct BadText {
+    pub text: String,
+    pub problem: String,
+}
+
+impl BadText {
+    pub fn new(text: &str, problem: impl Into<String>) -> BadText {
+        BadText { text: text.to_string(), problem: problem.into() }
+    }
+}
+
+/// `90s`, `30m`, `2h`, `1d` → seconds, within 1 s ..= [`MAX_DURATION_SECS`].
+pub fn parse_duration(s: &str) -> Result<u64, BadText> {
+    let s = s.trim();
+    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (n, unit) = s.split_at(split);
+    let n: u64 = n.parse().map_err(|_| BadText::new(s, "expected a number and a unit (90s, 30m, 2h, 1d)"))?;
+    let mult = match unit {
+        "s" => 1,
+        "m" => 60,
+        "h" => 3600,
+        "d" => 86_400,
+        _ => return Err(BadText::new(s, "the unit is s, m, h or d")),
+    };
+    let secs = n.saturating_mul(mult);
+    if secs == 0 || secs > MAX_DURATION_SECS {
+        return Err(BadText::new(s, format!("between 1s and {}d", MAX_DURATION_SECS / 86_400)));
+    }
+    Ok(secs)
+}
+
 /// Wall-clock time, injectable.
 pub trait Clock: Send + Sync {
     /// Milliseconds since the Unix epoch.
@@ -52,6 +91,16 @@ pub fn unix_now() -> i64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn durations_have_units_and_bounds() {
+        assert_eq!(parse_duration("90s"), Ok(90));
+        assert_eq!(parse_duration("2h"), Ok(7200));
+        assert_eq!(parse_duration("1d"), Ok(86_400));
+        for bad in ["", "2", "h", "0s", "8d", "2 hours", "-1h", "99999999999999999999d"] {
+            assert!(parse_duration(bad).is_err(), "{bad:?}");
+        }
+    }
 
     #[test]
     fn fixed_clock_advances_and_system_clock_is_recent() {

@@ -5,10 +5,12 @@ use std::path::Path;
 
 use serde::Serialize;
 
-use crate::daemon::PID_FILE;
 use crate::identity;
 use crate::journal::{self, Index, JobRecord, Phase};
 use crate::spool;
+
+/// Marker file while the daemon runs (its pid, written by the daemon), for `status`.
+pub const PID_FILE: &str = "daemon.pid";
 
 #[derive(Debug, thiserror::Error)]
 pub enum InspectError {

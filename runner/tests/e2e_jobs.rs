@@ -469,7 +469,7 @@ async fn settled_jobs_past_the_journal_keep_move_to_the_archive_and_stay_visible
         jobs_extra: "journal_keep = 10\nmax_clock_skew_secs = 0".into(),
         ..Default::default()
     };
-    let e = env_with(opts).await;
+    let mut e = env_with(opts).await;
     let mut ids = Vec::new();
     for i in 0..14 {
         let req = EnqueueRequest {
@@ -499,7 +499,26 @@ async fn settled_jobs_past_the_journal_keep_move_to_the_archive_and_stay_visible
     assert_eq!(oldest["phase"], "reported", "{oldest}");
     let journal = std::fs::read_to_string(e.runner.state_dir.join("journal.jsonl")).unwrap();
     assert!(!journal.contains(&ids[0]) && journal.contains(&ids[13]));
-    // A restart replays the shorter journal and compacts nothing more.
+    // An archive whose newest job settled long ago (named as the runner names them,
+    // with 1970's timestamps) goes at the first retention sweep, which a start runs;
+    // the recent one stays.
+    let archive_dir = e.runner.state_dir.join("journal-archive");
+    let recent: Vec<_> = std::fs::read_dir(&archive_dir).unwrap().map(|d| d.unwrap().path()).collect();
+    assert_eq!(recent.len(), 1, "{recent:?}");
+    let ancient = archive_dir.join("0000000000001-0000086400000-0badc0de.jsonl.gz");
+    std::fs::copy(&recent[0], &ancient).unwrap();
+    e.runner.kill9().await;
+    e.runner.spawn(None).unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(40);
+    while audit_events(&e.runner.state_dir, "journal_archives_removed").is_empty() {
+        assert!(std::time::Instant::now() < deadline, "no archive sweep:\n{}", e.runner.log());
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+    let removed = &audit_events(&e.runner.state_dir, "journal_archives_removed")[0];
+    assert!(removed["detail"].as_str().unwrap().starts_with("1 journal archives"), "{removed}");
+    assert!(!ancient.exists() && recent[0].exists());
+    assert_eq!(e.cli_json(&["jobs", "show", &ids[0]])["phase"], "reported");
+    // The restarted runner replays the shorter journal and runs jobs as before.
     let stopped = e.cp.enqueue(EnqueueRequest::new("runner.noop", serde_json::Value::Null)).unwrap();
     e.finished(&stopped).await;
     let out = e.runner.cli(&["audit", "verify"]);

@@ -149,10 +149,14 @@ pub const JOB_DNS: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::new(127, 0,
 /// credentials protocol accepts loopback addresses).
 pub const JOB_CREDENTIALS: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 80);
 
+#[derive(Debug, thiserror::Error)]
+#[error("listing the host's addresses: {0}")]
+pub struct HostAddressesError(nix::Error);
+
 /// Every address of this host's interfaces (in the helper's namespace: the runner's),
 /// as single-host ranges: a job must not reach the host by any of its names.
-pub fn host_addresses() -> Result<Vec<Cidr>, String> {
-    let addrs = nix::ifaddrs::getifaddrs().map_err(|e| format!("listing the host's addresses: {e}"))?;
+pub fn host_addresses() -> Result<Vec<Cidr>, HostAddressesError> {
+    let addrs = nix::ifaddrs::getifaddrs().map_err(HostAddressesError)?;
     let mut out: Vec<Cidr> = addrs
         .filter_map(|ifa| {
             let a = ifa.address?;

@@ -7,6 +7,9 @@
 
 use std::path::Path;
 
+use crate::tool::failed;
+use crate::{ExecContext, ExecOutcome};
+
 /// The job's provider mirror, beside (not inside) the module: it is never handed to the
 /// job's uid, so the job can read it and change nothing (its files are hard links to
 /// the verified cache).
@@ -68,6 +71,59 @@ pub fn link_tree(from: &Path, to: &Path) -> std::io::Result<()> {
         }
     }
     Ok(())
+}
+
+impl super::Terraform {
+    /// The provider mirror by digest, linked into the job's directory, and the CLI
+    /// configuration naming it (its path as the job sees it, `inside`).
+    pub(super) async fn provider_mirror(
+        &self,
+        ctx: &mut ExecContext<'_>,
+        reference: &byoc_oci_sync::Reference,
+        inside: &Path,
+    ) -> Result<String, ExecOutcome> {
+        let fail = |code: &str, why: String| {
+            failed(code, why, serde_json::json!({"providers": reference.to_string()}))
+        };
+        let fetched = match crate::artifact::fetch(&ctx.settings, reference).await {
+            Ok(f) => f,
+            Err(e) => {
+                let _ = ctx.output.write(format!("[terraform] providers {reference}: {e}\n").as_bytes());
+                return Err(fail(&e.code(), e.to_string()));
+            }
+        };
+        let mirror = ctx.settings.work_dir.join(MIRROR_DIR);
+        link_tree(&fetched.tree, &mirror).map_err(|e| {
+            ExecOutcome::failed(format!("linking the provider mirror into the job's directory: {e}"))
+        })?;
+        let found = addresses(&mirror).unwrap_or_default();
+        if found.is_empty() {
+            return Err(fail(
+                "artifact_invalid",
+                format!(
+                    "providers {reference}: no HOST/NAMESPACE/TYPE directories (terraform's filesystem-mirror layout)"
+                ),
+            ));
+        }
+        let rc = ctx.settings.work_dir.join(CLI_CONFIG);
+        std::fs::write(&rc, cli_config(&inside.join(MIRROR_DIR), &found))
+            .map_err(|e| ExecOutcome::failed(format!("writing the terraform CLI configuration: {e}")))?;
+        if ctx.settings.tools.cli_config_file.is_some() {
+            let _ = ctx.output.write(
+                b"[terraform] the job's provider mirror replaces terraform.cli_config_file for this job\n",
+            );
+        }
+        let _ = ctx.output.write(
+            format!(
+                "[terraform] providers {reference}: {} from the mirror, never the network ({}){}\n",
+                found.join(", "),
+                fetched.digest,
+                if fetched.cached { ", cached" } else { ", fetched and verified" }
+            )
+            .as_bytes(),
+        );
+        Ok(inside.join(CLI_CONFIG).display().to_string())
+    }
 }
 
 #[cfg(test)]

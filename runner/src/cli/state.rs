@@ -320,7 +320,7 @@ pub(super) fn roles_action(action: RolesAction) -> anyhow::Result<()> {
     match &action {
         RolesAction::Allow { duration, reason, .. } => {
             let reason = reason.clone();
-            let secs = allowance::parse_duration(duration).map_err(|e| anyhow::anyhow!("--for {e}"))?;
+            let secs = crate::clock::parse_duration(duration).map_err(|e| anyhow::anyhow!("--for {e}"))?;
             anyhow::ensure!(
                 !reason.trim().is_empty() && reason.chars().count() <= 500,
                 "--reason: 1 to 500 characters"

@@ -64,6 +64,9 @@ pub struct JobsConfig {
     pub log_retention: Option<Duration>,
     /// Settled jobs the journal keeps; older ones move to `journal-archive/`.
     pub journal_keep: usize,
+    /// Journal archives whose newest line is older than this are removed (`None`:
+    /// kept forever).
+    pub journal_archive_retention: Option<Duration>,
     /// Concurrency limit per job group.
     pub groups: BTreeMap<String, usize>,
 }
@@ -80,6 +83,9 @@ impl JobsConfig {
         let retention_days = f.ranged("log_retention_days", 30, 0..=36_500);
         let log_retention = (retention_days > 0).then(|| Duration::from_secs(retention_days * 86_400));
         let journal_keep = f.ranged("journal_keep", 1000, 10..=1_000_000) as usize;
+        let archive_days = f.ranged("journal_archive_days", 365, 0..=36_500);
+        let journal_archive_retention =
+            (archive_days > 0).then(|| Duration::from_secs(archive_days * 86_400));
         let groups_t = f.table("groups");
         let problems = f.finish();
         let mut groups = BTreeMap::new();
@@ -97,6 +103,7 @@ impl JobsConfig {
             log_max_bytes,
             log_retention,
             journal_keep,
+            journal_archive_retention,
             groups,
         }
     }

@@ -22,6 +22,7 @@ pub mod assume_role;
 pub mod authorize;
 pub mod claim;
 pub mod execute;
+pub mod held;
 pub mod plan_approval;
 pub mod receive;
 pub mod recover;

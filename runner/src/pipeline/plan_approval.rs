@@ -174,3 +174,125 @@ impl ApplyApproval for PlanApprover {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::clock::Clock as _;
+    use crate::testing::{self, NOW};
+    use byoc_policy::{Decision, Verdict};
+
+    const PLAN_RULE: &str = "[[guardrails.approval_rule]]\nname = \"plans\"\noperations = [\"action.trigger\"]\n\
+                             on = \"plan\"\nexpires = \"10m\"\n";
+
+    fn allowed() -> Decision {
+        Decision {
+            verdict: Verdict::Allow,
+            input_digest: "sha256:input".into(),
+            policies: Vec::new(),
+            violations: Vec::new(),
+            warnings: Vec::new(),
+            errors: Vec::new(),
+            elapsed_ms: 0,
+        }
+    }
+
+    fn approver(f: &testing::Fakes, job_id: &str) -> (Arc<dyn ApplyApproval>, Holding) {
+        let holding = Holding::default();
+        let in_hand = super::super::JobsInHand::default();
+        let super::super::Accepted::Job(job, _) =
+            super::super::accept(&f.rt, f.delivery(&testing::payload(job_id)), &in_hand)
+        else {
+            panic!("not accepted")
+        };
+        (PlanApprover::for_job(&f.rt, &job, holding.clone()).expect("the rule names the job"), holding)
+    }
+
+    /// Ask for `digest`'s approval; answer with `answer` (approved, the digest shown)
+    /// once the request is on disk; the approver's verdict.
+    async fn ask(
+        f: &testing::Fakes,
+        job_id: &str,
+        digest: &str,
+        answer: Option<(bool, &str)>,
+    ) -> Result<Option<String>, ApprovalRefused> {
+        let (approver, holding) = approver(f, job_id);
+        let (summary, decision, cancel) = (
+            serde_json::json!({"counts": {"create": 1}}),
+            allowed(),
+            tokio_util::sync::CancellationToken::new(),
+        );
+        let req = ApplyRequest {
+            tool: "terraform",
+            plan_digest: digest,
+            summary: &summary,
+            decision: &decision,
+            cancel: &cancel,
+        };
+        let asking = approver.approve(req);
+        tokio::pin!(asking);
+        loop {
+            tokio::select! {
+                verdict = &mut asking => return verdict,
+                _ = tokio::time::sleep(Duration::from_millis(10)) => {}
+            }
+            let Some((r, None)) = approvals::requests(&f.rt.state_dir).into_iter().next() else { continue };
+            assert_eq!(r.plan_digest.as_deref(), Some(digest));
+            assert_eq!(holding.lock().unwrap().as_ref().map(|w| w.state.as_str()), Some("awaiting_approval"));
+            match answer {
+                Some((approved, shown)) => {
+                    let d = approvals::Decision {
+                        approved,
+                        by: "alice".into(),
+                        uid: 0,
+                        reason: Some("CHG-9".into()),
+                        at_ms: 0,
+                        plan_digest: Some(shown.into()),
+                    };
+                    approvals::decide(&f.rt.state_dir, job_id, d, f.clock.now_ms()).expect("decide");
+                }
+                None => f.clock.advance_secs(600),
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn an_approval_covers_exactly_the_plan_it_was_shown() {
+        let f = testing::runtime_with(PLAN_RULE).await;
+        let ok = ask(&f, "job-1", "sha256:aaa", Some((true, "sha256:aaa"))).await.expect("approved");
+        assert!(ok.is_some_and(|m| m.contains("plan sha256:aaa approved by alice: CHG-9")));
+        assert!(approvals::requests(&f.rt.state_dir).is_empty(), "request left behind");
+
+        let other =
+            ask(&f, "job-2", "sha256:bbb", Some((true, "sha256:aaa"))).await.expect_err("another plan");
+        assert_eq!(other.reason, "approval_plan_mismatch", "{other:?}");
+    }
+
+    #[tokio::test]
+    async fn a_denied_or_unanswered_plan_is_not_applied() {
+        let f = testing::runtime_with(PLAN_RULE).await;
+        let denied = ask(&f, "job-1", "sha256:aaa", Some((false, "sha256:aaa"))).await.expect_err("denied");
+        assert_eq!(denied.reason, "approval_denied");
+        assert!(denied.message.contains("denied by alice: CHG-9"), "{denied:?}");
+        let expired = ask(&f, "job-2", "sha256:aaa", None).await.expect_err("expired");
+        assert_eq!(expired.reason, "approval_expired", "{expired:?}");
+        assert!(expired.message.contains(&rfc3339(NOW + 600)), "{expired:?}");
+    }
+
+    #[tokio::test]
+    async fn a_rule_that_asks_only_on_warnings_lets_a_clean_plan_through_without_a_request() {
+        let f = testing::runtime_with(&format!("{PLAN_RULE}when = \"warn\"\n")).await;
+        let (approver, _) = approver(&f, "job-1");
+        let (summary, decision, cancel) =
+            (serde_json::json!({}), allowed(), tokio_util::sync::CancellationToken::new());
+        let req = ApplyRequest {
+            tool: "terraform",
+            plan_digest: "sha256:aaa",
+            summary: &summary,
+            decision: &decision,
+            cancel: &cancel,
+        };
+        assert_eq!(approver.approve(req).await.expect("no approval needed"), None);
+        assert!(approvals::requests(&f.rt.state_dir).is_empty());
+    }
+}

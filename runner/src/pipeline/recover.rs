@@ -6,7 +6,7 @@
 //!   crash, in which case it will never offer the job again. Claim it again (claims are
 //!   idempotent per runner) and report it interrupted rather than leave it hanging.
 //! - held by the customer's guardrails (`waiting_window`, `awaiting_approval`) with its
-//!   envelope kept (`window::HELD_DIR`) that still verifies: resumed (`resume_held`),
+//!   envelope kept (`held::HELD_DIR`) that still verifies: resumed (`resume_held`),
 //!   never settled here.
 //! - claimed or started, not finished: journaled `interrupted` with what its log holds.
 //! - finished, not acknowledged: reported again.
@@ -94,7 +94,7 @@ pub fn resume_held(rt: &Rt) -> Vec<super::VerifiedJob> {
     let readiness = super::readiness(rt);
     let mut out = Vec::new();
     for job_id in held {
-        let Some(polled) = super::window::kept_delivery(&rt.state_dir, &job_id) else {
+        let Some(polled) = super::held::kept_delivery(&rt.state_dir, &job_id) else {
             tracing::warn!(job_id = %job_id, "a held job's envelope was not kept; settling it as interrupted");
             continue;
         };

@@ -19,58 +19,11 @@ use std::time::Duration;
 use byoc_protocol::{JobStatus, JobWaiting, RejectReason};
 
 use super::claim::ClaimedJob;
+use super::held::{forget_held, keep_held};
 use super::{Rejection, VerifiedJob, refuse, resolve_role};
 use crate::guardrails::{JobScope, OnClose, Outside, WindowCheck, rfc3339};
 use crate::journal::{Event, JournalError};
 use crate::runtime::Rt;
-
-/// Where held jobs' envelopes wait (see the module's doc).
-pub const HELD_DIR: &str = "held";
-
-#[derive(serde::Serialize, serde::Deserialize)]
-struct Held {
-    delivery_id: String,
-    envelope: byoc_protocol::JobEnvelope,
-}
-
-fn held_path(state_dir: &std::path::Path, job_id: &str) -> std::path::PathBuf {
-    state_dir.join(HELD_DIR).join(format!("{job_id}.json"))
-}
-
-/// Keep a held job's envelope so a restart can resume it.
-fn keep_held(rt: &Rt, job: &VerifiedJob) -> Result<(), String> {
-    use std::os::unix::fs::DirBuilderExt as _;
-    let dir = rt.state_dir.join(HELD_DIR);
-    std::fs::DirBuilder::new().recursive(true).mode(0o700).create(&dir).map_err(|e| e.to_string())?;
-    let held = Held { delivery_id: job.delivery_id.clone(), envelope: job.envelope.clone() };
-    let bytes = serde_json::to_vec(&held).map_err(|e| e.to_string())?;
-    crate::identity::write_atomic(&held_path(&rt.state_dir, &job.payload.job_id), &bytes, 0o600)
-        .map_err(|e| e.to_string())
-}
-
-/// The job left the gate (ran, or was settled): its envelope goes.
-pub fn forget_held(rt: &Rt, job_id: &str) {
-    let path = held_path(&rt.state_dir, job_id);
-    if let Err(e) = std::fs::remove_file(&path)
-        && e.kind() != std::io::ErrorKind::NotFound
-    {
-        tracing::warn!(error = %e, path = %path.display(), "could not remove a held job's envelope");
-    }
-}
-
-/// A held job's delivery as kept, for `recover`.
-pub fn kept_delivery(state_dir: &std::path::Path, job_id: &str) -> Option<super::PolledJob> {
-    if !super::verify::valid_job_id(job_id) {
-        return None;
-    }
-    let bytes = std::fs::read(held_path(state_dir, job_id)).ok()?;
-    let held: Held = serde_json::from_slice(&bytes).ok()?;
-    Some(super::PolledJob {
-        delivery_id: held.delivery_id,
-        envelope: held.envelope,
-        received_at: std::time::Instant::now(),
-    })
-}
 
 /// A concurrency slot a job can give back while it waits and take again to run.
 pub trait JobSlot: Send {

@@ -16,9 +16,6 @@ use super::model::RoleDef;
 use super::pause::CONTROL_DIR;
 
 pub const ALLOWANCES_FILE: &str = "allowances.json";
-/// The longest allowance one command grants: elevation is for a window of use.
-pub const MAX_SECS: u64 = 7 * 86_400;
-
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Allowance {
     pub granted_ms: u64,
@@ -33,13 +30,24 @@ pub fn path(state_dir: &Path) -> PathBuf {
 }
 
 /// Every allowance on record, by role name (expired ones included until replaced).
-pub fn read(state_dir: &Path) -> Result<BTreeMap<String, Allowance>, String> {
-    let p = path(state_dir);
-    match std::fs::read(&p) {
+pub fn read(state_dir: &Path) -> Result<BTreeMap<String, Allowance>, AllowancesError> {
+    let path = path(state_dir);
+    match std::fs::read(&path) {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(BTreeMap::new()),
-        Err(e) => Err(format!("reading {}: {e}", p.display())),
-        Ok(bytes) => serde_json::from_slice(&bytes).map_err(|e| format!("{} is damaged: {e}", p.display())),
+        Err(source) => Err(AllowancesError::Read { path, source }),
+        Ok(bytes) => {
+            serde_json::from_slice(&bytes).map_err(|source| AllowancesError::Damaged { path, source })
+        }
     }
+}
+
+/// The allowances file cannot be used: nothing it holds is allowed.
+#[derive(Debug, thiserror::Error)]
+pub enum AllowancesError {
+    #[error("reading {}: {source}", path.display())]
+    Read { path: PathBuf, source: std::io::Error },
+    #[error("{} is damaged: {source}", path.display())]
+    Damaged { path: PathBuf, source: serde_json::Error },
 }
 
 fn write(state_dir: &Path, all: &BTreeMap<String, Allowance>) -> std::io::Result<()> {
@@ -128,26 +136,6 @@ pub fn refusal(state_dir: &Path, role: &str, now_ms: u64) -> Option<String> {
     }
 }
 
-/// `90s`, `30m`, `2h`, `1d` → seconds, within 1 s ..= [`MAX_SECS`].
-pub fn parse_duration(s: &str) -> Result<u64, String> {
-    let s = s.trim();
-    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
-    let (n, unit) = s.split_at(split);
-    let n: u64 = n.parse().map_err(|_| format!("{s:?}: expected a number and a unit (90s, 30m, 2h, 1d)"))?;
-    let mult = match unit {
-        "s" => 1,
-        "m" => 60,
-        "h" => 3600,
-        "d" => 86_400,
-        _ => return Err(format!("{s:?}: the unit is s, m, h or d")),
-    };
-    let secs = n.saturating_mul(mult);
-    if secs == 0 || secs > MAX_SECS {
-        return Err(format!("{s:?}: between 1s and {}d", MAX_SECS / 86_400));
-    }
-    Ok(secs)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -191,15 +179,5 @@ mod tests {
         grant(dir.path(), "r", allowance(u64::MAX)).unwrap();
         std::fs::write(path(dir.path()), b"{not json").unwrap();
         assert!(refusal(dir.path(), "r", 10).unwrap().contains("cannot be read"));
-    }
-
-    #[test]
-    fn durations_have_units_and_bounds() {
-        assert_eq!(parse_duration("90s"), Ok(90));
-        assert_eq!(parse_duration("2h"), Ok(7200));
-        assert_eq!(parse_duration("1d"), Ok(86_400));
-        for bad in ["", "2", "h", "0s", "8d", "2 hours", "-1h", "99999999999999999999d"] {
-            assert!(parse_duration(bad).is_err(), "{bad:?}");
-        }
     }
 }

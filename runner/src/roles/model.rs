@@ -11,14 +11,7 @@ use serde::{Deserialize, Serialize};
 
 use super::template::InstallState;
 
-/// Entities and the operations each has. `artifact.sync` is OCI artifact sync.
-pub const OPERATIONS: &[(&str, &[&str])] = &[
-    ("sandbox", &["provision", "reprovision", "deprovision"]),
-    // `drift`: a check that never changes anything (docs/DRIFT.md).
-    ("component", &["deploy", "teardown", "drift"]),
-    ("action", &["trigger"]),
-    ("artifact", &["sync"]),
-];
+pub use byoc_protocol::{OPERATIONS, known_operation};
 
 /// The default role type of each operation, used when the app's matrix has no
 /// `[defaults]` entry for it.
@@ -32,10 +25,6 @@ pub const BUILT_IN_DEFAULTS: &[(&str, &str)] = &[
     ("action.trigger", "maintenance"),
     ("artifact.sync", "maintenance"),
 ];
-
-pub fn known_operation(entity: &str, operation: &str) -> bool {
-    OPERATIONS.iter().any(|(e, ops)| *e == entity && ops.contains(&operation))
-}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]

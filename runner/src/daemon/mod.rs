@@ -25,15 +25,21 @@ use crate::config::Config;
 use crate::control_plane::retry::{self, Backoff, Retried};
 use crate::control_plane::{ClientError, ControlPlane, CpClient};
 use crate::identity::{self, Enrollment};
+use crate::inspect::PID_FILE;
 use crate::journal::{Journal, Phase};
 use crate::pipeline::{self, Accepted, JobsInHand, PolledJob, execute};
 use crate::runtime::{Rt, Runtime};
 use crate::spool;
 
+mod enroll;
+mod slots;
+mod upkeep;
+use enroll::enroll_if_needed;
+use slots::{SlotGuard, Slots};
+use upkeep::{compact_journal, sweep_archives, sweep_logs, write_metrics};
+
 /// Environment variable that may carry the bootstrap token instead of a file.
 pub const BOOTSTRAP_TOKEN_ENV: &str = "BYOC_RUNNER_BOOTSTRAP_TOKEN";
-/// Marker file while the daemon runs (pid), for `byoc-runner status`.
-pub const PID_FILE: &str = "daemon.pid";
 
 #[derive(Debug, thiserror::Error)]
 pub enum DaemonError {
@@ -76,50 +82,6 @@ pub enum DaemonError {
 fn sd_notify(states: &[sd_notify::NotifyState]) {
     // No-op without NOTIFY_SOCKET (not under systemd).
     let _ = sd_notify::notify(states);
-}
-
-/// Per-group running counts against the configured limits.
-struct Slots {
-    limits: BTreeMap<String, usize>,
-    running: Mutex<BTreeMap<String, usize>>,
-    changed: Notify,
-    /// Jobs with a live task: a second delivery of one is dropped.
-    in_hand: JobsInHand,
-}
-
-impl Slots {
-    fn free_groups(&self) -> Vec<String> {
-        let running = self.running.lock().unwrap_or_else(|e| e.into_inner());
-        self.limits
-            .iter()
-            .filter(|(g, limit)| running.get(*g).copied().unwrap_or(0) < **limit)
-            .map(|(g, _)| g.clone())
-            .collect()
-    }
-    fn total(&self) -> usize {
-        self.running.lock().unwrap_or_else(|e| e.into_inner()).values().sum()
-    }
-    /// Take a slot if the group has room under its limit.
-    fn try_acquire(&self, group: &str) -> bool {
-        let mut running = self.running.lock().unwrap_or_else(|e| e.into_inner());
-        let limit = self.limits.get(group).copied().unwrap_or(1);
-        let n = running.entry(group.to_string()).or_default();
-        if *n < limit {
-            *n += 1;
-            true
-        } else {
-            false
-        }
-    }
-    fn acquire(&self, group: &str) {
-        *self.running.lock().unwrap_or_else(|e| e.into_inner()).entry(group.to_string()).or_default() += 1;
-    }
-    fn release(&self, group: &str) {
-        if let Some(n) = self.running.lock().unwrap_or_else(|e| e.into_inner()).get_mut(group) {
-            *n = n.saturating_sub(1);
-        }
-        self.changed.notify_waiters();
-    }
 }
 
 pub async fn run(config: Config) -> Result<(), DaemonError> {
@@ -280,13 +242,19 @@ pub async fn run(config: Config) -> Result<(), DaemonError> {
             }
         }
     });
-    let retention_task = rt.config.jobs.log_retention.map(|keep| {
+    let (logs_keep, archives_keep) = (rt.config.jobs.log_retention, rt.config.jobs.journal_archive_retention);
+    let retention_task = (logs_keep.is_some() || archives_keep.is_some()).then(|| {
         let rt = rt.clone();
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(Duration::from_secs(3600));
             loop {
                 tick.tick().await;
-                sweep_logs(&rt, keep);
+                if let Some(keep) = logs_keep {
+                    sweep_logs(&rt, keep);
+                }
+                if let Some(keep) = archives_keep {
+                    sweep_archives(&rt, keep);
+                }
             }
         })
     });
@@ -408,167 +376,6 @@ pub(crate) fn prepare_state_dir(state_dir: &Path) -> Result<(), DaemonError> {
             .map_err(|e| DaemonError::StateDir { path: dir.display().to_string(), source: e })?;
     }
     Ok(())
-}
-
-async fn enroll_if_needed(
-    config: &Config,
-    key: &ed25519_dalek::SigningKey,
-) -> Result<Enrollment, DaemonError> {
-    let state_dir = &config.runner.state_dir;
-    if let Some(e) = identity::load_enrollment(state_dir)? {
-        if e.install_id != config.runner.install_id {
-            return Err(DaemonError::InstallMismatch {
-                enrolled: e.install_id,
-                configured: config.runner.install_id.clone(),
-            });
-        }
-        return Ok(e);
-    }
-    let token = match (&config.runner.bootstrap_token_file, std::env::var(BOOTSTRAP_TOKEN_ENV)) {
-        (_, Ok(t)) if !t.trim().is_empty() => t.trim().to_string(),
-        (Some(path), _) => std::fs::read_to_string(path)
-            .map_err(|e| DaemonError::BootstrapToken { path: path.display().to_string(), source: e })?
-            .trim()
-            .to_string(),
-        _ => return Err(DaemonError::NoBootstrapToken),
-    };
-    let client = CpClient::new(&config.control_plane)?;
-    let public_key = byoc_protocol::b64(key.verifying_key().as_bytes());
-    let req = EnrollRequest {
-        bootstrap_token: token,
-        public_key: public_key.clone(),
-        hostname: config.runner.hostname.clone().unwrap_or_else(hostname),
-    };
-    // Until it works or fails for good: without an identity there is nothing else to do.
-    let policy = retry::Policy::new(config.poll.backoff_initial, config.poll.backoff_max);
-    let enrolled = retry::retry(policy, &CancellationToken::new(), |_| async {
-        match client.enroll(&req).await {
-            Err(e) if e.is_transient() => {
-                tracing::warn!(error = %e, "enrollment failed; retrying");
-                Err(e)
-            }
-            done => Ok(done),
-        }
-    })
-    .await;
-    let resp = match enrolled {
-        Retried::Done(Ok(r)) => r,
-        Retried::Done(Err(ClientError::Unauthorized { body, .. })) => {
-            return Err(DaemonError::EnrollmentRefused(body));
-        }
-        Retried::Done(Err(e)) | Retried::Exhausted(e) => return Err(e.into()),
-        Retried::Stopped => unreachable!("the enrollment retry has no stop"),
-    };
-    if resp.install_id != config.runner.install_id {
-        return Err(DaemonError::InstallMismatch {
-            enrolled: resp.install_id,
-            configured: config.runner.install_id.clone(),
-        });
-    }
-    let e = Enrollment {
-        runner_id: resp.runner_id,
-        install_id: resp.install_id,
-        control_plane_url: config.control_plane.url.to_string(),
-        enrolled_at: unix_now(),
-        public_key,
-    };
-    identity::save_enrollment(state_dir, &e)?;
-    // The token is spent; do not leave it lying around where we can remove it.
-    if let Some(path) = &config.runner.bootstrap_token_file
-        && let Err(err) = std::fs::remove_file(path)
-    {
-        tracing::warn!(path = %path.display(), error = %err, "could not remove the used bootstrap token file");
-    }
-    tracing::info!(runner_id = %e.runner_id, "enrolled with the control plane");
-    Ok(e)
-}
-
-fn hostname() -> String {
-    nix::unistd::gethostname().ok().and_then(|h| h.into_string().ok()).unwrap_or_else(|| "unknown".into())
-}
-
-/// The metrics textfile, replaced whole; failures are logged (they never touch jobs).
-fn write_metrics(rt: &Rt, path: &Path, tally: &mut crate::metrics::AuditTally) {
-    if let Err(e) = tally.update(&rt.state_dir.join(crate::audit::AUDIT_DIR)) {
-        tracing::warn!(error = %e, "reading the audit log for metrics");
-    }
-    let written = crate::metrics::collect(&rt.state_dir, &rt.config.disk, tally, rt.clock.now_ms())
-        .map_err(|e| e.to_string())
-        .and_then(|f| {
-            crate::metrics::write_textfile(path, &crate::metrics::render(&f)).map_err(|e| e.to_string())
-        });
-    if let Err(e) = written {
-        tracing::warn!(error = %e, path = %path.display(), "could not write the metrics textfile");
-    }
-}
-
-/// Remove acknowledged job logs past their retention; audited when anything went.
-/// Settled jobs past `jobs.journal_keep` to the journal's archive (audited), so the
-/// journal and its in-memory index stay bounded however long the runner runs.
-fn compact_journal(rt: &Rt) {
-    use std::sync::atomic::Ordering;
-    // After a failure (a full disk, say) the next try waits: this runs before every
-    // poll, and each try reads the whole journal.
-    static RETRY_AT_MS: AtomicU64 = AtomicU64::new(0);
-    let now_ms = rt.clock.now_ms();
-    if now_ms < RETRY_AT_MS.load(Ordering::Relaxed) {
-        return;
-    }
-    // An envelope is accepted until its expiry plus the allowed skew: its nonce is
-    // kept known until then.
-    let now_secs = (now_ms / 1000) as i64 - rt.config.jobs.max_clock_skew.as_secs() as i64;
-    match rt.journal.compact(rt.config.jobs.journal_keep, now_secs) {
-        Ok(None) => {}
-        Ok(Some(c)) => {
-            let name = c.archive.file_name().unwrap_or_default().to_string_lossy().to_string();
-            tracing::info!(jobs = c.jobs, lines = c.lines, archive = %name, "archived settled jobs from the journal");
-            let r = byoc_audit::log::Record {
-                event: "journal_compacted".into(),
-                detail: Some(format!(
-                    "{} settled jobs ({} lines) moved to {}/{name}; {} lines kept (jobs.journal_keep = {})",
-                    c.jobs,
-                    c.lines,
-                    crate::journal::ARCHIVE_DIR,
-                    c.kept_lines,
-                    rt.config.jobs.journal_keep
-                )),
-                ..Default::default()
-            };
-            if let Err(e) = rt.audit.record(r) {
-                tracing::error!(error = %e, "could not audit a journal compaction");
-            }
-        }
-        // Nothing lost: the journal is replaced only after the archive is durable.
-        Err(e) => {
-            RETRY_AT_MS.store(now_ms + 600_000, Ordering::Relaxed);
-            tracing::error!(error = %e, "could not compact the job journal (next try in 10 minutes); it keeps growing until this is fixed")
-        }
-    }
-}
-
-fn sweep_logs(rt: &Rt, keep: Duration) {
-    let swept = crate::retention::sweep_spools(rt.journal.as_ref(), &rt.state_dir, keep, rt.clock.now_ms());
-    if swept.logs == 0 {
-        return;
-    }
-    let days = keep.as_secs() / 86_400;
-    tracing::info!(
-        logs = swept.logs,
-        bytes = swept.bytes,
-        days,
-        "removed acknowledged job logs past their retention"
-    );
-    let r = byoc_audit::log::Record {
-        event: "logs_removed".into(),
-        detail: Some(format!(
-            "{} acknowledged job logs ({} bytes) older than {days} days (jobs.log_retention_days)",
-            swept.logs, swept.bytes
-        )),
-        ..Default::default()
-    };
-    if let Err(e) = rt.audit.record(r) {
-        tracing::error!(error = %e, "could not audit the removal of expired job logs");
-    }
 }
 
 /// A test-only fault, read from the daemon's own environment (which only the unit's
@@ -705,8 +512,7 @@ fn start_job(
         role = p.requested_role.as_deref().unwrap_or("none"),
     );
     let group = byoc_protocol::job_group(&p.kind).to_string();
-    slots.acquire(&group);
-    let slot = SlotGuard { slots: slots.clone(), group, held: true };
+    let slot = SlotGuard::take(slots, group);
     let rt = rt.clone();
     tasks.spawn(tracing::Instrument::instrument(
         async move {
@@ -718,47 +524,11 @@ fn start_job(
             // A resumed job may have gone through without being held again (its window
             // had opened): its kept envelope goes too, unless the runner is stopping.
             if !rt.abort.is_cancelled() {
-                pipeline::window::forget_held(&rt, &job_id);
+                pipeline::held::forget_held(&rt, &job_id);
             }
         },
         span,
     ));
-}
-
-/// Holds a group slot; frees it (and wakes the poll loop) when dropped or while its
-/// job waits for a maintenance window.
-struct SlotGuard {
-    slots: Arc<Slots>,
-    group: String,
-    held: bool,
-}
-
-impl pipeline::window::JobSlot for SlotGuard {
-    fn release(&mut self) {
-        if std::mem::take(&mut self.held) {
-            self.slots.release(&self.group);
-        }
-    }
-    fn reacquire(&mut self) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send + '_>> {
-        Box::pin(async move {
-            while !self.held {
-                let freed = self.slots.changed.notified();
-                tokio::pin!(freed);
-                freed.as_mut().enable();
-                if self.slots.try_acquire(&self.group) {
-                    self.held = true;
-                } else {
-                    freed.await;
-                }
-            }
-        })
-    }
-}
-
-impl Drop for SlotGuard {
-    fn drop(&mut self) {
-        pipeline::window::JobSlot::release(self);
-    }
 }
 
 fn spawn_signal_handler(rt: Rt, drain: CancellationToken) -> Result<(), DaemonError> {

@@ -1,0 +1,288 @@
+//! A networked container's boundary: a Docker network of its own, a holder container
+//! owning the namespace, a configurator that sets the `prohibit` rules and exits (see
+//! the parent module's doc).
+
+use super::*;
+
+/// Where the static busybox appears in the holder and the configurator.
+const NET_BUSYBOX: &str = "/byoc-net/busybox";
+/// The routing table whose only route prohibits everything; the blocked ranges'
+/// rules lead there, ahead of the main table.
+const PROHIBIT_TABLE: u32 = 199;
+
+/// Whether a networked container's boundary can be built: a static busybox to hold
+/// and configure its namespace.
+pub fn check_network(settings: &ContainerSettings) -> Result<(), crate::jobnet::NetworkUnavailable> {
+    if is_static_elf(&settings.busybox) {
+        Ok(())
+    } else {
+        Err(crate::jobnet::NetworkUnavailable::from(format!(
+            "{} is missing or not a static executable; networked containers need it to set up their \
+             network boundary (apt-get install busybox-static, or set roles.busybox)",
+            settings.busybox.display()
+        )))
+    }
+}
+
+pub fn describe_network(settings: &ContainerSettings) -> String {
+    let egress = match &settings.network.allow {
+        None => "egress to any address not blocked".to_string(),
+        Some(a) => format!("egress allow-list {} entr{}", a.len(), if a.len() == 1 { "y" } else { "ies" }),
+    };
+    format!("network: own Docker network, {egress}, metadata and host blocked")
+}
+
+/// The memory ceiling of the holder and the configurator. They need a few MiB, but
+/// runc (1.1, as Debian 12 ships it) copies its own ~9 MiB binary into a memfd charged
+/// to the container's cgroup while it starts it; at 16 MiB its init was sometimes
+/// OOM-killed under load and Docker answered "cannot start a stopped process". A
+/// ceiling, not a reservation.
+const HELPER_MEMORY_BYTES: i64 = 64 << 20;
+
+/// A networked container's namespace: its Docker network and the holder container.
+pub(super) struct JobNetwork {
+    network: String,
+    pub(super) holder: String,
+}
+
+impl JobNetwork {
+    pub(super) async fn build(
+        docker: &Docker,
+        spec: &Container,
+        settings: &ContainerSettings,
+        job_id: &str,
+    ) -> Result<JobNetwork, crate::jobnet::NetworkUnavailable> {
+        use bollard::models::NetworkCreateRequest;
+        check_network(settings)?;
+        let name = format!("byoc-job-{job_id}");
+        // Whatever an interrupted attempt of this job left goes first.
+        let _ = docker
+            .remove_container(
+                &format!("{name}-net"),
+                Some(RemoveContainerOptionsBuilder::new().force(true).build()),
+            )
+            .await;
+        let _ = docker.remove_network(&name).await;
+        docker
+            .create_network(NetworkCreateRequest {
+                name: name.clone(),
+                driver: Some("bridge".into()),
+                internal: Some(false),
+                labels: Some(labels(job_id, &settings.owner)),
+                options: Some(HashMap::from([(
+                    "com.docker.network.bridge.enable_icc".to_string(),
+                    "false".to_string(),
+                )])),
+                ..Default::default()
+            })
+            .await
+            .map_err(|e| docker_error("creating the job's network", e))?;
+        let mut net = JobNetwork { network: name.clone(), holder: String::new() };
+        match net.finish(docker, spec, settings, job_id).await {
+            Ok(()) => Ok(net),
+            Err(e) => {
+                net.remove(docker).await;
+                Err(e)
+            }
+        }
+    }
+
+    pub(super) async fn finish(
+        &mut self,
+        docker: &Docker,
+        spec: &Container,
+        settings: &ContainerSettings,
+        job_id: &str,
+    ) -> Result<(), crate::jobnet::NetworkUnavailable> {
+        let info = docker
+            .inspect_network(&self.network, None)
+            .await
+            .map_err(|e| docker_error("inspecting the job's network", e))?;
+        let gateways: Vec<std::net::IpAddr> = info
+            .ipam
+            .and_then(|i| i.config)
+            .unwrap_or_default()
+            .iter()
+            .filter_map(|c| c.gateway.as_deref()?.parse().ok())
+            .collect();
+        let Some(gateway) = gateways.iter().find(|g| g.is_ipv4()).copied() else {
+            return Err(crate::jobnet::NetworkUnavailable(
+                "the job's Docker network has no IPv4 gateway".into(),
+            ));
+        };
+        let busybox_bind = format!("{}:{NET_BUSYBOX}:ro", settings.busybox.display());
+        // The holder: owns the namespace, does nothing, holds no capability.
+        let holder = ContainerCreateBody {
+            image: Some(spec.image.clone()),
+            entrypoint: Some(vec![NET_BUSYBOX.into(), "sleep".into(), "2147483647".into()]),
+            cmd: Some(vec![]),
+            user: Some(format!("{}:{}", settings.uid, settings.gid)),
+            labels: Some(labels(job_id, &settings.owner)),
+            host_config: Some(HostConfig {
+                network_mode: Some(self.network.clone()),
+                cap_drop: Some(vec!["ALL".into()]),
+                readonly_rootfs: Some(true),
+                security_opt: Some(vec!["no-new-privileges".into()]),
+                binds: Some(vec![busybox_bind.clone()]),
+                memory: Some(HELPER_MEMORY_BYTES),
+                pids_limit: Some(4),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let holder_name = format!("{}-net", self.network);
+        self.holder = docker
+            .create_container(Some(CreateContainerOptionsBuilder::new().name(&holder_name).build()), holder)
+            .await
+            .map_err(|e| docker_error("creating the network holder", e))?
+            .id;
+        docker
+            .start_container(&self.holder, None)
+            .await
+            .map_err(|e| docker_error("starting the network holder", e))?;
+        // The configurator: joins the holder's namespace with CAP_NET_ADMIN only, sets
+        // the rules, exits.
+        let mut blocked = byoc_sandbox::net::always_blocked();
+        blocked.extend(settings.network.deny.iter().copied());
+        blocked.extend(
+            byoc_sandbox::net::host_addresses()
+                .map_err(|e| crate::jobnet::NetworkUnavailable(e.to_string()))?,
+        );
+        blocked.extend(gateways.iter().map(|g| byoc_sandbox::net::Cidr::host(*g)));
+        blocked.sort();
+        blocked.dedup();
+        let allow = match &settings.network.allow {
+            None => None,
+            Some(a) => {
+                let mut ranges = a.ranges.clone();
+                // Names are resolved once, here: a container's DNS is Docker's.
+                for host in &a.hosts {
+                    if host.starts_with("*.") {
+                        continue;
+                    }
+                    if let Ok(addrs) = tokio::net::lookup_host((host.as_str(), 443)).await {
+                        ranges.extend(addrs.map(|a| byoc_sandbox::net::Cidr::host(a.ip())));
+                    }
+                }
+                Some(ranges)
+            }
+        };
+        let script = configure_script(&blocked, allow.as_deref(), gateway);
+        let configurator = ContainerCreateBody {
+            image: Some(spec.image.clone()),
+            entrypoint: Some(vec![NET_BUSYBOX.into(), "sh".into(), "-c".into(), script]),
+            cmd: Some(vec![]),
+            user: Some("0:0".into()),
+            labels: Some(labels(job_id, &settings.owner)),
+            network_disabled: Some(false),
+            host_config: Some(HostConfig {
+                network_mode: Some(format!("container:{}", self.holder)),
+                cap_drop: Some(vec!["ALL".into()]),
+                cap_add: Some(vec!["NET_ADMIN".into()]),
+                readonly_rootfs: Some(true),
+                security_opt: Some(vec!["no-new-privileges".into()]),
+                binds: Some(vec![busybox_bind]),
+                memory: Some(HELPER_MEMORY_BYTES),
+                pids_limit: Some(16),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let cname = format!("{}-netcfg", self.network);
+        let _ = docker
+            .remove_container(&cname, Some(RemoveContainerOptionsBuilder::new().force(true).build()))
+            .await;
+        let cid = docker
+            .create_container(Some(CreateContainerOptionsBuilder::new().name(&cname).build()), configurator)
+            .await
+            .map_err(|e| docker_error("creating the network configurator", e))?
+            .id;
+        let result = async {
+            docker
+                .start_container(&cid, None)
+                .await
+                .map_err(|e| docker_error("starting the network configurator", e))?;
+            let mut wait = docker.wait_container(&cid, None).boxed();
+            let code = match tokio::time::timeout(std::time::Duration::from_secs(60), wait.next()).await {
+                Ok(Some(Ok(r))) => r.status_code,
+                // bollard reports a non-zero exit as an error carrying the code.
+                Ok(Some(Err(bollard::errors::Error::DockerContainerWaitError { code, .. }))) => code,
+                Ok(Some(Err(e))) => {
+                    return Err(crate::jobnet::NetworkUnavailable::from(docker_error(
+                        "waiting for the network configurator",
+                        e,
+                    )));
+                }
+                Ok(None) | Err(_) => {
+                    return Err(crate::jobnet::NetworkUnavailable(
+                        "the network configurator did not finish".into(),
+                    ));
+                }
+            };
+            if code != 0 {
+                let mut logs = docker
+                    .logs(&cid, Some(LogsOptionsBuilder::new().stdout(true).stderr(true).build()))
+                    .boxed();
+                let mut said = String::new();
+                while let Some(Ok(chunk)) = logs.next().await {
+                    said.push_str(&String::from_utf8_lossy(&chunk.into_bytes()));
+                }
+                return Err(crate::jobnet::NetworkUnavailable::from(format!(
+                    "setting the container's network rules failed ({code}): {}",
+                    said.trim()
+                )));
+            }
+            Ok(())
+        }
+        .await;
+        let _ = docker
+            .remove_container(&cid, Some(RemoveContainerOptionsBuilder::new().force(true).build()))
+            .await;
+        result
+    }
+
+    pub(super) async fn remove(&self, docker: &Docker) {
+        if !self.holder.is_empty()
+            && let Err(e) = docker
+                .remove_container(
+                    &self.holder,
+                    Some(RemoveContainerOptionsBuilder::new().force(true).build()),
+                )
+                .await
+        {
+            tracing::warn!(container = %self.holder, error = %e, "could not remove the job's network holder");
+        }
+        if let Err(e) = docker.remove_network(&self.network).await {
+            tracing::warn!(network = %self.network, error = %e, "could not remove the job's network");
+        }
+    }
+}
+
+/// The configurator's shell script (busybox `sh` and `ip`): blocked ranges lead to a
+/// table that prohibits everything; with an allow-list, the default route goes and
+/// only the allowed ranges are routed. IPv6 rules are set when the namespace has
+/// IPv6 at all.
+fn configure_script(
+    blocked: &[byoc_sandbox::net::Cidr],
+    allow: Option<&[byoc_sandbox::net::Cidr]>,
+    gateway: std::net::IpAddr,
+) -> String {
+    let t = PROHIBIT_TABLE;
+    let mut s = format!("set -e\nb={NET_BUSYBOX}\n$b ip route add prohibit default table {t}\n");
+    for c in blocked.iter().filter(|c| c.is_ipv4()) {
+        s.push_str(&format!("$b ip rule add prio 100 to {c} table {t}\n"));
+    }
+    s.push_str(&format!("if $b ip -6 route add prohibit default table {t} 2>/dev/null; then\n"));
+    for c in blocked.iter().filter(|c| !c.is_ipv4()) {
+        s.push_str(&format!("  $b ip -6 rule add prio 100 to {c} table {t}\n"));
+    }
+    s.push_str("fi\n");
+    if let Some(allow) = allow {
+        s.push_str("$b ip route del default\n$b ip -6 route del default 2>/dev/null || true\n");
+        for c in allow.iter().filter(|c| c.is_ipv4()) {
+            s.push_str(&format!("$b ip route add {c} via {gateway}\n"));
+        }
+    }
+    s.push_str("echo byoc-network-ready\n");
+    s
+}

@@ -1,0 +1,119 @@
+//! The daemon's periodic upkeep, off the job path: the metrics textfile, journal
+//! compaction, and removing acknowledged job logs past their retention.
+
+use super::*;
+
+/// The metrics textfile, replaced whole; failures are logged (they never touch jobs).
+pub(super) fn write_metrics(rt: &Rt, path: &Path, tally: &mut crate::metrics::AuditTally) {
+    if let Err(e) = tally.update(&rt.state_dir.join(crate::audit::AUDIT_DIR)) {
+        tracing::warn!(error = %e, "reading the audit log for metrics");
+    }
+    let written = crate::metrics::collect(&rt.state_dir, &rt.config.disk, tally, rt.clock.now_ms())
+        .map_err(|e| e.to_string())
+        .and_then(|f| {
+            crate::metrics::write_textfile(path, &crate::metrics::render(&f)).map_err(|e| e.to_string())
+        });
+    if let Err(e) = written {
+        tracing::warn!(error = %e, path = %path.display(), "could not write the metrics textfile");
+    }
+}
+
+/// Remove acknowledged job logs past their retention; audited when anything went.
+/// Settled jobs past `jobs.journal_keep` to the journal's archive (audited), so the
+/// journal and its in-memory index stay bounded however long the runner runs.
+pub(super) fn compact_journal(rt: &Rt) {
+    use std::sync::atomic::Ordering;
+    // After a failure (a full disk, say) the next try waits: this runs before every
+    // poll, and each try reads the whole journal.
+    static RETRY_AT_MS: AtomicU64 = AtomicU64::new(0);
+    let now_ms = rt.clock.now_ms();
+    if now_ms < RETRY_AT_MS.load(Ordering::Relaxed) {
+        return;
+    }
+    // An envelope is accepted until its expiry plus the allowed skew: its nonce is
+    // kept known until then.
+    let now_secs = (now_ms / 1000) as i64 - rt.config.jobs.max_clock_skew.as_secs() as i64;
+    match rt.journal.compact(rt.config.jobs.journal_keep, now_secs) {
+        Ok(None) => {}
+        Ok(Some(c)) => {
+            let name = c.archive.file_name().unwrap_or_default().to_string_lossy().to_string();
+            tracing::info!(jobs = c.jobs, lines = c.lines, archive = %name, "archived settled jobs from the journal");
+            let r = byoc_audit::log::Record {
+                event: "journal_compacted".into(),
+                detail: Some(format!(
+                    "{} settled jobs ({} lines) moved to {}/{name}; {} lines kept (jobs.journal_keep = {})",
+                    c.jobs,
+                    c.lines,
+                    crate::journal::ARCHIVE_DIR,
+                    c.kept_lines,
+                    rt.config.jobs.journal_keep
+                )),
+                ..Default::default()
+            };
+            if let Err(e) = rt.audit.record(r) {
+                tracing::error!(error = %e, "could not audit a journal compaction");
+            }
+        }
+        // Nothing lost: the journal is replaced only after the archive is durable.
+        Err(e) => {
+            RETRY_AT_MS.store(now_ms + 600_000, Ordering::Relaxed);
+            tracing::error!(error = %e, "could not compact the job journal (next try in 10 minutes); it keeps growing until this is fixed")
+        }
+    }
+}
+
+pub(super) fn sweep_logs(rt: &Rt, keep: Duration) {
+    let swept = crate::retention::sweep_spools(rt.journal.as_ref(), &rt.state_dir, keep, rt.clock.now_ms());
+    if swept.logs == 0 {
+        return;
+    }
+    let days = keep.as_secs() / 86_400;
+    tracing::info!(
+        logs = swept.logs,
+        bytes = swept.bytes,
+        days,
+        "removed acknowledged job logs past their retention"
+    );
+    let r = byoc_audit::log::Record {
+        event: "logs_removed".into(),
+        detail: Some(format!(
+            "{} acknowledged job logs ({} bytes) older than {days} days (jobs.log_retention_days)",
+            swept.logs, swept.bytes
+        )),
+        ..Default::default()
+    };
+    if let Err(e) = rt.audit.record(r) {
+        tracing::error!(error = %e, "could not audit the removal of expired job logs");
+    }
+}
+
+/// Remove journal archives past `jobs.journal_archive_days`; audited when any went.
+pub(super) fn sweep_archives(rt: &Rt, keep: Duration) {
+    let older_than_ms = rt.clock.now_ms().saturating_sub(keep.as_millis() as u64);
+    let days = keep.as_secs() / 86_400;
+    match crate::journal::remove_archives_before(&rt.state_dir, older_than_ms) {
+        Ok(removed) if removed.files == 0 => {}
+        Ok(removed) => {
+            tracing::info!(
+                files = removed.files,
+                bytes = removed.bytes,
+                days,
+                "removed journal archives past their retention"
+            );
+            let r = byoc_audit::log::Record {
+                event: "journal_archives_removed".into(),
+                detail: Some(format!(
+                    "{} journal archives ({} bytes) whose newest job settled more than {days} days ago (jobs.journal_archive_days)",
+                    removed.files, removed.bytes
+                )),
+                ..Default::default()
+            };
+            if let Err(e) = rt.audit.record(r) {
+                tracing::error!(error = %e, "could not audit the removal of journal archives");
+            }
+        }
+        Err(e) => {
+            tracing::error!(error = %e, "could not remove expired journal archives (next try in an hour)")
+        }
+    }
+}
