@@ -433,6 +433,30 @@ pub trait Executor: Send + Sync {
     fn secrets(&self) -> Vec<Vec<u8>> {
         Vec::new()
     }
+
+    /// A drift check: it reads and judges, and changes nothing (docs/DRIFT.md). Only
+    /// such a job may run as operation `component.drift`, which the customer's window
+    /// and approval rules can treat apart from deploys.
+    fn is_drift_check(&self) -> bool {
+        false
+    }
+}
+
+/// The operation `component.drift` is for drift checks, and drift checks run under it:
+/// otherwise a deploy could pass as a check past rules written for deploys.
+pub fn check_drift_operation(entity: &str, operation: &str, executor: &dyn Executor) -> Result<(), String> {
+    let drift_operation = entity == "component" && operation == "drift";
+    match (drift_operation, executor.is_drift_check()) {
+        (true, false) => {
+            Err("operation component.drift is a check that changes nothing: only a drift check \
+             (terraform mode = \"drift\") may run as it"
+                .into())
+        }
+        (false, true) => {
+            Err(format!("a drift check runs as operation component.drift, not {entity}.{operation}"))
+        }
+        _ => Ok(()),
+    }
 }
 
 /// Put the job's role credentials into `env` (their names win over the job's own):

@@ -625,6 +625,10 @@ impl Executor for Terraform {
     fn secrets(&self) -> Vec<Vec<u8>> {
         self.spec.secret_vars.values().map(|v| v.as_bytes().to_vec()).collect()
     }
+
+    fn is_drift_check(&self) -> bool {
+        self.spec.mode == Mode::Drift
+    }
 }
 
 #[cfg(test)]

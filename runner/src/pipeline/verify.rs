@@ -211,6 +211,11 @@ impl Verifier<'_> {
                 return Err(reject(RejectReason::InvalidSpec, e.to_string()));
             }
         };
+        if let Err(why) =
+            byoc_job_executors::check_drift_operation(&payload.entity, &payload.operation, executor.as_ref())
+        {
+            return Err(reject(RejectReason::InvalidSpec, why));
+        }
         if let Some(p) = self.paused {
             return Err(reject(
                 RejectReason::Paused,
@@ -456,6 +461,33 @@ mod tests {
                 1100
             ),
             RejectReason::InvalidSpec
+        );
+    }
+
+    #[test]
+    fn only_a_drift_check_runs_as_component_drift_and_it_runs_as_nothing_else() {
+        let f = fixture();
+        let terraform = |mode: &str, operation: &str| JobPayload {
+            kind: "terraform".into(),
+            entity: "component".into(),
+            operation: operation.into(),
+            spec: serde_json::json!({"mode": mode, "workspace": "net", "files": {"main.tf": ""}}),
+            ..payload()
+        };
+        let refused =
+            verify(&f, JobEnvelope::sign(&terraform("apply", "drift"), &f.key), &Index::default(), 1100)
+                .err()
+                .expect("an apply passing as a drift check");
+        assert_eq!(refused.reason, RejectReason::InvalidSpec);
+        assert!(refused.detail.contains("only a drift check"), "{}", refused.detail);
+        assert_eq!(reason(&f, terraform("drift", "deploy"), 1100), RejectReason::InvalidSpec);
+        assert!(
+            verify(&f, JobEnvelope::sign(&terraform("drift", "drift"), &f.key), &Index::default(), 1100)
+                .is_ok()
+        );
+        assert!(
+            verify(&f, JobEnvelope::sign(&terraform("apply", "deploy"), &f.key), &Index::default(), 1100)
+                .is_ok()
         );
     }
 
