@@ -1,5 +1,7 @@
-//! The last drift check of each terraform workspace (`mode = "drift"`, docs/DRIFT.md),
-//! kept in `<state dir>/drift/<workspace>.json` for `byoc-runner drift` and `status`:
+//! The last drift check of each terraform workspace (`mode = "drift"`) and kubernetes
+//! component (`action = "drift"`), docs/DRIFT.md, kept in
+//! `<state dir>/drift/<workspace>.json` (`kubernetes.<component>.json`) for
+//! `byoc-runner drift` and `status`:
 //! the verdict (clean, drifted, violating), when, which job, what drifted (addresses
 //! and attribute paths, never values), what a deploy would change, and the violations.
 
@@ -11,6 +13,10 @@ pub const DRIFT_DIR: &str = "drift";
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct DriftRecord {
+    /// `terraform` or `kubernetes`.
+    #[serde(default = "terraform")]
+    pub kind: String,
+    /// The terraform workspace, or the kubernetes component.
     pub workspace: String,
     pub job_id: String,
     pub checked_at_ms: u64,
@@ -26,8 +32,15 @@ pub struct DriftRecord {
     pub plan_digest: String,
 }
 
-fn path(state_dir: &Path, workspace: &str) -> PathBuf {
-    state_dir.join(DRIFT_DIR).join(format!("{workspace}.json"))
+fn terraform() -> String {
+    "terraform".into()
+}
+
+fn path(state_dir: &Path, kind: &str, workspace: &str) -> PathBuf {
+    // Names are [a-z0-9_-]: the dot keeps kinds apart.
+    let name =
+        if kind == "terraform" { format!("{workspace}.json") } else { format!("{kind}.{workspace}.json") };
+    state_dir.join(DRIFT_DIR).join(name)
 }
 
 /// Keep a finished drift job's result as its workspace's latest. `outputs` is the
@@ -40,10 +53,12 @@ pub fn record(
 ) -> std::io::Result<()> {
     let d = &outputs["drift"];
     let Some(workspace) = d["workspace"].as_str() else { return Ok(()) };
-    if !byoc_job_executors::terraform::valid_name(workspace) {
+    let kind = d["kind"].as_str().unwrap_or("terraform");
+    if !byoc_job_executors::terraform::valid_name(workspace) || !matches!(kind, "terraform" | "kubernetes") {
         return Ok(());
     }
     let r = DriftRecord {
+        kind: kind.to_string(),
         workspace: workspace.to_string(),
         job_id: job_id.to_string(),
         checked_at_ms: at_ms,
@@ -57,7 +72,8 @@ pub fn record(
     use std::os::unix::fs::DirBuilderExt as _;
     std::fs::DirBuilder::new().recursive(true).mode(0o700).create(state_dir.join(DRIFT_DIR))?;
     let bytes = serde_json::to_vec_pretty(&r).map_err(std::io::Error::other)?;
-    crate::identity::write_atomic(&path(state_dir, workspace), &bytes, 0o600).map_err(std::io::Error::other)
+    crate::identity::write_atomic(&path(state_dir, kind, workspace), &bytes, 0o600)
+        .map_err(std::io::Error::other)
 }
 
 /// Every workspace's latest drift check, by name.
@@ -68,7 +84,7 @@ pub fn list(state_dir: &Path) -> Vec<DriftRecord> {
         .filter(|e| e.path().extension().is_some_and(|x| x == "json"))
         .filter_map(|e| serde_json::from_slice(&std::fs::read(e.path()).ok()?).ok())
         .collect();
-    out.sort_by(|a, b| a.workspace.cmp(&b.workspace));
+    out.sort_by(|a, b| (&a.workspace, &a.kind).cmp(&(&b.workspace, &b.kind)));
     out
 }
 
@@ -88,8 +104,15 @@ mod tests {
         record(d.path(), "job-2", 2, &out("clean")).unwrap();
         record(d.path(), "job-3", 3, &serde_json::json!({"summary": {}})).unwrap();
         record(d.path(), "job-4", 4, &serde_json::json!({"drift": {"workspace": "../x"}})).unwrap();
+        record(d.path(), "job-5", 5, &serde_json::json!({"drift": {"workspace": "network", "kind": "../x"}}))
+            .unwrap();
+        // A kubernetes component of the same name is kept apart.
+        let mut k8s = out("drifted");
+        k8s["drift"]["kind"] = "kubernetes".into();
+        record(d.path(), "job-6", 6, &k8s).unwrap();
         let all = list(d.path());
-        assert_eq!(all.len(), 1);
+        assert_eq!(all.len(), 2);
         assert_eq!((all[0].job_id.as_str(), all[0].verdict.as_str()), ("job-2", "clean"));
+        assert_eq!((all[1].kind.as_str(), all[1].verdict.as_str()), ("kubernetes", "drifted"));
     }
 }

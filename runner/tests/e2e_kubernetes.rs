@@ -315,3 +315,71 @@ async fn manifests_wait_for_approval_and_a_denial_sends_nothing() {
     assert_eq!(r.outputs["reason"], "approval_denied", "{}", r.outputs);
     assert!(e.api.requests().is_empty(), "nothing may be sent: {:?}", e.api.requests());
 }
+
+/// A drift check of the deployed component: the fake cluster's objects edited and
+/// deleted by hand in between; paths reported, never values; GETs only.
+#[tokio::test]
+async fn a_drift_check_finds_live_edits_and_deletions_and_changes_nothing() {
+    let e = kube_env().await;
+    let manifests = vec![deployment("api"), service("ClusterIP"), config_map("extra")];
+    let drift = |api: &FakeKubeApi| {
+        let mut req = job(api, "drift", manifests.clone(), 30);
+        req.operation = "drift".into();
+        req
+    };
+    // Never deployed: said so.
+    let (r, log) = run(&e, drift(&e.api)).await;
+    assert_eq!(r.status, JobStatus::Succeeded, "{:?}\n{log}", r.error);
+    assert_eq!(r.outputs["drift"]["verdict"], "not_deployed", "{}", r.outputs);
+    let (r, log) = run(&e, job(&e.api, "apply", manifests.clone(), 30)).await;
+    assert_eq!(r.status, JobStatus::Succeeded, "{:?}\n{log}", r.error);
+
+    // As deployed (the server's status and generation are not drift): clean.
+    let (r, log) = run(&e, drift(&e.api)).await;
+    assert_eq!(r.outputs["drift"]["verdict"], "clean", "{}\n{log}", r.outputs);
+
+    // Someone scales the deployment, swaps its image and deletes the config map.
+    let sent = e.api.requests().len();
+    assert!(e.api.edit(DEPLOY, |d| {
+        d["spec"]["replicas"] = 9.into();
+        d["spec"]["template"]["spec"]["containers"][0]["image"] = "evil.example/miner:latest".into();
+    }));
+    assert!(e.api.remove(EXTRA).is_some());
+    let (r, log) = run(&e, drift(&e.api)).await;
+    assert_eq!(r.status, JobStatus::Succeeded, "{:?}\n{log}", r.error);
+    let d = &r.outputs["drift"];
+    assert_eq!(d["verdict"], "drifted", "{}\n{log}", r.outputs);
+    assert_eq!(d["kind"], "kubernetes");
+    let drifted = d["drifted"].as_array().unwrap();
+    assert_eq!(drifted.len(), 2, "{drifted:?}");
+    assert_eq!(drifted[0]["address"], "Deployment/acme/api");
+    assert_eq!(
+        drifted[0]["paths"],
+        serde_json::json!(["spec.replicas", "spec.template.spec.containers[0].image"])
+    );
+    assert_eq!(drifted[1]["address"], "ConfigMap/acme/extra");
+    assert_eq!(drifted[1]["actions"], serde_json::json!(["delete"]));
+    assert_eq!(d["would_change"]["counts"], serde_json::json!({"create": 1, "update": 1}));
+    assert!(!r.outputs.to_string().contains("miner"), "a value reached the result: {}", r.outputs);
+    // Reads only: nothing was written to the cluster, and the edit is still there.
+    let after: Vec<_> = e.api.requests().into_iter().skip(sent).collect();
+    assert!(after.iter().all(|q| q.method == "GET"), "{after:?}");
+    assert_eq!(e.api.object(DEPLOY).unwrap()["spec"]["replicas"], 9);
+
+    // An edit the policies forbid: the service opened to the internet by hand.
+    assert!(e.api.edit(SVC, |s| s["spec"]["type"] = "LoadBalancer".into()));
+    let (r, log) = run(&e, drift(&e.api)).await;
+    assert_eq!(r.outputs["drift"]["verdict"], "violating", "{}\n{log}", r.outputs);
+    assert!(r.outputs["violations"].to_string().contains("public_ingress"), "{}", r.outputs);
+
+    // The customer sees the latest check; every check audited; a drift action under
+    // another operation is refused.
+    let listed = e.env.cli_json(&["drift"]);
+    let api = listed.as_array().unwrap().iter().find(|c| c["workspace"] == "api").expect("listed");
+    assert_eq!((api["verdict"].as_str(), api["kind"].as_str()), (Some("violating"), Some("kubernetes")));
+    let checked = audit_events(&e.env.dir.path().join("state"), "drift_checked");
+    assert_eq!(checked.len(), 4, "{checked:?}");
+    let id = e.env.cp.enqueue(job(&e.api, "drift", manifests.clone(), 30)).unwrap();
+    let v = e.env.rejected(&id).await;
+    assert_eq!(v.rejections[0].0, byoc_protocol::RejectReason::InvalidSpec, "{:?}", v.rejections);
+}

@@ -162,6 +162,18 @@ impl FakeKubeApi {
         self.shared.0.lock().ok().and_then(|i| i.objects.get(path).cloned())
     }
 
+    /// Change a stored object as someone with cluster access would (`kubectl edit`);
+    /// `false` if there is none at `path`.
+    pub fn edit(&self, path: &str, change: impl FnOnce(&mut serde_json::Value)) -> bool {
+        let Ok(mut i) = self.shared.0.lock() else { return false };
+        i.objects.get_mut(path).map(change).is_some()
+    }
+
+    /// Delete a stored object outside any job (`kubectl delete`).
+    pub fn remove(&self, path: &str) -> Option<serde_json::Value> {
+        self.shared.0.lock().ok().and_then(|mut i| i.objects.remove(path))
+    }
+
     /// Workloads with this name never become ready.
     pub fn hold_back(&self, name: &str) {
         if let Ok(mut i) = self.shared.0.lock() {

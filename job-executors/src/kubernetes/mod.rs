@@ -7,6 +7,7 @@ use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
 mod cluster_policies;
+mod drift;
 mod objects;
 
 use kube::api::{Api, DeleteParams, DynamicObject, Patch, PatchParams};
@@ -27,6 +28,8 @@ const POLL: Duration = Duration::from_millis(500);
 enum Action {
     Apply,
     Delete,
+    /// Compare the live objects with the manifests; change nothing (`drift.rs`).
+    Drift,
 }
 
 #[derive(Clone, Deserialize)]
@@ -110,9 +113,9 @@ impl Kubernetes {
             Some(b) => Some(crate::artifact::parse_reference("bundle", b)?),
             None => None,
         };
-        if manifests.is_empty() && bundle.is_none() && s.action == Action::Apply {
+        if manifests.is_empty() && bundle.is_none() && s.action != Action::Delete {
             return Err(crate::InvalidSpec::from(
-                "apply needs manifests (bundle, manifests or manifests_yaml)",
+                "apply and drift need manifests (bundle, manifests or manifests_yaml)",
             ));
         }
         let objects = objects_of(manifests, &s.namespace)?;
@@ -197,6 +200,9 @@ impl Kubernetes {
     }
 
     async fn deploy(&self, ctx: &mut ExecContext<'_>) -> ExecOutcome {
+        if self.spec.action == Action::Drift {
+            return self.drift(ctx).await;
+        }
         let failed = crate::tool::failed;
         // Policy first: nothing reaches the cluster before the decision.
         let mut decided = serde_json::Value::Null;
@@ -279,6 +285,8 @@ impl Kubernetes {
             let mut out = match self.spec.action {
                 Action::Apply => self.apply(ctx, &client, deadline).await?,
                 Action::Delete => self.delete(ctx, &client).await?,
+                // Answered by `drift` before anything here runs.
+                Action::Drift => return Err(("invalid_spec", "a drift check deploys nothing".to_string())),
             };
             if let Some((policies, operation)) = &cluster {
                 let remove = self.spec.action == Action::Delete && operation == "sandbox.deprovision";
@@ -599,6 +607,10 @@ async fn client(kubeconfig: &str) -> Result<kube::Client, crate::eks::ClusterAcc
 impl Executor for Kubernetes {
     fn run<'a>(&'a self, mut ctx: ExecContext<'a>) -> ExecFuture<'a> {
         Box::pin(async move { self.go(&mut ctx).await })
+    }
+
+    fn is_drift_check(&self) -> bool {
+        self.spec.action == Action::Drift
     }
 
     fn secrets(&self) -> Vec<Vec<u8>> {

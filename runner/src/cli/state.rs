@@ -38,7 +38,10 @@ pub(super) fn status(s: &StateArgs) -> anyhow::Result<()> {
     let drift: Vec<String> = crate::drift::list(&state_dir(s))
         .into_iter()
         .filter(|r| r.verdict != "clean")
-        .map(|r| format!("{} {}", r.workspace, r.verdict))
+        .map(|r| match r.kind.as_str() {
+            "terraform" => format!("{} {}", r.workspace, r.verdict),
+            kind => format!("{kind}:{} {}", r.workspace, r.verdict),
+        })
         .collect();
     if !drift.is_empty() {
         println!("drift:          {} (byoc-runner drift)", drift.join(", "));
@@ -98,12 +101,14 @@ pub(super) fn drift(s: &StateArgs) -> anyhow::Result<()> {
         return print_json(&all);
     }
     if all.is_empty() {
-        println!("no drift check has run (terraform jobs with mode = \"drift\"; docs/DRIFT.md)");
+        println!(
+            "no drift check has run (terraform jobs with mode = \"drift\", kubernetes jobs with action = \"drift\"; docs/DRIFT.md)"
+        );
         return Ok(());
     }
     println!(
-        "{:<20} {:<10} {:<21} {:<24} {:>8} {:>12}",
-        "WORKSPACE", "VERDICT", "CHECKED", "JOB", "DRIFTED", "WOULD CHANGE"
+        "{:<20} {:<11} {:<10} {:<21} {:<24} {:>8} {:>12}",
+        "WORKSPACE", "KIND", "VERDICT", "CHECKED", "JOB", "DRIFTED", "WOULD CHANGE"
     );
     for r in &all {
         let would: u64 = r.would_change["counts"]
@@ -111,8 +116,9 @@ pub(super) fn drift(s: &StateArgs) -> anyhow::Result<()> {
             .map(|c| c.values().filter_map(|v| v.as_u64()).sum())
             .unwrap_or(0);
         println!(
-            "{:<20} {:<10} {:<21} {:<24} {:>8} {:>12}",
+            "{:<20} {:<11} {:<10} {:<21} {:<24} {:>8} {:>12}",
             r.workspace,
+            r.kind,
             r.verdict,
             inspect::format_ms(r.checked_at_ms),
             r.job_id,
