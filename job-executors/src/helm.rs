@@ -27,6 +27,8 @@ enum Action {
     Upgrade,
     Uninstall,
     Rollback,
+    /// Compare the live objects with what the release deployed; change nothing.
+    Drift,
 }
 
 #[derive(Deserialize)]
@@ -111,6 +113,9 @@ impl Helm {
         }
         if !(s.values.is_null() || s.values.is_object()) {
             return Err(crate::InvalidSpec::from("values must be an object"));
+        }
+        if s.action == Action::Drift && s.kubeconfig.is_none() {
+            return Err(crate::InvalidSpec::from("drift reads the live objects: it needs the kubeconfig"));
         }
         if s.wait_secs == 0 || s.wait_secs > 3600 {
             return Err(crate::InvalidSpec::from("wait_secs: 1..=3600"));
@@ -290,6 +295,41 @@ impl Helm {
         }
     }
 
+    /// A drift check (docs/DRIFT.md): the release's manifest (`helm get manifest`, in the
+    /// sandbox) against the live objects, read by the runner with the job's
+    /// kubeconfig (GETs only); the policies over the live objects.
+    async fn drift(
+        &self,
+        run: &mut Run<'_, '_>,
+        sh: &impl Fn(String, &str) -> Vec<String>,
+    ) -> Result<ExecOutcome, ExecOutcome> {
+        use crate::kubernetes::drift;
+        let s = &self.spec;
+        run.log(&format!(
+            "[helm] drift check of release {}: live objects against its manifest; nothing is changed\n",
+            s.release
+        ));
+        let deployed = self.deployed(run, sh).await?;
+        let objects = crate::kubernetes::objects_of(deployed, &s.namespace).map_err(|e| {
+            failed("release_unreadable", format!("the release's manifest: {}", e.0), serde_json::Value::Null)
+        })?;
+        let digest = drift::manifests_digest(&objects);
+        if objects.is_empty() {
+            return Ok(drift::not_deployed(run.ctx, "helm", &s.release, &digest));
+        }
+        let kubeconfig = s.kubeconfig.as_deref().unwrap_or_default();
+        let client = crate::kubernetes::client(kubeconfig)
+            .await
+            .map_err(|e| failed("cluster_unreachable", e.0, serde_json::Value::Null))?;
+        let cancel = run.ctx.settings.cancel.clone();
+        let seen = tokio::select! {
+            r = drift::compare_live(&client, &objects) => r.map_err(|(reason, e)| failed(reason, e, serde_json::Value::Null))?,
+            _ = cancel.cancelled() => return Err(ExecOutcome { status: JobStatus::Cancelled, exit_code: None, error: Some("job was cancelled".into()), outputs: serde_json::Value::Null }),
+        };
+        Ok(drift::judge(run.ctx, byoc_policy::Source::Helm, "helm", &s.release, seen, Vec::new(), &digest)
+            .await)
+    }
+
     async fn steps(&self, run: &mut Run<'_, '_>, helm: &str) -> Result<ExecOutcome, ExecOutcome> {
         let s = &self.spec;
         let wait = format!("{}s", s.wait_secs);
@@ -299,6 +339,7 @@ impl Helm {
         };
         let argv = |a: Vec<String>| [vec![helm.to_string()], a].concat();
         match s.action {
+            Action::Drift => return self.drift(run, &sh).await,
             Action::Uninstall => {
                 // What the release has deployed is about to be deleted: reviewed as
                 // DELETE first (nothing deployed, nothing to decide).
@@ -495,6 +536,10 @@ impl Executor for Helm {
 
     fn placement(&self) -> crate::Placement {
         crate::Placement::Sandbox { network: true }
+    }
+
+    fn is_drift_check(&self) -> bool {
+        self.spec.action == Action::Drift
     }
 
     fn secrets(&self) -> Vec<Vec<u8>> {

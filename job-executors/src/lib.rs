@@ -449,7 +449,7 @@ pub fn check_drift_operation(entity: &str, operation: &str, executor: &dyn Execu
     match (drift_operation, executor.is_drift_check()) {
         (true, false) => {
             Err("operation component.drift is a check that changes nothing: only a drift check \
-             (terraform mode = \"drift\", kubernetes action = \"drift\") may run as it"
+             (terraform mode = \"drift\", kubernetes or helm action = \"drift\") may run as it"
                 .into())
         }
         (false, true) => {

@@ -1,7 +1,7 @@
-//! The last drift check of each terraform workspace (`mode = "drift"`) and kubernetes
-//! component (`action = "drift"`), docs/DRIFT.md, kept in
-//! `<state dir>/drift/<workspace>.json` (`kubernetes.<component>.json`) for
-//! `byoc-runner drift` and `status`:
+//! The last drift check of each terraform workspace (`mode = "drift"`), kubernetes
+//! component and helm release (`action = "drift"`), docs/DRIFT.md, kept in
+//! `<state dir>/drift/<workspace>.json` (`<kind>.<name>.json` for kubernetes and helm)
+//! for `byoc-runner drift` and `status`:
 //! the verdict (clean, drifted, violating), when, which job, what drifted (addresses
 //! and attribute paths, never values), what a deploy would change, and the violations.
 
@@ -13,10 +13,10 @@ pub const DRIFT_DIR: &str = "drift";
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct DriftRecord {
-    /// `terraform` or `kubernetes`.
+    /// `terraform`, `kubernetes` or `helm`.
     #[serde(default = "terraform")]
     pub kind: String,
-    /// The terraform workspace, or the kubernetes component.
+    /// The terraform workspace, the kubernetes component or the helm release.
     pub workspace: String,
     pub job_id: String,
     pub checked_at_ms: u64,
@@ -54,7 +54,9 @@ pub fn record(
     let d = &outputs["drift"];
     let Some(workspace) = d["workspace"].as_str() else { return Ok(()) };
     let kind = d["kind"].as_str().unwrap_or("terraform");
-    if !byoc_job_executors::terraform::valid_name(workspace) || !matches!(kind, "terraform" | "kubernetes") {
+    if !byoc_job_executors::terraform::valid_name(workspace)
+        || !matches!(kind, "terraform" | "kubernetes" | "helm")
+    {
         return Ok(());
     }
     let r = DriftRecord {

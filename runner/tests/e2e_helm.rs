@@ -223,3 +223,75 @@ async fn an_upgrade_waits_for_approval_of_its_manifests_then_runs() {
     assert_eq!(r.status, JobStatus::Succeeded, "{:?}\n{log}", r.error);
     assert!(log.contains("[approval]") && log.contains("approved by"), "{log}");
 }
+
+/// A drift check of a release: what `helm get manifest` says it deployed against the
+/// live objects of a fake API server (the stand-in helm reaches no cluster, so the
+/// test puts there what a real upgrade would have created), edited by hand in between.
+#[tokio::test]
+async fn a_drift_check_finds_live_edits_against_the_releases_manifest() {
+    use byoc_control_plane::kube_api::FakeKubeApi;
+    let e = helm_env().await;
+    let api = FakeKubeApi::start().await;
+    const DEPLOY: &str = "/apis/apps/v1/namespaces/acme/deployments/api";
+    const SVC: &str = "/api/v1/namespaces/acme/services/api";
+    let drift = |deployed: Option<String>| {
+        let files: Vec<(&str, String)> = deployed.into_iter().map(|d| ("fake-deployed.yaml", d)).collect();
+        let mut req =
+            job("drift", &files, serde_json::json!({"kubeconfig": api.kubeconfig("helm-token-5e6f7a8b")}));
+        req.operation = "drift".into();
+        req
+    };
+    // No release: never deployed.
+    let (r, log) = run(&e, drift(None)).await;
+    assert_eq!(r.status, JobStatus::Succeeded, "{:?}\n{log}", r.error);
+    assert_eq!(r.outputs["drift"]["verdict"], "not_deployed", "{}\n{log}", r.outputs);
+
+    // What the release deployed, live in the cluster with the server's additions.
+    let manifest = rendered(IMAGE, "ClusterIP");
+    let docs = [
+        serde_json::json!({"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "api", "namespace": "acme"},
+            "spec": {"replicas": 2, "template": {"spec": {"containers": [{"name": "api", "image": IMAGE,
+                "resources": {"limits": {"cpu": "500m", "memory": "256Mi"}}}]}}}}),
+        serde_json::json!({"apiVersion": "v1", "kind": "Service", "metadata": {"name": "api", "namespace": "acme"},
+            "spec": {"type": "ClusterIP"}}),
+    ];
+    let mut live_deploy = docs[0].clone();
+    live_deploy["metadata"]["uid"] = "u-1".into();
+    live_deploy["status"] = serde_json::json!({"readyReplicas": 2});
+    api.put(DEPLOY, live_deploy);
+    api.put(SVC, docs[1].clone());
+    let (r, log) = run(&e, drift(Some(manifest.clone()))).await;
+    assert_eq!(r.outputs["drift"]["verdict"], "clean", "{}\n{log}", r.outputs);
+    assert!(log.contains("get manifest"), "{log}");
+
+    // Edited by hand: the image swapped, the service opened to the internet.
+    let sent = api.requests().len();
+    assert!(api.edit(DEPLOY, |d| d["spec"]["template"]["spec"]["containers"][0]["image"] =
+        "evil.example/x:1".into()));
+    assert!(api.edit(SVC, |s| s["spec"]["type"] = "LoadBalancer".into()));
+    let (r, log) = run(&e, drift(Some(manifest))).await;
+    assert_eq!(r.status, JobStatus::Succeeded, "{:?}\n{log}", r.error);
+    let d = &r.outputs["drift"];
+    assert_eq!(
+        (d["kind"].as_str(), d["verdict"].as_str()),
+        (Some("helm"), Some("violating")),
+        "{}",
+        r.outputs
+    );
+    let paths: Vec<&serde_json::Value> =
+        d["drifted"].as_array().unwrap().iter().map(|x| &x["paths"]).collect();
+    assert_eq!(
+        paths,
+        [&serde_json::json!(["spec.template.spec.containers[0].image"]), &serde_json::json!(["spec.type"])]
+    );
+    assert!(r.outputs["violations"].to_string().contains("public_ingress"), "{}", r.outputs);
+    assert!(!r.outputs.to_string().contains("evil.example"), "a value reached the result");
+    assert!(api.requests().iter().skip(sent).all(|q| q.method == "GET"));
+    assert!(!log.contains("upgrade"), "{log}");
+    assert_eq!(audit(&e, "drift_checked").len(), 3);
+    let listed = e.env.cli_json(&["drift"]);
+    assert!(
+        listed.as_array().unwrap().iter().any(|c| c["kind"] == "helm" && c["workspace"] == "api"),
+        "{listed}"
+    );
+}

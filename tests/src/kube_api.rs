@@ -169,6 +169,13 @@ impl FakeKubeApi {
         i.objects.get_mut(path).map(change).is_some()
     }
 
+    /// Store an object as a tool other than the executor (helm) would have created it.
+    pub fn put(&self, path: &str, object: serde_json::Value) {
+        if let Ok(mut i) = self.shared.0.lock() {
+            i.objects.insert(path.to_string(), object);
+        }
+    }
+
     /// Delete a stored object outside any job (`kubectl delete`).
     pub fn remove(&self, path: &str) -> Option<serde_json::Value> {
         self.shared.0.lock().ok().and_then(|mut i| i.objects.remove(path))

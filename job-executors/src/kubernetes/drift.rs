@@ -81,6 +81,160 @@ fn sha256(bytes: &[u8]) -> String {
     format!("sha256:{}", hex::encode(sha2::Sha256::digest(bytes)))
 }
 
+/// The live objects read back and compared with the manifests that deployed them.
+pub(crate) struct LiveComparison {
+    /// Address, actions (`update`: edited; `delete`: gone) and changed paths.
+    pub drifted: Vec<Value>,
+    /// Every object found, as the policies see it.
+    pub live: Vec<Value>,
+}
+
+/// GET each object `objects` names and compare it with its manifest. Reads only.
+pub(crate) async fn compare_live(
+    client: &kube::Client,
+    objects: &[(ObjRef, Value)],
+) -> Result<LiveComparison, (&'static str, String)> {
+    let mut out = LiveComparison { drifted: Vec::new(), live: Vec::new() };
+    for (obj, manifest) in objects {
+        let got: Option<DynamicObject> = api(client, obj)
+            .get_opt(&obj.name)
+            .await
+            .map_err(|e| ("cluster_error", format!("reading {}: {e}", obj.display())))?;
+        match got.map(|o| serde_json::to_value(o).unwrap_or_default()) {
+            None => out
+                .drifted
+                .push(serde_json::json!({"address": obj.display(), "actions": ["delete"], "paths": []})),
+            Some(l) => {
+                let mut paths = Vec::new();
+                differs(&compared_part(manifest), &l, "", &mut paths);
+                if !paths.is_empty() {
+                    out.drifted.push(
+                        serde_json::json!({"address": obj.display(), "actions": ["update"], "paths": paths}),
+                    );
+                }
+                out.live.push(for_policy(&l));
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// What a drift check of a component that was never deployed here says.
+pub(crate) fn not_deployed(
+    ctx: &mut ExecContext<'_>,
+    kind: &str,
+    name: &str,
+    manifests_digest: &str,
+) -> ExecOutcome {
+    let _ = ctx.output.write(format!("[drift] {kind} {name} was never deployed here\n").as_bytes());
+    if let Some(a) = &ctx.settings.audit {
+        let _ = a.record(
+            "drift_checked",
+            format!("{kind} {name}: not_deployed"),
+            BTreeMap::from([("manifests".to_string(), manifests_digest.to_string())]),
+        );
+    }
+    ExecOutcome {
+        status: JobStatus::Succeeded,
+        exit_code: Some(0),
+        error: None,
+        outputs: serde_json::json!({"drift": {
+            "kind": kind, "workspace": name, "verdict": "not_deployed",
+            "drifted": [], "would_change": {"counts": {}, "addresses": {}},
+            "refresh_plan_digest": "", "plan_digest": manifests_digest,
+        }, "violations": []}),
+    }
+}
+
+/// The policies over the live objects, the verdict, the audit record and the result.
+/// `removed`: objects a deploy now would delete (the inventory's, no longer declared).
+pub(crate) async fn judge(
+    ctx: &mut ExecContext<'_>,
+    source: byoc_policy::Source,
+    kind: &str,
+    name: &str,
+    seen: LiveComparison,
+    removed: Vec<String>,
+    manifests_digest: &str,
+) -> ExecOutcome {
+    let LiveComparison { drifted, live } = seen;
+    // What an apply now would do: recreate or restore what drifted, prune what the
+    // manifests no longer have.
+    let mut addresses: BTreeMap<&str, Vec<String>> = BTreeMap::new();
+    for d in &drifted {
+        let action = if d["actions"][0] == "delete" { "create" } else { "update" };
+        addresses.entry(action).or_default().push(d["address"].as_str().unwrap_or("").to_string());
+    }
+    if !removed.is_empty() {
+        addresses.insert("delete", removed);
+    }
+    let counts: BTreeMap<&str, usize> = addresses.iter().map(|(k, v)| (*k, v.len())).collect();
+    let would_change = serde_json::json!({"counts": counts, "addresses": addresses});
+    let live_bytes = serde_json::to_vec(&live).unwrap_or_default();
+    let live_digest = sha256(&live_bytes);
+    let subject = crate::policy_gate::Subject {
+        source,
+        admission: byoc_policy::Admission::Update,
+        name: crate::policy_gate::DRIFT_SUBJECT,
+        digest: Some(&live_digest),
+    };
+    let decision = match crate::policy_gate::decide(ctx, subject, &live_bytes).await {
+        Ok(d) => d,
+        Err(e) => return crate::tool::failed(crate::policy_gate::UNAVAILABLE, e.to_string(), Value::Null),
+    };
+    let verdict = if decision.verdict == byoc_policy::Verdict::Deny {
+        "violating"
+    } else if !drifted.is_empty() || !counts.is_empty() {
+        "drifted"
+    } else {
+        "clean"
+    };
+    let _ = ctx.output.write(
+        format!(
+            "[drift] {verdict}: {} object(s) changed or gone outside the runner, a deploy would change {}\n",
+            drifted.len(),
+            if counts.is_empty() { "nothing".to_string() } else { serde_json::json!(counts).to_string() }
+        )
+        .as_bytes(),
+    );
+    if let Some(a) = &ctx.settings.audit {
+        let _ = a.record(
+            "drift_checked",
+            format!("{kind} {name}: {verdict}; {} drifted, policy {:?}", drifted.len(), decision.verdict),
+            BTreeMap::from([
+                ("live".to_string(), live_digest.clone()),
+                ("manifests".to_string(), manifests_digest.to_string()),
+                ("input".to_string(), decision.input_digest.clone()),
+            ]),
+        );
+    }
+    ExecOutcome {
+        status: JobStatus::Succeeded,
+        exit_code: Some(0),
+        error: None,
+        outputs: serde_json::json!({
+            "drift": {
+                "kind": kind,
+                "workspace": name,
+                "verdict": verdict,
+                "drifted": drifted,
+                "would_change": would_change,
+                "refresh_plan_digest": live_digest,
+                "plan_digest": manifests_digest,
+            },
+            "verdict": decision.verdict,
+            "input_digest": decision.input_digest,
+            "violations": decision.violations.iter().map(|v| serde_json::json!({"rule": v.rule, "address": v.address, "policy": v.policy})).collect::<Vec<_>>(),
+        }),
+    }
+}
+
+/// The digest of the manifests a check compares against.
+pub(crate) fn manifests_digest(objects: &[(ObjRef, Value)]) -> String {
+    let manifests: Vec<&Value> = objects.iter().map(|(_, m)| m).collect();
+    sha256(&serde_json::to_vec(&manifests).unwrap_or_default())
+}
+
 impl Kubernetes {
     pub(super) async fn drift(&self, ctx: &mut ExecContext<'_>) -> ExecOutcome {
         let failed = crate::tool::failed;
@@ -97,140 +251,26 @@ impl Kubernetes {
             format!("[kubernetes] drift check of {component}: live objects against the manifests; nothing is changed\n")
                 .as_bytes(),
         );
-        let manifests: Vec<&Value> = self.objects.iter().map(|(_, m)| m).collect();
-        let manifests_digest = sha256(&serde_json::to_vec(&manifests).unwrap_or_default());
+        let digest = manifests_digest(&self.objects);
         let cancel = ctx.settings.cancel.clone();
         let read = async {
             let inventory = self.inventory(&client).await?;
-            let mut live = Vec::new();
-            for (obj, _) in &self.objects {
-                let got: Option<DynamicObject> = api(&client, obj)
-                    .get_opt(&obj.name)
-                    .await
-                    .map_err(|e| ("cluster_error", format!("reading {}: {e}", obj.display())))?;
-                live.push(got.map(|o| serde_json::to_value(o).unwrap_or_default()));
+            if inventory.is_empty() {
+                return Ok(None);
             }
-            Ok::<_, (&'static str, String)>((inventory, live))
+            Ok::<_, (&'static str, String)>(Some((compare_live(&client, &self.objects).await?, inventory)))
         };
-        let (inventory, live) = tokio::select! {
+        let (seen, inventory) = tokio::select! {
             r = read => match r {
-                Ok(v) => v,
+                Ok(Some(v)) => v,
+                Ok(None) => return not_deployed(ctx, "kubernetes", &component, &digest),
                 Err((reason, e)) => return failed(reason, e, Value::Null),
             },
             _ = cancel.cancelled() => return ExecOutcome { status: JobStatus::Cancelled, exit_code: None, error: Some("job was cancelled".into()), outputs: Value::Null },
         };
-        let auditor = ctx.settings.audit.clone();
-        let audit = |verdict: &str, detail: String, digests: BTreeMap<String, String>| {
-            if let Some(a) = &auditor {
-                let _ =
-                    a.record("drift_checked", format!("component {component}: {verdict}; {detail}"), digests);
-            }
-        };
-        if inventory.is_empty() {
-            let _ = ctx.output.write(
-                format!("[drift] component {component} has no inventory: it was never deployed here\n")
-                    .as_bytes(),
-            );
-            audit(
-                "not_deployed",
-                "no inventory".into(),
-                BTreeMap::from([("manifests".into(), manifests_digest.clone())]),
-            );
-            return ExecOutcome {
-                status: JobStatus::Succeeded,
-                exit_code: Some(0),
-                error: None,
-                outputs: serde_json::json!({"drift": {
-                    "kind": "kubernetes", "workspace": component, "verdict": "not_deployed",
-                    "drifted": [], "would_change": {"counts": {}, "addresses": {}},
-                    "refresh_plan_digest": "", "plan_digest": manifests_digest,
-                }, "violations": []}),
-            };
-        }
-        let mut drifted = Vec::new();
-        let mut found = Vec::new();
-        for ((obj, manifest), live) in self.objects.iter().zip(&live) {
-            match live {
-                None => drifted
-                    .push(serde_json::json!({"address": obj.display(), "actions": ["delete"], "paths": []})),
-                Some(l) => {
-                    let mut paths = Vec::new();
-                    differs(&compared_part(manifest), l, "", &mut paths);
-                    if !paths.is_empty() {
-                        drifted.push(serde_json::json!({"address": obj.display(), "actions": ["update"], "paths": paths}));
-                    }
-                    found.push(for_policy(l));
-                }
-            }
-        }
-        // What an apply now would do: recreate or restore what drifted, prune what the
-        // manifests no longer have.
         let declared: BTreeSet<&ObjRef> = self.objects.iter().map(|(o, _)| o).collect();
-        let mut addresses: BTreeMap<&str, Vec<String>> = BTreeMap::new();
-        for d in &drifted {
-            let action = if d["actions"][0] == "delete" { "create" } else { "update" };
-            addresses.entry(action).or_default().push(d["address"].as_str().unwrap_or("").to_string());
-        }
-        for gone in inventory.iter().filter(|o| !declared.contains(o)) {
-            addresses.entry("delete").or_default().push(gone.display());
-        }
-        let counts: BTreeMap<&str, usize> = addresses.iter().map(|(k, v)| (*k, v.len())).collect();
-        let would_change = serde_json::json!({"counts": counts, "addresses": addresses});
-        let live_bytes = serde_json::to_vec(&found).unwrap_or_default();
-        let live_digest = sha256(&live_bytes);
-        let subject = crate::policy_gate::Subject {
-            source: byoc_policy::Source::Kubernetes,
-            admission: byoc_policy::Admission::Update,
-            name: crate::policy_gate::DRIFT_SUBJECT,
-            digest: Some(&live_digest),
-        };
-        let decision = match crate::policy_gate::decide(ctx, subject, &live_bytes).await {
-            Ok(d) => d,
-            Err(e) => return failed(crate::policy_gate::UNAVAILABLE, e.to_string(), Value::Null),
-        };
-        let verdict = if decision.verdict == byoc_policy::Verdict::Deny {
-            "violating"
-        } else if !drifted.is_empty() || !counts.is_empty() {
-            "drifted"
-        } else {
-            "clean"
-        };
-        let _ = ctx.output.write(
-            format!(
-                "[drift] {verdict}: {} object(s) changed or gone outside the runner, an apply would change {}\n",
-                drifted.len(),
-                if counts.is_empty() { "nothing".to_string() } else { serde_json::json!(counts).to_string() }
-            )
-            .as_bytes(),
-        );
-        audit(
-            verdict,
-            format!("{} drifted, policy {:?}", drifted.len(), decision.verdict),
-            BTreeMap::from([
-                ("live".to_string(), live_digest.clone()),
-                ("manifests".to_string(), manifests_digest.clone()),
-                ("input".to_string(), decision.input_digest.clone()),
-            ]),
-        );
-        ExecOutcome {
-            status: JobStatus::Succeeded,
-            exit_code: Some(0),
-            error: None,
-            outputs: serde_json::json!({
-                "drift": {
-                    "kind": "kubernetes",
-                    "workspace": component,
-                    "verdict": verdict,
-                    "drifted": drifted,
-                    "would_change": would_change,
-                    "refresh_plan_digest": live_digest,
-                    "plan_digest": manifests_digest,
-                },
-                "verdict": decision.verdict,
-                "input_digest": decision.input_digest,
-                "violations": decision.violations.iter().map(|v| serde_json::json!({"rule": v.rule, "address": v.address, "policy": v.policy})).collect::<Vec<_>>(),
-            }),
-        }
+        let removed = inventory.iter().filter(|o| !declared.contains(o)).map(ObjRef::display).collect();
+        judge(ctx, byoc_policy::Source::Kubernetes, "kubernetes", &component, seen, removed, &digest).await
     }
 }
 

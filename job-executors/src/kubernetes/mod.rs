@@ -7,7 +7,7 @@ use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
 mod cluster_policies;
-mod drift;
+pub(crate) mod drift;
 mod objects;
 
 use kube::api::{Api, DeleteParams, DynamicObject, Patch, PatchParams};
@@ -517,7 +517,7 @@ async fn review_deletions(
 
 /// Every manifest's identity (namespaced ones in `namespace` unless they name their
 /// own, so policy sees the addresses they will have); no object twice.
-fn objects_of(
+pub(crate) fn objects_of(
     manifests: Vec<serde_json::Value>,
     namespace: &str,
 ) -> Result<Vec<(ObjRef, serde_json::Value)>, crate::InvalidSpec> {
@@ -596,7 +596,7 @@ fn read_bundle(tree: &std::path::Path) -> Result<Vec<serde_json::Value>, crate::
     Ok(manifests)
 }
 
-async fn client(kubeconfig: &str) -> Result<kube::Client, crate::eks::ClusterAccessError> {
+pub(crate) async fn client(kubeconfig: &str) -> Result<kube::Client, crate::eks::ClusterAccessError> {
     let kc = kube::config::Kubeconfig::from_yaml(kubeconfig).map_err(|e| format!("kubeconfig: {e}"))?;
     let config = kube::Config::from_custom_kubeconfig(kc, &kube::config::KubeConfigOptions::default())
         .await

@@ -22,7 +22,7 @@ pub(super) const CLUSTER_SCOPED: [&str; 12] = [
 
 /// One object's identity: what the inventory records and prune deletes.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
-pub(super) struct ObjRef {
+pub(crate) struct ObjRef {
     pub(super) api_version: String,
     pub(super) kind: String,
     pub(super) namespace: Option<String>,
@@ -49,7 +49,7 @@ impl ObjRef {
             name: n.into(),
         })
     }
-    pub(super) fn display(&self) -> String {
+    pub(crate) fn display(&self) -> String {
         format!("{}/{}/{}", self.kind, self.namespace.as_deref().unwrap_or("-"), self.name)
     }
     fn api_resource(&self) -> ApiResource {
