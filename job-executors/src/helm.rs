@@ -542,6 +542,14 @@ impl Executor for Helm {
         self.spec.action == Action::Drift
     }
 
+    fn drift_spec(&self) -> Option<serde_json::Value> {
+        // The release and the cluster: the check reads what the release deployed.
+        (self.spec.action == Action::Upgrade).then(|| {
+            serde_json::json!({"action": "drift", "release": self.spec.release, "namespace": self.spec.namespace,
+                "kubeconfig": self.spec.kubeconfig})
+        })
+    }
+
     fn secrets(&self) -> Vec<Vec<u8>> {
         let mut v: Vec<Vec<u8>> = self.spec.secret_values.values().map(|v| v.as_bytes().to_vec()).collect();
         if let Some(k) = &self.spec.kubeconfig {

@@ -440,6 +440,13 @@ pub trait Executor: Send + Sync {
     fn is_drift_check(&self) -> bool {
         false
     }
+
+    /// For a deploy: the spec of a drift check of what it deploys (the same module,
+    /// manifests or release, `mode`/`action = "drift"`), which the runner keeps to check
+    /// the component on its own schedule. `None` for anything else.
+    fn drift_spec(&self) -> Option<serde_json::Value> {
+        None
+    }
 }
 
 /// The operation `component.drift` is for drift checks, and drift checks run under it:

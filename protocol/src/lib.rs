@@ -23,6 +23,11 @@ pub const MAX_PAYLOAD_BYTES: usize = 256 * 1024;
 /// Header carrying the byte offset of a log chunk (and the server's offset on a 416).
 pub const LOG_OFFSET_HEADER: &str = "x-log-offset";
 
+/// Job ids of the runner's own checks (drift checks it starts on the customer's
+/// schedule or command). A control plane never issues them; a delivery using one is
+/// refused.
+pub const LOCAL_JOB_PREFIX: &str = "local-";
+
 /// Entities and the operations each has (a role request's `entity_name.operation`);
 /// `artifact.sync` is OCI artifact sync.
 pub const OPERATIONS: &[(&str, &[&str])] = &[

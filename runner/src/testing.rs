@@ -335,7 +335,8 @@ pub async fn runtime_with(extra: &str) -> Fakes {
         state_dir: dir.path().to_path_buf(),
         journal: journal.clone(),
         audit: audit.clone(),
-        client: cp.clone(),
+        // As the daemon has it: the runner's own checks are answered locally.
+        client: Arc::new(crate::control_plane::local::Routed { remote: cp.clone() }),
         abort: CancellationToken::new(),
         sandbox: None,
         containers: None,

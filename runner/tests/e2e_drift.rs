@@ -142,3 +142,88 @@ async fn a_drifted_resource_that_breaks_a_policy_is_violating() {
     let listed = e.cli_json(&["drift"]);
     assert_eq!(listed[0]["verdict"], "violating");
 }
+
+/// The runner's own checks (docs/DRIFT.md): a deploy without secrets leaves its
+/// component; `drift run` checks it with no job from the control plane, which learns
+/// of the check from the audit log; a pause stops it, said why; all audited.
+#[tokio::test]
+async fn the_runner_checks_a_deployed_component_when_asked_and_not_while_paused() {
+    let policies = tempfile::tempdir().unwrap();
+    let extra = format!(
+        "\n[terraform]\nbinary = \"{}\"\n\n[policy]\ndir = \"{}\"\n",
+        real_terraform(),
+        policies.path().display()
+    );
+    // Short polls: requests are looked at before each.
+    let e = env_with(RunnerOptions { extra, poll_wait_secs: 2, ..Default::default() }).await;
+    let state = e.dir.path().join("state");
+    let files = serde_json::json!({"main.tf": module()});
+    // Nothing deployed yet: nothing to check, said at once.
+    let out = e.runner.cli(&["drift", "run", "network"]);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no deploy of \"network\""), "{out:?}");
+
+    let (deploy, r, log) = done(&e, tf("apply", files)).await;
+    assert_eq!(r.status, JobStatus::Succeeded, "{:?}\n{log}", r.error);
+    let targets = e.cli_json(&["drift", "targets"]);
+    assert_eq!(
+        (targets[0]["name"].as_str(), targets[0]["kind"].as_str()),
+        (Some("network"), Some("terraform"))
+    );
+    assert_eq!(targets[0]["from_job"], deploy.as_str());
+
+    let out = e.runner.cli(&["drift", "run", "network"]);
+    assert!(out.status.success(), "{out:?}");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    let checked = loop {
+        let listed = e.cli_json(&["drift"]);
+        if let Some(c) = listed.as_array().unwrap().iter().find(|c| c["workspace"] == "network") {
+            break c.clone();
+        }
+        assert!(std::time::Instant::now() < deadline, "no local check:\n{}", e.runner.log());
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    };
+    let local = checked["job_id"].as_str().unwrap().to_string();
+    assert!(local.starts_with("local-drift-terraform-network-"), "{checked}");
+    assert_eq!(checked["verdict"], "clean", "{checked}");
+    // Run as any job: journaled and settled on the VM, never a job of the control plane's.
+    assert!(e.cp.job(&local).is_none());
+    let ok =
+        e.cp.wait_until(std::time::Duration::from_secs(30), |_| {
+            e.cli_json(&["jobs", "show", &local])["phase"] == "reported"
+        })
+        .await;
+    assert!(ok, "{}", e.cli_json(&["jobs", "show", &local]));
+    // Audited from the request to the verdict, and the control plane gets those records.
+    let requested = audit_events(&state, "drift_requested");
+    assert!(requested[0]["detail"].as_str().unwrap().starts_with("terraform network by "), "{requested:?}");
+    let started = audit_events(&state, "drift_check_started");
+    assert_eq!(started[0]["job"], local.as_str());
+    assert!(started[0]["detail"].as_str().unwrap().contains(&format!("from deploy {deploy}")), "{started:?}");
+    let verdict =
+        audit_events(&state, "drift_checked").into_iter().find(|r| r["job"] == local.as_str()).unwrap();
+    let seq = verdict["seq"].as_u64().unwrap();
+    let runner = e.cp.runners()[0].runner_id.clone();
+    assert!(e.cp.wait_until(std::time::Duration::from_secs(60), |cp| cp.audit_size(&runner) > seq).await);
+
+    // Paused: the request is taken, the check not started, and the audit log says why.
+    assert!(e.runner.cli(&["pause", "--reason", "freeze"]).status.success());
+    assert!(e.runner.cli(&["drift", "run", "network"]).status.success());
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while audit_events(&state, "drift_skipped").is_empty() {
+        assert!(std::time::Instant::now() < deadline, "not skipped:\n{}", e.runner.log());
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+    let skipped = &audit_events(&state, "drift_skipped")[0];
+    assert_eq!(skipped["reason"], "paused", "{skipped}");
+    let locals = e.cli_json(&["jobs", "list"]);
+    let n = locals
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|j| j["job_id"].as_str().unwrap().starts_with("local-"))
+        .count();
+    assert_eq!(n, 1, "{locals}");
+    let out = e.runner.cli(&["audit", "verify"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stdout));
+}

@@ -79,6 +79,8 @@ pub struct Kubernetes {
     spec: Spec,
     objects: Vec<(ObjRef, serde_json::Value)>,
     bundle: Option<byoc_oci_sync::Reference>,
+    /// The spec as signed, for the drift check of what it deploys.
+    raw: serde_json::Value,
 }
 
 impl Kubernetes {
@@ -119,7 +121,7 @@ impl Kubernetes {
             ));
         }
         let objects = objects_of(manifests, &s.namespace)?;
-        Ok(Kubernetes { spec: s, objects, bundle })
+        Ok(Kubernetes { spec: s, objects, bundle, raw: spec.clone() })
     }
 
     /// The job's kubeconfig, or one for the EKS cluster with a token signed by the
@@ -195,7 +197,7 @@ impl Kubernetes {
             .as_bytes(),
         );
         ctx.settings.artifact = Some(fetched.digest.to_string());
-        let resolved = Kubernetes { spec: self.spec.clone(), objects, bundle: None };
+        let resolved = Kubernetes { spec: self.spec.clone(), objects, bundle: None, raw: self.raw.clone() };
         resolved.deploy(ctx).await
     }
 
@@ -611,6 +613,16 @@ impl Executor for Kubernetes {
 
     fn is_drift_check(&self) -> bool {
         self.spec.action == Action::Drift
+    }
+
+    fn drift_spec(&self) -> Option<serde_json::Value> {
+        (self.spec.action == Action::Apply).then(|| {
+            let mut spec = self.raw.clone();
+            if let Some(o) = spec.as_object_mut() {
+                o.insert("action".into(), "drift".into());
+            }
+            spec
+        })
     }
 
     fn secrets(&self) -> Vec<Vec<u8>> {

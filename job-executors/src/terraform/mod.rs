@@ -82,6 +82,8 @@ pub struct Terraform {
     spec: Spec,
     module: Option<byoc_oci_sync::Reference>,
     providers: Option<byoc_oci_sync::Reference>,
+    /// The spec as signed, for the drift check of what it deploys.
+    raw: serde_json::Value,
 }
 
 /// A workspace or plan name (`[a-z0-9_-]`, 1-64): it becomes a directory and a key part.
@@ -155,7 +157,7 @@ impl Terraform {
         }
         let providers =
             s.providers.as_deref().map(|p| crate::artifact::parse_reference("providers", p)).transpose()?;
-        Ok(Terraform { spec: s, module, providers })
+        Ok(Terraform { spec: s, module, providers, raw: spec.clone() })
     }
 }
 
@@ -628,6 +630,17 @@ impl Executor for Terraform {
 
     fn is_drift_check(&self) -> bool {
         self.spec.mode == Mode::Drift
+    }
+
+    fn drift_spec(&self) -> Option<serde_json::Value> {
+        (self.spec.mode == Mode::Apply).then(|| {
+            let mut spec = self.raw.clone();
+            if let Some(o) = spec.as_object_mut() {
+                o.insert("mode".into(), "drift".into());
+                o.remove("plan_digest");
+            }
+            spec
+        })
     }
 }
 

@@ -15,6 +15,7 @@
 mod approvals;
 mod audit;
 mod config;
+mod drift;
 mod jobs;
 mod policy;
 mod run;
@@ -122,10 +123,16 @@ enum Cmd {
     },
     /// Undo `pause`.
     Resume(StateArgs),
-    /// The last drift check of each terraform workspace (terraform jobs with
-    /// mode = "drift"): clean, drifted or violating, when, what drifted (addresses and
-    /// attribute paths, never values), what a deploy would change.
-    Drift(StateArgs),
+    /// The last drift check of each terraform workspace, kubernetes component and helm
+    /// release: clean, drifted or violating, when, what drifted (addresses and
+    /// attribute paths, never values), what a deploy would change. `drift run NAME`
+    /// asks for a check now; `drift targets` lists what the runner can check.
+    Drift {
+        #[command(flatten)]
+        state: StateArgs,
+        #[command(subcommand)]
+        action: Option<drift::DriftAction>,
+    },
     /// List the jobs awaiting a local approval ([[guardrails.approval_rule]]): what
     /// each will do, under which rule, until when.
     Approvals(StateArgs),
@@ -220,7 +227,7 @@ pub fn main() -> i32 {
         Cmd::Pause { state, reason } => edge(|| state::pause(&state, reason)),
         Cmd::Resume(s) => edge(|| state::resume(&s)),
         Cmd::Approvals(s) => edge(|| approvals::list(&s)),
-        Cmd::Drift(s) => edge(|| state::drift(&s)),
+        Cmd::Drift { state, action } => edge(|| drift::run(&state, action)),
         Cmd::Approve { state, job_id, reason } => edge(|| approvals::decide(&state, &job_id, true, reason)),
         Cmd::Deny { state, job_id, reason } => {
             edge(|| approvals::decide(&state, &job_id, false, Some(reason)))

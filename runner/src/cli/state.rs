@@ -95,54 +95,7 @@ pub(super) fn metrics(s: &StateArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-pub(super) fn drift(s: &StateArgs) -> anyhow::Result<()> {
-    let all = crate::drift::list(&state_dir(s));
-    if s.output == Output::Json {
-        return print_json(&all);
-    }
-    if all.is_empty() {
-        println!(
-            "no drift check has run (terraform jobs with mode = \"drift\", kubernetes jobs with action = \"drift\"; docs/DRIFT.md)"
-        );
-        return Ok(());
-    }
-    println!(
-        "{:<20} {:<11} {:<10} {:<21} {:<24} {:>8} {:>12}",
-        "WORKSPACE", "KIND", "VERDICT", "CHECKED", "JOB", "DRIFTED", "WOULD CHANGE"
-    );
-    for r in &all {
-        let would: u64 = r.would_change["counts"]
-            .as_object()
-            .map(|c| c.values().filter_map(|v| v.as_u64()).sum())
-            .unwrap_or(0);
-        println!(
-            "{:<20} {:<11} {:<10} {:<21} {:<24} {:>8} {:>12}",
-            r.workspace,
-            r.kind,
-            r.verdict,
-            inspect::format_ms(r.checked_at_ms),
-            r.job_id,
-            r.drifted.as_array().map_or(0, Vec::len),
-            would
-        );
-        for d in r.drifted.as_array().into_iter().flatten() {
-            let paths: Vec<&str> =
-                d["paths"].as_array().into_iter().flatten().filter_map(|p| p.as_str()).collect();
-            println!("    drifted {}: {}", d["address"].as_str().unwrap_or("?"), paths.join(", "));
-        }
-        for v in r.violations.as_array().into_iter().flatten() {
-            println!(
-                "    violates {} [{}] {}",
-                v["policy"].as_str().unwrap_or("?"),
-                v["rule"].as_str().unwrap_or("?"),
-                v["address"].as_str().unwrap_or("")
-            );
-        }
-    }
-    Ok(())
-}
-
-fn admin_group(s: &StateArgs) -> Option<String> {
+pub(super) fn admin_group(s: &StateArgs) -> Option<String> {
     Config::load(&s.config).ok().and_then(|c| c.roles.admin_group)
 }
 

@@ -7,6 +7,7 @@
 
 mod aws;
 mod control_plane;
+mod drift;
 mod fields;
 mod runner;
 mod sandbox;
@@ -16,6 +17,7 @@ use std::path::{Path, PathBuf};
 
 pub use aws::{AwsConfig, RolesConfig};
 pub use control_plane::ControlPlaneConfig;
+pub use drift::{DRIFT_KINDS, DriftConfig, DriftSchedule};
 pub use runner::{JobsConfig, LogTarget, LoggingConfig, PollConfig, RunnerConfig};
 pub use sandbox::{ContainersConfig, SandboxConfig};
 pub use tools::{
@@ -46,6 +48,8 @@ pub struct Config {
     pub disk: crate::disk::DiskSettings,
     /// `[[guardrails.window]]` and `[[guardrails.window_rule]]`: maintenance windows.
     pub guardrails: crate::guardrails::Guardrails,
+    /// `[drift]`: the checks the runner starts itself.
+    pub drift: DriftConfig,
     /// `[metrics] textfile`: where the daemon writes its metrics for node_exporter.
     pub metrics_textfile: Option<PathBuf>,
     /// Where the configuration was read from (hidden from jobs).
@@ -100,6 +104,7 @@ impl Config {
         let disk_t = t("disk");
         let metrics_t = t("metrics");
         let guardrails_t = t("guardrails");
+        let drift_t = t("drift");
         top.finish();
 
         let control_plane = ControlPlaneConfig::parse(cp_t, &mut problems);
@@ -117,6 +122,7 @@ impl Config {
         let policy = PolicyConfig::parse(policy_t, &mut problems);
         let artifacts = ArtifactsConfig::parse(artifacts_t, &mut problems);
         let guardrails = crate::guardrails::parse(guardrails_t, &mut problems);
+        let drift = DriftConfig::parse(drift_t, &mut problems);
         let disk = {
             let mut f = fields::Fields::new("disk", disk_t, &mut problems);
             let settings = crate::disk::DiskSettings {
@@ -165,6 +171,7 @@ impl Config {
             artifacts,
             disk,
             guardrails,
+            drift,
             metrics_textfile,
             source: PathBuf::from(source_name),
             digest,

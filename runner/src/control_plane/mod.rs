@@ -3,6 +3,7 @@
 //! trait the job's stages see, so each stage can be tested against a fake.
 
 pub mod client;
+pub mod local;
 pub mod retry;
 
 use std::future::Future;

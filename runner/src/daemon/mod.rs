@@ -32,6 +32,7 @@ use crate::runtime::{Rt, Runtime};
 use crate::spool;
 
 mod enroll;
+mod local_drift;
 mod slots;
 mod upkeep;
 use enroll::enroll_if_needed;
@@ -194,7 +195,8 @@ pub async fn run(config: Config) -> Result<(), DaemonError> {
         state_dir: state_dir.clone(),
         journal: Arc::new(journal),
         audit: audit.clone(),
-        client: client.clone(),
+        // The runner's own drift checks are answered locally (`control_plane::local`).
+        client: Arc::new(crate::control_plane::local::Routed { remote: client.clone() }),
         abort: CancellationToken::new(),
         stop_reporting: CancellationToken::new(),
         clock: Arc::new(crate::clock::SystemClock),
@@ -395,6 +397,7 @@ async fn poll_loop(
     health: &Arc<AtomicU64>,
 ) {
     let mut backoff = Backoff::new(rt.config.poll.backoff_initial, rt.config.poll.backoff_max);
+    let mut local_drift = local_drift::LocalDrift::default();
     if std::env::var_os(WEDGE_FAULT_ENV).is_some_and(|v| v == "1") {
         // Test fault (the VM suite's watchdog case): a loop that never comes round.
         tracing::error!("{WEDGE_FAULT_ENV}=1: the poll loop is wedged on purpose");
@@ -424,6 +427,8 @@ async fn poll_loop(
             }
             continue;
         }
+        // The runner's own drift checks, due or asked for, before the control plane's.
+        local_drift.start_due(rt, slots, tasks);
         let pause = rt.check_customer_controls();
         // Before every poll too, not only on the idle tick: a busy runner stays within
         // journal_keep (the check is a count; the file is rewritten every keep/4 jobs).

@@ -143,6 +143,14 @@ pub async fn execute(rt: &Rt, job: AssumedJob) -> Result<FinishedJob, JournalErr
     {
         tracing::warn!(error = %e, "could not keep the drift check's result for `byoc-runner drift`");
     }
+    if outcome.status == JobStatus::Succeeded {
+        let p = &job.verified.payload;
+        match crate::drift::local::remember(&rt.state_dir, p, job.verified.executor.as_ref(), now_ms()) {
+            Ok(true) => tracing::info!("kept what a drift check of this deploy needs (docs/DRIFT.md)"),
+            Ok(false) => {}
+            Err(e) => tracing::warn!(error = %e, "could not keep this deploy's drift check target"),
+        }
+    }
     rt.transition(Event::Finished {
         job_id: job_id.clone(),
         status: outcome.status,

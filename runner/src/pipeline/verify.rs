@@ -114,11 +114,36 @@ impl Verifier<'_> {
         // Authentic from here on; still parsed strictly.
         let payload: JobPayload = serde_json::from_slice(&bytes)
             .map_err(|e| reject(RejectReason::MalformedEnvelope, format!("payload: {e}")))?;
+        if payload.job_id.starts_with(byoc_protocol::LOCAL_JOB_PREFIX) {
+            return Err(reject(
+                RejectReason::MalformedEnvelope,
+                format!(
+                    "job ids starting with {:?} are the runner's own checks",
+                    byoc_protocol::LOCAL_JOB_PREFIX
+                ),
+            ));
+        }
+        self.admit(payload, sha256_hex(&bytes), polled, journal)
+    }
+
+    /// The checks of an authentic payload, and the job they admit. Deliveries come here
+    /// once their signature verifies; the runner's own drift checks (`crate::drift`)
+    /// come here with a payload built from a deploy whose signature verified.
+    pub fn admit(
+        &self,
+        payload: JobPayload,
+        payload_sha256: String,
+        polled: PolledJob,
+        journal: &Index,
+    ) -> Result<VerifiedJob, Rejection> {
+        let delivery_id = polled.delivery_id.clone();
         let reject = |reason, detail: String| Rejection {
+            delivery_id: delivery_id.clone(),
+            reason,
+            detail,
             job_id: valid_job_id(&payload.job_id).then(|| payload.job_id.clone()),
             nonce: Some(payload.nonce.clone()),
             expires_at: Some(payload.expires_at),
-            ..reject(reason, detail)
         };
         if !valid_job_id(&payload.job_id) {
             return Err(reject(
@@ -165,7 +190,6 @@ impl Verifier<'_> {
                 format!("issued {}s in the future (allowed skew {skew}s)", payload.issued_at - self.now),
             ));
         }
-        let payload_sha256 = sha256_hex(&bytes);
         if let Some(job) = journal.jobs.get(&payload.job_id) {
             match job.phase {
                 Phase::Finished | Phase::Reported | Phase::ClaimRefused | Phase::Refused => {

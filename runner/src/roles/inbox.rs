@@ -23,6 +23,7 @@ pub const EVENTS: &[&str] = &[
     "state_unlock_requested",
     "state_unlocked",
     "state_unlock_failed",
+    "drift_requested",
 ];
 const MAX_RECORD: u64 = 16 << 10;
 

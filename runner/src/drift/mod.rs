@@ -9,6 +9,8 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+pub mod local;
+
 pub const DRIFT_DIR: &str = "drift";
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -114,7 +116,7 @@ mod tests {
         record(d.path(), "job-6", 6, &k8s).unwrap();
         let all = list(d.path());
         assert_eq!(all.len(), 2);
-        assert_eq!((all[0].job_id.as_str(), all[0].verdict.as_str()), ("job-2", "clean"));
-        assert_eq!((all[1].kind.as_str(), all[1].verdict.as_str()), ("kubernetes", "drifted"));
+        assert_eq!((all[0].kind.as_str(), all[0].verdict.as_str()), ("kubernetes", "drifted"));
+        assert_eq!((all[1].job_id.as_str(), all[1].verdict.as_str()), ("job-2", "clean"));
     }
 }
