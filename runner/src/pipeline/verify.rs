@@ -489,6 +489,21 @@ mod tests {
     }
 
     #[test]
+    fn a_delivery_may_not_use_the_runners_own_job_ids() {
+        let f = fixture();
+        let r = verify(
+            &f,
+            JobEnvelope::sign(&JobPayload { job_id: "local-drift-x".into(), ..payload() }, &f.key),
+            &Index::default(),
+            1100,
+        )
+        .err()
+        .expect("refused");
+        assert_eq!(r.reason, RejectReason::MalformedEnvelope);
+        assert!(r.detail.contains("the runner's own checks"), "{}", r.detail);
+    }
+
+    #[test]
     fn only_a_drift_check_runs_as_component_drift_and_it_runs_as_nothing_else() {
         let f = fixture();
         let terraform = |mode: &str, operation: &str| JobPayload {
