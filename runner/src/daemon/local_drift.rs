@@ -84,13 +84,10 @@ impl LocalDrift {
         let target = local::find(&rt.state_dir, name, kind)
             .map_err(|e| Some(Skip { reason: "drift_target_unknown", detail: e.to_string() }))?;
         let prefix = format!("{}drift-{}-{}-", byoc_protocol::LOCAL_JOB_PREFIX, target.kind, target.name);
-        let running = rt.journal.with_index(|i| {
-            i.jobs.values().any(|j| {
-                j.job_id.starts_with(&prefix)
-                    && !matches!(j.phase, Phase::Reported | Phase::Refused | Phase::ClaimRefused)
-            })
-        });
-        if running || !slots.free_groups().iter().any(|g| g == byoc_protocol::job_group(&target.kind)) {
+        // One check of a component at a time: its task holds it in hand until it ends.
+        if slots.in_hand.any_starting_with(&prefix)
+            || !slots.free_groups().iter().any(|g| g == byoc_protocol::job_group(&target.kind))
+        {
             return Err(None);
         }
         let payload = local::payload(

@@ -207,6 +207,11 @@ impl JobsInHand {
         let fresh = self.0.lock().unwrap_or_else(|e| e.into_inner()).insert(job_id.to_string());
         fresh.then(|| InHand { set: self.clone(), job_id: job_id.to_string() })
     }
+
+    /// Whether a job whose id starts with `prefix` is in hand.
+    pub fn any_starting_with(&self, prefix: &str) -> bool {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).iter().any(|id| id.starts_with(prefix))
+    }
 }
 
 /// A job's mark in `JobsInHand`, removed when dropped.
