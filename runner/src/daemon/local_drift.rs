@@ -90,13 +90,17 @@ impl LocalDrift {
         {
             return Err(None);
         }
-        let payload = local::payload(
+        let mut payload = local::payload(
             &target,
             &rt.runner_id,
             &rt.install_id,
             rt.clock.unix_now(),
             rt.config.drift.role.as_deref(),
         );
+        // The runner proposes the role the app's chain gives a drift check (which may
+        // be a read-only role of its own), not the deploy's.
+        payload.requested_role = crate::roles::chain::own_proposal(&payload, &rt.roles.install)
+            .map_err(|e| Some(Skip { reason: e.reason.code(), detail: e.detail }))?;
         let payload_sha256 = byoc_protocol::sha256_hex(&serde_json::to_vec(&payload).unwrap_or_default());
         // No envelope: nothing of a local check is ever kept to be verified again (it is
         // never held, below).

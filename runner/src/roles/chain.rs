@@ -108,6 +108,22 @@ pub fn derive(
     }
 }
 
+/// The role the chain gives `payload` (its entity, operation and role request), for a
+/// job the runner proposes itself (its own drift checks): `None` when the payload asks
+/// for no role.
+pub fn own_proposal(payload: &JobPayload, install: &InstallState) -> Result<Option<String>, ChainError> {
+    if payload.requested_role.is_none() {
+        return Ok(None);
+    }
+    let Some(app_config) = &payload.app_config else {
+        return Err(err(RejectReason::RoleUnknown, "a role is needed but no app config says which".into()));
+    };
+    let app =
+        AppRoles::parse(app_config, install).map_err(|e| err(RejectReason::InvalidSpec, e.to_string()))?;
+    let req = payload.role_request.clone().unwrap_or_default();
+    Ok(Some(derive(&app, install, &payload.entity, &payload.operation, &req)?.role.name))
+}
+
 /// What a job's payload says about roles, checked: `None` when the job asked for no
 /// role (it gets no AWS credentials at all).
 pub fn derive_for_job(payload: &JobPayload, install: &InstallState) -> Result<Option<Derived>, ChainError> {
@@ -156,6 +172,25 @@ mod tests {
 
     fn named(name: &str) -> RoleRequest {
         RoleRequest { entity_name: name.into(), ..Default::default() }
+    }
+
+    #[test]
+    fn the_runner_proposes_the_role_of_the_operation_it_runs_not_the_deploys() {
+        // The cluster's deploys run under its own role; a drift check of it under the
+        // default for component.drift.
+        let mut p = crate::testing::payload("local-drift-terraform-cluster-1");
+        (p.entity, p.operation) = ("component".into(), "drift".into());
+        p.requested_role = Some("{{.install.id}}-eks-upgrade-role".into());
+        p.app_config = Some(app());
+        p.role_request = Some(named("cluster"));
+        assert_eq!(derive_for_job(&p, &install()).unwrap_err().reason, RejectReason::RoleMismatch);
+        let proposed = own_proposal(&p, &install()).unwrap();
+        assert_eq!(proposed.as_deref(), Some("inst-1-maintenance"));
+        p.requested_role = proposed;
+        assert_eq!(derive_for_job(&p, &install()).unwrap().unwrap().role.name, "inst-1-maintenance");
+        // No role asked for: none proposed.
+        p.requested_role = None;
+        assert_eq!(own_proposal(&p, &install()).unwrap(), None);
     }
 
     #[test]
