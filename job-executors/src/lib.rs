@@ -451,19 +451,26 @@ pub trait Executor: Send + Sync {
 
 /// The operation `component.drift` is for drift checks, and drift checks run under it:
 /// otherwise a deploy could pass as a check past rules written for deploys.
-pub fn check_drift_operation(entity: &str, operation: &str, executor: &dyn Executor) -> Result<(), String> {
-    let drift_operation = entity == "component" && operation == "drift";
-    match (drift_operation, executor.is_drift_check()) {
-        (true, false) => {
-            Err("operation component.drift is a check that changes nothing: only a drift check \
-             (terraform mode = \"drift\", kubernetes or helm action = \"drift\") may run as it"
-                .into())
-        }
-        (false, true) => {
-            Err(format!("a drift check runs as operation component.drift, not {entity}.{operation}"))
-        }
+pub fn check_drift_operation(
+    entity: &str,
+    operation: &str,
+    executor: &dyn Executor,
+) -> Result<(), DriftOperationMismatch> {
+    match (entity == "component" && operation == "drift", executor.is_drift_check()) {
+        (true, false) => Err(DriftOperationMismatch::NotACheck),
+        (false, true) => Err(DriftOperationMismatch::CheckUnder(format!("{entity}.{operation}"))),
         _ => Ok(()),
     }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DriftOperationMismatch {
+    #[error(
+        "operation component.drift is a check that changes nothing: only a drift check (terraform mode = \"drift\", kubernetes or helm action = \"drift\") may run as it"
+    )]
+    NotACheck,
+    #[error("a drift check runs as operation component.drift, not {0}")]
+    CheckUnder(String),
 }
 
 /// Put the job's role credentials into `env` (their names win over the job's own):

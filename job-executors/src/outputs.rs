@@ -62,6 +62,18 @@ pub fn parse(text: &str, masker: &Masker) -> Result<serde_json::Value, OutputsEr
     Ok(serde_json::Value::Object(map))
 }
 
+/// Terraform's outputs (`output -json`, or a state's `outputs`) as a job's outputs, with
+/// sensitive values replaced.
+pub fn from_terraform(raw: &[u8]) -> Result<serde_json::Value, serde_json::Error> {
+    let v: serde_json::Value = serde_json::from_slice(raw)?;
+    let mut out = serde_json::Map::new();
+    for (k, o) in v.as_object().into_iter().flatten() {
+        let value = if o["sensitive"].as_bool().unwrap_or(false) { "***".into() } else { o["value"].clone() };
+        out.insert(k.clone(), value);
+    }
+    Ok(serde_json::Value::Object(out))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -222,17 +222,6 @@ fn summary(plan: &serde_json::Value) -> serde_json::Value {
     serde_json::json!({ "counts": counts, "addresses": addresses })
 }
 
-/// `output -json` with sensitive values replaced.
-fn masked_outputs(raw: &[u8]) -> Result<serde_json::Value, serde_json::Error> {
-    let v: serde_json::Value = serde_json::from_slice(raw)?;
-    let mut out = serde_json::Map::new();
-    for (k, o) in v.as_object().into_iter().flatten() {
-        let value = if o["sensitive"].as_bool().unwrap_or(false) { "***".into() } else { o["value"].clone() };
-        out.insert(k.clone(), value);
-    }
-    Ok(serde_json::Value::Object(out))
-}
-
 impl Terraform {
     fn saved_plan(&self, plans_dir: &Path, digest: &str) -> PathBuf {
         plans_dir.join(&self.spec.workspace).join(format!("{}.tfplan", digest.trim_start_matches("sha256:")))
@@ -604,7 +593,7 @@ impl Terraform {
                 b"{}".to_vec()
             }
         };
-        let outputs = masked_outputs(&raw)
+        let outputs = crate::outputs::from_terraform(&raw)
             .map_err(|e| ExecOutcome::failed(format!("terraform output -json is not JSON: {e}")))?;
         let mut result = base;
         result["outputs"] = outputs;
@@ -694,7 +683,7 @@ mod tests {
     #[test]
     fn sensitive_outputs_are_masked() {
         let raw = br#"{"endpoint": {"sensitive": false, "type": "string", "value": "db.example"}, "password": {"sensitive": true, "type": "string", "value": "hunter2-hunter2"}}"#;
-        let o = masked_outputs(raw).unwrap_or_default();
+        let o = crate::outputs::from_terraform(raw).unwrap_or_default();
         assert_eq!(o["endpoint"], "db.example");
         assert_eq!(o["password"], "***");
     }

@@ -238,7 +238,7 @@ impl Verifier<'_> {
         if let Err(why) =
             byoc_job_executors::check_drift_operation(&payload.entity, &payload.operation, executor.as_ref())
         {
-            return Err(reject(RejectReason::InvalidSpec, why));
+            return Err(reject(RejectReason::InvalidSpec, why.to_string()));
         }
         if let Some(p) = self.paused {
             return Err(reject(
