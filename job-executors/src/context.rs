@@ -50,6 +50,8 @@ pub struct ExecSettings {
     pub decide_only: bool,
     /// Asked before an allowed plan is applied, when the customer requires approval.
     pub apply_approval: Option<Arc<dyn crate::policy_gate::ApplyApproval>>,
+    /// The customer's secrets the job may name (`None`: a job naming one fails).
+    pub secrets: Option<crate::secrets::SecretSettings>,
 }
 
 impl ExecContext<'_> {
@@ -70,6 +72,7 @@ impl ExecContext<'_> {
             artifact: None,
             decide_only: false,
             apply_approval: None,
+            secrets: None,
         }
     }
 }
@@ -127,6 +130,10 @@ impl ExecSettings {
     }
     pub fn apply_approval(mut self, approval: Option<Arc<dyn crate::policy_gate::ApplyApproval>>) -> Self {
         self.apply_approval = approval;
+        self
+    }
+    pub fn secrets(mut self, secrets: Option<crate::secrets::SecretSettings>) -> Self {
+        self.secrets = secrets;
         self
     }
     pub fn decide_only(mut self, decide_only: bool) -> Self {

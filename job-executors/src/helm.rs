@@ -50,6 +50,10 @@ struct Spec {
     /// Written to a file of their own and masked wherever output goes.
     #[serde(default)]
     secret_values: BTreeMap<String, String>,
+    /// The customer's secrets, by name: each set at the helm value path the app config
+    /// declares for it (`helm_value`), in the secret values file (docs/SECRETS.md).
+    #[serde(default)]
+    secrets: Vec<String>,
     /// Kubeconfig (secret): written to a 0600 file for the tool.
     #[serde(default)]
     kubeconfig: Option<String>,
@@ -113,6 +117,12 @@ impl Helm {
         }
         if !(s.values.is_null() || s.values.is_object()) {
             return Err(crate::InvalidSpec::from("values must be an object"));
+        }
+        if let Some(bad) = s.secrets.iter().find(|n| !crate::secrets::valid_name(n)) {
+            return Err(crate::InvalidSpec::from(format!("secret name {bad:?}: 1-128 of [A-Za-z0-9_-]")));
+        }
+        if !s.secrets.is_empty() && s.action != Action::Upgrade {
+            return Err(crate::InvalidSpec::from("secrets are set by action = \"upgrade\" only"));
         }
         if s.action == Action::Drift && s.kubeconfig.is_none() {
             return Err(crate::InvalidSpec::from("drift reads the live objects: it needs the kubeconfig"));
@@ -179,8 +189,12 @@ impl Helm {
         let values = if s.values.is_null() { serde_json::json!({}) } else { s.values.clone() };
         // JSON is YAML: helm reads both.
         let mut files = vec![(VALUES, values.to_string(), 0o644)];
-        if !s.secret_values.is_empty() {
-            files.push((SECRET_VALUES, serde_json::to_string(&s.secret_values).unwrap_or_default(), 0o600));
+        let (secret_file, customer_secrets) = match self.secret_values_file(ctx).await {
+            Ok(v) => v,
+            Err(outcome) => return outcome,
+        };
+        if let Some(content) = secret_file {
+            files.push((SECRET_VALUES, content, 0o600));
         }
         if let Some(k) = &s.kubeconfig {
             files.push((KUBECONFIG, k.clone(), 0o600));
@@ -211,9 +225,48 @@ impl Helm {
         crate::add_role_env(ctx, &mut env, true);
         let helm = ctx.settings.tools.helm.display().to_string();
         let mut run = Run { tool: "helm", ctx, started: Instant::now(), env, watch: None, seen: false };
-        match self.steps(&mut run, &helm).await {
+        let mut outcome = match self.steps(&mut run, &helm).await {
             Ok(o) | Err(o) => o,
+        };
+        if let (Some(report), Some(o)) = (customer_secrets, outcome.outputs.as_object_mut()) {
+            o.insert("secrets".into(), report);
         }
+        outcome
+    }
+
+    /// The secret values file: the job's `secret_values`, and each customer secret it
+    /// names at its declared path. `None` when there is neither.
+    async fn secret_values_file(
+        &self,
+        ctx: &mut ExecContext<'_>,
+    ) -> Result<(Option<String>, Option<serde_json::Value>), ExecOutcome> {
+        let s = &self.spec;
+        if s.secret_values.is_empty() && s.secrets.is_empty() {
+            return Ok((None, None));
+        }
+        let mut file = serde_json::json!(s.secret_values);
+        let fetched = crate::secrets::fetch(ctx, &self.secret_uses())
+            .await
+            .map_err(|e| failed(e.code(), e.to_string(), serde_json::Value::Null))?;
+        let mut written: BTreeMap<String, Vec<String>> = BTreeMap::new();
+        for f in &fetched {
+            let (Some(path), Some(value)) = (&f.declared.helm_value, &f.value) else { continue };
+            let mut at = &mut file;
+            for part in path.split('.') {
+                let Some(object) = at.as_object_mut() else {
+                    return Err(failed(
+                        "invalid_spec",
+                        format!("helm value {path} (of secret {}) crosses another value", f.declared.name),
+                        serde_json::Value::Null,
+                    ));
+                };
+                at = object.entry(part).or_insert(serde_json::json!({}));
+            }
+            *at = serde_json::Value::String(value.clone());
+            written.entry(f.declared.name.clone()).or_default().push(format!("helm:{path}"));
+        }
+        let report = (!fetched.is_empty()).then(|| crate::secrets::report(&fetched, &written));
+        Ok((Some(file.to_string()), report))
     }
 
     /// The chart by digest, into `to`: helm's chart archive holds one directory (the
@@ -270,7 +323,7 @@ impl Helm {
         let s = &self.spec;
         let mut v = vec![format!("./{CHART_DIR}")];
         v.extend(["--namespace".into(), s.namespace.clone(), "-f".into(), VALUES.into()]);
-        if !s.secret_values.is_empty() {
+        if !s.secret_values.is_empty() || !s.secrets.is_empty() {
             v.extend(["-f".into(), SECRET_VALUES.into()]);
         }
         v
@@ -540,6 +593,17 @@ impl Executor for Helm {
 
     fn is_drift_check(&self) -> bool {
         self.spec.action == Action::Drift
+    }
+
+    fn secret_uses(&self) -> Vec<crate::secrets::SecretUse> {
+        self.spec
+            .secrets
+            .iter()
+            .map(|name| crate::secrets::SecretUse {
+                name: name.clone(),
+                target: crate::secrets::Target::HelmValue,
+            })
+            .collect()
     }
 
     fn drift_spec(&self) -> Option<serde_json::Value> {

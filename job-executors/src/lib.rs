@@ -28,6 +28,7 @@ pub mod policy_gate;
 pub mod process;
 pub mod sandboxed;
 pub mod script;
+pub mod secrets;
 pub mod terraform;
 pub mod tool;
 
@@ -434,6 +435,13 @@ pub trait Executor: Send + Sync {
         Vec::new()
     }
 
+    /// The customer's secrets this job names and where it would put them: the runner
+    /// refuses the job (`secret_target_not_declared`) unless the app config declares
+    /// each (docs/SECRETS.md).
+    fn secret_uses(&self) -> Vec<secrets::SecretUse> {
+        Vec::new()
+    }
+
     /// A drift check: it reads and judges, and changes nothing (docs/DRIFT.md). Only
     /// such a job may run as operation `component.drift`, which the customer's window
     /// and approval rules can treat apart from deploys.
@@ -613,5 +621,6 @@ pub fn build(kind: &str, spec: &serde_json::Value) -> Result<Box<dyn Executor>, 
         JobKind::Helm => Box::new(helm::Helm::from_spec(spec).map_err(invalid)?),
         JobKind::Kubernetes => Box::new(kubernetes::Kubernetes::from_spec(spec).map_err(invalid)?),
         JobKind::OciSync => Box::new(oci::OciSync::from_spec(spec).map_err(invalid)?),
+        JobKind::SecretsSync => Box::new(secrets::sync::SecretsSync::from_spec(spec).map_err(invalid)?),
     })
 }

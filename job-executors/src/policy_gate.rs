@@ -119,7 +119,8 @@ pub async fn decide(
         drift: subject.name == DRIFT_SUBJECT,
     };
     let started = std::time::Instant::now();
-    let d = policy.decide(pctx, input).await;
+    let input = crate::secrets::mask_policy_input(ctx, input);
+    let d = policy.decide(pctx, &input).await;
     log(
         ctx,
         format!(

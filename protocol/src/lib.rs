@@ -36,6 +36,8 @@ pub const OPERATIONS: &[(&str, &[&str])] = &[
     ("component", &["deploy", "teardown", "drift"]),
     ("action", &["trigger"]),
     ("artifact", &["sync"]),
+    // `sync`: the customer's secrets written where the app config declares (docs/SECRETS.md).
+    ("secret", &["sync"]),
 ];
 
 pub fn known_operation(entity: &str, operation: &str) -> bool {
@@ -53,10 +55,11 @@ pub enum JobKind {
     Helm,
     Kubernetes,
     OciSync,
+    SecretsSync,
 }
 
 impl JobKind {
-    pub const ALL: [JobKind; 7] = [
+    pub const ALL: [JobKind; 8] = [
         JobKind::Noop,
         JobKind::ActionScript,
         JobKind::ActionContainer,
@@ -64,6 +67,7 @@ impl JobKind {
         JobKind::Helm,
         JobKind::Kubernetes,
         JobKind::OciSync,
+        JobKind::SecretsSync,
     ];
 
     pub fn parse(kind: &str) -> Option<JobKind> {
@@ -80,6 +84,7 @@ impl JobKind {
             JobKind::Helm => "helm",
             JobKind::Kubernetes => "kubernetes",
             JobKind::OciSync => "oci.sync",
+            JobKind::SecretsSync => "secrets.sync",
         }
     }
 
@@ -88,7 +93,7 @@ impl JobKind {
     pub fn group(self) -> &'static str {
         match self {
             JobKind::Terraform | JobKind::Helm | JobKind::Kubernetes => "deploys",
-            JobKind::OciSync => "syncs",
+            JobKind::OciSync | JobKind::SecretsSync => "syncs",
             JobKind::Noop | JobKind::ActionScript | JobKind::ActionContainer => "actions",
         }
     }
@@ -222,6 +227,13 @@ pub struct AppConfig {
     /// Files of the app config that declarations refer to by path (policy contents).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub files: BTreeMap<String, String>,
+    /// `secrets.toml` (`[[secret]]` tables): the customer's secrets the install uses
+    /// (docs/SECRETS.md). Only names and targets: values never travel in a job.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secrets: Option<String>,
+    /// One file per secret, by path under the app config (`secrets/<group>/<name>.toml`).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub secret_files: BTreeMap<String, String>,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -338,6 +350,9 @@ pub enum RejectReason {
     ApprovalDenied,
     /// Nobody approved the job before its approval request expired.
     ApprovalExpired,
+    /// The job would send a customer secret somewhere the app config does not declare
+    /// for it (or names a secret the app config does not declare).
+    SecretTargetNotDeclared,
 }
 
 impl RejectReason {
@@ -365,6 +380,7 @@ impl RejectReason {
             Self::OutsideWindow => "outside_window",
             Self::ApprovalDenied => "approval_denied",
             Self::ApprovalExpired => "approval_expired",
+            Self::SecretTargetNotDeclared => "secret_target_not_declared",
         }
     }
 
@@ -391,6 +407,7 @@ impl RejectReason {
         Self::OutsideWindow,
         Self::ApprovalDenied,
         Self::ApprovalExpired,
+        Self::SecretTargetNotDeclared,
     ];
 }
 
@@ -633,6 +650,7 @@ mod tests {
             ("action.container", "actions"),
             ("runner.noop", "actions"),
             ("oci.sync", "syncs"),
+            ("secrets.sync", "syncs"),
             ("no.such.kind", "actions"),
         ] {
             assert_eq!(job_group(kind), group, "{kind}");

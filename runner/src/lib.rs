@@ -33,6 +33,7 @@ pub mod retention;
 pub mod roles;
 pub mod run_local;
 pub mod runtime;
+pub mod secrets;
 pub mod spool;
 #[cfg(test)]
 pub mod testing;

@@ -393,6 +393,7 @@ pub fn verified(job_id: &str, role: Option<&str>) -> VerifiedJob {
             step: Step::Default,
             reference: "maintenance".into(),
         }),
+        secrets: Vec::new(),
         envelope: byoc_protocol::JobEnvelope::sign(&payload, &byoc_protocol::generate_signing_key()),
         payload,
     }

@@ -10,7 +10,7 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use byoc_control_plane::moto::{MotoServer, moto_binary};
+use byoc_control_plane::moto::MotoServer;
 use byoc_protocol::RejectReason;
 use common::roles::*;
 use common::*;
@@ -19,23 +19,9 @@ fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
-fn venv_bin(name: &str) -> PathBuf {
-    moto_binary().with_file_name(name)
-}
-
 /// The template as JSON (it uses no YAML tags, so a plain YAML load is exact).
 fn template() -> serde_json::Value {
     template_at(&repo().join("ami/install-stack.yaml"))
-}
-
-fn template_at(path: &Path) -> serde_json::Value {
-    let out = Command::new(venv_bin("python"))
-        .args(["-c", "import json, sys, yaml; print(json.dumps(yaml.safe_load(open(sys.argv[1]))))"])
-        .arg(path)
-        .output()
-        .expect("the project's .venv (scripts/setup)");
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    serde_json::from_slice(&out.stdout).unwrap()
 }
 
 #[test]
@@ -338,37 +324,6 @@ fn role_files_the_stack_cannot_honour_are_refused_with_every_problem() {
     assert!(!out.exists(), "nothing is written");
 }
 
-/// Create `template` as `stack` in moto with the vendor's parameters for `install_id`
-/// plus `switches`; DescribeStacks' answer.
-async fn create_stack(
-    moto: &MotoServer,
-    stack: &str,
-    template: &serde_json::Value,
-    install_id: &str,
-    switches: &[(&str, &str)],
-) -> String {
-    let image = moto
-        .query("ec2", &[("Action".into(), "DescribeImages".into()), ("Version".into(), "2016-11-15".into())])
-        .await;
-    let image_id = image.split("<imageId>").nth(1).and_then(|s| s.split('<').next()).unwrap().to_string();
-    let mut params = vec![
-        ("InstallId", install_id),
-        ("ControlPlaneUrl", "https://cp.vendor.example"),
-        ("ControlPlanePublicKeys", "11qYAYKxCrfVS/7TyWQHOg7hcvPapiMlrwIaaPcHURo="),
-        ("ReleasePublicKey", "RWQexample"),
-        ("ImageId", image_id.as_str()),
-        ("BootstrapToken", "one-time-bootstrap-token-0123"),
-        ("ExternalId", EXTERNAL_ID),
-    ];
-    params.extend_from_slice(switches);
-    moto.put_stack("CreateStack", stack, template, &params).await;
-    moto.query(
-        "cloudformation",
-        &[("Action".into(), "DescribeStacks".into()), ("StackName".into(), stack.into())],
-    )
-    .await
-}
-
 #[tokio::test]
 async fn the_stack_creates_and_the_runner_reads_its_switches_and_arns() {
     let moto = MotoServer::start().await;
@@ -377,7 +332,12 @@ async fn the_stack_creates_and_the_runner_reads_its_switches_and_arns() {
         STACK,
         &template(),
         "inst-demo",
-        &[("EnableMaintenanceRole", "true"), ("EnableDeprovisionRole", "false")],
+        // The example app's one required secret (docs/SECRETS.md).
+        &[
+            ("EnableMaintenanceRole", "true"),
+            ("EnableDeprovisionRole", "false"),
+            ("SecretDbPassword", "example-db-pw"),
+        ],
     )
     .await;
     assert!(described.contains("CREATE_COMPLETE"), "{described}");

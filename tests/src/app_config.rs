@@ -41,6 +41,20 @@ pub fn load(dir: &Path) -> anyhow::Result<byoc_protocol::AppConfig> {
             }
         }
     }
+    // The customer's secrets: `secrets.toml`, and one file per secret under
+    // `secrets/<group>/<name>.toml`.
+    let mut secret_files = std::collections::BTreeMap::new();
+    if let Ok(groups) = std::fs::read_dir(dir.join("secrets")) {
+        for group in groups.flatten().filter(|g| g.path().is_dir()) {
+            for entry in std::fs::read_dir(group.path())?.flatten() {
+                let path = entry.path();
+                if path.extension().is_some_and(|e| e == "toml") {
+                    let rel = path.strip_prefix(dir).unwrap_or(&path).to_string_lossy().into_owned();
+                    secret_files.insert(rel, read(path)?);
+                }
+            }
+        }
+    }
     Ok(byoc_protocol::AppConfig {
         permissions,
         break_glass: optional("break_glass.toml")?,
@@ -48,5 +62,7 @@ pub fn load(dir: &Path) -> anyhow::Result<byoc_protocol::AppConfig> {
         policies,
         policies_toml,
         files,
+        secrets: optional("secrets.toml")?,
+        secret_files,
     })
 }

@@ -57,6 +57,10 @@ struct Spec {
     eks: Option<Eks>,
     #[serde(default = "default_wait")]
     wait_secs: u64,
+    /// The customer's secrets, by name: written (before the manifests) into the
+    /// Kubernetes Secrets the app config declares for them (docs/SECRETS.md).
+    #[serde(default)]
+    secrets: Vec<String>,
 }
 
 fn default_wait() -> u64 {
@@ -66,7 +70,7 @@ fn default_wait() -> u64 {
 /// An EKS cluster reached with a token signed by the job's role session.
 #[derive(Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
-struct Eks {
+pub(crate) struct Eks {
     cluster: String,
     /// The cluster's API endpoint.
     server: String,
@@ -120,49 +124,59 @@ impl Kubernetes {
                 "apply and drift need manifests (bundle, manifests or manifests_yaml)",
             ));
         }
+        if let Some(bad) = s.secrets.iter().find(|n| !crate::secrets::valid_name(n)) {
+            return Err(crate::InvalidSpec::from(format!("secret name {bad:?}: 1-128 of [A-Za-z0-9_-]")));
+        }
+        if !s.secrets.is_empty() && s.action != Action::Apply {
+            return Err(crate::InvalidSpec::from("secrets are written by action = \"apply\" only"));
+        }
         let objects = objects_of(manifests, &s.namespace)?;
         Ok(Kubernetes { spec: s, objects, bundle, raw: spec.clone() })
     }
 
-    /// The job's kubeconfig, or one for the EKS cluster with a token signed by the
-    /// job's role session (`aws eks get-token`).
     fn kubeconfig(&self, ctx: &ExecContext<'_>) -> Result<String, crate::eks::ClusterAccessError> {
-        if let Some(k) = &self.spec.kubeconfig {
-            return Ok(k.clone());
-        }
-        let Some(eks) = &self.spec.eks else { return Err("no cluster credentials".into()) };
-        let env = &ctx
-            .settings
-            .credentials
-            .as_ref()
-            .ok_or("eks needs the job's role (set requested_role)")?
-            .static_env;
-        let get = |k: &str| env.iter().find(|(n, _)| n == k).map(|(_, v)| v.as_str());
-        let (Some(ak), Some(sk), Some(region)) =
-            (get("AWS_ACCESS_KEY_ID"), get("AWS_SECRET_ACCESS_KEY"), get("AWS_REGION"))
-        else {
-            return Err("the job's role session has no keys or region".into());
-        };
-        let keys = crate::eks::Keys {
-            access_key_id: ak,
-            secret_access_key: sk,
-            session_token: get("AWS_SESSION_TOKEN"),
-        };
-        let token = crate::eks::token(&keys, region, &eks.cluster, std::time::SystemTime::now())?;
-        let ca = eks
-            .certificate_authority_data
-            .as_ref()
-            .map(|c| format!("    certificate-authority-data: {c}\n"))
-            .unwrap_or_default();
-        Ok(format!(
-            "apiVersion: v1\nkind: Config\nclusters:\n- name: eks\n  cluster:\n    server: {}\n{ca}contexts:\n- name: eks\n  context:\n    cluster: eks\n    user: role\ncurrent-context: eks\nusers:\n- name: role\n  user:\n    token: {token}\n",
-            eks.server
-        ))
+        kubeconfig_of(self.spec.kubeconfig.as_ref(), self.spec.eks.as_ref(), ctx)
     }
 
     fn inventory_name(&self) -> String {
         format!("{INVENTORY_PREFIX}{}", self.spec.component)
     }
+}
+
+/// The job's kubeconfig, or one for the EKS cluster with a token signed by the job's
+/// role session (`aws eks get-token`).
+pub(crate) fn kubeconfig_of(
+    kubeconfig: Option<&String>,
+    eks: Option<&Eks>,
+    ctx: &ExecContext<'_>,
+) -> Result<String, crate::eks::ClusterAccessError> {
+    if let Some(k) = kubeconfig {
+        return Ok(k.clone());
+    }
+    let Some(eks) = eks else { return Err("no cluster credentials".into()) };
+    let env =
+        &ctx.settings.credentials.as_ref().ok_or("eks needs the job's role (set requested_role)")?.static_env;
+    let get = |k: &str| env.iter().find(|(n, _)| n == k).map(|(_, v)| v.as_str());
+    let (Some(ak), Some(sk), Some(region)) =
+        (get("AWS_ACCESS_KEY_ID"), get("AWS_SECRET_ACCESS_KEY"), get("AWS_REGION"))
+    else {
+        return Err("the job's role session has no keys or region".into());
+    };
+    let keys = crate::eks::Keys {
+        access_key_id: ak,
+        secret_access_key: sk,
+        session_token: get("AWS_SESSION_TOKEN"),
+    };
+    let token = crate::eks::token(&keys, region, &eks.cluster, std::time::SystemTime::now())?;
+    let ca = eks
+        .certificate_authority_data
+        .as_ref()
+        .map(|c| format!("    certificate-authority-data: {c}\n"))
+        .unwrap_or_default();
+    Ok(format!(
+        "apiVersion: v1\nkind: Config\nclusters:\n- name: eks\n  cluster:\n    server: {}\n{ca}contexts:\n- name: eks\n  context:\n    cluster: eks\n    user: role\ncurrent-context: eks\nusers:\n- name: role\n  user:\n    token: {token}\n",
+        eks.server
+    ))
 }
 
 impl Kubernetes {
@@ -283,13 +297,25 @@ impl Kubernetes {
         // The app's cluster policies: kept in step by every apply, removed when the
         // sandbox is deprovisioned.
         let cluster = ctx.settings.policy.as_ref().map(|p| (p.cluster_policies.clone(), p.operation.clone()));
+        let uses = self.secret_uses();
+        let fetched = match crate::secrets::fetch(ctx, &uses).await {
+            Ok(f) => f,
+            Err(e) => return failed(e.code(), e.to_string(), decided),
+        };
         let work = async {
+            let written =
+                crate::secrets::write_kubernetes(&client, &fetched, |d| d.kubernetes.clone()).await?;
             let mut out = match self.spec.action {
                 Action::Apply => self.apply(ctx, &client, deadline).await?,
                 Action::Delete => self.delete(ctx, &client).await?,
                 // Answered by `drift` before anything here runs.
                 Action::Drift => return Err(("invalid_spec", "a drift check deploys nothing".to_string())),
             };
+            if !fetched.is_empty()
+                && let Some(o) = out.as_object_mut()
+            {
+                o.insert("secrets".into(), crate::secrets::report(&fetched, &written));
+            }
             if let Some((policies, operation)) = &cluster {
                 let remove = self.spec.action == Action::Delete && operation == "sandbox.deprovision";
                 if self.spec.action == Action::Apply || remove {
@@ -615,11 +641,24 @@ impl Executor for Kubernetes {
         self.spec.action == Action::Drift
     }
 
+    fn secret_uses(&self) -> Vec<crate::secrets::SecretUse> {
+        self.spec
+            .secrets
+            .iter()
+            .map(|name| crate::secrets::SecretUse {
+                name: name.clone(),
+                target: crate::secrets::Target::Kubernetes(None),
+            })
+            .collect()
+    }
+
     fn drift_spec(&self) -> Option<serde_json::Value> {
         (self.spec.action == Action::Apply).then(|| {
             let mut spec = self.raw.clone();
             if let Some(o) = spec.as_object_mut() {
                 o.insert("action".into(), "drift".into());
+                // A check reads; the secrets were written by the deploy.
+                o.remove("secrets");
             }
             spec
         })

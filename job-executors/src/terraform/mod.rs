@@ -17,6 +17,7 @@ use crate::tool::{DEFAULT_PATH, Run, Step, failed, hand_over, safe_relative};
 use crate::{ExecContext, ExecFuture, ExecOutcome, Executor, JobStatus};
 
 pub mod bucket;
+mod customer_secrets;
 mod drift;
 pub mod providers;
 pub mod state;
@@ -67,6 +68,11 @@ struct Spec {
     /// Passed as TF_VAR_*, masked wherever output goes.
     #[serde(default)]
     secret_vars: BTreeMap<String, String>,
+    /// The customer's secrets, by name: each passed as the terraform variable the app
+    /// config declares for it (`terraform_variable`), read from the install's Secrets
+    /// Manager under the job's role. The job never carries the value.
+    #[serde(default)]
+    secrets: Vec<String>,
     /// The job's own backend (`-backend-config` pairs for the backend its module
     /// declares): only where the customer's configuration allows it
     /// (`[terraform.state] allow_job_backend`); otherwise the state is the customer's
@@ -154,6 +160,9 @@ impl Terraform {
             }
             (Some(_), _) => return Err(crate::InvalidSpec::from("plan_digest is only for mode = apply")),
             (None, _) => {}
+        }
+        if let Some(bad) = s.secrets.iter().find(|n| !crate::secrets::valid_name(n)) {
+            return Err(crate::InvalidSpec::from(format!("secret name {bad:?}: 1-128 of [A-Za-z0-9_-]")));
         }
         let providers =
             s.providers.as_deref().map(|p| crate::artifact::parse_reference("providers", p)).transpose()?;
@@ -351,6 +360,13 @@ impl Terraform {
         for (k, v) in self.spec.vars.iter().chain(&self.spec.secret_vars) {
             env.push((format!("TF_VAR_{k}"), v.clone()));
         }
+        let customer_secrets = match self.customer_secrets(ctx).await {
+            Ok(s) => s,
+            Err(outcome) => return outcome,
+        };
+        for (variable, value) in &customer_secrets.env {
+            env.push((format!("TF_VAR_{variable}"), value.clone()));
+        }
         crate::add_role_env(ctx, &mut env, true);
         let mut run = Run {
             tool: "terraform",
@@ -363,6 +379,9 @@ impl Terraform {
         let mut outcome = match self.steps(&mut run, &policy, &module, local_state.is_some()).await {
             Ok(o) | Err(o) => o,
         };
+        if let (Some(report), Some(o)) = (&customer_secrets.report, outcome.outputs.as_object_mut()) {
+            o.insert("secrets".into(), report.clone());
+        }
         if run.seen && outcome.status != JobStatus::Succeeded {
             // Another holder, or a lock a killed runner left in the state bucket.
             outcome = failed(
@@ -483,6 +502,17 @@ impl Terraform {
             )
         })?;
         let summary = summary(&plan_value);
+        // Addresses can carry values (`for_each` over a secret): such a summary is not
+        // reported, shown or decided on.
+        if crate::secrets::carries_secret(run.ctx, &summary) {
+            return Err(failed(
+                "secret_in_plan_summary",
+                "the plan's resource addresses contain a customer secret or credential (a for_each or count key made from it?): \
+                 the summary is not reported; key the resources by something else"
+                    .into(),
+                serde_json::Value::Null,
+            ));
+        }
         let subject = crate::policy_gate::Subject {
             // A sandbox's runs are decided as sandbox plans (their own policies).
             source: if policy.operation.starts_with("sandbox.") {
@@ -615,6 +645,17 @@ impl Executor for Terraform {
 
     fn secrets(&self) -> Vec<Vec<u8>> {
         self.spec.secret_vars.values().map(|v| v.as_bytes().to_vec()).collect()
+    }
+
+    fn secret_uses(&self) -> Vec<crate::secrets::SecretUse> {
+        self.spec
+            .secrets
+            .iter()
+            .map(|name| crate::secrets::SecretUse {
+                name: name.clone(),
+                target: crate::secrets::Target::TerraformVariable,
+            })
+            .collect()
     }
 
     fn is_drift_check(&self) -> bool {

@@ -19,6 +19,7 @@ mod drift;
 mod jobs;
 mod policy;
 mod run;
+mod secrets;
 mod state;
 mod sync;
 mod tfstate;
@@ -133,6 +134,10 @@ enum Cmd {
         #[command(subcommand)]
         action: Option<drift::DriftAction>,
     },
+    /// The customer's secrets jobs wrote on this runner: name, version, keyed digest,
+    /// where each was last written and by which job. Never a value (the runner keeps
+    /// none).
+    Secrets(StateArgs),
     /// List the jobs awaiting a local approval ([[guardrails.approval_rule]]): what
     /// each will do, under which rule, until when.
     Approvals(StateArgs),
@@ -227,6 +232,7 @@ pub fn main() -> i32 {
         Cmd::Pause { state, reason } => edge(|| state::pause(&state, reason)),
         Cmd::Resume(s) => edge(|| state::resume(&s)),
         Cmd::Approvals(s) => edge(|| approvals::list(&s)),
+        Cmd::Secrets(s) => edge(|| secrets::list(&s)),
         Cmd::Drift { state, action } => edge(|| drift::run(&state, action)),
         Cmd::Approve { state, job_id, reason } => edge(|| approvals::decide(&state, &job_id, true, reason)),
         Cmd::Deny { state, job_id, reason } => {

@@ -73,6 +73,7 @@ pub async fn execute(rt: &Rt, job: AssumedJob) -> Result<FinishedJob, JournalErr
                     done.clone(),
                 ));
             }
+            let secrets = secret_settings(rt, &job);
             let ctx = ExecContext::builder(job_id.clone(), work_dir.clone())
                 .timeout(job.verified.timeout, rt.config.jobs.kill_grace)
                 .cancel(cancel)
@@ -97,6 +98,7 @@ pub async fn execute(rt: &Rt, job: AssumedJob) -> Result<FinishedJob, JournalErr
                     state: terraform_state(rt),
                 })
                 .policy(job.policy.scope)
+                .secrets(secrets)
                 .apply_approval(apply_approval)
                 .audit(Arc::new(ExecutorAudit {
                     rt: rt.clone(),
@@ -151,6 +153,13 @@ pub async fn execute(rt: &Rt, job: AssumedJob) -> Result<FinishedJob, JournalErr
             Err(e) => tracing::warn!(error = %e, "could not keep this deploy's drift check target"),
         }
     }
+    if outcome.status == JobStatus::Succeeded {
+        match crate::secrets::record(&rt.state_dir, &job_id, now_ms(), &outcome.outputs) {
+            Ok(0) => {}
+            Ok(n) => tracing::info!(secrets = n, "kept where the job wrote the customer's secrets"),
+            Err(e) => tracing::warn!(error = %e, "could not keep where the job wrote the customer's secrets"),
+        }
+    }
     rt.transition(Event::Finished {
         job_id: job_id.clone(),
         status: outcome.status,
@@ -180,6 +189,33 @@ pub async fn execute(rt: &Rt, job: AssumedJob) -> Result<FinishedJob, JournalErr
         ),
     }
     Ok(FinishedJob { job_id })
+}
+
+/// What the job reads the customer's secrets with: the app config's declarations (as
+/// verified), the install's Secrets Manager, the digest key and the job's role. `None`
+/// for jobs that name no secret and declare none (and when the digest key cannot be
+/// had: a job naming secrets then fails with `secret_unavailable`).
+fn secret_settings(
+    rt: &Rt,
+    job: &super::claim::ClaimedJob,
+) -> Option<byoc_job_executors::secrets::SecretSettings> {
+    let v = &job.verified;
+    if v.secrets.is_empty() && v.executor.secret_uses().is_empty() {
+        return None;
+    }
+    let role = job
+        .role
+        .as_ref()
+        .map(|r| (r.derived.role.role_type.as_str().to_string(), r.derived.role.name.clone()));
+    crate::secrets::settings(
+        &rt.state_dir,
+        &rt.install_id,
+        rt.config.aws.endpoint_url.as_deref(),
+        v.secrets.clone(),
+        role,
+    )
+    .inspect_err(|e| tracing::error!(error = %e, "the secrets' digest key is unavailable"))
+    .ok()
 }
 
 /// Where terraform workspaces' state lives: the customer's bucket, or local state in

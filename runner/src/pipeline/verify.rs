@@ -24,6 +24,9 @@ pub struct VerifiedJob {
     /// The role the precedence chain derived (and the control plane proposed); `None`
     /// when the job asked for none.
     pub role: Option<crate::roles::chain::Derived>,
+    /// The customer's secrets the app config declares (docs/SECRETS.md), checked
+    /// against the secrets the job names.
+    pub secrets: Vec<byoc_job_executors::secrets::Declared>,
     /// The envelope as delivered: kept (durably) while the job is held by the
     /// customer's guardrails, so a restart can verify and resume it.
     pub envelope: byoc_protocol::JobEnvelope,
@@ -275,6 +278,16 @@ impl Verifier<'_> {
                 truncate(&format!("app config policies: {}", problems.join("; ")), 1000),
             ));
         }
+        // Secrets go only where the app config declares them.
+        let secrets =
+            crate::secrets::check_job(&payload, executor.as_ref(), self.install).map_err(|e| match e {
+                crate::secrets::UseRefused::Declarations(_) => {
+                    reject(RejectReason::InvalidSpec, truncate(&e.to_string(), 1000))
+                }
+                crate::secrets::UseRefused::NotDeclared(why) => {
+                    reject(RejectReason::SecretTargetNotDeclared, truncate(&why, 1000))
+                }
+            })?;
         // The vendor proposes a role; the runner derives its own and compares.
         let role = crate::roles::chain::derive_for_job(&payload, self.install)
             .map_err(|e| reject(e.reason, e.detail))?;
@@ -287,6 +300,7 @@ impl Verifier<'_> {
             timeout,
             received_at: polled.received_at,
             role,
+            secrets,
         })
     }
 }

@@ -24,6 +24,7 @@ pub const BUILT_IN_DEFAULTS: &[(&str, &str)] = &[
     ("component.drift", "maintenance"),
     ("action.trigger", "maintenance"),
     ("artifact.sync", "maintenance"),
+    ("secret.sync", "maintenance"),
 ];
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -439,6 +440,7 @@ pub(crate) mod tests {
             policies: Default::default(),
             policies_toml: None,
             files: Default::default(),
+            ..Default::default()
         }
     }
 

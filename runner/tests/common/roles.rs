@@ -185,3 +185,50 @@ pub async fn job_credentials(job_id: &str) -> (BTreeMap<String, String>, Vec<Str
         .collect();
     (vars, secrets)
 }
+
+/// A program of the project's .venv (scripts/setup).
+pub fn venv_bin(name: &str) -> std::path::PathBuf {
+    byoc_control_plane::moto::moto_binary().with_file_name(name)
+}
+
+/// A YAML template as JSON (it uses no YAML tags, so a plain YAML load is exact).
+pub fn template_at(path: &std::path::Path) -> serde_json::Value {
+    let out = std::process::Command::new(venv_bin("python"))
+        .args(["-c", "import json, sys, yaml; print(json.dumps(yaml.safe_load(open(sys.argv[1]))))"])
+        .arg(path)
+        .output()
+        .expect("the project's .venv (scripts/setup)");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// Create `template` as `stack` in moto with the vendor's parameters for `install_id`
+/// plus `switches`; DescribeStacks' answer.
+pub async fn create_stack(
+    moto: &MotoServer,
+    stack: &str,
+    template: &serde_json::Value,
+    install_id: &str,
+    switches: &[(&str, &str)],
+) -> String {
+    let image = moto
+        .query("ec2", &[("Action".into(), "DescribeImages".into()), ("Version".into(), "2016-11-15".into())])
+        .await;
+    let image_id = image.split("<imageId>").nth(1).and_then(|s| s.split('<').next()).unwrap().to_string();
+    let mut params = vec![
+        ("InstallId", install_id),
+        ("ControlPlaneUrl", "https://cp.vendor.example"),
+        ("ControlPlanePublicKeys", "11qYAYKxCrfVS/7TyWQHOg7hcvPapiMlrwIaaPcHURo="),
+        ("ReleasePublicKey", "RWQexample"),
+        ("ImageId", image_id.as_str()),
+        ("BootstrapToken", "one-time-bootstrap-token-0123"),
+        ("ExternalId", EXTERNAL_ID),
+    ];
+    params.extend_from_slice(switches);
+    moto.put_stack("CreateStack", stack, template, &params).await;
+    moto.query(
+        "cloudformation",
+        &[("Action".into(), "DescribeStacks".into()), ("StackName".into(), stack.into())],
+    )
+    .await
+}

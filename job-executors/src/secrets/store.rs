@@ -1,0 +1,161 @@
+//! AWS Secrets Manager's GetSecretValue under the job's role session: one signed JSON
+//! call, so the runner needs no Secrets Manager SDK. The install stack stores each
+//! secret as `<install id>/secrets/<name>` (ami/render-install-stack).
+
+use std::time::{Duration, SystemTime};
+
+use aws_sigv4::http_request::{SignableBody, SignableRequest, SigningSettings, sign};
+use aws_sigv4::sign::v4;
+
+use super::SessionKeys;
+use byoc_oci_sync::client::error_chain;
+
+/// A secret larger than this is not read (Secrets Manager's own limit is 64 KiB).
+const MAX_ANSWER: usize = 256 << 10;
+
+/// Where the install's secrets are.
+#[derive(Debug, Clone)]
+pub struct Store {
+    /// Every AWS API's endpoint (`[aws] endpoint_url`: VPC endpoints, a local test
+    /// server); `None`: `https://secretsmanager.<region>.amazonaws.com`.
+    pub endpoint: Option<String>,
+    /// `<install id>/secrets/`.
+    pub prefix: String,
+}
+
+/// One version of a secret. The value is never shown by `Debug`.
+pub struct Value {
+    pub value: String,
+    pub version_id: String,
+}
+
+impl std::fmt::Debug for Value {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Value").field("version_id", &self.version_id).finish_non_exhaustive()
+    }
+}
+
+/// Why a secret could not be read. Never carries the value or the keys.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ReadError {
+    /// AccessDenied (the role may not read it, or not decrypt it with the install's key).
+    Forbidden(String),
+    /// ResourceNotFound, or a secret with no string value.
+    NotFound,
+    /// Anything else: the endpoint, a throttle, an answer we cannot read.
+    Store(String),
+}
+
+#[derive(serde::Deserialize)]
+struct Answer {
+    #[serde(rename = "SecretString", default)]
+    secret_string: Option<String>,
+    #[serde(rename = "VersionId", default)]
+    version_id: String,
+}
+
+#[derive(serde::Deserialize)]
+struct ErrorAnswer {
+    #[serde(rename = "__type", default)]
+    kind: String,
+    #[serde(default, alias = "Message")]
+    message: String,
+}
+
+impl Store {
+    pub fn secret_id(&self, name: &str) -> String {
+        format!("{}{name}", self.prefix)
+    }
+
+    /// The current version (`AWSCURRENT`) of the install's secret `name`.
+    pub async fn get(&self, keys: &SessionKeys, name: &str) -> Result<Value, ReadError> {
+        let url = match &self.endpoint {
+            Some(e) => format!("{}/", e.trim_end_matches('/')),
+            None => format!("https://secretsmanager.{}.amazonaws.com/", keys.region),
+        };
+        let body = serde_json::to_vec(&serde_json::json!({ "SecretId": self.secret_id(name) }))
+            .map_err(|e| ReadError::Store(e.to_string()))?;
+        let headers = sign_request(keys, &url, &body, SystemTime::now()).map_err(ReadError::Store)?;
+        let http = reqwest::Client::builder()
+            .timeout(Duration::from_secs(30))
+            .redirect(reqwest::redirect::Policy::none())
+            .build()
+            .map_err(|e| ReadError::Store(format!("HTTP client: {e}")))?;
+        let mut req = http.post(&url).body(body);
+        for (k, v) in headers {
+            req = req.header(k, v);
+        }
+        let mut resp = req.send().await.map_err(|e| ReadError::Store(error_chain(&e)))?;
+        let status = resp.status().as_u16();
+        let mut answer = Vec::new();
+        while let Some(chunk) = resp.chunk().await.map_err(|e| ReadError::Store(error_chain(&e)))? {
+            if answer.len() + chunk.len() > MAX_ANSWER {
+                return Err(ReadError::Store(format!("an answer larger than {MAX_ANSWER} bytes")));
+            }
+            answer.extend_from_slice(&chunk);
+        }
+        if (200..300).contains(&status) {
+            let a: Answer = serde_json::from_slice(&answer)
+                .map_err(|e| ReadError::Store(format!("GetSecretValue's answer: {e}")))?;
+            return match a.secret_string {
+                Some(value) => Ok(Value { value, version_id: a.version_id }),
+                // A binary secret is not what the install stack stores.
+                None => Err(ReadError::NotFound),
+            };
+        }
+        let e: ErrorAnswer = serde_json::from_slice(&answer)
+            .unwrap_or(ErrorAnswer { kind: String::new(), message: String::new() });
+        // `__type` may carry a namespace (`com.amazonaws...#ResourceNotFoundException`).
+        let kind = e.kind.rsplit('#').next().unwrap_or("").to_string();
+        Err(match kind.as_str() {
+            "ResourceNotFoundException" => ReadError::NotFound,
+            "AccessDeniedException" | "AccessDenied" => ReadError::Forbidden(e.message),
+            // The value is encrypted with the install's key, which the role may not use.
+            "DecryptionFailure" | "KMSAccessDeniedException" => ReadError::Forbidden(e.message),
+            _ if status == 403 => ReadError::Forbidden(e.message),
+            _ => ReadError::Store(format!("HTTP {status} {kind} {}", e.message).trim_end().to_string()),
+        })
+    }
+}
+
+fn sign_request(
+    keys: &SessionKeys,
+    url: &str,
+    body: &[u8],
+    now: SystemTime,
+) -> Result<Vec<(String, String)>, String> {
+    let identity = aws_credential_types::Credentials::new(
+        &keys.access_key_id,
+        &keys.secret_access_key,
+        keys.session_token.clone(),
+        None,
+        "byoc-job-role",
+    )
+    .into();
+    let params = v4::SigningParams::builder()
+        .identity(&identity)
+        .region(&keys.region)
+        .name("secretsmanager")
+        .time(now)
+        .settings(SigningSettings::default())
+        .build()
+        .map_err(|e| format!("signing parameters: {e}"))?
+        .into();
+    let host = url::Url::parse(url)
+        .ok()
+        .and_then(|u| u.host_str().map(|h| u.port().map(|p| format!("{h}:{p}")).unwrap_or(h.to_string())))
+        .ok_or("no host in the Secrets Manager URL")?;
+    let fixed = [
+        ("host", host.as_str()),
+        ("content-type", "application/x-amz-json-1.1"),
+        ("x-amz-target", "secretsmanager.GetSecretValue"),
+    ];
+    let request = SignableRequest::new("POST", url, fixed.into_iter(), SignableBody::Bytes(body))
+        .map_err(|e| format!("signing: {e}"))?;
+    let (instructions, _) = sign(request, &params).map_err(|e| format!("signing: {e}"))?.into_parts();
+    let (signed, _) = instructions.into_parts();
+    let mut headers: Vec<(String, String)> =
+        fixed[1..].iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+    headers.extend(signed.into_iter().map(|h| (h.name().to_string(), h.value().to_string())));
+    Ok(headers)
+}
