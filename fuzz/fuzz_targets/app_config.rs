@@ -1,6 +1,6 @@
 //! The vendor's app config carried in a signed job (role files, break-glass roles, the
-//! operation-role matrix, policy declarations), through the parsers that decide roles
-//! and policies from it.
+//! operation-role matrix, policy declarations, the customer's secrets), through the
+//! parsers that decide roles, policies and where secrets may go from it.
 #![no_main]
 
 use byoc_runner::roles::template::InstallState;
@@ -17,4 +17,8 @@ fuzz_target!(|data: &[u8]| {
         let _ = declared.len();
     }
     let _ = byoc_runner::app_policies::cluster_policies(&app);
+    if let Ok(secrets) = byoc_runner::secrets::declare::declared(&app, &install) {
+        // A parsed declaration is one the runner can check uses against.
+        assert!(secrets.iter().all(|s| byoc_job_executors::secrets::valid_name(&s.name)));
+    }
 });

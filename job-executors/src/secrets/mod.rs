@@ -231,7 +231,7 @@ pub async fn fetch(ctx: &mut ExecContext<'_>, uses: &[SecretUse]) -> Result<Vec<
     }
     let Some(settings) = ctx.settings.secrets.clone() else {
         return Err(SecretError::Unavailable(
-            "this job names secrets, and the runner gave it no secret settings".into(),
+            "this job names the customer's secrets, which only a runner's jobs read, under a lifecycle role of the install (run-local reads none)".into(),
         ));
     };
     check_uses(&settings.declared, uses)?;

@@ -159,3 +159,72 @@ fn sign_request(
     headers.extend(signed.into_iter().map(|h| (h.name().to_string(), h.value().to_string())));
     Ok(headers)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+
+    /// A one-answer HTTP server on loopback: what Secrets Manager says, as it says it.
+    async fn answering(status: &str, body: &'static str) -> String {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let status = status.to_string();
+        tokio::spawn(async move {
+            let (mut conn, _) = listener.accept().await.unwrap();
+            let mut buf = vec![0u8; 16 << 10];
+            let _ = conn.read(&mut buf).await;
+            let answer = format!(
+                "HTTP/1.1 {status}\r\ncontent-type: application/x-amz-json-1.1\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                body.len()
+            );
+            let _ = conn.write_all(answer.as_bytes()).await;
+        });
+        url
+    }
+
+    fn keys() -> SessionKeys {
+        SessionKeys {
+            access_key_id: "ASIAEXAMPLE".into(),
+            secret_access_key: "secret-example-key".into(),
+            session_token: Some("token".into()),
+            region: "us-east-1".into(),
+        }
+    }
+
+    async fn get(status: &str, body: &'static str) -> Result<Value, ReadError> {
+        let store = Store { endpoint: Some(answering(status, body).await), prefix: "inst-1/secrets/".into() };
+        store.get(&keys(), "db_password").await
+    }
+
+    #[tokio::test]
+    async fn secrets_managers_refusals_map_to_their_reasons() {
+        let denied = get(
+            "400 Bad Request",
+            r#"{"__type":"AccessDeniedException","message":"not authorized to perform secretsmanager:GetSecretValue"}"#,
+        )
+        .await;
+        assert!(matches!(denied, Err(ReadError::Forbidden(m)) if m.contains("not authorized")));
+        let kms =
+            get("400 Bad Request", r#"{"__type":"DecryptionFailure","Message":"no kms:Decrypt"}"#).await;
+        assert!(matches!(kms, Err(ReadError::Forbidden(_))));
+        let missing = get(
+            "400 Bad Request",
+            r#"{"__type":"com.amazonaws.secretsmanager#ResourceNotFoundException","message":"not found"}"#,
+        )
+        .await;
+        assert_eq!(missing.unwrap_err(), ReadError::NotFound);
+        let throttled =
+            get("400 Bad Request", r#"{"__type":"ThrottlingException","message":"slow down"}"#).await;
+        assert!(matches!(throttled, Err(ReadError::Store(m)) if m.contains("ThrottlingException")));
+        let ok = get(
+            "200 OK",
+            r#"{"SecretString":"hunter2-pw","VersionId":"v-1","Name":"inst-1/secrets/db_password"}"#,
+        )
+        .await
+        .unwrap();
+        assert_eq!((ok.value.as_str(), ok.version_id.as_str()), ("hunter2-pw", "v-1"));
+        // Debug never shows the value.
+        assert!(!format!("{ok:?}").contains("hunter2"));
+    }
+}

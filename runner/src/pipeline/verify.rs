@@ -457,6 +457,44 @@ mod tests {
     }
 
     #[test]
+    fn secrets_go_only_where_the_app_config_declares_them() {
+        let f = fixture();
+        let job = |secrets: &str, spec: serde_json::Value| JobPayload {
+            kind: "secrets.sync".into(),
+            entity: "secret".into(),
+            operation: "sync".into(),
+            spec,
+            app_config: Some(byoc_protocol::AppConfig {
+                secrets: Some(secrets.into()),
+                ..Default::default()
+            }),
+            ..payload()
+        };
+        let declared = "[[secret]]\nname = \"db\"\nkubernetes_sync = true\nkubernetes_secret_namespace = \"app\"\nkubernetes_secret_name = \"db\"\n";
+        let named = |secrets: serde_json::Value| serde_json::json!({"kubeconfig": "k", "secrets": secrets});
+        let ok = verify(
+            &f,
+            JobEnvelope::sign(&job(declared, named(serde_json::json!(["db"]))), &f.key),
+            &Index::default(),
+            1100,
+        )
+        .ok()
+        .unwrap();
+        assert_eq!(ok.secrets.len(), 1);
+        let elsewhere = serde_json::json!([{"name": "db", "kubernetes": {"namespace": "vendor", "name": "db", "key": "value"}}]);
+        assert_eq!(reason(&f, job(declared, named(elsewhere)), 1100), RejectReason::SecretTargetNotDeclared);
+        assert_eq!(
+            reason(&f, job(declared, named(serde_json::json!(["other"]))), 1100),
+            RejectReason::SecretTargetNotDeclared
+        );
+        // Declarations the runner cannot read refuse the job, whatever it names.
+        assert_eq!(
+            reason(&f, job("[[secret]]\nname = \"db\"\nbogus = 1\n", named(serde_json::json!([]))), 1100),
+            RejectReason::InvalidSpec
+        );
+    }
+
+    #[test]
     fn accepts_a_good_envelope() {
         let f = fixture();
         let v = verify(&f, JobEnvelope::sign(&payload(), &f.key), &Index::default(), 1100).ok().unwrap();
