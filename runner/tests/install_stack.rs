@@ -324,6 +324,108 @@ fn role_files_the_stack_cannot_honour_are_refused_with_every_problem() {
     assert!(!out.exists(), "nothing is written");
 }
 
+/// An app's secrets (docs/SECRETS.md): a NoEcho parameter each, a Secrets Manager
+/// secret encrypted with the install's key (generated when asked and left empty), and
+/// read access for exactly the roles `read_by` names; the stack creates in moto.
+#[tokio::test]
+async fn the_apps_secrets_become_noecho_parameters_and_per_role_read_access() {
+    let dir = tempfile::tempdir().unwrap();
+    let app = dir.path().join("app");
+    write_app(
+        &app,
+        &[
+            ("permissions/operate.toml", "type = \"maintenance\"\nname = \"{{.install.id}}-operate\"\n"),
+            ("permissions/db.toml", "type = \"custom\"\nname = \"{{.install.id}}-db-admin\"\n"),
+            (
+                "secrets.toml",
+                "[[secret]]\nname = \"api_key\"\ndisplay_name = \"API key\"\ndescription = \"Of the billing provider\"\nrequired = true\nread_by = [\"{{ .nuon.install.id }}-db-admin\"]\n\n[[secret]]\nname = \"signing\"\nauto_generate = true\nformat = \"base64\"\n",
+            ),
+            ("secrets/ops/pager.toml", "name = \"pager\"\ndefault = \"none-configured\"\n"),
+        ],
+    );
+    let out = dir.path().join("stack.yaml");
+    let rendered = render_stack(&app, &out);
+    assert!(rendered.status.success(), "{}", String::from_utf8_lossy(&rendered.stderr));
+    let lint = Command::new(venv_bin("cfn-lint")).arg(&out).output().unwrap();
+    assert!(lint.status.success(), "cfn-lint: {}", String::from_utf8_lossy(&lint.stdout));
+    let t = template_at(&out);
+    let p = &t["Parameters"];
+    for key in ["SecretApiKey", "SecretSigning", "SecretPager"] {
+        assert_eq!(p[key]["NoEcho"], true, "{key}");
+    }
+    assert_eq!(p["SecretApiKey"]["MinLength"], 1);
+    assert!(p["SecretApiKey"]["Default"].is_null(), "a required secret has no default");
+    assert_eq!(p["SecretPager"]["Default"], "none-configured");
+    let r = &t["Resources"];
+    assert_eq!(r["SecretsKey"]["Type"], "AWS::KMS::Key");
+    assert_eq!(r["SecretsKey"]["Properties"]["EnableKeyRotation"], true);
+    let api = &r["AppSecretApiKey"]["Properties"];
+    assert_eq!(api["Name"]["Fn::Sub"], "${InstallId}/secrets/api_key");
+    assert_eq!(api["KmsKeyId"], serde_json::json!({"Ref": "SecretsKey"}));
+    assert_eq!(api["SecretString"], serde_json::json!({"Ref": "SecretApiKey"}));
+    let signing = &r["AppSecretSigning"]["Properties"];
+    assert_eq!(signing["GenerateSecretString"]["Fn::If"][2]["PasswordLength"], 32);
+    assert!(r["AppSecretPager"]["Condition"].is_null(), "a default is always stored");
+    // Read access: db-admin reads api_key only (read_by names it); the maintenance role
+    // the two with the default read_by; the runner's own role none.
+    let readable = |role: &str| -> Vec<String> {
+        let policies = r[role]["Properties"]["Policies"].as_array().cloned().unwrap_or_default();
+        let reader = policies.iter().find(|p| p["PolicyName"] == "byoc-secrets-read");
+        reader
+            .map(|p| {
+                p["PolicyDocument"]["Statement"][0]["Resource"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|r| r["Fn::Sub"].as_str().unwrap().rsplit('/').next().unwrap().to_string())
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    assert_eq!(readable("DbAdminRole"), ["api_key-*"]);
+    assert_eq!(readable("OperateRole"), ["signing-*", "pager-*"]);
+    assert!(
+        !r["RunnerInstanceRole"].to_string().contains("/secrets/"),
+        "the runner's own identity reads none"
+    );
+    let moto = MotoServer::start().await;
+    let described =
+        create_stack(&moto, "byoc-secrets", &t, "inst-sec", &[("SecretApiKey", "billing-key-0123")]).await;
+    assert!(described.contains("CREATE_COMPLETE"), "{described}");
+}
+
+/// Secret declarations the stack cannot honour: every problem at once, nothing written.
+#[test]
+fn secret_declarations_the_stack_cannot_honour_are_refused_with_every_problem() {
+    let dir = tempfile::tempdir().unwrap();
+    let app = dir.path().join("app");
+    write_app(
+        &app,
+        &[
+            ("permissions/operate.toml", "type = \"maintenance\"\nname = \"{{.install.id}}-operate\"\n"),
+            (
+                "secrets.toml",
+                "[[secret]]\nname = \"db_password\"\nrequired = true\nauto_generate = true\nvalue = \"inline!\"\n\n[[secret]]\nname = \"db-password\"\nformat = \"hex\"\nkubernetes_sync = true\nread_by = [\"operator\"]\n",
+            ),
+        ],
+    );
+    let out = dir.path().join("stack.yaml");
+    let rendered = render_stack(&app, &out);
+    let stderr = String::from_utf8_lossy(&rendered.stderr);
+    assert!(!rendered.status.success());
+    for problem in [
+        "unknown field 'value'",
+        "auto_generate and required cannot both be set",
+        "format must be \"base64\" or empty",
+        "kubernetes_secret_name and kubernetes_secret_namespace must be set",
+        "parameter SecretDbPassword is also the parameter of",
+        "read_by 'operator' is neither a role type",
+    ] {
+        assert!(stderr.contains(problem), "missing {problem:?} in:\n{stderr}");
+    }
+    assert!(!out.exists(), "nothing is written");
+}
+
 #[tokio::test]
 async fn the_stack_creates_and_the_runner_reads_its_switches_and_arns() {
     let moto = MotoServer::start().await;
