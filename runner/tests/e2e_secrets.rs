@@ -326,6 +326,26 @@ async fn secrets_reach_the_cluster_and_terraform_and_never_the_vendor() {
     let state = e.moto.s3_object("inst-demo-state", "inst-demo/db/terraform.tfstate").await.unwrap();
     assert!(String::from_utf8_lossy(&state).contains("terraform_data"), "the apply reached the bucket");
 
+    // A kubernetes deploy naming the secret writes its declared Secret with the manifests.
+    let before = secret_writes(&e.kube).len();
+    let spec = serde_json::json!({
+        "action": "apply", "component": "api", "namespace": "app", "wait_secs": 30,
+        "manifests": [{"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "api-config"}, "data": {"mode": "prod"}}],
+        "kubeconfig": e.kube.kubeconfig("cluster-token-5e6f7a8b9c0d1e2f"),
+        "secrets": ["db_password"],
+    });
+    let (id, r, log) = run(&e, job("kubernetes", "component", "deploy", "inst-demo-maintenance", spec)).await;
+    ids.push(id.clone());
+    assert_eq!(r.status, JobStatus::Succeeded, "{:?}\n{log}", r.error);
+    assert_eq!(secret_writes(&e.kube).len(), before + 1);
+    assert!(e.kube.object("/api/v1/namespaces/app/configmaps/api-config").is_some());
+    assert_eq!(
+        r.outputs["secrets"][0]["written_to"],
+        serde_json::json!(["kubernetes:app/db#value"]),
+        "{}",
+        r.outputs
+    );
+
     // Rotation: a new version is what the next sync writes.
     e.moto
         .json_call(
@@ -391,6 +411,17 @@ async fn what_the_app_config_does_not_allow_is_refused_and_nothing_is_written() 
     assert_eq!(r.status, JobStatus::Failed, "{log}");
     assert_eq!(r.outputs["reason"], "secret_forbidden", "{}\n{log}", r.outputs);
     assert!(r.error.unwrap().contains("may not read it"));
+
+    // A value not in the declared format: refused, never named.
+    let mut as_base64 = sync(&e, serde_json::json!(["db_password"]));
+    let app = as_base64.app_config.as_mut().unwrap();
+    let declared = app.secrets.clone().unwrap();
+    app.secrets =
+        Some(declared.replace("terraform_variable          = \"db_password\"", "format = \"base64\""));
+    assert_ne!(app.secrets.as_deref(), Some(declared.as_str()));
+    let (_, r, log) = run(&e, as_base64).await;
+    assert_eq!(r.outputs["reason"], "secret_format_invalid", "{}\n{log}", r.outputs);
+    assert!(!r.error.unwrap().contains("Db-pa55"));
 
     // A required secret gone from Secrets Manager: refused before anything is written.
     e.moto

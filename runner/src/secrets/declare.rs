@@ -72,6 +72,16 @@ pub fn declared(app: &AppConfig, install: &InstallState) -> Result<Vec<Declared>
             continue;
         }
         match toml::from_str::<toml::Table>(text) {
+            // The file is the secret; a file of `[[secret]]` tables is read as such.
+            Ok(mut t) if t.len() == 1 && t.get("secret").is_some_and(|s| s.is_array()) => {
+                let Some(toml::Value::Array(entries)) = t.remove("secret") else { continue };
+                for (i, v) in entries.into_iter().enumerate() {
+                    match v {
+                        toml::Value::Table(t) => tables.push((format!("{path} secret[{i}]"), t)),
+                        _ => problems.push(format!("{path} secret[{i}]: not a table")),
+                    }
+                }
+            }
             Ok(t) => tables.push((path.clone(), t)),
             Err(e) => problems.push(format!("{path}: {}", e.message())),
         }
@@ -327,13 +337,16 @@ namespaces = ["a", "b"]
 name = "signing"
 key = "key"
 "#,
-            &[(
-                "secrets/vendor/api_key.toml",
-                "name = \"api_key\"\ndescription = \"x\"\ndefault = \"none-given\"\n",
-            )],
+            &[
+                (
+                    "secrets/vendor/api_key.toml",
+                    "name = \"api_key\"\ndescription = \"x\"\ndefault = \"none-given\"\n",
+                ),
+                ("secrets/vendor/more.toml", "[[secret]]\nname = \"webhook\"\n"),
+            ],
         );
         let d = declared(&a, &install()).unwrap();
-        assert_eq!(d.len(), 3);
+        assert_eq!(d.len(), 4);
         assert_eq!(
             d[0].kubernetes,
             vec![KubeTarget { namespace: "inst-1-app".into(), name: "db".into(), key: "value".into() }]
@@ -346,6 +359,7 @@ key = "key"
         assert_eq!(d[1].read_by, vec!["maintenance"]);
         assert_eq!(d[2].name, "api_key");
         assert!(d[2].kubernetes.is_empty() && d[2].terraform_variable.is_none());
+        assert_eq!(d[3].name, "webhook");
     }
 
     #[test]
