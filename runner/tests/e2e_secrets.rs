@@ -4,7 +4,7 @@
 //! `secrets.sync` job writes them into Kubernetes Secrets, a terraform job passes one
 //! as a variable of a real `terraform_data` apply, a rotation is picked up, and no value
 //! (nor its base64 or JSON form) reaches the state dir, the uploaded log, the result,
-//! the runner's log or the audit log. A role the app config does not let read a
+//! the runner's journald or the audit log. A role the app config does not let read a
 //! secret, a missing required secret and a forged target are refused.
 #![allow(clippy::unwrap_used)]
 
@@ -15,6 +15,7 @@ use std::path::Path;
 
 use base64::Engine as _;
 use byoc_control_plane::EnqueueRequest;
+use byoc_control_plane::harness::RunnerOptions;
 use byoc_control_plane::kube_api::FakeKubeApi;
 use byoc_control_plane::moto::MotoServer;
 use byoc_protocol::{JobStatus, RejectReason};
@@ -98,7 +99,56 @@ struct SecretsEnv {
     moto: MotoServer,
     kube: FakeKubeApi,
     values: BTreeMap<String, String>,
+    /// The runner's private journald: its journal, and where its pid is.
+    journal: tempfile::TempDir,
     _policies: tempfile::TempDir,
+}
+
+impl Drop for SecretsEnv {
+    fn drop(&mut self) {
+        if let Ok(pid) = std::fs::read_to_string(self.journal.path().join("journald.pid"))
+            && let Ok(pid) = pid.trim().parse()
+        {
+            let _ =
+                nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL);
+        }
+    }
+}
+
+/// The runner started in a mount namespace of its own with a journald of its own, its
+/// journal in `journal/log` for journalctl to read (the runner logs to journald there,
+/// as it does under systemd).
+fn with_private_journald(opts: &mut RunnerOptions, journal: &Path) {
+    assert!(
+        nix::unistd::geteuid().is_root(),
+        "this suite needs root (a private journald in a mount namespace)"
+    );
+    assert!(
+        Path::new("/lib/systemd/systemd-journald").exists(),
+        "systemd-journald is required (apt-get install systemd)"
+    );
+    let log = journal.join("log");
+    std::fs::create_dir(&log).unwrap();
+    let script = format!(
+        "mount -t tmpfs tmpfs /run && mkdir -p /run/systemd/journal /run/log/journal && \
+         mount --bind {log} /run/log/journal && {{ /lib/systemd/systemd-journald & echo $! > {pid}; }} && \
+         for i in $(seq 1 200); do [ -S /run/systemd/journal/socket ] && break; sleep 0.05; done; exec \"$0\" \"$@\"",
+        log = log.display(),
+        pid = journal.join("journald.pid").display()
+    );
+    opts.wrap = ["unshare", "-m", "--propagation", "private", "sh", "-c", &script].map(String::from).to_vec();
+    opts.env.push(("BYOC_RUNNER__LOGGING__TARGET".into(), "journald".into()));
+}
+
+/// Everything the runner's journald holds, as `journalctl -o json` prints it.
+fn journal_text(journal: &Path) -> String {
+    let out = std::process::Command::new("journalctl")
+        .arg("--directory")
+        .arg(journal.join("log"))
+        .args(["-o", "json", "--no-pager"])
+        .output()
+        .expect("journalctl is required (apt-get install systemd)");
+    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 /// The example app's generated stack in moto (its secrets given or generated), the
@@ -138,8 +188,10 @@ async fn secrets_env() -> SecretsEnv {
         policies.path().display()
     ));
     opts.sandbox_extra = "enabled = false".into();
+    let journal = tempfile::tempdir().unwrap();
+    with_private_journald(&mut opts, journal.path());
     let env = env_with(opts).await;
-    SecretsEnv { env, moto, kube, values, _policies: policies }
+    SecretsEnv { env, moto, kube, values, journal, _policies: policies }
 }
 
 fn job(kind: &str, entity: &str, operation: &str, role: &str, spec: serde_json::Value) -> EnqueueRequest {
@@ -205,7 +257,10 @@ fn assert_nowhere(e: &SecretsEnv, value: &str, ids: &[String]) {
             );
         }
     }
-    let runner_log = e.env.runner.log();
+    let journal = journal_text(e.journal.path());
+    for id in ids {
+        assert!(journal.contains(id.as_str()), "the journal has no record of {id}");
+    }
     for id in ids {
         let log = e.env.output(id);
         let view = serde_json::to_string(&e.env.cp.job(id)).unwrap();
@@ -215,7 +270,8 @@ fn assert_nowhere(e: &SecretsEnv, value: &str, ids: &[String]) {
         }
     }
     for form in &forms {
-        assert!(!runner_log.contains(form.as_str()), "{form:?} in the runner's log");
+        // journalctl's JSON escapes as JSON does; the raw form is what a value would be.
+        assert!(!journal.contains(form.as_str()), "{form:?} in the journal");
     }
 }
 
