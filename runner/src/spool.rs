@@ -80,7 +80,13 @@ pub struct SpoolWriter {
 /// How much log may be written between two looks at the free space.
 const DISK_CHECK_EVERY: u64 = 8 << 20;
 
-/// The last `capacity` bytes of the output past the head, written round a file.
+/// The ring file's header: how many bytes were ever written to it and its capacity
+/// (little-endian u64s), updated after each write, so a runner restarted mid-job can
+/// still put the tail in order (`recover_tail`).
+const RING_HEADER: u64 = 16;
+
+/// The last `capacity` bytes of the output past the head, written round a file (after
+/// its header).
 struct TailRing {
     file: File,
     path: PathBuf,
@@ -105,11 +111,34 @@ impl TailRing {
         while !chunk.is_empty() {
             let at = self.written % self.capacity;
             let n = chunk.len().min((self.capacity - at) as usize);
-            self.file.write_all_at(&chunk[..n], at)?;
+            self.file.write_all_at(&chunk[..n], RING_HEADER + at)?;
             self.written += n as u64;
             chunk = &chunk[n..];
         }
-        Ok(())
+        self.write_header()
+    }
+
+    fn write_header(&self) -> std::io::Result<()> {
+        use std::os::unix::fs::FileExt as _;
+        let mut header = [0u8; RING_HEADER as usize];
+        header[..8].copy_from_slice(&self.written.to_le_bytes());
+        header[8..].copy_from_slice(&self.capacity.to_le_bytes());
+        self.file.write_all_at(&header, 0)
+    }
+
+    /// A ring a stopped writer left: `None` if its header is missing or does not fit
+    /// the file (then its bytes cannot be put in order).
+    fn reopen(path: PathBuf) -> std::io::Result<Option<TailRing>> {
+        use std::os::unix::fs::FileExt as _;
+        let file = OpenOptions::new().read(true).write(true).open(&path)?;
+        let mut header = [0u8; RING_HEADER as usize];
+        if file.read_exact_at(&mut header, 0).is_err() {
+            return Ok(None);
+        }
+        let word = |i: usize| u64::from_le_bytes(header[i..i + 8].try_into().unwrap_or_default());
+        let ring = TailRing { file, path, written: word(0), capacity: word(8) };
+        let data = ring.file.metadata()?.len().saturating_sub(RING_HEADER);
+        Ok((data >= ring.kept()).then_some(ring))
     }
 
     fn kept(&self) -> u64 {
@@ -126,7 +155,7 @@ impl TailRing {
         while done < kept {
             let at = (start + done) % self.capacity.max(1);
             let n = (kept - done).min(buf.len() as u64).min(self.capacity - at) as usize;
-            self.file.read_exact_at(&mut buf[..n], at)?;
+            self.file.read_exact_at(&mut buf[..n], RING_HEADER + at)?;
             out(&buf[..n])?;
             done += n as u64;
         }
@@ -218,7 +247,9 @@ impl SpoolWriter {
                 .write(true)
                 .mode(0o600)
                 .open(&path)?;
-            self.tail = Some(TailRing { file, path, capacity: self.cap.tail, written: 0 });
+            let ring = TailRing { file, path, capacity: self.cap.tail, written: 0 };
+            ring.write_header()?;
+            self.tail = Some(ring);
         }
         Ok(self.tail.as_mut().expect("just set"))
     }
@@ -301,6 +332,50 @@ impl OutputSink for SpoolWriter {
         }
         written
     }
+}
+
+/// A job the runner stopped under while its log was past the cap: the tail its ring
+/// holds is put after the head as `finish` would have (omission marker, tail, the
+/// truncation line), the spool fsynced, the ring removed. `None` when there is no ring
+/// (the log never reached the cap); a ring whose header does not fit is removed and
+/// the head stands as the log.
+pub fn recover_tail(state_dir: &Path, job_id: &str, cap: LogCap) -> std::io::Result<Option<SpoolDigest>> {
+    let ring_path = tail_path(state_dir, job_id);
+    let ring = match TailRing::reopen(ring_path.clone()) {
+        Ok(Some(ring)) => ring,
+        Ok(None) => {
+            std::fs::remove_file(&ring_path)?;
+            return Ok(None);
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    let path = spool_path(state_dir, job_id);
+    let mut file = OpenOptions::new().read(true).append(true).open(&path)?;
+    let (mut hasher, mut len, mut last) = (Sha256::new(), 0u64, b'\n');
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        let n = file.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        hasher.update(&buf[..n]);
+        len += n as u64;
+        last = buf[n - 1];
+    }
+    let writer = SpoolWriter {
+        file,
+        path,
+        len,
+        hasher,
+        cap: LogCap { tail: ring.capacity, ..cap },
+        tail: Some(ring),
+        last,
+        disk_floor: 0,
+        since_disk_check: 0,
+        failed: None,
+    };
+    writer.finish().map(Some)
 }
 
 /// Size and SHA-256 of a spooled log (after a crash the writer's state is gone). A
@@ -427,6 +502,35 @@ mod tests {
     }
 
     #[test]
+    fn a_runner_stopped_past_the_cap_still_puts_the_tail_after_the_head() {
+        let out = output(300_001);
+        let cap = LogCap { head: 10_000, tail: 7_000 };
+        // What the job's end would have kept ...
+        let whole = tempfile::tempdir().expect("tempdir");
+        let mut w = writer(whole.path(), cap);
+        write_unevenly(&mut w, &out);
+        let finished = w.finish().expect("finish");
+        // ... is what a restart keeps from a writer that stopped there (killed: no finish).
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut w = writer(dir.path(), cap);
+        write_unevenly(&mut w, &out);
+        drop(w);
+        let recovered = recover_tail(dir.path(), "job-1", cap).expect("recover").expect("a ring");
+        assert_eq!(recovered, finished);
+        assert_eq!(
+            std::fs::read(spool_path(dir.path(), "job-1")).unwrap(),
+            std::fs::read(spool_path(whole.path(), "job-1")).unwrap()
+        );
+        assert!(!tail_path(dir.path(), "job-1").exists());
+        // No ring (the log never reached its cap): nothing to do.
+        assert_eq!(recover_tail(dir.path(), "job-1", cap).unwrap(), None);
+        // A ring whose header does not fit its file cannot be ordered: removed, the head stands.
+        std::fs::write(tail_path(dir.path(), "job-1"), [0xffu8; 20]).unwrap();
+        assert_eq!(recover_tail(dir.path(), "job-1", cap).unwrap(), None);
+        assert!(!tail_path(dir.path(), "job-1").exists());
+    }
+
+    #[test]
     fn a_log_under_the_cap_is_kept_whole() {
         let dir = tempfile::tempdir().expect("tempdir");
         let mut w = writer(dir.path(), LogCap::of(64 * 1024));
@@ -450,7 +554,10 @@ mod tests {
         // note, the ring at most the tail.
         let spool_len = std::fs::metadata(spool_path(dir.path(), "job-1")).expect("spool").len();
         let ring_len = std::fs::metadata(tail_path(dir.path(), "job-1")).expect("ring").len();
-        assert!(spool_len < cap.head + 300 && ring_len <= cap.tail, "spool {spool_len}, ring {ring_len}");
+        assert!(
+            spool_len < cap.head + 300 && ring_len <= cap.tail + RING_HEADER,
+            "spool {spool_len}, ring {ring_len}"
+        );
         write_unevenly(&mut w, &out[500_000..]);
         let d = w.finish().expect("finish");
         let kept = std::fs::read(spool_path(dir.path(), "job-1")).expect("spool");

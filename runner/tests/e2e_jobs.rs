@@ -107,7 +107,7 @@ async fn every_envelope_rejection_has_its_reason_code() {
     codes.sort();
     // Role and pause refusals have their own suite (e2e_roles), the sandbox's theirs
     // (e2e_network, e2e_sandbox), the disk's (e2e_disk), the guardrails' theirs
-    // (e2e_guardrails).
+    // (e2e_guardrails), the secrets' theirs (e2e_secrets).
     let not_here = [
         RejectReason::RoleMismatch,
         RejectReason::RoleDisabled,
@@ -119,6 +119,7 @@ async fn every_envelope_rejection_has_its_reason_code() {
         RejectReason::OutsideWindow,
         RejectReason::ApprovalDenied,
         RejectReason::ApprovalExpired,
+        RejectReason::SecretTargetNotDeclared,
     ];
     let mut want: Vec<String> =
         RejectReason::ALL.iter().filter(|r| !not_here.contains(r)).map(|r| r.code().to_string()).collect();

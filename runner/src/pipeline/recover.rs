@@ -125,8 +125,22 @@ fn in_job_span(rt: &Rt, job_id: String, task: impl Future<Output = ()> + Send + 
 /// A claimed or started job the runner stopped under: finished as interrupted, with
 /// what its log holds; its working directory and sandbox mount point removed.
 fn interrupt(rt: &Rt, job_id: &str, phase: Phase) -> Result<(), JournalError> {
-    let (log_size, log_sha256) = spool::digest_file(&spool::spool_path(&rt.state_dir, job_id))
-        .unwrap_or((0, byoc_protocol::sha256_hex(b"")));
+    // Past its cap the log's tail is in a ring beside the spool: it goes after the head,
+    // in order, as the job's end would have put it.
+    let cap = spool::LogCap::of(rt.config.jobs.log_max_bytes);
+    let recovered = spool::recover_tail(&rt.state_dir, job_id, cap).unwrap_or_else(|e| {
+        tracing::warn!(error = %e, job_id = %job_id, "could not put an interrupted job's log tail after its head; the head stands as its log");
+        let _ = std::fs::remove_file(spool::tail_path(&rt.state_dir, job_id));
+        None
+    });
+    let (log_size, log_sha256, log_omitted) = match recovered {
+        Some(d) => (d.size, d.sha256, d.omitted),
+        None => {
+            let (size, sha) = spool::digest_file(&spool::spool_path(&rt.state_dir, job_id))
+                .unwrap_or((0, byoc_protocol::sha256_hex(b"")));
+            (size, sha, 0)
+        }
+    };
     let started = rt.journal.job(job_id).and_then(|j| j.started_at_ms);
     tracing::warn!(job_id = %job_id, was = phase.as_str(), "job was interrupted by a runner restart; reporting it, not re-running it");
     rt.transition(Event::Finished {
@@ -136,19 +150,11 @@ fn interrupt(rt: &Rt, job_id: &str, phase: Phase) -> Result<(), JournalError> {
         error: Some(format!("the runner stopped while the job was {}; it was not re-run", phase.as_str())),
         log_size,
         log_sha256,
-        log_omitted: 0,
+        log_omitted,
         started_at_ms: started,
         finished_at_ms: now_ms(),
         outputs: serde_json::Value::Null,
     })?;
-    // Past its cap the log's tail was in a ring only the writer could order: the head
-    // and its note stand as the log; the ring goes.
-    let ring = spool::tail_path(&rt.state_dir, job_id);
-    if let Err(e) = std::fs::remove_file(&ring)
-        && e.kind() != std::io::ErrorKind::NotFound
-    {
-        tracing::warn!(error = %e, path = %ring.display(), "could not remove an interrupted job's log tail");
-    }
     let work_dir = rt.state_dir.join(execute::WORK_DIR).join(job_id);
     // A terraform job's local state, as far as terraform got, goes back to its workspace
     // before the directory does: what it created exists, and the next plan must know.
