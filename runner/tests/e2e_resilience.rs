@@ -101,6 +101,39 @@ async fn kill_9_mid_job_is_reported_interrupted_not_rerun() {
     assert_eq!(e.finished(&next).await.result.unwrap().status, JobStatus::Succeeded);
 }
 
+/// Past its log cap a job's tail is in a ring beside the spool: a runner killed then
+/// puts it after the head on restart, as the job's end would have.
+#[tokio::test]
+async fn kill_9_past_the_log_cap_keeps_the_head_and_the_tail() {
+    let mut e = env_with(RunnerOptions { jobs_extra: "log_max_mib = 1".into(), ..Default::default() }).await;
+    let id = e.cp.enqueue(script("seq 1 600000; echo last-line-before-the-crash; exec sleep 3203")).unwrap();
+    let ring = e.runner.state_dir.join(format!("spool/{id}.tail"));
+    let deadline = std::time::Instant::now() + WAIT;
+    while !std::fs::read(&ring)
+        .is_ok_and(|b| String::from_utf8_lossy(&b).contains("last-line-before-the-crash"))
+    {
+        assert!(std::time::Instant::now() < deadline, "the job's tail never reached its ring");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    e.runner.kill9().await;
+    e.runner.spawn(None).unwrap();
+    let r = e.finished(&id).await.result.unwrap();
+    assert_eq!(r.status, JobStatus::Interrupted);
+    let log = e.output(&id);
+    assert!(log.starts_with("1\n2\n3\n"), "the head: {}", &log[..200]);
+    // Omitted: all the job printed past the cap, give or take the runner's note at the cap.
+    let printed: u64 = (1..=600_000u64).map(|i| i.to_string().len() as u64 + 1).sum::<u64>() + 27;
+    let beyond = (r.log_omitted_bytes + (1 << 20))
+        .checked_sub(printed)
+        .expect("less omitted than printed past the cap");
+    assert!(beyond < 1024, "{beyond} bytes more than the job printed");
+    assert!(log.contains(&format!("[runner] … {} bytes omitted …\n", r.log_omitted_bytes)), "no marker");
+    let end = log.rfind("last-line-before-the-crash\n").expect("the tail is in the log");
+    assert!(log[end..].contains("log truncated"), "{}", &log[end..]);
+    assert!(log.contains("599999\n600000\nlast-line"), "the tail is in order");
+    assert!(!ring.exists(), "the ring was left behind");
+}
+
 #[tokio::test]
 async fn first_sigterm_drains_the_running_job_then_exits() {
     let (mut e, notify) = env_with_notify().await;
