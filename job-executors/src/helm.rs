@@ -609,14 +609,7 @@ impl Executor for Helm {
     }
 
     fn secret_uses(&self) -> Vec<crate::secrets::SecretUse> {
-        self.spec
-            .secrets
-            .iter()
-            .map(|name| crate::secrets::SecretUse {
-                name: name.clone(),
-                target: crate::secrets::Target::HelmValue,
-            })
-            .collect()
+        crate::secrets::uses(&self.spec.secrets, crate::secrets::Target::HelmValue)
     }
 
     fn drift_spec(&self) -> Option<serde_json::Value> {

@@ -306,19 +306,28 @@ fn role_files_the_stack_cannot_honour_are_refused_with_every_problem() {
             ("permissions/f.toml", "type = \"custom\"\nname = \"{{.install.id}}-{{ .x | upper }}-f\"\n"),
         ],
     );
-    let out = dir.path().join("stack.yaml");
-    let rendered = render_stack(&app, &out);
+    assert_refused(
+        dir.path(),
+        &app,
+        &[
+            "a.toml: name 'shared-maintenance' must start with {{.install.id}}-",
+            "a.toml: permissions_boundary ./missing.json not found",
+            "b.toml: name: template field .install.name is not known to the stack",
+            "c.toml: policies[0]: needs managed_policy_name, or name and contents",
+            "d.toml: switch key Ops (parameter EnableOpsRole) is also used by",
+            "e.toml: type must be one of",
+            "f.toml: name: unsupported template in '{{.install.id}}-{{ .x | upper }}-f' (only field references)",
+        ],
+    );
+}
+
+/// The generator refuses `app`: every one of `problems` is named, nothing is written.
+fn assert_refused(dir: &Path, app: &Path, problems: &[&str]) {
+    let out = dir.join("stack.yaml");
+    let rendered = render_stack(app, &out);
     let stderr = String::from_utf8_lossy(&rendered.stderr);
     assert!(!rendered.status.success());
-    for problem in [
-        "a.toml: name 'shared-maintenance' must start with {{.install.id}}-",
-        "a.toml: permissions_boundary ./missing.json not found",
-        "b.toml: name: template field .install.name is not known to the stack",
-        "c.toml: policies[0]: needs managed_policy_name, or name and contents",
-        "d.toml: switch key Ops (parameter EnableOpsRole) is also used by",
-        "e.toml: type must be one of",
-        "f.toml: name: unsupported template in '{{.install.id}}-{{ .x | upper }}-f' (only field references)",
-    ] {
+    for problem in problems {
         assert!(stderr.contains(problem), "missing {problem:?} in:\n{stderr}");
     }
     assert!(!out.exists(), "nothing is written");
@@ -409,21 +418,18 @@ fn secret_declarations_the_stack_cannot_honour_are_refused_with_every_problem() 
             ),
         ],
     );
-    let out = dir.path().join("stack.yaml");
-    let rendered = render_stack(&app, &out);
-    let stderr = String::from_utf8_lossy(&rendered.stderr);
-    assert!(!rendered.status.success());
-    for problem in [
-        "unknown field 'value'",
-        "auto_generate and required cannot both be set",
-        "format must be \"base64\" or empty",
-        "kubernetes_secret_name and kubernetes_secret_namespace must be set",
-        "parameter SecretDbPassword is also the parameter of",
-        "read_by 'operator' is neither a role type",
-    ] {
-        assert!(stderr.contains(problem), "missing {problem:?} in:\n{stderr}");
-    }
-    assert!(!out.exists(), "nothing is written");
+    assert_refused(
+        dir.path(),
+        &app,
+        &[
+            "unknown field 'value'",
+            "auto_generate and required cannot both be set",
+            "format must be \"base64\" or empty",
+            "kubernetes_secret_name and kubernetes_secret_namespace must be set",
+            "parameter SecretDbPassword is also the parameter of",
+            "read_by 'operator' is neither a role type",
+        ],
+    );
 }
 
 #[tokio::test]

@@ -642,14 +642,7 @@ impl Executor for Kubernetes {
     }
 
     fn secret_uses(&self) -> Vec<crate::secrets::SecretUse> {
-        self.spec
-            .secrets
-            .iter()
-            .map(|name| crate::secrets::SecretUse {
-                name: name.clone(),
-                target: crate::secrets::Target::Kubernetes(None),
-            })
-            .collect()
+        crate::secrets::uses(&self.spec.secrets, crate::secrets::Target::Kubernetes(None))
     }
 
     fn drift_spec(&self) -> Option<serde_json::Value> {

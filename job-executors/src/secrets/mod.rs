@@ -90,6 +90,11 @@ pub fn valid_name(name: &str) -> bool {
         && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
 }
 
+/// The uses of a job that names `names`, each for `target`.
+pub fn uses(names: &[String], target: Target) -> Vec<SecretUse> {
+    names.iter().map(|name| SecretUse { name: name.clone(), target: target.clone() }).collect()
+}
+
 /// A job that would send a secret somewhere the app config does not declare.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{0}")]

@@ -141,10 +141,7 @@ fn sign_request(
         .build()
         .map_err(|e| format!("signing parameters: {e}"))?
         .into();
-    let host = url::Url::parse(url)
-        .ok()
-        .and_then(|u| u.host_str().map(|h| u.port().map(|p| format!("{h}:{p}")).unwrap_or(h.to_string())))
-        .ok_or("no host in the Secrets Manager URL")?;
+    let host = crate::aws_sign::host_header(url).ok_or("no host in the Secrets Manager URL")?;
     let fixed = [
         ("host", host.as_str()),
         ("content-type", "application/x-amz-json-1.1"),

@@ -299,10 +299,7 @@ impl StateBucket {
             .build()
             .map_err(|e| format!("signing parameters: {e}"))?
             .into();
-        let host = url::Url::parse(url)
-            .ok()
-            .and_then(|u| u.host_str().map(|h| u.port().map(|p| format!("{h}:{p}")).unwrap_or(h.to_string())))
-            .ok_or("no host in the bucket URL")?;
+        let host = crate::aws_sign::host_header(url).ok_or("no host in the bucket URL")?;
         let request = SignableRequest::new(
             method,
             url,

@@ -648,14 +648,7 @@ impl Executor for Terraform {
     }
 
     fn secret_uses(&self) -> Vec<crate::secrets::SecretUse> {
-        self.spec
-            .secrets
-            .iter()
-            .map(|name| crate::secrets::SecretUse {
-                name: name.clone(),
-                target: crate::secrets::Target::TerraformVariable,
-            })
-            .collect()
+        crate::secrets::uses(&self.spec.secrets, crate::secrets::Target::TerraformVariable)
     }
 
     fn is_drift_check(&self) -> bool {
