@@ -243,6 +243,8 @@ fn setup() -> World {
             ("ImageId", image_id),
             ("BootstrapToken", bootstrap_token.clone()),
             ("ExternalId", "vm-suite-external-id".to_string()),
+            // The example app's one required secret (docs/SECRETS.md).
+            ("SecretDbPassword", "vm-suite-db-password".to_string()),
         ];
         let params: Vec<(&str, &str)> = params.iter().map(|(k, v)| (*k, v.as_str())).collect();
         moto.put_stack("CreateStack", STACK, &template, &params).await;
