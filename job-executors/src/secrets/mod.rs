@@ -273,7 +273,9 @@ pub async fn fetch(ctx: &mut ExecContext<'_>, uses: &[SecretUse]) -> Result<Vec<
         let read = settings.store.get(&keys, &d.name).await;
         let fetched = match read {
             Ok(v) => {
-                // Masked before any other use, whatever follows.
+                // Masked before any other use, whatever follows (a value too short to
+                // be masked is refused, unused, before it would break the masker).
+                check_length(d, &v.value)?;
                 feed.add(v.value.as_bytes().to_vec());
                 check_format(d, &v.value, &feed)?;
                 let digest = digest(&settings.digest_key, v.value.as_bytes());
@@ -317,15 +319,22 @@ pub async fn fetch(ctx: &mut ExecContext<'_>, uses: &[SecretUse]) -> Result<Vec<
     Ok(out)
 }
 
+fn check_length(d: &Declared, value: &str) -> Result<(), SecretError> {
+    if value.len() < crate::mask::MIN_SECRET_LEN {
+        return Err(SecretError::Format {
+            name: d.name.clone(),
+            why: format!(
+                "its value is shorter than {} bytes and could not be masked reliably",
+                crate::mask::MIN_SECRET_LEN
+            ),
+        });
+    }
+    Ok(())
+}
+
 fn check_format(d: &Declared, value: &str, feed: &crate::mask::SecretFeed) -> Result<(), SecretError> {
     use base64::Engine as _;
     let format = |why: String| SecretError::Format { name: d.name.clone(), why };
-    if value.len() < crate::mask::MIN_SECRET_LEN {
-        return Err(format(format!(
-            "its value is shorter than {} bytes and could not be masked reliably",
-            crate::mask::MIN_SECRET_LEN
-        )));
-    }
     if d.format == Format::Base64 {
         let bytes = base64::engine::general_purpose::STANDARD
             .decode(value.trim())
@@ -505,6 +514,6 @@ mod tests {
         assert!(!e.to_string().contains("not base64 !!"), "{e}");
         check_format(&d, "aHVudGVyMi1wYXNzd29yZA==", &feed).unwrap();
         assert_eq!(feed.secrets(), vec![b"hunter2-password".to_vec()]);
-        assert_eq!(check_format(&declared(), "abc", &feed).unwrap_err().code(), "secret_format_invalid");
+        assert_eq!(check_length(&declared(), "abc").unwrap_err().code(), "secret_format_invalid");
     }
 }
