@@ -105,6 +105,10 @@ struct Install {
     /// Directory with `permissions/*.toml`, `break_glass.toml`, `operation_roles.toml`.
     app_config: PathBuf,
     external_id: String,
+    /// The customer's secrets, as the install stack would have stored them in Secrets
+    /// Manager (`<install id>/secrets/<name>`; moto's CloudFormation does not create them).
+    #[serde(default)]
+    secrets: std::collections::BTreeMap<String, String>,
 }
 
 /// The role a job asks for, and the per-job inputs of the precedence chain.
@@ -225,6 +229,16 @@ async fn main() -> anyhow::Result<()> {
         let list: Vec<(&str, &str)> = params.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
         moto.put_stack("CreateStack", DEMO_STACK, &template, &list).await;
         println!("aws (moto)     {} (install stack {DEMO_STACK})", moto.url());
+        for (name, value) in &install.secrets {
+            let id = format!("{}/secrets/{name}", cp.install_id());
+            moto.json_call(
+                "secretsmanager",
+                "secretsmanager.CreateSecret",
+                serde_json::json!({"Name": id, "SecretString": value}),
+            )
+            .await;
+            println!("secret         {id} (the customer's; jobs name it, the vendor never sees it)");
+        }
         options.extra = format!(
             "\n[aws]\nregion = \"us-east-1\"\nendpoint_url = \"{}\"\n\n[roles]\nstack_name = \"{DEMO_STACK}\"\nexternal_id = \"{}\"\n",
             moto.url(),
@@ -554,8 +568,23 @@ async fn main() -> anyhow::Result<()> {
                 format!("changes {counts}")
             };
             let state = o["state_serial"].as_u64().map(|n| format!(", state serial {n}")).unwrap_or_default();
+            // What the control plane learns of a customer secret: name, version, digest.
+            let secrets: String = o["secrets"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .map(|s| {
+                    format!(
+                        "; secret {} version {} {} -> {}",
+                        s["name"].as_str().unwrap_or("-"),
+                        s["version_id"].as_str().unwrap_or("-"),
+                        s["digest"].as_str().unwrap_or("-"),
+                        s["written_to"]
+                    )
+                })
+                .collect();
             println!(
-                "{} terraform {}: policy {} on plan {} ({changes}{state}){}",
+                "{} terraform {}: policy {} on plan {} ({changes}{state}){secrets}{}",
                 ids[i],
                 r.status.as_str(),
                 o["verdict"].as_str().unwrap_or("-"),
