@@ -15,12 +15,14 @@ use sha2::Digest as _;
 
 use crate::tool::{DEFAULT_PATH, Run, Step, failed, hand_over, safe_relative};
 use crate::{ExecContext, ExecFuture, ExecOutcome, Executor, JobStatus};
+use summary::summary;
 
 pub mod bucket;
 mod customer_secrets;
 mod drift;
 pub mod providers;
 pub mod state;
+mod summary;
 
 /// The root module, in the job's working directory.
 pub const MODULE_DIR: &str = "module";
@@ -205,30 +207,6 @@ impl Run<'_, '_> {
         v.extend(extra.iter().cloned());
         v
     }
-}
-
-/// Counts per action and the addresses: what the control plane may see of a plan.
-fn summary(plan: &serde_json::Value) -> serde_json::Value {
-    let mut counts: BTreeMap<&str, u64> = BTreeMap::new();
-    let mut addresses: BTreeMap<&str, Vec<String>> = BTreeMap::new();
-    for rc in plan["resource_changes"].as_array().map(Vec::as_slice).unwrap_or_default() {
-        let actions: Vec<&str> = rc["change"]["actions"]
-            .as_array()
-            .map(|a| a.iter().filter_map(|x| x.as_str()).collect())
-            .unwrap_or_default();
-        let action = match actions.as_slice() {
-            ["no-op"] => continue,
-            ["create"] => "create",
-            ["update"] => "update",
-            ["delete"] => "delete",
-            ["read"] => "read",
-            [_, _] => "replace",
-            _ => "other",
-        };
-        *counts.entry(action).or_default() += 1;
-        addresses.entry(action).or_default().push(rc["address"].as_str().unwrap_or("").to_string());
-    }
-    serde_json::json!({ "counts": counts, "addresses": addresses })
 }
 
 impl Terraform {
@@ -699,19 +677,6 @@ mod tests {
             let err = Terraform::from_spec(&spec(bad.clone())).err().map(|e| e.0).unwrap_or_default();
             assert!(err.contains(why), "{bad}: {err}");
         }
-    }
-
-    #[test]
-    fn the_summary_counts_actions_and_lists_addresses() {
-        let plan = serde_json::json!({"resource_changes": [
-            {"address": "a.x", "change": {"actions": ["create"]}},
-            {"address": "a.y", "change": {"actions": ["delete", "create"]}},
-            {"address": "a.z", "change": {"actions": ["no-op"]}},
-            {"address": "a.w", "change": {"actions": ["update"]}},
-        ]});
-        let s = summary(&plan);
-        assert_eq!(s["counts"], serde_json::json!({"create": 1, "replace": 1, "update": 1}));
-        assert_eq!(s["addresses"]["replace"][0], "a.y");
     }
 
     #[test]

@@ -11,7 +11,10 @@ use serde::Deserialize;
 use sha2::Digest as _;
 
 use crate::tool::{Run, failed, parse_manifests};
+
+mod secret_values;
 use crate::{ExecContext, ExecFuture, ExecOutcome, Executor, JobStatus};
+use secret_values::secret_values;
 
 const CHART_DIR: &str = "chart";
 const RENDERED: &str = "rendered.yaml";
@@ -566,35 +569,6 @@ impl Helm {
     }
 }
 
-/// The secret values file's content: the job's own `secret_values` (top-level keys),
-/// and each customer secret at its declared path (`a.b.c`, nested), with where each went.
-fn secret_values(
-    flat: &BTreeMap<String, String>,
-    fetched: &[crate::secrets::Fetched],
-) -> Result<(serde_json::Value, BTreeMap<String, Vec<String>>), String> {
-    let mut file = serde_json::json!(flat);
-    let mut written: BTreeMap<String, Vec<String>> = BTreeMap::new();
-    for f in fetched {
-        let (Some(path), Some(value)) = (&f.declared.helm_value, &f.value) else { continue };
-        let mut at = &mut file;
-        for part in path.split('.') {
-            let Some(object) = at.as_object_mut() else {
-                return Err(format!(
-                    "helm value {path} (of secret {}) crosses another value",
-                    f.declared.name
-                ));
-            };
-            at = object.entry(part).or_insert(serde_json::json!({}));
-        }
-        if !(at.is_object() && at.as_object().is_some_and(|o| o.is_empty())) {
-            return Err(format!("helm value {path} (of secret {}) is set twice", f.declared.name));
-        }
-        *at = serde_json::Value::String(value.clone());
-        written.entry(f.declared.name.clone()).or_default().push(format!("helm:{path}"));
-    }
-    Ok((file, written))
-}
-
 impl Executor for Helm {
     fn run<'a>(&'a self, mut ctx: ExecContext<'a>) -> ExecFuture<'a> {
         Box::pin(async move { self.go(&mut ctx).await })
@@ -639,53 +613,6 @@ impl Executor for Helm {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn fetched(name: &str, path: &str, value: Option<&str>) -> crate::secrets::Fetched {
-        crate::secrets::Fetched {
-            declared: crate::secrets::Declared {
-                name: name.into(),
-                required: false,
-                format: crate::secrets::Format::Plain,
-                kubernetes: vec![],
-                terraform_variable: None,
-                helm_value: Some(path.into()),
-                read_by: vec!["maintenance".into()],
-            },
-            value: value.map(str::to_string),
-            version_id: value.map(|_| "v1".to_string()),
-            digest: None,
-        }
-    }
-
-    #[test]
-    fn customer_secrets_go_to_their_declared_value_paths() {
-        let flat = BTreeMap::from([("apiToken".to_string(), "vendor-known-token".to_string())]);
-        let (file, written) = secret_values(
-            &flat,
-            &[
-                fetched("session_key", "auth.sessionKey", Some("s3ss10n-key")),
-                fetched("db_password", "db.auth.password", Some("db-pa55")),
-                fetched("unset", "x.y", None),
-            ],
-        )
-        .unwrap();
-        assert_eq!(
-            file,
-            serde_json::json!({"apiToken": "vendor-known-token", "auth": {"sessionKey": "s3ss10n-key"},
-                "db": {"auth": {"password": "db-pa55"}}})
-        );
-        assert_eq!(written["session_key"], ["helm:auth.sessionKey"]);
-        assert!(!written.contains_key("unset"), "an unset optional secret is not written");
-        // Two values at one path, or a path through a value, is an error, not an overwrite.
-        let clash = secret_values(&flat, &[fetched("a", "apiToken.inner", Some("aaaa"))]).unwrap_err();
-        assert!(clash.contains("crosses another value"), "{clash}");
-        let twice = secret_values(
-            &BTreeMap::new(),
-            &[fetched("a", "auth.key", Some("aaaa")), fetched("b", "auth.key", Some("bbbb"))],
-        )
-        .unwrap_err();
-        assert!(twice.contains("set twice") && !twice.contains("bbbb"), "{twice}");
-    }
 
     #[test]
     fn multi_document_yaml_parses_and_diffs_by_identity() {
