@@ -251,7 +251,7 @@ impl Helm {
             .await
             .map_err(|e| failed(e.code(), e.to_string(), serde_json::Value::Null))?;
         let (file, written) = secret_values(&s.secret_values, &fetched)
-            .map_err(|why| failed("invalid_spec", why, serde_json::Value::Null))?;
+            .map_err(|why| failed("invalid_spec", why.0, serde_json::Value::Null))?;
         let report = (!fetched.is_empty()).then(|| crate::secrets::report(&fetched, &written));
         Ok((Some(file.to_string()), report))
     }

@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 pub(super) fn secret_values(
     flat: &BTreeMap<String, String>,
     fetched: &[crate::secrets::Fetched],
-) -> Result<(serde_json::Value, BTreeMap<String, Vec<String>>), String> {
+) -> Result<(serde_json::Value, BTreeMap<String, Vec<String>>), crate::InvalidSpec> {
     let mut file = serde_json::json!(flat);
     let mut written: BTreeMap<String, Vec<String>> = BTreeMap::new();
     for f in fetched {
@@ -17,15 +17,18 @@ pub(super) fn secret_values(
         let mut at = &mut file;
         for part in path.split('.') {
             let Some(object) = at.as_object_mut() else {
-                return Err(format!(
+                return Err(crate::InvalidSpec::from(format!(
                     "helm value {path} (of secret {}) crosses another value",
                     f.declared.name
-                ));
+                )));
             };
             at = object.entry(part).or_insert(serde_json::json!({}));
         }
         if !(at.is_object() && at.as_object().is_some_and(|o| o.is_empty())) {
-            return Err(format!("helm value {path} (of secret {}) is set twice", f.declared.name));
+            return Err(crate::InvalidSpec::from(format!(
+                "helm value {path} (of secret {}) is set twice",
+                f.declared.name
+            )));
         }
         *at = serde_json::Value::String(value.clone());
         written.entry(f.declared.name.clone()).or_default().push(format!("helm:{path}"));
@@ -74,12 +77,12 @@ mod tests {
         assert!(!written.contains_key("unset"), "an unset optional secret is not written");
         // Two values at one path, or a path through a value, is an error, not an overwrite.
         let clash = secret_values(&flat, &[fetched("a", "apiToken.inner", Some("aaaa"))]).unwrap_err();
-        assert!(clash.contains("crosses another value"), "{clash}");
+        assert!(clash.0.contains("crosses another value"), "{clash}");
         let twice = secret_values(
             &BTreeMap::new(),
             &[fetched("a", "auth.key", Some("aaaa")), fetched("b", "auth.key", Some("bbbb"))],
         )
         .unwrap_err();
-        assert!(twice.contains("set twice") && !twice.contains("bbbb"), "{twice}");
+        assert!(twice.0.contains("set twice") && !twice.0.contains("bbbb"), "{twice}");
     }
 }

@@ -75,7 +75,7 @@ impl Store {
         };
         let body = serde_json::to_vec(&serde_json::json!({ "SecretId": self.secret_id(name) }))
             .map_err(|e| ReadError::Store(e.to_string()))?;
-        let headers = sign_request(keys, &url, &body, SystemTime::now()).map_err(ReadError::Store)?;
+        let headers = sign_request(keys, &url, &body, SystemTime::now())?;
         let http = reqwest::Client::builder()
             .timeout(Duration::from_secs(30))
             .redirect(reqwest::redirect::Policy::none())
@@ -123,7 +123,8 @@ fn sign_request(
     url: &str,
     body: &[u8],
     now: SystemTime,
-) -> Result<Vec<(String, String)>, String> {
+) -> Result<Vec<(String, String)>, ReadError> {
+    let signing = |e: String| ReadError::Store(format!("signing: {e}"));
     let identity = aws_credential_types::Credentials::new(
         &keys.access_key_id,
         &keys.secret_access_key,
@@ -139,17 +140,17 @@ fn sign_request(
         .time(now)
         .settings(SigningSettings::default())
         .build()
-        .map_err(|e| format!("signing parameters: {e}"))?
+        .map_err(|e| signing(e.to_string()))?
         .into();
-    let host = crate::aws_sign::host_header(url).ok_or("no host in the Secrets Manager URL")?;
+    let host = crate::aws_sign::host_header(url).ok_or_else(|| signing("no host in the URL".into()))?;
     let fixed = [
         ("host", host.as_str()),
         ("content-type", "application/x-amz-json-1.1"),
         ("x-amz-target", "secretsmanager.GetSecretValue"),
     ];
     let request = SignableRequest::new("POST", url, fixed.into_iter(), SignableBody::Bytes(body))
-        .map_err(|e| format!("signing: {e}"))?;
-    let (instructions, _) = sign(request, &params).map_err(|e| format!("signing: {e}"))?.into_parts();
+        .map_err(|e| signing(e.to_string()))?;
+    let (instructions, _) = sign(request, &params).map_err(|e| signing(e.to_string()))?.into_parts();
     let (signed, _) = instructions.into_parts();
     let mut headers: Vec<(String, String)> =
         fixed[1..].iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
