@@ -14,6 +14,7 @@ pub use context::{ExecContext, ExecSettings};
 
 pub mod artifact;
 mod aws_sign;
+mod cluster;
 pub mod container;
 pub mod context;
 pub mod dns;

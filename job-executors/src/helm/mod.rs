@@ -358,7 +358,7 @@ impl Helm {
             return Ok(drift::not_deployed(run.ctx, "helm", &s.release, &digest));
         }
         let kubeconfig = s.kubeconfig.as_deref().unwrap_or_default();
-        let client = crate::kubernetes::client(kubeconfig)
+        let client = crate::cluster::client(kubeconfig)
             .await
             .map_err(|e| failed("cluster_unreachable", e.0, serde_json::Value::Null))?;
         let cancel = run.ctx.settings.cancel.clone();

@@ -15,6 +15,7 @@ use serde::Deserialize;
 
 use self::cluster_policies::sync_cluster_policies;
 use self::objects::{CLUSTER_SCOPED, ObjRef, api, is_not_found, readiness};
+use crate::cluster::{Eks, client, kubeconfig_of};
 use crate::{ExecContext, ExecFuture, ExecOutcome, Executor, JobStatus};
 
 /// Our field manager: what we apply is ours, and conflicts with other managers are
@@ -65,18 +66,6 @@ struct Spec {
 
 fn default_wait() -> u64 {
     300
-}
-
-/// An EKS cluster reached with a token signed by the job's role session.
-#[derive(Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub(crate) struct Eks {
-    cluster: String,
-    /// The cluster's API endpoint.
-    server: String,
-    /// Base64 PEM of the cluster's CA (as `DescribeCluster` gives it).
-    #[serde(default)]
-    certificate_authority_data: Option<String>,
 }
 
 pub struct Kubernetes {
@@ -141,42 +130,6 @@ impl Kubernetes {
     fn inventory_name(&self) -> String {
         format!("{INVENTORY_PREFIX}{}", self.spec.component)
     }
-}
-
-/// The job's kubeconfig, or one for the EKS cluster with a token signed by the job's
-/// role session (`aws eks get-token`).
-pub(crate) fn kubeconfig_of(
-    kubeconfig: Option<&String>,
-    eks: Option<&Eks>,
-    ctx: &ExecContext<'_>,
-) -> Result<String, crate::eks::ClusterAccessError> {
-    if let Some(k) = kubeconfig {
-        return Ok(k.clone());
-    }
-    let Some(eks) = eks else { return Err("no cluster credentials".into()) };
-    let env =
-        &ctx.settings.credentials.as_ref().ok_or("eks needs the job's role (set requested_role)")?.static_env;
-    let get = |k: &str| env.iter().find(|(n, _)| n == k).map(|(_, v)| v.as_str());
-    let (Some(ak), Some(sk), Some(region)) =
-        (get("AWS_ACCESS_KEY_ID"), get("AWS_SECRET_ACCESS_KEY"), get("AWS_REGION"))
-    else {
-        return Err("the job's role session has no keys or region".into());
-    };
-    let keys = crate::eks::Keys {
-        access_key_id: ak,
-        secret_access_key: sk,
-        session_token: get("AWS_SESSION_TOKEN"),
-    };
-    let token = crate::eks::token(&keys, region, &eks.cluster, std::time::SystemTime::now())?;
-    let ca = eks
-        .certificate_authority_data
-        .as_ref()
-        .map(|c| format!("    certificate-authority-data: {c}\n"))
-        .unwrap_or_default();
-    Ok(format!(
-        "apiVersion: v1\nkind: Config\nclusters:\n- name: eks\n  cluster:\n    server: {}\n{ca}contexts:\n- name: eks\n  context:\n    cluster: eks\n    user: role\ncurrent-context: eks\nusers:\n- name: role\n  user:\n    token: {token}\n",
-        eks.server
-    ))
 }
 
 impl Kubernetes {
@@ -622,14 +575,6 @@ fn read_bundle(tree: &std::path::Path) -> Result<Vec<serde_json::Value>, crate::
         }
     }
     Ok(manifests)
-}
-
-pub(crate) async fn client(kubeconfig: &str) -> Result<kube::Client, crate::eks::ClusterAccessError> {
-    let kc = kube::config::Kubeconfig::from_yaml(kubeconfig).map_err(|e| format!("kubeconfig: {e}"))?;
-    let config = kube::Config::from_custom_kubeconfig(kc, &kube::config::KubeConfigOptions::default())
-        .await
-        .map_err(|e| format!("kubeconfig: {e}"))?;
-    kube::Client::try_from(config).map_err(|e| crate::eks::ClusterAccessError(format!("cluster client: {e}")))
 }
 
 impl Executor for Kubernetes {

@@ -6,7 +6,7 @@
 use serde::Deserialize;
 
 use super::{KubeTarget, SecretUse, Target};
-use crate::kubernetes::{Eks, client, kubeconfig_of};
+use crate::cluster::{Eks, client, kubeconfig_of};
 use crate::{ExecContext, ExecFuture, ExecOutcome, Executor, JobStatus};
 
 #[derive(Deserialize)]
