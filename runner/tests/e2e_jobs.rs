@@ -225,6 +225,19 @@ fn run_local_runs_a_job_file_without_a_control_plane() {
     assert_eq!(unknown.status.code(), Some(65));
 }
 
+/// The customer's secrets are read only by a runner's jobs under an install role:
+/// run-local says so and writes nothing (docs/SECRETS.md).
+#[test]
+fn run_local_reads_no_customer_secret() {
+    let job = serde_json::json!({"kind": "secrets.sync", "spec": {"kubeconfig": "unused", "secrets": ["db_password"]}});
+    let out = run_local(&job, true);
+    assert_ne!(out.status.code(), Some(0));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["status"], "failed", "{v}");
+    assert_eq!(v["outputs"]["reason"], "secret_unavailable", "{v}");
+    assert!(v["error"].as_str().unwrap().contains("run-local reads none"), "{v}");
+}
+
 #[test]
 fn inspection_cli_explains_a_missing_state_dir_and_unknown_job() {
     let out =
