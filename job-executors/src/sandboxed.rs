@@ -19,6 +19,10 @@ pub struct Job {
     pub argv: Vec<String>,
     pub env: Vec<(String, String)>,
     pub network: bool,
+    /// Programs run after `argv` in the same sandbox (see [`byoc_sandbox::spec::Stage`]).
+    pub then: Vec<byoc_sandbox::spec::Stage>,
+    /// The runner's directory the job sees read-only at `/sealed`.
+    pub sealed_dir: Option<PathBuf>,
 }
 
 /// Reason codes (in the result's `outputs.reason`) for a job the sandbox refused.
@@ -112,6 +116,8 @@ pub async fn run(job: Job, settings: SandboxSettings, mut ctx: ExecContext<'_>) 
         host_gid: settings.host_gid,
         cgroup_procs: cgroup.as_ref().map(|c| c.procs.clone()).unwrap_or_default(),
         hostname: "byoc-job".into(),
+        then: job.then,
+        sealed_dir: job.sealed_dir,
     };
     let spec_bytes = serde_json::to_vec(&spec).expect("sandbox spec serialises");
     let mut cmd = Command::new(&settings.helper);
@@ -207,6 +213,8 @@ fn check_spec(
         host_gid: settings.host_gid,
         cgroup_procs: vec![],
         hostname: "byoc-selftest".into(),
+        then: vec![],
+        sealed_dir: None,
     }
 }
 

@@ -91,7 +91,13 @@ impl Executor for Script {
             let argv = vec![self.interpreter.display().to_string(), dir.join("script").display().to_string()];
             let mut outcome = match ctx.settings.sandbox.clone() {
                 Some(settings) => {
-                    let job = crate::sandboxed::Job { argv, env, network: self.network };
+                    let job = crate::sandboxed::Job {
+                        argv,
+                        env,
+                        network: self.network,
+                        then: vec![],
+                        sealed_dir: None,
+                    };
                     crate::sandboxed::run(job, settings, ctx).await
                 }
                 None => {

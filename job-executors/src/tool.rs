@@ -2,7 +2,7 @@
 //! tool in the job's sandbox with the job's remaining time, handing files to the
 //! sandbox's uid, the failure outcome with its reason code, path and manifest checks.
 
-use std::path::{Component, Path};
+use std::path::{Component, Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use serde::Deserialize as _;
@@ -86,6 +86,21 @@ impl Run<'_, '_> {
 
     /// Run one command (sandboxed when the sandbox is on) with the job's output.
     pub(crate) async fn cmd(&mut self, what: &str, argv: Vec<String>) -> Step<()> {
+        self.staged(what, argv, Vec::new(), None).await
+    }
+
+    /// Run `argv`, then each of `then` after the one before succeeded, in one sandbox
+    /// (one set-up instead of several). Before a stage, the files it names (relative to
+    /// the working directory) are sealed: copied into `sealed`, which the job can read
+    /// (at [`Run::sealed_path`]) and never change. Without the sandbox each command is
+    /// a process of its own and the runner makes the copies.
+    pub(crate) async fn staged(
+        &mut self,
+        what: &str,
+        argv: Vec<String>,
+        then: Vec<Stage>,
+        sealed: Option<&SealedDir>,
+    ) -> Step<()> {
         self.log(&format!("[{}] {what}\n", self.tool));
         if self.remaining().is_zero() {
             return Err(ExecOutcome {
@@ -107,13 +122,49 @@ impl Run<'_, '_> {
         let sub = settings.isolation(self.ctx.settings.sandbox.clone(), None).policy(None).build(&mut watch);
         let outcome = match sub.settings.sandbox.clone() {
             Some(settings) => {
-                let job = crate::sandboxed::Job { argv, env: self.env.clone(), network: true };
+                let work = crate::sandboxed::work_dir_inside();
+                let then = then
+                    .into_iter()
+                    .map(|s| byoc_sandbox::spec::Stage {
+                        argv: s.argv,
+                        seal: s.seal.iter().map(|f| work.join(f)).collect(),
+                    })
+                    .collect();
+                let job = crate::sandboxed::Job {
+                    argv,
+                    env: self.env.clone(),
+                    network: true,
+                    then,
+                    sealed_dir: sealed.map(|s| s.path.clone()),
+                };
                 crate::sandboxed::run(job, settings, sub).await
             }
             None => {
-                let mut cmd = Command::new(&argv[0]);
-                cmd.args(&argv[1..]).current_dir(&sub.settings.work_dir).env_clear().envs(self.env.clone());
-                crate::process::run_process_group(cmd, sub, None).await
+                let (settings, out) = sub.split();
+                let work_dir = settings.work_dir.clone();
+                let mut outcome = ExecOutcome::failed("no command");
+                for (i, stage) in std::iter::once(Stage { argv, seal: vec![] }).chain(then).enumerate() {
+                    if i > 0 && outcome.status != JobStatus::Succeeded {
+                        break;
+                    }
+                    for file in &stage.seal {
+                        let copied = match (sealed, file.file_name()) {
+                            (Some(dir), Some(name)) => {
+                                std::fs::copy(work_dir.join(file), dir.path.join(name))
+                            }
+                            _ => Err(std::io::Error::other("no sealed directory")),
+                        };
+                        if let Err(e) = copied {
+                            return Err(ExecOutcome::failed(format!("sealing {}: {e}", file.display())));
+                        }
+                    }
+                    let mut cmd = Command::new(&stage.argv[0]);
+                    cmd.args(&stage.argv[1..]).current_dir(&work_dir).env_clear().envs(self.env.clone());
+                    let left = settings.timeout.saturating_sub(step_started.elapsed());
+                    let this = settings.clone().timeout(left, settings.kill_grace).build(&mut *out);
+                    outcome = crate::process::run_process_group(cmd, this, None).await;
+                }
+                outcome
             }
         };
         self.seen |= watch.seen;
@@ -125,6 +176,48 @@ impl Run<'_, '_> {
                 format!("{} {what}: {}", self.tool, outcome.error.clone().unwrap_or_else(|| "failed".into()));
             Err(ExecOutcome { error: Some(error), ..outcome })
         }
+    }
+}
+
+/// A later command of [`Run::staged`]: its argv and the files (relative to the working
+/// directory) sealed before it starts.
+pub(crate) struct Stage {
+    pub(crate) argv: Vec<String>,
+    pub(crate) seal: Vec<PathBuf>,
+}
+
+/// The runner's directory of sealed copies for one job, beside its working directory
+/// (never inside it), removed with this value.
+pub(crate) struct SealedDir {
+    pub(crate) path: PathBuf,
+    /// Where commands see it: the sandbox's mount point, or the host path.
+    pub(crate) inside: PathBuf,
+}
+
+impl SealedDir {
+    pub(crate) fn create(ctx: &ExecContext<'_>) -> std::io::Result<SealedDir> {
+        use std::os::unix::fs::DirBuilderExt as _;
+        let mut path = ctx.settings.work_dir.clone().into_os_string();
+        path.push(".sealed");
+        let path = PathBuf::from(path);
+        // Not create_dir_all: a directory already there is someone else's.
+        std::fs::DirBuilder::new().mode(0o755).create(&path)?;
+        let inside = match ctx.settings.sandbox {
+            Some(_) => PathBuf::from(byoc_sandbox::spec::SANDBOX_SEALED_DIR),
+            None => path.clone(),
+        };
+        Ok(SealedDir { path, inside })
+    }
+
+    /// `name` as the job's commands see it.
+    pub(crate) fn inside(&self, name: &str) -> String {
+        self.inside.join(name).display().to_string()
+    }
+}
+
+impl Drop for SealedDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.path);
     }
 }
 

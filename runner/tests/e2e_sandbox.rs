@@ -70,6 +70,37 @@ async fn memory_limit_kills_the_job_and_says_so() {
 }
 
 #[tokio::test]
+async fn every_process_of_a_job_sits_in_the_jobs_cgroup_in_every_hierarchy() {
+    // The helper joins by moving its only thread (v1 `tasks`): the job, its children
+    // and a background process must all be inside, in memory, pids and cpu alike.
+    let e = env().await;
+    let id =
+        e.cp.enqueue(script(
+            "sleep 30 & cat /proc/$!/cgroup | sed 's/^/bg /'; sed 's/^/job /' /proc/self/cgroup; kill $!",
+        ))
+        .unwrap();
+    let v = e.finished(&id).await;
+    let out = e.output(&id);
+    assert_eq!(v.result.unwrap().status, JobStatus::Succeeded, "{out}");
+    for who in ["job", "bg"] {
+        for controller in ["memory", "pids", "cpu"] {
+            let line = out
+                .lines()
+                .find(|l| {
+                    l.strip_prefix(&format!("{who} "))
+                        .and_then(|l| l.split(':').nth(1))
+                        .is_some_and(|c| c.split(',').any(|c| c == controller))
+                })
+                .unwrap_or_else(|| panic!("no {controller} line for {who}:\n{out}"));
+            assert!(
+                line.ends_with(&format!("/byoc-job-{id}")),
+                "{who} not in the job's {controller} cgroup: {line}"
+            );
+        }
+    }
+}
+
+#[tokio::test]
 async fn pids_limit_stops_a_fork_bomb_and_says_so() {
     let e = env_with(RunnerOptions { sandbox_extra: "pids = 16".into(), ..Default::default() }).await;
     let mut req = script("for i in $(seq 1 40); do sleep 3301 & done; wait");

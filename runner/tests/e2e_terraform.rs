@@ -106,7 +106,10 @@ async fn an_allowed_plan_is_applied_exactly_and_its_outputs_masked() {
     // With local state the outputs are read from the state: no terraform run for them.
     assert!(!log.contains("fake-terraform: output -json"), "{log}");
     // The file applied is the file the policies saw.
-    assert!(log.contains(&format!("fake-terraform: apply plan.tfplan sha256={}", &digest[7..])), "{log}");
+    assert!(
+        log.contains(&format!("fake-terraform: apply /sealed/plan.tfplan sha256={}", &digest[7..])),
+        "{log}"
+    );
     assert_eq!(r.outputs["verdict"], "allow");
     assert_eq!(r.outputs["summary"]["counts"]["update"], 1);
     assert_eq!(r.outputs["summary"]["addresses"]["update"][0], "aws_s3_bucket.assets");
@@ -172,24 +175,59 @@ async fn the_customers_policy_wins_over_the_vendors() {
     assert!(!log.contains("fake-terraform: apply"), "{log}");
 }
 
+/// init, plan and show share one sandbox: show (and the providers it starts) reads
+/// init's sealed copy of the plan, which nothing in the sandbox can change, and starts
+/// with nothing plan left running.
 #[tokio::test]
-async fn a_plan_changed_after_the_decision_is_not_applied() {
+async fn show_reads_a_sealed_plan_that_nothing_of_the_job_can_change() {
     let e = tf_env().await;
     let (_, r, log) = run(
         &e,
         job(
             "apply",
             &example("plan-tags-only.json"),
-            &[("fake-tamper-after-show", "")],
+            &[("fake-tamper-after-show", ""), ("fake-linger-after-plan", "")],
             serde_json::json!({}),
         ),
     )
     .await;
-    assert_eq!(r.status, JobStatus::Failed);
+    assert_eq!(r.status, JobStatus::Succeeded, "{:?}\n{log}", r.error);
+    assert!(log.contains("fake-terraform: show -json /sealed/plan.tfplan"), "{log}");
+    assert!(log.contains("could not tamper with /sealed/plan.tfplan"), "{log}");
+    assert!(log.contains("nothing plan left is running"), "{log}");
+    let digest = r.outputs["plan_digest"].as_str().unwrap();
+    assert!(
+        log.contains(&format!("fake-terraform: apply /sealed/plan.tfplan sha256={}", &digest[7..])),
+        "{log}"
+    );
+    assert_eq!(audit(&e, "plan_tampered").len(), 0);
+}
+
+/// The sealed plan changed on the host between the decision and apply (here while the
+/// plan waits for the customer's approval): refused, audited, nothing applied.
+#[tokio::test]
+async fn a_plan_changed_after_the_decision_is_not_applied() {
+    let e = tf_env_with(
+        "\n[[guardrails.approval_rule]]\nname = \"plans\"\nkinds = [\"terraform\"]\non = \"plan\"\n",
+    )
+    .await;
+    let id =
+        e.env.cp.enqueue(job("apply", &example("plan-tags-only.json"), &[], serde_json::json!({}))).unwrap();
+    e.env.awaiting_approval(&id).await;
+    let sealed = e.env.runner.state_dir.join("work").join(format!("{id}.sealed")).join("plan.tfplan");
+    let mut plan = std::fs::read(&sealed).unwrap();
+    plan.push(b' ');
+    std::fs::write(&sealed, plan).unwrap();
+    let out = e.env.runner.cli(&["approve", &id, "--reason", "CHG-9"]);
+    assert!(out.status.success(), "{out:?}");
+    let r = e.env.finished(&id).await.result.unwrap();
+    let log = e.env.output(&id);
+    assert_eq!(r.status, JobStatus::Failed, "{log}");
     assert_eq!(r.outputs["reason"], "plan_tampered", "{:?}", r.error);
-    assert!(log.contains("tampered with plan.tfplan"), "{log}");
     assert!(!log.contains("fake-terraform: apply"), "{log}");
     assert_eq!(audit(&e, "plan_tampered").len(), 1);
+    // The sealed copy goes with the job.
+    assert!(!sealed.parent().unwrap().exists());
 }
 
 #[tokio::test]
@@ -224,7 +262,10 @@ async fn a_saved_plan_is_applied_by_digest_and_only_by_its_digest() {
     assert_eq!(r.status, JobStatus::Succeeded, "{:?}\n{log}", r.error);
     assert!(!log.contains("fake-terraform: plan"), "no new plan:\n{log}");
     assert!(log.contains(&format!("applying saved plan {digest}")), "{log}");
-    assert!(log.contains(&format!("fake-terraform: apply plan.tfplan sha256={}", &digest[7..])), "{log}");
+    assert!(
+        log.contains(&format!("fake-terraform: apply /sealed/plan.tfplan sha256={}", &digest[7..])),
+        "{log}"
+    );
 
     // Once older than plan_max_age_secs (3600 by default), the saved plan is stale.
     let saved = e.env.runner.state_dir.join("plans/api").join(format!("{}.tfplan", &digest[7..]));

@@ -8,6 +8,8 @@ use crate::net::Cidr;
 
 /// Where the job's working directory appears inside the sandbox.
 pub const SANDBOX_WORK_DIR: &str = "/work";
+/// Where [`SandboxSpec::sealed_dir`] appears inside the sandbox (read-only to the job).
+pub const SANDBOX_SEALED_DIR: &str = "/sealed";
 /// Host directories visible (read-only) inside every sandbox, when they exist.
 pub const DEFAULT_RO_PATHS: &[&str] =
     &["/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/opt"];
@@ -45,6 +47,28 @@ pub struct SandboxSpec {
     /// limited by the runner; empty when cgroups are unavailable).
     pub cgroup_procs: Vec<PathBuf>,
     pub hostname: String,
+    /// Programs run after `argv`, in order, in the same sandbox (one network set-up
+    /// instead of several), each only after the one before exited 0.
+    #[serde(default)]
+    pub then: Vec<Stage>,
+    /// A host directory (the runner's, not the job's) mounted read-only at
+    /// [`SANDBOX_SEALED_DIR`], where a [`Stage::seal`] puts its copies.
+    #[serde(default)]
+    pub sealed_dir: Option<PathBuf>,
+}
+
+/// A later program of the same sandbox. Before it starts, init kills whatever the
+/// earlier ones left running, so it starts with no process of theirs beside it, as in
+/// a sandbox of its own.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Stage {
+    pub argv: Vec<String>,
+    /// Files under [`SANDBOX_WORK_DIR`] that init copies into the sealed directory, by
+    /// file name, before this stage starts: what the earlier stages made, fixed where
+    /// no process of the job can change it (the runner reads the same bytes later).
+    #[serde(default)]
+    pub seal: Vec<PathBuf>,
 }
 
 /// The descriptor on which the helper (and the sandbox's init) finds the runner's end

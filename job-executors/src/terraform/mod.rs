@@ -13,7 +13,7 @@ use std::time::Instant;
 use serde::Deserialize;
 use sha2::Digest as _;
 
-use crate::tool::{DEFAULT_PATH, Run, Step, failed, hand_over, safe_relative};
+use crate::tool::{DEFAULT_PATH, Run, SealedDir, Stage, Step, failed, hand_over, safe_relative};
 use crate::{ExecContext, ExecFuture, ExecOutcome, Executor, JobStatus};
 use summary::summary;
 
@@ -404,11 +404,12 @@ impl Terraform {
             return self.drift(run, module, &backend).await;
         }
         let init = ("init", "init -input=false -no-color".to_string());
-        let show = ("show -json", format!("show -json {PLAN_FILE} > {PLAN_JSON}"));
-        if self.spec.plan_digest.is_some() {
-            run.cmd("init", run.tf_script(std::slice::from_ref(&init), &backend)).await?;
-        }
-        let plan_path = module.join(PLAN_FILE);
+        // The plan the policies decide on and apply applies is the runner's sealed copy:
+        // the job reads it and cannot change it (see `Run::staged`).
+        let sealed = SealedDir::create(run.ctx)
+            .map_err(|e| ExecOutcome::failed(format!("creating the sealed plan directory: {e}")))?;
+        let plan_path = sealed.path.join(PLAN_FILE);
+        let show = ("show -json", format!("show -json {} > {PLAN_JSON}", sealed.inside(PLAN_FILE)));
         match &self.spec.plan_digest {
             Some(want) => {
                 let saved = self.saved_plan(&run.ctx.settings.tools.plans_dir, want);
@@ -443,11 +444,13 @@ impl Terraform {
                     }
                     Err(e) => return Err(ExecOutcome::failed(format!("reading saved plan: {e}"))),
                 }
-                if let Err(e) = std::fs::copy(&saved, &plan_path).and_then(|_| hand_over(run.ctx, &plan_path))
-                {
+                if let Err(e) = std::fs::copy(&saved, &plan_path) {
                     return Err(ExecOutcome::failed(format!("copying saved plan: {e}")));
                 }
                 run.log(&format!("[terraform] applying saved plan {want}\n"));
+                let show = Stage { argv: run.tf_script(&[show], &[]), seal: vec![] };
+                run.staged("init, show -json", run.tf_script(&[init], &backend), vec![show], Some(&sealed))
+                    .await?;
             }
             None => {
                 // init and plan in one sandbox.
@@ -459,15 +462,25 @@ impl Terraform {
                         if destroy { " -destroy" } else { "" }
                     ),
                 );
-                run.cmd("init, plan", run.tf_script(&[init, plan], &backend)).await?;
+                // show starts the providers, which could change a file they can write:
+                // it reads the sealed copy, made with nothing of init or plan running.
+                let show = Stage {
+                    argv: run.tf_script(&[show], &[]),
+                    seal: vec![Path::new(MODULE_DIR).join(PLAN_FILE)],
+                };
+                run.staged(
+                    "init, plan, show -json",
+                    run.tf_script(&[init, plan], &backend),
+                    vec![show],
+                    Some(&sealed),
+                )
+                .await?;
             }
         }
-        // The digest of the plan the policies are about to see, taken before anything
-        // else reads it (show starts the providers, which could change the file): apply
-        // later runs only if the file still has it. So show runs in a sandbox of its own.
+        // The digest of the plan the policies are about to see: the bytes show read,
+        // which apply later runs only if the sealed copy still has them.
         let plan_digest =
             sha256_file(&plan_path).map_err(|e| ExecOutcome::failed(format!("hashing the plan: {e}")))?;
-        run.cmd("show -json", run.tf_script(&[show], &[])).await?;
         let plan_bytes = std::fs::read(module.join(PLAN_JSON))
             .map_err(|e| ExecOutcome::failed(format!("reading the plan JSON: {e}")))?;
         // The plan's JSON has values the control plane must not see: drop it now.
@@ -581,15 +594,17 @@ impl Terraform {
         // state, the state file holds them in `output -json`'s own shape.
         let declares_outputs =
             plan_value["configuration"]["root_module"]["outputs"].as_object().is_some_and(|o| !o.is_empty());
-        let apply = ("apply", format!("apply -input=false -no-color -auto-approve {PLAN_FILE}"));
+        let apply =
+            ("apply", format!("apply -input=false -no-color -auto-approve {}", sealed.inside(PLAN_FILE)));
         let raw = if declares_outputs && !state_beside_module {
             // apply and output in one sandbox.
             let output = ("output -json", format!("output -json > {OUTPUTS_JSON}"));
-            run.cmd("apply, output -json", run.tf_script(&[apply, output], &[])).await?;
+            run.staged("apply, output -json", run.tf_script(&[apply, output], &[]), vec![], Some(&sealed))
+                .await?;
             std::fs::read(module.join(OUTPUTS_JSON))
                 .map_err(|e| ExecOutcome::failed(format!("reading outputs: {e}")))?
         } else {
-            run.cmd("apply", run.tf_script(&[apply], &[])).await?;
+            run.staged("apply", run.tf_script(&[apply], &[]), vec![], Some(&sealed)).await?;
             if declares_outputs {
                 let state = std::fs::read(module.join(state::LOCAL_STATE))
                     .map_err(|e| ExecOutcome::failed(format!("reading outputs from the state: {e}")))?;

@@ -170,6 +170,8 @@ fn interrupt(rt: &Rt, job_id: &str, phase: Phase) -> Result<(), JournalError> {
         }
     }
     let _ = std::fs::remove_dir_all(&work_dir);
+    // The runner's sealed copies beside it (a terraform job's plan).
+    let _ = std::fs::remove_dir_all(work_dir.with_file_name(format!("{job_id}.sealed")));
     // The sandbox's mount point (its namespace died with the runner).
     let _ = std::fs::remove_dir(rt.state_dir.join(crate::runtime::ROOTS_DIR).join(job_id));
     Ok(())

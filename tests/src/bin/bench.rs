@@ -455,6 +455,8 @@ async fn sandboxed_spawn_us(
         host_gid: 65534,
         cgroup_procs: cgroup.as_ref().map(|c| c.procs.clone()).unwrap_or_default(),
         hostname: "byoc-job".into(),
+        then: vec![],
+        sealed_dir: None,
     };
     let mut cmd = tokio::process::Command::new(runner_bin);
     cmd.arg("sandbox-exec")

@@ -7,11 +7,11 @@ use std::path::{Path, PathBuf};
 use nix::mount::{MntFlags, MsFlags, mount, umount2};
 
 use super::error::{SetupError, StepExt as _};
-use crate::spec::{DEFAULT_RO_PATHS, NetworkSpec, SANDBOX_WORK_DIR, SandboxSpec};
+use crate::spec::{DEFAULT_RO_PATHS, NetworkSpec, SANDBOX_SEALED_DIR, SANDBOX_WORK_DIR, SandboxSpec};
 
 /// Mount flags of `path`'s mount that a less privileged mount namespace may not clear
 /// (the kernel locks them); a read-only remount must repeat them.
-fn locked_flags(path: &Path) -> MsFlags {
+pub(super) fn locked_flags(path: &Path) -> MsFlags {
     use nix::sys::statvfs::{FsFlags, statvfs};
     let Ok(st) = statvfs(path) else { return MsFlags::empty() };
     let f = st.flags();
@@ -89,16 +89,17 @@ fn bind_ro(root: &Path, host: &Path) -> Result<(), SetupError> {
 /// Make the bind mount at `target` read-only, nosuid, nodev (with the flags the kernel
 /// locked on its source, which a remount must repeat).
 fn remount_read_only(target: &Path, locked: MsFlags) -> Result<(), SetupError> {
+    remount(target, locked, true)
+}
+
+/// Remount the bind mount at `target` nosuid, nodev, read-only or writable.
+pub(super) fn remount(target: &Path, locked: MsFlags, read_only: bool) -> Result<(), SetupError> {
+    let ro = if read_only { MsFlags::MS_RDONLY } else { MsFlags::empty() };
     mnt(
         None,
         target,
         None,
-        MsFlags::MS_BIND
-            | MsFlags::MS_REMOUNT
-            | MsFlags::MS_RDONLY
-            | MsFlags::MS_NOSUID
-            | MsFlags::MS_NODEV
-            | locked,
+        MsFlags::MS_BIND | MsFlags::MS_REMOUNT | ro | MsFlags::MS_NOSUID | MsFlags::MS_NODEV | locked,
         None,
     )
 }
@@ -184,6 +185,13 @@ pub(super) fn build_root(spec: &SandboxSpec) -> Result<(), SetupError> {
             | locked_flags(&spec.work_dir),
         None,
     )?;
+    // The runner's sealed directory: the job reads what init sealed there, never writes.
+    if let Some(sealed) = &spec.sealed_dir {
+        let target = inside(root, Path::new(SANDBOX_SEALED_DIR));
+        std::fs::create_dir_all(&target).step(format!("creating {}", target.display()))?;
+        mnt(Some(sealed), &target, None, MsFlags::MS_BIND, None)?;
+        remount_read_only(&target, locked_flags(sealed))?;
+    }
     // Switch to the new root and drop every path to the old one.
     let old = root.join(".old");
     std::fs::create_dir_all(&old).step(format!("creating {}", old.display()))?;
