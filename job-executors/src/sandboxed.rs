@@ -68,7 +68,7 @@ pub async fn run(job: Job, settings: SandboxSettings, mut ctx: ExecContext<'_>) 
         return refused(NETWORK_UNAVAILABLE, format!("the job's network boundary cannot be built: {why}"));
     }
     let cgroup = if settings.cgroups {
-        match JobCgroup::create(&ctx.settings.job_id, settings.limits) {
+        match JobCgroup::create(&cgroup_name(&ctx.settings.job_id), settings.limits) {
             Ok(cg) => {
                 let line = format!("[sandbox] cgroup {:?} limits: {}\n", cg.version, cg.applied.join(", "));
                 let _ = ctx.output.write(line.as_bytes());
@@ -162,9 +162,7 @@ pub async fn run(job: Job, settings: SandboxSettings, mut ctx: ExecContext<'_>) 
         }
     }
     if let Some(cg) = cgroup {
-        // Whatever is left (nothing, normally: init's exit killed the namespace) dies.
-        // Removal retries briefly while the kernel finishes: keep it off the runtime.
-        let _ = tokio::task::spawn_blocking(move || cg.kill_all_and_remove()).await;
+        retire(cg);
     }
     if outcome.status == JobStatus::Failed {
         match outcome.exit_code {
@@ -188,6 +186,37 @@ pub async fn run(job: Job, settings: SandboxSettings, mut ctx: ExecContext<'_>) 
     }
     let _ = std::fs::remove_dir(&new_root);
     outcome
+}
+
+/// Each sandbox gets a cgroup of its own (a job may run several, one after another,
+/// while the previous one's cgroup is still being removed): `<job id>-s<n>`.
+fn cgroup_name(job_id: &str) -> String {
+    static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    format!("{job_id}-s{}", SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed))
+}
+
+/// Removals of finished sandboxes' cgroups still under way.
+static RETIRING: std::sync::Mutex<Vec<tokio::task::JoinHandle<()>>> = std::sync::Mutex::new(Vec::new());
+
+/// Whatever is left in a finished sandbox's cgroup is killed now; waiting for it to go
+/// and removing the directory happen off the job's path. When init exits, the kernel
+/// has already killed and reaped the job's whole pid namespace; what is left is the
+/// user-mode network stack, whose exit (tearing down its own namespaces) takes about
+/// 20 ms that no job should wait for. [`settle`] waits for these removals.
+fn retire(cg: JobCgroup) {
+    cg.kill_all();
+    let handle = tokio::task::spawn_blocking(move || cg.kill_all_and_remove());
+    let mut pending = RETIRING.lock().unwrap_or_else(|e| e.into_inner());
+    pending.retain(|h| !h.is_finished());
+    pending.push(handle);
+}
+
+/// Wait until every finished sandbox's cgroup is removed (before the process exits).
+pub async fn settle() {
+    let pending = std::mem::take(&mut *RETIRING.lock().unwrap_or_else(|e| e.into_inner()));
+    for handle in pending {
+        let _ = handle.await;
+    }
 }
 
 /// The spec of a sandbox the runner builds to check this host (no cgroup, a tiny /tmp).

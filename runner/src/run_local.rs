@@ -181,6 +181,7 @@ pub async fn run(
         .decide_only(options.decide_only)
         .build(output);
     let outcome = byoc_job_executors::run_masked(exec, ctx).await;
+    byoc_job_executors::sandboxed::settle().await;
     ctrl_c.abort();
     Ok(outcome)
 }

@@ -92,11 +92,27 @@ async fn every_process_of_a_job_sits_in_the_jobs_cgroup_in_every_hierarchy() {
                         .is_some_and(|c| c.split(',').any(|c| c == controller))
                 })
                 .unwrap_or_else(|| panic!("no {controller} line for {who}:\n{out}"));
+            // One cgroup per sandbox: `byoc-job-<id>-s<n>`.
+            let cgroup = line.rsplit('/').next().unwrap();
             assert!(
-                line.ends_with(&format!("/byoc-job-{id}")),
+                cgroup.strip_prefix(&format!("byoc-job-{id}-s")).is_some_and(|n| n.parse::<u64>().is_ok()),
                 "{who} not in the job's {controller} cgroup: {line}"
             );
         }
+    }
+    // Removed after the job (off its path): none of its cgroups stays behind.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let found = std::process::Command::new("find")
+            .args(["/sys/fs/cgroup", "-maxdepth", "8", "-type", "d", "-name", &format!("byoc-job-{id}-s*")])
+            .output()
+            .unwrap();
+        let left = String::from_utf8_lossy(&found.stdout).trim().to_string();
+        if left.is_empty() {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "cgroups left behind: {left}");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }
 }
 

@@ -316,6 +316,7 @@ pub async fn run(config: Config) -> Result<(), DaemonError> {
             }
         }
     }
+    byoc_job_executors::sandboxed::settle().await;
     if let Err(e) =
         audit.record(byoc_audit::log::Record { event: "runner_stopped".into(), ..Default::default() })
     {
