@@ -121,6 +121,7 @@ async fn main() -> anyhow::Result<()> {
     // Bare and through the runner alternately, so drift in the machine's speed falls
     // on both alike.
     let (mut bare_ms, mut job_ms) = (Vec::new(), Vec::new());
+    let mut last_id = String::new();
     for i in 0..args.runs {
         bare_ms.push(bare(&terraform, &main_tf)?.as_secs_f64() * 1000.0);
         // A workspace of its own each time: every run creates all the resources.
@@ -146,7 +147,16 @@ async fn main() -> anyhow::Result<()> {
             runner.log()
         );
         job_ms.push(elapsed.as_secs_f64() * 1000.0);
+        last_id = id;
     }
+    // Where a job's time goes, by the job's own log (the last run).
+    let log = String::from_utf8_lossy(&cp.log(&last_id).unwrap_or_default()).into_owned();
+    let steps: Vec<&str> = log
+        .lines()
+        .filter(|l| l.ends_with(" ms") || l.contains("] decided in "))
+        .map(|l| l.trim_start_matches("[terraform] ").trim_start_matches("[policy] "))
+        .collect();
+    println!("last job's steps: {}", steps.join("; "));
     runner.signal(nix::sys::signal::Signal::SIGTERM);
     let _ = runner.wait_exit(Duration::from_secs(30)).await;
     let (b, j) = (median(bare_ms), median(job_ms));
