@@ -391,4 +391,26 @@ fn unit_allows_what_the_network_boundary_needs() {
     for pkg in ["slirp4netns", "busybox-static"] {
         assert!(depends.split(", ").any(|d| d == pkg), "the package must depend on {pkg}: {depends}");
     }
+    // The libc the package asks for is at least what the binary needs (every GLIBC_2.x
+    // symbol version; packed relocations need 2.36).
+    let libc: Vec<u32> = depends
+        .split(", ")
+        .find_map(|d| d.strip_prefix("libc6 (>= 2.")?.strip_suffix(')'))
+        .map(|v| v.split('.').map(|n| n.parse().unwrap()).collect())
+        .expect("a libc6 (>= 2.x) dependency");
+    let versions = std::process::Command::new("readelf")
+        .args(["-V", env!("CARGO_BIN_EXE_byoc-runner")])
+        .output()
+        .unwrap();
+    let versions = String::from_utf8_lossy(&versions.stdout);
+    let mut needed: Vec<u32> = versions
+        .split_whitespace()
+        .filter_map(|w| w.strip_prefix("GLIBC_2."))
+        .map(|v| v.split('.').next().unwrap().parse().unwrap())
+        .collect();
+    if versions.contains("GLIBC_ABI_DT_RELR") {
+        needed.push(36);
+    }
+    let highest = needed.into_iter().max().expect("readelf lists the binary's glibc versions");
+    assert!(libc[0] >= highest, "the binary needs glibc 2.{highest}, the package asks for {depends}");
 }
