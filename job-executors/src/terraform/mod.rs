@@ -21,6 +21,7 @@ pub mod bucket;
 mod customer_secrets;
 mod drift;
 pub mod providers;
+mod saved_plan;
 pub mod state;
 mod summary;
 
@@ -412,41 +413,7 @@ impl Terraform {
         let show = ("show -json", format!("show -json {} > {PLAN_JSON}", sealed.inside(PLAN_FILE)));
         match &self.spec.plan_digest {
             Some(want) => {
-                let saved = self.saved_plan(&run.ctx.settings.tools.plans_dir, want);
-                let age =
-                    std::fs::metadata(&saved).and_then(|m| m.modified()).ok().and_then(|t| t.elapsed().ok());
-                let Some(age) = age else {
-                    return Err(failed(
-                        "plan_unknown",
-                        format!("no saved plan {want} for workspace {}", self.spec.workspace),
-                        serde_json::Value::Null,
-                    ));
-                };
-                if age > run.ctx.settings.tools.plan_max_age {
-                    return Err(failed(
-                        "plan_stale",
-                        format!(
-                            "saved plan {want} is {}s old (the limit is {}s): plan again",
-                            age.as_secs(),
-                            run.ctx.settings.tools.plan_max_age.as_secs()
-                        ),
-                        serde_json::Value::Null,
-                    ));
-                }
-                match sha256_file(&saved) {
-                    Ok(d) if d == *want => {}
-                    Ok(d) => {
-                        return Err(failed(
-                            "plan_digest_mismatch",
-                            format!("saved plan has digest {d}, the job names {want}"),
-                            serde_json::Value::Null,
-                        ));
-                    }
-                    Err(e) => return Err(ExecOutcome::failed(format!("reading saved plan: {e}"))),
-                }
-                if let Err(e) = std::fs::copy(&saved, &plan_path) {
-                    return Err(ExecOutcome::failed(format!("copying saved plan: {e}")));
-                }
+                self.take_saved_plan(run, want, &plan_path)?;
                 run.log(&format!("[terraform] applying saved plan {want}\n"));
                 let show = Stage { argv: run.tf_script(&[show], &[]), seal: vec![] };
                 run.staged("init, show -json", run.tf_script(&[init], &backend), vec![show], Some(&sealed))
