@@ -241,10 +241,14 @@ mod tests {
             .expect("journal");
         let work = f.rt.state_dir.join(execute::WORK_DIR).join("job-1");
         std::fs::create_dir_all(&work).expect("work dir");
+        let sealed = work.with_file_name("job-1.sealed");
+        std::fs::create_dir_all(&sealed).expect("sealed dir");
+        std::fs::write(sealed.join("plan.tfplan"), b"plan").expect("sealed plan");
         settle(&f).await;
         assert_eq!(journaled(&f), ["received", "claimed", "started", "finished", "reported"]);
         assert_eq!(reported_statuses(&f), ["interrupted"]);
         assert!(!work.exists(), "the interrupted job's working directory is removed");
+        assert!(!sealed.exists(), "and the runner's sealed copies beside it");
         assert!(!f.cp.calls().iter().any(|c| c.starts_with("claim")), "nothing is claimed again");
     }
 
