@@ -23,6 +23,8 @@ pub struct Job {
     pub then: Vec<byoc_sandbox::spec::Stage>,
     /// The runner's directory the job sees read-only at `/sealed`.
     pub sealed_dir: Option<PathBuf>,
+    /// The sandbox's end of the gate channel, when a stage is gated.
+    pub gate: Option<std::os::fd::OwnedFd>,
 }
 
 /// Reason codes (in the result's `outputs.reason`) for a job the sandbox refused.
@@ -128,7 +130,7 @@ pub async fn run(job: Job, settings: SandboxSettings, mut ctx: ExecContext<'_>) 
         use nix::sys::socket::{AddressFamily, SockFlag, SockType, socketpair};
         match socketpair(AddressFamily::Unix, SockType::SeqPacket, None, SockFlag::SOCK_CLOEXEC) {
             Ok((ours, theirs)) => {
-                byoc_sandbox::pass_handover_channel(cmd.as_std_mut(), theirs);
+                byoc_sandbox::pass_channels(cmd.as_std_mut(), Some(theirs), job.gate);
                 Some(jobnet::Services::start(ours, &settings.network, credentials))
             }
             Err(e) => {
@@ -139,6 +141,7 @@ pub async fn run(job: Job, settings: SandboxSettings, mut ctx: ExecContext<'_>) 
             }
         }
     } else {
+        byoc_sandbox::pass_channels(cmd.as_std_mut(), None, job.gate);
         None
     };
     ctx.settings.sandbox = None;
@@ -294,7 +297,7 @@ pub async fn probe_boundary(
     use nix::sys::socket::{AddressFamily, SockFlag, SockType, socketpair};
     let (ours, theirs) = socketpair(AddressFamily::Unix, SockType::SeqPacket, None, SockFlag::SOCK_CLOEXEC)
         .map_err(|e| format!("creating the hand-over channel: {e}"))?;
-    byoc_sandbox::pass_handover_channel(cmd.as_std_mut(), theirs);
+    byoc_sandbox::pass_channels(cmd.as_std_mut(), Some(theirs), None);
     let services = jobnet::Services::start(ours, &settings.network, None);
     let mut child = cmd.spawn().map_err(|e| format!("starting {}: {e}", settings.helper.display()))?;
     drop(cmd);

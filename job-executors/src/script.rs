@@ -97,6 +97,7 @@ impl Executor for Script {
                         network: self.network,
                         then: vec![],
                         sealed_dir: None,
+                        gate: None,
                     };
                     crate::sandboxed::run(job, settings, ctx).await
                 }

@@ -101,81 +101,194 @@ impl Run<'_, '_> {
         then: Vec<Stage>,
         sealed: Option<&SealedDir>,
     ) -> Step<()> {
-        self.log(&format!("[{}] {what}\n", self.tool));
-        if self.remaining().is_zero() {
-            return Err(ExecOutcome {
-                status: JobStatus::TimedOut,
-                exit_code: None,
-                error: Some(format!("job exceeded its timeout of {}s", self.ctx.settings.timeout.as_secs())),
-                outputs: serde_json::Value::Null,
-            });
-        }
-        let step_started = Instant::now();
-        // A step gets the job's remaining time and neither containers nor policy.
-        let settings = self.ctx.settings().timeout(self.remaining(), self.ctx.settings.kill_grace);
-        let mut watch = Watch {
-            inner: &mut *self.ctx.output,
-            needle: self.watch.unwrap_or("").as_bytes(),
-            tail: Vec::new(),
-            seen: false,
+        let step = StepSpec {
+            tool: self.tool,
+            what,
+            env: &self.env,
+            watch: self.watch,
+            job_timeout: self.ctx.settings.timeout,
         };
-        let sub = settings.isolation(self.ctx.settings.sandbox.clone(), None).policy(None).build(&mut watch);
-        let outcome = match sub.settings.sandbox.clone() {
-            Some(settings) => {
-                let work = crate::sandboxed::work_dir_inside();
-                let then = then
-                    .into_iter()
-                    .map(|s| byoc_sandbox::spec::Stage {
-                        argv: s.argv,
-                        seal: s.seal.iter().map(|f| work.join(f)).collect(),
-                    })
-                    .collect();
-                let job = crate::sandboxed::Job {
-                    argv,
-                    env: self.env.clone(),
-                    network: true,
-                    then,
-                    sealed_dir: sealed.map(|s| s.path.clone()),
-                };
-                crate::sandboxed::run(job, settings, sub).await
-            }
-            None => {
-                let (settings, out) = sub.split();
-                let work_dir = settings.work_dir.clone();
-                let mut outcome = ExecOutcome::failed("no command");
-                for (i, stage) in std::iter::once(Stage { argv, seal: vec![] }).chain(then).enumerate() {
-                    if i > 0 && outcome.status != JobStatus::Succeeded {
-                        break;
-                    }
-                    for file in &stage.seal {
-                        let copied = match (sealed, file.file_name()) {
-                            (Some(dir), Some(name)) => {
-                                std::fs::copy(work_dir.join(file), dir.path.join(name))
-                            }
-                            _ => Err(std::io::Error::other("no sealed directory")),
-                        };
-                        if let Err(e) = copied {
-                            return Err(ExecOutcome::failed(format!("sealing {}: {e}", file.display())));
-                        }
-                    }
-                    let mut cmd = Command::new(&stage.argv[0]);
-                    cmd.args(&stage.argv[1..]).current_dir(&work_dir).env_clear().envs(self.env.clone());
-                    let left = settings.timeout.saturating_sub(step_started.elapsed());
-                    let this = settings.clone().timeout(left, settings.kill_grace).build(&mut *out);
-                    outcome = crate::process::run_process_group(cmd, this, None).await;
-                }
-                outcome
-            }
+        let base = self.ctx.settings().timeout(self.remaining(), self.ctx.settings.kill_grace);
+        let (result, seen) = run_step(step, base, &mut *self.ctx.output, argv, then, sealed, None).await;
+        self.seen |= seen;
+        result
+    }
+}
+
+/// What a step runs with, apart from its context (so a step can run while the context's
+/// output is shared with something else, as a gate's decision).
+#[derive(Clone, Copy)]
+pub(crate) struct StepSpec<'s> {
+    pub(crate) tool: &'static str,
+    pub(crate) what: &'s str,
+    pub(crate) env: &'s [(String, String)],
+    pub(crate) watch: Option<&'static str>,
+    /// The job's whole timeout (for the message when none of it is left).
+    pub(crate) job_timeout: Duration,
+}
+
+/// Run one step: `argv`, then each of `then` (see [`Run::staged`]). A gated stage asks
+/// on `gate` (the end that is not the runner's) before it starts. Returns the step's
+/// result and whether the watched text went by.
+pub(crate) async fn run_step(
+    step: StepSpec<'_>,
+    base: crate::context::ExecSettings,
+    output: &mut dyn crate::OutputSink,
+    argv: Vec<String>,
+    then: Vec<Stage>,
+    sealed: Option<&SealedDir>,
+    gate: Option<std::os::unix::net::UnixStream>,
+) -> (Step<()>, bool) {
+    let _ = output.write(format!("[{}] {}\n", step.tool, step.what).as_bytes());
+    if base.timeout.is_zero() {
+        let outcome = ExecOutcome {
+            status: JobStatus::TimedOut,
+            exit_code: None,
+            error: Some(format!("job exceeded its timeout of {}s", step.job_timeout.as_secs())),
+            outputs: serde_json::Value::Null,
         };
-        self.seen |= watch.seen;
-        self.log(&format!("[{}] {what}: {} ms\n", self.tool, step_started.elapsed().as_millis()));
-        if outcome.status == JobStatus::Succeeded {
-            Ok(())
-        } else {
-            let error =
-                format!("{} {what}: {}", self.tool, outcome.error.clone().unwrap_or_else(|| "failed".into()));
-            Err(ExecOutcome { error: Some(error), ..outcome })
+        return (Err(outcome), false);
+    }
+    let step_started = Instant::now();
+    let mut watch =
+        Watch { inner: output, needle: step.watch.unwrap_or("").as_bytes(), tail: Vec::new(), seen: false };
+    // A step gets the job's remaining time and neither containers nor policy.
+    let sandbox = base.sandbox.clone();
+    let sub = base.isolation(sandbox, None).policy(None).build(&mut watch);
+    let outcome = match sub.settings.sandbox.clone() {
+        Some(settings) => {
+            let work = crate::sandboxed::work_dir_inside();
+            let then = then
+                .into_iter()
+                .map(|s| byoc_sandbox::spec::Stage {
+                    argv: s.argv,
+                    seal: s.seal.iter().map(|f| work.join(f)).collect(),
+                    gate: s.gate,
+                })
+                .collect();
+            let job = crate::sandboxed::Job {
+                argv,
+                env: step.env.to_vec(),
+                network: true,
+                then,
+                sealed_dir: sealed.map(|s| s.path.clone()),
+                gate: gate.map(std::os::fd::OwnedFd::from),
+            };
+            crate::sandboxed::run(job, settings, sub).await
         }
+        None => stages_without_sandbox(step, sub, argv, then, sealed, gate, step_started).await,
+    };
+    let seen = watch.seen;
+    let _ = output.write(
+        format!("[{}] {}: {} ms\n", step.tool, step.what, step_started.elapsed().as_millis()).as_bytes(),
+    );
+    if outcome.status == JobStatus::Succeeded {
+        (Ok(()), seen)
+    } else {
+        let error = format!(
+            "{} {}: {}",
+            step.tool,
+            step.what,
+            outcome.error.clone().unwrap_or_else(|| "failed".into())
+        );
+        (Err(ExecOutcome { error: Some(error), ..outcome }), seen)
+    }
+}
+
+/// Without the sandbox each stage is a process of its own, the runner makes the sealed
+/// copies, and asks at a gate as the sandbox's init would.
+async fn stages_without_sandbox(
+    step: StepSpec<'_>,
+    sub: ExecContext<'_>,
+    argv: Vec<String>,
+    then: Vec<Stage>,
+    sealed: Option<&SealedDir>,
+    gate: Option<std::os::unix::net::UnixStream>,
+    step_started: Instant,
+) -> ExecOutcome {
+    let (settings, out) = sub.split();
+    let work_dir = settings.work_dir.clone();
+    let mut gate = gate
+        .and_then(|g| g.set_nonblocking(true).ok().and_then(|()| tokio::net::UnixStream::from_std(g).ok()));
+    let mut outcome = ExecOutcome::failed("no command");
+    for (i, stage) in std::iter::once(Stage { argv, seal: vec![], gate: false }).chain(then).enumerate() {
+        if i > 0 && outcome.status != JobStatus::Succeeded {
+            break;
+        }
+        for file in &stage.seal {
+            let copied = match (sealed, file.file_name()) {
+                (Some(dir), Some(name)) => std::fs::copy(work_dir.join(file), dir.path.join(name)),
+                _ => Err(std::io::Error::other("no sealed directory")),
+            };
+            if let Err(e) = copied {
+                return ExecOutcome::failed(format!("sealing {}: {e}", file.display()));
+            }
+        }
+        if stage.gate && !gate_opens(gate.as_mut()).await {
+            return ExecOutcome {
+                status: JobStatus::Failed,
+                exit_code: Some(byoc_sandbox::helper::EXIT_GATE_CLOSED),
+                error: Some("the gate stayed closed".into()),
+                outputs: serde_json::json!({}),
+            };
+        }
+        let mut cmd = Command::new(&stage.argv[0]);
+        cmd.args(&stage.argv[1..]).current_dir(&work_dir).env_clear().envs(step.env.iter().cloned());
+        let left = settings.timeout.saturating_sub(step_started.elapsed());
+        let this = settings.clone().timeout(left, settings.kill_grace).build(&mut *out);
+        outcome = crate::process::run_process_group(cmd, this, None).await;
+    }
+    outcome
+}
+
+/// The stage's side of a gate: ask, and wait for `y`.
+async fn gate_opens(gate: Option<&mut tokio::net::UnixStream>) -> bool {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let Some(gate) = gate else { return false };
+    let mut answer = [0u8; 1];
+    gate.write_all(b"?").await.is_ok() && matches!(gate.read(&mut answer).await, Ok(1)) && answer[0] == b'y'
+}
+
+/// The runner's side of a gate: `Some(stream)` once a stage asks, `None` if the
+/// sandbox ended without asking.
+pub(crate) async fn gate_asked(ours: &mut tokio::net::UnixStream) -> bool {
+    use tokio::io::AsyncReadExt as _;
+    let mut ask = [0u8; 1];
+    matches!(ours.read(&mut ask).await, Ok(1)) && ask[0] == b'?'
+}
+
+/// Answer an asked gate (a closed gate needs no answer: dropping the channel closes it).
+pub(crate) async fn gate_answer(ours: &mut tokio::net::UnixStream, open: bool) {
+    use tokio::io::AsyncWriteExt as _;
+    let _ = ours.write_all(if open { b"y" } else { b"n" }).await;
+}
+
+/// A gate channel: the runner's end (async) and the end a stage asks on.
+pub(crate) fn gate_channel() -> std::io::Result<(tokio::net::UnixStream, std::os::unix::net::UnixStream)> {
+    let (ours, theirs) = std::os::unix::net::UnixStream::pair()?;
+    ours.set_nonblocking(true)?;
+    Ok((tokio::net::UnixStream::from_std(ours)?, theirs))
+}
+
+/// One output sink shared by a running step and what the runner does meanwhile (a
+/// gate's decision), each writing whole chunks. Both run on one task (`join!`), so the
+/// lock is never contended; it exists to satisfy the borrow checker.
+pub(crate) struct SharedSink<'o>(std::sync::Mutex<&'o mut dyn crate::OutputSink>);
+
+impl<'o> SharedSink<'o> {
+    pub(crate) fn new(sink: &'o mut dyn crate::OutputSink) -> Self {
+        SharedSink(std::sync::Mutex::new(sink))
+    }
+    pub(crate) fn handle(&self) -> SharedHandle<'_, 'o> {
+        SharedHandle(&self.0)
+    }
+}
+
+pub(crate) struct SharedHandle<'h, 'o>(&'h std::sync::Mutex<&'o mut dyn crate::OutputSink>);
+
+impl crate::OutputSink for SharedHandle<'_, '_> {
+    fn write(&mut self, chunk: &[u8]) -> std::io::Result<()> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).write(chunk)
     }
 }
 
@@ -184,6 +297,8 @@ impl Run<'_, '_> {
 pub(crate) struct Stage {
     pub(crate) argv: Vec<String>,
     pub(crate) seal: Vec<PathBuf>,
+    /// Ask the runner before starting it (see [`byoc_sandbox::spec::Stage::gate`]).
+    pub(crate) gate: bool,
 }
 
 /// The runner's directory of sealed copies for one job, beside its working directory

@@ -144,6 +144,8 @@ async fn a_denied_plan_is_never_applied() {
     );
     assert!(log.contains("fake-terraform: show -json"), "{log}");
     assert!(!log.contains("fake-terraform: apply"), "apply must not run:\n{log}");
+    // Plan and apply share one sandbox (one step), whose gate before apply stayed closed.
+    assert!(log.contains("[terraform] init, plan, show -json, apply: "), "{log}");
     let d = &audit(&e, "policy_decision")[0];
     let detail = d["detail"].as_str().unwrap();
     assert!(
@@ -201,6 +203,34 @@ async fn show_reads_a_sealed_plan_that_nothing_of_the_job_can_change() {
         "{log}"
     );
     assert_eq!(audit(&e, "plan_tampered").len(), 0);
+}
+
+/// Without an approval to wait for, apply runs in the sandbox that planned: its init
+/// stops before apply until the runner has decided, with nothing of the job running.
+#[tokio::test]
+async fn apply_shares_the_plans_sandbox_and_starts_only_after_the_decision() {
+    let e = tf_env().await;
+    let (_, r, log) = run(
+        &e,
+        job(
+            "apply",
+            &example("plan-tags-only.json"),
+            &[("fake-linger-after-plan", "")],
+            serde_json::json!({}),
+        ),
+    )
+    .await;
+    assert_eq!(r.status, JobStatus::Succeeded, "{:?}\n{log}", r.error);
+    // One step, so one sandbox: no apply step of its own.
+    assert!(log.contains("[terraform] init, plan, show -json, apply: "), "{log}");
+    assert!(!log.contains("[terraform] apply: "), "{log}");
+    let at = |needle: &str| log.find(needle).unwrap_or_else(|| panic!("{needle} missing:\n{log}"));
+    assert!(at("fake-terraform: show -json") < at("[policy] ALLOW plan"), "{log}");
+    assert!(at("[policy] ALLOW plan") < at("fake-terraform: apply /sealed/plan.tfplan"), "{log}");
+    let digest = r.outputs["plan_digest"].as_str().unwrap();
+    assert!(log.contains(&format!("apply /sealed/plan.tfplan sha256={}", &digest[7..])), "{log}");
+    // What plan left running was gone before show (and so before apply).
+    assert!(log.contains("nothing plan left is running"), "{log}");
 }
 
 /// The sealed plan changed on the host between the decision and apply (here while the

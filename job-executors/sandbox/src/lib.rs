@@ -18,10 +18,20 @@ mod sys;
 
 pub use spec::SandboxSpec;
 
-/// Give the helper `cmd` starts the runner's end of the hand-over channel at
-/// [`spec::HANDOVER_FD`].
-pub fn pass_handover_channel(cmd: &mut std::process::Command, fd: std::os::fd::OwnedFd) {
-    sys::pass_fd_as(cmd, fd, spec::HANDOVER_FD);
+/// Give the helper `cmd` starts the runner's ends of its channels: the hand-over
+/// channel at [`spec::HANDOVER_FD`], the gate channel at [`spec::GATE_FD`].
+pub fn pass_channels(
+    cmd: &mut std::process::Command,
+    handover: Option<std::os::fd::OwnedFd>,
+    gate: Option<std::os::fd::OwnedFd>,
+) {
+    let fds: Vec<_> = [(handover, spec::HANDOVER_FD), (gate, spec::GATE_FD)]
+        .into_iter()
+        .filter_map(|(fd, target)| Some((fd?, target)))
+        .collect();
+    if !fds.is_empty() {
+        sys::pass_fds_as(cmd, fds);
+    }
 }
 
 /// Receive one message of the hand-over channel and its descriptors (non-blocking

@@ -69,7 +69,16 @@ pub struct Stage {
     /// no process of the job can change it (the runner reads the same bytes later).
     #[serde(default)]
     pub seal: Vec<PathBuf>,
+    /// Before this stage starts, init asks the runner on [`GATE_FD`] (one byte `?`) and
+    /// runs it only on the answer `y`; any other answer, or none, ends the sandbox with
+    /// [`crate::helper::EXIT_GATE_CLOSED`] and the stage never runs.
+    #[serde(default)]
+    pub gate: bool,
 }
+
+/// The descriptor on which the helper finds the runner's end of the gate channel, when
+/// a stage is gated: a stream socket.
+pub const GATE_FD: i32 = 4;
 
 /// The descriptor on which the helper (and the sandbox's init) finds the runner's end
 /// of the hand-over channel, when [`UserModeNet::handover`] is set.

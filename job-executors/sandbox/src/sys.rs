@@ -103,25 +103,30 @@ pub fn take_handover_fd(fd: std::os::fd::RawFd) -> std::io::Result<std::os::fd::
     Ok(owned)
 }
 
-/// Make `fd` appear as descriptor `target` in the program `cmd` starts (the sandbox
-/// helper's hand-over channel), whatever number it has here.
-pub fn pass_fd_as(cmd: &mut std::process::Command, fd: std::os::fd::OwnedFd, target: std::os::fd::RawFd) {
+/// Make each `fd` appear as its descriptor `target` in the program `cmd` starts (the
+/// sandbox helper's channels), whatever numbers they have here.
+pub fn pass_fds_as(cmd: &mut std::process::Command, fds: Vec<(std::os::fd::OwnedFd, std::os::fd::RawFd)>) {
     use std::os::fd::AsRawFd as _;
     use std::os::unix::process::CommandExt as _;
-    let raw = fd.as_raw_fd();
-    // SAFETY: the closure runs in the forked child before exec and calls only dup2 and
-    // fcntl, which are async-signal-safe; `fd` stays open in the parent (moved into the
-    // closure, which the Command keeps) until the child has been spawned.
+    // SAFETY: the closure runs in the forked child before exec and calls only fcntl and
+    // dup2, which are async-signal-safe; the descriptors stay open in the parent (moved
+    // into the closure, which the Command keeps) until the child has been spawned.
     unsafe {
         cmd.pre_exec(move || {
-            let _keep = &fd;
-            if raw == target {
-                // dup2 onto itself keeps close-on-exec: clear it instead.
-                if libc::fcntl(raw, libc::F_SETFD, 0) == -1 {
+            // First out of the way (a source may sit on another's target), then in place;
+            // dup2 clears close-on-exec on the target, the copies keep it.
+            let mut moved = Vec::with_capacity(fds.len());
+            for (fd, target) in &fds {
+                let copy = libc::fcntl(fd.as_raw_fd(), libc::F_DUPFD_CLOEXEC, 64);
+                if copy == -1 {
                     return Err(std::io::Error::last_os_error());
                 }
-            } else if libc::dup2(raw, target) == -1 {
-                return Err(std::io::Error::last_os_error());
+                moved.push((copy, *target));
+            }
+            for (copy, target) in moved {
+                if libc::dup2(copy, target) == -1 {
+                    return Err(std::io::Error::last_os_error());
+                }
             }
             Ok(())
         });

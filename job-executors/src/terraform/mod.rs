@@ -15,11 +15,14 @@ use sha2::Digest as _;
 
 use crate::tool::{DEFAULT_PATH, Run, SealedDir, Stage, Step, failed, hand_over, safe_relative};
 use crate::{ExecContext, ExecFuture, ExecOutcome, Executor, JobStatus};
+use judge::{Judged, read_outputs, still_the_plan};
 use summary::summary;
 
 pub mod bucket;
 mod customer_secrets;
 mod drift;
+mod gated;
+mod judge;
 pub mod providers;
 mod saved_plan;
 pub mod state;
@@ -415,7 +418,7 @@ impl Terraform {
             Some(want) => {
                 self.take_saved_plan(run, want, &plan_path)?;
                 run.log(&format!("[terraform] applying saved plan {want}\n"));
-                let show = Stage { argv: run.tf_script(&[show], &[]), seal: vec![] };
+                let show = Stage { argv: run.tf_script(&[show], &[]), seal: vec![], gate: false };
                 run.staged("init, show -json", run.tf_script(&[init], &backend), vec![show], Some(&sealed))
                     .await?;
             }
@@ -429,11 +432,29 @@ impl Terraform {
                         if destroy { " -destroy" } else { "" }
                     ),
                 );
+                let gated = matches!(self.spec.mode, Mode::Apply | Mode::Destroy)
+                    && !run.ctx.settings.decide_only
+                    && run.ctx.settings.apply_approval.is_none();
+                if gated {
+                    let apply = (
+                        "apply",
+                        format!("apply -input=false -no-color -auto-approve {}", sealed.inside(PLAN_FILE)),
+                    );
+                    let commands = gated::Commands {
+                        init_plan: run.tf_script(&[init, plan], &backend),
+                        show: run.tf_script(&[show], &[]),
+                        apply: run.tf_script(&[apply], &[]),
+                    };
+                    return self
+                        .plan_decide_apply(run, policy, module, state_beside_module, &sealed, commands)
+                        .await;
+                }
                 // show starts the providers, which could change a file they can write:
                 // it reads the sealed copy, made with nothing of init or plan running.
                 let show = Stage {
                     argv: run.tf_script(&[show], &[]),
                     seal: vec![Path::new(MODULE_DIR).join(PLAN_FILE)],
+                    gate: false,
                 };
                 run.staged(
                     "init, plan, show -json",
@@ -444,62 +465,9 @@ impl Terraform {
                 .await?;
             }
         }
-        // The digest of the plan the policies are about to see: the bytes show read,
-        // which apply later runs only if the sealed copy still has them.
-        let plan_digest =
-            sha256_file(&plan_path).map_err(|e| ExecOutcome::failed(format!("hashing the plan: {e}")))?;
-        let plan_bytes = std::fs::read(module.join(PLAN_JSON))
-            .map_err(|e| ExecOutcome::failed(format!("reading the plan JSON: {e}")))?;
-        // The plan's JSON has values the control plane must not see: drop it now.
-        let _ = std::fs::remove_file(module.join(PLAN_JSON));
-        let plan_value: serde_json::Value = serde_json::from_slice(&plan_bytes).map_err(|e| {
-            failed(
-                "plan_unreadable",
-                format!("terraform show -json is not JSON: {e}"),
-                serde_json::Value::Null,
-            )
-        })?;
-        let summary = summary(&plan_value);
-        // Addresses can carry values (`for_each` over a secret): such a summary is not
-        // reported, shown or decided on.
-        if crate::secrets::carries_secret(run.ctx, &summary) {
-            return Err(failed(
-                "secret_in_plan_summary",
-                "the plan's resource addresses contain a customer secret or credential (a for_each or count key made from it?): \
-                 the summary is not reported; key the resources by something else"
-                    .into(),
-                serde_json::Value::Null,
-            ));
-        }
-        let subject = crate::policy_gate::Subject {
-            // A sandbox's runs are decided as sandbox plans (their own policies).
-            source: if policy.operation.starts_with("sandbox.") {
-                byoc_policy::Source::Sandbox
-            } else {
-                byoc_policy::Source::Terraform
-            },
-            admission: Default::default(),
-            name: "plan",
-            digest: Some(&plan_digest),
-        };
-        let decision = crate::policy_gate::decide(run.ctx, subject, &plan_bytes)
-            .await
-            .map_err(|e| failed(crate::policy_gate::UNAVAILABLE, e.to_string(), serde_json::Value::Null))?;
-        let base = serde_json::json!({
-            "plan_digest": plan_digest,
-            "input_digest": decision.input_digest,
-            "summary": summary,
-            "verdict": decision.verdict,
-            "violations": decision.violations.iter().map(|v| serde_json::json!({"rule": v.rule, "address": v.address, "policy": v.policy})).collect::<Vec<_>>(),
-        });
-        if decision.verdict == byoc_policy::Verdict::Deny {
-            return Err(failed(
-                "policy_denied",
-                format!("policy denied the plan: {}", decision.denials().join(", ")),
-                base,
-            ));
-        }
-        run.log(&format!("[policy] ALLOW plan {plan_digest} ({} policies)\n", decision.policies.len()));
+        let judged = self.judge(run.ctx, policy, module, &plan_path).await?;
+        let Judged { plan_digest, plan_value, summary, decision, base } = judged;
+
         if run.ctx.settings.decide_only {
             run.log("[terraform] stopping after the decision: nothing applied\n");
             return Ok(ExecOutcome {
@@ -534,55 +502,23 @@ impl Terraform {
             crate::policy_gate::approve_apply(run.ctx, "terraform", &plan_digest, &summary, &decision, &base)
                 .await?;
         // Exactly the plan the policies saw, or nothing.
-        match sha256_file(&plan_path) {
-            Ok(d) if d == plan_digest => {}
-            other => {
-                let now = other.unwrap_or_else(|e| format!("unreadable ({e})"));
-                if let Some(a) = &run.ctx.settings.audit {
-                    let _ = a.record(
-                        "plan_tampered",
-                        format!(
-                            "plan file changed between the policy decision and apply: {plan_digest} -> {now}"
-                        ),
-                        BTreeMap::from([("plan".to_string(), plan_digest.clone())]),
-                    );
-                }
-                return Err(failed(
-                    "plan_tampered",
-                    format!(
-                        "the plan file changed after the policy decision ({plan_digest} -> {now}); not applied"
-                    ),
-                    base,
-                ));
-            }
-        }
+        still_the_plan(run.ctx, &plan_path, &plan_digest, &base)?;
         // The outputs, without another terraform run where they can be had otherwise
         // (a run is ~30 ms of a fast module): none declared, none to read; with local
         // state, the state file holds them in `output -json`'s own shape.
-        let declares_outputs =
-            plan_value["configuration"]["root_module"]["outputs"].as_object().is_some_and(|o| !o.is_empty());
+        let declares_outputs = gated::declares_outputs(&plan_value);
         let apply =
             ("apply", format!("apply -input=false -no-color -auto-approve {}", sealed.inside(PLAN_FILE)));
-        let raw = if declares_outputs && !state_beside_module {
+        let with_output_json = declares_outputs && !state_beside_module;
+        if with_output_json {
             // apply and output in one sandbox.
             let output = ("output -json", format!("output -json > {OUTPUTS_JSON}"));
             run.staged("apply, output -json", run.tf_script(&[apply, output], &[]), vec![], Some(&sealed))
                 .await?;
-            std::fs::read(module.join(OUTPUTS_JSON))
-                .map_err(|e| ExecOutcome::failed(format!("reading outputs: {e}")))?
         } else {
             run.staged("apply", run.tf_script(&[apply], &[]), vec![], Some(&sealed)).await?;
-            if declares_outputs {
-                let state = std::fs::read(module.join(state::LOCAL_STATE))
-                    .map_err(|e| ExecOutcome::failed(format!("reading outputs from the state: {e}")))?;
-                let v: serde_json::Value = serde_json::from_slice(&state).map_err(|e| {
-                    ExecOutcome::failed(format!("reading outputs: the state is not JSON: {e}"))
-                })?;
-                serde_json::to_vec(&v["outputs"]).unwrap_or_default()
-            } else {
-                b"{}".to_vec()
-            }
-        };
+        }
+        let raw = read_outputs(module, declares_outputs, with_output_json)?;
         let outputs = crate::outputs::from_terraform(&raw)
             .map_err(|e| ExecOutcome::failed(format!("terraform output -json is not JSON: {e}")))?;
         let mut result = base;

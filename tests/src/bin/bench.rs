@@ -469,7 +469,7 @@ async fn sandboxed_spawn_us(
         use nix::sys::socket::{AddressFamily, SockFlag, SockType, socketpair};
         let (ours, theirs) =
             socketpair(AddressFamily::Unix, SockType::SeqPacket, None, SockFlag::SOCK_CLOEXEC)?;
-        byoc_sandbox::pass_handover_channel(cmd.as_std_mut(), theirs);
+        byoc_sandbox::pass_channels(cmd.as_std_mut(), Some(theirs), None);
         Some(byoc_job_executors::jobnet::Services::start(ours, &Default::default(), None))
     } else {
         None

@@ -40,8 +40,8 @@ use self::root::build_root;
 use crate::net::Cidr;
 use crate::netlink::Netlink;
 use crate::spec::{
-    HANDOVER_FD, MAX_SPEC_BYTES, NetworkSpec, SANDBOX_INNER_ID, SANDBOX_SEALED_DIR, SANDBOX_WORK_DIR,
-    SandboxSpec,
+    GATE_FD, HANDOVER_FD, MAX_SPEC_BYTES, NetworkSpec, SANDBOX_INNER_ID, SANDBOX_SEALED_DIR,
+    SANDBOX_WORK_DIR, SandboxSpec,
 };
 use crate::sys;
 
@@ -51,6 +51,8 @@ pub const EXIT_SANDBOX_FAILED: i32 = 125;
 pub const EXIT_EXEC_FAILED: i32 = 127;
 /// Exit code when the job's network boundary could not be built (nothing ran).
 pub const EXIT_NETWORK_FAILED: i32 = 122;
+/// Exit code when the runner did not open a gated stage's gate (it never ran).
+pub const EXIT_GATE_CLOSED: i32 = 123;
 /// Priority of the `prohibit` rules: ahead of the main table (32766).
 const PROHIBIT_PRIORITY: u32 = 100;
 
@@ -82,8 +84,19 @@ fn helper() -> Result<i32, SetupError> {
         _ => None,
     };
     let wants_handover = user_mode.as_ref().is_some_and(|n| n.handover);
-    sys::close_fds_from(if wants_handover { HANDOVER_FD as u32 + 1 } else { HANDOVER_FD as u32 })
-        .step("closing inherited descriptors")?;
+    let gated = spec.then.iter().any(|s| s.gate);
+    let keep_up_to = if gated {
+        GATE_FD
+    } else if wants_handover {
+        HANDOVER_FD
+    } else {
+        HANDOVER_FD - 1
+    };
+    sys::close_fds_from(keep_up_to as u32 + 1).step("closing inherited descriptors")?;
+    if gated && !wants_handover {
+        sys::close_raw(HANDOVER_FD);
+    }
+    let gate = if gated { Some(sys::take_handover_fd(GATE_FD).step("the gate channel")?) } else { None };
     let mut channel = if wants_handover {
         Some(sys::take_handover_fd(HANDOVER_FD).step("the hand-over channel")?)
     } else {
@@ -121,7 +134,7 @@ fn helper() -> Result<i32, SetupError> {
         flags,
         Box::new(|| {
             sys::close_raw(write_end);
-            match init(&spec, &ready_r, root_mode, blocked.as_deref(), channel.take()) {
+            match init(&spec, &ready_r, root_mode, blocked.as_deref(), channel.take(), gate.as_ref()) {
                 Ok(code) => code as isize,
                 Err(e) => {
                     eprintln!("sandbox: {e}");
@@ -135,6 +148,8 @@ fn helper() -> Result<i32, SetupError> {
     // init has its own copy of the hand-over channel; ours would only keep the runner
     // from seeing it close should init fail before sending.
     drop(channel.take());
+    // Likewise the gate: once init is gone the runner must see it closed.
+    drop(gate);
     // 7. Map ids: as root, inner 0 (setup only) and inner 1000 → the unprivileged host
     //    uid the job runs as; otherwise the only possible map, inner 0 → our own uid.
     if let Err(e) = write_id_maps(child, root_mode, &spec) {
@@ -270,6 +285,7 @@ fn init(
     root_mode: bool,
     blocked: Option<&[Cidr]>,
     channel: Option<OwnedFd>,
+    gate: Option<&OwnedFd>,
 ) -> Result<i32, SetupError> {
     // If the helper dies, init dies, and with it the whole pid namespace.
     nix::sys::prctl::set_pdeathsig(Signal::SIGKILL).step("PR_SET_PDEATHSIG")?;
@@ -310,9 +326,9 @@ fn init(
     // are only restrictions.
     let filters = crate::seccomp::job_filters().step("building the seccomp filter")?;
     let cstrings = |argv: &[String]| argv.iter().map(|a| cstring(a)).collect::<Result<Vec<_>, _>>();
-    let mut stages = vec![(cstrings(&spec.argv)?, &[][..])];
+    let mut stages = vec![(cstrings(&spec.argv)?, &[][..], false)];
     for stage in &spec.then {
-        stages.push((cstrings(&stage.argv)?, &stage.seal[..]));
+        stages.push((cstrings(&stage.argv)?, &stage.seal[..], stage.gate));
     }
     let env: Vec<CString> =
         spec.env.iter().map(|(k, v)| cstring(&format!("{k}={v}"))).collect::<Result<_, _>>()?;
@@ -321,12 +337,15 @@ fn init(
         mask.add(*s);
     }
     let mut code = 0;
-    for (i, (argv, seal)) in stages.iter().enumerate() {
+    for (i, (argv, seal, gated)) in stages.iter().enumerate() {
         if i > 0 {
             // A later stage starts as in a sandbox of its own: nothing the earlier
             // ones left running survives, and what it must not change is sealed.
             end_stage();
             seal_files(seal)?;
+        }
+        if *gated && !gate.is_some_and(gate_opens) {
+            return Ok(EXIT_GATE_CLOSED);
         }
         let job = match sys::fork().step("fork")? {
             sys::Forked::Child => {
@@ -346,6 +365,20 @@ fn init(
         }
     }
     Ok(code)
+}
+
+/// Ask the runner whether the next stage may run (`?`), and wait for its answer: `y`,
+/// or anything else (the channel closed, too) for no. Nothing of the job runs meanwhile.
+fn gate_opens(gate: &OwnedFd) -> bool {
+    let mut answer = [0u8; 1];
+    nix::unistd::write(gate, b"?").is_ok()
+        && loop {
+            match nix::unistd::read(gate, &mut answer) {
+                Err(nix::errno::Errno::EINTR) => continue,
+                Ok(1) => break answer[0] == b'y',
+                _ => break false,
+            }
+        }
 }
 
 /// Kill every process of the namespace but init, and reap them all.
@@ -491,7 +524,7 @@ mod tests {
     }
 
     fn stage(argv0: &str, seal: &[&str]) -> Stage {
-        Stage { argv: vec![argv0.into()], seal: seal.iter().map(PathBuf::from).collect() }
+        Stage { argv: vec![argv0.into()], seal: seal.iter().map(PathBuf::from).collect(), gate: false }
     }
 
     #[test]

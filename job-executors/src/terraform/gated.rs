@@ -1,0 +1,116 @@
+//! init, plan, show -json and apply in one sandbox: the sandbox's init stops at a gate
+//! before apply, and the runner opens it only for a plan the policies allowed, with
+//! nothing of the job running meanwhile (one sandbox set-up fewer than plan and apply
+//! apart). Used when nothing can hold the plan between decision and apply (no
+//! customer approval, not plan-only, not decide-only).
+
+use std::path::Path;
+
+use super::judge::{Judged, read_outputs, still_the_plan};
+use super::{MODULE_DIR, OUTPUTS_JSON, PLAN_FILE, Terraform};
+use crate::tool::{Run, SealedDir, SharedSink, Stage, Step, StepSpec, gate_answer, gate_asked, run_step};
+use crate::{ExecOutcome, JobStatus};
+
+/// In the sealed directory: apply's stage runs `output -json` after it only when the
+/// runner put this there (it knows once it has read the plan).
+const WANT_OUTPUTS: &str = "want-outputs";
+
+/// The terraform commands of each stage.
+pub(super) struct Commands {
+    pub(super) init_plan: Vec<String>,
+    pub(super) show: Vec<String>,
+    pub(super) apply: Vec<String>,
+}
+
+impl Terraform {
+    pub(super) async fn plan_decide_apply(
+        &self,
+        run: &mut Run<'_, '_>,
+        policy: &crate::PolicyScope,
+        module: &Path,
+        state_beside_module: bool,
+        sealed: &SealedDir,
+        commands: Commands,
+    ) -> Step<ExecOutcome> {
+        let plan_path = sealed.path.join(PLAN_FILE);
+        let (mut ours, theirs) = crate::tool::gate_channel()
+            .map_err(|e| ExecOutcome::failed(format!("creating the apply gate: {e}")))?;
+        let mut apply = commands.apply;
+        // Outputs from `output -json` only where the state is not beside the module.
+        if !state_beside_module {
+            let want = sealed.inside(WANT_OUTPUTS);
+            apply[2].push_str(&format!(
+                "if [ -e {want} ]; then echo '[terraform] output -json'; \"$0\" -chdir={MODULE_DIR} output -json > {MODULE_DIR}/{OUTPUTS_JSON} || exit $?; fi\n"
+            ));
+        }
+        let stages = vec![
+            Stage { argv: commands.show, seal: vec![Path::new(MODULE_DIR).join(PLAN_FILE)], gate: false },
+            Stage { argv: apply, seal: vec![], gate: true },
+        ];
+        let step = StepSpec {
+            tool: run.tool,
+            what: "init, plan, show -json, apply",
+            env: &run.env,
+            watch: run.watch,
+            job_timeout: run.ctx.settings.timeout,
+        };
+        let remaining = run.remaining();
+        let settings = run.ctx.settings();
+        let shared = SharedSink::new(&mut *run.ctx.output);
+        let mut step_out = shared.handle();
+        let sandbox = run_step(
+            step,
+            settings.clone().timeout(remaining, settings.kill_grace),
+            &mut step_out,
+            commands.init_plan,
+            stages,
+            Some(sealed),
+            Some(theirs),
+        );
+        let decision = async {
+            if !gate_asked(&mut ours).await {
+                return None;
+            }
+            let mut out = shared.handle();
+            let mut ctx = settings.clone().build(&mut out);
+            let decided = async {
+                let judged = self.judge(&mut ctx, policy, module, &plan_path).await?;
+                still_the_plan(&ctx, &plan_path, &judged.plan_digest, &judged.base)?;
+                let declares_outputs = declares_outputs(&judged.plan_value);
+                if declares_outputs && !state_beside_module {
+                    std::fs::write(sealed.path.join(WANT_OUTPUTS), b"")
+                        .map_err(|e| ExecOutcome::failed(format!("asking for the outputs: {e}")))?;
+                }
+                Ok((judged, declares_outputs))
+            }
+            .await;
+            // Open only for an allowed plan; anything else ends the sandbox before apply.
+            gate_answer(&mut ours, decided.is_ok()).await;
+            Some(decided)
+        };
+        let ((ran, seen), decided) = tokio::join!(sandbox, decision);
+        run.seen |= seen;
+        // A closed gate (denied, or the decision failed) ends the sandbox before apply.
+        let (judged, declares_outputs) = match decided {
+            Some(Ok(d)) => d,
+            Some(Err(outcome)) => return Err(outcome),
+            None => {
+                ran?;
+                return Err(ExecOutcome::failed("the sandbox ended before the plan was decided"));
+            }
+        };
+        ran?;
+        let Judged { summary: _, decision: _, base, .. } = judged;
+        let raw = read_outputs(module, declares_outputs, declares_outputs && !state_beside_module)?;
+        let outputs = crate::outputs::from_terraform(&raw)
+            .map_err(|e| ExecOutcome::failed(format!("terraform output -json is not JSON: {e}")))?;
+        let mut result = base;
+        result["outputs"] = outputs;
+        Ok(ExecOutcome { status: JobStatus::Succeeded, exit_code: Some(0), error: None, outputs: result })
+    }
+}
+
+/// Whether the module declares outputs (none: nothing to read after apply).
+pub(super) fn declares_outputs(plan: &serde_json::Value) -> bool {
+    plan["configuration"]["root_module"]["outputs"].as_object().is_some_and(|o| !o.is_empty())
+}
