@@ -132,7 +132,7 @@ pub(crate) struct StepSpec<'s> {
 /// result and whether the watched text went by.
 pub(crate) async fn run_step(
     step: StepSpec<'_>,
-    base: crate::context::ExecSettings,
+    base: crate::ExecSettings,
     output: &mut dyn crate::OutputSink,
     argv: Vec<String>,
     then: Vec<Stage>,

@@ -71,7 +71,7 @@ pub struct Stage {
     pub seal: Vec<PathBuf>,
     /// Before this stage starts, init asks the runner on [`GATE_FD`] (one byte `?`) and
     /// runs it only on the answer `y`; any other answer, or none, ends the sandbox with
-    /// [`crate::helper::EXIT_GATE_CLOSED`] and the stage never runs.
+    /// `EXIT_GATE_CLOSED` (123) and the stage never runs.
     #[serde(default)]
     pub gate: bool,
 }
