@@ -324,10 +324,16 @@ impl SealedDir {
         Ok(SealedDir { path, inside })
     }
 
-    /// `name` as the job's commands see it.
+    /// `name` as the job's commands see it, quoted for the shell that runs them (the
+    /// host path, without the sandbox, may hold spaces).
     pub(crate) fn inside(&self, name: &str) -> String {
-        self.inside.join(name).display().to_string()
+        shell_quote(&self.inside.join(name).display().to_string())
     }
+}
+
+/// `s` as one word for `sh`: single-quoted, each `'` as `'\''`.
+fn shell_quote(s: &str) -> String {
+    format!("'{}'", s.replace('\'', "'\\''"))
 }
 
 impl Drop for SealedDir {
@@ -370,4 +376,22 @@ pub fn parse_manifests(yaml: &str) -> Result<Vec<serde_json::Value>, InvalidMani
         }
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shell_quoted_paths_reach_the_command_unchanged() {
+        for path in
+            ["/sealed/plan.tfplan", "/var/lib/byoc runner/work/j.sealed/plan.tfplan", "/a'b/$HOME/`x`/\"q\""]
+        {
+            let out = std::process::Command::new("/bin/sh")
+                .args(["-c", &format!("printf %s {}", shell_quote(path))])
+                .output()
+                .expect("sh runs");
+            assert_eq!(String::from_utf8_lossy(&out.stdout), path);
+        }
+    }
 }
