@@ -207,7 +207,7 @@ static RETIRING: std::sync::Mutex<Vec<tokio::task::JoinHandle<()>>> = std::sync:
 /// user-mode network stack, whose exit (tearing down its own namespaces) takes about
 /// 20 ms that no job should wait for. [`settle`] waits for these removals.
 fn retire(cg: JobCgroup) {
-    cg.kill_all();
+    let _ = cg.kill_all();
     let handle = tokio::task::spawn_blocking(move || cg.kill_all_and_remove());
     let mut pending = RETIRING.lock().unwrap_or_else(|e| e.into_inner());
     pending.retain(|h| !h.is_finished());

@@ -216,11 +216,14 @@ impl JobCgroup {
         counter(&std::fs::read_to_string(dir.join("pids.events")).unwrap_or_default(), "max") > 0
     }
 
-    /// Send SIGKILL to every process in the cgroup now (one pass, no waiting).
-    pub fn kill_all(&self) {
+    /// Send SIGKILL to every process in the cgroup now (one pass, no waiting); whether
+    /// there was any.
+    pub fn kill_all(&self) -> bool {
+        let mut any = false;
         for procs in &self.procs {
             for pid in std::fs::read_to_string(procs).unwrap_or_default().split_whitespace() {
                 if let Ok(pid) = pid.parse::<i32>() {
+                    any = true;
                     let _ = nix::sys::signal::kill(
                         nix::unistd::Pid::from_raw(pid),
                         nix::sys::signal::Signal::SIGKILL,
@@ -228,24 +231,13 @@ impl JobCgroup {
                 }
             }
         }
+        any
     }
 
     /// Kill every process still in the cgroup (bounded retries) and remove it.
     pub fn kill_all_and_remove(&self) {
         for _ in 0..100 {
-            let mut any = false;
-            for procs in &self.procs {
-                for pid in std::fs::read_to_string(procs).unwrap_or_default().split_whitespace() {
-                    if let Ok(pid) = pid.parse::<i32>() {
-                        any = true;
-                        let _ = nix::sys::signal::kill(
-                            nix::unistd::Pid::from_raw(pid),
-                            nix::sys::signal::Signal::SIGKILL,
-                        );
-                    }
-                }
-            }
-            if !any {
+            if !self.kill_all() {
                 break;
             }
             std::thread::yield_now();

@@ -6,7 +6,7 @@
 
 use std::path::Path;
 
-use super::judge::{Judged, read_outputs, still_the_plan};
+use super::judge::{read_outputs, still_the_plan};
 use super::{MODULE_DIR, OUTPUTS_JSON, PLAN_FILE, Terraform};
 use crate::tool::{Run, SealedDir, SharedSink, Stage, Step, StepSpec, gate_answer, gate_asked, run_step};
 use crate::{ExecOutcome, JobStatus};
@@ -100,11 +100,10 @@ impl Terraform {
             }
         };
         ran?;
-        let Judged { summary: _, decision: _, base, .. } = judged;
         let raw = read_outputs(module, declares_outputs, declares_outputs && !state_beside_module)?;
         let outputs = crate::outputs::from_terraform(&raw)
             .map_err(|e| ExecOutcome::failed(format!("terraform output -json is not JSON: {e}")))?;
-        let mut result = base;
+        let mut result = judged.base;
         result["outputs"] = outputs;
         Ok(ExecOutcome { status: JobStatus::Succeeded, exit_code: Some(0), error: None, outputs: result })
     }
