@@ -92,7 +92,7 @@ impl Run<'_, '_> {
     /// Run `argv`, then each of `then` after the one before succeeded, in one sandbox
     /// (one set-up instead of several). Before a stage, the files it names (relative to
     /// the working directory) are sealed: copied into `sealed`, which the job can read
-    /// (at [`Run::sealed_path`]) and never change. Without the sandbox each command is
+    /// (at [`SealedDir::inside`]) and never change. Without the sandbox each command is
     /// a process of its own and the runner makes the copies.
     pub(crate) async fn staged(
         &mut self,
@@ -249,8 +249,8 @@ async fn gate_opens(gate: Option<&mut tokio::net::UnixStream>) -> bool {
     gate.write_all(b"?").await.is_ok() && matches!(gate.read(&mut answer).await, Ok(1)) && answer[0] == b'y'
 }
 
-/// The runner's side of a gate: `Some(stream)` once a stage asks, `None` if the
-/// sandbox ended without asking.
+/// The runner's side of a gate: true once a stage asks, false if the sandbox ended
+/// without asking.
 pub(crate) async fn gate_asked(ours: &mut tokio::net::UnixStream) -> bool {
     use tokio::io::AsyncReadExt as _;
     let mut ask = [0u8; 1];
