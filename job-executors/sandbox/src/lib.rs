@@ -34,6 +34,13 @@ pub fn pass_channels(
     }
 }
 
+/// Make the allocator hand freed memory back instead of keeping it (see
+/// `sys::keep_allocator_lean`): for the daemon, before its runtime starts. False where
+/// the C library has no such settings or refused one.
+pub fn keep_allocator_lean() -> bool {
+    sys::keep_allocator_lean()
+}
+
 /// Receive one message of the hand-over channel and its descriptors (non-blocking
 /// when the socket is).
 pub fn receive_with_fds(

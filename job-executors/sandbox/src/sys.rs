@@ -1,5 +1,6 @@
-//! Every `unsafe` block and raw syscall of the workspace. Each is small, documented and
-//! used from the single-threaded sandbox helper only.
+//! Every `unsafe` block and raw syscall of the workspace. Each is small and documented;
+//! all but [`keep_allocator_lean`] (the daemon's first step) are used from the
+//! single-threaded sandbox helper only.
 #![allow(unsafe_code)]
 
 use nix::sched::CloneFlags;
@@ -157,4 +158,41 @@ pub fn recv_with_fds(
         return Err(std::io::Error::other("descriptors were cut off (more than expected)"));
     }
     Ok((msg.bytes, fds))
+}
+
+/// glibc's allocator settings for a process that lives for years and is idle most of
+/// the time: one arena for every thread (each further arena keeps its own freed
+/// pages), and trim and mmap thresholds fixed at 128 KiB, glibc's starting values,
+/// which it otherwise raises after every larger free (up to 32 MiB kept unreturned).
+/// Returns whether glibc took every setting.
+#[cfg(target_env = "gnu")]
+pub fn keep_allocator_lean() -> bool {
+    const THRESHOLD: libc::c_int = 128 * 1024;
+    // SAFETY: mallopt sets allocator parameters under glibc's own lock; it touches no
+    // memory of ours.
+    unsafe {
+        libc::mallopt(libc::M_ARENA_MAX, 1) == 1
+            && libc::mallopt(libc::M_TRIM_THRESHOLD, THRESHOLD) == 1
+            && libc::mallopt(libc::M_MMAP_THRESHOLD, THRESHOLD) == 1
+    }
+}
+
+/// Other C libraries have no such settings.
+#[cfg(not(target_env = "gnu"))]
+pub fn keep_allocator_lean() -> bool {
+    false
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    #[cfg(target_env = "gnu")]
+    fn glibc_takes_the_daemons_allocator_settings() {
+        assert!(super::keep_allocator_lean());
+        // Blocks on both sides of the fixed mmap threshold still allocate and free.
+        for size in [1 << 10, 1 << 17, 1 << 20] {
+            let block = vec![7u8; size];
+            assert_eq!(block.iter().map(|&b| usize::from(b)).sum::<usize>(), 7 * size);
+        }
+    }
 }

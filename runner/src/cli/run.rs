@@ -67,12 +67,18 @@ pub(super) struct LocalArgs {
 }
 
 pub(super) fn daemon(path: &Path) -> i32 {
+    // Before any thread or allocation of note: the settings apply to what comes after.
+    let lean_allocator = byoc_sandbox::keep_allocator_lean();
     let config = match load_config(path) {
         Ok(c) => c,
         Err(code) => return code,
     };
     let sink = crate::logging::init(config.logging.target, &config.logging.level);
     tracing::debug!(sink, "logging initialised");
+    if !lean_allocator {
+        // Memory only: the daemon works the same, it may keep more freed memory.
+        tracing::warn!("the C library did not take the allocator settings; idle memory may be higher");
+    }
     let rt = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
