@@ -4,7 +4,7 @@ functions that overlap the process's present code pages (/proc/PID/pagemap), in 
 order. Run as root on a process started from a file system with no readahead (see
 scripts/link-order), so that present pages are the pages it ran.
 usage: hot-functions.py PID BINARY OUT"""
-import sys, subprocess, re, struct, bisect, os
+import sys, subprocess, re, struct
 pid, binary, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 PAGE = 4096
 loads = []
