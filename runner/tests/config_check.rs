@@ -108,8 +108,8 @@ async fn a_healthy_install_passes_every_check() {
 async fn a_broken_install_fails_with_what_to_do() {
     let dir = tempfile::tempdir().unwrap();
     let moto = moto_with_stack(&base_params()).await;
-    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    // Nothing listens on `closed` once the listener above is gone.
+    // Free now, and no server this suite starts is given it.
+    let closed = byoc_control_plane::ports::free_port();
     let config = dir.path().join("runner.toml");
     std::fs::write(
         &config,

@@ -13,6 +13,7 @@ pub mod imds;
 pub mod kube_api;
 pub mod moto;
 pub mod netlab;
+pub mod ports;
 pub mod proxy;
 pub mod registry;
 pub mod server;

@@ -11,6 +11,8 @@ use std::time::Duration;
 
 use base64::Engine as _;
 
+use crate::ports::{START_ATTEMPTS, free_port, listens_on};
+
 pub struct MotoServer {
     pub port: u16,
     child: Child,
@@ -33,42 +35,59 @@ pub struct AwsCall {
 }
 
 impl MotoServer {
-    /// Start and wait until it accepts connections; recording is on from the start.
+    /// Start and wait until it answers; recording is on from the start.
     pub async fn start() -> MotoServer {
+        Self::start_on(free_port).await
+    }
+
+    async fn start_on(mut next_port: impl FnMut() -> u16) -> MotoServer {
         let bin = moto_binary();
         assert!(
             bin.exists(),
             "moto_server not found at {} (run scripts/setup, or set BYOC_MOTO_SERVER)",
             bin.display()
         );
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .map(|a| a.port())
-            .expect("a free loopback port");
         let logs = tempfile::tempdir().expect("tempdir");
-        let log = std::fs::File::create(logs.path().join("moto.log")).expect("moto log");
-        let child = Command::new(&bin)
-            .args(["-H", "127.0.0.1", "-p", &port.to_string()])
-            // The recorder writes to a file (default: in the working directory): one
-            // per server, or parallel tests would read each other's calls.
-            .current_dir(logs.path())
-            .env("MOTO_RECORDER_FILEPATH", logs.path().join("recording.jsonl"))
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().expect("log fd"))
-            .stderr(log)
-            .spawn()
-            .expect("moto_server starts");
-        let m = MotoServer { port, child, http: reqwest::Client::new(), logs };
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-        loop {
-            if m.http.post(format!("{}/moto-api/recorder/start-recording", m.url())).send().await.is_ok() {
-                break;
+        let log_path = logs.path().join("moto.log");
+        let http = reqwest::Client::new();
+        for attempt in 1..=START_ATTEMPTS {
+            let port = next_port();
+            let log = std::fs::File::create(&log_path).expect("moto log");
+            let mut child = Command::new(&bin)
+                .args(["-H", "127.0.0.1", "-p", &port.to_string()])
+                // The recorder writes to a file (default: in the working directory): one
+                // per server, or parallel tests would read each other's calls.
+                .current_dir(logs.path())
+                .env("MOTO_RECORDER_FILEPATH", logs.path().join("recording.jsonl"))
+                .stdin(Stdio::null())
+                .stdout(log.try_clone().expect("log fd"))
+                .stderr(log)
+                .spawn()
+                .expect("moto_server starts");
+            let start_recording = format!("http://127.0.0.1:{port}/moto-api/recorder/start-recording");
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+            loop {
+                if let Some(status) = child.try_wait().expect("moto status") {
+                    let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+                    assert!(attempt < START_ATTEMPTS, "moto_server exited ({status}) on port {port}:\n{log}");
+                    break;
+                }
+                // Only our own child's answer counts: another server may hold the port.
+                if listens_on(child.id(), port)
+                    && http.post(&start_recording).send().await.is_ok_and(|r| r.status().is_success())
+                {
+                    return MotoServer { port, child, http, logs };
+                }
+                if tokio::time::Instant::now() >= deadline {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    panic!("moto_server did not start on port {port}");
+                }
+                // Readiness of another process: nothing to wait on but its port.
+                tokio::time::sleep(Duration::from_millis(50)).await;
             }
-            assert!(tokio::time::Instant::now() < deadline, "moto_server did not start on port {port}");
-            // Readiness of another process: nothing to wait on but its port.
-            tokio::time::sleep(Duration::from_millis(50)).await;
         }
-        m
+        unreachable!("the last attempt returns or panics")
     }
 
     pub fn url(&self) -> String {
@@ -271,5 +290,33 @@ impl Drop for MotoServer {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_taken_port_is_given_up_for_another() {
+        // The squatter answers everything with 200, as docker-registry answers `POST /`.
+        let squatter = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let taken = squatter.local_addr().unwrap().port();
+        let serve = tokio::spawn(async move {
+            loop {
+                let Ok((mut conn, _)) = squatter.accept().await else { return };
+                tokio::spawn(async move {
+                    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+                    let mut buf = [0u8; 4096];
+                    let _ = conn.read(&mut buf).await;
+                    let _ = conn.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n").await;
+                });
+            }
+        });
+        let mut ports = [taken, free_port()].into_iter();
+        let moto = MotoServer::start_on(move || ports.next().expect("two ports")).await;
+        assert_ne!(moto.port, taken);
+        assert!(listens_on(moto.child.id(), moto.port));
+        serve.abort();
     }
 }

@@ -14,6 +14,8 @@ use sha2::Digest as _;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::{TcpListener, TcpStream};
 
+use crate::ports::{START_ATTEMPTS, free_port, listens_on};
+
 pub const OCI_MANIFEST: &str = "application/vnd.oci.image.manifest.v1+json";
 pub const OCI_INDEX: &str = "application/vnd.oci.image.index.v1+json";
 pub const OCI_CONFIG: &str = "application/vnd.oci.image.config.v1+json";
@@ -82,18 +84,22 @@ impl LocalRegistry {
     }
 
     async fn start_with(auth: Option<(&str, &str)>, tls: Option<(&str, &str)>) -> LocalRegistry {
+        Self::start_on(auth, tls, free_port).await
+    }
+
+    async fn start_on(
+        auth: Option<(&str, &str)>,
+        tls: Option<(&str, &str)>,
+        mut next_port: impl FnMut() -> u16,
+    ) -> LocalRegistry {
         let bin = registry_binary();
         assert!(bin.exists(), "{} not found (run scripts/setup, or set BYOC_DOCKER_REGISTRY)", bin.display());
         let dir = tempfile::tempdir().expect("tempdir");
-        let port = free_port();
-        let mut config = format!(
-            "version: 0.1\nlog:\n  level: error\n  accesslog:\n    disabled: true\nstorage:\n  filesystem:\n    rootdirectory: {}\n  delete:\n    enabled: true\nhttp:\n  addr: 127.0.0.1:{port}\n  secret: byoc-test-secret\n",
-            dir.path().join("data").display()
-        );
+        let mut tail = String::new();
         if let Some((cert, key)) = tls {
             std::fs::write(dir.path().join("tls.crt"), cert).expect("cert");
             std::fs::write(dir.path().join("tls.key"), key).expect("key");
-            config.push_str(&format!(
+            tail.push_str(&format!(
                 "  tls:\n    certificate: {}\n    key: {}\n",
                 dir.path().join("tls.crt").display(),
                 dir.path().join("tls.key").display()
@@ -106,20 +112,11 @@ impl LocalRegistry {
                 .expect("htpasswd (apache2-utils) runs");
             assert!(out.status.success(), "htpasswd: {}", String::from_utf8_lossy(&out.stderr));
             std::fs::write(dir.path().join("htpasswd"), &out.stdout).expect("htpasswd file");
-            config.push_str(&format!(
+            tail.push_str(&format!(
                 "auth:\n  htpasswd:\n    realm: byoc-test\n    path: {}\n",
                 dir.path().join("htpasswd").display()
             ));
         }
-        std::fs::write(dir.path().join("config.yml"), config).expect("registry config");
-        let log = std::fs::File::create(dir.path().join("registry.log")).expect("registry log");
-        let child = Command::new(&bin)
-            .args(["serve", &dir.path().join("config.yml").display().to_string()])
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().expect("log fd"))
-            .stderr(log)
-            .spawn()
-            .expect("docker-registry starts");
         let http = match tls {
             // The harness pushes test content; the runner's side is what checks certificates.
             Some(_) => {
@@ -127,24 +124,49 @@ impl LocalRegistry {
             }
             None => reqwest::Client::new(),
         };
-        let r = LocalRegistry {
-            port,
-            dir,
-            auth: auth.map(|(u, p)| (u.to_string(), p.to_string())),
-            child,
-            http,
-            scheme: if tls.is_some() { "https" } else { "http" },
-        };
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-        loop {
-            if r.http.get(format!("{}/v2/", r.url())).send().await.is_ok() {
-                break;
+        let scheme = if tls.is_some() { "https" } else { "http" };
+        let log_path = dir.path().join("registry.log");
+        for attempt in 1..=START_ATTEMPTS {
+            let port = next_port();
+            let config = format!(
+                "version: 0.1\nlog:\n  level: error\n  accesslog:\n    disabled: true\nstorage:\n  filesystem:\n    rootdirectory: {}\n  delete:\n    enabled: true\nhttp:\n  addr: 127.0.0.1:{port}\n  secret: byoc-test-secret\n{tail}",
+                dir.path().join("data").display()
+            );
+            std::fs::write(dir.path().join("config.yml"), config).expect("registry config");
+            let log = std::fs::File::create(&log_path).expect("registry log");
+            let mut child = Command::new(&bin)
+                .args(["serve", &dir.path().join("config.yml").display().to_string()])
+                .stdin(Stdio::null())
+                .stdout(log.try_clone().expect("log fd"))
+                .stderr(log)
+                .spawn()
+                .expect("docker-registry starts");
+            let base = format!("{scheme}://127.0.0.1:{port}/v2/");
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+            loop {
+                if let Some(status) = child.try_wait().expect("registry status") {
+                    let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+                    assert!(
+                        attempt < START_ATTEMPTS,
+                        "docker-registry exited ({status}) on port {port}:\n{log}"
+                    );
+                    break;
+                }
+                // Only our own child's answer counts: another server may hold the port.
+                if listens_on(child.id(), port) && http.get(&base).send().await.is_ok() {
+                    let auth = auth.map(|(u, p)| (u.to_string(), p.to_string()));
+                    return LocalRegistry { port, dir, auth, child, http, scheme };
+                }
+                if tokio::time::Instant::now() >= deadline {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    panic!("docker-registry did not start on port {port}");
+                }
+                // Readiness of another process: nothing to wait on but its port.
+                tokio::time::sleep(Duration::from_millis(30)).await;
             }
-            assert!(tokio::time::Instant::now() < deadline, "docker-registry did not start on port {port}");
-            // Readiness of another process: nothing to wait on but its port.
-            tokio::time::sleep(Duration::from_millis(30)).await;
         }
-        r
+        unreachable!("the last attempt returns or panics")
     }
 
     pub fn url(&self) -> String {
@@ -380,13 +402,6 @@ pub fn tar_gz(files: &[(&str, &str)]) -> Vec<u8> {
         b.append(&h, content.as_bytes()).expect("tar entry");
     }
     b.into_inner().expect("tar").finish().expect("gzip")
-}
-
-pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free loopback port")
 }
 
 /// Incompressible bytes from a seed (xorshift: fast, reproducible).
@@ -856,5 +871,20 @@ impl TokenFront {
 
     pub fn host(&self) -> String {
         self.addr.to_string()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_taken_port_is_given_up_for_another() {
+        let squatter = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let taken = squatter.local_addr().unwrap().port();
+        let mut ports = [taken, free_port()].into_iter();
+        let registry = LocalRegistry::start_on(None, None, move || ports.next().expect("two ports")).await;
+        assert_ne!(registry.port, taken);
+        assert_eq!(registry.tags("nothing").await, Vec::<String>::new());
     }
 }

@@ -106,9 +106,10 @@ pub fn script(s: &str) -> EnqueueRequest {
 
 impl Env {
     pub async fn finished(&self, job_id: &str) -> JobView {
-        match self.cp.wait_for(job_id, WAIT, |v| v.result.is_some()).await {
-            Some(v) => v,
-            None => panic!(
+        // A refusal is final: no point waiting out the deadline for a result.
+        match self.cp.wait_for(job_id, WAIT, |v| v.result.is_some() || v.state == JobState::Rejected).await {
+            Some(v) if v.result.is_some() => v,
+            _ => panic!(
                 "job {job_id} did not finish: {:?}\nrunner log:\n{}",
                 self.cp.job(job_id),
                 self.runner.log()

@@ -1,0 +1,78 @@
+//! Loopback ports for the servers the harness starts as other processes (moto,
+//! docker-registry), which must be told a port before they bind it.
+//!
+//! Picking a free port and releasing it races with every other test doing the same: CI
+//! once saw moto lose its port to a docker-registry started by a parallel test, and the
+//! suite then talked to the registry. So a port is never handed out twice in one
+//! process, a server counts as started only once its own process holds the listening
+//! socket, and one whose child exits (it lost the port) starts again on another.
+
+use std::collections::BTreeSet;
+use std::sync::Mutex;
+
+static HANDED_OUT: Mutex<BTreeSet<u16>> = Mutex::new(BTreeSet::new());
+
+/// How many times a server that lost its port is started again on another.
+pub const START_ATTEMPTS: u32 = 4;
+
+/// A loopback port that is free now and that this process has not handed out before.
+pub fn free_port() -> u16 {
+    loop {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .expect("a free loopback port");
+        if HANDED_OUT.lock().unwrap_or_else(|e| e.into_inner()).insert(port) {
+            return port;
+        }
+    }
+}
+
+/// Whether process `pid` holds the listening IPv4 socket on 127.0.0.1:`port` — that the
+/// server answering on the port is the child started for it, not whoever took it first.
+pub fn listens_on(pid: u32, port: u16) -> bool {
+    let Ok(table) = std::fs::read_to_string("/proc/net/tcp") else { return false };
+    // Columns: sl local_address rem_address st tx:rx tr:when retrnsmt uid timeout inode.
+    let listening: BTreeSet<String> = table
+        .lines()
+        .skip(1)
+        .filter_map(|line| {
+            let cols: Vec<&str> = line.split_whitespace().collect();
+            let local_port = cols.get(1)?.rsplit(':').next()?;
+            let ours = u16::from_str_radix(local_port, 16).ok()? == port && *cols.get(3)? == "0A";
+            let inode = cols.get(9)?;
+            ours.then(|| format!("socket:[{inode}]"))
+        })
+        .collect();
+    if listening.is_empty() {
+        return false;
+    }
+    let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else { return false };
+    fds.flatten()
+        .filter_map(|fd| std::fs::read_link(fd.path()).ok())
+        .any(|target| listening.contains(&target.to_string_lossy().into_owned()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_port_is_handed_out_once() {
+        let ports: BTreeSet<u16> = (0..200).map(|_| free_port()).collect();
+        assert_eq!(ports.len(), 200);
+    }
+
+    #[test]
+    fn the_listener_is_found_in_its_own_process_only() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        assert!(listens_on(std::process::id(), port));
+        let mut other = std::process::Command::new("sleep").arg("30").spawn().unwrap();
+        assert!(!listens_on(other.id(), port));
+        other.kill().unwrap();
+        other.wait().unwrap();
+        drop(listener);
+        assert!(!listens_on(std::process::id(), port));
+    }
+}
