@@ -22,16 +22,27 @@ pub fn free_port() -> u16 {
             .and_then(|l| l.local_addr())
             .map(|a| a.port())
             .expect("a free loopback port");
-        if HANDED_OUT.lock().unwrap_or_else(|e| e.into_inner()).insert(port) {
+        if claim(port) {
             return port;
         }
     }
 }
 
+/// Keep `port` (bound by this process, and to be bound again) out of [`free_port`]'s hands.
+pub fn reserve(port: u16) {
+    claim(port);
+}
+
+/// Whether `port` was not handed out or reserved before (it is now).
+fn claim(port: u16) -> bool {
+    HANDED_OUT.lock().unwrap_or_else(|e| e.into_inner()).insert(port)
+}
+
 /// Whether process `pid` holds the listening IPv4 socket on 127.0.0.1:`port` — that the
 /// server answering on the port is the child started for it, not whoever took it first.
 pub fn listens_on(pid: u32, port: u16) -> bool {
-    let Ok(table) = std::fs::read_to_string("/proc/net/tcp") else { return false };
+    // The child's own view: a test may run it in another network namespace.
+    let Ok(table) = std::fs::read_to_string(format!("/proc/{pid}/net/tcp")) else { return false };
     // Columns: sl local_address rem_address st tx:rx tr:when retrnsmt uid timeout inode.
     let listening: BTreeSet<String> = table
         .lines()
@@ -61,6 +72,11 @@ mod tests {
     fn a_port_is_handed_out_once() {
         let ports: BTreeSet<u16> = (0..200).map(|_| free_port()).collect();
         assert_eq!(ports.len(), 200);
+        assert!(ports.iter().all(|p| !claim(*p)));
+        let held = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = held.local_addr().unwrap().port();
+        reserve(port);
+        assert!(!claim(port), "a reserved port is never handed out");
     }
 
     #[test]

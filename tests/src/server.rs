@@ -105,6 +105,9 @@ impl ControlPlane {
         let runner_listener = TcpListener::bind(config.runner_addr).await?;
         let admin_listener = TcpListener::bind(config.admin_addr).await?;
         let admin_addr = admin_listener.local_addr()?;
+        // `down` closes the runner listener and opens it again on the same port: no
+        // server this process starts later may be given that port meanwhile.
+        crate::ports::reserve(runner_listener.local_addr()?.port());
         let shared = Arc::new(Shared {
             state: Mutex::new(state),
             changed,

@@ -32,6 +32,15 @@ pub fn describe_network(settings: &ContainerSettings) -> String {
     format!("network: own Docker network, {egress}, metadata and host blocked")
 }
 
+/// Whether Docker's runtime (runc) failed to create a container's process, before any
+/// code in it ran. Seen once on a test machine whose Docker stores images on
+/// fuse-overlayfs ("stat /byoc-net/busybox: permission denied" for a path every other
+/// start found); the same container started at the next try.
+fn runc_could_not_create(e: &bollard::errors::Error) -> bool {
+    matches!(e, bollard::errors::Error::DockerResponseServerError { message, .. }
+        if message.contains("OCI runtime create failed"))
+}
+
 /// The memory ceiling of the holder and the configurator. They need a few MiB, but
 /// runc (1.1, as Debian 12 ships it) copies its own ~9 MiB binary into a memfd charged
 /// to the container's cgroup while it starts it; at 16 MiB its init was sometimes
@@ -136,10 +145,15 @@ impl JobNetwork {
             .await
             .map_err(|e| docker_error("creating the network holder", e))?
             .id;
-        docker
-            .start_container(&self.holder, None)
-            .await
-            .map_err(|e| docker_error("starting the network holder", e))?;
+        let mut started = docker.start_container(&self.holder, None).await;
+        if let Err(e) = &started
+            && runc_could_not_create(e)
+        {
+            // Nothing of the job has run: a second try is safe.
+            tracing::warn!(error = %e, "the network holder did not start; trying once more");
+            started = docker.start_container(&self.holder, None).await;
+        }
+        started.map_err(|e| docker_error("starting the network holder", e))?;
         // The configurator: joins the holder's namespace with CAP_NET_ADMIN only, sets
         // the rules, exits.
         let mut blocked = byoc_sandbox::net::always_blocked();
@@ -285,4 +299,23 @@ fn configure_script(
     }
     s.push_str("echo byoc-network-ready\n");
     s
+}
+
+#[cfg(test)]
+mod start_tests {
+    use super::*;
+
+    fn server_error(status_code: u16, message: &str) -> bollard::errors::Error {
+        bollard::errors::Error::DockerResponseServerError { status_code, message: message.into() }
+    }
+
+    #[test]
+    fn only_a_process_runc_could_not_create_is_tried_again() {
+        let seen = "failed to create shim task: OCI runtime create failed: runc create failed: unable to start \
+                    container process: exec: \"/byoc-net/busybox\": stat /byoc-net/busybox: permission denied: unknown";
+        assert!(runc_could_not_create(&server_error(400, seen)));
+        assert!(!runc_could_not_create(&server_error(404, "No such container: byoc-job-1-net")));
+        assert!(!runc_could_not_create(&server_error(409, "container is already running")));
+        assert!(!runc_could_not_create(&bollard::errors::Error::RequestTimeoutError));
+    }
 }
