@@ -249,6 +249,9 @@ pub struct State {
 #[derive(Default)]
 struct AuditCopy {
     leaves: Vec<byoc_audit::merkle::Hash>,
+    /// The acknowledged leaves' Merkle frontier: an upload's root without hashing the
+    /// whole log again (that made a long soak quadratic).
+    frontier: byoc_audit::merkle::Frontier,
     records: Vec<String>,
 }
 
@@ -659,7 +662,8 @@ impl State {
         }
         // A runner that lost our last answer (killed before storing the cosignature)
         // sends from an older size: the overlap must be byte-identical.
-        let mut leaves = copy.leaves.clone();
+        let mut frontier = copy.frontier.clone();
+        let mut fresh = Vec::new();
         for (i, line) in req.records.iter().enumerate() {
             let idx = req.from + i as u64;
             let r: byoc_audit::log::Record =
@@ -673,13 +677,14 @@ impl State {
                     return Err(CpError::Conflict(format!("record {idx} differs from the one acknowledged")));
                 }
             } else {
-                leaves.push(h);
+                frontier.push(h);
+                fresh.push(h);
             }
         }
         let name = format!("byoc-runner/{runner_id}");
         let cp = note::open(&req.checkpoint, &[(&name, &key)])
             .map_err(|e| CpError::BadRequest(format!("checkpoint: {e}")))?;
-        if cp.size != leaves.len() as u64 || cp.root != merkle::root(&leaves) {
+        if cp.size != frontier.size() || cp.root != frontier.root() {
             return Err(CpError::BadRequest("checkpoint does not match the records".into()));
         }
         let proof: Vec<merkle::Hash> = req
@@ -689,18 +694,13 @@ impl State {
             .collect::<Option<_>>()
             .ok_or_else(|| CpError::BadRequest("bad proof hash".into()))?;
         let from = req.from;
-        if from > 0
-            && !merkle::verify_consistency(
-                from,
-                cp.size,
-                &merkle::root(&copy.leaves[..from as usize]),
-                &cp.root,
-                &proof,
-            )
-        {
+        let root_at_from =
+            if from == acked { copy.frontier.root() } else { merkle::root(&copy.leaves[..from as usize]) };
+        if from > 0 && !merkle::verify_consistency(from, cp.size, &root_at_from, &cp.root, &proof) {
             return Err(CpError::BadRequest("consistency proof does not verify".into()));
         }
-        copy.leaves = leaves;
+        copy.leaves.extend(fresh);
+        copy.frontier = frontier;
         let skip = (acked - from) as usize;
         copy.records.extend(req.records.into_iter().skip(skip));
         let cosigned =
@@ -757,5 +757,69 @@ impl State {
                 polls: r.polls,
             })
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod audit_tests {
+    use base64::Engine as _;
+    use byoc_audit::log::{AuditWriter, Record};
+
+    use super::*;
+
+    fn request(w: &AuditWriter, from: u64, to: u64) -> byoc_protocol::AuditUploadRequest {
+        byoc_protocol::AuditUploadRequest {
+            from,
+            records: w.read_lines(from, to).unwrap(),
+            checkpoint: w.sign_at(to).unwrap(),
+            proof: w
+                .consistency_proof(from, to)
+                .unwrap()
+                .iter()
+                .map(|h| base64::engine::general_purpose::STANDARD.encode(h))
+                .collect(),
+        }
+    }
+
+    fn append(w: &mut AuditWriter, n: usize) {
+        for i in 0..n {
+            w.append(Record { event: format!("e{i}"), ..Default::default() }).unwrap();
+        }
+    }
+
+    #[test]
+    fn uploads_extend_the_copy_and_a_resent_overlap_must_match() {
+        let dir = tempfile::tempdir().unwrap();
+        let key = generate_signing_key();
+        let mut state = State::new("inst".into(), 60, Duration::from_secs(5));
+        let token = state.new_bootstrap_token();
+        let runner = state.enroll(&token, key.verifying_key(), "host".into()).unwrap();
+        let (mut w, _) = AuditWriter::open(dir.path(), key, &runner, "inst", &[]).unwrap();
+        append(&mut w, 5);
+        let first = w.size();
+        state.audit_upload(&runner, request(&w, 0, first)).unwrap();
+        append(&mut w, 4);
+        let second = w.size();
+        state.audit_upload(&runner, request(&w, first, second)).unwrap();
+        assert_eq!(state.audit_size(&runner), second);
+
+        // A runner that lost the last answer sends again from an older size.
+        state.audit_upload(&runner, request(&w, 3, second)).unwrap();
+        assert_eq!(state.audit_size(&runner), second);
+        let mut changed = request(&w, 3, second);
+        changed.records[1] = changed.records[1].replace(":\"e", ":\"x");
+        assert_ne!(changed.records[1], request(&w, 3, second).records[1]);
+        assert!(matches!(state.audit_upload(&runner, changed), Err(CpError::Conflict(_))));
+
+        // Records that do not make the signed checkpoint's tree, and a gap.
+        append(&mut w, 2);
+        let third = w.size();
+        let mut short = request(&w, second, third);
+        short.records.pop();
+        assert!(matches!(state.audit_upload(&runner, short), Err(CpError::BadRequest(_))));
+        let gap = request(&w, second + 1, third);
+        assert!(matches!(state.audit_upload(&runner, gap), Err(CpError::Conflict(_))));
+        state.audit_upload(&runner, request(&w, second, third)).unwrap();
+        assert_eq!(state.audit_size(&runner), third);
     }
 }

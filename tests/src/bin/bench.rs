@@ -207,6 +207,17 @@ fn audit_bench(n: usize) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Anonymous RSS (KiB: heap, stacks, relocated data) of a process: what a leak grows;
+/// file-backed pages (code) only come and go with the paths it runs.
+fn anon_rss(pid: u32) -> anyhow::Result<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("RssAnon:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .context("RssAnon")
+}
+
 /// RSS (KiB), open descriptors and threads of a process.
 fn process_figures(pid: u32) -> anyhow::Result<(u64, usize, u64)> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
@@ -224,6 +235,10 @@ fn process_figures(pid: u32) -> anyhow::Result<(u64, usize, u64)> {
 async fn soak(cp: &ControlPlane, pid: u32, n: usize) -> anyhow::Result<()> {
     let started = std::time::Instant::now();
     let mut after_first = None;
+    // The anonymous part along the way: growth that keeps climbing is a leak, growth
+    // that levels off is the allocator settling.
+    let step = (n / 10).max(1000);
+    let mut anon = Vec::new();
     for i in 0..n {
         // Short-lived envelopes, so settled jobs can leave the journal (their nonces
         // expire) as they would on a VM running for months.
@@ -236,6 +251,9 @@ async fn soak(cp: &ControlPlane, pid: u32, n: usize) -> anyhow::Result<()> {
         if i + 1 == n.min(1000) {
             after_first = Some(process_figures(pid)?);
         }
+        if (i + 1) % step == 0 {
+            anon.push(format!("{}: {}", i + 1, anon_rss(pid)?));
+        }
     }
     let (rss0, fds0, threads0) = after_first.context("no figures after the first jobs")?;
     let (rss1, fds1, threads1) = process_figures(pid)?;
@@ -247,6 +265,7 @@ async fn soak(cp: &ControlPlane, pid: u32, n: usize) -> anyhow::Result<()> {
         rss1 as f64 / 1024.0,
         (rss1 as f64 - rss0 as f64) / 1024.0
     );
+    println!("soak: anonymous RSS (KiB) after jobs {}", anon.join(", "));
     Ok(())
 }
 
