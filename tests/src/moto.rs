@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use base64::Engine as _;
 
-use crate::ports::{START_ATTEMPTS, free_port, listens_on};
+use crate::ports::{free_port, start_child};
 
 pub struct MotoServer {
     pub port: u16,
@@ -40,7 +40,7 @@ impl MotoServer {
         Self::start_on(free_port).await
     }
 
-    async fn start_on(mut next_port: impl FnMut() -> u16) -> MotoServer {
+    async fn start_on(next_port: impl FnMut() -> u16) -> MotoServer {
         let bin = moto_binary();
         assert!(
             bin.exists(),
@@ -50,10 +50,9 @@ impl MotoServer {
         let logs = tempfile::tempdir().expect("tempdir");
         let log_path = logs.path().join("moto.log");
         let http = reqwest::Client::new();
-        for attempt in 1..=START_ATTEMPTS {
-            let port = next_port();
+        let spawn = |port: u16| {
             let log = std::fs::File::create(&log_path).expect("moto log");
-            let mut child = Command::new(&bin)
+            Command::new(&bin)
                 .args(["-H", "127.0.0.1", "-p", &port.to_string()])
                 // The recorder writes to a file (default: in the working directory): one
                 // per server, or parallel tests would read each other's calls.
@@ -63,31 +62,15 @@ impl MotoServer {
                 .stdout(log.try_clone().expect("log fd"))
                 .stderr(log)
                 .spawn()
-                .expect("moto_server starts");
+                .expect("moto_server starts")
+        };
+        let answers = async |port: u16| {
             let start_recording = format!("http://127.0.0.1:{port}/moto-api/recorder/start-recording");
-            let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-            loop {
-                if let Some(status) = child.try_wait().expect("moto status") {
-                    let log = std::fs::read_to_string(&log_path).unwrap_or_default();
-                    assert!(attempt < START_ATTEMPTS, "moto_server exited ({status}) on port {port}:\n{log}");
-                    break;
-                }
-                // Only our own child's answer counts: another server may hold the port.
-                if listens_on(child.id(), port)
-                    && http.post(&start_recording).send().await.is_ok_and(|r| r.status().is_success())
-                {
-                    return MotoServer { port, child, http, logs };
-                }
-                if tokio::time::Instant::now() >= deadline {
-                    let _ = child.kill();
-                    let _ = child.wait();
-                    panic!("moto_server did not start on port {port}");
-                }
-                // Readiness of another process: nothing to wait on but its port.
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-        }
-        unreachable!("the last attempt returns or panics")
+            http.post(&start_recording).send().await.is_ok_and(|r| r.status().is_success())
+        };
+        let patience = Duration::from_secs(60);
+        let (port, child) = start_child("moto_server", &log_path, patience, next_port, spawn, answers).await;
+        MotoServer { port, child, http, logs }
     }
 
     pub fn url(&self) -> String {
@@ -316,7 +299,7 @@ mod tests {
         let mut ports = [taken, free_port()].into_iter();
         let moto = MotoServer::start_on(move || ports.next().expect("two ports")).await;
         assert_ne!(moto.port, taken);
-        assert!(listens_on(moto.child.id(), moto.port));
+        assert!(crate::ports::listens_on(moto.child.id(), moto.port));
         serve.abort();
     }
 }

@@ -8,7 +8,10 @@
 //! socket, and one whose child exits (it lost the port) starts again on another.
 
 use std::collections::BTreeSet;
+use std::path::Path;
+use std::process::Child;
 use std::sync::Mutex;
+use std::time::Duration;
 
 static HANDED_OUT: Mutex<BTreeSet<u16>> = Mutex::new(BTreeSet::new());
 
@@ -26,6 +29,45 @@ pub fn free_port() -> u16 {
             return port;
         }
     }
+}
+
+/// Start a server process on a port from `next_port` and wait until it is ready:
+/// `spawn` starts it on the port given (its output going to `log`), `answers` asks it
+/// over that port. A child that exits (it lost the port) is started again on another
+/// port, up to [`START_ATTEMPTS`] times; one that is not ready within `patience` fails
+/// the test.
+pub async fn start_child(
+    what: &str,
+    log: &Path,
+    patience: Duration,
+    mut next_port: impl FnMut() -> u16,
+    mut spawn: impl FnMut(u16) -> Child,
+    answers: impl AsyncFn(u16) -> bool,
+) -> (u16, Child) {
+    for attempt in 1..=START_ATTEMPTS {
+        let port = next_port();
+        let mut child = spawn(port);
+        let deadline = tokio::time::Instant::now() + patience;
+        loop {
+            if let Some(status) = child.try_wait().expect("child status") {
+                let said = std::fs::read_to_string(log).unwrap_or_default();
+                assert!(attempt < START_ATTEMPTS, "{what} exited ({status}) on port {port}:\n{said}");
+                break;
+            }
+            // Only our own child's answer counts: another server may hold the port.
+            if listens_on(child.id(), port) && answers(port).await {
+                return (port, child);
+            }
+            if tokio::time::Instant::now() >= deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!("{what} did not start on port {port}");
+            }
+            // Readiness of another process: nothing to wait on but its port.
+            tokio::time::sleep(Duration::from_millis(30)).await;
+        }
+    }
+    unreachable!("the last attempt returns or panics")
 }
 
 /// Keep `port` (bound by this process, and to be bound again) out of [`free_port`]'s hands.

@@ -14,7 +14,7 @@ use sha2::Digest as _;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::{TcpListener, TcpStream};
 
-use crate::ports::{START_ATTEMPTS, free_port, listens_on};
+use crate::ports::{free_port, start_child};
 
 pub const OCI_MANIFEST: &str = "application/vnd.oci.image.manifest.v1+json";
 pub const OCI_INDEX: &str = "application/vnd.oci.image.index.v1+json";
@@ -90,7 +90,7 @@ impl LocalRegistry {
     async fn start_on(
         auth: Option<(&str, &str)>,
         tls: Option<(&str, &str)>,
-        mut next_port: impl FnMut() -> u16,
+        next_port: impl FnMut() -> u16,
     ) -> LocalRegistry {
         let bin = registry_binary();
         assert!(bin.exists(), "{} not found (run scripts/setup, or set BYOC_DOCKER_REGISTRY)", bin.display());
@@ -126,47 +126,28 @@ impl LocalRegistry {
         };
         let scheme = if tls.is_some() { "https" } else { "http" };
         let log_path = dir.path().join("registry.log");
-        for attempt in 1..=START_ATTEMPTS {
-            let port = next_port();
+        let spawn = |port: u16| {
             let config = format!(
                 "version: 0.1\nlog:\n  level: error\n  accesslog:\n    disabled: true\nstorage:\n  filesystem:\n    rootdirectory: {}\n  delete:\n    enabled: true\nhttp:\n  addr: 127.0.0.1:{port}\n  secret: byoc-test-secret\n{tail}",
                 dir.path().join("data").display()
             );
             std::fs::write(dir.path().join("config.yml"), config).expect("registry config");
             let log = std::fs::File::create(&log_path).expect("registry log");
-            let mut child = Command::new(&bin)
+            Command::new(&bin)
                 .args(["serve", &dir.path().join("config.yml").display().to_string()])
                 .stdin(Stdio::null())
                 .stdout(log.try_clone().expect("log fd"))
                 .stderr(log)
                 .spawn()
-                .expect("docker-registry starts");
-            let base = format!("{scheme}://127.0.0.1:{port}/v2/");
-            let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-            loop {
-                if let Some(status) = child.try_wait().expect("registry status") {
-                    let log = std::fs::read_to_string(&log_path).unwrap_or_default();
-                    assert!(
-                        attempt < START_ATTEMPTS,
-                        "docker-registry exited ({status}) on port {port}:\n{log}"
-                    );
-                    break;
-                }
-                // Only our own child's answer counts: another server may hold the port.
-                if listens_on(child.id(), port) && http.get(&base).send().await.is_ok() {
-                    let auth = auth.map(|(u, p)| (u.to_string(), p.to_string()));
-                    return LocalRegistry { port, dir, auth, child, http, scheme };
-                }
-                if tokio::time::Instant::now() >= deadline {
-                    let _ = child.kill();
-                    let _ = child.wait();
-                    panic!("docker-registry did not start on port {port}");
-                }
-                // Readiness of another process: nothing to wait on but its port.
-                tokio::time::sleep(Duration::from_millis(30)).await;
-            }
-        }
-        unreachable!("the last attempt returns or panics")
+                .expect("docker-registry starts")
+        };
+        let answers =
+            async |port: u16| http.get(format!("{scheme}://127.0.0.1:{port}/v2/")).send().await.is_ok();
+        let patience = Duration::from_secs(30);
+        let (port, child) =
+            start_child("docker-registry", &log_path, patience, next_port, spawn, answers).await;
+        let auth = auth.map(|(u, p)| (u.to_string(), p.to_string()));
+        LocalRegistry { port, dir, auth, child, http, scheme }
     }
 
     pub fn url(&self) -> String {
