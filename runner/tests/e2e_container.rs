@@ -142,6 +142,30 @@ async fn an_image_missing_locally_is_refused_without_pulling() {
     assert!(r.error.unwrap().contains("never pulls"));
 }
 
+/// runc sometimes fails to create a container's process for a path that is there (seen
+/// on fuse-overlayfs), so the start is tried once more; a command the image really
+/// lacks still fails the job, with runc's reason, and leaves nothing behind.
+#[tokio::test]
+async fn a_command_the_image_lacks_fails_the_job_after_a_second_start() {
+    let image = import_image("byoc-test/busybox:basic", &[]);
+    let e = env().await;
+    let id =
+        e.cp.enqueue(container(
+            serde_json::json!({"image": image, "command": ["no-such-tool"], "network": false}),
+        ))
+        .unwrap();
+    let r = e.finished(&id).await.result.unwrap();
+    assert_eq!(r.status, JobStatus::Failed);
+    let error = r.error.unwrap_or_default();
+    assert!(error.contains("starting the container") && error.contains("no-such-tool"), "{error}");
+    assert!(
+        e.runner.log().contains("the job's container did not start; trying once more"),
+        "{}",
+        e.runner.log()
+    );
+    assert!(job_containers(&id).is_empty(), "container left behind");
+}
+
 /// A networked container gets the same boundary as a sandboxed process: a Docker
 /// network of its own, link-local (IMDS, ECS/EKS credentials), IMDS over IPv6, the
 /// host's addresses and its gateway refused by rules it cannot change, and egress to

@@ -314,7 +314,7 @@ async fn supervise(
     settings: &ContainerSettings,
     ctx: ExecContext<'_>,
 ) -> ExecOutcome {
-    if let Err(e) = docker.start_container(id, None).await {
+    if let Err(e) = network::start_container(docker, id, "the job's container").await {
         return ExecOutcome::failed(docker_error("starting the container", e));
     }
     let mut logs = docker

@@ -33,12 +33,30 @@ pub fn describe_network(settings: &ContainerSettings) -> String {
 }
 
 /// Whether Docker's runtime (runc) failed to create a container's process, before any
-/// code in it ran. Seen once on a test machine whose Docker stores images on
-/// fuse-overlayfs ("stat /byoc-net/busybox: permission denied" for a path every other
-/// start found); the same container started at the next try.
+/// code in it ran. Seen on test machines whose Docker stores images on fuse-overlayfs,
+/// for paths every other start found ("stat /byoc-net/busybox: permission denied",
+/// "exec: \"sh\": executable file not found in $PATH"); the same container started at
+/// the next try.
 fn runc_could_not_create(e: &bollard::errors::Error) -> bool {
     matches!(e, bollard::errors::Error::DockerResponseServerError { message, .. }
         if message.contains("OCI runtime create failed"))
+}
+
+/// Starts a created container, and once more if runc could not create its process:
+/// nothing in it has run, so a second start is safe. A failure that persists (an
+/// image without the command, say) is the second start's error.
+pub(super) async fn start_container(
+    docker: &Docker,
+    id: &str,
+    what: &str,
+) -> Result<(), bollard::errors::Error> {
+    match docker.start_container(id, None).await {
+        Err(e) if runc_could_not_create(&e) => {
+            tracing::warn!(error = %e, "{what} did not start; trying once more");
+            docker.start_container(id, None).await
+        }
+        started => started,
+    }
 }
 
 /// The memory ceiling of the holder and the configurator. They need a few MiB, but
@@ -145,15 +163,9 @@ impl JobNetwork {
             .await
             .map_err(|e| docker_error("creating the network holder", e))?
             .id;
-        let mut started = docker.start_container(&self.holder, None).await;
-        if let Err(e) = &started
-            && runc_could_not_create(e)
-        {
-            // Nothing of the job has run: a second try is safe.
-            tracing::warn!(error = %e, "the network holder did not start; trying once more");
-            started = docker.start_container(&self.holder, None).await;
-        }
-        started.map_err(|e| docker_error("starting the network holder", e))?;
+        start_container(docker, &self.holder, "the network holder")
+            .await
+            .map_err(|e| docker_error("starting the network holder", e))?;
         // The configurator: joins the holder's namespace with CAP_NET_ADMIN only, sets
         // the rules, exits.
         let mut blocked = byoc_sandbox::net::always_blocked();
@@ -212,8 +224,7 @@ impl JobNetwork {
             .map_err(|e| docker_error("creating the network configurator", e))?
             .id;
         let result = async {
-            docker
-                .start_container(&cid, None)
+            start_container(docker, &cid, "the network configurator")
                 .await
                 .map_err(|e| docker_error("starting the network configurator", e))?;
             let mut wait = docker.wait_container(&cid, None).boxed();
