@@ -1,7 +1,9 @@
 //! Retention: a job's log spool is removed once its result is acknowledged (so the
 //! control plane holds the whole log, checked against its digest) and it finished more
-//! than `jobs.log_retention_days` ago. Nothing else is removed: a job not yet reported
-//! keeps its spool however old, and the journal and audit log are evidence.
+//! than `jobs.log_retention_days` ago; a job not yet reported keeps its spool however
+//! old. A plan-only job's saved plan is removed a day after no job may apply it any
+//! more (`terraform.plan_max_age_secs`): it holds what the plan holds, unencrypted.
+//! The journal and audit log are evidence (their archives have their own retention).
 
 use std::path::Path;
 use std::time::Duration;
@@ -12,7 +14,8 @@ use crate::spool;
 /// What a sweep removed.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct Swept {
-    pub logs: usize,
+    /// Job logs or saved plans removed (a log's tail ring is counted in bytes only).
+    pub files: usize,
     pub bytes: u64,
 }
 
@@ -36,11 +39,52 @@ pub fn sweep_spools(journal: &dyn JobJournal, state_dir: &Path, keep: Duration, 
             let Ok(meta) = std::fs::metadata(&path) else { continue };
             match std::fs::remove_file(&path) {
                 Ok(()) => {
-                    swept.logs += usize::from(path.extension().is_some_and(|e| e == "log"));
+                    swept.files += usize::from(path.extension().is_some_and(|e| e == "log"));
                     swept.bytes += meta.len();
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, path = %path.display(), "could not remove an expired job log")
+                }
+            }
+        }
+    }
+    swept
+}
+
+/// How long past `plan_max_age` a saved plan stays: a late apply is refused as
+/// `plan_stale` ("plan again") rather than `plan_unknown` for that long.
+pub const STALE_PLAN_GRACE: Duration = Duration::from_secs(86_400);
+
+/// Remove the saved plans (`<plans_dir>/<workspace>/<digest>.tfplan`) last written
+/// before `now_ms - plan_max_age - STALE_PLAN_GRACE`. Anything else there (other
+/// files, symbolic links) is left alone.
+pub fn sweep_saved_plans(plans_dir: &Path, plan_max_age: Duration, now_ms: u64) -> Swept {
+    let cutoff = now_ms.saturating_sub((plan_max_age + STALE_PLAN_GRACE).as_millis() as u64);
+    let mut swept = Swept::default();
+    let Ok(workspaces) = std::fs::read_dir(plans_dir) else { return swept };
+    for workspace in workspaces.flatten() {
+        if !workspace.file_type().is_ok_and(|t| t.is_dir()) {
+            continue;
+        }
+        let Ok(plans) = std::fs::read_dir(workspace.path()) else { continue };
+        for plan in plans.flatten() {
+            let path = plan.path();
+            let Ok(meta) = plan.metadata() else { continue };
+            let written_ms = meta
+                .modified()
+                .ok()
+                .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+                .map_or(u64::MAX, |d| d.as_millis() as u64);
+            if !meta.is_file() || path.extension().is_none_or(|e| e != "tfplan") || written_ms >= cutoff {
+                continue;
+            }
+            match std::fs::remove_file(&path) {
+                Ok(()) => {
+                    swept.files += 1;
+                    swept.bytes += meta.len();
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, path = %path.display(), "could not remove an expired saved plan")
                 }
             }
         }
@@ -94,7 +138,7 @@ mod tests {
         finish(&f, "new-reported", now - 29 * DAY_MS, true);
         let swept =
             sweep_spools(f.rt.journal.as_ref(), &f.rt.state_dir, Duration::from_secs(30 * 86_400), now);
-        assert_eq!(swept, Swept { logs: 1, bytes: 4 });
+        assert_eq!(swept, Swept { files: 1, bytes: 4 });
         let exists = |id: &str| spool::spool_path(&f.rt.state_dir, id).exists();
         assert!(!exists("old-reported"));
         assert!(exists("old-unreported"), "a log the control plane may not hold yet was removed");
@@ -106,7 +150,43 @@ mod tests {
             Duration::from_secs(30 * 86_400),
             now + 2 * DAY_MS,
         );
-        assert_eq!(swept.logs, 1);
+        assert_eq!(swept.files, 1);
         assert!(!exists("new-reported") && exists("old-unreported"));
+    }
+
+    #[test]
+    fn only_saved_plans_a_day_past_their_max_age_go() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let plans = dir.path().join("plans");
+        let now = 100 * DAY_MS;
+        let max_age = Duration::from_secs(3600);
+        let write = |rel: &str, age_ms: u64| {
+            let path = plans.join(rel);
+            std::fs::create_dir_all(path.parent().expect("parent")).expect("dir");
+            std::fs::write(&path, b"plan").expect("plan");
+            let at = std::time::UNIX_EPOCH + Duration::from_millis(now - age_ms);
+            std::fs::File::options().write(true).open(&path).expect("open").set_modified(at).expect("mtime");
+            path
+        };
+        let gone = write("vpc/aaaa.tfplan", 2 * DAY_MS);
+        let stale_but_kept = write("vpc/bbbb.tfplan", 3_600_000 + 12 * 3_600_000);
+        let fresh = write("eks/cccc.tfplan", 60_000);
+        let not_a_plan = write("eks/notes.txt", 10 * DAY_MS);
+        let elsewhere = dir.path().join("elsewhere.tfplan");
+        std::fs::write(&elsewhere, b"x").expect("file");
+        std::os::unix::fs::symlink(&elsewhere, plans.join("vpc/link.tfplan")).expect("symlink");
+        std::fs::File::options()
+            .write(true)
+            .open(&elsewhere)
+            .expect("open")
+            .set_modified(std::time::UNIX_EPOCH)
+            .expect("mtime");
+        assert_eq!(sweep_saved_plans(&plans, max_age, now), Swept { files: 1, bytes: 4 });
+        assert!(!gone.exists());
+        assert!(stale_but_kept.exists(), "a plan refused as stale for less than a day went");
+        assert!(fresh.exists() && not_a_plan.exists() && elsewhere.exists());
+        assert!(plans.join("vpc/link.tfplan").symlink_metadata().is_ok(), "a symbolic link was followed");
+        // No plans directory yet (no plan-only job ran): nothing to do.
+        assert_eq!(sweep_saved_plans(&dir.path().join("none"), max_age, now), Swept::default());
     }
 }

@@ -37,7 +37,7 @@ mod slots;
 mod upkeep;
 use enroll::enroll_if_needed;
 use slots::{SlotGuard, Slots};
-use upkeep::{compact_journal, sweep_archives, sweep_logs, write_metrics};
+use upkeep::{compact_journal, sweep_archives, sweep_logs, sweep_plans, write_metrics};
 
 /// Environment variable that may carry the bootstrap token instead of a file.
 pub const BOOTSTRAP_TOKEN_ENV: &str = "BYOC_RUNNER_BOOTSTRAP_TOKEN";
@@ -245,12 +245,13 @@ pub async fn run(config: Config) -> Result<(), DaemonError> {
         }
     });
     let (logs_keep, archives_keep) = (rt.config.jobs.log_retention, rt.config.jobs.journal_archive_retention);
-    let retention_task = (logs_keep.is_some() || archives_keep.is_some()).then(|| {
+    let retention_task = {
         let rt = rt.clone();
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(Duration::from_secs(3600));
             loop {
                 tick.tick().await;
+                sweep_plans(&rt);
                 if let Some(keep) = logs_keep {
                     sweep_logs(&rt, keep);
                 }
@@ -259,7 +260,7 @@ pub async fn run(config: Config) -> Result<(), DaemonError> {
                 }
             }
         })
-    });
+    };
     let metrics_task = rt.config.metrics_textfile.clone().map(|path| {
         let rt = rt.clone();
         tokio::spawn(async move {
@@ -332,7 +333,8 @@ pub async fn run(config: Config) -> Result<(), DaemonError> {
     .await;
     rt.stop_reporting.cancel();
     idle_task.abort();
-    for t in [retention_task, metrics_task].into_iter().flatten() {
+    retention_task.abort();
+    if let Some(t) = metrics_task {
         t.abort();
     }
     let _ = audit_task.await;

@@ -64,12 +64,12 @@ pub(super) fn compact_journal(rt: &Rt) {
 
 pub(super) fn sweep_logs(rt: &Rt, keep: Duration) {
     let swept = crate::retention::sweep_spools(rt.journal.as_ref(), &rt.state_dir, keep, rt.clock.now_ms());
-    if swept.logs == 0 {
+    if swept.files == 0 {
         return;
     }
     let days = keep.as_secs() / 86_400;
     tracing::info!(
-        logs = swept.logs,
+        logs = swept.files,
         bytes = swept.bytes,
         days,
         "removed acknowledged job logs past their retention"
@@ -78,12 +78,37 @@ pub(super) fn sweep_logs(rt: &Rt, keep: Duration) {
         event: "logs_removed".into(),
         detail: Some(format!(
             "{} acknowledged job logs ({} bytes) older than {days} days (jobs.log_retention_days)",
-            swept.logs, swept.bytes
+            swept.files, swept.bytes
         )),
         ..Default::default()
     };
     if let Err(e) = rt.audit.record(r) {
         tracing::error!(error = %e, "could not audit the removal of expired job logs");
+    }
+}
+
+/// Remove saved plans no job may apply any more (a day past
+/// `terraform.plan_max_age_secs`); audited when any went.
+pub(super) fn sweep_plans(rt: &Rt) {
+    let max_age = rt.config.terraform.plan_max_age;
+    let plans_dir = rt.state_dir.join(crate::pipeline::execute::PLANS_DIR);
+    let swept = crate::retention::sweep_saved_plans(&plans_dir, max_age, rt.clock.now_ms());
+    if swept.files == 0 {
+        return;
+    }
+    tracing::info!(plans = swept.files, bytes = swept.bytes, "removed saved plans past their use");
+    let r = byoc_audit::log::Record {
+        event: "plans_removed".into(),
+        detail: Some(format!(
+            "{} saved plans ({} bytes) written more than {} s + 1 day ago (terraform.plan_max_age_secs)",
+            swept.files,
+            swept.bytes,
+            max_age.as_secs()
+        )),
+        ..Default::default()
+    };
+    if let Err(e) = rt.audit.record(r) {
+        tracing::error!(error = %e, "could not audit the removal of saved plans");
     }
 }
 
@@ -115,5 +140,35 @@ pub(super) fn sweep_archives(rt: &Rt, keep: Duration) {
         Err(e) => {
             tracing::error!(error = %e, "could not remove expired journal archives (next try in an hour)")
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing;
+
+    #[tokio::test]
+    async fn expired_saved_plans_are_removed_and_audited() {
+        let f = testing::runtime().await;
+        let plan = f.rt.state_dir.join(crate::pipeline::execute::PLANS_DIR).join("vpc/aaaa.tfplan");
+        std::fs::create_dir_all(plan.parent().expect("parent")).expect("dir");
+        std::fs::write(&plan, b"plan").expect("plan");
+        let now = std::time::UNIX_EPOCH + Duration::from_millis(f.rt.clock.now_ms());
+        let written = now - f.rt.config.terraform.plan_max_age - crate::retention::STALE_PLAN_GRACE;
+        // Exactly at the end of its grace: kept.
+        std::fs::File::options().write(true).open(&plan).expect("open").set_modified(written).expect("mtime");
+        sweep_plans(&f.rt);
+        assert!(plan.exists() && !f.audit.events().iter().any(|e| e == "plans_removed"));
+        let just_past = written - Duration::from_secs(1);
+        std::fs::File::options()
+            .write(true)
+            .open(&plan)
+            .expect("open")
+            .set_modified(just_past)
+            .expect("mtime");
+        sweep_plans(&f.rt);
+        assert!(!plan.exists());
+        assert_eq!(f.audit.events().iter().filter(|e| *e == "plans_removed").count(), 1);
     }
 }
