@@ -279,7 +279,7 @@ async fn cancelling_an_apply_sends_sigint_first() {
 
 #[tokio::test]
 async fn a_saved_plan_is_applied_by_digest_and_only_by_its_digest() {
-    let e = tf_env().await;
+    let mut e = tf_env().await;
     let (_, r, log) = run(&e, job("plan", &example("plan-tags-only.json"), &[], serde_json::json!({}))).await;
     assert_eq!(r.status, JobStatus::Succeeded, "{:?}\n{log}", r.error);
     assert!(!log.contains("fake-terraform: apply"), "{log}");
@@ -305,6 +305,24 @@ async fn a_saved_plan_is_applied_by_digest_and_only_by_its_digest() {
     let (_, r, log) = run(&e, req).await;
     assert_eq!(r.outputs["reason"], "plan_stale", "{:?}", r.error);
     assert!(!log.contains("fake-terraform: apply"), "{log}");
+
+    // A day past that, the daemon's sweep (at its start, then hourly) removes it.
+    let gone = std::time::SystemTime::now() - std::time::Duration::from_secs(3600 + 86_400 + 60);
+    std::fs::File::options().write(true).open(&saved).unwrap().set_modified(gone).unwrap();
+    e.env.runner.kill9().await;
+    e.env.runner.spawn(None).unwrap();
+    assert!(
+        wait_log(&e.env.runner, "removed saved plans past their use", std::time::Duration::from_secs(30))
+            .await,
+        "{}",
+        e.env.runner.log()
+    );
+    assert!(!saved.exists());
+    let removed = audit_events(&e.env.runner.state_dir, "plans_removed");
+    assert_eq!(removed.len(), 1, "{removed:?}");
+    let req = job("apply", &example("plan-tags-only.json"), &[], serde_json::json!({"plan_digest": digest}));
+    let (_, r, _) = run(&e, req).await;
+    assert_eq!(r.outputs["reason"], "plan_unknown", "{:?}", r.error);
 
     let other = format!("sha256:{}", "0".repeat(64));
     let (_, r, log) = run(

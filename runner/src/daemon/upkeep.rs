@@ -96,7 +96,6 @@ pub(super) fn sweep_plans(rt: &Rt) {
     if swept.files == 0 {
         return;
     }
-    tracing::info!(plans = swept.files, bytes = swept.bytes, "removed saved plans past their use");
     let r = byoc_audit::log::Record {
         event: "plans_removed".into(),
         detail: Some(format!(
@@ -110,6 +109,8 @@ pub(super) fn sweep_plans(rt: &Rt) {
     if let Err(e) = rt.audit.record(r) {
         tracing::error!(error = %e, "could not audit the removal of saved plans");
     }
+    // After the record: a reader of the log finds it in the audit log.
+    tracing::info!(plans = swept.files, bytes = swept.bytes, "removed saved plans past their use");
 }
 
 /// Remove journal archives past `jobs.journal_archive_days`; audited when any went.
