@@ -20,6 +20,7 @@ pub mod context;
 pub mod dns;
 pub mod eks;
 pub mod helm;
+pub mod job_files;
 pub mod jobnet;
 pub mod kubernetes;
 pub mod mask;
@@ -449,6 +450,12 @@ pub trait Executor: Send + Sync {
     /// and approval rules can treat apart from deploys.
     fn is_drift_check(&self) -> bool {
         false
+    }
+
+    /// The terraform workspace whose local state this job may change (the runner
+    /// journals it before the job starts, to keep that state after a crash).
+    fn state_workspace(&self) -> Option<String> {
+        None
     }
 
     /// For a deploy: the spec of a drift check of what it deploys (the same module,

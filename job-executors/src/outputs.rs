@@ -14,7 +14,7 @@ pub const MAX_OUTPUT_BYTES: u64 = 64 * 1024;
 
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum OutputsError {
-    #[error("outputs file is {0} bytes; the limit is {MAX_OUTPUT_BYTES}")]
+    #[error("outputs file is larger than {0} bytes")]
     TooLarge(u64),
     #[error("outputs file is not UTF-8")]
     NotUtf8,
@@ -24,21 +24,17 @@ pub enum OutputsError {
     Read(String),
 }
 
-/// Read and validate the outputs file; a missing file means no outputs. Values are
+/// Read and validate the outputs file the job left in `work_dir` (beneath it, no link
+/// followed, a regular file: `job_files`); a missing file means no outputs. Values are
 /// masked like the log.
-pub fn read(path: &Path, masker: &Masker) -> Result<serde_json::Value, OutputsError> {
-    let meta = match std::fs::symlink_metadata(path) {
-        Ok(m) => m,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(serde_json::json!({})),
+pub fn read(work_dir: &Path, masker: &Masker) -> Result<serde_json::Value, OutputsError> {
+    use crate::job_files::JobFileError;
+    let bytes = match crate::job_files::read_if_exists(work_dir, OUTPUT_FILE, MAX_OUTPUT_BYTES) {
+        Ok(Some(b)) => b,
+        Ok(None) => return Ok(serde_json::json!({})),
+        Err(JobFileError::TooLarge { .. }) => return Err(OutputsError::TooLarge(MAX_OUTPUT_BYTES)),
         Err(e) => return Err(OutputsError::Read(e.to_string())),
     };
-    if !meta.file_type().is_file() {
-        return Err(OutputsError::Read("it is not a regular file".into()));
-    }
-    if meta.len() > MAX_OUTPUT_BYTES {
-        return Err(OutputsError::TooLarge(meta.len()));
-    }
-    let bytes = std::fs::read(path).map_err(|e| OutputsError::Read(e.to_string()))?;
     let text = String::from_utf8(bytes).map_err(|_| OutputsError::NotUtf8)?;
     parse(&text, masker)
 }
@@ -99,13 +95,17 @@ mod tests {
     fn oversized_or_odd_files_are_refused() {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join(OUTPUT_FILE);
-        assert_eq!(read(&p, &Masker::none()).unwrap(), serde_json::json!({}));
+        let read = |m: &Masker| read(dir.path(), m);
+        assert_eq!(read(&Masker::none()).unwrap(), serde_json::json!({}));
         std::fs::write(&p, "k=".to_string() + &"v".repeat(MAX_OUTPUT_BYTES as usize)).unwrap();
-        assert!(matches!(read(&p, &Masker::none()), Err(OutputsError::TooLarge(_))));
+        assert!(matches!(read(&Masker::none()), Err(OutputsError::TooLarge(_))));
         std::fs::write(&p, [0xff, 0xfe]).unwrap();
-        assert_eq!(read(&p, &Masker::none()), Err(OutputsError::NotUtf8));
+        assert_eq!(read(&Masker::none()), Err(OutputsError::NotUtf8));
         std::fs::remove_file(&p).unwrap();
         std::os::unix::fs::symlink("/etc/passwd", &p).unwrap();
-        assert!(matches!(read(&p, &Masker::none()), Err(OutputsError::Read(_))));
+        assert!(matches!(read(&Masker::none()), Err(OutputsError::Read(_))));
+        std::fs::remove_file(&p).unwrap();
+        nix::unistd::mkfifo(&p, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+        assert!(matches!(read(&Masker::none()), Err(OutputsError::Read(_))), "a FIFO is refused, not waited on");
     }
 }

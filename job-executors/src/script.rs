@@ -68,7 +68,7 @@ impl Executor for Script {
             if let Err(e) = std::fs::write(&script_path, &self.script) {
                 return ExecOutcome::failed(format!("writing {}: {e}", script_path.display()));
             }
-            let outputs_path = ctx.settings.work_dir.join(crate::outputs::OUTPUT_FILE);
+            let work_dir = ctx.settings.work_dir.clone();
             // Inside the sandbox the working directory is /work; unsandboxed it is the
             // host path. The job sees only this environment.
             let dir = match &ctx.settings.sandbox {
@@ -110,7 +110,7 @@ impl Executor for Script {
                     crate::process::run_process_group(cmd, ctx, None).await
                 }
             };
-            match crate::outputs::read(&outputs_path, &crate::mask::Masker::none()) {
+            match crate::outputs::read(&work_dir, &crate::mask::Masker::none()) {
                 Ok(mut outputs) => {
                     // A refusal's reason code stays; the job cannot have written any.
                     if let (Some(reason), Some(o)) = (outcome.outputs.get("reason"), outputs.as_object_mut())

@@ -70,6 +70,38 @@ const NAMESPACE_FLAGS: &[u64] = &[
     0x80, // CLONE_NEWTIME
 ];
 
+/// `AUDIT_ARCH_*` of this build's architecture (`<linux/audit.h>`).
+#[cfg(target_arch = "aarch64")]
+const NATIVE_AUDIT_ARCH: u32 = 0xC000_00B7;
+#[cfg(not(target_arch = "aarch64"))]
+const NATIVE_AUDIT_ARCH: u32 = 0xC000_003E;
+
+/// x86-64's x32 ABI shares the native audit arch and marks its calls with this bit in the
+/// number (`__X32_SYSCALL_BIT`): a filter that lists native numbers never matches them, so
+/// an x32 `unshare` would pass a deny list. (On aarch64 no number has the bit.)
+const X32_SYSCALL_BIT: u32 = 0x4000_0000;
+
+/// The first program: any architecture but the native one (i386 through `int 0x80`, say)
+/// kills the process, and on x86-64 every x32 call fails with EPERM. The deny list
+/// after it then only ever sees native numbers.
+fn abi_filter() -> BpfProgram {
+    use libc::{BPF_ABS, BPF_JEQ, BPF_JGE, BPF_JMP, BPF_K, BPF_LD, BPF_RET, BPF_W};
+    let stmt = |code: u32, k: u32| seccompiler::sock_filter { code: code as u16, jt: 0, jf: 0, k };
+    let jump = |code: u32, k: u32, jt: u8, jf: u8| seccompiler::sock_filter { code: code as u16, jt, jf, k };
+    // struct seccomp_data { int nr; __u32 arch; ... }
+    const NR: u32 = 0;
+    const ARCH: u32 = 4;
+    vec![
+        stmt(BPF_LD | BPF_W | BPF_ABS, ARCH),
+        jump(BPF_JMP | BPF_JEQ | BPF_K, NATIVE_AUDIT_ARCH, 1, 0),
+        stmt(BPF_RET | BPF_K, libc::SECCOMP_RET_KILL_PROCESS),
+        stmt(BPF_LD | BPF_W | BPF_ABS, NR),
+        jump(BPF_JMP | BPF_JGE | BPF_K, X32_SYSCALL_BIT, 0, 1),
+        stmt(BPF_RET | BPF_K, libc::SECCOMP_RET_ERRNO | libc::EPERM as u32),
+        stmt(BPF_RET | BPF_K, libc::SECCOMP_RET_ALLOW),
+    ]
+}
+
 fn arch() -> seccompiler::TargetArch {
     #[cfg(target_arch = "aarch64")]
     return seccompiler::TargetArch::aarch64;
@@ -77,8 +109,8 @@ fn arch() -> seccompiler::TargetArch {
     seccompiler::TargetArch::x86_64
 }
 
-/// The filters to install, in order. Two programs because their actions differ:
-/// `clone3` answers ENOSYS (its flags sit in memory a filter cannot read, and ENOSYS
+/// The filters to install, in order: the ABI filter, then two programs because their
+/// actions differ: `clone3` answers ENOSYS (its flags sit in memory a filter cannot read, and ENOSYS
 /// makes libc fall back to `clone`, whose flags the main filter checks).
 pub fn job_filters() -> Result<Vec<BpfProgram>, SeccompError> {
     let err = |e: &dyn std::fmt::Display| SeccompError(e.to_string());
@@ -103,7 +135,7 @@ pub fn job_filters() -> Result<Vec<BpfProgram>, SeccompError> {
         arch(),
     )
     .map_err(|e| err(&e))?;
-    Ok(vec![main.try_into().map_err(|e| err(&e))?, clone3.try_into().map_err(|e| err(&e))?])
+    Ok(vec![abi_filter(), main.try_into().map_err(|e| err(&e))?, clone3.try_into().map_err(|e| err(&e))?])
 }
 
 pub fn apply(filters: &[BpfProgram]) -> Result<(), SeccompError> {
@@ -207,6 +239,6 @@ mod tests {
 
     #[test]
     fn filters_build_for_this_architecture() {
-        assert_eq!(job_filters().unwrap().len(), 2);
+        assert_eq!(job_filters().unwrap().len(), 3);
     }
 }

@@ -70,6 +70,21 @@ pub fn exit_now(code: i32) -> ! {
     unsafe { libc::_exit(code) }
 }
 
+/// `getpid` through x86-64's x32 ABI (its number with `__X32_SYSCALL_BIT`): what the
+/// kernel answers, `Ok(pid)` or the errno. The probe checks the job's filter refuses it;
+/// on other architectures there is no such ABI and this reports ENOSYS.
+pub fn x32_getpid() -> Result<i64, nix::errno::Errno> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        // SAFETY: getpid takes no arguments and touches no memory, under any ABI; a kernel
+        // without x32 answers ENOSYS.
+        let r = unsafe { libc::syscall(0x4000_0000 | libc::SYS_getpid) };
+        if r < 0 { Err(nix::errno::Errno::last()) } else { Ok(r) }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    Err(nix::errno::Errno::ENOSYS)
+}
+
 /// Close one descriptor by number (the child's copy of a pipe end it must not hold).
 pub fn close_raw(fd: std::os::fd::RawFd) {
     // SAFETY: the caller names a descriptor of its own (a copy inherited through clone)

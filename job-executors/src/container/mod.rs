@@ -79,9 +79,9 @@ impl Executor for Container {
                     "container actions are not enabled on this runner ([containers] in the config)",
                 );
             };
-            let outputs_path = ctx.settings.work_dir.join(crate::outputs::OUTPUT_FILE);
+            let work_dir = ctx.settings.work_dir.clone();
             let mut outcome = run_container(self, &settings, ctx).await;
-            match crate::outputs::read(&outputs_path, &crate::mask::Masker::none()) {
+            match crate::outputs::read(&work_dir, &crate::mask::Masker::none()) {
                 Ok(mut o) => {
                     // A refusal's reason code stays; the container cannot have written any.
                     if let (Some(reason), Some(map)) = (outcome.outputs.get("reason"), o.as_object_mut()) {

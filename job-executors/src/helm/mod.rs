@@ -23,6 +23,14 @@ const STATUS: &str = "status.json";
 const VALUES: &str = "values.json";
 const SECRET_VALUES: &str = "secret-values.json";
 const KUBECONFIG: &str = "kubeconfig";
+/// What the runner reads back of helm's files in the job's directory, at most.
+const MAX_HELM_FILE_BYTES: u64 = 64 << 20;
+
+/// A file helm wrote in the job's directory, read the one safe way (`job_files`: beneath
+/// the directory, no link followed, a regular file, capped).
+fn helm_file(run: &Run<'_, '_>, name: &str) -> Result<Vec<u8>, crate::job_files::JobFileError> {
+    crate::job_files::read(&run.ctx.settings.work_dir, name, MAX_HELM_FILE_BYTES)
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -326,10 +334,11 @@ impl Helm {
         let s = &self.spec;
         let get = sh(format!("get manifest '{}' --namespace '{}'", s.release, s.namespace), DEPLOYED);
         match run.cmd("get manifest", get).await {
-            Ok(()) => Ok(std::fs::read_to_string(run.ctx.settings.work_dir.join(DEPLOYED))
-                .ok()
-                .and_then(|t| parse_manifests(&t).ok())
-                .unwrap_or_default()),
+            Ok(()) => {
+                let raw = helm_file(run, DEPLOYED)
+                    .map_err(|e| failed(e.code(), format!("reading the deployed manifests: {e}"), serde_json::Value::Null))?;
+                Ok(parse_manifests(&String::from_utf8_lossy(&raw)).unwrap_or_default())
+            }
             Err(o) if o.status == JobStatus::Failed => Ok(vec![]),
             Err(o) => Err(o),
         }
@@ -461,9 +470,15 @@ impl Helm {
             Action::Upgrade => {
                 let chart = self.chart_args().iter().map(|a| format!("'{a}'")).collect::<Vec<_>>().join(" ");
                 run.cmd("template", sh(format!("template '{}' {chart}", s.release), RENDERED)).await?;
-                let rendered = std::fs::read_to_string(run.ctx.settings.work_dir.join(RENDERED))
-                    .map_err(|e| ExecOutcome::failed(format!("reading the rendered manifests: {e}")))?;
-                let _ = std::fs::remove_file(run.ctx.settings.work_dir.join(RENDERED));
+                let rendered = helm_file(run, RENDERED).map_err(|e| {
+                    failed(e.code(), format!("reading the rendered manifests: {e}"), serde_json::Value::Null)
+                })?;
+                if let Ok(tree) = crate::job_files::JobTree::open(&run.ctx.settings.work_dir) {
+                    let _ = tree.remove(RENDERED);
+                }
+                let rendered = String::from_utf8(rendered).map_err(|_| {
+                    failed("manifests_unreadable", "helm template: not UTF-8".into(), serde_json::Value::Null)
+                })?;
                 let manifests = parse_manifests(&rendered).map_err(|e| {
                     failed("manifests_unreadable", format!("helm template: {e}"), serde_json::Value::Null)
                 })?;
@@ -558,8 +573,8 @@ impl Helm {
             helm.to_string(),
         ];
         run.cmd("status", argv).await?;
-        let raw = std::fs::read(run.ctx.settings.work_dir.join(STATUS))
-            .map_err(|e| ExecOutcome::failed(format!("reading the status: {e}")))?;
+        let raw = helm_file(run, STATUS)
+            .map_err(|e| failed(e.code(), format!("reading the status: {e}"), serde_json::Value::Null))?;
         let v: serde_json::Value = serde_json::from_slice(&raw)
             .map_err(|e| ExecOutcome::failed(format!("helm status -o json: {e}")))?;
         // Name, revision and state only: the status also carries the rendered values.

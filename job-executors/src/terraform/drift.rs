@@ -6,6 +6,12 @@ use super::*;
 
 const DRIFT_PLAN: &str = "drift.tfplan";
 const DRIFT_JSON: &str = "drift.json";
+/// What a drift check reads of show's JSON, at most: the policies' input limit (the
+/// decision would refuse more anyway), 64 MiB without a policy scope.
+fn policy_input_cap(run: &Run<'_, '_>) -> u64 {
+    run.ctx.settings.policy.as_ref().map(|p| p.limits.max_input_bytes as u64).unwrap_or(64 << 20)
+}
+
 /// Changed attribute paths reported per drifted resource, at most.
 const MAX_DRIFT_PATHS: usize = 50;
 
@@ -70,14 +76,16 @@ impl Terraform {
         ];
         run.log("[terraform] drift check: refresh-only and contract plans; nothing is applied\n");
         run.cmd("init, plan -refresh-only, plan", run.tf_script(&steps, backend)).await?;
+        let cap = policy_input_cap(run);
         let read = |file: &str| -> Step<(serde_json::Value, String)> {
             let plan_file = if file == DRIFT_JSON { DRIFT_PLAN } else { PLAN_FILE };
-            let digest = sha256_file(&module.join(plan_file))
-                .map_err(|e| ExecOutcome::failed(format!("hashing {plan_file}: {e}")))?;
-            let bytes = std::fs::read(module.join(file))
-                .map_err(|e| ExecOutcome::failed(format!("reading {file}: {e}")))?;
+            let unreadable = |e: crate::job_files::JobFileError, what: &str| {
+                failed(e.code(), format!("{what} {file}: {e}"), serde_json::Value::Null)
+            };
+            let digest = sha256_module_file(module, plan_file).map_err(|e| unreadable(e, "hashing the plan of"))?;
+            let bytes = module_file(module, file, cap).map_err(|e| unreadable(e, "reading"))?;
             // Values the control plane must not see: gone from disk now.
-            let _ = std::fs::remove_file(module.join(file));
+            remove_module_file(module, file);
             let v = serde_json::from_slice(&bytes).map_err(|e| {
                 failed(
                     "plan_unreadable",

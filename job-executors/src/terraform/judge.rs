@@ -5,7 +5,10 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use super::summary::summary;
-use super::{OUTPUTS_JSON, PLAN_JSON, Terraform, sha256_file, state};
+use super::{
+    MAX_OUTPUTS_BYTES, MAX_STATE_BYTES, OUTPUTS_JSON, PLAN_JSON, Terraform, module_file, remove_module_file,
+    sha256_file, state,
+};
 use crate::tool::{Step, failed};
 use crate::{ExecContext, ExecOutcome};
 
@@ -34,10 +37,12 @@ impl Terraform {
         // which apply later runs only if the sealed copy still has them.
         let plan_digest =
             sha256_file(plan_path).map_err(|e| ExecOutcome::failed(format!("hashing the plan: {e}")))?;
-        let plan_bytes = std::fs::read(module.join(PLAN_JSON))
-            .map_err(|e| ExecOutcome::failed(format!("reading the plan JSON: {e}")))?;
+        // Read beneath the job's directory, no link followed, at most what the policies
+        // would take.
+        let plan_bytes = module_file(module, PLAN_JSON, policy.limits.max_input_bytes as u64)
+            .map_err(|e| failed(e.code(), format!("reading the plan JSON: {e}"), serde_json::Value::Null))?;
         // The plan's JSON has values the control plane must not see: drop it now.
-        let _ = std::fs::remove_file(module.join(PLAN_JSON));
+        remove_module_file(module, PLAN_JSON);
         let plan_value: serde_json::Value = serde_json::from_slice(&plan_bytes).map_err(|e| {
             failed(
                 "plan_unreadable",
@@ -131,14 +136,15 @@ pub(super) fn still_the_plan(
 /// them in `output -json`'s own shape.
 pub(super) fn read_outputs(module: &Path, declares_outputs: bool, from_output_json: bool) -> Step<Vec<u8>> {
     if from_output_json {
-        return std::fs::read(module.join(OUTPUTS_JSON))
-            .map_err(|e| ExecOutcome::failed(format!("reading outputs: {e}")));
+        return module_file(module, OUTPUTS_JSON, MAX_OUTPUTS_BYTES)
+            .map_err(|e| failed(e.code(), format!("reading outputs: {e}"), serde_json::Value::Null));
     }
     if !declares_outputs {
         return Ok(b"{}".to_vec());
     }
-    let state = std::fs::read(module.join(state::LOCAL_STATE))
-        .map_err(|e| ExecOutcome::failed(format!("reading outputs from the state: {e}")))?;
+    let state = module_file(module, state::LOCAL_STATE, MAX_STATE_BYTES).map_err(|e| {
+        failed(e.code(), format!("reading outputs from the state: {e}"), serde_json::Value::Null)
+    })?;
     let v: serde_json::Value = serde_json::from_slice(&state)
         .map_err(|e| ExecOutcome::failed(format!("reading outputs: the state is not JSON: {e}")))?;
     Ok(serde_json::to_vec(&v["outputs"]).unwrap_or_default())

@@ -176,6 +176,48 @@ impl Terraform {
     }
 }
 
+/// Caps on what the runner reads back of terraform's files in the job's directory.
+const MAX_OUTPUTS_BYTES: u64 = 16 << 20;
+pub(crate) const MAX_STATE_BYTES: u64 = 256 << 20;
+
+/// `<work>/module` as the job's tree and the name beneath it: the module directory is the
+/// job's (its code can put links there), its parent the runner's.
+fn in_tree(module: &Path, name: &str) -> (PathBuf, PathBuf) {
+    let root = module.parent().unwrap_or(module).to_path_buf();
+    let rel = Path::new(module.file_name().unwrap_or_default()).join(name);
+    (root, rel)
+}
+
+/// A file terraform wrote in the module directory, read the one safe way (`job_files`).
+pub(crate) fn module_file(module: &Path, name: &str, max: u64) -> Result<Vec<u8>, crate::job_files::JobFileError> {
+    let (root, rel) = in_tree(module, name);
+    crate::job_files::read(&root, rel, max)
+}
+
+/// The same, `None` when terraform wrote no such file.
+pub(crate) fn module_file_if_exists(
+    module: &Path,
+    name: &str,
+    max: u64,
+) -> Result<Option<Vec<u8>>, crate::job_files::JobFileError> {
+    let (root, rel) = in_tree(module, name);
+    crate::job_files::read_if_exists(&root, rel, max)
+}
+
+/// Remove a file of terraform's from the module directory (no link followed).
+fn remove_module_file(module: &Path, name: &str) {
+    let (root, rel) = in_tree(module, name);
+    if let Ok(t) = crate::job_files::JobTree::open(&root) {
+        let _ = t.remove(rel);
+    }
+}
+
+/// The digest of a plan file in the module directory (`job_files`: no link followed).
+fn sha256_module_file(module: &Path, name: &str) -> Result<String, crate::job_files::JobFileError> {
+    let (root, rel) = in_tree(module, name);
+    crate::job_files::JobTree::open(&root)?.sha256(rel)
+}
+
 fn sha256_file(p: &Path) -> std::io::Result<String> {
     let mut f = std::fs::File::open(p)?;
     let mut h = sha2::Sha256::new();
@@ -293,7 +335,7 @@ impl Terraform {
                     Ok(held) => held,
                     Err(e) => return failed(e.code(), e.to_string(), serde_json::Value::Null),
                 };
-                if let Err(e) = held.stage(&ctx.settings.work_dir, &module) {
+                if let Err(e) = held.stage(&module) {
                     return failed(e.code(), e.to_string(), serde_json::Value::Null);
                 }
                 local_state = Some(held);
@@ -549,6 +591,10 @@ impl Executor for Terraform {
 
     fn is_drift_check(&self) -> bool {
         self.spec.mode == Mode::Drift
+    }
+
+    fn state_workspace(&self) -> Option<String> {
+        Some(self.spec.workspace.clone())
     }
 
     fn drift_spec(&self) -> Option<serde_json::Value> {

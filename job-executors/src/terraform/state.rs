@@ -17,9 +17,6 @@ use std::path::{Path, PathBuf};
 pub const OVERRIDE_FILE: &str = "zz_byoc_backend_override.tf";
 /// The module's local state file, inside the job's directory while the job runs.
 pub const LOCAL_STATE: &str = "terraform.tfstate";
-/// In a job's working directory: the workspace whose local state it holds, so a
-/// restart after a crash can put back what terraform wrote before it.
-pub const MARKER: &str = ".byoc-state-workspace";
 /// Previous versions kept per workspace.
 const HISTORY: usize = 10;
 
@@ -63,6 +60,8 @@ pub enum StateError {
     Locked { workspace: String },
     #[error("{op} {path}: {source}")]
     Io { op: &'static str, path: PathBuf, source: std::io::Error },
+    #[error("the state terraform left: {0}")]
+    JobFile(crate::job_files::JobFileError),
 }
 
 impl StateError {
@@ -70,6 +69,7 @@ impl StateError {
         match self {
             StateError::Locked { .. } => "state_locked",
             StateError::Io { .. } => "state_io",
+            StateError::JobFile(e) => e.code(),
         }
     }
 }
@@ -115,7 +115,6 @@ pub fn override_file(backend: &Backend, workspace: &str) -> String {
 /// change one workspace at once. Released when dropped (and by the kernel if the
 /// runner dies).
 pub struct LocalState {
-    workspace: String,
     dir: PathBuf,
     _lock: std::fs::File,
 }
@@ -139,7 +138,7 @@ impl LocalState {
             }
             Err(std::fs::TryLockError::Error(e)) => return Err(io("locking", &lock_path)(e)),
         }
-        Ok(LocalState { workspace: workspace.to_string(), dir, _lock: lock })
+        Ok(LocalState { dir, _lock: lock })
     }
 
     /// Whether a job holds the workspace now (`None`: no such workspace). Reads only:
@@ -164,11 +163,10 @@ impl LocalState {
         self.dir.join(LOCAL_STATE)
     }
 
-    /// Put the stored state (if any) beside the module, where the backend reads it,
-    /// and mark the job's directory as holding this workspace.
-    pub fn stage(&self, work_dir: &Path, module: &Path) -> Result<(), StateError> {
-        std::fs::write(work_dir.join(MARKER), &self.workspace)
-            .map_err(io("writing", &work_dir.join(MARKER)))?;
+    /// Put the stored state (if any) beside the module, where the backend reads it.
+    /// (The runner journals the workspace when the job starts: after a crash it knows
+    /// which state the directory holds without reading anything of the job's.)
+    pub fn stage(&self, module: &Path) -> Result<(), StateError> {
         let stored = self.stored();
         if stored.is_file() {
             let to = module.join(LOCAL_STATE);
@@ -180,10 +178,15 @@ impl LocalState {
     /// Keep what terraform left beside the module, if it changed: the stored version
     /// goes to the history first, the new one is written, fsynced and renamed into
     /// place. Called after every step that may write state, whatever its outcome (a
-    /// failed apply's partial state is the truth about what exists).
+    /// failed apply's partial state is the truth about what exists). The file is the
+    /// job's: read beneath its directory, no link followed, a regular file, capped
+    /// (`job_files`); anything else is an error and the stored state stays as it was.
     pub fn keep(&self, module: &Path) -> Result<Option<u64>, StateError> {
-        let new_path = module.join(LOCAL_STATE);
-        let Ok(new) = std::fs::read(&new_path) else { return Ok(None) };
+        let new = match super::module_file_if_exists(module, LOCAL_STATE, super::MAX_STATE_BYTES) {
+            Ok(Some(bytes)) => bytes,
+            Ok(None) => return Ok(None),
+            Err(e) => return Err(StateError::JobFile(e)),
+        };
         let stored = self.stored();
         let old = std::fs::read(&stored).ok();
         if old.as_deref() == Some(new.as_slice()) {
@@ -247,13 +250,18 @@ pub fn serial(state: &[u8]) -> Option<u64> {
 }
 
 /// After a crash: the state a killed job's terraform wrote beside its module is put
-/// back before the job's directory goes. `None` when the directory held none.
-pub fn salvage(work_dir: &Path, root: &Path, module_dir: &str) -> Result<Option<String>, StateError> {
-    let Ok(workspace) = std::fs::read_to_string(work_dir.join(MARKER)) else { return Ok(None) };
-    let workspace = workspace.trim().to_string();
-    let state = LocalState::acquire(root, &workspace)?;
-    state.keep(&work_dir.join(module_dir))?;
-    Ok(Some(workspace))
+/// back into `workspace` (as journaled when the job started) before the job's directory
+/// goes. `None` when the directory held none.
+pub fn salvage(work_dir: &Path, root: &Path, workspace: &str) -> Result<Option<u64>, StateError> {
+    if !super::valid_name(workspace) {
+        return Err(StateError::Io {
+            op: "naming the workspace of",
+            path: work_dir.to_path_buf(),
+            source: std::io::Error::new(std::io::ErrorKind::InvalidData, format!("{workspace:?}")),
+        });
+    }
+    let state = LocalState::acquire(root, workspace)?;
+    state.keep(&work_dir.join(super::MODULE_DIR))
 }
 
 /// What the customer may see of a workspace's state: resource addresses and the
@@ -371,7 +379,7 @@ mod tests {
         let module = work.path().join("module");
         std::fs::create_dir_all(&module).expect("module");
         let s = LocalState::acquire(root.path(), "api").expect("lock");
-        s.stage(work.path(), &module).expect("stage");
+        s.stage(&module).expect("stage");
         assert!(!module.join(LOCAL_STATE).exists(), "nothing stored yet");
         std::fs::write(module.join(LOCAL_STATE), state(1, "[]")).expect("write");
         assert_eq!(s.keep(&module).expect("keep"), Some(1));
@@ -386,7 +394,7 @@ mod tests {
         let module2 = work2.path().join("module");
         std::fs::create_dir_all(&module2).expect("module");
         let s = LocalState::acquire(root.path(), "api").expect("lock");
-        s.stage(work2.path(), &module2).expect("stage");
+        s.stage(&module2).expect("stage");
         assert_eq!(serial(&std::fs::read(module2.join(LOCAL_STATE)).expect("staged")), Some(2));
     }
 
@@ -398,14 +406,48 @@ mod tests {
         std::fs::create_dir_all(&module).expect("module");
         {
             let s = LocalState::acquire(root.path(), "api").expect("lock");
-            s.stage(work.path(), &module).expect("stage");
+            s.stage(&module).expect("stage");
             std::fs::write(module.join(LOCAL_STATE), state(7, "[]")).expect("write");
             // The runner dies here: nothing kept.
         }
-        assert_eq!(salvage(work.path(), root.path(), "module").expect("salvage"), Some("api".into()));
+        assert_eq!(salvage(work.path(), root.path(), "api").expect("salvage"), Some(7));
         assert_eq!(show(root.path(), "api").expect("show").serial, Some(7));
         let empty = tempfile::tempdir().expect("tempdir");
-        assert_eq!(salvage(empty.path(), root.path(), "module").expect("nothing"), None);
+        assert_eq!(salvage(empty.path(), root.path(), "api").expect("nothing"), None);
+        // A journaled name is still checked before it names a directory.
+        assert!(salvage(work.path(), root.path(), "../elsewhere").is_err());
+        assert!(!root.path().join("../elsewhere").exists());
+    }
+
+    /// The job's code replaced its state file with a link to a file of the runner's (or
+    /// made it a FIFO): nothing is kept, the stored state is unchanged, nothing blocks.
+    #[test]
+    fn a_state_file_the_job_replaced_with_a_link_or_fifo_is_refused() {
+        let root = tempfile::tempdir().expect("tempdir");
+        let outside = tempfile::tempdir().expect("tempdir");
+        let key = outside.path().join("identity.key");
+        std::fs::write(&key, state(99, "[]")).expect("key");
+        let work = tempfile::tempdir().expect("tempdir");
+        let module = work.path().join("module");
+        std::fs::create_dir_all(&module).expect("module");
+        let s = LocalState::acquire(root.path(), "api").expect("lock");
+        std::fs::write(module.join(LOCAL_STATE), state(1, "[]")).expect("write");
+        assert_eq!(s.keep(&module).expect("keep"), Some(1));
+        std::fs::remove_file(module.join(LOCAL_STATE)).expect("rm");
+        std::os::unix::fs::symlink(&key, module.join(LOCAL_STATE)).expect("link");
+        let e = s.keep(&module).expect_err("a link is not read");
+        assert_eq!(e.code(), "job_file_refused");
+        assert_eq!(show(root.path(), "api").expect("show").serial, Some(1), "the stored state is unchanged");
+        std::fs::remove_file(module.join(LOCAL_STATE)).expect("rm");
+        nix::unistd::mkfifo(&module.join(LOCAL_STATE), nix::sys::stat::Mode::from_bits_truncate(0o600)).expect("fifo");
+        assert_eq!(s.keep(&module).expect_err("a FIFO is not read").code(), "job_file_refused");
+        // The module directory itself a link to elsewhere: refused as well.
+        drop(s);
+        std::fs::remove_dir_all(&module).expect("rm");
+        std::fs::write(outside.path().join(LOCAL_STATE), state(50, "[]")).expect("elsewhere");
+        std::os::unix::fs::symlink(outside.path(), &module).expect("dir link");
+        assert!(salvage(work.path(), root.path(), "api").is_err());
+        assert_eq!(show(root.path(), "api").expect("show").serial, Some(1));
     }
 
     #[test]

@@ -30,10 +30,7 @@ pub(super) fn compact_journal(rt: &Rt) {
     if now_ms < RETRY_AT_MS.load(Ordering::Relaxed) {
         return;
     }
-    // An envelope is accepted until its expiry plus the allowed skew: its nonce is
-    // kept known until then.
-    let now_secs = (now_ms / 1000) as i64 - rt.config.jobs.max_clock_skew.as_secs() as i64;
-    match rt.journal.compact(rt.config.jobs.journal_keep, now_secs) {
+    match rt.journal.compact(rt.config.jobs.journal_keep, crate::journal::nonce_horizon_secs(now_ms)) {
         Ok(None) => {}
         Ok(Some(c)) => {
             let name = c.archive.file_name().unwrap_or_default().to_string_lossy().to_string();

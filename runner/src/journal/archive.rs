@@ -78,6 +78,14 @@ impl Journal {
     }
 }
 
+/// Envelopes that expired before this (Unix seconds) can no longer be accepted, whatever
+/// skew the configuration allows now or later: their nonces may be forgotten (an
+/// envelope is accepted until its expiry plus the allowed skew). The `now_secs` that
+/// [`Journal::compact`] is given.
+pub fn nonce_horizon_secs(now_ms: u64) -> i64 {
+    (now_ms / 1000) as i64 - crate::config::MAX_CLOCK_SKEW_SECS as i64
+}
+
 /// The archive directory beside the journal.
 pub const ARCHIVE_DIR: &str = "journal-archive";
 
@@ -277,7 +285,7 @@ mod tests {
         }
         // A job still in hand, older than the kept ones: never archived.
         j.append(received("running", "n-running")).unwrap();
-        j.append(Event::Started { job_id: "running".into(), started_at_ms: 1, network: None }).unwrap();
+        j.append(Event::Started { job_id: "running".into(), started_at_ms: 1, network: None, state_workspace: None }).unwrap();
         for i in 0..30 {
             rejected(&j, i, 100);
         }

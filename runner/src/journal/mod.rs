@@ -26,7 +26,7 @@ use byoc_protocol::{JobStatus, RejectReason};
 use serde::{Deserialize, Serialize};
 
 mod archive;
-pub use archive::{ARCHIVE_DIR, ArchivesRemoved, Compacted, read_index_all, remove_archives_before};
+pub use archive::{ARCHIVE_DIR, ArchivesRemoved, Compacted, nonce_horizon_secs, read_index_all, remove_archives_before};
 
 pub const JOURNAL_FILE: &str = "journal.jsonl";
 
@@ -78,6 +78,11 @@ pub enum Event {
         /// The network the job got (its log's `[sandbox] network: …` line).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         network: Option<String>,
+        /// The terraform workspace whose local state the job may change: after a crash
+        /// the runner keeps what the job left, and learns which workspace from here,
+        /// never from a file in the job's tree.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        state_workspace: Option<String>,
     },
     Finished {
         job_id: String,
@@ -182,6 +187,9 @@ pub struct JobRecord {
     pub started_at_ms: Option<u64>,
     pub finished: Option<Finished>,
     pub detail: Option<String>,
+    /// `started`'s terraform workspace (see [`Event::Started`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub state_workspace: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -252,6 +260,7 @@ impl Index {
                         phase: Phase::Received,
                         received_at_ms: line.ts,
                         started_at_ms: None,
+                        state_workspace: None,
                         finished: None,
                         detail: None,
                     },
@@ -296,10 +305,11 @@ impl Index {
                     j.detail = Some(detail.clone());
                 }
             }
-            Event::Started { job_id, started_at_ms, .. } => {
+            Event::Started { job_id, started_at_ms, state_workspace, .. } => {
                 self.set_phase(job_id, Phase::Started);
                 if let Some(j) = self.jobs.get_mut(job_id) {
                     j.started_at_ms = Some(*started_at_ms);
+                    j.state_workspace.clone_from(state_workspace);
                 }
             }
             Event::Finished {
@@ -564,7 +574,7 @@ mod tests {
             assert_eq!(cut, 0);
             j.append(received("a", "n1")).unwrap();
             j.append(Event::Claimed { job_id: "a".into(), lease_secs: 60 }).unwrap();
-            j.append(Event::Started { job_id: "a".into(), started_at_ms: 5, network: None }).unwrap();
+            j.append(Event::Started { job_id: "a".into(), started_at_ms: 5, network: None, state_workspace: None }).unwrap();
         }
         let (j, _) = Journal::open(dir.path()).unwrap();
         let rec = j.job("a").unwrap();

@@ -38,7 +38,12 @@ pub async fn execute(rt: &Rt, job: AssumedJob) -> Result<FinishedJob, JournalErr
         rt.sandbox.as_ref(),
         rt.containers.as_ref(),
     );
-    rt.transition(Event::Started { job_id: job_id.clone(), started_at_ms, network: Some(network) })?;
+    rt.transition(Event::Started {
+        job_id: job_id.clone(),
+        started_at_ms,
+        network: Some(network),
+        state_workspace: job.verified.executor.state_workspace(),
+    })?;
     tracing::info!("job started");
 
     let outcome;

@@ -97,7 +97,7 @@ mod tests {
         std::fs::write(&spool, log).expect("spool");
         for event in [
             Event::Claimed { job_id: job_id.into(), lease_secs: 60 },
-            Event::Started { job_id: job_id.into(), started_at_ms: 1, network: None },
+            Event::Started { job_id: job_id.into(), started_at_ms: 1, network: None, state_workspace: None },
             Event::Finished {
                 job_id: job_id.into(),
                 status: byoc_protocol::JobStatus::Succeeded,

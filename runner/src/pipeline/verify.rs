@@ -640,6 +640,7 @@ mod tests {
             started_at_ms: None,
             finished: None,
             detail: None,
+            state_workspace: None,
         };
         for (phase, expect) in [
             (Phase::Finished, Some(RejectReason::AlreadyFinished)),
@@ -652,5 +653,54 @@ mod tests {
             let got = verify(&f, env.clone(), &index, 1100).err().map(|r| r.reason);
             assert_eq!(got, expect, "phase {phase:?}");
         }
+    }
+
+    /// A settled job's envelope delivered again after journal compaction: refused at
+    /// every moment up to its expiry plus the largest skew the configuration accepts
+    /// (here the verifier allows 30 s), and expired after that.
+    #[test]
+    fn an_envelope_delivered_again_after_compaction_is_never_accepted() {
+        use crate::journal::{Event, Journal};
+        let f = fixture();
+        let env = JobEnvelope::sign(&payload(), &f.key);
+        let dir = tempfile::tempdir().expect("dir");
+        let (journal, _) = Journal::open(dir.path()).expect("journal");
+        let settle = |id: &str, nonce: &str| {
+            for e in [
+                Event::Received {
+                    job_id: id.into(),
+                    delivery_id: "dl-0".into(),
+                    nonce: nonce.into(),
+                    expires_at: 1300,
+                    kind: "runner.noop".into(),
+                    operation: "trigger".into(),
+                    entity: "action".into(),
+                    payload_sha256: "00".into(),
+                    timeout_secs: 60,
+                },
+                Event::Claimed { job_id: id.into(), lease_secs: 60 },
+                Event::Reported { job_id: id.into() },
+            ] {
+                journal.append(e).expect("append");
+            }
+        };
+        settle("job-1", "nonce-1");
+        for i in 0..40 {
+            settle(&format!("later-{i:02}"), &format!("n-{i}"));
+        }
+        for now in [1301, 1330, 1300 + crate::config::MAX_CLOCK_SKEW_SECS as i64] {
+            let compacted =
+                journal.compact(10, crate::journal::nonce_horizon_secs(now as u64 * 1000)).expect("compact");
+            assert!(compacted.is_none(), "at {now} every nonce may still be presented");
+            let r = journal.with_index(|i| verify(&f, env.clone(), i, now)).err().map(|r| r.reason);
+            let want = if now <= 1330 { RejectReason::AlreadyFinished } else { RejectReason::Expired };
+            assert_eq!(r, Some(want), "at {now}");
+        }
+        let later = 1301 + crate::config::MAX_CLOCK_SKEW_SECS as i64;
+        let c = journal.compact(10, crate::journal::nonce_horizon_secs(later as u64 * 1000)).expect("compact");
+        assert!(c.is_some_and(|c| c.jobs > 0), "past the horizon the settled jobs go");
+        assert!(journal.with_index(|i| !i.nonces.contains_key("nonce-1")));
+        let r = journal.with_index(|i| verify(&f, env.clone(), i, later)).err().map(|r| r.reason);
+        assert_eq!(r, Some(RejectReason::Expired));
     }
 }
