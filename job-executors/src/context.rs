@@ -39,6 +39,9 @@ pub struct ExecSettings {
     /// gets no AWS credentials at all).
     pub credentials: Option<JobCredentials>,
     pub oci: OciSettings,
+    /// Where the runner may connect for a job's cluster: the rule, and the API servers
+    /// the customer's configuration names (`[kubernetes] allowed_servers`).
+    pub cluster_reach: byoc_oci_sync::Reach,
     pub audit: Option<Arc<dyn JobAudit>>,
     pub tools: ToolSettings,
     /// `None`: jobs that need a policy decision are refused.
@@ -66,6 +69,7 @@ impl ExecContext<'_> {
             containers: None,
             credentials: None,
             oci: OciSettings::default(),
+            cluster_reach: byoc_oci_sync::Reach::guarded(Vec::<String>::new()),
             audit: None,
             tools: ToolSettings::default(),
             policy: None,
@@ -118,6 +122,10 @@ impl ExecSettings {
     }
     pub fn oci(mut self, oci: OciSettings) -> Self {
         self.oci = oci;
+        self
+    }
+    pub fn cluster_reach(mut self, reach: byoc_oci_sync::Reach) -> Self {
+        self.cluster_reach = reach;
         self
     }
     pub fn tools(mut self, tools: ToolSettings) -> Self {

@@ -41,9 +41,9 @@ impl JobFileError {
     pub fn code(&self) -> &'static str {
         match self {
             JobFileError::Missing { .. } => "job_file_missing",
-            JobFileError::NotBeneath { .. } | JobFileError::NotRegular { .. } | JobFileError::BadName { .. } => {
-                "job_file_refused"
-            }
+            JobFileError::NotBeneath { .. }
+            | JobFileError::NotRegular { .. }
+            | JobFileError::BadName { .. } => "job_file_refused",
             JobFileError::TooLarge { .. } => "job_file_too_large",
             JobFileError::Io { .. } => "job_file_unreadable",
         }
@@ -65,7 +65,11 @@ impl JobTree {
             OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
             Mode::empty(),
         )
-        .map_err(|e| JobFileError::Io { op: "opening", path: root.to_path_buf(), source: e.into() })?;
+        .map_err(|e| JobFileError::Io {
+            op: "opening",
+            path: root.to_path_buf(),
+            source: e.into(),
+        })?;
         Ok(JobTree { dir, root: root.to_path_buf() })
     }
 
@@ -78,10 +82,11 @@ impl JobTree {
         }
         let mut bytes = Vec::with_capacity(len as usize);
         // The file may grow after the fstat (a process of the job still writing).
-        (&mut file)
-            .take(max + 1)
-            .read_to_end(&mut bytes)
-            .map_err(|source| JobFileError::Io { op: "reading", path: self.shown(rel), source })?;
+        (&mut file).take(max + 1).read_to_end(&mut bytes).map_err(|source| JobFileError::Io {
+            op: "reading",
+            path: self.shown(rel),
+            source,
+        })?;
         if bytes.len() as u64 > max {
             return Err(JobFileError::TooLarge { path: self.shown(rel), max });
         }
@@ -103,8 +108,11 @@ impl JobTree {
         let rel = rel.as_ref();
         let (mut file, _) = self.open_regular(rel)?;
         let mut h = sha2::Sha256::new();
-        std::io::copy(&mut file, &mut h)
-            .map_err(|source| JobFileError::Io { op: "reading", path: self.shown(rel), source })?;
+        std::io::copy(&mut file, &mut h).map_err(|source| JobFileError::Io {
+            op: "reading",
+            path: self.shown(rel),
+            source,
+        })?;
         Ok(format!("sha256:{}", hex::encode(h.finalize())))
     }
 
@@ -139,9 +147,11 @@ impl JobTree {
         // O_NONBLOCK: opening a FIFO the job left must not hang the runner.
         let fd = self.open_beneath(rel, OFlag::O_RDONLY | OFlag::O_NONBLOCK | OFlag::O_NOCTTY)?;
         let file = std::fs::File::from(fd);
-        let meta = file
-            .metadata()
-            .map_err(|source| JobFileError::Io { op: "inspecting", path: self.shown(rel), source })?;
+        let meta = file.metadata().map_err(|source| JobFileError::Io {
+            op: "inspecting",
+            path: self.shown(rel),
+            source,
+        })?;
         let ft = meta.file_type();
         if !ft.is_file() {
             use std::os::unix::fs::FileTypeExt as _;
@@ -163,7 +173,8 @@ impl JobTree {
 
     /// `rel` opened beneath the tree with `flags`, no symbolic link followed anywhere.
     fn open_beneath(&self, rel: &Path, flags: OFlag) -> Result<OwnedFd, JobFileError> {
-        let plain = !rel.as_os_str().is_empty() && rel.components().all(|c| matches!(c, Component::Normal(_)));
+        let plain =
+            !rel.as_os_str().is_empty() && rel.components().all(|c| matches!(c, Component::Normal(_)));
         if !plain {
             return Err(JobFileError::BadName { path: self.shown(rel) });
         }
@@ -290,7 +301,10 @@ mod tests {
         std::fs::write(job.path().join("big"), vec![b'x'; 100]).expect("big");
         let t = JobTree::open(job.path()).expect("open");
         assert!(matches!(t.read("fifo", 10).unwrap_err(), JobFileError::NotRegular { kind: "FIFO", .. }));
-        assert!(matches!(t.read("module", 10).unwrap_err(), JobFileError::NotRegular { kind: "directory", .. }));
+        assert!(matches!(
+            t.read("module", 10).unwrap_err(),
+            JobFileError::NotRegular { kind: "directory", .. }
+        ));
         let e = t.read("big", 99).unwrap_err();
         assert!(matches!(e, JobFileError::TooLarge { max: 99, .. }), "{e}");
         assert_eq!(t.read("big", 100).expect("at the cap").len(), 100);

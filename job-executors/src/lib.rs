@@ -94,7 +94,8 @@ pub struct ContainerSettings {
 #[derive(Debug, Clone)]
 pub struct OciSettings {
     /// Registry host → base URL (a private endpoint; in tests, ECR's host mapped to a
-    /// local registry). Unlisted hosts: HTTPS, or plain HTTP on loopback.
+    /// local registry), reached as configured. Unlisted hosts: HTTPS only, and never on
+    /// a loopback, link-local, metadata or host address (`byoc_oci_sync::reach`).
     pub registry_endpoints: std::collections::BTreeMap<String, String>,
     /// Blobs copied at once.
     pub parallel: usize,
@@ -102,6 +103,21 @@ pub struct OciSettings {
     pub chunk_size: u64,
     /// Extra CA roots (PEM) for registries (the runner's `control_plane.ca_bundle`).
     pub ca_bundle: Option<std::path::PathBuf>,
+}
+
+impl OciSettings {
+    /// Where the runner may connect for a job's registries: the configured endpoints (by
+    /// name and by URL) as configured, anything else by the job rule.
+    pub fn reach(&self) -> byoc_oci_sync::Reach {
+        byoc_oci_sync::Reach::guarded(
+            self.registry_endpoints.iter().flat_map(|(k, v)| [k.as_str(), v.as_str()]),
+        )
+    }
+
+    /// The client for a job's registries (the customer's CA bundle, the job rule).
+    pub fn http(&self) -> Result<byoc_oci_sync::client::Http, byoc_oci_sync::SyncError> {
+        byoc_oci_sync::Registry::http_client_for(self.ca_bundle.as_deref(), self.reach())
+    }
 }
 
 impl Default for OciSettings {
@@ -452,6 +468,13 @@ pub trait Executor: Send + Sync {
         false
     }
 
+    /// What the runner itself will connect to for this job (cluster API servers,
+    /// registries), each with the spec field that named it: checked before the claim
+    /// ([`endpoint_refusal`]) and again when the connection is made.
+    fn endpoints(&self) -> Vec<Endpoint> {
+        Vec::new()
+    }
+
     /// The terraform workspace whose local state this job may change (the runner
     /// journals it before the job starts, to keep that state after a crash).
     fn state_workspace(&self) -> Option<String> {
@@ -464,6 +487,32 @@ pub trait Executor: Send + Sync {
     fn drift_spec(&self) -> Option<serde_json::Value> {
         None
     }
+}
+
+/// Something the runner connects to on a job's behalf.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Endpoint {
+    /// A Kubernetes API server.
+    Cluster { field: &'static str, url: url::Url },
+    /// A registry, as references name it (`host[:port]`).
+    Registry { field: &'static str, name: String },
+}
+
+/// The first endpoint of a job's the runner will not connect to (`invalid_spec` before
+/// the claim): plain HTTP, or a loopback, link-local, metadata or host address that the
+/// customer's configuration does not name (`byoc_oci_sync::reach`).
+pub fn endpoint_refusal(
+    exec: &dyn Executor,
+    registries: &byoc_oci_sync::Reach,
+    clusters: &byoc_oci_sync::Reach,
+) -> Option<String> {
+    exec.endpoints().into_iter().find_map(|e| {
+        let (field, r) = match &e {
+            Endpoint::Cluster { field, url } => (*field, clusters.check_url(url)),
+            Endpoint::Registry { field, name } => (*field, registries.check_registry(name)),
+        };
+        r.err().map(|why| format!("{field}: {why}"))
+    })
 }
 
 /// The operation `component.drift` is for drift checks, and drift checks run under it:

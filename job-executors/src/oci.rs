@@ -126,7 +126,7 @@ impl OciSync {
             ),
         );
         let settings: &OciSettings = &ctx.settings.oci;
-        let http = Registry::http_client_with_ca(settings.ca_bundle.as_deref())?;
+        let http = settings.http()?;
         let src = Registry::new(
             Side::Source,
             &self.source.registry,
@@ -202,6 +202,10 @@ pub(crate) fn aws_access(settings: &crate::ExecSettings) -> Option<AwsAccess> {
 }
 
 impl Executor for OciSync {
+    fn endpoints(&self) -> Vec<crate::Endpoint> {
+        vec![crate::Endpoint::Registry { field: "source", name: self.source.registry.clone() }]
+    }
+
     fn run<'a>(&'a self, mut ctx: ExecContext<'a>) -> ExecFuture<'a> {
         Box::pin(async move {
             log(&mut ctx, &format!("[oci.sync] {} -> {}\n", self.source, self.repository));

@@ -106,6 +106,9 @@ mod tests {
         assert!(matches!(read(&Masker::none()), Err(OutputsError::Read(_))));
         std::fs::remove_file(&p).unwrap();
         nix::unistd::mkfifo(&p, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
-        assert!(matches!(read(&Masker::none()), Err(OutputsError::Read(_))), "a FIFO is refused, not waited on");
+        assert!(
+            matches!(read(&Masker::none()), Err(OutputsError::Read(_))),
+            "a FIFO is refused, not waited on"
+        );
     }
 }

@@ -104,7 +104,12 @@ mod tests {
         testing::receive(f, &testing::verified(job_id, None));
         let mut events = vec![
             Event::Claimed { job_id: job_id.into(), lease_secs: 60 },
-            Event::Started { job_id: job_id.into(), started_at_ms: finished_at_ms - 1, network: None, state_workspace: None },
+            Event::Started {
+                job_id: job_id.into(),
+                started_at_ms: finished_at_ms - 1,
+                network: None,
+                state_workspace: None,
+            },
             Event::Finished {
                 job_id: job_id.into(),
                 status: byoc_protocol::JobStatus::Succeeded,

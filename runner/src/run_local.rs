@@ -104,7 +104,36 @@ pub struct LocalOptions {
     /// For components by digest: any registry (there is no install), this credential.
     pub registry_credential: Option<byoc_oci_sync::Credential>,
     pub registry_endpoints: std::collections::BTreeMap<String, String>,
+    /// Cluster API servers the job may name on loopback or this machine's addresses.
+    pub allowed_cluster_servers: Vec<String>,
     pub ca_bundle: Option<PathBuf>,
+}
+
+impl LocalOptions {
+    fn oci(&self) -> byoc_job_executors::OciSettings {
+        byoc_job_executors::OciSettings {
+            registry_endpoints: self.registry_endpoints.clone(),
+            ca_bundle: self.ca_bundle.clone(),
+            ..Default::default()
+        }
+    }
+
+    fn cluster_reach(&self) -> byoc_oci_sync::Reach {
+        byoc_oci_sync::Reach::guarded(&self.allowed_cluster_servers)
+    }
+}
+
+/// The runner's rule for what a job may make it connect to, as a daemon applies it
+/// before the claim: refused here before anything runs.
+pub fn check_endpoints(
+    path: &Path,
+    exec: &dyn byoc_job_executors::Executor,
+    options: &LocalOptions,
+) -> Result<(), RunLocalError> {
+    match byoc_job_executors::endpoint_refusal(exec, &options.oci().reach(), &options.cluster_reach()) {
+        Some(reason) => Err(RunLocalError::Invalid { path: path.into(), reason }),
+        None => Ok(()),
+    }
 }
 
 /// Run the job; output goes to stdout unless `capture` is given.
@@ -171,11 +200,8 @@ pub async fn run(
         .timeout(Duration::from_secs(job.timeout_secs), Duration::from_secs(5))
         .cancel(cancel)
         .isolation(sandbox, Some(containers))
-        .oci(byoc_job_executors::OciSettings {
-            registry_endpoints: options.registry_endpoints.clone(),
-            ca_bundle: options.ca_bundle.clone(),
-            ..Default::default()
-        })
+        .oci(options.oci())
+        .cluster_reach(options.cluster_reach())
         .tools(tools)
         .policy(options.policy.clone())
         .decide_only(options.decide_only)

@@ -13,6 +13,7 @@ use url::Url;
 
 use crate::auth::{Challenge, parse_challenge};
 use crate::error::{Side, SyncError};
+use crate::reach::Reach;
 use crate::reference::{Digest, is_loopback_host};
 
 pub use crate::auth::Credential;
@@ -47,12 +48,21 @@ impl Retry {
     }
 }
 
+/// The HTTP client registries are reached with, and the rule for where it may connect
+/// (its resolver refuses what the rule refuses; `Registry` checks every URL it fetches).
+#[derive(Clone)]
+pub struct Http {
+    client: reqwest::Client,
+    reach: Reach,
+}
+
 pub struct Registry {
     pub side: Side,
     /// `host[:port]` as references name it.
     pub name: String,
     base: Url,
     http: reqwest::Client,
+    reach: Reach,
     credential: Option<Credential>,
     challenge: Mutex<Option<Challenge>>,
     tokens: Mutex<HashMap<String, String>>,
@@ -82,29 +92,40 @@ pub struct Manifest {
 }
 
 impl Registry {
-    /// `base_url` overrides where `name` is reached (e.g. ECR's host mapped to a local
-    /// registry in tests); otherwise loopback is plain HTTP and everything else HTTPS.
+    /// `base_url` overrides where `name` is reached (the customer's configured endpoint:
+    /// ECR's host mapped to a private endpoint, or to a local registry in tests);
+    /// otherwise HTTPS (plain HTTP to loopback only for the customer's own commands,
+    /// whose client is not guarded). A guarded client refuses a registry it may not
+    /// reach here, before any request.
     pub fn new(
         side: Side,
         name: &str,
         base_url: Option<&str>,
         credential: Option<Credential>,
-        http: reqwest::Client,
+        http: Http,
     ) -> Result<Registry, SyncError> {
         let base = match base_url {
             Some(u) => u.to_string(),
-            None if is_loopback_host(name) => format!("http://{name}"),
+            None if !http.reach.is_guarded() && is_loopback_host(name) => format!("http://{name}"),
             None => format!("https://{name}"),
         };
         let base = Url::parse(&base).map_err(|e| SyncError::Invalid {
             what: format!("{side} registry {name}"),
             reason: format!("{base:?} is not a URL: {e}"),
         })?;
+        if base_url.is_none() {
+            http.reach.check_url(&base).map_err(|e| SyncError::Refused {
+                side,
+                registry: name.to_string(),
+                reason: e,
+            })?;
+        }
         Ok(Registry {
             side,
             name: name.to_string(),
             base,
-            http,
+            http: http.client,
+            reach: http.reach,
             credential,
             challenge: Mutex::new(None),
             tokens: Mutex::new(HashMap::new()),
@@ -113,15 +134,36 @@ impl Registry {
     }
 
     /// The HTTP client both sides share: rustls, the system's roots, no overall timeout
-    /// (blobs can be large) but a connect timeout and TCP keepalive.
-    pub fn http_client() -> Result<reqwest::Client, SyncError> {
+    /// (blobs can be large) but a connect timeout and TCP keepalive. Unguarded: for the
+    /// customer's own commands.
+    pub fn http_client() -> Result<Http, SyncError> {
         Self::http_client_with_ca(None)
     }
 
     /// Same, trusting the extra CA roots in a PEM bundle as well (a TLS-inspecting
     /// proxy, a private registry); `HTTPS_PROXY`/`NO_PROXY` are honoured either way.
-    pub fn http_client_with_ca(ca_bundle: Option<&std::path::Path>) -> Result<reqwest::Client, SyncError> {
+    pub fn http_client_with_ca(ca_bundle: Option<&std::path::Path>) -> Result<Http, SyncError> {
+        Self::http_client_for(ca_bundle, Reach::open())
+    }
+
+    /// The client for what a job names: `reach` decides where it may connect (DNS
+    /// answers, redirects and every URL a registry hands back included).
+    pub fn http_client_for(ca_bundle: Option<&std::path::Path>, reach: Reach) -> Result<Http, SyncError> {
         let mut b = reqwest::Client::builder();
+        if reach.is_guarded() {
+            let hops = reach.clone();
+            b = b.dns_resolver(std::sync::Arc::new(crate::reach::GuardedResolver(reach.clone()))).redirect(
+                reqwest::redirect::Policy::custom(move |attempt| {
+                    if attempt.previous().len() >= 10 {
+                        attempt.error("too many redirects")
+                    } else if let Err(e) = hops.check_url(attempt.url()) {
+                        attempt.error(e)
+                    } else {
+                        attempt.follow()
+                    }
+                }),
+            );
+        }
         if let Some(path) = ca_bundle {
             let bad =
                 |reason: String| SyncError::Invalid { what: format!("CA bundle {}", path.display()), reason };
@@ -136,6 +178,7 @@ impl Registry {
             .pool_max_idle_per_host(16)
             .user_agent(concat!("byoc-runner/", env!("CARGO_PKG_VERSION")))
             .build()
+            .map(|client| Http { client, reach })
             .map_err(|e| SyncError::Invalid { what: "HTTP client".into(), reason: e.to_string() })
     }
 
@@ -194,7 +237,12 @@ impl Registry {
             if let Some(h) = self.auth_header(scope) {
                 req = req.header(reqwest::header::AUTHORIZATION, h);
             }
-            let result = req.send().await;
+            // Every URL is checked, not only the registry's base: upload locations come
+            // from the registry's answers.
+            let (client, req) = req.build_split();
+            let req = req.map_err(|e| self.err_transport(what, error_chain(&e)))?;
+            self.reach.check_url(req.url()).map_err(|e| self.refused(e))?;
+            let result = client.execute(req).await;
             let retryable_failure = match result {
                 Ok(resp) if resp.status() == StatusCode::UNAUTHORIZED && !authenticated => {
                     authenticated = true;
@@ -215,6 +263,12 @@ impl Registry {
                     (format!("HTTP {status}: {body}"), wait, Some((status, body)))
                 }
                 Ok(resp) => return Ok(resp),
+                // The resolver refused the name's addresses: no retry changes that.
+                Err(e) if refusal_in(&e).is_some() => {
+                    return Err(self.refused(refusal_in(&e).cloned().unwrap_or(
+                        crate::reach::Refused::Invalid { url: String::new(), why: error_chain(&e) },
+                    )));
+                }
                 Err(e) if retry => (error_chain(&e), None, None),
                 Err(e) => return Err(self.err_transport(what, error_chain(&e))),
             };
@@ -236,6 +290,10 @@ impl Registry {
             tracing::debug!(side = %self.side, registry = %self.name, what, reason, ?delay, "retrying");
             tokio::time::sleep(delay).await;
         }
+    }
+
+    fn refused(&self, reason: crate::reach::Refused) -> SyncError {
+        SyncError::Refused { side: self.side, registry: self.name.clone(), reason }
     }
 
     fn unauthorized(&self, what: &str) -> SyncError {
@@ -290,6 +348,8 @@ impl Registry {
     ) -> Result<String, SyncError> {
         let mut url = Url::parse(realm)
             .map_err(|e| self.err_transport(what, format!("token realm {realm:?} is not a URL: {e}")))?;
+        // The realm comes from the registry's answer: it is held to the same rule.
+        self.reach.check_url(&url).map_err(|e| self.refused(e))?;
         {
             let mut q = url.query_pairs_mut();
             if let Some(s) = service {
@@ -618,6 +678,18 @@ impl Registry {
 
 fn retry_after(h: &HeaderMap) -> Option<Duration> {
     h.get("Retry-After")?.to_str().ok()?.trim().parse::<u64>().ok().map(Duration::from_secs)
+}
+
+/// The resolver's refusal, somewhere in a request error's chain.
+fn refusal_in<'e>(e: &'e (dyn std::error::Error + 'static)) -> Option<&'e crate::reach::Refused> {
+    let mut cur: Option<&'e (dyn std::error::Error + 'static)> = Some(e);
+    while let Some(err) = cur {
+        if let Some(r) = err.downcast_ref::<crate::reach::Refused>() {
+            return Some(r);
+        }
+        cur = err.source();
+    }
+    None
 }
 
 pub fn error_chain(e: &dyn std::error::Error) -> String {

@@ -40,6 +40,8 @@ pub enum SyncError {
     Invalid { what: String, reason: String },
     #[error("{what}: {reason}")]
     Aws { what: String, reason: String },
+    #[error("{side} registry {registry}: {reason}")]
+    Refused { side: Side, registry: String, reason: crate::reach::Refused },
     #[error("the sync was cancelled")]
     Cancelled,
 }
@@ -58,6 +60,7 @@ impl SyncError {
             SyncError::Transport { side, .. } => sided(side, "unreachable"),
             SyncError::Invalid { .. } => "invalid_artifact".into(),
             SyncError::Aws { .. } => "ecr_error".into(),
+            SyncError::Refused { .. } => "endpoint_refused".into(),
             SyncError::Cancelled => "cancelled".into(),
         }
     }

@@ -12,9 +12,11 @@ pub mod copy;
 pub mod ecr;
 pub mod error;
 pub mod manifest;
+pub mod reach;
 pub mod reference;
 
 pub use client::{Credential, Registry};
 pub use copy::{Copier, Counters, Options, Report};
 pub use error::{Side, SyncError};
+pub use reach::Reach;
 pub use reference::{Digest, Reference};

@@ -137,7 +137,8 @@ pub fn run(args: &ProbeArgs<'_>) -> Report {
     // EPERM is the filter's answer; ENOSYS would be a kernel without x32 (the filter not
     // consulted for it), which the check must not take for a refusal.
     let x32 = crate::sys::x32_getpid();
-    let x32_held = if cfg!(target_arch = "x86_64") { x32 == Err(nix::errno::Errno::EPERM) } else { x32.is_err() };
+    let x32_held =
+        if cfg!(target_arch = "x86_64") { x32 == Err(nix::errno::Errno::EPERM) } else { x32.is_err() };
     add("x32_abi_refused", (x32_held, format!("{x32:?}")));
     for target in UNREACHABLE.iter().map(|s| s.to_string()).chain(args.unreachable.iter().cloned()) {
         add(&format!("unreachable:{target}"), unreachable(&target));

@@ -145,7 +145,7 @@ pub async fn fetch(settings: &ExecSettings, reference: &Reference) -> Result<Fet
         return Ok(hit);
     }
     let oci = &settings.oci;
-    let http = Registry::http_client_with_ca(oci.ca_bundle.as_deref())?;
+    let http = oci.http()?;
     let registry = Registry::new(
         Side::Source,
         &reference.registry,

@@ -82,6 +82,8 @@ fn default_wait() -> u64 {
 pub struct Helm {
     spec: Spec,
     chart: Option<byoc_oci_sync::Reference>,
+    /// The checked kubeconfig (`cluster.rs`): helm gets one rendered from its parts.
+    cluster: Option<crate::cluster::ClusterAccess>,
 }
 
 fn dns_label(s: &str) -> bool {
@@ -141,7 +143,8 @@ impl Helm {
         if s.wait_secs == 0 || s.wait_secs > 3600 {
             return Err(crate::InvalidSpec::from("wait_secs: 1..=3600"));
         }
-        Ok(Helm { spec: s, chart })
+        let cluster = s.kubeconfig.as_deref().map(crate::cluster::parse_kubeconfig).transpose()?;
+        Ok(Helm { spec: s, chart, cluster })
     }
 }
 
@@ -207,8 +210,9 @@ impl Helm {
         if let Some(content) = secret_file {
             files.push((SECRET_VALUES, content, 0o600));
         }
-        if let Some(k) = &s.kubeconfig {
-            files.push((KUBECONFIG, k.clone(), 0o600));
+        // Not the job's document: one the runner renders from the checked parts.
+        if let Some(c) = &self.cluster {
+            files.push((KUBECONFIG, c.to_kubeconfig(), 0o600));
         }
         for (name, content, mode) in &files {
             if let Err(e) = write(name, content.as_bytes(), *mode) {
@@ -335,8 +339,9 @@ impl Helm {
         let get = sh(format!("get manifest '{}' --namespace '{}'", s.release, s.namespace), DEPLOYED);
         match run.cmd("get manifest", get).await {
             Ok(()) => {
-                let raw = helm_file(run, DEPLOYED)
-                    .map_err(|e| failed(e.code(), format!("reading the deployed manifests: {e}"), serde_json::Value::Null))?;
+                let raw = helm_file(run, DEPLOYED).map_err(|e| {
+                    failed(e.code(), format!("reading the deployed manifests: {e}"), serde_json::Value::Null)
+                })?;
                 Ok(parse_manifests(&String::from_utf8_lossy(&raw)).unwrap_or_default())
             }
             Err(o) if o.status == JobStatus::Failed => Ok(vec![]),
@@ -366,8 +371,11 @@ impl Helm {
         if objects.is_empty() {
             return Ok(drift::not_deployed(run.ctx, "helm", &s.release, &digest));
         }
-        let kubeconfig = s.kubeconfig.as_deref().unwrap_or_default();
-        let client = crate::cluster::client(kubeconfig)
+        let Some(cluster) = &self.cluster else {
+            return Err(failed("invalid_spec", "drift needs the kubeconfig".into(), serde_json::Value::Null));
+        };
+        let client = cluster
+            .client(&run.ctx.settings.cluster_reach)
             .await
             .map_err(|e| failed("cluster_unreachable", e.0, serde_json::Value::Null))?;
         let cancel = run.ctx.settings.cancel.clone();
@@ -611,17 +619,24 @@ impl Executor for Helm {
 
     fn secrets(&self) -> Vec<Vec<u8>> {
         let mut v: Vec<Vec<u8>> = self.spec.secret_values.values().map(|v| v.as_bytes().to_vec()).collect();
-        if let Some(k) = &self.spec.kubeconfig {
-            // Kubeconfig tokens and keys: mask the lines' values.
-            for line in k.lines() {
-                if let Some((_, val)) = line.split_once(':')
-                    && val.trim().len() >= 16
-                {
-                    v.push(val.trim().as_bytes().to_vec());
-                }
-            }
+        if let Some(c) = &self.cluster {
+            v.extend(crate::cluster::ClusterSource::Kubeconfig(c.clone()).secrets());
         }
         v
+    }
+
+    fn endpoints(&self) -> Vec<crate::Endpoint> {
+        let mut e = Vec::new();
+        if let Some(c) = &self.cluster {
+            e.push(crate::Endpoint::Cluster {
+                field: "kubeconfig: clusters[0].cluster.server",
+                url: c.server.clone(),
+            });
+        }
+        if let Some(r) = &self.chart {
+            e.push(crate::Endpoint::Registry { field: "chart", name: r.registry.clone() });
+        }
+        e
     }
 }
 

@@ -12,8 +12,8 @@ use kube::api::DynamicObject;
 use serde_json::Value;
 use sha2::Digest as _;
 
+use super::Kubernetes;
 use super::objects::{ObjRef, api};
-use super::{Kubernetes, client};
 use crate::{ExecContext, ExecOutcome, JobStatus};
 
 /// Changed paths reported per object, at most.
@@ -239,13 +239,9 @@ impl Kubernetes {
     pub(super) async fn drift(&self, ctx: &mut ExecContext<'_>) -> ExecOutcome {
         let failed = crate::tool::failed;
         let component = self.spec.component.clone();
-        let kubeconfig = match self.kubeconfig(ctx) {
-            Ok(k) => k,
-            Err(e) => return failed("cluster_credentials", e.0, Value::Null),
-        };
-        let client = match client(&kubeconfig).await {
+        let client = match self.client(ctx).await {
             Ok(c) => c,
-            Err(e) => return failed("cluster_unreachable", e.0, Value::Null),
+            Err((code, why)) => return failed(code, why, Value::Null),
         };
         let _ = ctx.output.write(
             format!("[kubernetes] drift check of {component}: live objects against the manifests; nothing is changed\n")

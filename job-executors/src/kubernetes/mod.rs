@@ -15,7 +15,7 @@ use serde::Deserialize;
 
 use self::cluster_policies::sync_cluster_policies;
 use self::objects::{CLUSTER_SCOPED, ObjRef, api, is_not_found, readiness};
-use crate::cluster::{Eks, client, kubeconfig_of};
+use crate::cluster::{ClusterSource, Eks};
 use crate::{ExecContext, ExecFuture, ExecOutcome, Executor, JobStatus};
 
 /// Our field manager: what we apply is ours, and conflicts with other managers are
@@ -51,7 +51,8 @@ struct Spec {
     manifests: Vec<serde_json::Value>,
     #[serde(default)]
     manifests_yaml: Option<String>,
-    /// A kubeconfig (secret), or `eks` to derive the credentials from the job's role.
+    /// A kubeconfig of data only (secret: `cluster.rs`), or `eks` to derive the
+    /// credentials from the job's role.
     #[serde(default)]
     kubeconfig: Option<String>,
     #[serde(default)]
@@ -70,6 +71,7 @@ fn default_wait() -> u64 {
 
 pub struct Kubernetes {
     spec: Spec,
+    cluster: ClusterSource,
     objects: Vec<(ObjRef, serde_json::Value)>,
     bundle: Option<byoc_oci_sync::Reference>,
     /// The spec as signed, for the drift check of what it deploys.
@@ -87,14 +89,7 @@ impl Kubernetes {
         if !label(&s.component) || !label(&s.namespace) {
             return Err(crate::InvalidSpec::from("component and namespace: DNS labels ([a-z0-9-], 1-63)"));
         }
-        match (&s.kubeconfig, &s.eks) {
-            (Some(_), None) => {}
-            (None, Some(e)) if !e.cluster.is_empty() && e.server.starts_with("http") => {}
-            (None, Some(_)) => {
-                return Err(crate::InvalidSpec::from("eks: cluster and an https:// server are required"));
-            }
-            _ => return Err(crate::InvalidSpec::from("exactly one of kubeconfig or eks")),
-        }
+        let cluster = crate::cluster::source(s.kubeconfig.as_ref(), s.eks.as_ref())?;
         let mut manifests = s.manifests.clone();
         if let Some(y) = &s.manifests_yaml {
             manifests.extend(crate::tool::parse_manifests(y)?);
@@ -120,11 +115,21 @@ impl Kubernetes {
             return Err(crate::InvalidSpec::from("secrets are written by action = \"apply\" only"));
         }
         let objects = objects_of(manifests, &s.namespace)?;
-        Ok(Kubernetes { spec: s, objects, bundle, raw: spec.clone() })
+        Ok(Kubernetes { spec: s, cluster, objects, bundle, raw: spec.clone() })
     }
 
-    fn kubeconfig(&self, ctx: &ExecContext<'_>) -> Result<String, crate::eks::ClusterAccessError> {
-        kubeconfig_of(self.spec.kubeconfig.as_ref(), self.spec.eks.as_ref(), ctx)
+    /// The cluster client (`cluster.rs`): `Err((code, why))`.
+    fn client(
+        &self,
+        ctx: &ExecContext<'_>,
+    ) -> impl std::future::Future<Output = Result<kube::Client, (&'static str, String)>> + Send + 'static
+    {
+        let access = self.cluster.access(ctx);
+        let reach = ctx.settings.cluster_reach.clone();
+        async move {
+            let access = access.map_err(|e| ("cluster_credentials", e.0))?;
+            access.client(&reach).await.map_err(|e| ("cluster_unreachable", e.0))
+        }
     }
 
     fn inventory_name(&self) -> String {
@@ -164,7 +169,13 @@ impl Kubernetes {
             .as_bytes(),
         );
         ctx.settings.artifact = Some(fetched.digest.to_string());
-        let resolved = Kubernetes { spec: self.spec.clone(), objects, bundle: None, raw: self.raw.clone() };
+        let resolved = Kubernetes {
+            spec: self.spec.clone(),
+            cluster: self.cluster.clone(),
+            objects,
+            bundle: None,
+            raw: self.raw.clone(),
+        };
         resolved.deploy(ctx).await
     }
 
@@ -236,13 +247,9 @@ impl Kubernetes {
                 outputs: decided,
             };
         }
-        let kubeconfig = match self.kubeconfig(ctx) {
-            Ok(k) => k,
-            Err(e) => return failed("cluster_credentials", e.0, decided),
-        };
-        let client = match client(&kubeconfig).await {
+        let client = match self.client(ctx).await {
             Ok(c) => c,
-            Err(e) => return failed("cluster_unreachable", e.0, decided),
+            Err((code, why)) => return failed(code, why, decided),
         };
         // Readiness is waited for up to wait_secs (and never past the job's timeout).
         let deadline = Instant::now() + ctx.settings.timeout.min(Duration::from_secs(self.spec.wait_secs));
@@ -603,16 +610,19 @@ impl Executor for Kubernetes {
     }
 
     fn secrets(&self) -> Vec<Vec<u8>> {
-        // Tokens and keys in the kubeconfig (an EKS token is derived from the role's
+        // The kubeconfig's token or key (an EKS token is derived from the role's
         // session, whose keys are masked already; the token itself is never logged).
-        self.spec
-            .kubeconfig
-            .as_deref()
-            .unwrap_or("")
-            .lines()
-            .filter_map(|l| l.split_once(':').map(|(_, v)| v.trim().trim_matches('"')))
-            .filter(|v| v.len() >= 16 && !v.starts_with("http"))
-            .map(|v| v.as_bytes().to_vec())
-            .collect()
+        self.cluster.secrets()
+    }
+
+    fn endpoints(&self) -> Vec<crate::Endpoint> {
+        let mut e = vec![crate::Endpoint::Cluster {
+            field: self.cluster.server_field(),
+            url: self.cluster.server().clone(),
+        }];
+        if let Some(b) = &self.bundle {
+            e.push(crate::Endpoint::Registry { field: "bundle", name: b.registry.clone() });
+        }
+        e
     }
 }

@@ -6,7 +6,7 @@
 use serde::Deserialize;
 
 use super::{KubeTarget, SecretUse, Target};
-use crate::cluster::{Eks, client, kubeconfig_of};
+use crate::cluster::{ClusterSource, Eks};
 use crate::{ExecContext, ExecFuture, ExecOutcome, Executor, JobStatus};
 
 #[derive(Deserialize)]
@@ -17,7 +17,8 @@ struct Spec {
     /// every declared secret with Kubernetes targets.
     #[serde(default)]
     secrets: Vec<Named>,
-    /// A kubeconfig (secret), or `eks` to derive the credentials from the job's role.
+    /// A kubeconfig of data only (secret: `cluster.rs`), or `eks` to derive the
+    /// credentials from the job's role.
     #[serde(default)]
     kubeconfig: Option<String>,
     #[serde(default)]
@@ -40,14 +41,13 @@ struct NamedTarget {
 
 pub struct SecretsSync {
     spec: Spec,
+    cluster: ClusterSource,
 }
 
 impl SecretsSync {
     pub fn from_spec(spec: &serde_json::Value) -> Result<Self, crate::InvalidSpec> {
         let s: Spec = serde_json::from_value(spec.clone()).map_err(|e| e.to_string())?;
-        if s.kubeconfig.is_some() == s.eks.is_some() {
-            return Err(crate::InvalidSpec::from("exactly one of kubeconfig or eks"));
-        }
+        let cluster = crate::cluster::source(s.kubeconfig.as_ref(), s.eks.as_ref())?;
         for n in &s.secrets {
             let name = match n {
                 Named::Name(n) | Named::Target(NamedTarget { name: n, .. }) => n,
@@ -58,7 +58,7 @@ impl SecretsSync {
                 )));
             }
         }
-        Ok(SecretsSync { spec: s })
+        Ok(SecretsSync { spec: s, cluster })
     }
 
     fn uses(&self) -> Vec<SecretUse> {
@@ -103,11 +103,11 @@ impl SecretsSync {
             };
             let _ = ctx.output.write(line.as_bytes());
         }
-        let kubeconfig = match kubeconfig_of(self.spec.kubeconfig.as_ref(), self.spec.eks.as_ref(), ctx) {
-            Ok(k) => k,
+        let access = match self.cluster.access(ctx) {
+            Ok(a) => a,
             Err(e) => return failed("cluster_credentials", e.0, serde_json::Value::Null),
         };
-        let client = match client(&kubeconfig).await {
+        let client = match access.client(&ctx.settings.cluster_reach).await {
             Ok(c) => c,
             Err(e) => return failed("cluster_unreachable", e.0, serde_json::Value::Null),
         };
@@ -151,7 +151,14 @@ impl Executor for SecretsSync {
     }
 
     fn secrets(&self) -> Vec<Vec<u8>> {
-        self.spec.kubeconfig.iter().map(|k| k.as_bytes().to_vec()).collect()
+        self.cluster.secrets()
+    }
+
+    fn endpoints(&self) -> Vec<crate::Endpoint> {
+        vec![crate::Endpoint::Cluster {
+            field: self.cluster.server_field(),
+            url: self.cluster.server().clone(),
+        }]
     }
 
     fn secret_uses(&self) -> Vec<SecretUse> {
@@ -163,10 +170,12 @@ impl Executor for SecretsSync {
 mod tests {
     use super::*;
 
+    const K: &str = "clusters: [{name: c, cluster: {server: 'https://api.example.com'}}]\nusers: [{name: u, user: {token: t}}]\n";
+
     #[test]
     fn specs_name_secrets_or_one_of_their_targets() {
         let s = SecretsSync::from_spec(&serde_json::json!({
-            "kubeconfig": "k",
+            "kubeconfig": K,
             "secrets": ["db_password", {"name": "api_key", "kubernetes": {"namespace": "a", "name": "b", "key": "c"}}],
         }))
         .unwrap();
@@ -178,9 +187,10 @@ mod tests {
         );
         for bad in [
             serde_json::json!({"secrets": []}),
-            serde_json::json!({"kubeconfig": "k", "secrets": ["../x"]}),
-            serde_json::json!({"kubeconfig": "k", "secrets": [{"name": "x", "value": "inline"}]}),
-            serde_json::json!({"kubeconfig": "k", "values": {"x": "inline"}}),
+            serde_json::json!({"kubeconfig": K, "secrets": ["../x"]}),
+            serde_json::json!({"kubeconfig": K, "secrets": [{"name": "x", "value": "inline"}]}),
+            serde_json::json!({"kubeconfig": K, "values": {"x": "inline"}}),
+            serde_json::json!({"kubeconfig": "k", "secrets": ["x"]}),
         ] {
             assert!(SecretsSync::from_spec(&bad).is_err(), "{bad}");
         }

@@ -82,7 +82,8 @@ impl Terraform {
             let unreadable = |e: crate::job_files::JobFileError, what: &str| {
                 failed(e.code(), format!("{what} {file}: {e}"), serde_json::Value::Null)
             };
-            let digest = sha256_module_file(module, plan_file).map_err(|e| unreadable(e, "hashing the plan of"))?;
+            let digest =
+                sha256_module_file(module, plan_file).map_err(|e| unreadable(e, "hashing the plan of"))?;
             let bytes = module_file(module, file, cap).map_err(|e| unreadable(e, "reading"))?;
             // Values the control plane must not see: gone from disk now.
             remove_module_file(module, file);

@@ -189,7 +189,11 @@ fn in_tree(module: &Path, name: &str) -> (PathBuf, PathBuf) {
 }
 
 /// A file terraform wrote in the module directory, read the one safe way (`job_files`).
-pub(crate) fn module_file(module: &Path, name: &str, max: u64) -> Result<Vec<u8>, crate::job_files::JobFileError> {
+pub(crate) fn module_file(
+    module: &Path,
+    name: &str,
+    max: u64,
+) -> Result<Vec<u8>, crate::job_files::JobFileError> {
     let (root, rel) = in_tree(module, name);
     crate::job_files::read(&root, rel, max)
 }
@@ -591,6 +595,18 @@ impl Executor for Terraform {
 
     fn is_drift_check(&self) -> bool {
         self.spec.mode == Mode::Drift
+    }
+
+    fn endpoints(&self) -> Vec<crate::Endpoint> {
+        let m = self
+            .module
+            .iter()
+            .map(|r| crate::Endpoint::Registry { field: "module", name: r.registry.clone() });
+        let p = self
+            .providers
+            .iter()
+            .map(|r| crate::Endpoint::Registry { field: "providers", name: r.registry.clone() });
+        m.chain(p).collect()
     }
 
     fn state_workspace(&self) -> Option<String> {

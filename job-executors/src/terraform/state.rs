@@ -439,7 +439,8 @@ mod tests {
         assert_eq!(e.code(), "job_file_refused");
         assert_eq!(show(root.path(), "api").expect("show").serial, Some(1), "the stored state is unchanged");
         std::fs::remove_file(module.join(LOCAL_STATE)).expect("rm");
-        nix::unistd::mkfifo(&module.join(LOCAL_STATE), nix::sys::stat::Mode::from_bits_truncate(0o600)).expect("fifo");
+        nix::unistd::mkfifo(&module.join(LOCAL_STATE), nix::sys::stat::Mode::from_bits_truncate(0o600))
+            .expect("fifo");
         assert_eq!(s.keep(&module).expect_err("a FIFO is not read").code(), "job_file_refused");
         // The module directory itself a link to elsewhere: refused as well.
         drop(s);

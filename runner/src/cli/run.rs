@@ -61,9 +61,14 @@ pub(super) struct LocalArgs {
     /// Extra CA roots (PEM) to trust for that registry.
     #[arg(long)]
     ca_bundle: Option<PathBuf>,
-    /// Reach registry HOST at URL instead (repeatable): HOST=URL.
+    /// Reach registry HOST at URL instead (repeatable): HOST=URL. Only such a registry
+    /// may be reached over plain HTTP or on a loopback or link-local address.
     #[arg(long = "endpoint", value_name = "HOST=URL")]
     endpoints: Vec<String>,
+    /// A cluster API server (https://HOST:PORT) the job may name although it is on a
+    /// loopback, link-local or this machine's own address (repeatable).
+    #[arg(long = "allow-cluster-server", value_name = "URL")]
+    allowed_cluster_servers: Vec<String>,
 }
 
 pub(super) fn daemon(path: &Path) -> i32 {
@@ -117,6 +122,10 @@ pub(super) fn local(args: LocalArgs) -> i32 {
             return EX_USAGE;
         }
     };
+    if let Err(e) = crate::run_local::check_endpoints(&args.job_file, exec.as_ref(), &options) {
+        eprintln!("error: {e}");
+        return EX_DATAERR;
+    }
     let rt = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
@@ -204,6 +213,7 @@ fn local_options(args: &LocalArgs, kind: &str) -> Result<crate::run_local::Local
     Ok(crate::run_local::LocalOptions {
         registry_credential,
         registry_endpoints,
+        allowed_cluster_servers: args.allowed_cluster_servers.clone(),
         ca_bundle: args.ca_bundle.clone(),
         sandboxed: !args.no_sandbox,
         decide_only: args.plan_only,

@@ -21,7 +21,8 @@ pub use drift::{DRIFT_KINDS, DriftConfig, DriftSchedule};
 pub use runner::{JobsConfig, LogTarget, LoggingConfig, MAX_CLOCK_SKEW_SECS, PollConfig, RunnerConfig};
 pub use sandbox::{ContainersConfig, SandboxConfig};
 pub use tools::{
-    ArtifactsConfig, HelmConfig, OciConfig, PolicyConfig, TerraformConfig, TerraformStateConfig,
+    ArtifactsConfig, HelmConfig, KubernetesConfig, OciConfig, PolicyConfig, TerraformConfig,
+    TerraformStateConfig,
 };
 
 pub const DEFAULT_CONFIG_PATH: &str = "/etc/byoc-runner/runner.toml";
@@ -43,6 +44,8 @@ pub struct Config {
     pub oci: OciConfig,
     pub terraform: TerraformConfig,
     pub helm: HelmConfig,
+    /// `[kubernetes]`: cluster API servers the runner may reach on this VM's addresses.
+    pub kubernetes: KubernetesConfig,
     pub policy: PolicyConfig,
     pub artifacts: ArtifactsConfig,
     pub disk: crate::disk::DiskSettings,
@@ -105,6 +108,7 @@ impl Config {
         let metrics_t = t("metrics");
         let guardrails_t = t("guardrails");
         let drift_t = t("drift");
+        let kubernetes_t = t("kubernetes");
         top.finish();
 
         let control_plane = ControlPlaneConfig::parse(cp_t, &mut problems);
@@ -119,6 +123,7 @@ impl Config {
         let oci = OciConfig::parse(oci_t, &mut problems);
         let terraform = TerraformConfig::parse(terraform_t, &mut problems);
         let helm = HelmConfig::parse(helm_t, &mut problems);
+        let kubernetes = KubernetesConfig::parse(kubernetes_t, &mut problems);
         let policy = PolicyConfig::parse(policy_t, &mut problems);
         let artifacts = ArtifactsConfig::parse(artifacts_t, &mut problems);
         let guardrails = crate::guardrails::parse(guardrails_t, &mut problems);
@@ -167,6 +172,7 @@ impl Config {
             oci,
             terraform,
             helm,
+            kubernetes,
             policy,
             artifacts,
             disk,

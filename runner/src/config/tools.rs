@@ -90,6 +90,36 @@ impl HelmConfig {
     }
 }
 
+/// `[kubernetes]`: what the runner may reach for a job's cluster.
+#[derive(Debug, Clone, Default)]
+pub struct KubernetesConfig {
+    /// API servers (`https://host:port`) the runner may reach although they sit on a
+    /// loopback, link-local or host address (a cluster on the VM itself; the suites'
+    /// fake API server). Any other server a job names must be elsewhere.
+    pub allowed_servers: Vec<String>,
+}
+
+impl KubernetesConfig {
+    pub(super) fn parse(table: toml::Table, problems: &mut Vec<String>) -> Self {
+        let mut f = Fields::new("kubernetes", table, problems);
+        let k = KubernetesConfig { allowed_servers: f.get("allowed_servers").unwrap_or_default() };
+        let problems = f.finish();
+        for s in &k.allowed_servers {
+            let ok = url::Url::parse(s)
+                .is_ok_and(|u| u.scheme() == "https" && u.host_str().is_some() && u.path() == "/");
+            if !ok {
+                problems.push(format!("kubernetes.allowed_servers: {s:?} is not https://host[:port]"));
+            }
+        }
+        k
+    }
+
+    /// The rule the runner connects to a job's cluster by.
+    pub fn reach(&self) -> byoc_oci_sync::Reach {
+        byoc_oci_sync::Reach::guarded(&self.allowed_servers)
+    }
+}
+
 /// How `oci.sync` jobs reach registries.
 #[derive(Debug, Clone, Default)]
 pub struct OciConfig {

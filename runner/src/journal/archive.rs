@@ -285,7 +285,13 @@ mod tests {
         }
         // A job still in hand, older than the kept ones: never archived.
         j.append(received("running", "n-running")).unwrap();
-        j.append(Event::Started { job_id: "running".into(), started_at_ms: 1, network: None, state_workspace: None }).unwrap();
+        j.append(Event::Started {
+            job_id: "running".into(),
+            started_at_ms: 1,
+            network: None,
+            state_workspace: None,
+        })
+        .unwrap();
         for i in 0..30 {
             rejected(&j, i, 100);
         }

@@ -26,7 +26,9 @@ use byoc_protocol::{JobStatus, RejectReason};
 use serde::{Deserialize, Serialize};
 
 mod archive;
-pub use archive::{ARCHIVE_DIR, ArchivesRemoved, Compacted, nonce_horizon_secs, read_index_all, remove_archives_before};
+pub use archive::{
+    ARCHIVE_DIR, ArchivesRemoved, Compacted, nonce_horizon_secs, read_index_all, remove_archives_before,
+};
 
 pub const JOURNAL_FILE: &str = "journal.jsonl";
 
@@ -574,7 +576,13 @@ mod tests {
             assert_eq!(cut, 0);
             j.append(received("a", "n1")).unwrap();
             j.append(Event::Claimed { job_id: "a".into(), lease_secs: 60 }).unwrap();
-            j.append(Event::Started { job_id: "a".into(), started_at_ms: 5, network: None, state_workspace: None }).unwrap();
+            j.append(Event::Started {
+                job_id: "a".into(),
+                started_at_ms: 5,
+                network: None,
+                state_workspace: None,
+            })
+            .unwrap();
         }
         let (j, _) = Journal::open(dir.path()).unwrap();
         let rec = j.job("a").unwrap();

@@ -90,6 +90,7 @@ pub async fn execute(rt: &Rt, job: AssumedJob) -> Result<FinishedJob, JournalErr
                     chunk_size: rt.config.oci.chunk_bytes,
                     ca_bundle: rt.config.control_plane.ca_bundle.clone(),
                 })
+                .cluster_reach(rt.config.kubernetes.reach())
                 .tools(byoc_job_executors::ToolSettings {
                     terraform: rt.config.terraform.binary.clone(),
                     helm: rt.config.helm.binary.clone(),

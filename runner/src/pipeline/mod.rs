@@ -112,6 +112,12 @@ pub(crate) fn verifier<'a>(
         max_timeout: rt.config.jobs.max_timeout,
         now: rt.clock.unix_now(),
         readiness,
+        registries: byoc_job_executors::OciSettings {
+            registry_endpoints: rt.config.oci.registry_endpoints.clone(),
+            ..Default::default()
+        }
+        .reach(),
+        clusters: rt.config.kubernetes.reach(),
         resume_held: false,
     }
 }

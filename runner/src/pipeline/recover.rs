@@ -163,12 +163,18 @@ fn interrupt(rt: &Rt, job_id: &str, phase: Phase) -> Result<(), JournalError> {
     let tfstate = rt.state_dir.join(execute::TFSTATE_DIR);
     let workspace = rt.journal.job(job_id).and_then(|j| j.state_workspace);
     let salvaged = match &workspace {
-        Some(ws) if work_dir.is_dir() => byoc_job_executors::terraform::state::salvage(&work_dir, &tfstate, ws),
+        Some(ws) if work_dir.is_dir() => {
+            byoc_job_executors::terraform::state::salvage(&work_dir, &tfstate, ws)
+        }
         _ => Ok(None),
     };
     match salvaged {
         Ok(Some(serial)) => {
-            tracing::warn!(workspace = workspace.as_deref().unwrap_or_default(), serial, "kept the terraform state the interrupted job left")
+            tracing::warn!(
+                workspace = workspace.as_deref().unwrap_or_default(),
+                serial,
+                "kept the terraform state the interrupted job left"
+            )
         }
         Ok(None) => {}
         Err(e) => {
@@ -245,8 +251,13 @@ mod tests {
         let f = testing::runtime().await;
         testing::receive(&f, &testing::verified("job-1", None));
         f.rt.transition(Event::Claimed { job_id: "job-1".into(), lease_secs: 60 }).expect("journal");
-        f.rt.transition(Event::Started { job_id: "job-1".into(), started_at_ms: 5, network: None, state_workspace: None })
-            .expect("journal");
+        f.rt.transition(Event::Started {
+            job_id: "job-1".into(),
+            started_at_ms: 5,
+            network: None,
+            state_workspace: None,
+        })
+        .expect("journal");
         let work = f.rt.state_dir.join(execute::WORK_DIR).join("job-1");
         std::fs::create_dir_all(&work).expect("work dir");
         let sealed = work.with_file_name("job-1.sealed");

@@ -60,6 +60,10 @@ pub struct Verifier<'a> {
     /// Whether this host can build the job's sandbox as documented right now (its
     /// network boundary, its limits): `None` when it can.
     pub readiness: &'a (dyn Fn(&dyn Executor) -> Option<byoc_job_executors::Refusal> + Sync),
+    /// Where the runner may connect for a job: registries (`[oci] registry_endpoints`
+    /// as configured) and cluster API servers (`[kubernetes] allowed_servers`).
+    pub registries: byoc_oci_sync::Reach,
+    pub clusters: byoc_oci_sync::Reach,
     /// Recovery only: accept the envelope of a job the journal shows held by the
     /// guardrails (its nonce is its own). Never set for a delivery.
     pub resume_held: bool,
@@ -243,6 +247,13 @@ impl Verifier<'_> {
         {
             return Err(reject(RejectReason::InvalidSpec, why.to_string()));
         }
+        // Nothing the job names is reached on the host's loopback, link-local, metadata
+        // or own addresses, or over plain HTTP, unless the customer configured it.
+        if let Some(why) =
+            byoc_job_executors::endpoint_refusal(executor.as_ref(), &self.registries, &self.clusters)
+        {
+            return Err(reject(RejectReason::InvalidSpec, truncate(&why, 1000)));
+        }
         if let Some(p) = self.paused {
             return Err(reject(
                 RejectReason::Paused,
@@ -400,6 +411,8 @@ mod tests {
             paused,
             disk_low,
             readiness: &|_| None,
+            registries: byoc_oci_sync::Reach::guarded(["registry.allowed.test:5000"]),
+            clusters: byoc_oci_sync::Reach::guarded(Vec::<String>::new()),
             resume_held: false,
         };
         v.verify(PolledJob { delivery_id: "dl-1".into(), envelope: env, received_at: Instant::now() }, index)
@@ -471,7 +484,8 @@ mod tests {
             ..payload()
         };
         let declared = "[[secret]]\nname = \"db\"\nkubernetes_sync = true\nkubernetes_secret_namespace = \"app\"\nkubernetes_secret_name = \"db\"\n";
-        let named = |secrets: serde_json::Value| serde_json::json!({"kubeconfig": "k", "secrets": secrets});
+        let named =
+            |secrets: serde_json::Value| serde_json::json!({"kubeconfig": KUBECONFIG, "secrets": secrets});
         let ok = verify(
             &f,
             JobEnvelope::sign(&job(declared, named(serde_json::json!(["db"]))), &f.key),
@@ -655,6 +669,57 @@ mod tests {
         }
     }
 
+    const KUBECONFIG: &str = "clusters: [{name: c, cluster: {server: 'https://api.example.com'}}]\nusers: [{name: u, user: {token: t}}]\n";
+
+    /// What a job names for the runner itself to reach (cluster API servers, registries)
+    /// is refused before the claim when it is plain HTTP, the host's loopback, link-local
+    /// or metadata addresses, or a kubeconfig that names a command or a file, naming the
+    /// field; an endpoint the customer's configuration names is reached.
+    #[test]
+    fn endpoints_a_job_names_are_checked_before_the_claim() {
+        let f = fixture();
+        let job = |kind: &str, spec: serde_json::Value| JobPayload { kind: kind.into(), spec, ..payload() };
+        let kube = |server: &str| {
+            serde_json::json!({"action": "delete", "component": "api", "namespace": "acme",
+                "kubeconfig": KUBECONFIG.replace("https://api.example.com", server)})
+        };
+        let sync = |source: &str| {
+            serde_json::json!({"source": format!("{source}/vendor/api@sha256:{}", "a".repeat(64)),
+                "destination": {"repository": "api"}})
+        };
+        for (kind, spec, field) in [
+            ("kubernetes", kube("https://169.254.169.254"), "clusters[0].cluster.server"),
+            ("kubernetes", kube("https://127.0.0.1:6443"), "loopback"),
+            ("kubernetes", kube("https://[fd00:ec2::254]"), "metadata"),
+            ("kubernetes", kube("https://localhost:6443"), "loopback name"),
+            ("kubernetes", kube("http://api.example.com"), "https:// only"),
+            ("oci.sync", sync("127.0.0.1:5000"), "source"),
+            ("oci.sync", sync("169.254.169.254"), "link-local"),
+        ] {
+            let r = verify(&f, JobEnvelope::sign(&job(kind, spec.clone()), &f.key), &Index::default(), 1100)
+                .err()
+                .expect("refused");
+            assert_eq!(r.reason, RejectReason::InvalidSpec, "{spec}");
+            assert!(r.detail.contains(field), "{field}: {}", r.detail);
+        }
+        let exec = KUBECONFIG.replace("{token: t}", "{exec: {command: sh, args: [-c, 'id > /tmp/x']}}");
+        let spec = serde_json::json!({"action": "delete", "component": "api", "namespace": "acme", "kubeconfig": exec});
+        let r = verify(&f, JobEnvelope::sign(&job("kubernetes", spec), &f.key), &Index::default(), 1100)
+            .err()
+            .expect("refused");
+        assert_eq!(r.reason, RejectReason::InvalidSpec);
+        assert!(r.detail.contains("users[0].user.exec") && r.detail.contains("command"), "{}", r.detail);
+        // Allowed by the verifier's configuration (see `verify_with`), or elsewhere.
+        for (kind, spec) in [
+            ("oci.sync", sync("registry.allowed.test:5000")),
+            ("oci.sync", sync("registry.vendor.example")),
+            ("kubernetes", kube("https://api.example.com:6443")),
+        ] {
+            verify(&f, JobEnvelope::sign(&job(kind, spec.clone()), &f.key), &Index::default(), 1100)
+                .unwrap_or_else(|r| panic!("{spec}: {r:?}"));
+        }
+    }
+
     /// A settled job's envelope delivered again after journal compaction: refused at
     /// every moment up to its expiry plus the largest skew the configuration accepts
     /// (here the verifier allows 30 s), and expired after that.
@@ -697,7 +762,8 @@ mod tests {
             assert_eq!(r, Some(want), "at {now}");
         }
         let later = 1301 + crate::config::MAX_CLOCK_SKEW_SECS as i64;
-        let c = journal.compact(10, crate::journal::nonce_horizon_secs(later as u64 * 1000)).expect("compact");
+        let c =
+            journal.compact(10, crate::journal::nonce_horizon_secs(later as u64 * 1000)).expect("compact");
         assert!(c.is_some_and(|c| c.jobs > 0), "past the horizon the settled jobs go");
         assert!(journal.with_index(|i| !i.nonces.contains_key("nonce-1")));
         let r = journal.with_index(|i| verify(&f, env.clone(), i, later)).err().map(|r| r.reason);
