@@ -21,6 +21,8 @@ const MAX_UDP: usize = 4096;
 const UPSTREAM_TIMEOUT: Duration = Duration::from_secs(3);
 /// A TCP client that says nothing for this long is dropped.
 const TCP_IDLE: Duration = Duration::from_secs(10);
+/// A TCP client is served this long at most, however busy.
+const TCP_LIFETIME: Duration = Duration::from_secs(60);
 /// Queries handled at once per job; more are dropped (the client retries).
 const MAX_IN_FLIGHT: usize = 64;
 
@@ -228,7 +230,11 @@ impl Forwarder {
         let mut tasks = tokio::task::JoinSet::new();
         let mut buf = vec![0u8; MAX_UDP];
         loop {
-            let Ok((n, from)) = socket.recv_from(&mut buf).await else { continue };
+            let Ok((n, from)) = socket.recv_from(&mut buf).await else {
+                // Not a spin on a socket that keeps failing.
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                continue;
+            };
             while tasks.try_join_next().is_some() {}
             if tasks.len() >= MAX_IN_FLIGHT {
                 continue;
@@ -243,17 +249,13 @@ impl Forwarder {
         }
     }
 
-    /// Answer on the job's TCP listener until the task is dropped.
+    /// Answer on the job's TCP listener until the task is dropped: at most
+    /// `MAX_IN_FLIGHT` connections at once, each dropped after `TCP_IDLE` of silence or
+    /// `TCP_LIFETIME` in all (`jobnet::serve_bounded`).
     pub async fn serve_tcp(self: Arc<Self>, listener: tokio::net::TcpListener) {
-        let mut tasks = tokio::task::JoinSet::new();
-        loop {
-            let Ok((mut stream, _)) = listener.accept().await else { continue };
-            while tasks.try_join_next().is_some() {}
-            if tasks.len() >= MAX_IN_FLIGHT {
-                continue;
-            }
+        crate::jobnet::serve_bounded(listener, MAX_IN_FLIGHT, TCP_LIFETIME, |mut stream| {
             let me = self.clone();
-            tasks.spawn(async move {
+            async move {
                 while let Ok(Ok(query)) = tokio::time::timeout(TCP_IDLE, read_framed(&mut stream)).await {
                     let Some(reply) = me.answer(&query, true).await else { break };
                     let mut framed = (reply.len() as u16).to_be_bytes().to_vec();
@@ -262,8 +264,9 @@ impl Forwarder {
                         break;
                     }
                 }
-            });
-        }
+            }
+        })
+        .await
     }
 }
 

@@ -155,6 +155,57 @@ pub fn spec(use_: NetworkUse, settings: &NetworkSettings, credentials: bool) -> 
     }
 }
 
+/// Connections to one job's credential endpoint served at once: an SDK needs one or two;
+/// more are closed as they arrive, so a job cannot spend the runner's descriptors.
+pub const MAX_CREDENTIAL_CONNECTIONS: usize = 32;
+/// A credential connection lives at most this long (an idle or slow client is dropped;
+/// SDKs reconnect when they next need credentials).
+const CREDENTIAL_CONNECTION_LIFETIME: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// Accept on a listener inside a job's namespace and serve each connection with
+/// `serve`, at most `max` at once (more are closed at once: refused) and each for at
+/// most `lifetime`. An accept error (the runner out of descriptors, say) waits before
+/// the next try, doubling up to a second, instead of spinning.
+pub async fn serve_bounded<F, Fut>(
+    listener: tokio::net::TcpListener,
+    max: usize,
+    lifetime: std::time::Duration,
+    serve: F,
+) where
+    F: Fn(tokio::net::TcpStream) -> Fut,
+    Fut: Future<Output = ()> + Send + 'static,
+{
+    let mut conns = tokio::task::JoinSet::new();
+    let mut backoff = std::time::Duration::ZERO;
+    loop {
+        let stream = tokio::select! {
+            accepted = listener.accept() => accepted,
+            Some(_) = conns.join_next(), if !conns.is_empty() => continue,
+        };
+        match stream {
+            Ok((stream, _)) => {
+                backoff = std::time::Duration::ZERO;
+                while conns.try_join_next().is_some() {}
+                if conns.len() >= max {
+                    // Closed unread: the client sees its connection refused.
+                    drop(stream);
+                    continue;
+                }
+                let fut = serve(stream);
+                conns.spawn(async move {
+                    let _ = tokio::time::timeout(lifetime, fut).await;
+                });
+            }
+            Err(e) => {
+                backoff = (backoff * 2)
+                    .clamp(std::time::Duration::from_millis(10), std::time::Duration::from_secs(1));
+                tracing::warn!(error = %e, wait_ms = backoff.as_millis() as u64, "accepting a connection from a job's namespace failed");
+                tokio::time::sleep(backoff).await;
+            }
+        }
+    }
+}
+
 /// Serves the AWS container credentials protocol for one job on connections from
 /// inside its namespace (the runner implements it over the job's role session).
 pub trait CredentialEndpoint: Send + Sync {
@@ -278,13 +329,13 @@ impl Services {
                 let (Some(listener), Some(endpoint)) = (handover.credentials, credentials) else {
                     return std::future::pending().await;
                 };
-                let mut conns = tokio::task::JoinSet::new();
-                loop {
-                    if let Ok((stream, _)) = listener.accept().await {
-                        while conns.try_join_next().is_some() {}
-                        conns.spawn(endpoint.serve(stream));
-                    }
-                }
+                serve_bounded(
+                    listener,
+                    MAX_CREDENTIAL_CONNECTIONS,
+                    CREDENTIAL_CONNECTION_LIFETIME,
+                    |stream| endpoint.serve(stream),
+                )
+                .await
             };
             tokio::join!(
                 forwarder.clone().serve_udp(handover.dns_udp),
@@ -298,5 +349,49 @@ impl Services {
     /// Whether the sandbox handed over its sockets (`None`: not yet, or never).
     pub fn outcome(&self) -> Option<Result<(), NetworkUnavailable>> {
         self.arrived.borrow().clone()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use tokio::io::AsyncReadExt as _;
+
+    use super::serve_bounded;
+
+    /// Whether the server closed `stream` (EOF or reset) within a few seconds.
+    async fn closed(stream: &mut tokio::net::TcpStream) -> bool {
+        let mut b = [0u8; 1];
+        matches!(tokio::time::timeout(Duration::from_secs(5), stream.read(&mut b)).await, Ok(Ok(0) | Err(_)))
+    }
+
+    #[tokio::test]
+    async fn connections_past_the_cap_are_refused_and_none_outlives_its_lifetime() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let (held_tx, mut held_rx) = tokio::sync::mpsc::unbounded_channel::<()>();
+        let server = tokio::spawn(serve_bounded(listener, 2, Duration::from_millis(300), move |stream| {
+            let held = held_tx.clone();
+            async move {
+                let _stream = stream;
+                let _ = held.send(());
+                // A client that never finishes: only the lifetime ends it.
+                std::future::pending::<()>().await;
+            }
+        }));
+        let mut first = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        let mut second = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        held_rx.recv().await.expect("first served");
+        held_rx.recv().await.expect("second served");
+        // Past the cap: closed at once, never served.
+        let mut third = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        assert!(closed(&mut third).await, "the third connection was refused");
+        assert!(held_rx.try_recv().is_err(), "and never served");
+        // The held ones end with their lifetime; then new ones are served again.
+        assert!(closed(&mut first).await && closed(&mut second).await);
+        let _fourth = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        held_rx.recv().await.expect("served once the others ended");
+        server.abort();
     }
 }

@@ -57,8 +57,10 @@ async fn components_env_with(
     let (tools, helm) = stand_in("helm");
     let mut opts = role_options(&moto, "");
     opts.extra.push_str(&format!(
-        "\n[oci]\nregistry_endpoints = {{ \"{ECR_HOST}\" = \"{}\" }}\n\n[terraform]\nbinary = \"{}\"\n\n[helm]\nbinary = \"{}\"\n\n[policy]\ndir = \"{}\"\n{extra}\n",
+        "\n[oci]\nregistry_endpoints = {{ \"{ECR_HOST}\" = \"{}\", \"{}\" = \"{}\" }}\n\n[terraform]\nbinary = \"{}\"\n\n[helm]\nbinary = \"{}\"\n\n[policy]\ndir = \"{}\"\n{extra}\n",
         ecr.url(),
+        vendor.host(),
+        vendor.url(),
         terraform().display(),
         helm.display(),
         policies.path().display()
@@ -270,7 +272,7 @@ async fn a_chart_by_digest_reaches_helm_as_a_local_path_without_credentials() {
     let spec = serde_json::json!({
         "action": "upgrade", "release": "api", "namespace": "acme",
         "chart": format!("{ECR_HOST}/inst-demo/charts-api@{}", pushed.digest),
-        "kubeconfig": "apiVersion: v1\nkind: Config\n",
+        "kubeconfig": byoc_control_plane::kube_api::unreached_kubeconfig(),
     });
     let (_, r, log) = run(&e, deploy("helm", spec)).await;
     assert_eq!(r.status, JobStatus::Succeeded, "{:?}\n{log}", r.error);
@@ -349,12 +351,17 @@ async fn run_local_fetches_a_component_by_digest_from_the_vendors_registry() {
             "module": format!("{}/vendor/tf-local@{digest}", registry.host()),
         }})
     };
-    // No credential: the registry says no, and nothing runs.
+    // A registry on this machine's loopback is reached only when named (--endpoint).
     let (code, out) = run_local(dir.path(), &job(&pushed.digest), &[]);
+    assert_eq!(code, 65, "{out}");
+    assert!(out.contains("module: 127.0.0.1") && out.contains("loopback"), "{out}");
+    let endpoint = format!("{}={}", registry.host(), registry.url());
+    // No credential: the registry says no, and nothing runs.
+    let (code, out) = run_local(dir.path(), &job(&pushed.digest), &["--endpoint", &endpoint]);
     assert_eq!(code, 1, "{out}");
     assert!(out.contains("HTTP 401") && !out.contains("Initializing"), "{out}");
     // With the vendor's credential (the token from the environment, never argv).
-    let auth = ["--registry-user", USER];
+    let auth = ["--registry-user", USER, "--endpoint", &endpoint];
     let token = [("BYOC_REGISTRY_TOKEN", TOKEN)];
     let (code, out) = run_local_with(dir.path(), &job(&pushed.digest), &auth, &token);
     assert_eq!(code, 0, "{out}");
@@ -415,7 +422,7 @@ fn run_local_reviews_kubernetes_manifests_without_a_cluster_when_planning() {
     let dir = tempfile::tempdir().unwrap();
     let job = serde_json::json!({"kind": "kubernetes", "timeout_secs": 60, "spec": {
         "action": "apply", "component": "api", "namespace": "acme",
-        "kubeconfig": "apiVersion: v1\nkind: Config\n",
+        "kubeconfig": byoc_control_plane::kube_api::unreached_kubeconfig(),
         "manifests": [{"apiVersion": "v1", "kind": "Service", "metadata": {"name": "api"}, "spec": {"type": "LoadBalancer"}}],
     }});
     let (code, out) = run_local(dir.path(), &job, &["--plan-only"]);
@@ -426,7 +433,8 @@ fn run_local_reviews_kubernetes_manifests_without_a_cluster_when_planning() {
 
 #[tokio::test]
 async fn a_manifests_bundle_by_digest_is_decided_and_applied_to_the_cluster() {
-    let (e, api) = tokio::join!(components_env(""), byoc_control_plane::kube_api::FakeKubeApi::start());
+    let api = byoc_control_plane::kube_api::FakeKubeApi::start().await;
+    let e = components_env(&api.runner_config()).await;
     let bundle = vec![
         ("manifests/".to_string(), String::new()),
         (

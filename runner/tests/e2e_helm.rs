@@ -230,8 +230,8 @@ async fn an_upgrade_waits_for_approval_of_its_manifests_then_runs() {
 #[tokio::test]
 async fn a_drift_check_finds_live_edits_against_the_releases_manifest() {
     use byoc_control_plane::kube_api::FakeKubeApi;
-    let e = helm_env().await;
     let api = FakeKubeApi::start().await;
+    let e = helm_env_with(&api.runner_config()).await;
     const DEPLOY: &str = "/apis/apps/v1/namespaces/acme/deployments/api";
     const SVC: &str = "/api/v1/namespaces/acme/services/api";
     let drift = |deployed: Option<String>| {

@@ -229,7 +229,7 @@ fn run_local_runs_a_job_file_without_a_control_plane() {
 /// run-local says so and writes nothing (docs/SECRETS.md).
 #[test]
 fn run_local_reads_no_customer_secret() {
-    let job = serde_json::json!({"kind": "secrets.sync", "spec": {"kubeconfig": "unused", "secrets": ["db_password"]}});
+    let job = serde_json::json!({"kind": "secrets.sync", "spec": {"kubeconfig": byoc_control_plane::kube_api::unreached_kubeconfig(), "secrets": ["db_password"]}});
     let out = run_local(&job, true);
     assert_ne!(out.status.code(), Some(0));
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();

@@ -31,6 +31,7 @@ async fn kube_env_with(extra: &str) -> KubeEnv {
     let mut opts = role_options(&moto, "");
     let policies = tempfile::tempdir().unwrap();
     opts.extra.push_str(&format!("\n[policy]\ndir = \"{}\"\n{extra}\n", policies.path().display()));
+    opts.extra.push_str(&api.runner_config());
     KubeEnv { env: env_with(opts).await, _moto: moto, api, _policies: policies }
 }
 
@@ -191,6 +192,7 @@ async fn cluster_policies_land_in_the_cluster_and_leave_with_the_sandbox() {
     let mut opts = role_options(&moto, "");
     let policies = tempfile::tempdir().unwrap();
     opts.extra.push_str(&format!("\n[policy]\ndir = \"{}\"\n", policies.path().display()));
+    opts.extra.push_str(&api.runner_config());
     let e = KubeEnv { env: env_with(opts).await, _moto: moto, api, _policies: policies };
     let kyverno = "apiVersion: kyverno.io/v1\nkind: ClusterPolicy\nmetadata:\n  name: require-requests\nspec:\n  validationFailureAction: Enforce\n  rules: []\n";
     let with_cluster_policies = |mut req: EnqueueRequest| {

@@ -34,9 +34,13 @@ async fn sync_env() -> SyncEnv {
         LocalRegistry::start(None)
     );
     let mut opts = role_options(&moto, "");
+    // The vendor's registry stands on this machine's loopback: reached only because the
+    // runner's configuration names it, as the install's ECR is mapped.
     opts.extra.push_str(&format!(
-        "\n[oci]\nchunk_mib = 5\nregistry_endpoints = {{ \"{ECR_HOST}\" = \"{}\" }}\n",
-        ecr.url()
+        "\n[oci]\nchunk_mib = 5\nregistry_endpoints = {{ \"{ECR_HOST}\" = \"{}\", \"{}\" = \"{}\" }}\n",
+        ecr.url(),
+        src.host(),
+        src.url()
     ));
     let env = env_with(opts).await;
     SyncEnv { env, moto, src, ecr }

@@ -188,6 +188,7 @@ async fn secrets_env() -> SecretsEnv {
         policies.path().display()
     ));
     opts.sandbox_extra = "enabled = false".into();
+    opts.extra.push_str(&kube.runner_config());
     let journal = tempfile::tempdir().unwrap();
     with_private_journald(&mut opts, journal.path());
     let env = env_with(opts).await;

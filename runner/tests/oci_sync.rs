@@ -407,7 +407,7 @@ async fn an_https_registry_is_trusted_through_the_ca_bundle_and_refused_without_
     std::fs::write(&ca, &pki.ca_pem).unwrap();
     // The vendor's host name, reached at the TLS registry (its certificate is for 127.0.0.1).
     let url = format!("https://127.0.0.1:{}", tls.port);
-    let copier_with = |http: reqwest::Client| {
+    let copier_with = |http: byoc_oci_sync::client::Http| {
         let src =
             Registry::new(Side::Source, "registry.vendor.test", Some(&url), None, http.clone()).unwrap();
         let d = Registry::new(Side::Destination, &dst.host(), None, None, http).unwrap();

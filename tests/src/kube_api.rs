@@ -36,6 +36,8 @@ pub struct FakeKubeApi {
     pub addr: SocketAddr,
     shared: Shared,
     task: tokio::task::JoinHandle<()>,
+    /// The CA its certificate is signed by (the kubeconfig carries it inline).
+    pub ca_pem: String,
 }
 
 impl Drop for FakeKubeApi {
@@ -130,26 +132,43 @@ fn serve(
     }
 }
 
+/// A data-only kubeconfig for a cluster no test reaches (plan-only runs, the helm
+/// stand-in): what the runner accepts from a job.
+pub fn unreached_kubeconfig() -> String {
+    "apiVersion: v1\nkind: Config\nclusters:\n- name: c\n  cluster:\n    server: https://kube.invalid:6443\nusers:\n- name: u\n  user:\n    token: unreached-cluster-token-0001\n".into()
+}
+
 impl FakeKubeApi {
+    /// Serve HTTPS on a loopback port, with a certificate of a CA of its own: the runner
+    /// reaches a job's cluster over HTTPS only, and a loopback server only when its
+    /// configuration names it ([`FakeKubeApi::runner_config`]).
     pub async fn start() -> FakeKubeApi {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().expect("addr");
         let shared = Shared::default();
         let app = axum::Router::new().fallback(handle).with_state(shared.clone());
-        let task = tokio::spawn(async move {
-            let _ = axum::serve(listener, app).await;
-        });
-        FakeKubeApi { addr, shared, task }
+        let pki = crate::tls::test_pki_for(&["127.0.0.1"]).expect("test certificates");
+        let tls = tokio_rustls::TlsAcceptor::from(pki.server.clone());
+        let task = tokio::spawn(crate::server::serve(listener, app, Some(tls)));
+        FakeKubeApi { addr, shared, task, ca_pem: pki.ca_pem }
     }
 
     pub fn url(&self) -> String {
-        format!("http://{}", self.addr)
+        format!("https://{}", self.addr)
     }
 
-    /// A kubeconfig for this server with a bearer token.
+    /// What a runner's configuration says to let jobs name this server (it is on the
+    /// runner's own loopback).
+    pub fn runner_config(&self) -> String {
+        format!("\n[kubernetes]\nallowed_servers = [\"{}\"]\n", self.url())
+    }
+
+    /// A kubeconfig for this server with a bearer token (data only: the CA inline).
     pub fn kubeconfig(&self, token: &str) -> String {
+        use base64::Engine as _;
+        let ca = base64::engine::general_purpose::STANDARD.encode(&self.ca_pem);
         format!(
-            "apiVersion: v1\nkind: Config\nclusters:\n- name: fake\n  cluster:\n    server: {}\ncontexts:\n- name: fake\n  context:\n    cluster: fake\n    user: job\ncurrent-context: fake\nusers:\n- name: job\n  user:\n    token: {token}\n",
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: fake\n  cluster:\n    server: {}\n    certificate-authority-data: {ca}\ncontexts:\n- name: fake\n  context:\n    cluster: fake\n    user: job\ncurrent-context: fake\nusers:\n- name: job\n  user:\n    token: {token}\n",
             self.url()
         )
     }

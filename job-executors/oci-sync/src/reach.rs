@@ -22,7 +22,7 @@ pub enum Refused {
     #[error("{url}: not HTTPS; the runner reaches what a job names over HTTPS only")]
     NotHttps { url: String },
     #[error(
-        "{host}: {class}; the runner does not connect there for a job (an endpoint of the customer's can be allowed in runner.toml)"
+        "{host}: {class}; the runner connects there for a job only when its configuration names the endpoint ([oci] registry_endpoints, [kubernetes] allowed_servers; run-local: --endpoint, --allow-cluster-server)"
     )]
     Address { host: String, class: &'static str },
     #[error("{url}: not a URL the runner reaches ({why})")]

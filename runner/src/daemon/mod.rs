@@ -75,6 +75,10 @@ pub enum DaemonError {
     #[error("installing signal handlers: {0}")]
     Signals(std::io::Error),
     #[error(
+        "the runner may open only {limit} files (RLIMIT_NOFILE, hard limit {hard}); it needs {MIN_OPEN_FILES}: raise LimitNOFILE in the unit (the packaged unit sets {UNIT_OPEN_FILES})"
+    )]
+    OpenFiles { limit: u64, hard: u64 },
+    #[error(
         "the job sandbox cannot be built on this host: {0}. Check that user namespaces are enabled (sysctl user.max_user_namespaces > 0) and the unit allows them, or set [sandbox] enabled = false to run jobs unsandboxed"
     )]
     Sandbox(#[from] byoc_job_executors::sandboxed::SelfTestError),
@@ -85,7 +89,38 @@ fn sd_notify(states: &[sd_notify::NotifyState]) {
     let _ = sd_notify::notify(states);
 }
 
+/// Open files the daemon needs at least: each running job holds its spool, pipes, the
+/// sockets of its namespace's services (up to 32 credential and 64 DNS connections) and
+/// its cluster or registry connections.
+pub const MIN_OPEN_FILES: u64 = 2048;
+/// What the packaged unit's `LimitNOFILE` gives, and what the soft limit is raised to.
+pub const UNIT_OPEN_FILES: u64 = 65_536;
+
+/// The soft limit to set given the current soft and hard limits: raised to the hard
+/// limit (at most `UNIT_OPEN_FILES`), never lowered; an error below `MIN_OPEN_FILES`.
+fn open_files_target(soft: u64, hard: u64) -> Result<u64, DaemonError> {
+    let target = soft.max(hard.min(UNIT_OPEN_FILES));
+    if target < MIN_OPEN_FILES {
+        return Err(DaemonError::OpenFiles { limit: target, hard });
+    }
+    Ok(target)
+}
+
+/// Raise the open-files limit before anything opens many: a job cannot run the daemon
+/// out of descriptors (its services are capped), and the daemon needs room for many jobs.
+fn raise_open_files() -> Result<u64, DaemonError> {
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    let (soft, hard) = getrlimit(Resource::RLIMIT_NOFILE).unwrap_or((0, 0));
+    let target = open_files_target(soft, hard)?;
+    if target != soft && setrlimit(Resource::RLIMIT_NOFILE, target, hard).is_err() {
+        return open_files_target(soft, soft);
+    }
+    Ok(target)
+}
+
 pub async fn run(config: Config) -> Result<(), DaemonError> {
+    let open_files = raise_open_files()?;
+    tracing::debug!(open_files, "open files limit");
     let state_dir = config.runner.state_dir.clone();
     prepare_state_dir(&state_dir)?;
     let (key, created) = identity::load_or_create_key(&state_dir)?;
@@ -583,4 +618,18 @@ fn spawn_watchdog(rt: &Rt, health: Arc<AtomicU64>, drain: CancellationToken) {
             }
         }
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_open_files_limit_is_raised_to_the_hard_limit_and_refused_when_too_low() {
+        assert_eq!(open_files_target(1024, 524_288).ok(), Some(UNIT_OPEN_FILES));
+        assert_eq!(open_files_target(1024, 4096).ok(), Some(4096));
+        assert_eq!(open_files_target(100_000, 200_000).ok(), Some(100_000), "never lowered");
+        let e = open_files_target(1024, 1024).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(e.contains("LimitNOFILE") && e.contains("1024"), "{e}");
+    }
 }

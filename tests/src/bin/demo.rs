@@ -283,9 +283,12 @@ async fn main() -> anyhow::Result<()> {
             image.digest
         );
         println!("install ECR     {ecr_host} -> {}", ecr.url());
-        options
-            .extra
-            .push_str(&format!("\n[oci]\nregistry_endpoints = {{ \"{ecr_host}\" = \"{}\" }}\n", ecr.url()));
+        options.extra.push_str(&format!(
+            "\n[oci]\nregistry_endpoints = {{ \"{ecr_host}\" = \"{}\", \"{}\" = \"{}\" }}\n",
+            ecr.url(),
+            vendor.host(),
+            vendor.url()
+        ));
         placeholders = vec![
             ("${VENDOR_REGISTRY}".into(), vendor.host()),
             ("${IMAGE_DIGEST}".into(), image.digest.clone()),
