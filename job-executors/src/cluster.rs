@@ -332,12 +332,27 @@ impl ClusterAccess {
     /// (nothing that runs or reads anything), over a connector whose resolver refuses
     /// what `reach` refuses. A literal address was checked before the claim; it is
     /// checked again here.
-    pub(crate) async fn client(&self, reach: &Reach) -> Result<kube::Client, ClusterAccessError> {
+    pub(crate) async fn client(&self, reach: &Reach) -> Result<kube::Client, ClientError> {
         use kube::client::ConfigExt as _;
         use kube::config::{
             AuthInfo, Cluster, Context, Kubeconfig, NamedAuthInfo, NamedCluster, NamedContext,
         };
-        reach.check_url(&self.server).map_err(|e| ClusterAccessError(format!("cluster API server: {e}")))?;
+        let refused =
+            |e: byoc_oci_sync::reach::Refused| ClientError::Refused(format!("cluster API server: {e}"));
+        reach.check_url(&self.server).map_err(refused)?;
+        // A name is looked up once now, so that one answering with a refused address
+        // fails the job with that reason before any request; the connector's resolver
+        // checks every later lookup as well (an answer that changes is refused then).
+        if let Some(url::Host::Domain(host)) = self.server.host()
+            && !reach.allows_authority(&authority(&self.server))
+        {
+            let addrs: Vec<SocketAddr> = tokio::net::lookup_host((host, 0))
+                .await
+                .map_err(|e| ClientError::Build(format!("resolving the cluster API server {host}: {e}")))?
+                .collect();
+            reach.check_resolved(host, &addrs).map_err(refused)?;
+        }
+        let build = |what: &str, e: &dyn std::fmt::Display| ClientError::Build(format!("{what}: {e}"));
         let mut user = AuthInfo::default();
         match &self.auth {
             Auth::Token(t) => user.token = Some(t.clone().into()),
@@ -375,24 +390,48 @@ impl ClusterAccess {
         };
         let config = kube::Config::from_custom_kubeconfig(kc, &kube::config::KubeConfigOptions::default())
             .await
-            .map_err(|e| ClusterAccessError(format!("cluster access: {e}")))?;
+            .map_err(|e| build("cluster access", &e))?;
         let mut http =
             hyper_util::client::legacy::connect::HttpConnector::new_with_resolver(GuardedDns(reach.clone()));
         http.enforce_http(false);
         http.set_connect_timeout(Some(std::time::Duration::from_secs(15)));
-        let https = config
-            .rustls_https_connector_with_connector(http)
-            .map_err(|e| ClusterAccessError(format!("cluster TLS: {e}")))?;
+        let https =
+            config.rustls_https_connector_with_connector(http).map_err(|e| build("cluster TLS", &e))?;
         let transport =
             hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new()).build(https);
-        let auth =
-            config.auth_layer().map_err(|e| ClusterAccessError(format!("cluster credentials: {e}")))?;
+        let auth = config.auth_layer().map_err(|e| build("cluster credentials", &e))?;
         let service = tower::ServiceBuilder::new()
             .layer(config.base_uri_layer())
             .option_layer(auth)
             .map_err(tower::BoxError::from)
             .service(transport);
         Ok(kube::Client::new(service, config.default_namespace))
+    }
+}
+
+/// Why no cluster client was made.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum ClientError {
+    /// The server is somewhere the runner does not connect for a job.
+    #[error("{0}")]
+    Refused(String),
+    #[error("{0}")]
+    Build(String),
+}
+
+impl ClientError {
+    pub(crate) fn code(&self) -> &'static str {
+        match self {
+            ClientError::Refused(_) => "endpoint_refused",
+            ClientError::Build(_) => "cluster_unreachable",
+        }
+    }
+}
+
+fn authority(url: &Url) -> String {
+    match url.port() {
+        Some(p) => format!("{}:{p}", url.host_str().unwrap_or_default()),
+        None => url.host_str().unwrap_or_default().to_string(),
     }
 }
 
@@ -534,10 +573,21 @@ mod tests {
     async fn the_client_refuses_a_refused_address_before_connecting() {
         let a = parse_kubeconfig(&kubeconfig("    server: https://169.254.169.254\n", "    token: t\n"))
             .expect("parses");
-        let e = a.client(&Reach::guarded(Vec::<String>::new())).await.err().map(|e| e.0).unwrap_or_default();
-        assert!(e.contains("link-local"), "{e}");
+        let e = a.client(&Reach::guarded(Vec::<String>::new())).await.err().expect("refused");
+        assert_eq!(e.code(), "endpoint_refused");
+        assert!(e.to_string().contains("link-local"), "{e}");
         let a = parse_kubeconfig(&kubeconfig("    server: https://localhost:6443\n", "    token: t\n"))
             .expect("parses");
         assert!(a.client(&Reach::guarded(Vec::<String>::new())).await.is_err());
+        // A name that is not a loopback name but resolves to one of this machine's
+        // addresses (its own host name does): refused when it resolves.
+        let me = nix::unistd::gethostname().expect("hostname").to_string_lossy().into_owned();
+        let resolved: Vec<SocketAddr> =
+            tokio::net::lookup_host((me.as_str(), 0)).await.expect("this machine's name resolves").collect();
+        let server = format!("    server: https://{me}:6443\n");
+        let a = parse_kubeconfig(&kubeconfig(&server, "    token: t\n")).expect("parses");
+        let e = a.client(&Reach::guarded(Vec::<String>::new())).await.err().expect("refused");
+        assert_eq!(e.code(), "endpoint_refused", "{me} -> {resolved:?}: {e}");
+        assert!(e.to_string().contains("resolves to"), "{e}");
     }
 }

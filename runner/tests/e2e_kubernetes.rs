@@ -152,7 +152,9 @@ async fn an_eks_cluster_is_reached_with_a_token_signed_by_the_jobs_role() {
     let e = kube_env().await;
     let mut req = job(&e.api, "apply", vec![config_map("settings")], 30);
     req.spec.as_object_mut().unwrap().remove("kubeconfig");
-    req.spec["eks"] = serde_json::json!({"cluster": "acme-prod", "server": e.api.url()});
+    let ca = base64::engine::general_purpose::STANDARD.encode(&e.api.ca_pem);
+    req.spec["eks"] =
+        serde_json::json!({"cluster": "acme-prod", "server": e.api.url(), "certificate_authority_data": ca});
     let (r, log) = run(&e, req).await;
     assert_eq!(r.status, JobStatus::Succeeded, "{:?}\n{log}", r.error);
     let auth = e.api.requests()[0].authorization.clone();

@@ -377,7 +377,7 @@ impl Helm {
         let client = cluster
             .client(&run.ctx.settings.cluster_reach)
             .await
-            .map_err(|e| failed("cluster_unreachable", e.0, serde_json::Value::Null))?;
+            .map_err(|e| failed(e.code(), e.to_string(), serde_json::Value::Null))?;
         let cancel = run.ctx.settings.cancel.clone();
         let seen = tokio::select! {
             r = drift::compare_live(&client, &objects) => r.map_err(|(reason, e)| failed(reason, e, serde_json::Value::Null))?,

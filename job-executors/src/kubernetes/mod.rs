@@ -128,7 +128,7 @@ impl Kubernetes {
         let reach = ctx.settings.cluster_reach.clone();
         async move {
             let access = access.map_err(|e| ("cluster_credentials", e.0))?;
-            access.client(&reach).await.map_err(|e| ("cluster_unreachable", e.0))
+            access.client(&reach).await.map_err(|e| (e.code(), e.to_string()))
         }
     }
 

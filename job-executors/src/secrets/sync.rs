@@ -109,7 +109,7 @@ impl SecretsSync {
         };
         let client = match access.client(&ctx.settings.cluster_reach).await {
             Ok(c) => c,
-            Err(e) => return failed("cluster_unreachable", e.0, serde_json::Value::Null),
+            Err(e) => return failed(e.code(), e.to_string(), serde_json::Value::Null),
         };
         // A use that names one target writes that one; a bare name, every declared one.
         let chosen = |d: &super::Declared| -> Vec<KubeTarget> {

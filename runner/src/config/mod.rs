@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 pub use aws::{AwsConfig, RolesConfig};
 pub use control_plane::ControlPlaneConfig;
 pub use drift::{DRIFT_KINDS, DriftConfig, DriftSchedule};
-pub use runner::{JobsConfig, LogTarget, LoggingConfig, MAX_CLOCK_SKEW_SECS, PollConfig, RunnerConfig};
+pub use runner::{JobsConfig, LogTarget, LoggingConfig, PollConfig, RunnerConfig};
 pub use sandbox::{ContainersConfig, SandboxConfig};
 pub use tools::{
     ArtifactsConfig, HelmConfig, KubernetesConfig, OciConfig, PolicyConfig, TerraformConfig,

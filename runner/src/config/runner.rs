@@ -71,18 +71,13 @@ pub struct JobsConfig {
     pub groups: BTreeMap<String, usize>,
 }
 
-/// The largest `jobs.max_clock_skew_secs` accepted. Journal compaction keeps a spent
-/// nonce this long past its envelope's expiry whatever the setting is now: a skew raised
-/// after a compaction must not make a forgotten nonce's envelope acceptable again.
-pub const MAX_CLOCK_SKEW_SECS: u64 = 3600;
-
 impl JobsConfig {
     pub(super) fn parse(table: toml::Table, problems: &mut Vec<String>) -> Self {
         let mut f = Fields::new("jobs", table, problems);
         let drain_grace = f.secs("drain_grace_secs", 300, 0..=86_400);
         let kill_grace = f.secs("kill_grace_secs", 10, 1..=600);
         let heartbeat_interval = f.secs("heartbeat_secs", 15, 1..=300);
-        let max_clock_skew = f.secs("max_clock_skew_secs", 60, 0..=MAX_CLOCK_SKEW_SECS);
+        let max_clock_skew = f.secs("max_clock_skew_secs", 60, 0..=3600);
         let max_timeout = f.secs("max_timeout_secs", 6 * 3600, 1..=7 * 86_400);
         let log_max_bytes = f.ranged("log_max_mib", 256, 1..=1024 * 1024) << 20;
         let retention_days = f.ranged("log_retention_days", 30, 0..=36_500);

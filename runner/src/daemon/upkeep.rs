@@ -30,7 +30,10 @@ pub(super) fn compact_journal(rt: &Rt) {
     if now_ms < RETRY_AT_MS.load(Ordering::Relaxed) {
         return;
     }
-    match rt.journal.compact(rt.config.jobs.journal_keep, crate::journal::nonce_horizon_secs(now_ms)) {
+    match rt.journal.compact(
+        rt.config.jobs.journal_keep,
+        crate::journal::nonce_horizon_secs(now_ms, rt.config.jobs.max_clock_skew),
+    ) {
         Ok(None) => {}
         Ok(Some(c)) => {
             let name = c.archive.file_name().unwrap_or_default().to_string_lossy().to_string();

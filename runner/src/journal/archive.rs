@@ -78,12 +78,11 @@ impl Journal {
     }
 }
 
-/// Envelopes that expired before this (Unix seconds) can no longer be accepted, whatever
-/// skew the configuration allows now or later: their nonces may be forgotten (an
-/// envelope is accepted until its expiry plus the allowed skew). The `now_secs` that
-/// [`Journal::compact`] is given.
-pub fn nonce_horizon_secs(now_ms: u64) -> i64 {
-    (now_ms / 1000) as i64 - crate::config::MAX_CLOCK_SKEW_SECS as i64
+/// Envelopes that expired before this (Unix seconds) can no longer be accepted with
+/// `skew` allowed: their nonces may be forgotten (an envelope is accepted until its
+/// expiry plus the allowed skew). The `now_secs` that [`Journal::compact`] is given.
+pub fn nonce_horizon_secs(now_ms: u64, skew: std::time::Duration) -> i64 {
+    (now_ms / 1000) as i64 - skew.as_secs() as i64
 }
 
 /// The archive directory beside the journal.
