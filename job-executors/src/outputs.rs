@@ -20,8 +20,19 @@ pub enum OutputsError {
     NotUtf8,
     #[error("outputs file line {line}: {reason}")]
     Line { line: usize, reason: String },
-    #[error("reading the outputs file: {0}")]
-    Read(String),
+    #[error("reading the outputs file: {why}")]
+    Read { code: &'static str, why: String },
+}
+
+impl OutputsError {
+    /// The reason code a job whose outputs file is refused fails with.
+    pub fn code(&self) -> &'static str {
+        match self {
+            OutputsError::TooLarge(_) => "outputs_too_large",
+            OutputsError::NotUtf8 | OutputsError::Line { .. } => "outputs_invalid",
+            OutputsError::Read { code, .. } => code,
+        }
+    }
 }
 
 /// Read and validate the outputs file the job left in `work_dir` (beneath it, no link
@@ -33,7 +44,7 @@ pub fn read(work_dir: &Path, masker: &Masker) -> Result<serde_json::Value, Outpu
         Ok(Some(b)) => b,
         Ok(None) => return Ok(serde_json::json!({})),
         Err(JobFileError::TooLarge { .. }) => return Err(OutputsError::TooLarge(MAX_OUTPUT_BYTES)),
-        Err(e) => return Err(OutputsError::Read(e.to_string())),
+        Err(e) => return Err(OutputsError::Read { code: e.code(), why: e.to_string() }),
     };
     let text = String::from_utf8(bytes).map_err(|_| OutputsError::NotUtf8)?;
     parse(&text, masker)
@@ -103,7 +114,7 @@ mod tests {
         assert_eq!(read(&Masker::none()), Err(OutputsError::NotUtf8));
         std::fs::remove_file(&p).unwrap();
         std::os::unix::fs::symlink("/etc/passwd", &p).unwrap();
-        assert!(matches!(read(&Masker::none()), Err(OutputsError::Read(_))));
+        assert!(matches!(read(&Masker::none()), Err(OutputsError::Read { code: "job_file_refused", .. })));
         std::fs::remove_file(&p).unwrap();
         nix::unistd::mkfifo(&p, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
         assert!(

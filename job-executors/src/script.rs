@@ -120,6 +120,10 @@ impl Executor for Script {
                     outcome.outputs = outputs
                 }
                 Err(e) => {
+                    // The reason is the outputs': the job's own exit status stays in its log.
+                    if outcome.status == crate::JobStatus::Succeeded || outcome.outputs.is_null() {
+                        outcome.outputs = serde_json::json!({"reason": e.code()});
+                    }
                     outcome.error = Some(match outcome.error.take() {
                         Some(prev) => format!("{prev}; {e}"),
                         None => e.to_string(),

@@ -143,11 +143,18 @@ impl FakeKubeApi {
     /// reaches a job's cluster over HTTPS only, and a loopback server only when its
     /// configuration names it ([`FakeKubeApi::runner_config`]).
     pub async fn start() -> FakeKubeApi {
+        Self::start_named(&[]).await
+    }
+
+    /// The same, its certificate also valid for `names` (a host name of this machine's
+    /// that resolves to loopback, so that only the runner's own rule keeps it away).
+    pub async fn start_named(names: &[&str]) -> FakeKubeApi {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().expect("addr");
         let shared = Shared::default();
         let app = axum::Router::new().fallback(handle).with_state(shared.clone());
-        let pki = crate::tls::test_pki_for(&["127.0.0.1"]).expect("test certificates");
+        let all: Vec<&str> = ["127.0.0.1"].into_iter().chain(names.iter().copied()).collect();
+        let pki = crate::tls::test_pki_for(&all).expect("test certificates");
         let tls = tokio_rustls::TlsAcceptor::from(pki.server.clone());
         let task = tokio::spawn(crate::server::serve(listener, app, Some(tls)));
         FakeKubeApi { addr, shared, task, ca_pem: pki.ca_pem }

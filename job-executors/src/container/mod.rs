@@ -90,6 +90,9 @@ impl Executor for Container {
                     outcome.outputs = o
                 }
                 Err(e) => {
+                    if outcome.status == JobStatus::Succeeded || outcome.outputs.is_null() {
+                        outcome.outputs = serde_json::json!({"reason": e.code()});
+                    }
                     outcome.error = Some(e.to_string());
                     outcome.status = JobStatus::Failed;
                 }
