@@ -118,7 +118,7 @@ mod tests {
         std::fs::remove_file(&p).unwrap();
         nix::unistd::mkfifo(&p, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
         assert!(
-            matches!(read(&Masker::none()), Err(OutputsError::Read(_))),
+            matches!(read(&Masker::none()), Err(OutputsError::Read { code: "job_file_refused", .. })),
             "a FIFO is refused, not waited on"
         );
     }

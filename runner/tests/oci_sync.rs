@@ -423,3 +423,70 @@ async fn an_https_registry_is_trusted_through_the_ca_bundle_and_refused_without_
     assert_eq!(r.source, format!("registry.vendor.test/vendor/tls@{}", img.digest));
     assert_eq!(dst.manifest("install/tls", "1").await.unwrap().0, img.digest);
 }
+
+/// A vendor registry the runner may reach (the customer configured it) that points the
+/// runner elsewhere: a token realm on the host's loopback or the metadata address, a
+/// redirect there. The guarded client follows none of it: `endpoint_refused`, and the
+/// loopback service it names never sees a connection.
+#[tokio::test]
+async fn a_registry_that_points_elsewhere_is_not_followed() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    // The loopback service a hostile registry points at.
+    let canary = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let canary_at = canary.local_addr().unwrap();
+    let hits = Arc::new(AtomicUsize::new(0));
+    let counted = hits.clone();
+    let canary_task = tokio::spawn(async move {
+        while canary.accept().await.is_ok() {
+            counted.fetch_add(1, Ordering::SeqCst);
+        }
+    });
+    for (name, answer) in [
+        ("realm on loopback", format!("401 Bearer realm=\"https://{canary_at}/token\",service=\"reg\"")),
+        ("realm over http", "401 Bearer realm=\"http://registry.example.com/token\"".to_string()),
+        ("realm on the metadata address", "401 Bearer realm=\"https://169.254.169.254/token\"".to_string()),
+        ("redirect to loopback", format!("307 http://{canary_at}/v2/x")),
+        ("redirect to the metadata address", "307 https://169.254.169.254/latest/meta-data/".to_string()),
+    ] {
+        let answer = Arc::new(answer);
+        let app = axum::Router::new().fallback(move || {
+            let answer = answer.clone();
+            async move {
+                let (status, value) = answer.split_once(' ').unwrap();
+                let (code, header) = match status {
+                    "401" => (axum::http::StatusCode::UNAUTHORIZED, "www-authenticate"),
+                    _ => (axum::http::StatusCode::TEMPORARY_REDIRECT, "location"),
+                };
+                (code, [(header, value.to_string())])
+            }
+        });
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let at = listener.local_addr().unwrap();
+        let server = tokio::spawn(async move {
+            let _ = axum::serve(listener, app).await;
+        });
+        // The customer named this registry; nothing it answers widens that.
+        let reach = byoc_oci_sync::Reach::guarded([format!("http://{at}")]);
+        let http = Registry::http_client_for(None, reach).unwrap();
+        let cred = Credential::Basic { username: USER.into(), secret: TOKEN.into() };
+        let mut src = Registry::new(
+            Side::Source,
+            &at.to_string(),
+            Some(&format!("http://{at}")),
+            Some(cred),
+            http.clone(),
+        )
+        .unwrap();
+        src.retry.attempts = 1;
+        let digest = format!("sha256:{}", "b".repeat(64));
+        let err = match src.get_manifest("vendor/api", &digest).await {
+            Ok(_) => panic!("{name}: the manifest was fetched"),
+            Err(e) => e,
+        };
+        assert_eq!(err.code(), "endpoint_refused", "{name}: {err}");
+        assert!(!err.to_string().contains(TOKEN), "{name}: {err}");
+        server.abort();
+    }
+    assert_eq!(hits.load(Ordering::SeqCst), 0, "the loopback service was reached");
+    canary_task.abort();
+}
