@@ -29,8 +29,10 @@ pub(crate) fn hand_over(ctx: &ExecContext<'_>, path: &Path) -> std::io::Result<(
     if !nix::unistd::geteuid().is_root() {
         return Ok(());
     }
-    std::os::unix::fs::chown(path, Some(s.host_uid), Some(s.host_gid))?;
-    if path.is_dir() {
+    // Never through a link (an artifact may carry links inside its tree; a loop of
+    // them must not send this round in circles).
+    std::os::unix::fs::lchown(path, Some(s.host_uid), Some(s.host_gid))?;
+    if std::fs::symlink_metadata(path)?.is_dir() {
         for entry in std::fs::read_dir(path)? {
             hand_over(ctx, &entry?.path())?;
         }

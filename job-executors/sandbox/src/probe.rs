@@ -134,11 +134,15 @@ pub fn run(args: &ProbeArgs<'_>) -> Report {
     add("no_new_privs", (nnp == "1", format!("NoNewPrivs {nnp}")));
     let seccomp = status_field("Seccomp");
     add("seccomp_filter", (seccomp == "2", format!("Seccomp {seccomp}")));
-    // EPERM is the filter's answer; ENOSYS would be a kernel without x32 (the filter not
-    // consulted for it), which the check must not take for a refusal.
+    // EPERM (the job sandbox's filter) or a kill (Docker's profile) is a filter's
+    // refusal; ENOSYS would be a kernel without x32 that no filter stopped, which the
+    // check must not take for one.
     let x32 = crate::sys::x32_getpid();
-    let x32_held =
-        if cfg!(target_arch = "x86_64") { x32 == Err(nix::errno::Errno::EPERM) } else { x32.is_err() };
+    let x32_held = match x32 {
+        Ok(crate::sys::X32Answer::Errno(libc::EPERM) | crate::sys::X32Answer::Killed(_)) => true,
+        Ok(crate::sys::X32Answer::Errno(libc::ENOSYS)) => !cfg!(target_arch = "x86_64"),
+        _ => false,
+    };
     add("x32_abi_refused", (x32_held, format!("{x32:?}")));
     for target in UNREACHABLE.iter().map(|s| s.to_string()).chain(args.unreachable.iter().cloned()) {
         add(&format!("unreachable:{target}"), unreachable(&target));

@@ -70,19 +70,44 @@ pub fn exit_now(code: i32) -> ! {
     unsafe { libc::_exit(code) }
 }
 
-/// `getpid` through x86-64's x32 ABI (its number with `__X32_SYSCALL_BIT`): what the
-/// kernel answers, `Ok(pid)` or the errno. The probe checks the job's filter refuses it;
-/// on other architectures there is no such ABI and this reports ENOSYS.
-pub fn x32_getpid() -> Result<i64, nix::errno::Errno> {
+/// What the kernel (through the process's seccomp filters) does with `getpid` made
+/// through x86-64's x32 ABI (its number with `__X32_SYSCALL_BIT`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum X32Answer {
+    /// The call ran: x32 is open to this process.
+    Allowed,
+    /// It failed with this errno (EPERM from a filter, ENOSYS from a kernel without
+    /// x32 that no filter stopped).
+    Errno(i32),
+    /// A filter killed the process (Docker's profile does, SIGSYS).
+    Killed(i32),
+}
+
+/// Try an x32 `getpid` in a child (a filter may kill whoever makes the call) and say
+/// what happened to it. On other architectures there is no such ABI: `Errno(ENOSYS)`.
+pub fn x32_getpid() -> nix::Result<X32Answer> {
     #[cfg(target_arch = "x86_64")]
     {
-        // SAFETY: getpid takes no arguments and touches no memory, under any ABI; a kernel
-        // without x32 answers ENOSYS.
-        let r = unsafe { libc::syscall(0x4000_0000 | libc::SYS_getpid) };
-        if r < 0 { Err(nix::errno::Errno::last()) } else { Ok(r) }
+        use nix::sys::wait::{WaitStatus, waitpid};
+        // SAFETY: the probe is a single-threaded command; the child makes one system
+        // call and leaves with _exit, touching no lock or allocator.
+        match unsafe { nix::unistd::fork() }? {
+            nix::unistd::ForkResult::Child => {
+                // SAFETY: getpid takes no arguments and touches no memory, under any ABI.
+                let r = unsafe { libc::syscall(0x4000_0000 | libc::SYS_getpid) };
+                let code = if r < 0 { nix::errno::Errno::last_raw() } else { 0 };
+                exit_now(code)
+            }
+            nix::unistd::ForkResult::Parent { child } => match waitpid(child, None)? {
+                WaitStatus::Exited(_, 0) => Ok(X32Answer::Allowed),
+                WaitStatus::Exited(_, code) => Ok(X32Answer::Errno(code)),
+                WaitStatus::Signaled(_, sig, _) => Ok(X32Answer::Killed(sig as i32)),
+                _ => Err(nix::errno::Errno::ECHILD),
+            },
+        }
     }
     #[cfg(not(target_arch = "x86_64"))]
-    Err(nix::errno::Errno::ENOSYS)
+    Ok(X32Answer::Errno(libc::ENOSYS))
 }
 
 /// Close one descriptor by number (the child's copy of a pipe end it must not hold).
