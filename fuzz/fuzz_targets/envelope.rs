@@ -63,6 +63,8 @@ fuzz_target!(|data: &[u8]| {
         paused: None,
         disk_low: None,
         readiness: &|_| None,
+        registries: byoc_oci_sync::Reach::guarded(["registry.allowed.test:5000"]),
+        clusters: byoc_oci_sync::Reach::guarded(Vec::<String>::new()),
         resume_held: false,
     };
     let _ = verifier.verify(polled, &f.index);

@@ -354,30 +354,35 @@ esac
 const EMPTY_PLAN: &str =
     r#"{"format_version": "1.2", "terraform_version": "1.11.0", "resource_changes": []}"#;
 
-struct TfEnv {
+/// A runner whose `[section] binary` is `script` (job code as a tool would run it).
+struct ToolEnv {
     env: Env,
     _tools: tempfile::TempDir,
     _policies: tempfile::TempDir,
 }
 
-async fn hostile_terraform_env() -> TfEnv {
+async fn env_with_tool(section: &str, script: &str) -> ToolEnv {
     use std::os::unix::fs::PermissionsExt as _;
     let tools = tempfile::tempdir().unwrap();
     std::fs::set_permissions(tools.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
-    let terraform = tools.path().join("terraform");
-    std::fs::write(&terraform, HOSTILE_TERRAFORM).unwrap();
-    std::fs::set_permissions(&terraform, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let tool = tools.path().join(section);
+    std::fs::write(&tool, script).unwrap();
+    std::fs::set_permissions(&tool, std::fs::Permissions::from_mode(0o755)).unwrap();
     let policies = tempfile::tempdir().unwrap();
     let opts = byoc_control_plane::harness::RunnerOptions {
         extra: format!(
-            "\n[terraform]\nbinary = \"{}\"\n\n[policy]\ndir = \"{}\"\n",
-            terraform.display(),
+            "\n[{section}]\nbinary = \"{}\"\n\n[policy]\ndir = \"{}\"\n",
+            tool.display(),
             policies.path().display()
         ),
         sandbox_ro_paths: vec![tools.path().to_path_buf()],
         ..Default::default()
     };
-    TfEnv { env: env_with(opts).await, _tools: tools, _policies: policies }
+    ToolEnv { env: env_with(opts).await, _tools: tools, _policies: policies }
+}
+
+async fn hostile_terraform_env() -> ToolEnv {
+    env_with_tool("terraform", HOSTILE_TERRAFORM).await
 }
 
 fn tf_job(workspace: &str, hostile: &[(&str, String)]) -> EnqueueRequest {
@@ -463,33 +468,18 @@ esac
 
 #[tokio::test]
 async fn helm_files_swapped_for_links_are_never_followed() {
-    use std::os::unix::fs::PermissionsExt as _;
     let canary = Canary::start().await;
-    let tools = tempfile::tempdir().unwrap();
-    std::fs::set_permissions(tools.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
-    let helm = tools.path().join("helm");
-    std::fs::write(&helm, HOSTILE_HELM).unwrap();
-    std::fs::set_permissions(&helm, std::fs::Permissions::from_mode(0o755)).unwrap();
-    let policies = tempfile::tempdir().unwrap();
-    let opts = byoc_control_plane::harness::RunnerOptions {
-        extra: format!(
-            "\n[helm]\nbinary = \"{}\"\n\n[policy]\ndir = \"{}\"\n",
-            helm.display(),
-            policies.path().display()
-        ),
-        sandbox_ro_paths: vec![tools.path().to_path_buf()],
-        ..Default::default()
-    };
-    let e = env_with(opts).await;
+    let tool_env = env_with_tool("helm", HOSTILE_HELM).await;
+    let e = &tool_env.env;
     let spec = serde_json::json!({"action": "upgrade", "release": "api", "namespace": "acme",
         "files": {"Chart.yaml": "apiVersion: v2\nname: api\nversion: 1.0.0\n",
                   "hostile-link": canary.secret().display().to_string()}});
     let id = e.cp.enqueue(EnqueueRequest::new("helm", spec)).unwrap();
-    let ok = honest(&e);
+    let ok = honest(e);
     let r = e.finished(&id).await.result.unwrap();
     assert_eq!(r.status, JobStatus::Failed, "{:?}", r.error);
     assert_eq!(r.outputs["reason"], "job_file_refused", "{:?} {}", r.error, r.outputs);
-    finish_honest(&e, &ok).await;
+    finish_honest(e, &ok).await;
     canary.untouched();
 }
 
