@@ -444,6 +444,11 @@ pub fn describe_network(
 pub trait Executor: Send + Sync {
     fn run<'a>(&'a self, ctx: ExecContext<'a>) -> ExecFuture<'a>;
 
+    /// What the job does, derived from its kind and spec (never a label the vendor
+    /// chose): its operation must be one the effect may run as, and the customer's rules
+    /// can match it.
+    fn effect(&self) -> byoc_protocol::Effect;
+
     /// Where its code runs (default: in the runner, no job code on the host).
     fn placement(&self) -> Placement {
         Placement::InRunner

@@ -22,6 +22,10 @@ impl Noop {
 }
 
 impl Executor for Noop {
+    fn effect(&self) -> byoc_protocol::Effect {
+        byoc_protocol::Effect::Read
+    }
+
     fn run<'a>(&'a self, ctx: ExecContext<'a>) -> ExecFuture<'a> {
         Box::pin(async move {
             let line = format!("{}\n", self.message.as_deref().unwrap_or("noop"));

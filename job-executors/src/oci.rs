@@ -202,6 +202,10 @@ pub(crate) fn aws_access(settings: &crate::ExecSettings) -> Option<AwsAccess> {
 }
 
 impl Executor for OciSync {
+    fn effect(&self) -> byoc_protocol::Effect {
+        byoc_protocol::Effect::Copy
+    }
+
     fn endpoints(&self) -> Vec<crate::Endpoint> {
         vec![crate::Endpoint::Registry { field: "source", name: self.source.registry.clone() }]
     }

@@ -62,6 +62,10 @@ impl Script {
 }
 
 impl Executor for Script {
+    fn effect(&self) -> byoc_protocol::Effect {
+        byoc_protocol::Effect::Run
+    }
+
     fn run<'a>(&'a self, mut ctx: ExecContext<'a>) -> ExecFuture<'a> {
         Box::pin(async move {
             let script_path = ctx.settings.work_dir.join("script");

@@ -44,6 +44,89 @@ pub fn known_operation(entity: &str, operation: &str) -> bool {
     OPERATIONS.iter().any(|(e, ops)| *e == entity && ops.contains(&operation))
 }
 
+/// What a job does, as the runner derives it from the job's kind and spec (never from a
+/// label the vendor chose). Customer rules can match it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Effect {
+    /// Reads and decides, changes nothing (a plan, a drift check, a noop).
+    Read,
+    /// Creates or changes infrastructure or cluster objects (an apply, an upgrade, a
+    /// secret written).
+    Change,
+    /// Deletes what a deploy made (`plan -destroy` applied, an uninstall, a delete).
+    Destroy,
+    /// Copies an artifact into the install's registry.
+    Copy,
+    /// Runs the vendor's code (a script, a container): what it does is not derived, and
+    /// no plan is decided for it.
+    Run,
+}
+
+impl Effect {
+    pub const ALL: &'static [Effect] =
+        &[Effect::Read, Effect::Change, Effect::Destroy, Effect::Copy, Effect::Run];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Effect::Read => "read",
+            Effect::Change => "change",
+            Effect::Destroy => "destroy",
+            Effect::Copy => "copy",
+            Effect::Run => "run",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Effect> {
+        Effect::ALL.iter().copied().find(|e| e.as_str() == s)
+    }
+
+    /// The operations (`entity.operation`) a job with this effect may run as. Reading
+    /// is harmless under any; a change is a provision or a deploy (or a secret's sync);
+    /// a destruction is a deprovision or a teardown; a copy is an artifact sync; the
+    /// vendor's code runs as an action or at a point of the lifecycle.
+    pub fn operations(self) -> &'static [&'static str] {
+        match self {
+            Effect::Read => &[
+                "sandbox.provision",
+                "sandbox.reprovision",
+                "sandbox.deprovision",
+                "component.deploy",
+                "component.teardown",
+                "component.drift",
+                "action.trigger",
+                "artifact.sync",
+                "secret.sync",
+            ],
+            Effect::Change => {
+                &["sandbox.provision", "sandbox.reprovision", "component.deploy", "secret.sync"]
+            }
+            Effect::Destroy => &["sandbox.deprovision", "component.teardown"],
+            Effect::Copy => &["artifact.sync"],
+            Effect::Run => &[
+                "action.trigger",
+                "sandbox.provision",
+                "sandbox.reprovision",
+                "sandbox.deprovision",
+                "component.deploy",
+                "component.teardown",
+            ],
+        }
+    }
+
+    /// Whether a job with this effect may run as `entity.operation`.
+    pub fn allows(self, entity: &str, operation: &str) -> bool {
+        let op = format!("{entity}.{operation}");
+        self.operations().contains(&op.as_str())
+    }
+}
+
+impl std::fmt::Display for Effect {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 /// The job kinds this protocol version defines. A runner rejects anything else
 /// (`unknown_kind`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -353,6 +436,10 @@ pub enum RejectReason {
     /// The job would send a customer secret somewhere the app config does not declare
     /// for it (or names a secret the app config does not declare).
     SecretTargetNotDeclared,
+    /// What the job does (its effect, derived by the runner from kind and spec) is not
+    /// what its operation or the type of its role is for: a terraform apply labelled
+    /// `action.trigger`, a deploy under a deprovision role, an unknown operation.
+    OperationMismatch,
 }
 
 impl RejectReason {
@@ -381,6 +468,7 @@ impl RejectReason {
             Self::ApprovalDenied => "approval_denied",
             Self::ApprovalExpired => "approval_expired",
             Self::SecretTargetNotDeclared => "secret_target_not_declared",
+            Self::OperationMismatch => "operation_mismatch",
         }
     }
 
@@ -408,6 +496,7 @@ impl RejectReason {
         Self::ApprovalDenied,
         Self::ApprovalExpired,
         Self::SecretTargetNotDeclared,
+        Self::OperationMismatch,
     ];
 }
 

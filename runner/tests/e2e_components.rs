@@ -125,10 +125,14 @@ fn deploy(kind: &str, spec: serde_json::Value) -> EnqueueRequest {
 }
 
 fn tf(mode: &str, module_ref: &str) -> EnqueueRequest {
-    deploy(
+    let mut req = deploy(
         "terraform",
         serde_json::json!({"mode": mode, "module": module_ref, "workspace": "network", "vars": {"label": "net"}}),
-    )
+    );
+    if mode == "destroy" {
+        req.operation = "teardown".into();
+    }
+    req
 }
 
 async fn run(e: &CEnv, req: EnqueueRequest) -> (String, byoc_protocol::JobResult, String) {

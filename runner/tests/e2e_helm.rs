@@ -62,7 +62,13 @@ fn job(action: &str, files: &[(&str, String)], extra: serde_json::Value) -> Enqu
     for (k, v) in extra.as_object().into_iter().flatten() {
         spec[k] = v.clone();
     }
-    let mut req = role_job("component", "deploy", "inst-demo-maintenance", named("api"), "");
+    // The operation each action's effect runs as.
+    let operation = match action {
+        "uninstall" => "teardown",
+        "drift" => "drift",
+        _ => "deploy",
+    };
+    let mut req = role_job("component", operation, "inst-demo-maintenance", named("api"), "");
     req.kind = "helm".into();
     req.spec = spec;
     req.timeout_secs = 300;

@@ -106,10 +106,12 @@ fn kube_job(kind: &str, kubeconfig: String) -> EnqueueRequest {
         other => panic!("{other}"),
     };
     let mut req = EnqueueRequest::new(kind, spec);
-    if kind == "helm" {
-        // A drift check runs as one.
-        (req.entity, req.operation) = ("component".into(), "drift".into());
-    }
+    // The operation each job's effect runs as (a drift check runs as one).
+    (req.entity, req.operation) = match kind {
+        "helm" => ("component".into(), "drift".into()),
+        "secrets.sync" => ("secret".into(), "sync".into()),
+        _ => ("component".into(), "deploy".into()),
+    };
     req
 }
 
@@ -259,16 +261,20 @@ async fn registries_on_the_hosts_loopback_or_the_metadata_address_are_refused_be
     let canary = Canary::start().await;
     let e = env().await;
     let digest = format!("sha256:{}", "a".repeat(64));
-    let sync = |registry: &str| {
-        EnqueueRequest::new(
+    let sync = |registry: &str| EnqueueRequest {
+        entity: "artifact".into(),
+        operation: "sync".into(),
+        ..EnqueueRequest::new(
             "oci.sync",
             serde_json::json!({"source": format!("{registry}/vendor/api@{digest}"),
                 "source_credential": {"username": "vendor", "token": "one-time-token-0123"},
                 "destination": {"repository": "inst-demo/api"}}),
         )
     };
-    let module = |registry: &str| {
-        EnqueueRequest::new(
+    let module = |registry: &str| EnqueueRequest {
+        entity: "component".into(),
+        operation: "deploy".into(),
+        ..EnqueueRequest::new(
             "terraform",
             serde_json::json!({"mode": "apply", "workspace": "api", "module": format!("{registry}/vendor/net@{digest}")}),
         )
@@ -474,7 +480,12 @@ async fn helm_files_swapped_for_links_are_never_followed() {
     let spec = serde_json::json!({"action": "upgrade", "release": "api", "namespace": "acme",
         "files": {"Chart.yaml": "apiVersion: v2\nname: api\nversion: 1.0.0\n",
                   "hostile-link": canary.secret().display().to_string()}});
-    let id = e.cp.enqueue(EnqueueRequest::new("helm", spec)).unwrap();
+    let req = EnqueueRequest {
+        entity: "component".into(),
+        operation: "deploy".into(),
+        ..EnqueueRequest::new("helm", spec)
+    };
+    let id = e.cp.enqueue(req).unwrap();
     let ok = honest(e);
     let r = e.finished(&id).await.result.unwrap();
     assert_eq!(r.status, JobStatus::Failed, "{:?}", r.error);

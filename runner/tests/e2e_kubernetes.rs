@@ -54,7 +54,13 @@ fn config_map(name: &str) -> serde_json::Value {
 }
 
 fn job(api: &FakeKubeApi, action: &str, manifests: Vec<serde_json::Value>, wait: u64) -> EnqueueRequest {
-    let mut req = role_job("component", "deploy", "inst-demo-maintenance", named("api"), "");
+    // The operation each action's effect runs as.
+    let operation = match action {
+        "delete" => "teardown",
+        "drift" => "drift",
+        _ => "deploy",
+    };
+    let mut req = role_job("component", operation, "inst-demo-maintenance", named("api"), "");
     req.kind = "kubernetes".into();
     req.spec = serde_json::json!({"action": action, "component": "api", "namespace": "acme",
         "manifests": manifests, "kubeconfig": api.kubeconfig(TOKEN), "wait_secs": wait});

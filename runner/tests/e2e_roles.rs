@@ -570,3 +570,80 @@ async fn the_runners_aws_calls_go_through_the_proxy() {
     assert_eq!(moto.calls_of("AssumeRole").await.len(), 1);
     assert!(!moto.calls_of("DescribeStacks").await.is_empty());
 }
+
+/// What a job does is the runner's finding, not the vendor's label: a terraform apply
+/// labelled `action.trigger`, an uninstall labelled as a deploy and a deploy asking for
+/// the deprovision role (through an entity role the signed app config allows) are
+/// refused `operation_mismatch` before any call to AWS; a window rule on the effect
+/// holds an apply whatever component it names. An honest deploy beside them runs.
+#[tokio::test]
+async fn a_job_is_held_to_what_it_does_not_to_its_labels() {
+    let rules = r#"
+[[guardrails.window]]
+name = "never-now"
+once = ["2001-01-01T00:00Z/1h"]
+
+[[guardrails.window_rule]]
+name = "changes"
+windows = ["never-now"]
+effects = ["change", "destroy"]
+outside = "refuse"
+"#;
+    let moto = MotoServer::start().await;
+    let mut params = base_params();
+    params.insert("EnableDeprovisionRole", "true");
+    moto.put_stack("CreateStack", STACK, &template(), &stack_params(&params)).await;
+    let mut opts = role_options(&moto, "");
+    opts.extra.push_str(rules);
+    let e = RolesEnv { env: env_with(opts).await, moto, params };
+    let apply = serde_json::json!({"mode": "apply", "workspace": "db", "files": {"main.tf": ""}});
+    let kind = |mut req: EnqueueRequest, kind: &str, spec: serde_json::Value| {
+        req.kind = kind.into();
+        req.spec = spec;
+        req
+    };
+    let (_, detail) = e
+        .refused(
+            kind(
+                role_job("action", "trigger", "inst-demo-maintenance", named("x"), ""),
+                "terraform",
+                apply.clone(),
+            ),
+            RejectReason::OperationMismatch,
+        )
+        .await;
+    assert!(detail.contains("effect is change cannot run as action.trigger"), "{detail}");
+    let uninstall = serde_json::json!({"action": "uninstall", "release": "api", "namespace": "acme"});
+    e.refused(
+        kind(role_job("component", "deploy", "inst-demo-maintenance", named("api"), ""), "helm", uninstall),
+        RejectReason::OperationMismatch,
+    )
+    .await;
+    let as_deprovision = RoleRequest { entity_role: Some("deprovision".into()), ..named("db") };
+    let (_, detail) = e
+        .refused(
+            kind(
+                role_job("component", "deploy", "inst-demo-deprovision", as_deprovision, ""),
+                "terraform",
+                apply.clone(),
+            ),
+            RejectReason::OperationMismatch,
+        )
+        .await;
+    assert!(detail.contains("deprovision-type role"), "{detail}");
+    // A rule on the effect: the apply names a component no rule lists, and is held.
+    let (_, detail) = e
+        .refused(
+            kind(
+                role_job("component", "deploy", "inst-demo-maintenance", named("not-db"), ""),
+                "terraform",
+                apply,
+            ),
+            RejectReason::OutsideWindow,
+        )
+        .await;
+    assert!(detail.contains("changes"), "{detail}");
+    assert!(e.assumed().await.is_empty(), "no role was assumed for a refused job");
+    // A script under the maintenance role is no change the runner can see: it runs.
+    e.succeeds(role_job("component", "deploy", "inst-demo-maintenance", named("api"), SHOW_ROLE)).await;
+}

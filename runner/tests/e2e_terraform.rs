@@ -61,9 +61,15 @@ fn job(mode: &str, plan: &str, extra_files: &[(&str, &str)], extra: serde_json::
     for (k, v) in extra.as_object().into_iter().flatten() {
         spec[k] = v.clone();
     }
+    // The operation the mode's effect runs as.
+    let operation = match mode {
+        "destroy" => "teardown",
+        "drift" => "drift",
+        _ => "deploy",
+    };
     EnqueueRequest {
         timeout_secs: 300,
-        ..role_job("component", "deploy", "inst-demo-maintenance", named("api"), "")
+        ..role_job("component", operation, "inst-demo-maintenance", named("api"), "")
     }
     .with_kind("terraform", spec)
 }

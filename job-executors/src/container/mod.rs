@@ -68,6 +68,10 @@ impl Container {
 }
 
 impl Executor for Container {
+    fn effect(&self) -> byoc_protocol::Effect {
+        byoc_protocol::Effect::Run
+    }
+
     fn placement(&self) -> crate::Placement {
         crate::Placement::Container { network: self.network }
     }

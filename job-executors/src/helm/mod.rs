@@ -593,6 +593,15 @@ impl Helm {
 }
 
 impl Executor for Helm {
+    fn effect(&self) -> byoc_protocol::Effect {
+        use byoc_protocol::Effect;
+        match self.spec.action {
+            Action::Drift => Effect::Read,
+            Action::Upgrade | Action::Rollback => Effect::Change,
+            Action::Uninstall => Effect::Destroy,
+        }
+    }
+
     fn run<'a>(&'a self, mut ctx: ExecContext<'a>) -> ExecFuture<'a> {
         Box::pin(async move { self.go(&mut ctx).await })
     }

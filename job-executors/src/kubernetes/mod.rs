@@ -585,6 +585,15 @@ fn read_bundle(tree: &std::path::Path) -> Result<Vec<serde_json::Value>, crate::
 }
 
 impl Executor for Kubernetes {
+    fn effect(&self) -> byoc_protocol::Effect {
+        use byoc_protocol::Effect;
+        match self.spec.action {
+            Action::Drift => Effect::Read,
+            Action::Apply => Effect::Change,
+            Action::Delete => Effect::Destroy,
+        }
+    }
+
     fn run<'a>(&'a self, mut ctx: ExecContext<'a>) -> ExecFuture<'a> {
         Box::pin(async move { self.go(&mut ctx).await })
     }

@@ -146,6 +146,10 @@ impl SecretsSync {
 }
 
 impl Executor for SecretsSync {
+    fn effect(&self) -> byoc_protocol::Effect {
+        byoc_protocol::Effect::Change
+    }
+
     fn run<'a>(&'a self, mut ctx: ExecContext<'a>) -> ExecFuture<'a> {
         Box::pin(async move { self.go(&mut ctx).await })
     }

@@ -577,6 +577,15 @@ impl Terraform {
 /// violation with its rule and resource address.
 /// The decision in the job log (each violation, warning and error) and the audit log.
 impl Executor for Terraform {
+    fn effect(&self) -> byoc_protocol::Effect {
+        use byoc_protocol::Effect;
+        match self.spec.mode {
+            Mode::Plan | Mode::Drift => Effect::Read,
+            Mode::Apply => Effect::Change,
+            Mode::Destroy => Effect::Destroy,
+        }
+    }
+
     fn run<'a>(&'a self, mut ctx: ExecContext<'a>) -> ExecFuture<'a> {
         Box::pin(async move { self.go(&mut ctx).await })
     }

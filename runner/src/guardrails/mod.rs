@@ -54,6 +54,11 @@ pub struct Scope {
     pub components: Vec<String>,
     #[serde(default)]
     pub kinds: Vec<String>,
+    /// What the job does, as the runner derives it from kind and spec (`read`,
+    /// `change`, `destroy`, `copy`, `run`): a fact, where operations and components
+    /// are labels the vendor chose.
+    #[serde(default)]
+    pub effects: Vec<String>,
 }
 
 /// A rule that holds matching jobs until a local admin approves them
@@ -162,6 +167,8 @@ pub struct JobScope<'a> {
     pub operation: &'a str,
     pub component: Option<&'a str>,
     pub kind: &'a str,
+    /// The runner's own account of what the job does (`byoc_protocol::Effect`).
+    pub effect: &'a str,
 }
 
 /// A rule's verdict on a job at an instant.
@@ -184,6 +191,7 @@ impl Scope {
             && any(&self.operations, Some(job.operation))
             && any(&self.components, job.component)
             && any(&self.kinds, Some(job.kind))
+            && any(&self.effects, Some(job.effect))
     }
 
     /// Whether some job could match both rules: every scope is open on one side or
@@ -195,6 +203,7 @@ impl Scope {
             && meet(&self.operations, &other.operations)
             && meet(&self.components, &other.components)
             && meet(&self.kinds, &other.kinds)
+            && meet(&self.effects, &other.effects)
     }
 }
 
@@ -333,6 +342,7 @@ mod tests {
             operation: "component.deploy",
             component: Some("db"),
             kind: "terraform",
+            effect: "change",
         }
     }
 
@@ -347,6 +357,41 @@ mod tests {
         windows = ["weekend"]
         operations = ["component.deploy"]
     "#;
+
+    /// A rule on the effect the runner derived holds a job whatever its labels say (a
+    /// component the rule does not name, another role), and only jobs with that effect.
+    #[test]
+    fn a_rule_on_the_effect_binds_whatever_the_labels_say() {
+        let g = guardrails(
+            r#"
+            [[window]]
+            name = "weekend"
+            time_zone = "UTC"
+            weekly = ["sat 02:00-06:00"]
+
+            [[window_rule]]
+            name = "destructive"
+            windows = ["weekend"]
+            effects = ["change", "destroy"]
+            "#,
+        )
+        .expect("valid");
+        let now = at("2026-11-26T12:00:00Z");
+        let relabelled =
+            JobScope { component: Some("not-db"), operation: "sandbox.provision", ..deploy("other") };
+        assert!(matches!(g.check(&relabelled, now), WindowCheck::Closed { .. }), "held by its effect");
+        let reading = JobScope { effect: "read", ..deploy("maintenance") };
+        assert_eq!(g.check(&reading, now), WindowCheck::Unbound);
+        let bad = guardrails(
+            "[[window]]\nname = \"w\"\ntime_zone = \"UTC\"\nweekly = [\"sat 02:00-06:00\"]\n[[window_rule]]\nname = \"r\"\nwindows = [\"w\"]\neffects = [\"delete\"]\n",
+        );
+        assert!(
+            bad.err()
+                .unwrap_or_default()
+                .iter()
+                .any(|p| p.contains("effect \"delete\" is not one of read, change, destroy, copy, run"))
+        );
+    }
 
     #[test]
     fn a_weekly_window_opens_and_closes_on_local_time() {

@@ -20,7 +20,7 @@ struct RawWindow {
     once: Vec<String>,
 }
 
-const SCOPE_KEYS: &[&str] = &["roles", "operations", "components", "kinds"];
+const SCOPE_KEYS: &[&str] = &["roles", "operations", "components", "kinds", "effects"];
 
 #[derive(Deserialize)]
 struct RawRule {
@@ -87,7 +87,7 @@ pub fn parse(mut table: toml::Table, problems: &mut Vec<String>) -> Guardrails {
             }
             for other in g.rules.iter().filter(|o| o.scope.overlaps(&r.scope)) {
                 problems.push(format!(
-                    "{at}: overlaps rule {:?}: a job could match both (give them disjoint roles, operations, components or kinds)",
+                    "{at}: overlaps rule {:?}: a job could match both (give them disjoint roles, operations, components, kinds or effects)",
                     other.name
                 ));
             }
@@ -147,7 +147,7 @@ pub fn parse(mut table: toml::Table, problems: &mut Vec<String>) -> Guardrails {
         }
         for other in g.approval_rules.iter().filter(|o| o.on == on && o.scope.overlaps(&raw.scope)) {
             problems.push(format!(
-                "{at}: overlaps approval rule {:?}: a job could match both (give them disjoint roles, operations, components or kinds)",
+                "{at}: overlaps approval rule {:?}: a job could match both (give them disjoint roles, operations, components, kinds or effects)",
                 other.name
             ));
         }
@@ -181,11 +181,16 @@ fn check_scope(scope: &Scope, at: &str, problems: &mut Vec<String>) {
         let all: Vec<&str> = byoc_protocol::JobKind::ALL.iter().map(|k| k.as_str()).collect();
         problems.push(format!("{at}: kind {kind:?} is not one of {}", all.join(", ")));
     }
+    for effect in scope.effects.iter().filter(|e| byoc_protocol::Effect::parse(e).is_none()) {
+        let all: Vec<&str> = byoc_protocol::Effect::ALL.iter().map(|e| e.as_str()).collect();
+        problems.push(format!("{at}: effect {effect:?} is not one of {}", all.join(", ")));
+    }
     let unique = |v: &[String]| v.iter().collect::<BTreeSet<_>>().len() == v.len();
     if !unique(&scope.roles)
         || !unique(&scope.components)
         || !unique(&scope.operations)
         || !unique(&scope.kinds)
+        || !unique(&scope.effects)
     {
         problems.push(format!("{at}: a value is listed twice"));
     }

@@ -426,6 +426,10 @@ mod tests {
     struct UntilCancelled;
 
     impl byoc_job_executors::Executor for UntilCancelled {
+        fn effect(&self) -> byoc_protocol::Effect {
+            byoc_protocol::Effect::Run
+        }
+
         fn run<'a>(&'a self, ctx: ExecContext<'a>) -> byoc_job_executors::ExecFuture<'a> {
             Box::pin(async move {
                 ctx.settings.cancel.cancelled().await;

@@ -247,6 +247,24 @@ impl Verifier<'_> {
         {
             return Err(reject(RejectReason::InvalidSpec, why.to_string()));
         }
+        // What the job does is the runner's to say, not a label's: its operation must be
+        // one that effect may run as (a terraform apply is not an `action.trigger`).
+        let effect = executor.effect();
+        if !effect.allows(&payload.entity, &payload.operation) {
+            return Err(reject(
+                RejectReason::OperationMismatch,
+                truncate(
+                    &format!(
+                        "a {} job whose effect is {effect} cannot run as {}.{}; it runs as {}",
+                        payload.kind,
+                        payload.entity,
+                        payload.operation,
+                        effect.operations().join(", ")
+                    ),
+                    1000,
+                ),
+            ));
+        }
         // Nothing the job names is reached on the host's loopback, link-local, metadata
         // or own addresses, or over plain HTTP, unless the customer configured it.
         if let Some(why) =
@@ -302,6 +320,20 @@ impl Verifier<'_> {
         // The vendor proposes a role; the runner derives its own and compares.
         let role = crate::roles::chain::derive_for_job(&payload, self.install)
             .map_err(|e| reject(e.reason, e.detail))?;
+        // A deprovision role is for taking things down: a change or a copy under it would
+        // be decided as a deprovision (where deleting a database is expected).
+        if let Some(r) = &role
+            && r.role.role_type == crate::roles::model::RoleType::Deprovision
+            && matches!(effect, byoc_protocol::Effect::Change | byoc_protocol::Effect::Copy)
+        {
+            return Err(reject(
+                RejectReason::OperationMismatch,
+                format!(
+                    "a {} job whose effect is {effect} cannot run under the deprovision-type role {:?}",
+                    payload.kind, r.role.name
+                ),
+            ));
+        }
         Ok(VerifiedJob {
             delivery_id: polled.delivery_id,
             envelope: polled.envelope,
@@ -678,7 +710,17 @@ mod tests {
     #[test]
     fn endpoints_a_job_names_are_checked_before_the_claim() {
         let f = fixture();
-        let job = |kind: &str, spec: serde_json::Value| JobPayload { kind: kind.into(), spec, ..payload() };
+        let job = |kind: &str, spec: serde_json::Value| {
+            let (entity, operation) =
+                if kind == "oci.sync" { ("artifact", "sync") } else { ("component", "teardown") };
+            JobPayload {
+                kind: kind.into(),
+                spec,
+                entity: entity.into(),
+                operation: operation.into(),
+                ..payload()
+            }
+        };
         let kube = |server: &str| {
             serde_json::json!({"action": "delete", "component": "api", "namespace": "acme",
                 "kubeconfig": KUBECONFIG.replace("https://api.example.com", server)})
@@ -770,5 +812,60 @@ mod tests {
         assert!(journal.with_index(|i| !i.nonces.contains_key("nonce-1")));
         let r = journal.with_index(|i| verify(&f, env.clone(), i, later)).err().map(|r| r.reason);
         assert_eq!(r, Some(RejectReason::Expired));
+    }
+
+    /// The runner derives what a job does from its kind and spec; the operation must be
+    /// one that effect may run as, and a change never runs under a deprovision role.
+    #[test]
+    fn a_job_whose_operation_does_not_fit_what_it_does_is_refused() {
+        let f = fixture();
+        let tf = |mode: &str, entity: &str, operation: &str| JobPayload {
+            kind: "terraform".into(),
+            entity: entity.into(),
+            operation: operation.into(),
+            spec: serde_json::json!({"mode": mode, "workspace": "api", "files": {"main.tf": ""}}),
+            ..payload()
+        };
+        let check = |p: JobPayload| verify(&f, JobEnvelope::sign(&p, &f.key), &Index::default(), 1100);
+        for (mode, entity, operation) in [
+            ("apply", "action", "trigger"),
+            ("apply", "component", "teardown"),
+            ("apply", "artifact", "sync"),
+            ("destroy", "component", "deploy"),
+            ("destroy", "action", "trigger"),
+            ("apply", "component", "rollout"),
+        ] {
+            let r = check(tf(mode, entity, operation)).err().expect("refused");
+            assert_eq!(
+                r.reason,
+                RejectReason::OperationMismatch,
+                "{mode} as {entity}.{operation}: {}",
+                r.detail
+            );
+            assert!(r.detail.contains(&format!("{entity}.{operation}")), "{}", r.detail);
+        }
+        for (mode, entity, operation) in [
+            ("apply", "component", "deploy"),
+            ("apply", "sandbox", "provision"),
+            ("destroy", "component", "teardown"),
+            ("destroy", "sandbox", "deprovision"),
+            ("plan", "action", "trigger"),
+        ] {
+            check(tf(mode, entity, operation))
+                .unwrap_or_else(|r| panic!("{mode} as {entity}.{operation}: {r:?}"));
+        }
+        // Scripts run at any point of the lifecycle, but never as a sync.
+        let script = |entity: &str, operation: &str| JobPayload {
+            kind: "action.script".into(),
+            entity: entity.into(),
+            operation: operation.into(),
+            spec: serde_json::json!({"script": "true"}),
+            ..payload()
+        };
+        assert!(check(script("sandbox", "provision")).is_ok());
+        assert_eq!(
+            check(script("artifact", "sync")).err().map(|r| r.reason),
+            Some(RejectReason::OperationMismatch)
+        );
     }
 }

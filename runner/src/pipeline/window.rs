@@ -56,6 +56,8 @@ pub struct Scoped {
     pub operation: String,
     pub component: Option<String>,
     pub kind: String,
+    /// What the job does, derived by the runner (`Executor::effect`).
+    pub effect: byoc_protocol::Effect,
 }
 
 impl Scoped {
@@ -67,6 +69,7 @@ impl Scoped {
             operation: format!("{}.{}", p.entity, p.operation),
             component: p.role_request.as_ref().map(|r| r.entity_name.clone()).filter(|n| !n.is_empty()),
             kind: p.kind.clone(),
+            effect: job.executor.effect(),
         }
     }
 
@@ -77,6 +80,7 @@ impl Scoped {
             operation: &self.operation,
             component: self.component.as_deref(),
             kind: &self.kind,
+            effect: self.effect.as_str(),
         }
     }
 }
@@ -149,6 +153,9 @@ pub fn policy_context(
         "windows_open": open.iter().map(|(n, _)| *n).collect::<Vec<_>>(),
         "role": role,
         "approvals": approvals,
+        // Facts the runner derived, beside the labels the vendor chose.
+        "effect": job.executor.effect().as_str(),
+        "kind": job.payload.kind,
     })
 }
 
@@ -579,6 +586,7 @@ mod tests {
         assert_eq!(closed["window"], serde_json::Value::Null);
         assert_eq!(closed["now_unix"], NOW);
         assert_eq!(closed["role"]["type"], "maintenance");
+        assert_eq!((closed["effect"].as_str(), closed["kind"].as_str()), (Some("read"), Some("runner.noop")));
         f.clock.advance_secs(3600);
         let open = policy_context(&f.rt, &job, &check(&f.rt, &job), &[serde_json::json!({"by": "alice"})]);
         assert_eq!(open["window"]["name"], "change");

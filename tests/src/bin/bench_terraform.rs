@@ -127,6 +127,8 @@ async fn main() -> anyhow::Result<()> {
         // A workspace of its own each time: every run creates all the resources.
         let req = EnqueueRequest {
             timeout_secs: 600,
+            entity: "component".into(),
+            operation: "deploy".into(),
             ..EnqueueRequest::new(
                 "terraform",
                 serde_json::json!({"mode": "apply", "workspace": format!("bench-{i}"), "files": {"main.tf": main_tf}}),
