@@ -230,7 +230,7 @@ async fn approvals_hold_jobs_until_an_admin_answers_and_every_answer_is_audited(
 async fn held_jobs_survive_a_runner_restart_and_run_once_when_their_gate_opens() {
     let opens = unix_now() + 15;
     let config = format!(
-        "{}\n[[guardrails.approval_rule]]\nname = \"syncs\"\noperations = [\"artifact.sync\"]\n",
+        "{}\n[[guardrails.approval_rule]]\nname = \"deploys\"\noperations = [\"component.deploy\"]\n",
         guardrails(opens)
     );
     let mut e = env_with(RunnerOptions { extra: config, ..Default::default() }).await;
@@ -238,8 +238,8 @@ async fn held_jobs_survive_a_runner_restart_and_run_once_when_their_gate_opens()
     let windowed = e.cp.enqueue(script("echo windowed ran")).unwrap();
     let approved =
         e.cp.enqueue(EnqueueRequest {
-            entity: "artifact".into(),
-            operation: "sync".into(),
+            entity: "component".into(),
+            operation: "deploy".into(),
             ..script("echo approved ran")
         })
         .unwrap();
@@ -287,6 +287,8 @@ fn tf_module(resources: usize) -> String {
 fn tf_job(workspace: &str, resources: usize, timeout_secs: u64) -> EnqueueRequest {
     EnqueueRequest {
         timeout_secs,
+        entity: "component".into(),
+        operation: "deploy".into(),
         ..EnqueueRequest::new(
             "terraform",
             serde_json::json!({"mode": "apply", "workspace": workspace, "files": {"main.tf": tf_module(resources)}}),

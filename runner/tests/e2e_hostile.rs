@@ -398,6 +398,8 @@ fn tf_job(workspace: &str, hostile: &[(&str, String)]) -> EnqueueRequest {
     }
     EnqueueRequest {
         timeout_secs: 120,
+        entity: "component".into(),
+        operation: "deploy".into(),
         ..EnqueueRequest::new(
             "terraform",
             serde_json::json!({"mode": "apply", "files": files, "workspace": workspace}),

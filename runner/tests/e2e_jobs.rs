@@ -107,7 +107,8 @@ async fn every_envelope_rejection_has_its_reason_code() {
     codes.sort();
     // Role and pause refusals have their own suite (e2e_roles), the sandbox's theirs
     // (e2e_network, e2e_sandbox), the disk's (e2e_disk), the guardrails' theirs
-    // (e2e_guardrails), the secrets' theirs (e2e_secrets).
+    // (e2e_guardrails), the secrets' theirs (e2e_secrets), a job held to its effect
+    // (e2e_roles).
     let not_here = [
         RejectReason::RoleMismatch,
         RejectReason::RoleDisabled,
@@ -120,6 +121,7 @@ async fn every_envelope_rejection_has_its_reason_code() {
         RejectReason::ApprovalDenied,
         RejectReason::ApprovalExpired,
         RejectReason::SecretTargetNotDeclared,
+        RejectReason::OperationMismatch,
     ];
     let mut want: Vec<String> =
         RejectReason::ALL.iter().filter(|r| !not_here.contains(r)).map(|r| r.code().to_string()).collect();

@@ -389,7 +389,9 @@ async fn a_drift_check_finds_live_edits_and_deletions_and_changes_nothing() {
     assert_eq!((api["verdict"].as_str(), api["kind"].as_str()), (Some("violating"), Some("kubernetes")));
     let checked = audit_events(&e.env.dir.path().join("state"), "drift_checked");
     assert_eq!(checked.len(), 4, "{checked:?}");
-    let id = e.env.cp.enqueue(job(&e.api, "drift", manifests.clone(), 30)).unwrap();
+    let mut under_deploy = job(&e.api, "drift", manifests.clone(), 30);
+    under_deploy.operation = "deploy".into();
+    let id = e.env.cp.enqueue(under_deploy).unwrap();
     let v = e.env.rejected(&id).await;
     assert_eq!(v.rejections[0].0, byoc_protocol::RejectReason::InvalidSpec, "{:?}", v.rejections);
 }

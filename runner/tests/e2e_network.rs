@@ -293,6 +293,8 @@ fn terraform_runs_in_the_jobs_namespace() {
         );
         let req = EnqueueRequest {
             timeout_secs: 300,
+            entity: "component".into(),
+            operation: "deploy".into(),
             ..EnqueueRequest::new(
                 "terraform",
                 serde_json::json!({"mode": "apply", "files": {"main.tf": main_tf}, "workspace": "net"}),

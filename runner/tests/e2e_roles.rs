@@ -451,6 +451,27 @@ b=$(get)
             .replace("/byoc-aws/", &format!("{}/", host_dir.display())),
     )
     .unwrap();
+    // Sessions last 3 s here: the runner may renew the file (more than once on a loaded
+    // machine) while the SDK starts. Every key the file held meanwhile is noted; the SDK
+    // must have read one of them.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let watcher = {
+        let (stop, path) = (stop.clone(), host_dir.join("credentials.json"));
+        let first = file["AccessKeyId"].as_str().unwrap().to_string();
+        std::thread::spawn(move || {
+            let mut seen = std::collections::BTreeSet::from([first]);
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                if let Ok(v) = std::fs::read(&path).map(|b| serde_json::from_slice::<serde_json::Value>(&b))
+                    && let Ok(v) = v
+                    && let Some(k) = v["AccessKeyId"].as_str()
+                {
+                    seen.insert(k.to_string());
+                }
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            seen
+        })
+    };
     let sdk = std::process::Command::new(byoc_control_plane::moto::moto_binary().with_file_name("python"))
         .args(["-c", "import botocore.session; c = botocore.session.get_session().get_credentials(); print(c.method, c.get_frozen_credentials().access_key)"])
         .env_clear()
@@ -459,9 +480,13 @@ b=$(get)
         .env("AWS_EC2_METADATA_DISABLED", "true")
         .output()
         .unwrap();
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let seen = watcher.join().unwrap();
     let sdk_out = String::from_utf8_lossy(&sdk.stdout);
     assert!(sdk.status.success(), "{}", String::from_utf8_lossy(&sdk.stderr));
-    assert_eq!(sdk_out.trim(), format!("custom-process {}", file["AccessKeyId"].as_str().unwrap()));
+    let (method, key) = sdk_out.trim().split_once(' ').unwrap_or_default();
+    assert_eq!(method, "custom-process", "{sdk_out}");
+    assert!(seen.contains(key), "{key} is not a key the runner's file held: {seen:?}");
     std::fs::write(e.env.runner.state_dir.join("work").join(&id).join("go"), b"").unwrap();
 
     let v = e.env.finished(&id).await;
