@@ -152,8 +152,9 @@ impl Registry {
         let mut b = reqwest::Client::builder();
         if reach.is_guarded() {
             let hops = reach.clone();
-            b = b.dns_resolver(std::sync::Arc::new(crate::reach::GuardedResolver(reach.clone()))).redirect(
-                reqwest::redirect::Policy::custom(move |attempt| {
+            b = b
+                .dns_resolver(std::sync::Arc::new(crate::reach::GuardedResolver::new(reach.clone())))
+                .redirect(reqwest::redirect::Policy::custom(move |attempt| {
                     if attempt.previous().len() >= 10 {
                         attempt.error("too many redirects")
                     } else if let Err(e) = hops.check_url(attempt.url()) {
@@ -161,8 +162,7 @@ impl Registry {
                     } else {
                         attempt.follow()
                     }
-                }),
-            );
+                }));
         }
         if let Some(path) = ca_bundle {
             let bad =

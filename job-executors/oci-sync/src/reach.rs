@@ -118,7 +118,7 @@ impl Reach {
             return Err(Refused::Address { host: host.to_string(), class: "a loopback name" });
         }
         match bare.parse::<IpAddr>() {
-            Ok(ip) => match class_of(ip, &host_addresses()) {
+            Ok(ip) => match class_of(ip, &own_addresses(host)?) {
                 Some(class) => Err(Refused::Address { host: host.to_string(), class }),
                 None => Ok(()),
             },
@@ -134,7 +134,7 @@ impl Reach {
         if g.allowed_hosts.contains(&bare) {
             return Ok(());
         }
-        let own = host_addresses();
+        let own = own_addresses(host)?;
         for a in addrs {
             if let Some(class) = class_of(a.ip(), &own) {
                 return Err(Refused::Address { host: format!("{host} (resolves to {})", a.ip()), class });
@@ -222,9 +222,22 @@ fn embedded_v4(v6: Ipv6Addr) -> Option<Ipv4Addr> {
     None
 }
 
+/// This host's addresses, or a refusal when they cannot be listed: an address the
+/// runner cannot tell from its own is not connected to (fail closed).
+fn own_addresses(host: &str) -> Result<Vec<IpAddr>, Refused> {
+    host_addresses().map_err(|e| Refused::Address {
+        host: host.to_string(),
+        class: if e == nix::errno::Errno::EMFILE {
+            "not checkable now (out of file descriptors listing this host's addresses)"
+        } else {
+            "not checkable (this host's addresses could not be listed)"
+        },
+    })
+}
+
 /// Every address of this host's interfaces (the runner's network namespace).
-pub fn host_addresses() -> Vec<IpAddr> {
-    let Ok(addrs) = nix::ifaddrs::getifaddrs() else { return Vec::new() };
+pub fn host_addresses() -> nix::Result<Vec<IpAddr>> {
+    let addrs = nix::ifaddrs::getifaddrs()?;
     let mut out: Vec<IpAddr> = addrs
         .filter_map(|ifa| {
             let a = ifa.address?;
@@ -237,21 +250,40 @@ pub fn host_addresses() -> Vec<IpAddr> {
         .collect();
     out.sort();
     out.dedup();
-    out
+    Ok(out)
 }
 
 /// reqwest's resolver for guarded clients: the system's answer, refused whole when one
-/// address is refused.
+/// address is refused. The customer's proxy (`HTTPS_PROXY` and friends in the runner's
+/// environment, which reqwest honours) is the one name it resolves unchecked: with a
+/// proxy, the proxy resolves the job's names, and the runner's rule holds for every URL
+/// it asks for.
 #[derive(Debug, Clone)]
-pub struct GuardedResolver(pub Reach);
+pub struct GuardedResolver {
+    reach: Reach,
+    proxies: Arc<BTreeSet<String>>,
+}
+
+impl GuardedResolver {
+    pub fn new(reach: Reach) -> GuardedResolver {
+        let proxies = ["HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"]
+            .iter()
+            .filter_map(|v| std::env::var(v).ok())
+            .filter_map(|p| Url::parse(&p).ok()?.host_str().map(str::to_ascii_lowercase))
+            .collect();
+        GuardedResolver { reach, proxies: Arc::new(proxies) }
+    }
+}
 
 impl reqwest::dns::Resolve for GuardedResolver {
     fn resolve(&self, name: reqwest::dns::Name) -> reqwest::dns::Resolving {
-        let reach = self.0.clone();
+        let (reach, proxies) = (self.reach.clone(), self.proxies.clone());
         Box::pin(async move {
             let host = name.as_str().to_string();
             let addrs: Vec<SocketAddr> = tokio::net::lookup_host((host.as_str(), 0)).await?.collect();
-            reach.check_resolved(&host, &addrs)?;
+            if !proxies.contains(&host.to_ascii_lowercase()) {
+                reach.check_resolved(&host, &addrs)?;
+            }
             Ok(Box::new(addrs.into_iter()) as reqwest::dns::Addrs)
         })
     }
@@ -331,7 +363,7 @@ mod tests {
         assert!(r.check_resolved("evil.example", &[addr("203.0.113.7"), addr("169.254.169.254")]).is_err());
         assert!(r.check_resolved("evil.example", &[addr("::1")]).is_err());
         assert!(r.check_resolved("allowed.internal", &[addr("127.0.0.1")]).is_ok());
-        let own = host_addresses();
+        let own = host_addresses().expect("this host's addresses");
         if let Some(a) = own.iter().find(|a| !a.is_loopback()) {
             assert!(r.check_resolved("me.example", &[SocketAddr::new(*a, 0)]).is_err(), "{a}");
         }
