@@ -116,6 +116,33 @@ impl JobTree {
         Ok(format!("sha256:{}", hex::encode(h.finalize())))
     }
 
+    /// Copy a regular file beneath the tree to `dest` (a new file of the runner's, synced),
+    /// streamed, at most `max` bytes.
+    pub fn copy_out(&self, rel: impl AsRef<Path>, dest: &Path, max: u64) -> Result<(), JobFileError> {
+        use std::os::unix::fs::OpenOptionsExt as _;
+        let rel = rel.as_ref();
+        let (file, len) = self.open_regular(rel)?;
+        if len > max {
+            return Err(JobFileError::TooLarge { path: self.shown(rel), max });
+        }
+        let io = |op: &'static str, path: PathBuf| move |source| JobFileError::Io { op, path, source };
+        let mut out = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o644)
+            .custom_flags(OFlag::O_NOFOLLOW.bits())
+            .open(dest)
+            .map_err(io("creating", dest.to_path_buf()))?;
+        let copied =
+            std::io::copy(&mut file.take(max + 1), &mut out).map_err(io("copying", self.shown(rel)))?;
+        if copied > max {
+            drop(out);
+            let _ = std::fs::remove_file(dest);
+            return Err(JobFileError::TooLarge { path: self.shown(rel), max });
+        }
+        out.sync_all().map_err(io("syncing", dest.to_path_buf()))
+    }
+
     /// Unlink one name (never a directory) beneath the tree; nothing there is fine.
     pub fn remove(&self, rel: impl AsRef<Path>) -> Result<(), JobFileError> {
         let rel = rel.as_ref();
@@ -258,6 +285,26 @@ mod tests {
             "sha256:44136fa355b3678a1146ad16f7e8649e94fb4fc21fe77e8310c060f61caaff8a"
         );
         assert_eq!(t.read("module/none.json", 16).unwrap_err().code(), "job_file_missing");
+    }
+
+    #[test]
+    fn a_copy_out_is_of_a_regular_file_only_and_capped() {
+        let (job, outside) = tree();
+        let t = JobTree::open(job.path()).expect("open");
+        let sealed = tempfile::tempdir().expect("sealed");
+        t.copy_out("module/plan.json", &sealed.path().join("plan.json"), 16).expect("copy");
+        assert_eq!(std::fs::read(sealed.path().join("plan.json")).expect("copied"), b"{}");
+        symlink(outside.path().join("secret"), job.path().join("module/plan.tfplan")).expect("link");
+        let e = t.copy_out("module/plan.tfplan", &sealed.path().join("plan.tfplan"), 1024).unwrap_err();
+        assert_eq!(e.code(), "job_file_refused");
+        assert!(!sealed.path().join("plan.tfplan").exists());
+        let e = t.copy_out("module/plan.json", &sealed.path().join("small"), 1).unwrap_err();
+        assert_eq!(e.code(), "job_file_too_large");
+        assert!(!sealed.path().join("small").exists());
+        // Never over something already there (a link planted at the name, say).
+        symlink(outside.path().join("secret"), sealed.path().join("planted")).expect("planted");
+        assert!(t.copy_out("module/plan.json", &sealed.path().join("planted"), 16).is_err());
+        assert_eq!(std::fs::read(outside.path().join("secret")).expect("secret"), b"identity key");
     }
 
     #[test]

@@ -319,6 +319,49 @@ pub struct JobCredentials {
     pub container: Option<ContainerCredentials>,
     /// Every credential secret handed out so far, growing on refresh.
     pub feed: mask::SecretFeed,
+    /// `Some`: the endpoint serves a read-only session until the executor opens this,
+    /// once the customer's controls allowed exactly what the job will do (docs/ROLES.md,
+    /// "Read-only until decided"); `None`: the role's session from the start.
+    pub full_session: Option<FullSession>,
+}
+
+/// The switch from a job's read-only session to its role's full session: opened by the
+/// executor right before it acts on an allowed decision, never closed again.
+#[derive(Debug, Clone, Default)]
+pub struct FullSession(std::sync::Arc<std::sync::atomic::AtomicBool>);
+
+impl FullSession {
+    pub fn open(&self) {
+        self.0.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+    pub fn is_open(&self) -> bool {
+        self.0.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+/// The decision allowed what the job will do: from now on its credential endpoint
+/// serves the role's full session (audited `role_session_opened` with `subject`, the
+/// digest decided on). Nothing to do for a job whose session was never narrowed.
+pub(crate) fn open_full_session(ctx: &mut ExecContext<'_>, subject: &str) -> Result<(), ExecOutcome> {
+    let Some(full) = ctx.settings.credentials.as_ref().and_then(|c| c.full_session.clone()) else {
+        return Ok(());
+    };
+    if full.is_open() {
+        return Ok(());
+    }
+    // A widening nobody can see afterwards is not done.
+    if let Some(a) = &ctx.settings.audit {
+        a.record(
+            "role_session_opened",
+            "the decision allowed the plan: the job's role session is no longer read-only".into(),
+            std::collections::BTreeMap::from([("plan".to_string(), subject.to_string())]),
+        )
+        .map_err(|e| ExecOutcome::failed(format!("opening the role's full session: {e}")))?;
+    }
+    full.open();
+    let _ =
+        ctx.output.write(b"[runner] the plan is allowed: the job's role session is no longer read-only\n");
+    Ok(())
 }
 
 /// Mounts and environment that give a container its renewable role session.

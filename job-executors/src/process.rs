@@ -25,15 +25,54 @@ enum Ending {
     Cancelled,
     /// The log could not be written (a full disk): a job must not run on unrecorded.
     LogFailed,
+    /// The captured output passed its limit.
+    CaptureOverflowed,
 }
 
 /// Spawn `cmd` in a fresh process group and supervise it to the end. `stdin_data`, if
 /// any, is written to the child's stdin and closed (the sandbox helper's spec);
 /// otherwise stdin is /dev/null.
 pub async fn run_process_group(
+    cmd: Command,
+    ctx: ExecContext<'_>,
+    stdin_data: Option<Vec<u8>>,
+) -> ExecOutcome {
+    run_capturing(cmd, ctx, stdin_data, None).await
+}
+
+/// A command's standard output kept by the runner (never the job log), at most `max`
+/// bytes: more ends the command (`overflowed`).
+#[derive(Debug, Default)]
+pub struct Capture {
+    pub max: usize,
+    pub bytes: Vec<u8>,
+    pub overflowed: bool,
+}
+
+impl Capture {
+    pub fn new(max: usize) -> Capture {
+        Capture { max, bytes: Vec::new(), overflowed: false }
+    }
+
+    /// Keep `chunk`; false once more than `max` came.
+    fn take(&mut self, chunk: &[u8]) -> bool {
+        if self.bytes.len() + chunk.len() > self.max {
+            self.overflowed = true;
+            self.bytes.clear();
+            return false;
+        }
+        self.bytes.extend_from_slice(chunk);
+        true
+    }
+}
+
+/// [`run_process_group`], with the standard output going to `capture` when given (the
+/// standard error still goes to the job's log).
+pub async fn run_capturing(
     mut cmd: Command,
     ctx: ExecContext<'_>,
     stdin_data: Option<Vec<u8>>,
+    mut capture: Option<&mut Capture>,
 ) -> ExecOutcome {
     cmd.stdin(if stdin_data.is_some() { Stdio::piped() } else { Stdio::null() })
         .stdout(Stdio::piped())
@@ -59,11 +98,17 @@ pub async fn run_process_group(
     }
 
     let (tx, mut rx) = mpsc::channel::<Vec<u8>>(64);
+    let (captured_tx, mut captured_rx) = mpsc::channel::<Vec<u8>>(64);
     let readers = [
-        child.stdout.take().map(|s| spawn_reader(s, tx.clone())),
+        child
+            .stdout
+            .take()
+            .map(|s| spawn_reader(s, if capture.is_some() { captured_tx.clone() } else { tx.clone() })),
         child.stderr.take().map(|s| spawn_reader(s, tx.clone())),
     ];
     drop(tx);
+    drop(captured_tx);
+    let mut captured_open = capture.is_some();
 
     let deadline = tokio::time::sleep(ctx.settings.timeout);
     tokio::pin!(deadline);
@@ -85,6 +130,15 @@ pub async fn run_process_group(
                 }
                 None => output_open = false,
             },
+            chunk = captured_rx.recv(), if captured_open => match (chunk, capture.as_deref_mut()) {
+                (Some(chunk), Some(capture)) => {
+                    if !capture.take(&chunk) && ending == Ending::Exited {
+                        ending = Ending::CaptureOverflowed;
+                        break escalate(&mut child, pgid, ctx.settings.kill_grace).await;
+                    }
+                }
+                _ => captured_open = false,
+            },
             _ = &mut deadline, if ending == Ending::Exited => {
                 ending = Ending::TimedOut;
                 break escalate(&mut child, pgid, ctx.settings.kill_grace).await;
@@ -101,6 +155,15 @@ pub async fn run_process_group(
     while let Some(chunk) = rx.recv().await {
         if let Err(e) = ctx.output.write(&chunk) {
             sink_error.get_or_insert(e);
+        }
+    }
+    while let Some(chunk) = captured_rx.recv().await {
+        if let Some(capture) = capture.as_deref_mut()
+            && !capture.overflowed
+            && !capture.take(&chunk)
+            && ending == Ending::Exited
+        {
+            ending = Ending::CaptureOverflowed;
         }
     }
     for r in readers.into_iter().flatten() {
@@ -125,6 +188,13 @@ pub async fn run_process_group(
             Some(format!(
                 "the job's log could not be written ({}); the job was stopped so it does not run on unrecorded",
                 sink_error.as_ref().map(|e| e.to_string()).unwrap_or_default()
+            )),
+        ),
+        Ending::CaptureOverflowed => (
+            JobStatus::Failed,
+            Some(format!(
+                "printed more than {} bytes on its standard output; stopped",
+                capture.as_ref().map(|c| c.max).unwrap_or_default()
             )),
         ),
         Ending::Exited => match (&status, exit_code, signal) {

@@ -46,8 +46,23 @@ pub fn work_dir_inside() -> PathBuf {
     PathBuf::from(SANDBOX_WORK_DIR)
 }
 
-pub async fn run(job: Job, settings: SandboxSettings, mut ctx: ExecContext<'_>) -> ExecOutcome {
-    let new_root = settings.roots_dir.join(&ctx.settings.job_id);
+pub async fn run(job: Job, settings: SandboxSettings, ctx: ExecContext<'_>) -> ExecOutcome {
+    run_capturing(job, settings, ctx, None).await
+}
+
+/// [`run`], with the job's standard output kept by the runner in `capture` (see
+/// [`crate::process::Capture`]) instead of the log.
+pub async fn run_capturing(
+    job: Job,
+    settings: SandboxSettings,
+    mut ctx: ExecContext<'_>,
+    capture: Option<&mut crate::process::Capture>,
+) -> ExecOutcome {
+    // Its own mount point: a job's sandboxes can overlap (a plan rendered while the
+    // planning sandbox waits at its gate), and removing one's directory would detach
+    // the other's root.
+    let name = sandbox_name(&ctx.settings.job_id);
+    let new_root = settings.roots_dir.join(&name);
     if let Err(e) = std::fs::DirBuilder::new().recursive(true).mode(0o700).create(&new_root) {
         return ExecOutcome::failed(format!("creating sandbox root {}: {e}", new_root.display()));
     }
@@ -70,7 +85,7 @@ pub async fn run(job: Job, settings: SandboxSettings, mut ctx: ExecContext<'_>) 
         return refused(NETWORK_UNAVAILABLE, format!("the job's network boundary cannot be built: {why}"));
     }
     let cgroup = if settings.cgroups {
-        match JobCgroup::create(&cgroup_name(&ctx.settings.job_id), settings.limits) {
+        match JobCgroup::create(&name, settings.limits) {
             Ok(cg) => {
                 let line = format!("[sandbox] cgroup {:?} limits: {}\n", cg.version, cg.applied.join(", "));
                 let _ = ctx.output.write(line.as_bytes());
@@ -145,7 +160,7 @@ pub async fn run(job: Job, settings: SandboxSettings, mut ctx: ExecContext<'_>) 
         None
     };
     ctx.settings.sandbox = None;
-    let mut outcome = crate::process::run_process_group(cmd, ctx, Some(spec_bytes)).await;
+    let mut outcome = crate::process::run_capturing(cmd, ctx, Some(spec_bytes), capture).await;
     let network_up = services.as_ref().and_then(|s| s.outcome());
     drop(services);
 
@@ -191,9 +206,10 @@ pub async fn run(job: Job, settings: SandboxSettings, mut ctx: ExecContext<'_>) 
     outcome
 }
 
-/// Each sandbox gets a cgroup of its own (a job may run several, one after another,
-/// while the previous one's cgroup is still being removed): `<job id>-s<n>`.
-fn cgroup_name(job_id: &str) -> String {
+/// Each sandbox gets a cgroup and a root directory of its own (a job may run several,
+/// one after another while the previous one's cgroup is still being removed, or one
+/// beside another): `<job id>-s<n>`.
+fn sandbox_name(job_id: &str) -> String {
     static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
     format!("{job_id}-s{}", SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed))
 }

@@ -152,6 +152,7 @@ pub(crate) async fn run_step(
         return (Err(outcome), false);
     }
     let step_started = Instant::now();
+    let seals = then.iter().any(|s| !s.seal.is_empty());
     let mut watch =
         Watch { inner: output, needle: step.watch.unwrap_or("").as_bytes(), tail: Vec::new(), seen: false };
     // A step gets the job's remaining time and neither containers nor policy.
@@ -186,6 +187,12 @@ pub(crate) async fn run_step(
     );
     if outcome.status == JobStatus::Succeeded {
         (Ok(()), seen)
+    } else if seals && outcome.exit_code == Some(byoc_sandbox::helper::EXIT_SEAL_REFUSED) {
+        let error = format!(
+            "{} {}: a file the runner seals for the next stage is not a regular file the job wrote (a link?); that stage never ran",
+            step.tool, step.what
+        );
+        (Err(failed("job_file_refused", error, serde_json::Value::Null)), seen)
     } else {
         let error = format!(
             "{} {}: {}",
@@ -218,12 +225,26 @@ async fn stages_without_sandbox(
             break;
         }
         for file in &stage.seal {
+            // As the sandbox's init seals: a regular file beneath the job's directory, no
+            // link followed.
             let copied = match (sealed, file.file_name()) {
-                (Some(dir), Some(name)) => std::fs::copy(work_dir.join(file), dir.path.join(name)),
-                _ => Err(std::io::Error::other("no sealed directory")),
+                (Some(dir), Some(name)) => {
+                    let dest = dir.path.join(name);
+                    let _ = std::fs::remove_file(&dest);
+                    crate::job_files::JobTree::open(&work_dir)
+                        .and_then(|t| t.copy_out(file, &dest, u64::MAX))
+                        .map_err(|e| {
+                            failed(
+                                e.code(),
+                                format!("sealing {}: {e}", file.display()),
+                                serde_json::Value::Null,
+                            )
+                        })
+                }
+                _ => Err(ExecOutcome::failed("no sealed directory")),
             };
-            if let Err(e) = copied {
-                return ExecOutcome::failed(format!("sealing {}: {e}", file.display()));
+            if let Err(outcome) = copied {
+                return outcome;
             }
         }
         if stage.gate && !gate_opens(gate.as_mut()).await {

@@ -389,6 +389,7 @@ pub fn verified(job_id: &str, role: Option<&str>) -> VerifiedJob {
                 description: None,
                 defined_in: "permissions/maintenance.toml".into(),
                 policies: 0,
+                plan_actions: Vec::new(),
             },
             step: Step::Default,
             reference: "maintenance".into(),

@@ -337,10 +337,10 @@ case "$cmd" in
   init) echo "initialized" ;;
   plan)
     for a in "$@"; do case "$a" in -out=*) out="${a#-out=}" ;; esac; done
-    { echo "FAKE-TFPLAN v1"; cat fake-plan.json; } > "$out" ;;
+    { echo "FAKE-TFPLAN v1"; cat fake-plan.json; } > "$out"
+    if [ -f hostile-plan-link ]; then rm -f "$out"; ln -s "$(cat hostile-plan-link)" "$out"; fi ;;
   show)
-    tail -n +2 "$2"
-    if [ -f hostile-plan-link ]; then rm -f plan.json; ln -s "$(cat hostile-plan-link)" plan.json; fi ;;
+    tail -n +2 "$2" ;;
   apply)
     echo '{"version": 4, "serial": 42, "outputs": {}}' > terraform.tfstate
     if [ -f hostile-state-link ]; then rm -f terraform.tfstate; ln -s "$(cat hostile-state-link)" terraform.tfstate; fi
@@ -407,8 +407,8 @@ fn tf_job(workspace: &str, hostile: &[(&str, String)]) -> EnqueueRequest {
     }
 }
 
-/// The plan JSON the policies judge, and the state the runner keeps, replaced by job
-/// code with links to a file of the host's: neither is read, the job fails
+/// The plan the runner seals and judges, and the state it keeps, replaced by job code
+/// with links to a file of the host's: neither is read, the job fails
 /// `job_file_refused`, the workspace's stored state is not the canary.
 #[tokio::test]
 async fn terraform_files_swapped_for_links_are_never_followed() {

@@ -22,7 +22,7 @@ fn example(name: &str) -> String {
 
 struct TfEnv {
     env: Env,
-    _moto: MotoServer,
+    moto: MotoServer,
     policies: tempfile::TempDir,
     _tools: tempfile::TempDir,
 }
@@ -43,7 +43,7 @@ async fn tf_env_with(policy_extra: &str) -> TfEnv {
     ));
     opts.sandbox_ro_paths.push(tools.path().to_path_buf());
     let env = env_with(opts).await;
-    TfEnv { env, _moto: moto, policies, _tools: tools }
+    TfEnv { env, moto, policies, _tools: tools }
 }
 
 const OUTPUTS: &str = r#"{"endpoint": {"sensitive": false, "type": "string", "value": "assets.example"}, "admin_password": {"sensitive": true, "type": "string", "value": "s3cr3t-admin-pass"}}"#;
@@ -151,7 +151,7 @@ async fn a_denied_plan_is_never_applied() {
     assert!(log.contains("fake-terraform: show -json"), "{log}");
     assert!(!log.contains("fake-terraform: apply"), "apply must not run:\n{log}");
     // Plan and apply share one sandbox (one step), whose gate before apply stayed closed.
-    assert!(log.contains("[terraform] init, plan, show -json, apply: "), "{log}");
+    assert!(log.contains("[terraform] init, plan, apply: "), "{log}");
     let d = &audit(&e, "policy_decision")[0];
     let detail = d["detail"].as_str().unwrap();
     assert!(
@@ -183,9 +183,9 @@ async fn the_customers_policy_wins_over_the_vendors() {
     assert!(!log.contains("fake-terraform: apply"), "{log}");
 }
 
-/// init, plan and show share one sandbox: show (and the providers it starts) reads
-/// init's sealed copy of the plan, which nothing in the sandbox can change, and starts
-/// with nothing plan left running.
+/// show (and the providers it starts) runs in a sandbox of the runner's own: it reads
+/// the sealed copy of the plan, which nothing there can change, and starts with nothing
+/// plan left running.
 #[tokio::test]
 async fn show_reads_a_sealed_plan_that_nothing_of_the_job_can_change() {
     let e = tf_env().await;
@@ -211,6 +211,143 @@ async fn show_reads_a_sealed_plan_that_nothing_of_the_job_can_change() {
     assert_eq!(audit(&e, "plan_tampered").len(), 0);
 }
 
+/// What the policies judge is the runner's rendering of the sealed plan, never a file of
+/// the job's: job code that keeps a harmless plan where show's JSON used to go (a
+/// program run during plan, a provider show starts) changes nothing. The rendering ran
+/// offline, without the role's credentials or the job's variables; the destructive plan
+/// is denied and never applied.
+#[tokio::test]
+async fn the_plan_judged_is_rendered_by_the_runner_not_written_by_the_job() {
+    let e = tf_env().await;
+    let harmless = example("plan-tags-only.json");
+    let (_, r, log) = run(
+        &e,
+        job(
+            "apply",
+            &example("plan-open-ingress.json"),
+            &[("fake-forge-plan-json", &harmless), ("fake-linger-after-plan", "")],
+            serde_json::json!({"secret_vars": {"db_password": "correct-horse-battery"}}),
+        ),
+    )
+    .await;
+    assert!(
+        log.contains("forging plan.json during plan") && log.contains("forging plan.json after show"),
+        "{log}"
+    );
+    assert_eq!(r.status, JobStatus::Failed, "{log}");
+    assert_eq!(r.outputs["reason"], "policy_denied", "{:?}", r.error);
+    assert!(
+        r.error.as_deref().unwrap_or("").contains("database_protection@aws_db_instance.main"),
+        "{:?}",
+        r.error
+    );
+    assert!(!log.contains("fake-terraform: apply"), "{log}");
+    // Rendered with neither the role's session nor the job's variables.
+    assert!(log.contains("show env: credentials=none variables=0"), "{log}");
+    assert!(log.contains("rendered by the runner (offline, no credentials)"), "{log}");
+    let d = &audit(&e, "policy_decision")[0];
+    assert_eq!(d["digests"]["plan"], r.outputs["plan_digest"]);
+    assert_eq!(d["digests"]["plan_json"], r.outputs["input_digest"]);
+}
+
+/// A plan whose JSON is larger than the policies take is refused before any decision.
+#[tokio::test]
+async fn a_rendered_plan_larger_than_the_policies_take_is_refused() {
+    let e = tf_env_with("max_input_mib = 1\n").await;
+    let two_mib = (2 << 20).to_string();
+    let (_, r, log) = run(
+        &e,
+        job(
+            "apply",
+            &example("plan-tags-only.json"),
+            &[("fake-show-padding", &two_mib)],
+            serde_json::json!({}),
+        ),
+    )
+    .await;
+    assert_eq!(r.status, JobStatus::Failed, "{log}");
+    assert_eq!(r.outputs["reason"], "plan_too_large", "{:?}", r.error);
+    assert!(!log.contains("fake-terraform: apply"), "{log}");
+    assert_eq!(audit(&e, "policy_decision").len(), 0);
+}
+
+/// The AssumeRole calls the runner made for job `id`.
+async fn assumed_for(e: &TfEnv, id: &str) -> Vec<BTreeMap<String, String>> {
+    let calls = e.moto.calls_of("AssumeRole").await;
+    calls
+        .into_iter()
+        .map(|c| c.params)
+        .filter(|p| p.get("SourceIdentity").is_some_and(|s| s.contains(id)))
+        .collect()
+}
+
+fn session_policies(params: &BTreeMap<String, String>) -> Vec<&String> {
+    params.iter().filter(|(k, _)| k.starts_with("PolicyArns") || *k == "Policy").map(|(_, v)| v).collect()
+}
+
+/// Read-only until decided: the job's processes plan with the role narrowed to
+/// ReadOnlyAccess by a session policy; only after the decision does the credential
+/// endpoint serve the role's own session, which apply gets.
+#[tokio::test]
+async fn planning_gets_a_read_only_session_and_only_apply_gets_the_roles_own() {
+    let e = tf_env().await;
+    let (id, r, log) = run(
+        &e,
+        job(
+            "apply",
+            &example("plan-tags-only.json"),
+            &[("fake-fetch-credentials", "")],
+            serde_json::json!({}),
+        ),
+    )
+    .await;
+    assert_eq!(r.status, JobStatus::Succeeded, "{:?}\n{log}", r.error);
+    let calls = assumed_for(&e, &id).await;
+    assert_eq!(calls.len(), 2, "{calls:?}");
+    assert_eq!(calls[0]["PolicyArns.member.1.arn"], "arn:aws:iam::aws:policy/ReadOnlyAccess");
+    assert!(session_policies(&calls[1]).is_empty(), "apply's session is the role's own: {:?}", calls[1]);
+    let session = |at: &str| {
+        let line = log
+            .lines()
+            .find(|l| l.contains(&format!("session at {at}: ")))
+            .unwrap_or_else(|| panic!("{log}"));
+        line.rsplit(' ').next().unwrap().to_string()
+    };
+    assert_ne!(session("plan"), session("apply"), "{log}");
+    // The widening came after the decision, and is in the audit log.
+    let events: Vec<String> = audit_records(&e.env.runner.state_dir)
+        .iter()
+        .filter(|r| r["job"] == id.as_str())
+        .map(|r| r["event"].as_str().unwrap_or("").to_string())
+        .collect();
+    let at = |ev: &str| events.iter().position(|x| x == ev).unwrap_or_else(|| panic!("{ev}: {events:?}"));
+    assert!(
+        at("role_assumed") < at("policy_decision") && at("policy_decision") < at("role_session_opened"),
+        "{events:?}"
+    );
+    assert!(log.contains("read-only until its plan is allowed (ReadOnlyAccess)"), "{log}");
+}
+
+/// A denied plan, and a plan-only job, never get more than the read-only session.
+#[tokio::test]
+async fn a_plan_that_is_not_applied_never_gets_more_than_read_only() {
+    let e = tf_env().await;
+    for (mode, plan) in [("apply", "plan-open-ingress.json"), ("plan", "plan-tags-only.json")] {
+        let (id, r, log) =
+            run(&e, job(mode, &example(plan), &[("fake-fetch-credentials", "")], serde_json::json!({})))
+                .await;
+        assert!(log.contains("session at plan: "), "{log}");
+        let calls = assumed_for(&e, &id).await;
+        assert_eq!(calls.len(), 1, "{mode}: {calls:?}");
+        assert_eq!(calls[0]["PolicyArns.member.1.arn"], "arn:aws:iam::aws:policy/ReadOnlyAccess");
+        assert!(
+            audit(&e, "role_session_opened").iter().all(|a| a["job"] != id.as_str()),
+            "{mode}: {:?}",
+            r.status
+        );
+    }
+}
+
 /// Without an approval to wait for, apply runs in the sandbox that planned: its init
 /// stops before apply until the runner has decided, with nothing of the job running.
 #[tokio::test]
@@ -228,7 +365,7 @@ async fn apply_shares_the_plans_sandbox_and_starts_only_after_the_decision() {
     .await;
     assert_eq!(r.status, JobStatus::Succeeded, "{:?}\n{log}", r.error);
     // One step, so one sandbox: no apply step of its own.
-    assert!(log.contains("[terraform] init, plan, show -json, apply: "), "{log}");
+    assert!(log.contains("[terraform] init, plan, apply: "), "{log}");
     assert!(!log.contains("[terraform] apply: "), "{log}");
     let at = |needle: &str| log.find(needle).unwrap_or_else(|| panic!("{needle} missing:\n{log}"));
     assert!(at("fake-terraform: show -json") < at("[policy] ALLOW plan"), "{log}");

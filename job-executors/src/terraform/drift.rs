@@ -5,8 +5,7 @@
 use super::*;
 
 const DRIFT_PLAN: &str = "drift.tfplan";
-const DRIFT_JSON: &str = "drift.json";
-/// What a drift check reads of show's JSON, at most: the policies' input limit (the
+/// What a drift check takes of a plan's JSON, at most: the policies' input limit (the
 /// decision would refuse more anyway), 64 MiB without a policy scope.
 fn policy_input_cap(run: &Run<'_, '_>) -> u64 {
     run.ctx.settings.policy.as_ref().map(|p| p.limits.max_input_bytes as u64).unwrap_or(64 << 20)
@@ -70,34 +69,32 @@ impl Terraform {
         let steps = [
             ("init", "init -input=false -no-color".to_string()),
             ("plan -refresh-only", format!("plan -refresh-only -input=false -no-color -out={DRIFT_PLAN}")),
-            ("show -json (refresh-only)", format!("show -json {DRIFT_PLAN} > {DRIFT_JSON}")),
             ("plan", format!("plan -input=false -no-color -out={PLAN_FILE}")),
-            ("show -json", format!("show -json {PLAN_FILE} > {PLAN_JSON}")),
         ];
         run.log("[terraform] drift check: refresh-only and contract plans; nothing is applied\n");
         run.cmd("init, plan -refresh-only, plan", run.tf_script(&steps, backend)).await?;
+        // The sandbox has ended, and every process of the job with it: both plans are
+        // sealed as they are and rendered by the runner (offline, no credentials).
+        let sealed = SealedDir::create(run.ctx)
+            .map_err(|e| ExecOutcome::failed(format!("creating the sealed plan directory: {e}")))?;
         let cap = policy_input_cap(run);
-        let read = |file: &str| -> Step<(serde_json::Value, String)> {
-            let plan_file = if file == DRIFT_JSON { DRIFT_PLAN } else { PLAN_FILE };
-            let unreadable = |e: crate::job_files::JobFileError, what: &str| {
-                failed(e.code(), format!("{what} {file}: {e}"), serde_json::Value::Null)
-            };
-            let digest =
-                sha256_module_file(module, plan_file).map_err(|e| unreadable(e, "hashing the plan of"))?;
-            let bytes = module_file(module, file, cap).map_err(|e| unreadable(e, "reading"))?;
-            // Values the control plane must not see: gone from disk now.
-            remove_module_file(module, file);
-            let v = serde_json::from_slice(&bytes).map_err(|e| {
+        let mut rendered = Vec::new();
+        for plan in [DRIFT_PLAN, PLAN_FILE] {
+            seal(module, plan, &sealed)?;
+            let digest = sha256_file(&sealed.path.join(plan))
+                .map_err(|e| ExecOutcome::failed(format!("hashing the plan {plan}: {e}")))?;
+            let bytes = render_in(run, &sealed, plan, cap).await?;
+            let value: serde_json::Value = serde_json::from_slice(&bytes).map_err(|e| {
                 failed(
                     "plan_unreadable",
                     format!("terraform show -json is not JSON: {e}"),
                     serde_json::Value::Null,
                 )
             })?;
-            Ok((v, digest))
-        };
-        let (refresh, refresh_digest) = read(DRIFT_JSON)?;
-        let (contract, plan_digest) = read(PLAN_JSON)?;
+            rendered.push((value, digest));
+        }
+        let (contract, plan_digest) = rendered.pop().unwrap_or_default();
+        let (refresh, refresh_digest) = rendered.pop().unwrap_or_default();
         // No state yet: the component was never deployed here; nothing can have drifted.
         let root = &refresh["prior_state"]["values"]["root_module"];
         let has = |k: &str| root[k].as_array().is_some_and(|a| !a.is_empty());

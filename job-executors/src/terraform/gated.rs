@@ -1,7 +1,8 @@
-//! init, plan, show -json and apply in one sandbox: the sandbox's init stops at a gate
-//! before apply, and the runner opens it only for a plan the policies allowed, with
-//! nothing of the job running meanwhile (one sandbox set-up fewer than plan and apply
-//! apart). Used when nothing can hold the plan between decision and apply (no
+//! init, plan and apply in one sandbox: the sandbox's init ends every process of the
+//! plan, seals the plan and stops at a gate before apply; meanwhile the runner renders
+//! the sealed plan in a sandbox of its own (offline, no credentials), decides, and opens
+//! the gate only for a plan the policies allowed (one sandbox set-up fewer than plan and
+//! apply apart). Used when nothing can hold the plan between decision and apply (no
 //! customer approval, not plan-only, not decide-only).
 
 use std::path::Path;
@@ -18,7 +19,6 @@ const WANT_OUTPUTS: &str = "want-outputs";
 /// The terraform commands of each stage.
 pub(super) struct Commands {
     pub(super) init_plan: Vec<String>,
-    pub(super) show: Vec<String>,
     pub(super) apply: Vec<String>,
 }
 
@@ -43,24 +43,24 @@ impl Terraform {
                 "if [ -e {want} ]; then echo '[terraform] output -json'; \"$0\" -chdir={MODULE_DIR} output -json > {MODULE_DIR}/{OUTPUTS_JSON} || exit $?; fi\n"
             ));
         }
-        let stages = vec![
-            Stage { argv: commands.show, seal: vec![Path::new(MODULE_DIR).join(PLAN_FILE)], gate: false },
-            Stage { argv: apply, seal: vec![], gate: true },
-        ];
+        let stages =
+            vec![Stage { argv: apply, seal: vec![Path::new(MODULE_DIR).join(PLAN_FILE)], gate: true }];
         let step = StepSpec {
             tool: run.tool,
-            what: "init, plan, show -json, apply",
+            what: "init, plan, apply",
             env: &run.env,
             watch: run.watch,
             job_timeout: run.ctx.settings.timeout,
         };
         let remaining = run.remaining();
-        let settings = run.ctx.settings();
+        let decision_started = std::time::Instant::now();
+        let env = &run.env.clone();
+        let settings = run.ctx.settings().timeout(remaining, run.ctx.settings.kill_grace);
         let shared = SharedSink::new(&mut *run.ctx.output);
         let mut step_out = shared.handle();
         let sandbox = run_step(
             step,
-            settings.clone().timeout(remaining, settings.kill_grace),
+            settings.clone(),
             &mut step_out,
             commands.init_plan,
             stages,
@@ -72,10 +72,15 @@ impl Terraform {
                 return None;
             }
             let mut out = shared.handle();
-            let mut ctx = settings.clone().build(&mut out);
             let decided = async {
-                let judged = self.judge(&mut ctx, policy, module, &plan_path).await?;
+                let max = policy.limits.max_input_bytes as u64;
+                let left = settings.timeout.saturating_sub(decision_started.elapsed());
+                let render = settings.clone().timeout(left, settings.kill_grace);
+                let plan_json = super::render::render(render, &mut out, env, sealed, PLAN_FILE, max).await?;
+                let mut ctx = settings.clone().build(&mut out);
+                let judged = self.judge(&mut ctx, &plan_path, plan_json).await?;
                 still_the_plan(&ctx, &plan_path, &judged.plan_digest, &judged.base)?;
+                crate::open_full_session(&mut ctx, &judged.plan_digest)?;
                 let declares_outputs = declares_outputs(&judged.plan_value);
                 if declares_outputs && !state_beside_module {
                     std::fs::write(sealed.path.join(WANT_OUTPUTS), b"")

@@ -1,14 +1,11 @@
-//! The decision over a plan `show -json` wrote (its digest, summary, the policies'
+//! The decision over a plan the runner rendered (its digest, summary, the policies'
 //! verdict) and what is checked right before and read right after apply.
 
 use std::collections::BTreeMap;
 use std::path::Path;
 
 use super::summary::summary;
-use super::{
-    MAX_OUTPUTS_BYTES, MAX_STATE_BYTES, OUTPUTS_JSON, PLAN_JSON, Terraform, module_file, remove_module_file,
-    sha256_file, state,
-};
+use super::{MAX_OUTPUTS_BYTES, MAX_STATE_BYTES, OUTPUTS_JSON, Terraform, module_file, sha256_file, state};
 use crate::tool::{Step, failed};
 use crate::{ExecContext, ExecOutcome};
 
@@ -23,26 +20,19 @@ pub(super) struct Judged {
 }
 
 impl Terraform {
-    /// Hash the sealed plan, read what show wrote (then delete it), refuse a summary
-    /// carrying a secret, decide (audited). A denial is the step's failure
-    /// (`policy_denied`); an allowed plan is logged.
+    /// Hash the sealed plan, take the JSON the runner rendered from it, refuse a summary
+    /// carrying a secret, decide (audited with both digests). A denial is the step's
+    /// failure (`policy_denied`); an allowed plan is logged.
     pub(super) async fn judge(
         &self,
         ctx: &mut ExecContext<'_>,
-        policy: &crate::PolicyScope,
-        module: &Path,
         plan_path: &Path,
+        plan_bytes: Vec<u8>,
     ) -> Step<Judged> {
         // The digest of the plan the policies are about to see: the bytes show read,
         // which apply later runs only if the sealed copy still has them.
         let plan_digest =
             sha256_file(plan_path).map_err(|e| ExecOutcome::failed(format!("hashing the plan: {e}")))?;
-        // Read beneath the job's directory, no link followed, at most what the policies
-        // would take.
-        let plan_bytes = module_file(module, PLAN_JSON, policy.limits.max_input_bytes as u64)
-            .map_err(|e| failed(e.code(), format!("reading the plan JSON: {e}"), serde_json::Value::Null))?;
-        // The plan's JSON has values the control plane must not see: drop it now.
-        remove_module_file(module, PLAN_JSON);
         let plan_value: serde_json::Value = serde_json::from_slice(&plan_bytes).map_err(|e| {
             failed(
                 "plan_unreadable",
@@ -64,7 +54,7 @@ impl Terraform {
         }
         let subject = crate::policy_gate::Subject {
             // A sandbox's runs are decided as sandbox plans (their own policies).
-            source: if policy.operation.starts_with("sandbox.") {
+            source: if ctx.settings.policy.as_ref().is_some_and(|p| p.operation.starts_with("sandbox.")) {
                 byoc_policy::Source::Sandbox
             } else {
                 byoc_policy::Source::Terraform

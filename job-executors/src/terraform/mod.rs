@@ -1,8 +1,9 @@
 //! `terraform`: plan, decide, apply. The `terraform` CLI runs in the sandbox with the
-//! job's role credentials: `init`, `plan -out`, `show -json` (into a file, never the
-//! job log), the policy decision (audited), then `apply` of exactly that plan file,
-//! checked against its digest right before; `output -json` into the result with
-//! sensitive values masked. A plan-only job keeps its plan for a later job that names
+//! job's role credentials: `init`, `plan -out`; the plan is sealed once nothing of the
+//! job runs and the runner renders it (`show -json` in a sandbox of its own, offline,
+//! no credentials, its output to the runner: `render`); the policy decision (audited),
+//! then `apply` of exactly that plan file, checked against its digest right before;
+//! `output -json` into the result with sensitive values masked. A plan-only job keeps its plan for a later job that names
 //! its digest. Destroy is `plan -destroy` through the same gate. The control plane gets
 //! a summary (counts per action, addresses) and digests, not the plan.
 
@@ -13,7 +14,7 @@ use std::time::Instant;
 use serde::Deserialize;
 use sha2::Digest as _;
 
-use crate::tool::{DEFAULT_PATH, Run, SealedDir, Stage, Step, failed, hand_over, safe_relative};
+use crate::tool::{DEFAULT_PATH, Run, SealedDir, Step, failed, hand_over, safe_relative};
 use crate::{ExecContext, ExecFuture, ExecOutcome, Executor, JobStatus};
 use judge::{Judged, read_outputs, still_the_plan};
 use summary::summary;
@@ -24,6 +25,7 @@ mod drift;
 mod gated;
 mod judge;
 pub mod providers;
+mod render;
 mod saved_plan;
 pub mod state;
 mod summary;
@@ -31,7 +33,6 @@ mod summary;
 /// The root module, in the job's working directory.
 pub const MODULE_DIR: &str = "module";
 const PLAN_FILE: &str = "plan.tfplan";
-const PLAN_JSON: &str = "plan.json";
 const OUTPUTS_JSON: &str = "outputs.json";
 const MAX_FILES: usize = 512;
 const MAX_FILES_BYTES: usize = 8 << 20;
@@ -208,25 +209,27 @@ pub(crate) fn module_file_if_exists(
     crate::job_files::read_if_exists(&root, rel, max)
 }
 
-/// Remove a file of terraform's from the module directory (no link followed).
-fn remove_module_file(module: &Path, name: &str) {
-    let (root, rel) = in_tree(module, name);
-    if let Ok(t) = crate::job_files::JobTree::open(&root) {
-        let _ = t.remove(rel);
-    }
-}
-
-/// The digest of a plan file in the module directory (`job_files`: no link followed).
-fn sha256_module_file(module: &Path, name: &str) -> Result<String, crate::job_files::JobFileError> {
-    let (root, rel) = in_tree(module, name);
-    crate::job_files::JobTree::open(&root)?.sha256(rel)
-}
-
 fn sha256_file(p: &Path) -> std::io::Result<String> {
     let mut f = std::fs::File::open(p)?;
     let mut h = sha2::Sha256::new();
     std::io::copy(&mut f, &mut h)?;
     Ok(format!("sha256:{}", hex::encode(h.finalize())))
+}
+
+/// Copy the plan file terraform wrote in the module directory into the sealed
+/// directory (`job_files`: no link followed, a regular file, at most the size a state may
+/// have), once nothing of the job runs.
+fn seal(module: &Path, name: &str, sealed: &SealedDir) -> Step<()> {
+    let (root, rel) = in_tree(module, name);
+    crate::job_files::JobTree::open(&root)
+        .and_then(|t| t.copy_out(rel, &sealed.path.join(name), MAX_STATE_BYTES))
+        .map_err(|e| failed(e.code(), format!("sealing the plan {name}: {e}"), serde_json::Value::Null))
+}
+
+/// [`render::render`] with the job's remaining time and log.
+async fn render_in(run: &mut Run<'_, '_>, sealed: &SealedDir, name: &str, max: u64) -> Step<Vec<u8>> {
+    let settings = run.ctx.settings().timeout(run.remaining(), run.ctx.settings.kill_grace);
+    render::render(settings, &mut *run.ctx.output, &run.env, sealed, name, max).await
 }
 
 /// terraform's own command lines.
@@ -459,17 +462,14 @@ impl Terraform {
         let sealed = SealedDir::create(run.ctx)
             .map_err(|e| ExecOutcome::failed(format!("creating the sealed plan directory: {e}")))?;
         let plan_path = sealed.path.join(PLAN_FILE);
-        let show = ("show -json", format!("show -json {} > {PLAN_JSON}", sealed.inside(PLAN_FILE)));
         match &self.spec.plan_digest {
             Some(want) => {
                 self.take_saved_plan(run, want, &plan_path)?;
                 run.log(&format!("[terraform] applying saved plan {want}\n"));
-                let show = Stage { argv: run.tf_script(&[show], &[]), seal: vec![], gate: false };
-                run.staged("init, show -json", run.tf_script(&[init], &backend), vec![show], Some(&sealed))
-                    .await?;
+                // The providers rendering the plan needs.
+                run.cmd("init", run.tf_script(&[init], &backend)).await?;
             }
             None => {
-                // init and plan in one sandbox.
                 let destroy = self.spec.mode == Mode::Destroy;
                 let plan = (
                     if destroy { "plan -destroy" } else { "plan" },
@@ -488,30 +488,20 @@ impl Terraform {
                     );
                     let commands = gated::Commands {
                         init_plan: run.tf_script(&[init, plan], &backend),
-                        show: run.tf_script(&[show], &[]),
                         apply: run.tf_script(&[apply], &[]),
                     };
                     return self
                         .plan_decide_apply(run, policy, module, state_beside_module, &sealed, commands)
                         .await;
                 }
-                // show starts the providers, which could change a file they can write:
-                // it reads the sealed copy, made with nothing of init or plan running.
-                let show = Stage {
-                    argv: run.tf_script(&[show], &[]),
-                    seal: vec![Path::new(MODULE_DIR).join(PLAN_FILE)],
-                    gate: false,
-                };
-                run.staged(
-                    "init, plan, show -json",
-                    run.tf_script(&[init, plan], &backend),
-                    vec![show],
-                    Some(&sealed),
-                )
-                .await?;
+                // init and plan in one sandbox; when it has ended, so has every process
+                // of the job: the plan terraform wrote is sealed as it is now.
+                run.cmd("init, plan", run.tf_script(&[init, plan], &backend)).await?;
+                seal(module, PLAN_FILE, &sealed)?;
             }
         }
-        let judged = self.judge(run.ctx, policy, module, &plan_path).await?;
+        let plan_json = render_in(run, &sealed, PLAN_FILE, policy.limits.max_input_bytes as u64).await?;
+        let judged = self.judge(run.ctx, &plan_path, plan_json).await?;
         let Judged { plan_digest, plan_value, summary, decision, base } = judged;
 
         if run.ctx.settings.decide_only {
@@ -549,6 +539,7 @@ impl Terraform {
                 .await?;
         // Exactly the plan the policies saw, or nothing.
         still_the_plan(run.ctx, &plan_path, &plan_digest, &base)?;
+        crate::open_full_session(run.ctx, &plan_digest)?;
         // The outputs, without another terraform run where they can be had otherwise
         // (a run is ~30 ms of a fast module): none declared, none to read; with local
         // state, the state file holds them in `output -json`'s own shape.

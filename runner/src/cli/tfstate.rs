@@ -389,6 +389,8 @@ async fn role_session(
             ("job".into(), "none".into()),
         ],
         duration_secs: 900,
+        policy_arns: Vec::new(),
+        policy: None,
     };
     let assumer = StsAssumer { client: aws_sdk_sts::Client::new(&sdk) };
     let c = assumer

@@ -99,6 +99,8 @@ async fn assume_for_job(
             roles.session_min_secs,
             roles.session_max_secs,
         ),
+        policy_arns: Vec::new(),
+        policy: None,
     };
     let audit = |event: &str, detail: String| {
         let r = byoc_audit::log::Record {
@@ -112,7 +114,17 @@ async fn assume_for_job(
         };
         rt.audit.record(r).map_err(|e| format!("auditing {event}: {e}"))
     };
-    let first = match assumer.assume(&params).await {
+    // A terraform job's processes get a read-only session until its plan is allowed.
+    let narrowed = match narrowed_params(rt, p, role, &params) {
+        Ok(n) => n,
+        Err(why) => {
+            let msg = format!("the read-only session for planning cannot be made: {why}");
+            audit("role_assume_failed", msg.chars().take(300).collect())?;
+            return Err(msg);
+        }
+    };
+    let first_params = narrowed.as_ref().map_or(&params, |(n, _)| n);
+    let first = match assumer.assume(first_params).await {
         Ok(c) => c,
         Err(e) => {
             let msg = format!("AssumeRole {} failed: {}", role.arn, e.message);
@@ -121,10 +133,14 @@ async fn assume_for_job(
         }
     };
     let expires = rfc3339(first.expiration);
+    let scope_note = narrowed
+        .as_ref()
+        .map(|(_, summary)| format!(", read-only until its plan is allowed ({summary})"))
+        .unwrap_or_default();
     audit(
         "role_assumed",
         format!(
-            "{} session {} for {}s, expires {expires}",
+            "{} session {} for {}s, expires {expires}{scope_note}",
             role.arn, params.session_name, params.duration_secs
         ),
     )?;
@@ -167,6 +183,12 @@ async fn assume_for_job(
     if let Some(end) = allowance_end {
         session = session.renew_until(end);
     }
+    let mut full_session = None;
+    if let Some((narrowed, _)) = narrowed {
+        let full = byoc_job_executors::FullSession::default();
+        session = session.narrowed_until(narrowed, full.clone());
+        full_session = Some(full);
+    }
     let mut common =
         vec![("BYOC_ROLE".to_string(), name.clone()), ("BYOC_ROLE_ARN".to_string(), role.arn.clone())];
     if let Some(region) = &roles.region {
@@ -178,7 +200,7 @@ async fn assume_for_job(
     }
     static_env.extend(common.iter().cloned());
     let intro = format!(
-        "[runner] assumed role {name} ({}) chosen by {}; session {} expires {expires}",
+        "[runner] assumed role {name} ({}) chosen by {}; session {} expires {expires}{scope_note}",
         role.arn,
         role.derived.step.as_str(),
         params.session_name
@@ -229,6 +251,7 @@ async fn assume_for_job(
                     static_env,
                     container: Some(container),
                     feed,
+                    full_session: None,
                 };
                 (RoleSession { _file: Some(file) }, creds, note)
             }
@@ -241,6 +264,7 @@ async fn assume_for_job(
                     static_env,
                     container: None,
                     feed,
+                    full_session: None,
                 };
                 (RoleSession { _file: None }, creds, note)
             }
@@ -253,8 +277,50 @@ async fn assume_for_job(
         "{intro}, renewed before expiry through the credential endpoint in the job's own network namespace\n"
     );
     let endpoint: Arc<dyn byoc_job_executors::jobnet::CredentialEndpoint> = endpoint;
-    let creds = JobCredentials { endpoint_env, endpoint: Some(endpoint), static_env, container: None, feed };
+    let creds = JobCredentials {
+        endpoint_env,
+        endpoint: Some(endpoint),
+        static_env,
+        container: None,
+        feed,
+        full_session,
+    };
     Ok((RoleSession { _file: None }, creds, note))
+}
+
+/// For a terraform job: the session parameters that narrow the role to read-only plus
+/// what its planning needs (`roles::plan_scope`), and their summary. `None` for other
+/// kinds, whose processes get the role's session (docs/ROLES.md says which are decided).
+fn narrowed_params(
+    rt: &Rt,
+    p: &byoc_protocol::JobPayload,
+    role: &ScopedRole,
+    params: &SessionParams,
+) -> Result<Option<(SessionParams, String)>, String> {
+    if p.kind != "terraform" {
+        return Ok(None);
+    }
+    let state = crate::pipeline::execute::terraform_state(rt);
+    let own_backend = p.spec["backend_config"].as_object().is_some_and(|o| !o.is_empty());
+    let prefix = crate::secrets::store_prefix(&rt.install_id);
+    let secret_ids = p.spec["secrets"]
+        .as_array()
+        .map(Vec::as_slice)
+        .unwrap_or_default()
+        .iter()
+        .filter_map(|n| n.as_str())
+        .map(|n| format!("{prefix}{n}"))
+        .collect();
+    let scope = crate::roles::plan_scope::plan_scope(&crate::roles::plan_scope::Needs {
+        role_arn: &role.arn,
+        backend: (!own_backend).then_some(&state.backend),
+        workspace: p.spec["workspace"].as_str(),
+        secret_ids,
+        region: rt.roles.region.as_deref(),
+        plan_actions: &role.derived.role.plan_actions,
+    })?;
+    let narrowed = SessionParams { policy_arns: scope.policy_arns, policy: scope.policy, ..params.clone() };
+    Ok(Some((narrowed, scope.summary)))
 }
 
 /// What keeps a container's role session alive while it runs: dropping it stops the

@@ -186,8 +186,19 @@ fn interrupt(rt: &Rt, job_id: &str, phase: Phase) -> Result<(), JournalError> {
     let _ = std::fs::remove_dir_all(&work_dir);
     // The runner's sealed copies beside it (a terraform job's plan).
     let _ = std::fs::remove_dir_all(work_dir.with_file_name(format!("{job_id}.sealed")));
-    // The sandbox's mount point (its namespace died with the runner).
-    let _ = std::fs::remove_dir(rt.state_dir.join(crate::runtime::ROOTS_DIR).join(job_id));
+    // The sandboxes' mount points, `<job id>-s<n>` (their namespaces died with the runner).
+    let roots = rt.state_dir.join(crate::runtime::ROOTS_DIR);
+    let prefix = format!("{job_id}-s");
+    for entry in std::fs::read_dir(&roots).into_iter().flatten().flatten() {
+        let name = entry.file_name();
+        let ours = name
+            .to_str()
+            .and_then(|n| n.strip_prefix(&prefix))
+            .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()));
+        if ours {
+            let _ = std::fs::remove_dir(entry.path());
+        }
+    }
     Ok(())
 }
 

@@ -26,7 +26,11 @@ type OnAssume = Arc<dyn Fn(&SessionParams, &Credentials) + Send + Sync>;
 pub struct JobSession {
     params: SessionParams,
     assumer: Arc<dyn Assumer>,
-    current: tokio::sync::Mutex<Credentials>,
+    /// The session served now, and whether it is the narrowed one.
+    current: tokio::sync::Mutex<(Credentials, bool)>,
+    /// Until the switch opens, sessions are assumed with these (the role's, narrowed by
+    /// session policies) and `first` is one of them.
+    narrowed: Option<(SessionParams, byoc_job_executors::FullSession)>,
     refresh_before: Duration,
     feed: SecretFeed,
     on_refresh: OnAssume,
@@ -47,7 +51,8 @@ impl JobSession {
         JobSession {
             params,
             assumer,
-            current: tokio::sync::Mutex::new(first),
+            current: tokio::sync::Mutex::new((first, false)),
+            narrowed: None,
             refresh_before,
             feed,
             on_refresh,
@@ -62,12 +67,47 @@ impl JobSession {
         self
     }
 
-    /// Valid credentials: the current session, or a new one when it is about to expire.
+    /// `first` was assumed with `narrowed`; so are its renewals until `full` opens, when
+    /// the next request gets a session of the role's own `params`.
+    pub fn narrowed_until(mut self, narrowed: SessionParams, full: byoc_job_executors::FullSession) -> Self {
+        self.current.get_mut().1 = true;
+        self.narrowed = Some((narrowed, full));
+        self
+    }
+
+    /// The parameters of the session to serve now, and whether they are the narrowed ones.
+    fn wanted(&self) -> (&SessionParams, bool) {
+        match &self.narrowed {
+            Some((narrowed, full)) if !full.is_open() => (narrowed, true),
+            _ => (&self.params, false),
+        }
+    }
+
+    /// Valid credentials: the current session, or a new one when it is about to expire
+    /// (or when the job's full session has just been opened).
     async fn credentials(&self) -> Result<Credentials, String> {
-        let mut current = self.current.lock().await;
+        let mut guard = self.current.lock().await;
+        let (current, current_narrowed) = &mut *guard;
         let now = crate::clock::unix_now();
-        if current.expiration - now > self.refresh_before.as_secs() as i64 {
+        let (params, narrowed) = self.wanted();
+        if narrowed == *current_narrowed && current.expiration - now > self.refresh_before.as_secs() as i64 {
             return Ok(current.clone());
+        }
+        // Widening never serves the narrowed session again (and, past a local
+        // allowance's end, is refused like any renewal).
+        if narrowed != *current_narrowed {
+            if let Some(until) = self.renew_until.filter(|until| now >= *until) {
+                return Err(format!(
+                    "the role's local allowance ended at {}: its session is not renewed",
+                    rfc3339(until)
+                ));
+            }
+            let fresh = self.assumer.assume(params).await.map_err(|e| e.to_string())?;
+            feed_credentials(&self.feed, &fresh);
+            (self.on_refresh)(params, &fresh);
+            *current = fresh.clone();
+            *current_narrowed = narrowed;
+            return Ok(fresh);
         }
         if let Some(until) = self.renew_until.filter(|until| now >= *until) {
             if current.expiration > now {
@@ -78,11 +118,11 @@ impl JobSession {
                 rfc3339(until)
             ));
         }
-        match self.assumer.assume(&self.params).await {
+        match self.assumer.assume(params).await {
             Ok(fresh) => {
                 // Masked before the job can see them.
                 feed_credentials(&self.feed, &fresh);
-                (self.on_refresh)(&self.params, &fresh);
+                (self.on_refresh)(params, &fresh);
                 *current = fresh.clone();
                 Ok(fresh)
             }
@@ -252,7 +292,7 @@ impl CredentialFile {
         std::fs::DirBuilder::new().mode(0o755).create(&dir)?;
         // Explicitly: the service's UMask=0077 would leave it unreadable to the container.
         std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755))?;
-        let first = session.current.try_lock().map(|c| c.clone()).map_err(std::io::Error::other)?;
+        let first = session.current.try_lock().map(|c| c.0.clone()).map_err(std::io::Error::other)?;
         Self::write_files(&dir, job_id, &first, region).inspect_err(|_| {
             let _ = std::fs::remove_dir_all(&dir);
         })?;
@@ -381,6 +421,8 @@ mod tests {
             source_identity: "job".into(),
             tags: vec![],
             duration_secs: 900,
+            policy_arns: vec![],
+            policy: None,
         }
     }
 
@@ -476,9 +518,9 @@ mod tests {
         )
         .renew_until(now - 1);
         // Due for renewal, but the allowance has ended: the current one, while it lasts.
-        session.current.lock().await.expiration = now + 5;
+        session.current.lock().await.0.expiration = now + 5;
         assert_eq!(session.credentials().await.unwrap().access_key_id, "ASIAKEY0000000000001");
-        session.current.lock().await.expiration = now - 1;
+        session.current.lock().await.0.expiration = now - 1;
         let err = session.credentials().await.unwrap_err();
         assert!(err.contains("local allowance ended"), "{err}");
         assert_eq!(assumer.calls.load(Ordering::SeqCst), 1, "no renewal");
@@ -524,10 +566,59 @@ mod tests {
         assert_eq!(get(&url, "nope").await.0, 401);
         assert_eq!(get(&url, "").await.0, 401);
         // Less than refresh_before left: a new session, fed to the masker first.
-        endpoint.session.current.lock().await.expiration = crate::clock::unix_now() + 5;
+        endpoint.session.current.lock().await.0.expiration = crate::clock::unix_now() + 5;
         let (_, body) = get(&url, &format!("Bearer {token}")).await;
         assert_eq!(body["AccessKeyId"], "ASIAKEY0000000000002");
         assert_eq!(refreshed.load(Ordering::SeqCst), 1);
+        assert!(feed.secrets().iter().any(|s| s == b"secret-2-xxxxxxxx"));
+    }
+
+    /// Records the session policies of each AssumeRole.
+    struct Recording(std::sync::Mutex<Vec<Vec<String>>>);
+
+    impl Assumer for Recording {
+        fn assume<'a>(&'a self, p: &'a SessionParams) -> super::super::sts::AssumeFuture<'a> {
+            let mut seen = self.0.lock().unwrap_or_else(|e| e.into_inner());
+            seen.push(p.policy_arns.clone());
+            let n = seen.len();
+            Box::pin(async move {
+                Ok(Credentials {
+                    access_key_id: format!("ASIAKEY{n:013}"),
+                    secret_access_key: format!("secret-{n}-xxxxxxxx"),
+                    session_token: format!("token-{n}-yyyyyyyy"),
+                    expiration: crate::clock::unix_now() + 3600,
+                })
+            })
+        }
+    }
+
+    #[tokio::test]
+    async fn a_narrowed_session_is_served_until_the_full_one_is_opened_and_never_again_after() {
+        let assumer = Arc::new(Recording(Default::default()));
+        let narrowed =
+            SessionParams { policy_arns: vec!["arn:aws:iam::aws:policy/ReadOnlyAccess".into()], ..params() };
+        let first = assumer.assume(&narrowed).await.unwrap();
+        let full = byoc_job_executors::FullSession::default();
+        let feed = SecretFeed::default();
+        let session = JobSession::new(
+            params(),
+            assumer.clone(),
+            first,
+            Duration::from_secs(300),
+            feed.clone(),
+            Arc::new(|_, _| {}),
+        )
+        .narrowed_until(narrowed, full.clone());
+        // Before the decision: the narrowed session, however often asked.
+        for _ in 0..3 {
+            assert_eq!(session.credentials().await.unwrap().access_key_id, "ASIAKEY0000000000001");
+        }
+        full.open();
+        // After: a session of the role's own, assumed once, masked.
+        assert_eq!(session.credentials().await.unwrap().access_key_id, "ASIAKEY0000000000002");
+        assert_eq!(session.credentials().await.unwrap().access_key_id, "ASIAKEY0000000000002");
+        let seen = assumer.0.lock().unwrap().clone();
+        assert_eq!(seen, vec![vec!["arn:aws:iam::aws:policy/ReadOnlyAccess".to_string()], vec![]]);
         assert!(feed.secrets().iter().any(|s| s == b"secret-2-xxxxxxxx"));
     }
 }

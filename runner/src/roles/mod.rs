@@ -14,6 +14,7 @@ pub mod creds;
 pub mod inbox;
 pub mod model;
 pub mod pause;
+pub mod plan_scope;
 pub mod sts;
 pub mod switches;
 pub mod template;
@@ -56,6 +57,9 @@ pub struct RoleStatus {
     pub last_assumed_ms: Option<u64>,
     #[serde(default)]
     pub last_job: Option<String>,
+    /// What its terraform plans may do beyond read-only (the app's `plan_actions`).
+    #[serde(default)]
+    pub plan_actions: Vec<String>,
 }
 
 impl RolesStatus {
@@ -80,6 +84,7 @@ impl RolesStatus {
                 how_to_enable: sw.how_to_enable,
                 last_assumed_ms: None,
                 last_job: None,
+                plan_actions: def.plan_actions.clone(),
             };
             match self.roles.iter_mut().find(|r| r.name == def.name) {
                 Some(r) => {
@@ -106,6 +111,7 @@ impl RolesStatus {
                 description: None,
                 defined_in: r.defined_in.clone(),
                 policies: 0,
+                plan_actions: r.plan_actions.clone(),
             };
             let sw = snapshot.switch_for(&def);
             r.enabled = sw.enabled;

@@ -63,6 +63,9 @@ struct RoleFile {
     permissions_boundary: Option<String>,
     #[serde(default)]
     policies: Vec<PolicyDef>,
+    /// Actions a provider needs while terraform plans, beyond read-only (docs/ROLES.md).
+    #[serde(default)]
+    plan_actions: Vec<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -131,6 +134,22 @@ pub struct RoleDef {
     /// Where it was defined (`permissions/maintenance.toml`, `break_glass.toml`).
     pub defined_in: String,
     pub policies: usize,
+    /// IAM actions the role's terraform plans may use beyond read-only (`service:Action`).
+    #[serde(default)]
+    pub plan_actions: Vec<String>,
+}
+
+/// A plan-time action: `service:Action`, the action part possibly with `*` (never the
+/// whole service, never everything).
+pub fn valid_plan_action(a: &str) -> bool {
+    let Some((service, action)) = a.split_once(':') else { return false };
+    !service.is_empty()
+        && service.len() <= 64
+        && service.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !action.is_empty()
+        && action.len() <= 128
+        && action.bytes().any(|b| b.is_ascii_alphabetic())
+        && action.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'*')
 }
 
 /// A rule of the operation-role matrix: first match wins.
@@ -251,6 +270,11 @@ impl AppRoles {
                 }
             };
             check_policies(&parsed.policies, &at, &mut problems);
+            if let Some(bad) = parsed.plan_actions.iter().find(|a| !valid_plan_action(a)) {
+                problems.push(format!(
+                    "{at}: plan_actions {bad:?} is not service:Action (a wildcard may complete an action, never stand for a whole service)"
+                ));
+            }
             let _ = parsed.permissions_boundary;
             match install.render(&parsed.name) {
                 Ok(name) => add(
@@ -263,6 +287,7 @@ impl AppRoles {
                         description: parsed.description,
                         defined_in: at,
                         policies: parsed.policies.len(),
+                        plan_actions: parsed.plan_actions,
                     },
                     &mut problems,
                 ),
@@ -293,6 +318,7 @@ impl AppRoles {
                                     description: r.description,
                                     defined_in: at,
                                     policies: r.policies.len(),
+                                    plan_actions: Vec::new(),
                                 },
                                 &mut problems,
                             ),

@@ -14,6 +14,10 @@ pub struct SessionParams {
     pub source_identity: String,
     pub tags: Vec<(String, String)>,
     pub duration_secs: i32,
+    /// Session policies: the session may do only what these and the role both allow.
+    pub policy_arns: Vec<String>,
+    /// An inline session policy (JSON), with the same effect.
+    pub policy: Option<String>,
 }
 
 /// One session's credentials. `Debug` shows the key id's first characters only.
@@ -66,6 +70,12 @@ impl Assumer for StsAssumer {
                 .duration_seconds(p.duration_secs);
             if let Some(id) = &p.external_id {
                 req = req.external_id(id);
+            }
+            for arn in &p.policy_arns {
+                req = req.policy_arns(aws_sdk_sts::types::PolicyDescriptorType::builder().arn(arn).build());
+            }
+            if let Some(policy) = &p.policy {
+                req = req.policy(policy);
             }
             for (k, v) in &p.tags {
                 let tag = aws_sdk_sts::types::Tag::builder()

@@ -249,6 +249,7 @@ mod tests {
             description: None,
             defined_in: "t".into(),
             policies: 0,
+            plan_actions: Vec::new(),
         }
     }
 

@@ -53,6 +53,11 @@ pub fn check_job(
     Ok(declared)
 }
 
+/// The install's secrets in Secrets Manager: `<install id>/secrets/<name>`.
+pub fn store_prefix(install_id: &str) -> String {
+    format!("{install_id}/secrets/")
+}
+
 /// What a job reads secrets with.
 pub fn settings(
     state_dir: &Path,
@@ -63,7 +68,7 @@ pub fn settings(
 ) -> std::io::Result<SecretSettings> {
     Ok(SecretSettings {
         declared,
-        store: Store { endpoint: endpoint.map(str::to_string), prefix: format!("{install_id}/secrets/") },
+        store: Store { endpoint: endpoint.map(str::to_string), prefix: store_prefix(install_id) },
         digest_key: Arc::new(digest_key(state_dir)?),
         role,
     })

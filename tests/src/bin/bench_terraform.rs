@@ -213,6 +213,7 @@ async fn fetch_figures(mib: usize) -> anyhow::Result<()> {
         ],
         container: None,
         feed: Default::default(),
+        full_session: None,
     });
     let t = Instant::now();
     let cold = byoc_job_executors::artifact::fetch(&settings, &reference).await?;

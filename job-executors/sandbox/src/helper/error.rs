@@ -15,6 +15,10 @@ pub enum SetupError {
     /// The job's network boundary could not be built: nothing of the job ran.
     #[error("network boundary: {0}")]
     Network(Box<SetupError>),
+    /// A file a later stage seals is not a regular file of the job's (a link, say): that
+    /// stage never ran.
+    #[error("sealing {0}")]
+    Seal(String),
     /// Everything was in place but the job's program could not be executed.
     #[error("exec {program}: {source}")]
     Exec { program: String, source: nix::Error },
@@ -26,6 +30,7 @@ impl SetupError {
         match self {
             SetupError::Network(_) => super::EXIT_NETWORK_FAILED,
             SetupError::Exec { .. } => super::EXIT_EXEC_FAILED,
+            SetupError::Seal(_) => super::EXIT_SEAL_REFUSED,
             SetupError::Step { .. } | SetupError::Refused(_) => super::EXIT_SANDBOX_FAILED,
         }
     }

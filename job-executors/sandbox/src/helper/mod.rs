@@ -53,6 +53,8 @@ pub const EXIT_EXEC_FAILED: i32 = 127;
 pub const EXIT_NETWORK_FAILED: i32 = 122;
 /// Exit code when the runner did not open a gated stage's gate (it never ran).
 pub const EXIT_GATE_CLOSED: i32 = 123;
+/// Exit code when a file a stage seals is not a regular file (that stage never ran).
+pub const EXIT_SEAL_REFUSED: i32 = 124;
 /// Priority of the `prohibit` rules: ahead of the main table (32766).
 const PROHIBIT_PRIORITY: u32 = 100;
 
@@ -399,7 +401,7 @@ fn seal_files(files: &[PathBuf]) -> Result<(), SetupError> {
     root::remount(sealed, locked, false)?;
     let copied = files.iter().try_for_each(|file| {
         let dest = file.file_name().map(|n| sealed.join(n)).unwrap_or_default();
-        seal_copy(file, &dest).map_err(|e| SetupError::Refused(format!("sealing {}: {e}", file.display())))
+        seal_copy(file, &dest).map_err(|e| SetupError::Seal(format!("{}: {e}", file.display())))
     });
     let back = root::remount(sealed, locked, true);
     copied.and(back)
