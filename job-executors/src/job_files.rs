@@ -82,11 +82,10 @@ impl JobTree {
         }
         let mut bytes = Vec::with_capacity(len as usize);
         // The file may grow after the fstat (a process of the job still writing).
-        (&mut file).take(max + 1).read_to_end(&mut bytes).map_err(|source| JobFileError::Io {
-            op: "reading",
-            path: self.shown(rel),
-            source,
-        })?;
+        (&mut file)
+            .take(max.saturating_add(1))
+            .read_to_end(&mut bytes)
+            .map_err(|source| JobFileError::Io { op: "reading", path: self.shown(rel), source })?;
         if bytes.len() as u64 > max {
             return Err(JobFileError::TooLarge { path: self.shown(rel), max });
         }
@@ -133,8 +132,8 @@ impl JobTree {
             .custom_flags(OFlag::O_NOFOLLOW.bits())
             .open(dest)
             .map_err(io("creating", dest.to_path_buf()))?;
-        let copied =
-            std::io::copy(&mut file.take(max + 1), &mut out).map_err(io("copying", self.shown(rel)))?;
+        let copied = std::io::copy(&mut file.take(max.saturating_add(1)), &mut out)
+            .map_err(io("copying", self.shown(rel)))?;
         if copied > max {
             drop(out);
             let _ = std::fs::remove_file(dest);

@@ -483,6 +483,16 @@ async fn state_goes_to_the_install_bucket_under_the_jobs_role() {
     let (_, r, log) = run(&e, tf("apply", &reference)).await;
     assert_eq!(r.status, JobStatus::Succeeded, "{:?}\n{log}", r.error);
     assert!(log.contains("s3://inst-demo-state/inst-demo/network/terraform.tfstate"), "{log}");
+    // It planned under the role narrowed to read-only plus this workspace's lock object.
+    let assumed = e.moto.calls_of("AssumeRole").await;
+    let narrowed = assumed.iter().find(|c| c.params.contains_key("Policy")).expect("a narrowed session");
+    assert_eq!(narrowed.params["PolicyArns.member.1.arn"], "arn:aws:iam::aws:policy/ReadOnlyAccess");
+    assert!(
+        narrowed.params["Policy"]
+            .contains("arn:aws:s3:::inst-demo-state/inst-demo/network/terraform.tfstate.tflock"),
+        "{:?}",
+        narrowed.params
+    );
     assert!(log.contains("Successfully configured the backend \"s3\""), "{log}");
     // State elsewhere: the outputs come from `terraform output -json`.
     assert_eq!(r.outputs["outputs"]["first"], "net-0", "{}", r.outputs);

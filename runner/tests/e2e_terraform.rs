@@ -348,6 +348,39 @@ async fn a_plan_that_is_not_applied_never_gets_more_than_read_only() {
     }
 }
 
+/// The plan-time actions an app declares for a role join the read-only session's inline
+/// policy, and are shown by `roles` and named in the audit record.
+#[tokio::test]
+async fn the_apps_plan_actions_join_the_read_only_session_and_are_shown_and_audited() {
+    let e = tf_env().await;
+    let mut req = job("plan", &example("plan-tags-only.json"), &[], serde_json::json!({}));
+    let permissions = &mut req.app_config.as_mut().unwrap().permissions;
+    let maintenance = permissions.get_mut("maintenance.toml").unwrap();
+    *maintenance = format!("plan_actions = [\"ec2:CreateNetworkInterface\"]\n{maintenance}");
+    let (id, r, log) = run(&e, req).await;
+    assert_eq!(r.status, JobStatus::Succeeded, "{:?}\n{log}", r.error);
+    let calls = assumed_for(&e, &id).await;
+    assert_eq!(calls.len(), 1, "{calls:?}");
+    let policy: serde_json::Value = serde_json::from_str(&calls[0]["Policy"]).unwrap();
+    assert_eq!(policy["Statement"][0]["Action"][0], "ec2:CreateNetworkInterface", "{policy}");
+    let assumed = audit(&e, "role_assumed");
+    let detail =
+        assumed.iter().find(|a| a["job"] == id.as_str()).unwrap()["detail"].as_str().unwrap().to_string();
+    assert!(detail.contains("plan_actions ec2:CreateNetworkInterface"), "{detail}");
+    let roles = e.env.cli_json(&["roles"]);
+    let maintenance =
+        roles["roles"].as_array().unwrap().iter().find(|r| r["role_type"] == "maintenance").unwrap();
+    assert_eq!(maintenance["plan_actions"], serde_json::json!(["ec2:CreateNetworkInterface"]), "{roles}");
+    // A wildcard for a whole service is refused with the app config, before the claim.
+    let mut req = job("plan", &example("plan-tags-only.json"), &[], serde_json::json!({}));
+    let maintenance = req.app_config.as_mut().unwrap().permissions.get_mut("maintenance.toml").unwrap();
+    *maintenance = format!("plan_actions = [\"ec2:*\"]\n{maintenance}");
+    let id = e.env.cp.enqueue(req).unwrap();
+    let (reason, detail) = e.env.rejected(&id).await.rejections[0].clone();
+    assert_eq!(reason, byoc_protocol::RejectReason::InvalidSpec, "{detail}");
+    assert!(detail.contains("plan_actions \"ec2:*\""), "{detail}");
+}
+
 /// Without an approval to wait for, apply runs in the sandbox that planned: its init
 /// stops before apply until the runner has decided, with nothing of the job running.
 #[tokio::test]

@@ -92,17 +92,19 @@ pub fn override_file(backend: &Backend, workspace: &str) -> String {
         }
         Backend::S3 { bucket, region, key_prefix, endpoint } => {
             let key = format!("{}/{workspace}/terraform.tfstate", key_prefix.trim_matches('/'));
+            // No STS call to check the credentials when the backend is configured: the
+            // runner renders the plan offline and without credentials (`render`), and
+            // terraform configures the plan's backend to do so.
             let mut body = format!(
-                "    bucket = {}\n    key = {}\n    region = {}\n    encrypt = true\n    use_lockfile = true\n    skip_metadata_api_check = true\n",
+                "    bucket = {}\n    key = {}\n    region = {}\n    encrypt = true\n    use_lockfile = true\n    skip_metadata_api_check = true\n    skip_credentials_validation = true\n    skip_requesting_account_id = true\n",
                 quoted(bucket),
                 quoted(&key),
                 quoted(region)
             );
             if let Some(url) = endpoint {
-                // An endpoint of the customer's: no call to AWS's own STS or IAM to
-                // check the credentials first.
+                // An endpoint of the customer's.
                 body.push_str(&format!(
-                    "    endpoints = {{ s3 = {} }}\n    use_path_style = true\n    skip_credentials_validation = true\n    skip_requesting_account_id = true\n    skip_region_validation = true\n",
+                    "    endpoints = {{ s3 = {} }}\n    use_path_style = true\n    skip_region_validation = true\n",
                     quoted(url)
                 ));
             }
@@ -489,6 +491,9 @@ mod tests {
         );
         assert!(s3.contains("key = \"inst-1/api/terraform.tfstate\""), "{s3}");
         assert!(s3.contains("use_lockfile = true") && s3.contains("encrypt = true"));
-        assert!(!s3.contains("skip_credentials_validation"), "real AWS: credentials are checked");
+        // Configurable offline (the runner renders the plan without credentials), with
+        // AWS's own endpoints.
+        assert!(s3.contains("skip_credentials_validation = true"), "{s3}");
+        assert!(!s3.contains("endpoints") && !s3.contains("skip_region_validation"), "{s3}");
     }
 }

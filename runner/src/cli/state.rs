@@ -217,6 +217,9 @@ pub(super) fn roles(s: &StateArgs, refresh: bool) -> anyhow::Result<()> {
         if let Some(said) = local.get(&r.name) {
             println!("    local allowance: {said}");
         }
+        if !r.plan_actions.is_empty() {
+            println!("    while terraform plans (read-only) also: {}", r.plan_actions.join(", "));
+        }
     }
     Ok(())
 }

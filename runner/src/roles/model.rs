@@ -471,6 +471,19 @@ pub(crate) mod tests {
     }
 
     #[test]
+    fn plan_actions_name_actions_never_whole_services() {
+        for ok in
+            ["ec2:CreateNetworkInterface", "ec2:Describe*", "kms:Decrypt", "elasticloadbalancing:Describe*"]
+        {
+            assert!(valid_plan_action(ok), "{ok}");
+        }
+        for bad in ["*", "ec2:*", "ec2", ":Describe", "ec2:Describe Instances", "EC2:Describe", "ec2:**", ""]
+        {
+            assert!(!valid_plan_action(bad), "{bad}");
+        }
+    }
+
+    #[test]
     fn parses_the_app_format_with_both_template_namespaces() {
         let a = AppRoles::parse(&app(), &install()).unwrap();
         let names: Vec<(&str, RoleType, &str)> =
