@@ -111,9 +111,35 @@ impl Run<'_, '_> {
             job_timeout: self.ctx.settings.timeout,
         };
         let base = self.ctx.settings().timeout(self.remaining(), self.ctx.settings.kill_grace);
-        let (result, seen) = run_step(step, base, &mut *self.ctx.output, argv, then, sealed, None).await;
+        let (result, seen) =
+            run_step(step, base, &mut *self.ctx.output, argv, then, sealed, None, None).await;
         self.seen |= seen;
         result
+    }
+
+    /// Run one command whose standard output the runner keeps (at most `max` bytes,
+    /// never the job log): what a tool reports for the runner to judge.
+    pub(crate) async fn captured(&mut self, what: &str, argv: Vec<String>, max: u64) -> Step<Vec<u8>> {
+        let step = StepSpec {
+            tool: self.tool,
+            what,
+            env: &self.env,
+            watch: self.watch,
+            job_timeout: self.ctx.settings.timeout,
+        };
+        let base = self.ctx.settings().timeout(self.remaining(), self.ctx.settings.kill_grace);
+        let mut capture = crate::process::Capture::new(usize::try_from(max).unwrap_or(usize::MAX));
+        let (result, seen) =
+            run_step(step, base, &mut *self.ctx.output, argv, vec![], None, None, Some(&mut capture)).await;
+        self.seen |= seen;
+        if capture.overflowed {
+            return Err(failed(
+                "output_too_large",
+                format!("{} {what}: printed more than {max} bytes for the runner", self.tool),
+                serde_json::Value::Null,
+            ));
+        }
+        result.map(|()| capture.bytes)
     }
 }
 
@@ -130,8 +156,10 @@ pub(crate) struct StepSpec<'s> {
 }
 
 /// Run one step: `argv`, then each of `then` (see [`Run::staged`]). A gated stage asks
-/// on `gate` (the end that is not the runner's) before it starts. Returns the step's
-/// result and whether the watched text went by.
+/// on `gate` (the end that is not the runner's) before it starts; `capture` keeps the
+/// standard output from the log. Returns the step's result and whether the watched
+/// text went by.
+#[allow(clippy::too_many_arguments)]
 pub(crate) async fn run_step(
     step: StepSpec<'_>,
     base: crate::ExecSettings,
@@ -140,6 +168,7 @@ pub(crate) async fn run_step(
     then: Vec<Stage>,
     sealed: Option<&SealedDir>,
     gate: Option<std::os::unix::net::UnixStream>,
+    capture: Option<&mut crate::process::Capture>,
 ) -> (Step<()>, bool) {
     let _ = output.write(format!("[{}] {}\n", step.tool, step.what).as_bytes());
     if base.timeout.is_zero() {
@@ -177,9 +206,9 @@ pub(crate) async fn run_step(
                 sealed_dir: sealed.map(|s| s.path.clone()),
                 gate: gate.map(std::os::fd::OwnedFd::from),
             };
-            crate::sandboxed::run(job, settings, sub).await
+            crate::sandboxed::run_capturing(job, settings, sub, capture).await
         }
-        None => stages_without_sandbox(step, sub, argv, then, sealed, gate, step_started).await,
+        None => stages_without_sandbox(step, sub, argv, then, sealed, gate, step_started, capture).await,
     };
     let seen = watch.seen;
     let _ = output.write(
@@ -206,6 +235,7 @@ pub(crate) async fn run_step(
 
 /// Without the sandbox each stage is a process of its own, the runner makes the sealed
 /// copies, and asks at a gate as the sandbox's init would.
+#[allow(clippy::too_many_arguments)]
 async fn stages_without_sandbox(
     step: StepSpec<'_>,
     sub: ExecContext<'_>,
@@ -214,6 +244,7 @@ async fn stages_without_sandbox(
     sealed: Option<&SealedDir>,
     gate: Option<std::os::unix::net::UnixStream>,
     step_started: Instant,
+    mut capture: Option<&mut crate::process::Capture>,
 ) -> ExecOutcome {
     let (settings, out) = sub.split();
     let work_dir = settings.work_dir.clone();
@@ -259,7 +290,7 @@ async fn stages_without_sandbox(
         cmd.args(&stage.argv[1..]).current_dir(&work_dir).env_clear().envs(step.env.iter().cloned());
         let left = settings.timeout.saturating_sub(step_started.elapsed());
         let this = settings.clone().timeout(left, settings.kill_grace).build(&mut *out);
-        outcome = crate::process::run_process_group(cmd, this, None).await;
+        outcome = crate::process::run_capturing(cmd, this, None, capture.as_deref_mut()).await;
     }
     outcome
 }

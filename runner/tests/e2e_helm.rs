@@ -107,19 +107,19 @@ async fn an_allowed_release_is_deployed_atomically_with_its_status_and_diff() {
     ));
     let (r, log) = run(&e, job("upgrade", &files, serde_json::json!({}))).await;
     assert_eq!(r.status, JobStatus::Succeeded, "{:?}\n{log}", r.error);
-    assert!(log.contains("fake-helm: template api ./chart"), "{log}");
-    let up = log.lines().find(|l| l.starts_with("fake-helm: upgrade")).unwrap_or_default();
-    for flag in [
-        "--install",
-        "--atomic",
-        "--wait",
-        "--timeout 300s",
-        "-f values.json",
-        "-f secret-values.json",
-        "--namespace acme",
-    ] {
+    // Rendered with the cluster's view, with the job's values...
+    let dry = log.lines().find(|l| l.starts_with("fake-helm: upgrade --dry-run=server")).unwrap_or_default();
+    for flag in ["--install api ./chart", "-f values.json", "-f secret-values.json", "--namespace acme"] {
+        assert!(dry.contains(flag), "{flag} missing: {dry}");
+    }
+    // ... and what was judged installed: the runner's chart, nothing left to render.
+    let up = log.lines().find(|l| l.starts_with("fake-helm: upgrade --install")).unwrap_or_default();
+    for flag in
+        ["api /sealed/chart", "--reset-values", "--atomic", "--wait", "--timeout 300s", "--namespace acme"]
+    {
         assert!(up.contains(flag), "{flag} missing: {up}");
     }
+    assert!(!up.contains("values.json"), "{up}");
     assert_eq!(r.outputs["verdict"], "allow");
     assert_eq!(r.outputs["status"]["revision"], 1);
     assert_eq!(r.outputs["status"]["status"], "deployed");
@@ -155,8 +155,18 @@ async fn a_denied_release_is_never_deployed() {
             && err.contains("approved_registries@Deployment/acme/api"),
         "{err}"
     );
-    assert!(log.contains("fake-helm: template"), "{log}");
-    assert!(!log.contains("fake-helm: upgrade"), "upgrade must not run:\n{log}");
+    assert!(log.contains("fake-helm: upgrade --dry-run=server"), "{log}");
+    assert!(!log.contains("fake-helm: upgrade --install"), "upgrade must not run:\n{log}");
+}
+
+/// A release that has lived two revisions, the first with an internet-facing service.
+fn history() -> Vec<(&'static str, String)> {
+    vec![
+        ("fake-state/revision", "2\n".into()),
+        ("fake-state/rev-1.yaml", rendered(IMAGE, "LoadBalancer")),
+        ("fake-state/rev-2.yaml", rendered(IMAGE, "ClusterIP")),
+        ("fake-state/deployed.yaml", rendered(IMAGE, "ClusterIP")),
+    ]
 }
 
 #[tokio::test]
@@ -166,10 +176,91 @@ async fn uninstall_and_rollback() {
     assert_eq!(r.status, JobStatus::Succeeded, "{log}");
     assert!(log.contains("fake-helm: uninstall api --wait --timeout 300s --namespace acme"), "{log}");
     assert_eq!(r.outputs["uninstalled"], true);
-    let (r, log) = run(&e, job("rollback", &[], serde_json::json!({"revision": 3}))).await;
-    assert_eq!(r.status, JobStatus::Succeeded, "{log}");
-    assert!(log.contains("fake-helm: rollback api 3 --wait"), "{log}");
-    assert_eq!(r.outputs["status"]["revision"], 1);
+    let (r, log) = run(&e, job("rollback", &history(), serde_json::json!({"revision": 2}))).await;
+    assert_eq!(r.status, JobStatus::Succeeded, "{:?}\n{log}", r.error);
+    assert!(log.contains("fake-helm: get manifest api --revision 2"), "{log}");
+    assert!(log.contains("fake-helm: rollback api 2 --wait"), "{log}");
+    assert_eq!(r.outputs["revision_restored"], 2);
+    assert_eq!(r.outputs["status"]["revision"], 3);
+}
+
+/// A rollback restores a revision's stored manifests: judged first, and denied, never
+/// run. Revision 0 is the one before the latest, from the release's history.
+#[tokio::test]
+async fn a_rollback_is_judged_on_what_it_restores() {
+    let e = helm_env().await;
+    let (r, log) = run(&e, job("rollback", &history(), serde_json::json!({}))).await;
+    assert_eq!(r.status, JobStatus::Failed, "{log}");
+    assert_eq!(r.outputs["reason"], "policy_denied", "{:?}", r.error);
+    assert!(log.contains("fake-helm: history api"), "{log}");
+    assert!(log.contains("fake-helm: get manifest api --revision 1"), "{log}");
+    assert!(r.error.as_deref().unwrap_or("").contains("public_ingress@Service/acme/api"), "{:?}", r.error);
+    assert!(!log.contains("fake-helm: rollback"), "{log}");
+    // A release with nothing before its latest revision: refused, nothing run.
+    let mut first_only = history();
+    first_only.retain(|(k, _)| !k.ends_with("rev-2.yaml"));
+    first_only[0].1 = "1\n".into();
+    let (r, log) = run(&e, job("rollback", &first_only, serde_json::json!({}))).await;
+    assert_eq!(r.status, JobStatus::Failed, "{log}");
+    assert!(r.error.as_deref().unwrap_or("").contains("no revision before"), "{:?}", r.error);
+}
+
+/// What helm renders with the cluster's view is what is judged, and exactly that is
+/// installed: a chart whose `lookup` turns a private service public in the cluster is
+/// denied though `helm template` would look harmless; a chart that would render
+/// differently at apply time (rand, now, lookup again) gets the judged bytes installed.
+#[tokio::test]
+async fn the_cluster_view_is_judged_and_exactly_the_judged_bytes_are_installed() {
+    let e = helm_env().await;
+    // helm template says ClusterIP; with the cluster's answers it is a LoadBalancer.
+    let mut files = chart(rendered(IMAGE, "ClusterIP"));
+    files.push(("fake-server-rendered.yaml", rendered(IMAGE, "LoadBalancer")));
+    let (r, log) = run(&e, job("upgrade", &files, serde_json::json!({}))).await;
+    assert_eq!(r.status, JobStatus::Failed, "{log}");
+    assert!(r.error.as_deref().unwrap_or("").contains("public_ingress@Service/acme/api"), "{:?}", r.error);
+    assert!(!log.contains("fake-helm: upgrade --install"), "{log}");
+    // Judged ClusterIP; a second render at apply time would make it a LoadBalancer.
+    let mut files = chart(rendered(IMAGE, "ClusterIP"));
+    files.push(("fake-apply-rendered.yaml", rendered(IMAGE, "LoadBalancer")));
+    let (r, log) = run(&e, job("upgrade", &files, serde_json::json!({}))).await;
+    assert_eq!(r.status, JobStatus::Succeeded, "{:?}\n{log}", r.error);
+    let deployed = log
+        .lines()
+        .find(|l| l.starts_with("fake-helm: deployed objects:"))
+        .unwrap_or_else(|| panic!("{log}"));
+    assert!(deployed.contains("type: ClusterIP") && !deployed.contains("LoadBalancer"), "{deployed}");
+}
+
+/// A chart's `crds/` are judged with its manifests and installed from the judged chart;
+/// a policy that refuses them stops the release.
+#[tokio::test]
+async fn a_charts_crds_are_judged_and_installed_as_judged() {
+    let e = helm_env().await;
+    const CRD: &str = "apiVersion: apiextensions.k8s.io/v1\nkind: CustomResourceDefinition\nmetadata:\n  name: widgets.example.com\nspec:\n  group: example.com\n";
+    let mut files = chart(rendered(IMAGE, "ClusterIP"));
+    files.push(("crds/widgets.yaml", CRD.into()));
+    let (r, log) = run(&e, job("upgrade", &files, serde_json::json!({}))).await;
+    assert_eq!(r.status, JobStatus::Succeeded, "{:?}\n{log}", r.error);
+    assert!(
+        r.outputs["diff"]["added"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|a| a == "CustomResourceDefinition/-/widgets.example.com"),
+        "{}",
+        r.outputs
+    );
+    assert!(log.contains("fake-helm: installed CRDs: widgets.yaml"), "{log}");
+    let no_crds = "package nuon\nimport rego.v1\n\ndeny contains msg if {\n  input.review.kind.kind == \"CustomResourceDefinition\"\n  msg := sprintf(\"%s: no new APIs\", [input.review.object.metadata.name])\n}\n";
+    let mut req = job("upgrade", &files, serde_json::json!({}));
+    req.app_config.as_mut().unwrap().policies.insert(
+        "no-crds.rego".into(),
+        byoc_protocol::VendorPolicy { rego: no_crds.into(), enforcement: None },
+    );
+    let (r, log) = run(&e, req).await;
+    assert_eq!(r.status, JobStatus::Failed, "{log}");
+    assert!(log.contains("widgets.example.com: no new APIs"), "{log}");
+    assert!(!log.contains("fake-helm: upgrade --install"), "{log}");
 }
 
 /// An uninstall deletes what the release deployed: reviewed as DELETE first by the
@@ -221,7 +312,7 @@ async fn an_upgrade_waits_for_approval_of_its_manifests_then_runs() {
     let r = e.env.awaiting_approval(&id).await;
     assert_eq!(r["summary"]["counts"]["add"], 2, "{r}");
     assert!(!r["plan_digest"].as_str().unwrap().is_empty(), "{r}");
-    assert!(!e.env.output(&id).contains("fake-helm: upgrade"), "upgraded before the approval");
+    assert!(!e.env.output(&id).contains("fake-helm: upgrade --install"), "upgraded before the approval");
     let out = e.env.runner.cli(&["approve", &id, "--reason", "release train 12"]);
     assert!(out.status.success(), "{out:?}");
     let r = e.env.finished(&id).await.result.unwrap();

@@ -461,14 +461,15 @@ async fn a_traversal_in_a_workspace_marker_decides_nothing_after_a_crash() {
     finish_honest(&e.env, &ok).await;
 }
 
-/// helm as hostile job code would make it: the rendered manifests and the status swapped
-/// for links to a file of the host's.
+/// helm as hostile job code would make it: while it renders, the chart's CRDs (which
+/// the runner reads to judge) swapped for a link to a file of the host's.
 const HOSTILE_HELM: &str = r#"#!/bin/sh
 cmd="$1"; shift
 case "$cmd" in
-  template)
-    echo "apiVersion: v1"; echo "kind: ConfigMap"; echo "metadata: {name: x}"
-    if [ -f chart/hostile-link ]; then rm -f rendered.yaml; ln -s "$(cat chart/hostile-link)" rendered.yaml; fi ;;
+  upgrade)
+    case " $* " in *" --dry-run=server "*) ;; *) echo "HOSTILE-UPGRADED"; exit 0 ;; esac
+    echo '{"manifest": "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: x}\n", "hooks": []}'
+    if [ -f chart/hostile-link ]; then mkdir -p chart/crds; ln -s "$(cat chart/hostile-link)" chart/crds/stolen.yaml; fi ;;
   get) echo "Error: release: not found" >&2; exit 1 ;;
   *) exit 1 ;;
 esac
@@ -492,6 +493,7 @@ async fn helm_files_swapped_for_links_are_never_followed() {
     let r = e.finished(&id).await.result.unwrap();
     assert_eq!(r.status, JobStatus::Failed, "{:?}", r.error);
     assert_eq!(r.outputs["reason"], "job_file_refused", "{:?} {}", r.error, r.outputs);
+    assert!(!e.output(&id).contains("HOSTILE-UPGRADED"), "a release nobody judged was installed");
     finish_honest(e, &ok).await;
     canary.untouched();
 }

@@ -1,8 +1,11 @@
-//! `helm`: render, decide, deploy. The `helm` CLI runs in the sandbox with the job's
-//! role credentials and kubeconfig: `template` (into a file, never the job log) → the
-//! policy decision over the rendered manifests (audited) → `upgrade --install --atomic
-//! --wait --timeout`; `uninstall`; `rollback`. The result carries the release status
-//! and a summary of what changed against the manifest deployed before.
+//! `helm`: render, decide, deploy exactly what was decided. The `helm` CLI runs in the
+//! sandbox with the job's role credentials and a kubeconfig the runner renders:
+//! `upgrade --install --dry-run=server -o json` (the cluster's view; its output to the
+//! runner, never the job log) → the policy decision over the manifests, hooks and CRDs
+//! (audited) → `upgrade --install --atomic --wait --timeout` of a chart the runner
+//! writes holding exactly those bytes (`judged`); `uninstall` and `rollback` judged on
+//! what they delete or restore. The result carries the release status and a summary
+//! of what changed against the manifest deployed before.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Instant;
@@ -12,12 +15,12 @@ use sha2::Digest as _;
 
 use crate::tool::{Run, failed, parse_manifests};
 
+mod judged;
 mod secret_values;
 use crate::{ExecContext, ExecFuture, ExecOutcome, Executor, JobStatus};
 use secret_values::secret_values;
 
 const CHART_DIR: &str = "chart";
-const RENDERED: &str = "rendered.yaml";
 const DEPLOYED: &str = "deployed.yaml";
 const STATUS: &str = "status.json";
 const VALUES: &str = "values.json";
@@ -456,6 +459,35 @@ impl Helm {
                 });
             }
             Action::Rollback => {
+                // A rollback restores a revision's stored manifests and hooks (nothing is
+                // rendered again): those are what is judged.
+                let revision = self.rollback_target(run, &argv).await?;
+                let get = |what: &str| {
+                    let args = vec![
+                        "get".to_string(),
+                        what.into(),
+                        s.release.clone(),
+                        "--revision".into(),
+                        revision.to_string(),
+                    ];
+                    argv([args, ns.to_vec()].concat())
+                };
+                let manifest =
+                    run.captured("get manifest --revision", get("manifest"), MAX_HELM_FILE_BYTES).await?;
+                let hooks = run.captured("get hooks --revision", get("hooks"), MAX_HELM_FILE_BYTES).await?;
+                let text = format!(
+                    "{}\n---\n{}",
+                    String::from_utf8_lossy(&manifest),
+                    String::from_utf8_lossy(&hooks)
+                );
+                let manifests = parse_manifests(&text).map_err(|e| {
+                    failed(
+                        "manifests_unreadable",
+                        format!("revision {revision}: {e}"),
+                        serde_json::Value::Null,
+                    )
+                })?;
+                let mut base = self.judge_release(run, &sh, &manifests, "rollback").await?;
                 run.cmd(
                     "rollback",
                     argv(
@@ -463,7 +495,7 @@ impl Helm {
                             vec![
                                 "rollback".into(),
                                 s.release.clone(),
-                                s.revision.to_string(),
+                                revision.to_string(),
                                 "--wait".into(),
                                 "--timeout".into(),
                                 wait,
@@ -474,85 +506,43 @@ impl Helm {
                     ),
                 )
                 .await?;
+                base["revision_restored"] = revision.into();
+                base["status"] = self.status(run, helm).await?;
+                return Ok(ExecOutcome {
+                    status: JobStatus::Succeeded,
+                    exit_code: Some(0),
+                    error: None,
+                    outputs: base,
+                });
             }
             Action::Upgrade => {
-                let chart = self.chart_args().iter().map(|a| format!("'{a}'")).collect::<Vec<_>>().join(" ");
-                run.cmd("template", sh(format!("template '{}' {chart}", s.release), RENDERED)).await?;
-                let rendered = helm_file(run, RENDERED).map_err(|e| {
-                    failed(e.code(), format!("reading the rendered manifests: {e}"), serde_json::Value::Null)
-                })?;
-                if let Ok(tree) = crate::job_files::JobTree::open(&run.ctx.settings.work_dir) {
-                    let _ = tree.remove(RENDERED);
-                }
-                let rendered = String::from_utf8(rendered).map_err(|_| {
-                    failed("manifests_unreadable", "helm template: not UTF-8".into(), serde_json::Value::Null)
-                })?;
-                let manifests = parse_manifests(&rendered).map_err(|e| {
-                    failed("manifests_unreadable", format!("helm template: {e}"), serde_json::Value::Null)
-                })?;
-                // What is deployed now (absent on the first install).
-                let before = self.deployed(run, &sh).await?;
-                let diff = diff_summary(&before, &manifests);
-                let bytes = serde_json::to_vec(&manifests).unwrap_or_default();
-                let subject = crate::policy_gate::Subject {
-                    source: byoc_policy::Source::Helm,
-                    // A release deployed before is upgraded; a new one is installed.
-                    admission: if before.is_empty() {
-                        byoc_policy::Admission::Create
-                    } else {
-                        byoc_policy::Admission::Update
-                    },
-                    name: "manifests",
-                    digest: None,
-                };
-                let decision = crate::policy_gate::decide(run.ctx, subject, &bytes).await.map_err(|e| {
-                    failed(crate::policy_gate::UNAVAILABLE, e.to_string(), serde_json::Value::Null)
-                })?;
-                let base = serde_json::json!({"release": s.release, "manifests_digest": decision.input_digest, "diff": diff, "verdict": decision.verdict,
-                    "violations": decision.violations.iter().map(|v| serde_json::json!({"rule": v.rule, "address": v.address, "policy": v.policy})).collect::<Vec<_>>()});
-                if decision.verdict == byoc_policy::Verdict::Deny {
-                    return Err(failed(
-                        "policy_denied",
-                        format!("policy denied the release: {}", decision.denials().join(", ")),
-                        base,
-                    ));
-                }
-                if !run.ctx.settings.decide_only {
-                    // The customer's approval of exactly these manifests, if asked for.
-                    let list = |k: &str| diff[k].as_array().cloned().unwrap_or_default();
-                    let (add, change, remove) = (list("added"), list("changed"), list("removed"));
-                    let mut counts = serde_json::Map::new();
-                    let mut addresses = serde_json::Map::new();
-                    for (action, objs) in [("add", add), ("change", change), ("remove", remove)] {
-                        if !objs.is_empty() {
-                            counts.insert(action.into(), objs.len().into());
-                            addresses.insert(action.into(), objs.into());
-                        }
-                    }
-                    let summary = serde_json::json!({"counts": counts, "addresses": addresses});
-                    run.started += crate::policy_gate::approve_apply(
-                        run.ctx,
-                        "helm",
-                        &decision.input_digest,
-                        &summary,
-                        &decision,
-                        &base,
-                    )
+                // helm renders with the cluster's view; its report goes to the runner.
+                let mut dry = vec!["upgrade".to_string(), "--install".into(), s.release.clone()];
+                dry.extend(self.chart_args());
+                dry.extend(["--dry-run=server".into(), "--output".into(), "json".into()]);
+                let release = run
+                    .captured("upgrade --install --dry-run=server", argv(dry), MAX_HELM_FILE_BYTES)
                     .await?;
-                }
-                if run.ctx.settings.decide_only {
-                    run.log("[helm] stopping after the decision: nothing applied\n");
-                    return Ok(ExecOutcome {
-                        status: JobStatus::Succeeded,
-                        exit_code: Some(0),
-                        error: None,
-                        outputs: base,
-                    });
-                }
-                let mut up = vec!["upgrade".to_string(), "--install".into(), s.release.clone()];
-                up.extend(self.chart_args());
-                up.extend(["--atomic".into(), "--wait".into(), "--timeout".into(), wait]);
-                run.cmd("upgrade --install", argv(up)).await?;
+                let crds = judged::chart_crds(&run.ctx.settings.work_dir, CHART_DIR, MAX_HELM_FILE_BYTES)?;
+                let rendering = judged::Rendering::from_release(&release, crds)?;
+                let manifests = rendering.manifests()?;
+                let base = self.judge_release(run, &sh, &manifests, "release").await?;
+                // Exactly the judged bytes: a chart of the runner's with nothing to render.
+                let sealed = crate::tool::SealedDir::create(run.ctx)
+                    .and_then(|sealed| rendering.write_chart(&sealed).map(|()| sealed))
+                    .map_err(|e| ExecOutcome::failed(format!("writing the judged chart: {e}")))?;
+                let chart = sealed.inside.join(judged::JUDGED_CHART).display().to_string();
+                let mut up = vec!["upgrade".to_string(), "--install".into(), s.release.clone(), chart];
+                up.extend(ns.iter().cloned());
+                up.extend([
+                    "--reset-values".into(),
+                    "--atomic".into(),
+                    "--wait".into(),
+                    "--timeout".into(),
+                    wait,
+                ]);
+                run.staged("upgrade --install (the judged manifests)", argv(up), vec![], Some(&sealed))
+                    .await?;
                 let mut out = base;
                 out["status"] = self.status(run, helm).await?;
                 return Ok(ExecOutcome {
@@ -563,13 +553,113 @@ impl Helm {
                 });
             }
         }
-        let status = self.status(run, helm).await?;
-        Ok(ExecOutcome {
-            status: JobStatus::Succeeded,
-            exit_code: Some(0),
-            error: None,
-            outputs: serde_json::json!({"release": s.release, "status": status}),
-        })
+    }
+
+    /// The policies' decision over what a release will hold (`what`: "release",
+    /// "rollback"), with the diff against what it holds now; then the customer's approval
+    /// of exactly these manifests, if a rule asks for it. Returns the result's outputs so
+    /// far, `Err` carrying them when the job stops after the decision (decide-only).
+    async fn judge_release(
+        &self,
+        run: &mut Run<'_, '_>,
+        sh: &impl Fn(String, &str) -> Vec<String>,
+        manifests: &[serde_json::Value],
+        what: &str,
+    ) -> Result<serde_json::Value, ExecOutcome> {
+        let s = &self.spec;
+        // What is deployed now (absent on the first install).
+        let before = self.deployed(run, sh).await?;
+        let diff = diff_summary(&before, manifests);
+        let bytes = serde_json::to_vec(manifests).unwrap_or_default();
+        let subject = crate::policy_gate::Subject {
+            source: byoc_policy::Source::Helm,
+            // A release deployed before is upgraded; a new one is installed.
+            admission: if before.is_empty() {
+                byoc_policy::Admission::Create
+            } else {
+                byoc_policy::Admission::Update
+            },
+            name: "manifests",
+            digest: None,
+        };
+        let decision = crate::policy_gate::decide(run.ctx, subject, &bytes)
+            .await
+            .map_err(|e| failed(crate::policy_gate::UNAVAILABLE, e.to_string(), serde_json::Value::Null))?;
+        let base = serde_json::json!({"release": s.release, "manifests_digest": decision.input_digest, "diff": diff, "verdict": decision.verdict,
+            "violations": decision.violations.iter().map(|v| serde_json::json!({"rule": v.rule, "address": v.address, "policy": v.policy})).collect::<Vec<_>>()});
+        if decision.verdict == byoc_policy::Verdict::Deny {
+            return Err(failed(
+                "policy_denied",
+                format!("policy denied the {what}: {}", decision.denials().join(", ")),
+                base,
+            ));
+        }
+        if run.ctx.settings.decide_only {
+            run.log("[helm] stopping after the decision: nothing applied\n");
+            return Err(ExecOutcome {
+                status: JobStatus::Succeeded,
+                exit_code: Some(0),
+                error: None,
+                outputs: base,
+            });
+        }
+        let list = |k: &str| diff[k].as_array().cloned().unwrap_or_default();
+        let mut counts = serde_json::Map::new();
+        let mut addresses = serde_json::Map::new();
+        for (action, objs) in
+            [("add", list("added")), ("change", list("changed")), ("remove", list("removed"))]
+        {
+            if !objs.is_empty() {
+                counts.insert(action.into(), objs.len().into());
+                addresses.insert(action.into(), objs.into());
+            }
+        }
+        let summary = serde_json::json!({"counts": counts, "addresses": addresses});
+        run.started += crate::policy_gate::approve_apply(
+            run.ctx,
+            "helm",
+            &decision.input_digest,
+            &summary,
+            &decision,
+            &base,
+        )
+        .await?;
+        Ok(base)
+    }
+
+    /// The revision a rollback restores: the one the job names, or (0) the one before the
+    /// release's latest, from `helm history`.
+    async fn rollback_target(
+        &self,
+        run: &mut Run<'_, '_>,
+        argv: &impl Fn(Vec<String>) -> Vec<String>,
+    ) -> Result<u32, ExecOutcome> {
+        let s = &self.spec;
+        if s.revision > 0 {
+            return Ok(s.revision);
+        }
+        let history = argv(vec![
+            "history".into(),
+            s.release.clone(),
+            "--namespace".into(),
+            s.namespace.clone(),
+            "--output".into(),
+            "json".into(),
+        ]);
+        let raw = run.captured("history", history, MAX_HELM_FILE_BYTES).await?;
+        let v: serde_json::Value = serde_json::from_slice(&raw).map_err(|e| {
+            failed("release_unreadable", format!("helm history: {e}"), serde_json::Value::Null)
+        })?;
+        let latest =
+            v.as_array().into_iter().flatten().filter_map(|r| r["revision"].as_u64()).max().unwrap_or(0);
+        match u32::try_from(latest.saturating_sub(1)) {
+            Ok(previous) if previous > 0 => Ok(previous),
+            _ => Err(failed(
+                "invalid_spec",
+                format!("release {} has no revision before its latest to roll back to", s.release),
+                serde_json::Value::Null,
+            )),
+        }
     }
 
     async fn status(&self, run: &mut Run<'_, '_>, helm: &str) -> Result<serde_json::Value, ExecOutcome> {

@@ -66,6 +66,7 @@ impl Terraform {
             stages,
             Some(sealed),
             Some(theirs),
+            None,
         );
         let decision = async {
             if !gate_asked(&mut ours).await {
