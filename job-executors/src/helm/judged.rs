@@ -203,7 +203,7 @@ mod tests {
         std::fs::write(work.path().join("chart/crds/README.md"), "not a crd").expect("readme");
         assert_eq!(chart_crds(work.path(), "chart", 1024).expect("crds").len(), 1);
         std::os::unix::fs::symlink("/etc/passwd", work.path().join("chart/crds/b.yaml")).expect("link");
-        let e = chart_crds(work.path(), "chart", 1024).err().expect("refused");
+        let e = chart_crds(work.path(), "chart", 1024).expect_err("refused");
         assert_eq!(e.outputs["reason"], "job_file_refused");
         assert!(chart_crds(work.path(), "nochart", 1024).expect("none").is_empty());
     }

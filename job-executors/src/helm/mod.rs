@@ -451,12 +451,12 @@ impl Helm {
                     ),
                 )
                 .await?;
-                return Ok(ExecOutcome {
+                Ok(ExecOutcome {
                     status: JobStatus::Succeeded,
                     exit_code: Some(0),
                     error: None,
                     outputs: serde_json::json!({"release": s.release, "uninstalled": true}),
-                });
+                })
             }
             Action::Rollback => {
                 // A rollback restores a revision's stored manifests and hooks (nothing is
@@ -508,12 +508,12 @@ impl Helm {
                 .await?;
                 base["revision_restored"] = revision.into();
                 base["status"] = self.status(run, helm).await?;
-                return Ok(ExecOutcome {
+                Ok(ExecOutcome {
                     status: JobStatus::Succeeded,
                     exit_code: Some(0),
                     error: None,
                     outputs: base,
-                });
+                })
             }
             Action::Upgrade => {
                 // helm renders with the cluster's view; its report goes to the runner.
@@ -545,12 +545,12 @@ impl Helm {
                     .await?;
                 let mut out = base;
                 out["status"] = self.status(run, helm).await?;
-                return Ok(ExecOutcome {
+                Ok(ExecOutcome {
                     status: JobStatus::Succeeded,
                     exit_code: Some(0),
                     error: None,
                     outputs: out,
-                });
+                })
             }
         }
     }
