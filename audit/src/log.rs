@@ -376,14 +376,10 @@ impl AuditWriter {
     }
 }
 
-/// Temp file, fsync, rename, fsync the directory.
+/// The state directory's one way (`byoc_statefs`): exclusive temporary file, fsync,
+/// rename, directory fsync.
 fn write_durably(path: &Path, text: &str) -> std::io::Result<()> {
-    let tmp = path.with_extension("tmp");
-    let mut f = File::create(&tmp)?;
-    f.write_all(text.as_bytes())?;
-    f.sync_all()?;
-    std::fs::rename(&tmp, path)?;
-    fsync_dir(path.parent().unwrap_or(Path::new(".")))
+    byoc_statefs::write(path, text.as_bytes(), byoc_statefs::Options::mode(0o600))
 }
 
 fn base64_key(key: &SigningKey) -> String {

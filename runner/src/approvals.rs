@@ -6,7 +6,6 @@
 //! the gate. A decision that cannot be read counts as a denial: nothing runs on a
 //! guess.
 
-use std::io::Write as _;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -89,21 +88,10 @@ fn decision_path(state_dir: &Path, job_id: &str) -> PathBuf {
 }
 
 fn write_durably(path: &Path, bytes: &[u8]) -> Result<(), ApprovalError> {
-    use std::os::unix::fs::DirBuilderExt as _;
     let parent = path.parent().unwrap_or(Path::new("."));
     let io = |op, p: &Path, e| ApprovalError::Io { op, path: p.to_path_buf(), source: e };
-    std::fs::DirBuilder::new()
-        .recursive(true)
-        .mode(0o750)
-        .create(parent)
-        .map_err(|e| io("creating", parent, e))?;
-    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-    let tmp = parent.join(format!(".{name}.tmp"));
-    let mut f = std::fs::File::create(&tmp).map_err(|e| io("creating", &tmp, e))?;
-    f.write_all(bytes).map_err(|e| io("writing", &tmp, e))?;
-    f.sync_all().map_err(|e| io("syncing", &tmp, e))?;
-    std::fs::rename(&tmp, path).map_err(|e| io("renaming to", path, e))?;
-    std::fs::File::open(parent).and_then(|d| d.sync_all()).map_err(|e| io("syncing", parent, e))
+    byoc_statefs::create_dir(parent, 0o750).map_err(|e| io("creating", parent, e))?;
+    byoc_statefs::write(path, bytes, byoc_statefs::Options::mode(0o640)).map_err(|e| io("writing", path, e))
 }
 
 fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> Option<Result<T, ApprovalError>> {

@@ -92,20 +92,11 @@ pub fn save_enrollment(state_dir: &Path, e: &Enrollment) -> Result<(), IdentityE
     write_atomic(&state_dir.join(ENROLLMENT_FILE), &bytes, 0o600)
 }
 
-/// Write via a temp file, fsync, rename, fsync the directory: the file is either the
-/// old or the new content after a crash, never a torn mix.
+/// Written the state directory's one way (`byoc_statefs`): the file is either the old
+/// or the new content after a crash, never a torn mix, and never written through a link.
 pub fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> Result<(), IdentityError> {
-    let err = |e| IdentityError::Write { path: path.to_path_buf(), source: e };
-    let tmp = path.with_extension("tmp");
-    let mut f =
-        OpenOptions::new().write(true).create(true).truncate(true).mode(mode).open(&tmp).map_err(err)?;
-    f.write_all(bytes).map_err(err)?;
-    f.sync_all().map_err(err)?;
-    std::fs::rename(&tmp, path).map_err(err)?;
-    if let Some(dir) = path.parent() {
-        sync_dir(dir).map_err(err)?;
-    }
-    Ok(())
+    byoc_statefs::write(path, bytes, byoc_statefs::Options::mode(mode))
+        .map_err(|e| IdentityError::Write { path: path.to_path_buf(), source: e })
 }
 
 pub fn sync_dir(dir: &Path) -> std::io::Result<()> {

@@ -287,10 +287,9 @@ pub fn samples(families: &[Family]) -> Vec<&Sample> {
 }
 
 /// Replace `path` with `text` atomically (node_exporter must never read half a file).
+/// The directory is the customer's (node_exporter's textfile collector may own it).
 pub fn write_textfile(path: &Path, text: &str) -> std::io::Result<()> {
-    let tmp = path.with_extension("prom.tmp");
-    std::fs::write(&tmp, text)?;
-    std::fs::rename(&tmp, path)
+    byoc_statefs::write(path, text.as_bytes(), byoc_statefs::Options { mode: 0o644, check_owner: false })
 }
 
 #[cfg(test)]

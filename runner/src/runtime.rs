@@ -32,6 +32,8 @@ pub struct Runtime {
     pub roles: crate::roles::Roles,
     /// The pause last seen in force (audited when it changes).
     pub pause: std::sync::Mutex<Option<crate::roles::pause::Pause>>,
+    /// Held while the honoured allowances are brought up to date (one audit each).
+    pub allowances_sync: std::sync::Mutex<()>,
     /// Cancelled when the daemon stops for good: reporting loops give up (the journal
     /// keeps what was not reported, for the next start).
     pub stop_reporting: CancellationToken,
@@ -52,11 +54,41 @@ impl Runtime {
 }
 
 impl Runtime {
+    /// The local allowances the daemon honours: each one in `control/allowances.json`
+    /// it had not seen is audited first (`allowance_seen`, its writer as the kernel
+    /// reports it, capped at seven days); see `roles::allowance::sync`.
+    pub fn honoured_allowances(
+        &self,
+    ) -> Result<
+        std::collections::BTreeMap<String, crate::roles::allowance::Allowance>,
+        crate::roles::allowance::AllowancesError,
+    > {
+        use crate::roles::allowance;
+        // One sync at a time: two would audit the same allowance twice.
+        let _held = self.allowances_sync.lock().unwrap_or_else(|e| e.into_inner());
+        allowance::sync(&self.state_dir, self.clock.now_ms(), &mut |role, a, note| {
+            let record = byoc_audit::log::Record {
+                event: "allowance_seen".into(),
+                role: Some(role.to_string()),
+                detail: Some(format!(
+                    "written by {}, until {}{}: {}",
+                    a.by,
+                    crate::roles::creds::rfc3339((a.until_ms / 1000) as i64),
+                    note.map(|n| format!(" ({n})")).unwrap_or_default(),
+                    a.reason
+                )),
+                ..Default::default()
+            };
+            self.audit.record(record).map(drop).map_err(|e| e.to_string())
+        })
+    }
+
     /// Each local allowance that ran out since the last look, audited once
     /// (`allowance_expired`).
     fn audit_expired_allowances(&self) {
         use crate::roles::allowance;
-        let expired = allowance::newly_expired(&self.state_dir, self.clock.now_ms());
+        let Ok(honoured) = self.honoured_allowances() else { return };
+        let expired = allowance::newly_expired(&self.state_dir, &honoured, self.clock.now_ms());
         if expired.is_empty() {
             return;
         }
@@ -80,7 +112,7 @@ impl Runtime {
             }
             done.push((role, a));
         }
-        if let Err(e) = allowance::mark_expired_audited(&self.state_dir, &done) {
+        if let Err(e) = allowance::mark_expired_audited(&self.state_dir, &honoured, &done) {
             tracing::warn!(error = %e, "could not note audited allowance expiries; they may be audited again");
         }
     }

@@ -342,6 +342,7 @@ pub async fn runtime_with(extra: &str) -> Fakes {
         containers: None,
         roles,
         pause: Mutex::new(None),
+        allowances_sync: Mutex::new(()),
         stop_reporting: CancellationToken::new(),
         clock: clock.clone(),
         config,

@@ -8,7 +8,6 @@
 //! whatever backend the module declares; a job may name its own backend only where the
 //! customer's configuration allows it.
 
-use std::io::Write as _;
 use std::os::unix::fs::{DirBuilderExt as _, OpenOptionsExt as _};
 use std::path::{Path, PathBuf};
 
@@ -219,20 +218,7 @@ impl LocalState {
 
 /// Write `bytes` to `path` through a temporary file: fsynced, renamed, directory fsynced.
 fn write_durably(path: &Path, bytes: &[u8]) -> Result<(), StateError> {
-    let tmp = path.with_extension("tmp");
-    let mut f = std::fs::OpenOptions::new()
-        .create(true)
-        .truncate(true)
-        .write(true)
-        .mode(0o600)
-        .open(&tmp)
-        .map_err(io("writing", &tmp))?;
-    f.write_all(bytes).and_then(|()| f.sync_all()).map_err(io("writing", &tmp))?;
-    std::fs::rename(&tmp, path).map_err(io("renaming into place", path))?;
-    if let Some(dir) = path.parent() {
-        std::fs::File::open(dir).and_then(|d| d.sync_all()).map_err(io("syncing", dir))?;
-    }
-    Ok(())
+    byoc_statefs::write(path, bytes, byoc_statefs::Options::mode(0o600)).map_err(io("writing", path))
 }
 
 /// Keep the newest `HISTORY` versions.

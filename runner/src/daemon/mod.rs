@@ -225,6 +225,7 @@ pub async fn run(config: Config) -> Result<(), DaemonError> {
         containers,
         roles,
         pause: Mutex::new(None),
+        allowances_sync: Mutex::new(()),
         runner_id: enrollment.runner_id.clone(),
         install_id: enrollment.install_id.clone(),
         state_dir: state_dir.clone(),

@@ -49,17 +49,13 @@ impl Journal {
         let archive_path = dir.join(&name);
         write_archive(&dir, &archive_path, &archived).map_err(err)?;
         // Then the journal without those lines, in place atomically.
-        let tmp = self.path.with_extension("jsonl.compacting");
         let replace = || -> std::io::Result<File> {
-            let mut f = File::create(&tmp)?;
-            for (raw, _) in &kept {
-                f.write_all(raw)?;
-            }
-            f.sync_all()?;
-            std::fs::rename(&tmp, &self.path)?;
-            if let Some(parent) = self.path.parent() {
-                File::open(parent)?.sync_all()?;
-            }
+            byoc_statefs::write_with(&self.path, byoc_statefs::Options::mode(0o600), |f| {
+                for (raw, _) in &kept {
+                    f.write_all(raw)?;
+                }
+                Ok(())
+            })?;
             OpenOptions::new().read(true).append(true).open(&self.path)
         };
         let file = replace().map_err(err)?;
@@ -160,21 +156,13 @@ fn event_job(e: &Event) -> Option<&str> {
 /// Written under a temporary name and renamed when whole: a failure (a full disk)
 /// leaves no half archive for readers to trip on.
 fn write_archive(dir: &Path, path: &Path, lines: &[&[u8]]) -> std::io::Result<()> {
-    use std::os::unix::fs::DirBuilderExt as _;
-    std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir)?;
-    let tmp = dir.join(format!(".{}.tmp", path.file_name().unwrap_or_default().to_string_lossy()));
-    let write = || -> std::io::Result<()> {
-        let file = OpenOptions::new().write(true).create_new(true).open(&tmp)?;
+    byoc_statefs::create_dir(dir, 0o700)?;
+    byoc_statefs::write_with(path, byoc_statefs::Options::mode(0o600), |file| {
         let mut gz = flate2::write::GzEncoder::new(file, flate2::Compression::default());
         for l in lines {
             gz.write_all(l)?;
         }
-        gz.finish()?.sync_all()?;
-        std::fs::rename(&tmp, path)?;
-        File::open(dir)?.sync_all()
-    };
-    write().inspect_err(|_| {
-        let _ = std::fs::remove_file(&tmp);
+        gz.finish().map(drop)
     })
 }
 

@@ -78,7 +78,7 @@ async fn assume_for_job(
     let allowance_end = crate::roles::allowance::required(&roles.require_local_allow, &role.derived.role)
         .then(|| {
             // Revoked or unreadable since resolve_role checked it: no renewal at all.
-            crate::roles::allowance::read(&rt.state_dir)
+            rt.honoured_allowances()
                 .ok()
                 .and_then(|all| all.get(name).map(|a| (a.until_ms / 1000) as i64))
                 .unwrap_or(now_secs)

@@ -105,7 +105,8 @@ pub async fn scope(rt: &Rt, verified: VerifiedJob) -> Result<ScopedJob, Box<(Ver
     }
     // The customer's second key, held on the VM: checked before any call to STS.
     if crate::roles::allowance::required(&rt.roles.require_local_allow, role)
-        && let Some(why) = crate::roles::allowance::refusal(&rt.state_dir, &role.name, rt.clock.now_ms())
+        && let Some(why) =
+            crate::roles::allowance::refusal(&rt.honoured_allowances(), &role.name, rt.clock.now_ms())
     {
         return refuse(
             verified,

@@ -372,14 +372,8 @@ fn process_output(c: &Credentials) -> Vec<u8> {
 /// world-readable inside its directory: the container's user may be any uid, and only
 /// the runner can traverse the parent.
 fn write_readable(path: &std::path::Path, bytes: &[u8]) -> std::io::Result<()> {
-    use std::io::Write as _;
-    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
-    let tmp = path.with_extension("tmp");
-    let mut f = std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&tmp)?;
-    f.write_all(bytes)?;
-    // Set, not requested at open: the service's UMask=0077 would mask it.
-    f.set_permissions(std::fs::Permissions::from_mode(0o444))?;
-    std::fs::rename(&tmp, path)
+    // The mode is set exactly (the service's UMask=0077 does not apply).
+    byoc_statefs::write(path, bytes, byoc_statefs::Options::mode(0o444))
 }
 
 pub fn rfc3339(unix_secs: i64) -> String {

@@ -4,7 +4,6 @@
 //! *before* it acts; the daemon appends them to the log in order at its next check
 //! (within seconds, or at its next start) and removes them.
 
-use std::io::Write as _;
 use std::path::{Path, PathBuf};
 
 use byoc_audit::log::Record;
@@ -46,13 +45,9 @@ pub fn submit(state_dir: &Path, record: &Record) -> std::io::Result<PathBuf> {
     }
     // Time first, so a name sort is submission order.
     let name = format!("{:016}-{}-{}.json", crate::clock::now_ms(), std::process::id(), unique());
-    let tmp = dir.join(format!(".{name}.tmp"));
-    let mut f = std::fs::File::create(&tmp)?;
-    f.write_all(&serde_json::to_vec(record).map_err(std::io::Error::other)?)?;
-    f.sync_all()?;
     let path = dir.join(name);
-    std::fs::rename(&tmp, &path)?;
-    std::fs::File::open(&dir)?.sync_all()?;
+    let bytes = serde_json::to_vec(record).map_err(std::io::Error::other)?;
+    byoc_statefs::write(&path, &bytes, byoc_statefs::Options::mode(0o640))?;
     Ok(path)
 }
 

@@ -203,9 +203,8 @@ impl Roles {
     }
 
     fn save_status(&self, status: &RolesStatus) {
-        let tmp = self.status_path.with_extension("json.tmp");
-        let written = std::fs::write(&tmp, serde_json::to_vec_pretty(status).unwrap_or_default())
-            .and_then(|()| std::fs::rename(&tmp, &self.status_path));
+        let bytes = serde_json::to_vec_pretty(status).unwrap_or_default();
+        let written = byoc_statefs::write(&self.status_path, &bytes, byoc_statefs::Options::mode(0o644));
         if let Err(e) = written {
             tracing::warn!(error = %e, "could not write {}", self.status_path.display());
         }

@@ -3,7 +3,6 @@
 //! directory); the daemon reads it before every job and refuses new jobs with reason
 //! `paused` while it exists. It survives restarts because it is just a file.
 
-use std::io::Write as _;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -73,17 +72,12 @@ pub fn pause(state_dir: &Path, reason: Option<String>, by: String) -> Result<Pau
     })?;
     let p = Pause { paused_at_ms: crate::clock::now_ms(), reason, by };
     let path = pause_path(state_dir);
-    let tmp = dir.join(format!(".{PAUSE_FILE}.tmp"));
-    let io = |op, e| PauseError::Io { op, path: tmp.clone(), source: e };
-    let mut f = std::fs::File::create(&tmp).map_err(|e| io("creating", e))?;
-    f.write_all(&serde_json::to_vec_pretty(&p).unwrap_or_default()).map_err(|e| io("writing", e))?;
-    f.sync_all().map_err(|e| io("syncing", e))?;
-    std::fs::rename(&tmp, &path).map_err(|e| PauseError::Io {
-        op: "renaming to",
-        path: path.clone(),
-        source: e,
-    })?;
-    sync_dir(&dir)?;
+    byoc_statefs::write(
+        &path,
+        &serde_json::to_vec_pretty(&p).unwrap_or_default(),
+        byoc_statefs::Options::mode(0o640),
+    )
+    .map_err(|e| PauseError::Io { op: "writing", path: path.clone(), source: e })?;
     Ok(p)
 }
 
