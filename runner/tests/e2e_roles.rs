@@ -255,6 +255,21 @@ async fn break_glass_is_refused_until_enabled_then_allowed_then_refused_again() 
     }
     let (expired, detail) = e.refused(bg(), RejectReason::RoleDisabled).await;
     assert!(detail.contains("expired"), "{detail}");
+    // Written by hand by someone of the admin group, naming someone else and a month:
+    // honoured only as audited, named by the file's owner, capped at seven days.
+    let file = e.env.runner.state_dir.join("control/allowances.json");
+    let month = serde_json::json!({role: {"granted_ms": now_ms(), "until_ms": now_ms() + 30 * 86_400_000u64,
+        "by": "the-ceo", "reason": "hand-written"}});
+    std::fs::write(&file, month.to_string()).unwrap();
+    std::os::unix::fs::chown(&file, Some(65534), None).unwrap();
+    let (by_hand, out) = e.succeeds(bg()).await;
+    assert!(out.contains("role=inst-demo-s3-object-break-glass"), "{out}");
+    let seen = audit_events(&e.env.runner.state_dir, "allowance_seen");
+    let hand = seen.iter().find(|s| s["detail"].as_str().unwrap_or("").contains("hand-written")).unwrap();
+    let detail = hand["detail"].as_str().unwrap();
+    assert!(detail.contains("uid 65534") && !detail.contains("the-ceo"), "{detail}");
+    assert!(detail.contains("capped at 7 days"), "{detail}");
+    e.env.cli_json(&["roles", "revoke", role]);
     // Unknown roles and bad durations are refused by the CLI.
     for args in [
         &["roles", "allow", "no-such-role", "--for", "1h", "--reason", "x"][..],
@@ -274,7 +289,7 @@ async fn break_glass_is_refused_until_enabled_then_allowed_then_refused_again() 
     assert_eq!(granted.len(), 2, "{granted:?}");
     assert!(granted[0]["detail"].as_str().unwrap().contains("incident 42"), "{granted:?}");
     assert_eq!(granted[0]["role"], role);
-    assert_eq!(audit_events(state, "allowance_revoked").len(), 1);
+    assert_eq!(audit_events(state, "allowance_revoked").len(), 2);
     // The one that ran out, once, before the job it refused.
     let expired_events = audit_events(state, "allowance_expired");
     assert_eq!(expired_events.len(), 1, "{expired_events:?}");
@@ -284,6 +299,7 @@ async fn break_glass_is_refused_until_enabled_then_allowed_then_refused_again() 
     let calls = e.assumed_for(&allowed).await;
     assert_eq!(calls.len(), 1);
     assert_eq!(calls[0].params["RoleArn"], arn("s3-object-break-glass"));
+    assert_eq!(e.assumed_for(&by_hand).await.len(), 1);
 }
 
 #[tokio::test]
