@@ -95,18 +95,34 @@ fn write_durably(path: &Path, bytes: &[u8]) -> Result<(), ApprovalError> {
 }
 
 fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> Option<Result<T, ApprovalError>> {
+    read_owned::<T>(path).map(|r| r.map(|(v, _)| v))
+}
+
+/// A file of `control/approvals/`, never through a link, with its owner's uid: who wrote
+/// it, as the kernel says.
+fn read_owned<T: serde::de::DeserializeOwned>(path: &Path) -> Option<Result<(T, u32), ApprovalError>> {
     use std::io::Read as _;
+    use std::os::unix::fs::{MetadataExt as _, OpenOptionsExt as _};
     let read_err = |source| ApprovalError::Io { op: "reading", path: path.to_path_buf(), source };
-    let f = match std::fs::File::open(path) {
+    let f = match std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(nix::fcntl::OFlag::O_NOFOLLOW.bits() | nix::fcntl::OFlag::O_NONBLOCK.bits())
+        .open(path)
+    {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return None,
         Err(e) => return Some(Err(read_err(e))),
         Ok(f) => f,
+    };
+    let owner = match f.metadata() {
+        Ok(m) if m.is_file() => m.uid(),
+        Ok(_) => return Some(Err(read_err(std::io::Error::other("not a regular file")))),
+        Err(e) => return Some(Err(read_err(e))),
     };
     let mut bytes = Vec::new();
     if let Err(e) = f.take(MAX_FILE).read_to_end(&mut bytes) {
         return Some(Err(read_err(e)));
     }
-    Some(serde_json::from_slice(&bytes).map_err(|e| read_err(std::io::Error::other(e))))
+    Some(serde_json::from_slice(&bytes).map(|v| (v, owner)).map_err(|e| read_err(std::io::Error::other(e))))
 }
 
 /// The daemon: ask for approval of a held job.
@@ -128,10 +144,15 @@ pub fn read_request(state_dir: &Path, job_id: &str) -> Option<Request> {
     read_json::<Request>(&request_path(state_dir, job_id))?.ok()
 }
 
-/// The daemon: the answer, if any. A damaged decision denies.
+/// The daemon: the answer, if any. A damaged decision denies. Who decided is the file's
+/// owner as the kernel says; the name in it counts only when root wrote it (root's CLI
+/// names the person behind `sudo`).
 pub fn decision(state_dir: &Path, job_id: &str) -> Option<Decision> {
-    match read_json::<Decision>(&decision_path(state_dir, job_id))? {
-        Ok(d) => Some(d),
+    match read_owned::<Decision>(&decision_path(state_dir, job_id))? {
+        Ok((d, 0)) => Some(d),
+        Ok((d, owner)) => {
+            Some(Decision { by: crate::roles::allowance::writer(owner, &d.by), uid: owner, ..d })
+        }
         Err(e) => Some(Decision {
             approved: false,
             by: "unknown".into(),
@@ -246,7 +267,8 @@ mod tests {
         assert_eq!(requests(d.path()), vec![(request("job-1", 10_000), None)]);
         assert_eq!(decision(d.path(), "job-1"), None);
         decide(d.path(), "job-1", by(true), 5_000).unwrap();
-        assert_eq!(decision(d.path(), "job-1"), Some(by(true)));
+        let got = decision(d.path(), "job-1").unwrap();
+        assert!(got.approved && got.reason == by(true).reason && got.at_ms == 2_000, "{got:?}");
         assert!(matches!(
             decide(d.path(), "job-1", by(false), 5_000),
             Err(ApprovalError::AlreadyDecided(_, "approved"))
@@ -254,6 +276,29 @@ mod tests {
         clear(d.path(), "job-1");
         assert!(requests(d.path()).is_empty());
         assert!(matches!(decide(d.path(), "job-1", by(true), 5_000), Err(ApprovalError::NotAwaiting(_))));
+    }
+
+    /// A decision file written by someone other than root names its writer as the kernel
+    /// says, whatever it claims.
+    #[test]
+    fn who_decided_is_the_files_owner_not_what_it_says() {
+        let d = tempfile::tempdir().unwrap();
+        write_request(d.path(), &request("job-1", 10_000)).unwrap();
+        decide(d.path(), "job-1", Decision { by: "the-ceo".into(), ..by(true) }, 5_000).unwrap();
+        let path = decision_path(d.path(), "job-1");
+        let owner = if nix::unistd::geteuid().is_root() {
+            std::os::unix::fs::chown(&path, Some(65534), None).unwrap();
+            65534
+        } else {
+            nix::unistd::geteuid().as_raw()
+        };
+        let got = decision(d.path(), "job-1").unwrap();
+        assert_eq!(got.uid, owner);
+        assert!(got.by.contains(&format!("uid {owner}")) && !got.by.contains("the-ceo"), "{got:?}");
+        // A link planted at the decision's name is not read.
+        std::fs::remove_file(&path).unwrap();
+        std::os::unix::fs::symlink("/etc/hostname", &path).unwrap();
+        assert!(!decision(d.path(), "job-1").unwrap().approved);
     }
 
     #[test]

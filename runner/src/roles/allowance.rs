@@ -122,7 +122,7 @@ fn read_written(state_dir: &Path) -> Result<Option<Written>, AllowancesError> {
 
 /// Who wrote a file owned by `uid`: root's CLI names the person (`SUDO_USER`) in the
 /// file; anyone else is who the kernel says.
-fn writer(uid: u32, claimed: &str) -> String {
+pub fn writer(uid: u32, claimed: &str) -> String {
     if uid == 0 {
         return claimed.to_string();
     }
