@@ -35,21 +35,44 @@ pub fn pause_path(state_dir: &Path) -> PathBuf {
 
 /// The pause in force, if any. An unreadable or damaged file counts as paused: the
 /// customer meant to stop the runner, and guessing otherwise would run jobs.
+/// Who paused is the file's owner as the kernel says (the name in it counts only when
+/// root wrote it); the file is read without following a link.
 pub fn read(state_dir: &Path) -> Option<Pause> {
+    use std::io::Read as _;
+    use std::os::unix::fs::{MetadataExt as _, OpenOptionsExt as _};
     let path = pause_path(state_dir);
-    match std::fs::read(&path) {
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
-        Err(e) => Some(Pause {
-            paused_at_ms: 0,
-            reason: Some(format!("pause file unreadable: {e}")),
-            by: "unknown".into(),
-        }),
-        Ok(bytes) => Some(serde_json::from_slice(&bytes).unwrap_or(Pause {
+    let unreadable = |e: std::io::Error| Pause {
+        paused_at_ms: 0,
+        reason: Some(format!("pause file unreadable: {e}")),
+        by: "unknown".into(),
+    };
+    let file = match std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(nix::fcntl::OFlag::O_NOFOLLOW.bits() | nix::fcntl::OFlag::O_NONBLOCK.bits())
+        .open(&path)
+    {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return None,
+        Err(e) => return Some(unreadable(e)),
+        Ok(f) => f,
+    };
+    let owner = match file.metadata() {
+        Ok(m) if m.is_file() => m.uid(),
+        Ok(_) => return Some(unreadable(std::io::Error::other("not a regular file"))),
+        Err(e) => return Some(unreadable(e)),
+    };
+    let mut bytes = Vec::new();
+    if let Err(e) = file.take(64 << 10).read_to_end(&mut bytes) {
+        return Some(unreadable(e));
+    }
+    Some(match serde_json::from_slice::<Pause>(&bytes) {
+        Ok(p) if owner == 0 => p,
+        Ok(p) => Pause { by: super::allowance::writer(owner, &p.by), ..p },
+        Err(_) => Pause {
             paused_at_ms: 0,
             reason: Some("pause file damaged; treated as paused".into()),
             by: "unknown".into(),
-        })),
-    }
+        },
+    })
 }
 
 fn sync_dir(dir: &Path) -> Result<(), PauseError> {
