@@ -240,6 +240,31 @@ fn run_local_reads_no_customer_secret() {
     assert!(v["error"].as_str().unwrap().contains("run-local reads none"), "{v}");
 }
 
+/// Piped into a reader that has gone (`byoc-runner jobs list | head -1`): the CLI ends
+/// as `ls` does, killed by SIGPIPE, with no panic.
+#[test]
+fn inspection_cli_output_into_a_closed_pipe_ends_quietly() {
+    use std::os::unix::process::ExitStatusExt as _;
+    let dir = tempfile::tempdir().unwrap();
+    // Both print at once, even with nothing to show.
+    for args in [&["roles"][..], &["jobs", "list"][..]] {
+        let mut child = std::process::Command::new(BIN)
+            .args(args)
+            .arg("--state-dir")
+            .arg(dir.path())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        // The reader is gone before the CLI writes anything.
+        drop(child.stdout.take());
+        let out = child.wait_with_output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+        assert_eq!(out.status.signal(), Some(13), "{args:?}: {:?} {stderr}", out.status);
+    }
+}
+
 #[test]
 fn inspection_cli_explains_a_missing_state_dir_and_unknown_job() {
     let out =

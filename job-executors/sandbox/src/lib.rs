@@ -15,6 +15,7 @@ pub mod probe;
 pub mod seccomp;
 pub mod spec;
 mod sys;
+pub use sys::default_sigpipe;
 
 pub use spec::SandboxSpec;
 

@@ -1,5 +1,6 @@
 //! Every `unsafe` block and raw syscall of the workspace. Each is small and documented;
-//! all but [`keep_allocator_lean`] (the daemon's first step) are used from the
+//! all but [`keep_allocator_lean`] (the daemon's first step) and [`default_sigpipe`]
+//! (the printing CLI commands) are used from the
 //! single-threaded sandbox helper only.
 #![allow(unsafe_code)]
 
@@ -221,6 +222,17 @@ pub fn keep_allocator_lean() -> bool {
 #[cfg(not(target_env = "gnu"))]
 pub fn keep_allocator_lean() -> bool {
     false
+}
+
+/// Let a write to a closed pipe end this process quietly, as it ends `ls | head`: for
+/// the customer CLI's commands that only print (their output piped into `head`), never
+/// the daemon, which must see a closed peer as an error it handles.
+pub fn default_sigpipe() {
+    // SAFETY: SIG_DFL installs no handler code to run; the call only changes this
+    // process's disposition of SIGPIPE, before the command starts any thread.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
 }
 
 #[cfg(test)]

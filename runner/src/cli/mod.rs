@@ -241,7 +241,10 @@ pub fn main() -> i32 {
         Cmd::Roles { state, refresh, action: None } => edge(|| state::roles(&state, refresh)),
         Cmd::Roles { action: Some(action), .. } => edge(|| state::roles_action(action)),
         Cmd::Jobs { cmd } => edge(|| jobs::run(cmd)),
-        Cmd::Audit { cmd } => audit::run(cmd),
+        Cmd::Audit { cmd } => {
+            byoc_sandbox::default_sigpipe();
+            audit::run(cmd)
+        }
         Cmd::Config { cmd } => config::run(cmd),
         Cmd::Sync(args) => sync::run(args),
         Cmd::Policy { cmd } => policy::run(cmd),
@@ -249,8 +252,10 @@ pub fn main() -> i32 {
     }
 }
 
-/// Run a command that reports errors with anyhow: exit 1 with the error chain.
+/// Run a command that reports errors with anyhow: exit 1 with the error chain. These
+/// commands only read and print: piped into `head`, they end as `ls` does.
 fn edge(f: impl FnOnce() -> anyhow::Result<()>) -> i32 {
+    byoc_sandbox::default_sigpipe();
     crate::logging::init_cli();
     match f() {
         Ok(()) => 0,
