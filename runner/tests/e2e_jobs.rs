@@ -265,6 +265,27 @@ fn inspection_cli_output_into_a_closed_pipe_ends_quietly() {
     }
 }
 
+/// `status` with no daemon running says so and exits 3 (systemctl's "not running"),
+/// naming the version; with the daemon running it exits 0.
+#[test]
+fn status_exits_3_when_the_daemon_is_down() {
+    let dir = tempfile::tempdir().unwrap();
+    let out =
+        std::process::Command::new(BIN).args(["status", "--state-dir"]).arg(dir.path()).output().unwrap();
+    assert_eq!(out.status.code(), Some(3), "{out:?}");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("daemon:         not running"), "{text}");
+    assert!(text.contains(&format!("version:        {}", env!("CARGO_PKG_VERSION"))), "{text}");
+    let out = std::process::Command::new(BIN)
+        .args(["status", "--output", "json", "--state-dir"])
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(3));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["version"], env!("CARGO_PKG_VERSION"));
+}
+
 #[test]
 fn inspection_cli_explains_a_missing_state_dir_and_unknown_job() {
     let out =

@@ -227,7 +227,7 @@ pub fn main() -> i32 {
         }
         Cmd::Run { config } => run::daemon(&config),
         Cmd::RunLocal(args) => run::local(args),
-        Cmd::Status(s) => edge(|| state::status(&s)),
+        Cmd::Status(s) => edge_code(|| state::status(&s)),
         Cmd::Metrics(s) => edge(|| state::metrics(&s)),
         Cmd::Pause { state, reason } => edge(|| state::pause(&state, reason)),
         Cmd::Resume(s) => edge(|| state::resume(&s)),
@@ -249,6 +249,15 @@ pub fn main() -> i32 {
         Cmd::Sync(args) => sync::run(args),
         Cmd::Policy { cmd } => policy::run(cmd),
         Cmd::State { cmd } => tfstate::run(cmd),
+    }
+}
+
+/// [`edge`] for a command whose success has an exit code of its own.
+fn edge_code(f: impl FnOnce() -> anyhow::Result<i32>) -> i32 {
+    let mut code = 0;
+    match edge(|| f().map(|c| code = c)) {
+        0 => code,
+        failed => failed,
     }
 }
 

@@ -4,18 +4,27 @@ use super::{Output, StateArgs, print_json, state_dir};
 use crate::config::Config;
 use crate::inspect;
 
-pub(super) fn status(s: &StateArgs) -> anyhow::Result<()> {
+/// `status`'s exit code when the daemon is not running (systemctl's "not running").
+pub(super) const EXIT_NOT_RUNNING: i32 = 3;
+
+/// Prints the runner's state; the exit code is 0 with the daemon running, else
+/// [`EXIT_NOT_RUNNING`].
+pub(super) fn status(s: &StateArgs) -> anyhow::Result<i32> {
     let dir = state_dir(s);
     let st = inspect::status(&dir)?;
+    let code = if st.daemon_pid.is_some() { 0 } else { EXIT_NOT_RUNNING };
     // The customer's thresholds if the config reads, else the defaults the daemon uses.
     let disk = Config::load(&s.config).map(|c| c.disk).unwrap_or_default().check(&dir);
     if s.output == Output::Json {
         let mut v = serde_json::to_value(&st)?;
+        v["version"] = env!("CARGO_PKG_VERSION").into();
         v["disk"] = serde_json::to_value(&disk)?;
         v["drift"] = serde_json::to_value(crate::drift::list(&dir))?;
-        return print_json(&v);
+        print_json(&v)?;
+        return Ok(code);
     }
     let or_dash = |o: &Option<String>| o.clone().unwrap_or_else(|| "-".into());
+    println!("version:        {}", env!("CARGO_PKG_VERSION"));
     println!("state dir:      {}", st.state_dir);
     println!("enrolled:       {}", if st.enrolled { "yes" } else { "no" });
     println!("runner id:      {}", or_dash(&st.runner_id));
@@ -79,7 +88,7 @@ pub(super) fn status(s: &StateArgs) -> anyhow::Result<()> {
         }
         None => println!("rejections:     0"),
     }
-    Ok(())
+    Ok(code)
 }
 
 pub(super) fn metrics(s: &StateArgs) -> anyhow::Result<()> {
