@@ -75,10 +75,12 @@ pub async fn run(config_path: &Path) -> Vec<Check> {
             out.push(state_dir(&c.runner.state_dir, &c.disk));
             out.extend(control_plane(c).await);
             out.push(imds(c).await);
+            out.push(imds_firewall());
             out.extend(install_stack(c).await);
         }
         None => {
-            for name in ["state_dir", "dns", "tcp", "tls", "clock", "imds", "install_stack"] {
+            for name in ["state_dir", "dns", "tcp", "tls", "clock", "imds", "imds_firewall", "install_stack"]
+            {
                 out.push(check(name, Status::Skip, "needs a valid configuration", None));
             }
         }
@@ -356,6 +358,78 @@ async fn imds(c: &Config) -> Check {
             Some(
                 "on EC2: metadata options HttpEndpoint=enabled, HttpTokens=required, hop limit 1; the runner's AWS identity comes from here",
             ),
+        ),
+    }
+}
+
+/// The package's unit that leaves the instance metadata service to root and the
+/// runner's user (`byoc-runner-imds.service`, nftables): any other local process
+/// reaching it would get the instance role's credentials and the user-data. Root also
+/// sees the rules themselves.
+fn imds_firewall() -> Check {
+    const UNIT: &str = "byoc-runner-imds.service";
+    const TABLE: &str = "byoc_runner_imds";
+    let fix = format!("systemctl enable --now {UNIT} (the package installs it; it needs nftables)");
+    if !Path::new("/run/systemd/system").is_dir() {
+        return check(
+            "imds_firewall",
+            Status::Warn,
+            format!(
+                "this host does not run systemd, so {UNIT} cannot keep the metadata service to root and the runner"
+            ),
+            Some(&fix),
+        );
+    }
+    let active = std::process::Command::new("systemctl")
+        .args(["is-active", "--quiet", UNIT])
+        .status()
+        .is_ok_and(|s| s.success());
+    if !active {
+        return check(
+            "imds_firewall",
+            Status::Fail,
+            format!(
+                "{UNIT} is not active: any local process can reach the metadata service (the instance role, the user-data)"
+            ),
+            Some(&fix),
+        );
+    }
+    if !nix::unistd::geteuid().is_root() {
+        return check(
+            "imds_firewall",
+            Status::Ok,
+            format!("{UNIT} is active (run as root to see its rules)"),
+            None,
+        );
+    }
+    let listed = std::process::Command::new("nft").args(["list", "table", "inet", TABLE]).output();
+    match listed {
+        Ok(out) if out.status.success() => {
+            let rules = String::from_utf8_lossy(&out.stdout);
+            let has = |addr: &str| rules.lines().any(|l| l.contains(addr) && l.contains("skuid"));
+            if has("169.254.169.254") && has("fd00:ec2::254") {
+                check(
+                    "imds_firewall",
+                    Status::Ok,
+                    format!(
+                        "{UNIT} is active: only root and the runner's user reach 169.254.169.254 and fd00:ec2::254"
+                    ),
+                    None,
+                )
+            } else {
+                check(
+                    "imds_firewall",
+                    Status::Fail,
+                    format!("table inet {TABLE} does not hold the rules for both metadata addresses"),
+                    Some(&format!("systemctl restart {UNIT}")),
+                )
+            }
+        }
+        _ => check(
+            "imds_firewall",
+            Status::Fail,
+            format!("{UNIT} is active but table inet {TABLE} cannot be listed"),
+            Some(&format!("systemctl restart {UNIT}")),
         ),
     }
 }

@@ -84,8 +84,10 @@ fn the_package_installs_its_files_user_and_modes_and_reinstalls_keeping_config()
         files,
         [
             "./etc/byoc-runner/runner.toml.example",
+            "./lib/systemd/system/byoc-runner-imds.service",
             "./lib/systemd/system/byoc-runner.service",
             "./usr/bin/byoc-runner",
+            "./usr/lib/byoc-runner/imds-firewall",
             "./usr/share/doc/byoc-runner/README.md"
         ]
     );
@@ -109,15 +111,23 @@ fn the_package_installs_its_files_user_and_modes_and_reinstalls_keeping_config()
     let status = run(Command::new("dpkg").arg(format!("--root={}", r.display())).args(["-s", "byoc-runner"]));
     assert!(String::from_utf8_lossy(&status.stdout).contains("Status: install ok installed"));
 
-    // The installed unit verifies (with ExecStart pointing into the throwaway root).
-    let unit = std::fs::read_to_string(r.join("lib/systemd/system/byoc-runner.service"))
-        .unwrap()
-        .replace("/usr/bin/byoc-runner", r.join("usr/bin/byoc-runner").to_str().unwrap());
+    assert_eq!(mode(&r.join("usr/lib/byoc-runner/imds-firewall")), 0o755);
+    // The installed units verify (with ExecStart pointing into the throwaway root).
     let unit_dir = tempfile::tempdir().unwrap();
-    std::fs::write(unit_dir.path().join("byoc-runner.service"), unit).unwrap();
+    for name in ["byoc-runner.service", "byoc-runner-imds.service"] {
+        let unit = std::fs::read_to_string(r.join("lib/systemd/system").join(name))
+            .unwrap()
+            .replace(
+                "/usr/lib/byoc-runner/imds-firewall",
+                r.join("usr/lib/byoc-runner/imds-firewall").to_str().unwrap(),
+            )
+            .replace("/usr/bin/byoc-runner", r.join("usr/bin/byoc-runner").to_str().unwrap());
+        std::fs::write(unit_dir.path().join(name), unit).unwrap();
+    }
     let v = Command::new("systemd-analyze")
         .arg("verify")
         .arg(unit_dir.path().join("byoc-runner.service"))
+        .arg(unit_dir.path().join("byoc-runner-imds.service"))
         .output()
         .expect("systemd-analyze is required");
     assert!(v.status.success() && v.stderr.is_empty(), "{}", String::from_utf8_lossy(&v.stderr));

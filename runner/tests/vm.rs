@@ -402,13 +402,44 @@ fn config_check_on_the_vm_is_all_ok(w: &mut World) {
         .filter(|c| c["status"] != "ok" && !(c["name"] == "docker" && c["status"] == "warn"))
         .collect();
     assert!(not_ok.is_empty(), "not ok: {not_ok:#?}");
-    for name in ["imds", "install_stack", "sandbox", "network_boundary"] {
+    for name in ["imds", "imds_firewall", "install_stack", "sandbox", "network_boundary"] {
         assert!(
             checks.iter().any(|c| c["name"] == name && c["status"] == "ok"),
             "no ok {name} check: {checks:#?}"
         );
     }
     assert!(out.ok(), "{}", out.stderr);
+}
+
+/// Only root and the runner's user reach the metadata service (the package's
+/// byoc-runner-imds.service, nftables): a local unprivileged user gets neither the
+/// instance role's credentials nor the user-data, while the runner still does (the
+/// config check above got its IMDSv2 token as the runner's user).
+fn only_root_and_the_runner_reach_the_metadata_service(w: &mut World) {
+    let mut connect = |who: &str| {
+        let as_who = match who {
+            "root" => String::new(),
+            "runner" => {
+                "setpriv --reuid=$(id -u byoc-runner) --regid=$(id -g byoc-runner) --clear-groups ".into()
+            }
+            uid => format!("setpriv --reuid={uid} --regid={uid} --clear-groups "),
+        };
+        w.vm.sh(&format!(
+            "{as_who}bash -c 'if (exec 3<>/dev/tcp/169.254.169.254/80) 2>/dev/null; then echo reached; else echo refused; fi'"
+        ))
+    };
+    assert_eq!(connect("65534").trim(), "refused", "a local user reached the metadata service");
+    assert_eq!(connect("1000").trim(), "refused", "a local user reached the metadata service");
+    assert_eq!(connect("root").trim(), "reached");
+    assert_eq!(connect("runner").trim(), "reached");
+    let user_data = w.vm.exec(
+        "setpriv --reuid=65534 --regid=65534 --clear-groups curl -sf -m 5 http://169.254.169.254/latest/user-data",
+        Duration::from_secs(30),
+    );
+    assert!(user_data.is_ok_and(|o| !o.ok() && o.stdout.is_empty()), "a local user read the user-data");
+    let rules = w.vm.sh("nft list table inet byoc_runner_imds");
+    assert!(rules.contains("fd00:ec2::254") && rules.contains("skuid"), "{rules}");
+    assert!(w.vm.sh("systemctl is-enabled byoc-runner-imds.service").contains("enabled"));
 }
 
 fn script(s: &str) -> EnqueueRequest {
@@ -734,6 +765,10 @@ const CASES: &[Case] = &[
         the_running_unit_is_rated_at_most_3_by_systemd_analyze_security,
     ),
     ("config_check_on_the_vm_is_all_ok", config_check_on_the_vm_is_all_ok),
+    (
+        "only_root_and_the_runner_reach_the_metadata_service",
+        only_root_and_the_runner_reach_the_metadata_service,
+    ),
     (
         "a_job_runs_sandboxed_in_the_units_cgroup_v2_subtree",
         a_job_runs_sandboxed_in_the_units_cgroup_v2_subtree,
