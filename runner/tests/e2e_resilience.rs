@@ -159,8 +159,10 @@ async fn first_sigterm_drains_the_running_job_then_exits() {
     let later = e.cp.job(&later).unwrap();
     assert!(matches!(later.state, JobState::Pending | JobState::Offered), "{later:?}");
     assert_eq!(later.claims, 0, "a job was claimed while draining");
-    // The CLI still works with the daemon stopped.
-    let st = e.cli_json(&["status"]);
+    // The CLI still works with the daemon stopped; `status` says so (exit 3).
+    let out = e.runner.cli(&["status", "--output", "json"]);
+    assert_eq!(out.status.code(), Some(3), "{out:?}");
+    let st: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(st["daemon_running"], false);
     assert_eq!(st["jobs_by_status"]["succeeded"], 1);
 }

@@ -19,8 +19,15 @@ fn unit_path() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../systemd/byoc-runner.service")
 }
 
-/// The unit with ExecStart pointing at the binary under test (verify checks it exists).
+/// The unit with ExecStart pointing at the binary under test (verify checks it exists),
+/// beside the metadata firewall's unit it requires (its script from the repository).
 fn unit_for_test(dir: &Path) -> PathBuf {
+    let systemd = Path::new(env!("CARGO_MANIFEST_DIR")).join("../systemd");
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../packaging/imds-firewall");
+    let imds = std::fs::read_to_string(systemd.join("byoc-runner-imds.service"))
+        .expect("firewall unit")
+        .replace("/usr/lib/byoc-runner/imds-firewall", script.canonicalize().unwrap().to_str().unwrap());
+    std::fs::write(dir.join("byoc-runner-imds.service"), imds).unwrap();
     let text = std::fs::read_to_string(unit_path()).expect("unit file");
     let text = text.replace("/usr/bin/byoc-runner", BIN);
     let path = dir.join("byoc-runner.service");
@@ -35,6 +42,7 @@ fn systemd_unit_verifies_clean() {
     let out = Command::new("systemd-analyze")
         .arg("verify")
         .arg(&unit)
+        .arg(dir.path().join("byoc-runner-imds.service"))
         .output()
         .expect("systemd-analyze is required (apt-get install systemd)");
     let stderr = String::from_utf8_lossy(&out.stderr);
