@@ -103,35 +103,14 @@ impl Run<'_, '_> {
         then: Vec<Stage>,
         sealed: Option<&SealedDir>,
     ) -> Step<()> {
-        let step = StepSpec {
-            tool: self.tool,
-            what,
-            env: &self.env,
-            watch: self.watch,
-            job_timeout: self.ctx.settings.timeout,
-        };
-        let base = self.ctx.settings().timeout(self.remaining(), self.ctx.settings.kill_grace);
-        let (result, seen) =
-            run_step(step, base, &mut *self.ctx.output, argv, then, sealed, None, None).await;
-        self.seen |= seen;
-        result
+        self.step(what, argv, then, sealed, None).await
     }
 
     /// Run one command whose standard output the runner keeps (at most `max` bytes,
     /// never the job log): what a tool reports for the runner to judge.
     pub(crate) async fn captured(&mut self, what: &str, argv: Vec<String>, max: u64) -> Step<Vec<u8>> {
-        let step = StepSpec {
-            tool: self.tool,
-            what,
-            env: &self.env,
-            watch: self.watch,
-            job_timeout: self.ctx.settings.timeout,
-        };
-        let base = self.ctx.settings().timeout(self.remaining(), self.ctx.settings.kill_grace);
         let mut capture = crate::process::Capture::new(usize::try_from(max).unwrap_or(usize::MAX));
-        let (result, seen) =
-            run_step(step, base, &mut *self.ctx.output, argv, vec![], None, None, Some(&mut capture)).await;
-        self.seen |= seen;
+        let result = self.step(what, argv, vec![], None, Some(&mut capture)).await;
         if capture.overflowed {
             return Err(failed(
                 "output_too_large",
@@ -140,6 +119,29 @@ impl Run<'_, '_> {
             ));
         }
         result.map(|()| capture.bytes)
+    }
+
+    /// One step with the job's remaining time, its environment and log.
+    async fn step(
+        &mut self,
+        what: &str,
+        argv: Vec<String>,
+        then: Vec<Stage>,
+        sealed: Option<&SealedDir>,
+        capture: Option<&mut crate::process::Capture>,
+    ) -> Step<()> {
+        let step = StepSpec {
+            tool: self.tool,
+            what,
+            env: &self.env,
+            watch: self.watch,
+            job_timeout: self.ctx.settings.timeout,
+        };
+        let base = self.ctx.settings().timeout(self.remaining(), self.ctx.settings.kill_grace);
+        let (result, seen) =
+            run_step(step, base, &mut *self.ctx.output, argv, then, sealed, None, capture).await;
+        self.seen |= seen;
+        result
     }
 }
 
