@@ -150,13 +150,8 @@ pub fn sync(
     let record = state_dir.join(HONOURED_FILE);
     let seen: BTreeMap<String, Seen> =
         std::fs::read(&record).ok().and_then(|b| serde_json::from_slice(&b).ok()).unwrap_or_default();
-    let written = match read_written(state_dir) {
-        Ok(w) => w,
-        Err(e) => {
-            // Nothing is honoured while the file cannot be read; forget nothing either.
-            return Err(e);
-        }
-    };
+    // Nothing is honoured while the file cannot be read; nothing is forgotten either.
+    let written = read_written(state_dir)?;
     let mut now_seen = BTreeMap::new();
     if let Some(w) = written {
         for (role, claimed) in w.all {
