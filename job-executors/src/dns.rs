@@ -144,7 +144,7 @@ pub fn name_allowed(patterns: &[String], name: &str) -> bool {
 /// Routes for allowed names' addresses, added to the job's namespace through the
 /// netlink socket its init made there.
 pub struct Router {
-    netlink: Mutex<Netlink>,
+    netlink: Arc<Mutex<Netlink>>,
     /// The job's interface to the user-mode stack (its index in the job's namespace).
     tap: u32,
     ipv6: bool,
@@ -152,8 +152,8 @@ pub struct Router {
 }
 
 impl Router {
-    pub fn new(netlink: Netlink, tap: u32, ipv6: bool) -> Router {
-        Router { netlink: Mutex::new(netlink), tap, ipv6, routed: Mutex::default() }
+    pub fn new(netlink: Arc<Mutex<Netlink>>, tap: u32, ipv6: bool) -> Router {
+        Router { netlink, tap, ipv6, routed: Mutex::default() }
     }
 
     fn route(&self, ip: IpAddr) -> Result<(), byoc_sandbox::netlink::NetlinkError> {

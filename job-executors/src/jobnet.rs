@@ -2,7 +2,8 @@
 //! one-line description each job's log and `started` record carry, the check that the
 //! boundary can be built at all, and the services the runner provides inside a job's
 //! namespace once the sandbox's init hands over their sockets: the DNS forwarder (and
-//! the allow-list's routes for names) and the role's credential endpoint.
+//! the allow-list's routes for names), the role's credential endpoint, and the rules
+//! that keep host addresses appearing while the job runs out of its reach.
 
 use std::net::SocketAddr;
 use std::os::fd::{AsFd as _, OwnedFd};
@@ -272,10 +273,98 @@ async fn receive(channel: OwnedFd) -> std::io::Result<Option<Handover>> {
     }))
 }
 
+/// The runner's subscription to host addresses, opened before a job's namespace is
+/// built so that nothing announced in between is missed: each new address (and the
+/// subnet behind a new bridge, a Docker network created after the job started) is
+/// prohibited in the job's namespace as it appears.
+pub struct HostFollower {
+    watch: byoc_sandbox::netlink::AddressWatch,
+    /// The watch's socket registered with the runtime, for its readiness only (the
+    /// messages are read through `watch`).
+    readiness: tokio::net::UnixDatagram,
+    links: byoc_sandbox::net::HostLinks,
+    caught_up: bool,
+}
+
+impl HostFollower {
+    pub fn open() -> Result<HostFollower, NetworkUnavailable> {
+        let unavailable = |e: &dyn std::fmt::Display| {
+            NetworkUnavailable(format!("following the host's addresses for the job's boundary: {e}"))
+        };
+        let watch = byoc_sandbox::netlink::AddressWatch::open().map_err(|e| unavailable(&e))?;
+        let fd = watch.fd().try_clone().map_err(|e| unavailable(&e))?;
+        let readiness = tokio::net::UnixDatagram::from_std(std::os::unix::net::UnixDatagram::from(fd))
+            .map_err(|e| unavailable(&e))?;
+        let links = byoc_sandbox::net::HostLinks::open().map_err(|e| unavailable(&e))?;
+        Ok(HostFollower { watch, readiness, links, caught_up: false })
+    }
+
+    /// The ranges to close next: what appeared on the host since the last call (and,
+    /// on the first call, everything there is: whatever appeared between the
+    /// sandbox's listing and this subscription). Waits until there is something.
+    pub async fn next_ranges(&mut self) -> Result<Vec<Cidr>, String> {
+        let everything = || byoc_sandbox::net::host_blocked().map_err(|e| e.to_string());
+        if !std::mem::replace(&mut self.caught_up, true) {
+            return everything();
+        }
+        loop {
+            if let Err(e) = self.readiness.readable().await {
+                return Err(format!("waiting for address changes: {e}"));
+            }
+            // Nothing left to read clears the readiness (WouldBlock).
+            let announced =
+                self.readiness.try_io(tokio::io::Interest::READABLE, || match self.watch.take_announced() {
+                    Ok(v) if v.is_empty() => Err(std::io::ErrorKind::WouldBlock.into()),
+                    other => Ok(other),
+                });
+            return match announced {
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+                Err(e) => Err(e.to_string()),
+                Ok(Ok(announced)) => {
+                    let mut ranges = Vec::new();
+                    // Link-local addresses of new links are closed to every job already.
+                    let always = byoc_sandbox::net::always_blocked();
+                    for a in announced.iter().filter(|a| !always.iter().any(|c| c.contains(a.addr))) {
+                        let closed = self.links.blocked_for(a).map_err(|e| e.to_string())?;
+                        tracing::info!(
+                            address = %a.addr,
+                            closed = %closed.iter().map(|c| c.to_string()).collect::<Vec<_>>().join(" "),
+                            "a host address appeared: closed to a running job"
+                        );
+                        ranges.extend(closed);
+                    }
+                    Ok(ranges)
+                }
+                // Announcements were lost: close everything there is now.
+                Ok(Err(byoc_sandbox::netlink::NetlinkError::Overrun)) => everything(),
+                Ok(Err(e)) => Err(e.to_string()),
+            };
+        }
+    }
+
+    /// Keep the job's namespace closed to the host; returns only when that fails.
+    async fn follow(mut self, job_ns: Arc<std::sync::Mutex<byoc_sandbox::netlink::Netlink>>) -> String {
+        loop {
+            let ranges = match self.next_ranges().await {
+                Ok(r) => r,
+                Err(e) => return e,
+            };
+            let mut nl = job_ns.lock().unwrap_or_else(|e| e.into_inner());
+            for range in ranges {
+                match nl.prohibit(range, byoc_sandbox::net::PROHIBIT_PRIORITY) {
+                    Err(e) if e.errno() != Some(nix::Error::EEXIST) => return e.to_string(),
+                    _ => {}
+                }
+            }
+        }
+    }
+}
+
 /// The runner's services inside one job's namespace, running until dropped.
 pub struct Services {
     task: tokio::task::JoinHandle<()>,
     arrived: tokio::sync::watch::Receiver<Option<Result<(), NetworkUnavailable>>>,
+    lost: Arc<std::sync::Mutex<Option<String>>>,
 }
 
 impl Drop for Services {
@@ -285,14 +374,20 @@ impl Drop for Services {
 }
 
 impl Services {
-    /// Start serving as soon as the sandbox hands over its sockets on `channel`.
+    /// Start serving as soon as the sandbox hands over its sockets on `channel`. If
+    /// the boundary cannot be kept (a new host address could not be closed), `stop`
+    /// is cancelled and [`Services::lost`] says why.
     pub fn start(
         channel: OwnedFd,
         settings: &NetworkSettings,
         credentials: Option<Arc<dyn CredentialEndpoint>>,
+        follower: HostFollower,
+        stop: tokio_util::sync::CancellationToken,
     ) -> Services {
         let (tx, arrived) = tokio::sync::watch::channel(None);
         let settings = settings.clone();
+        let lost = Arc::new(std::sync::Mutex::new(None));
+        let lost_by_task = lost.clone();
         let task = tokio::spawn(async move {
             let handover = match receive(channel).await {
                 Ok(Some(h)) => h,
@@ -316,13 +411,11 @@ impl Services {
                 settings.nameservers.clone()
             };
             let allowed_names = settings.allow.as_ref().map(|a| a.hosts.clone());
-            let router = allowed_names.is_some().then(|| {
-                crate::dns::Router::new(
-                    byoc_sandbox::netlink::Netlink::from_fd(handover.netlink),
-                    handover.tap,
-                    settings.ipv6,
-                )
-            });
+            let job_ns =
+                Arc::new(std::sync::Mutex::new(byoc_sandbox::netlink::Netlink::from_fd(handover.netlink)));
+            let router = allowed_names
+                .is_some()
+                .then(|| crate::dns::Router::new(job_ns.clone(), handover.tap, settings.ipv6));
             let forwarder = Arc::new(crate::dns::Forwarder { upstreams, allowed_names, router });
             let _ = tx.send(Some(Ok(())));
             let creds = async {
@@ -337,13 +430,25 @@ impl Services {
                 )
                 .await
             };
+            let boundary = async {
+                let why = follower.follow(job_ns).await;
+                tracing::error!(error = %why, "the job's network boundary could not follow the host; stopping the job");
+                *lost_by_task.lock().unwrap_or_else(|e| e.into_inner()) = Some(why);
+                stop.cancel();
+            };
             tokio::join!(
                 forwarder.clone().serve_udp(handover.dns_udp),
                 forwarder.serve_tcp(handover.dns_tcp),
-                creds
+                creds,
+                boundary
             );
         });
-        Services { task, arrived }
+        Services { task, arrived, lost }
+    }
+
+    /// Why the job's boundary stopped following the host (the job was stopped).
+    pub fn lost(&self) -> Option<String> {
+        self.lost.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
     /// Whether the sandbox handed over its sockets (`None`: not yet, or never).

@@ -143,16 +143,23 @@ pub async fn run_capturing(
     // served on sockets init makes there and hands over on this channel.
     let services = if use_ == NetworkUse::UserMode {
         use nix::sys::socket::{AddressFamily, SockFlag, SockType, socketpair};
-        match socketpair(AddressFamily::Unix, SockType::SeqPacket, None, SockFlag::SOCK_CLOEXEC) {
-            Ok((ours, theirs)) => {
+        let channel = socketpair(AddressFamily::Unix, SockType::SeqPacket, None, SockFlag::SOCK_CLOEXEC)
+            .map_err(|e| format!("creating the hand-over channel: {e}"));
+        let follower = jobnet::HostFollower::open().map_err(|e| e.0);
+        match channel.and_then(|c| Ok((c, follower?))) {
+            Ok(((ours, theirs), follower)) => {
                 byoc_sandbox::pass_channels(cmd.as_std_mut(), Some(theirs), job.gate);
-                Some(jobnet::Services::start(ours, &settings.network, credentials))
+                // The follower stops the job if it cannot keep the host closed to it.
+                let stop = ctx.settings.cancel.child_token();
+                ctx.settings.cancel = stop.clone();
+                Some(jobnet::Services::start(ours, &settings.network, credentials, follower, stop))
             }
-            Err(e) => {
+            Err(why) => {
                 if let Some(cg) = cgroup {
                     let _ = tokio::task::spawn_blocking(move || cg.kill_all_and_remove()).await;
                 }
-                return refused(NETWORK_UNAVAILABLE, format!("creating the hand-over channel: {e}"));
+                let _ = ctx.output.write(format!("[sandbox] refused: {why}\n").as_bytes());
+                return refused(NETWORK_UNAVAILABLE, why);
             }
         }
     } else {
@@ -162,7 +169,14 @@ pub async fn run_capturing(
     ctx.settings.sandbox = None;
     let mut outcome = crate::process::run_capturing(cmd, ctx, Some(spec_bytes), capture).await;
     let network_up = services.as_ref().and_then(|s| s.outcome());
+    let boundary_lost = services.as_ref().and_then(|s| s.lost());
     drop(services);
+    if let Some(why) = boundary_lost {
+        outcome.status = JobStatus::Failed;
+        outcome.error =
+            Some(format!("stopped: the job's network boundary could not follow the host ({why})"));
+        outcome.outputs = serde_json::json!({ "reason": NETWORK_UNAVAILABLE });
+    }
 
     if let Some(cg) = &cgroup {
         if outcome.status != JobStatus::Succeeded && cg.oom_killed() {
@@ -314,7 +328,14 @@ pub async fn probe_boundary(
     let (ours, theirs) = socketpair(AddressFamily::Unix, SockType::SeqPacket, None, SockFlag::SOCK_CLOEXEC)
         .map_err(|e| format!("creating the hand-over channel: {e}"))?;
     byoc_sandbox::pass_channels(cmd.as_std_mut(), Some(theirs), None);
-    let services = jobnet::Services::start(ours, &settings.network, None);
+    let follower = jobnet::HostFollower::open()?;
+    let services = jobnet::Services::start(
+        ours,
+        &settings.network,
+        None,
+        follower,
+        tokio_util::sync::CancellationToken::new(),
+    );
     let mut child = cmd.spawn().map_err(|e| format!("starting {}: {e}", settings.helper.display()))?;
     drop(cmd);
     if let Some(mut stdin) = child.stdin.take() {

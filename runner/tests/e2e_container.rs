@@ -214,6 +214,47 @@ async fn a_networked_container_reaches_the_outside_but_not_metadata_or_the_host(
     assert!(job_networks(&id).is_empty(), "the job's network left behind");
 }
 
+/// A Docker network created while a networked container runs (another job's, or
+/// anything else on the host) is closed to it as it appears: its gateway, a host
+/// address, and the subnet behind it.
+#[tokio::test]
+async fn a_docker_network_created_while_a_container_runs_is_closed_to_it() {
+    use byoc_control_plane::netlab::Tripwire;
+    let image = import_image("byoc-test/busybox:basic", &[]);
+    let e = env().await;
+    let (subnet, gateway) = ("172.31.250.0/24", "172.31.250.1");
+    let later = format!("byoc-test-later-{}", std::process::id());
+    let _ = std::process::Command::new("docker").args(["network", "rm", &later]).output();
+    let script = format!(
+        "echo ready\n\
+         i=0; until ip rule | grep -q 'to {subnet}'; do i=$((i+1)); [ $i -gt 600 ] && break; sleep 0.1; done\n\
+         ip rule | grep 172.31.250. || true\n\
+         if echo | nc -w 3 {gateway} \"$1\" >/dev/null 2>&1; then echo reached gateway; else echo blocked gateway; fi\n"
+    );
+    let wire_port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let id =
+        e.cp.enqueue(container(serde_json::json!({
+            "image": image, "command": ["sh", "-c", script, "sh", wire_port.to_string()]
+        })))
+        .unwrap();
+    e.log_contains(&id, "ready").await;
+    let created = std::process::Command::new("docker")
+        .args(["network", "create", "--subnet", subnet, &later])
+        .output()
+        .expect("docker is required");
+    assert!(created.status.success(), "{}", String::from_utf8_lossy(&created.stderr));
+    let wire = Tripwire::start(format!("{gateway}:{wire_port}").parse().unwrap()).await;
+    let v = e.finished(&id).await;
+    let _ = std::process::Command::new("docker").args(["network", "rm", &later]).output();
+    let out = e.output(&id);
+    assert_eq!(v.result.unwrap().status, JobStatus::Succeeded, "{out}");
+    assert!(out.contains(&format!("to {gateway} lookup")), "the gateway was not closed:\n{out}");
+    assert!(out.contains(&format!("to {subnet} lookup")), "the subnet was not closed:\n{out}");
+    assert!(out.contains("blocked gateway"), "{out}");
+    assert_eq!(wire.hits(), 0, "the new network's gateway was reached");
+    assert!(job_containers(&id).is_empty(), "containers left behind");
+}
+
 /// A runner killed while a networked container runs leaves its containers and network
 /// to Docker; the next start removes them (the job is reported interrupted).
 #[tokio::test]

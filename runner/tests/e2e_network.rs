@@ -222,6 +222,66 @@ fn an_allow_list_limits_egress_to_what_the_customer_listed() {
     });
 }
 
+/// `ip` as the lab creates links with (iproute2).
+fn ip(args: &str) {
+    let st = std::process::Command::new("ip").args(args.split(' ')).status().expect("ip (iproute2)");
+    assert!(st.success(), "ip {args}");
+}
+
+/// A bridge created while a job runs (what Docker does for a network created later)
+/// is closed to the job as it appears: its gateway, a host address, and the subnet
+/// behind it, where another job's containers would be. A job started afterwards has
+/// both closed from its start.
+#[test]
+fn a_network_created_while_a_job_runs_is_closed_to_it() {
+    let lab = NetLab::create();
+    lab.run(|| async {
+        let e = env_with(egress("")).await;
+        let go = e.dir.path().join("go");
+        let rules = "PATH=$PATH:/usr/sbin:/sbin; ip rule show | grep -F 172.30. || true";
+        let script = format!(
+            "echo waiting\n\
+             while [ ! -e {go} ]; do sleep 0.05; done\n\
+             PATH=$PATH:/usr/sbin:/sbin\n\
+             for i in $(seq 200); do ip rule show | grep -qF 'to 172.30.0.0/16' && break; sleep 0.05; done\n\
+             {rules}\n\
+             if curl -sS -m 5 -o /dev/null http://172.30.0.1:8081/ 2>/dev/null; then echo reached gateway; \
+             else echo blocked gateway; fi\n",
+            go = go.display()
+        );
+        let id =
+            e.cp.enqueue(EnqueueRequest::new(
+                "action.script",
+                serde_json::json!({ "script": script, "interpreter": "/bin/bash" }),
+            ))
+            .unwrap();
+        e.log_contains(&id, "waiting").await;
+        ip("link add byoc-test-br type bridge");
+        ip("addr add 172.30.0.1/16 dev byoc-test-br");
+        ip("link set byoc-test-br up");
+        let gateway = Tripwire::start("172.30.0.1:8081".parse().unwrap()).await;
+        std::fs::write(&go, b"").unwrap();
+        assert_eq!(e.finished(&id).await.result.unwrap().status, JobStatus::Succeeded, "{}", e.output(&id));
+        let out = e.output(&id);
+        assert!(out.contains("to 172.30.0.1 prohibit"), "the gateway was not closed:\n{out}");
+        assert!(out.contains("to 172.30.0.0/16 prohibit"), "the bridged subnet was not closed:\n{out}");
+        assert!(out.contains("blocked gateway"), "{out}");
+        assert_eq!(gateway.hits(), 0, "the new network's gateway was reached");
+        // A job that starts with the bridge there has it closed from the start.
+        let later =
+            e.cp.enqueue(EnqueueRequest::new("action.script", serde_json::json!({ "script": rules })))
+                .unwrap();
+        e.finished(&later).await;
+        let out = e.output(&later);
+        assert!(out.contains("to 172.30.0.1 prohibit") && out.contains("to 172.30.0.0/16 prohibit"), "{out}");
+        assert!(
+            e.runner.log().contains("a host address appeared: closed to a running job"),
+            "{}",
+            e.runner.log()
+        );
+    });
+}
+
 #[test]
 fn jobs_get_their_role_credentials_only_inside_their_own_namespace() {
     let lab = NetLab::create();

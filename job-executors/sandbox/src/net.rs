@@ -48,6 +48,11 @@ impl Cidr {
         ip.is_ipv4() == self.addr.is_ipv4() && mask(ip, self.len) == self.addr
     }
 
+    /// Whether every address of `other` is in this range.
+    pub fn covers(&self, other: &Cidr) -> bool {
+        self.len <= other.len && self.contains(other.addr)
+    }
+
     /// Whether the two ranges share any address.
     pub fn overlaps(&self, other: &Cidr) -> bool {
         self.contains(other.addr) || other.contains(self.addr)
@@ -149,27 +154,79 @@ pub const JOB_DNS: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::new(127, 0,
 /// credentials protocol accepts loopback addresses).
 pub const JOB_CREDENTIALS: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 80);
 
+/// The priority of the rules that refuse blocked ranges: ahead of every routing table
+/// (main's is 32766), behind only the local table's (0).
+pub const PROHIBIT_PRIORITY: u32 = 100;
+
 #[derive(Debug, thiserror::Error)]
 #[error("listing the host's addresses: {0}")]
-pub struct HostAddressesError(nix::Error);
+pub struct HostAddressesError(String);
 
-/// Every address of this host's interfaces (in the helper's namespace: the runner's),
-/// as single-host ranges: a job must not reach the host by any of its names.
-pub fn host_addresses() -> Result<Vec<Cidr>, HostAddressesError> {
-    let addrs = nix::ifaddrs::getifaddrs().map_err(HostAddressesError)?;
-    let mut out: Vec<Cidr> = addrs
-        .filter_map(|ifa| {
-            let a = ifa.address?;
-            if let Some(v4) = a.as_sockaddr_in() {
-                Some(Cidr::host(IpAddr::V4(v4.ip())))
-            } else {
-                a.as_sockaddr_in6().map(|v6| Cidr::host(IpAddr::V6(v6.ip())))
-            }
-        })
-        .collect();
+/// What a job must never reach on this host: every address of the host's interfaces
+/// (in the caller's namespace: the runner's), and every subnet behind a local bridge
+/// (Docker's networks: other jobs' containers and whatever else runs there).
+pub fn host_blocked() -> Result<Vec<Cidr>, HostAddressesError> {
+    let addrs = nix::ifaddrs::getifaddrs().map_err(|e| HostAddressesError(e.to_string()))?;
+    let mut kinds = HostLinks::open().map_err(|e| HostAddressesError(e.to_string()))?;
+    let mut out = Vec::new();
+    for ifa in addrs {
+        let Some(a) = ifa.address else { continue };
+        let (ip, prefix_len) = if let Some(v4) = a.as_sockaddr_in() {
+            let len = ifa.netmask.and_then(|m| m.as_sockaddr_in().map(|m| u32::from(m.ip()).count_ones()));
+            (IpAddr::V4(v4.ip()), len.unwrap_or(32) as u8)
+        } else if let Some(v6) = a.as_sockaddr_in6() {
+            let len = ifa.netmask.and_then(|m| m.as_sockaddr_in6().map(|m| u128::from(m.ip()).count_ones()));
+            (IpAddr::V6(v6.ip()), len.unwrap_or(128) as u8)
+        } else {
+            continue;
+        };
+        // An interface gone since the listing took its addresses with it.
+        let Ok(ifindex) = nix::net::if_::if_nametoindex(ifa.interface_name.as_str()) else { continue };
+        let announced = crate::netlink::AnnouncedAddress { ifindex, addr: ip, prefix_len };
+        out.extend(kinds.blocked_for(&announced).map_err(|e| HostAddressesError(e.to_string()))?);
+    }
     out.sort();
     out.dedup();
     Ok(out)
+}
+
+/// Which of the host's links are bridges, asked of the kernel in the caller's
+/// namespace (sysfs would answer for whichever namespace mounted it).
+pub struct HostLinks {
+    netlink: crate::netlink::Netlink,
+    bridges: std::collections::HashMap<u32, bool>,
+}
+
+impl HostLinks {
+    pub fn open() -> Result<HostLinks, crate::netlink::NetlinkError> {
+        Ok(HostLinks { netlink: crate::netlink::Netlink::open()?, bridges: Default::default() })
+    }
+
+    /// What an address on the host closes to jobs: the address itself, and its whole
+    /// subnet when it sits on a bridge. A link that went away meanwhile counts as a
+    /// bridge: closing a subnet nobody routes to costs nothing.
+    pub fn blocked_for(
+        &mut self,
+        a: &crate::netlink::AnnouncedAddress,
+    ) -> Result<Vec<Cidr>, crate::netlink::NetlinkError> {
+        let is_bridge = match self.bridges.get(&a.ifindex) {
+            Some(b) => *b,
+            None => {
+                let b = match self.netlink.link_kind(a.ifindex) {
+                    Ok(kind) => kind.as_deref() == Some("bridge"),
+                    Err(e) if e.errno() == Some(nix::Error::ENODEV) => true,
+                    Err(e) => return Err(e),
+                };
+                self.bridges.insert(a.ifindex, b);
+                b
+            }
+        };
+        let mut out = vec![Cidr::host(a.addr)];
+        if is_bridge && let Some(subnet) = Cidr::new(a.addr, a.prefix_len) {
+            out.push(subnet);
+        }
+        Ok(out)
+    }
 }
 
 /// The `resolv.conf` a networked job sees: the runner's forwarder only.

@@ -4,7 +4,9 @@
 //!
 //! A netlink socket acts on the network namespace it was created in; the sandbox's
 //! init opens one inside the job's namespace (and hands a copy to the runner, which
-//! adds routes for allowed host names as the job resolves them).
+//! adds routes for allowed host names as the job resolves them, and `prohibit` rules
+//! for host addresses that appear while the job runs). [`AddressWatch`] is the
+//! runner's subscription to those appearances in its own namespace.
 
 use std::net::IpAddr;
 use std::os::fd::{AsRawFd as _, OwnedFd};
@@ -17,6 +19,7 @@ use crate::net::Cidr;
 
 const NLMSG_ERROR: u16 = 2;
 const RTM_NEWLINK: u16 = 16;
+const RTM_GETLINK: u16 = 18;
 const RTM_NEWADDR: u16 = 20;
 const RTM_NEWROUTE: u16 = 24;
 const RTM_DELROUTE: u16 = 25;
@@ -45,6 +48,12 @@ const FRA_PRIORITY: u16 = 6;
 const IFA_ADDRESS: u16 = 1;
 const IFA_LOCAL: u16 = 2;
 const IFA_F_NODAD: u8 = 0x02;
+const IFLA_LINKINFO: u16 = 18;
+const IFLA_INFO_KIND: u16 = 1;
+/// Attribute type bits that are flags (`NLA_F_NESTED`, `NLA_F_NET_BYTEORDER`).
+const NLA_TYPE_MASK: u16 = 0x3fff;
+const RTMGRP_IPV4_IFADDR: u32 = 0x10;
+const RTMGRP_IPV6_IFADDR: u32 = 0x100;
 const IFF_UP: u32 = 0x1;
 const RTNH_F_ONLINK: u32 = 0x4;
 
@@ -58,6 +67,10 @@ pub enum NetlinkError {
     Refused { what: String, errno: nix::Error },
     #[error("{what}: no acknowledgement from the kernel")]
     NoAck { what: String },
+    /// The kernel dropped notifications (the socket's buffer overflowed): whatever
+    /// was announced meanwhile must be read again from scratch.
+    #[error("address notifications were lost (receive buffer overrun)")]
+    Overrun,
 }
 
 impl NetlinkError {
@@ -93,6 +106,120 @@ fn attr(buf: &mut Vec<u8>, kind: u16, data: &[u8]) {
     buf.extend_from_slice(&kind.to_ne_bytes());
     buf.extend_from_slice(data);
     buf.resize(buf.len().next_multiple_of(4), 0);
+}
+
+/// The `(type, payload)` attributes in `buf` (each `rtattr` header, then its data,
+/// aligned to 4); a truncated one ends the list.
+fn attributes(mut buf: &[u8]) -> Vec<(u16, &[u8])> {
+    let mut out = Vec::new();
+    while buf.len() >= 4 {
+        let len = u16::from_ne_bytes([buf[0], buf[1]]) as usize;
+        let kind = u16::from_ne_bytes([buf[2], buf[3]]) & NLA_TYPE_MASK;
+        if len < 4 || len > buf.len() {
+            break;
+        }
+        out.push((kind, &buf[4..len]));
+        buf = &buf[len.next_multiple_of(4).min(buf.len())..];
+    }
+    out
+}
+
+/// The netlink messages in one datagram: `(type, seq, payload after the header)`.
+fn messages(buf: &[u8]) -> Vec<(u16, u32, &[u8])> {
+    let mut out = Vec::new();
+    let mut off = 0;
+    while off + 16 <= buf.len() {
+        let len = u32::from_ne_bytes([buf[off], buf[off + 1], buf[off + 2], buf[off + 3]]) as usize;
+        let typ = u16::from_ne_bytes([buf[off + 4], buf[off + 5]]);
+        let seq = u32::from_ne_bytes([buf[off + 8], buf[off + 9], buf[off + 10], buf[off + 11]]);
+        if len < 16 || off + len > buf.len() {
+            break;
+        }
+        out.push((typ, seq, &buf[off + 16..off + len]));
+        off += len.next_multiple_of(4);
+    }
+    out
+}
+
+fn ip_from(family: u8, bytes: &[u8]) -> Option<IpAddr> {
+    match family {
+        AF_INET => <[u8; 4]>::try_from(bytes).ok().map(|b| IpAddr::from(b)),
+        AF_INET6 => <[u8; 16]>::try_from(bytes).ok().map(|b| IpAddr::from(b)),
+        _ => None,
+    }
+}
+
+/// An address the kernel announced on one of this namespace's links.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AnnouncedAddress {
+    pub ifindex: u32,
+    pub addr: IpAddr,
+    pub prefix_len: u8,
+}
+
+/// One `RTM_NEWADDR` payload (`struct ifaddrmsg`, then attributes).
+fn parse_new_address(payload: &[u8]) -> Option<AnnouncedAddress> {
+    if payload.len() < 8 {
+        return None;
+    }
+    let (family, prefix_len) = (payload[0], payload[1]);
+    let ifindex = u32::from_ne_bytes([payload[4], payload[5], payload[6], payload[7]]);
+    let attrs = attributes(&payload[8..]);
+    // IFA_LOCAL is the interface's own address on point-to-point links; IPv6 sends
+    // only IFA_ADDRESS.
+    let pick = |kind| attrs.iter().find(|(k, _)| *k == kind).and_then(|(_, d)| ip_from(family, d));
+    let addr = pick(IFA_LOCAL).or_else(|| pick(IFA_ADDRESS))?;
+    Some(AnnouncedAddress { ifindex, addr, prefix_len })
+}
+
+/// The runner's subscription to addresses added in its own namespace (a Docker
+/// network created, an interface brought up), read without blocking.
+pub struct AddressWatch {
+    fd: OwnedFd,
+}
+
+impl AddressWatch {
+    pub fn open() -> Result<AddressWatch, NetlinkError> {
+        use nix::sys::socket::bind;
+        let fd = socket(
+            AddressFamily::Netlink,
+            SockType::Raw,
+            SockFlag::SOCK_CLOEXEC | SockFlag::SOCK_NONBLOCK,
+            SockProtocol::NetlinkRoute,
+        )
+        .map_err(NetlinkError::Open)?;
+        bind(fd.as_raw_fd(), &NetlinkAddr::new(0, RTMGRP_IPV4_IFADDR | RTMGRP_IPV6_IFADDR))
+            .map_err(|source| NetlinkError::Io { what: "subscribing to address changes".into(), source })?;
+        Ok(AddressWatch { fd })
+    }
+
+    pub fn fd(&self) -> &OwnedFd {
+        &self.fd
+    }
+
+    /// The addresses announced since the last call (removals are ignored: a rule for
+    /// an address that is gone refuses nothing anyone needs). Never blocks.
+    pub fn take_announced(&self) -> Result<Vec<AnnouncedAddress>, NetlinkError> {
+        let mut out = Vec::new();
+        let mut buf = vec![0u8; 16384];
+        loop {
+            match recv(self.fd.as_raw_fd(), &mut buf, MsgFlags::empty()) {
+                Ok(0) => return Ok(out),
+                Ok(n) => out.extend(
+                    messages(&buf[..n])
+                        .into_iter()
+                        .filter(|(typ, _, _)| *typ == RTM_NEWADDR)
+                        .filter_map(|(_, _, payload)| parse_new_address(payload)),
+                ),
+                Err(nix::Error::EAGAIN) => return Ok(out),
+                Err(nix::Error::ENOBUFS) => return Err(NetlinkError::Overrun),
+                Err(nix::Error::EINTR) => continue,
+                Err(source) => {
+                    return Err(NetlinkError::Io { what: "reading address changes".into(), source });
+                }
+            }
+        }
+    }
 }
 
 /// `struct rtmsg` (route requests).
@@ -137,17 +264,9 @@ impl Netlink {
         // skip anything that is not ours rather than misread it.
         for _ in 0..16 {
             let n = recv(self.fd.as_raw_fd(), &mut buf, MsgFlags::empty()).map_err(io)?;
-            let mut off = 0;
-            while off + 16 <= n {
-                let len = u32::from_ne_bytes([buf[off], buf[off + 1], buf[off + 2], buf[off + 3]]) as usize;
-                let typ = u16::from_ne_bytes([buf[off + 4], buf[off + 5]]);
-                let rseq = u32::from_ne_bytes([buf[off + 8], buf[off + 9], buf[off + 10], buf[off + 11]]);
-                if len < 16 || off + len > n {
-                    break;
-                }
-                if typ == NLMSG_ERROR && rseq == seq && len >= 20 {
-                    let code =
-                        i32::from_ne_bytes([buf[off + 16], buf[off + 17], buf[off + 18], buf[off + 19]]);
+            for (typ, rseq, payload) in messages(&buf[..n]) {
+                if typ == NLMSG_ERROR && rseq == seq && payload.len() >= 4 {
+                    let code = i32::from_ne_bytes([payload[0], payload[1], payload[2], payload[3]]);
                     return if code == 0 {
                         Ok(())
                     } else {
@@ -157,10 +276,55 @@ impl Netlink {
                         })
                     };
                 }
-                off += len.next_multiple_of(4);
             }
         }
         Err(NetlinkError::NoAck { what: what.to_string() })
+    }
+
+    /// The kind of link `ifindex` (`bridge`, `veth`, `dummy`...); `None` for a
+    /// physical device, which has no kind.
+    pub fn link_kind(&mut self, ifindex: u32) -> Result<Option<String>, NetlinkError> {
+        let what = format!("reading link {ifindex}");
+        self.seq = self.seq.wrapping_add(1);
+        let seq = self.seq;
+        let mut body = vec![0u8, 0];
+        body.extend_from_slice(&0u16.to_ne_bytes());
+        body.extend_from_slice(&(ifindex as i32).to_ne_bytes());
+        body.extend_from_slice(&0u32.to_ne_bytes());
+        body.extend_from_slice(&0u32.to_ne_bytes());
+        let mut msg = Vec::with_capacity(16 + body.len());
+        msg.extend_from_slice(&((16 + body.len()) as u32).to_ne_bytes());
+        msg.extend_from_slice(&RTM_GETLINK.to_ne_bytes());
+        msg.extend_from_slice(&NLM_F_REQUEST.to_ne_bytes());
+        msg.extend_from_slice(&seq.to_ne_bytes());
+        msg.extend_from_slice(&0u32.to_ne_bytes());
+        msg.extend_from_slice(&body);
+        let io = |source| NetlinkError::Io { what: what.clone(), source };
+        sendto(self.fd.as_raw_fd(), &msg, &NetlinkAddr::new(0, 0), MsgFlags::empty()).map_err(io)?;
+        let mut buf = vec![0u8; 32768];
+        for _ in 0..16 {
+            let n = recv(self.fd.as_raw_fd(), &mut buf, MsgFlags::empty()).map_err(io)?;
+            for (typ, rseq, payload) in messages(&buf[..n]) {
+                if rseq != seq {
+                    continue;
+                }
+                if typ == NLMSG_ERROR && payload.len() >= 4 {
+                    let code = i32::from_ne_bytes([payload[0], payload[1], payload[2], payload[3]]);
+                    return Err(NetlinkError::Refused { what, errno: nix::Error::from_raw(-code) });
+                }
+                if typ == RTM_NEWLINK && payload.len() >= 16 {
+                    let kind = attributes(&payload[16..])
+                        .into_iter()
+                        .find(|(k, _)| *k == IFLA_LINKINFO)
+                        .and_then(|(_, info)| {
+                            attributes(info).into_iter().find(|(k, _)| *k == IFLA_INFO_KIND)
+                        })
+                        .map(|(_, name)| String::from_utf8_lossy(name).trim_end_matches('\0').to_string());
+                    return Ok(kind);
+                }
+            }
+        }
+        Err(NetlinkError::NoAck { what })
     }
 
     pub fn link_up(&mut self, ifindex: u32) -> Result<(), NetlinkError> {

@@ -171,7 +171,17 @@ async fn run_container(spec: &Container, settings: &ContainerSettings, ctx: Exec
         env.extend(role_env.iter().map(|(k, v)| format!("{k}={v}")));
     }
     // The job's network: its own, with the blocked ranges refused before it starts.
-    let net = if spec.network {
+    // The host's addresses are followed from before it is built, so that nothing that
+    // appears meanwhile is missed.
+    let mut follower = None;
+    let mut net = if spec.network {
+        match crate::jobnet::HostFollower::open() {
+            Ok(f) => follower = Some(f),
+            Err(e) => {
+                let _ = ctx.output.write(format!("[sandbox] refused: {e}\n").as_bytes());
+                return crate::sandboxed::refused(crate::sandboxed::NETWORK_UNAVAILABLE, e.0);
+            }
+        }
         match JobNetwork::build(&docker, spec, settings, &ctx.settings.job_id).await {
             Ok(n) => {
                 let _ = ctx.output.write(format!("[sandbox] {}\n", describe_network(settings)).as_bytes());
@@ -238,7 +248,47 @@ async fn run_container(spec: &Container, settings: &ContainerSettings, ctx: Exec
             return ExecOutcome::failed(docker_error("creating the container", e));
         }
     };
-    let outcome = supervise(&docker, &id, settings, ctx).await;
+    let job_id = ctx.settings.job_id.clone();
+    let mut ctx = ctx;
+    // The follower stops the job if it cannot keep the host closed to it.
+    let stop = ctx.settings.cancel.child_token();
+    ctx.settings.cancel = stop.clone();
+    let mut lost = None;
+    let mut outcome = match (net.as_mut(), follower) {
+        (Some(n), Some(mut f)) => {
+            let follow = async {
+                loop {
+                    let closed = match f.next_ranges().await {
+                        Ok(ranges) => {
+                            n.close(&docker, spec, settings, &job_id, ranges).await.map_err(|e| e.0)
+                        }
+                        Err(e) => Err(e),
+                    };
+                    if let Err(why) = closed {
+                        return why;
+                    }
+                }
+            };
+            let run = supervise(&docker, &id, settings, ctx);
+            tokio::pin!(follow, run);
+            tokio::select! {
+                outcome = &mut run => outcome,
+                why = &mut follow => {
+                    tracing::error!(error = %why, "the container's network boundary could not follow the host; stopping it");
+                    lost = Some(why);
+                    stop.cancel();
+                    run.await
+                }
+            }
+        }
+        _ => supervise(&docker, &id, settings, ctx).await,
+    };
+    if let Some(why) = lost {
+        outcome = crate::sandboxed::refused(
+            crate::sandboxed::NETWORK_UNAVAILABLE,
+            format!("stopped: the container's network boundary could not follow the host ({why})"),
+        );
+    }
     if let Err(e) = docker
         .remove_container(&id, Some(RemoveContainerOptionsBuilder::new().force(true).v(true).build()))
         .await

@@ -70,6 +70,10 @@ const HELPER_MEMORY_BYTES: i64 = 64 << 20;
 pub(super) struct JobNetwork {
     network: String,
     pub(super) holder: String,
+    /// The network's gateways: its own subnet is the container's way out.
+    gateways: Vec<std::net::IpAddr>,
+    /// Ranges already closed in the namespace.
+    closed: std::collections::BTreeSet<byoc_sandbox::net::Cidr>,
 }
 
 impl JobNetwork {
@@ -104,7 +108,12 @@ impl JobNetwork {
             })
             .await
             .map_err(|e| docker_error("creating the job's network", e))?;
-        let mut net = JobNetwork { network: name.clone(), holder: String::new() };
+        let mut net = JobNetwork {
+            network: name.clone(),
+            holder: String::new(),
+            gateways: Vec::new(),
+            closed: Default::default(),
+        };
         match net.finish(docker, spec, settings, job_id).await {
             Ok(()) => Ok(net),
             Err(e) => {
@@ -132,6 +141,7 @@ impl JobNetwork {
             .iter()
             .filter_map(|c| c.gateway.as_deref()?.parse().ok())
             .collect();
+        self.gateways = gateways.clone();
         let Some(gateway) = gateways.iter().find(|g| g.is_ipv4()).copied() else {
             return Err(crate::jobnet::NetworkUnavailable(
                 "the job's Docker network has no IPv4 gateway".into(),
@@ -170,10 +180,11 @@ impl JobNetwork {
         // the rules, exits.
         let mut blocked = byoc_sandbox::net::always_blocked();
         blocked.extend(settings.network.deny.iter().copied());
-        blocked.extend(
-            byoc_sandbox::net::host_addresses()
-                .map_err(|e| crate::jobnet::NetworkUnavailable(e.to_string()))?,
-        );
+        // The host and the subnets behind its bridges (other jobs' containers), except
+        // the container's own subnet: its gateway is its next hop.
+        let host = byoc_sandbox::net::host_blocked()
+            .map_err(|e| crate::jobnet::NetworkUnavailable(e.to_string()))?;
+        blocked.extend(self.closable(host));
         blocked.extend(gateways.iter().map(|g| byoc_sandbox::net::Cidr::host(*g)));
         blocked.sort();
         blocked.dedup();
@@ -194,6 +205,54 @@ impl JobNetwork {
             }
         };
         let script = configure_script(&blocked, allow.as_deref(), gateway);
+        self.run_configurator(docker, spec, settings, job_id, script).await?;
+        self.closed.extend(blocked);
+        Ok(())
+    }
+
+    /// Of `ranges`, those this container's namespace may close: not its own subnet
+    /// (its gateway is its next hop; the gateway itself is closed), not what is closed.
+    fn closable(&self, ranges: Vec<byoc_sandbox::net::Cidr>) -> Vec<byoc_sandbox::net::Cidr> {
+        ranges
+            .into_iter()
+            .filter(|c| {
+                let single = c.prefix_len() == 32 || c.prefix_len() == 128;
+                (single || !self.gateways.iter().any(|g| c.contains(*g)))
+                    && !self.closed.iter().any(|k| k.covers(c))
+            })
+            .collect()
+    }
+
+    /// Close `ranges` in the running container's namespace (host addresses that
+    /// appeared since it started): one more configurator run.
+    pub(super) async fn close(
+        &mut self,
+        docker: &Docker,
+        spec: &Container,
+        settings: &ContainerSettings,
+        job_id: &str,
+        ranges: Vec<byoc_sandbox::net::Cidr>,
+    ) -> Result<(), crate::jobnet::NetworkUnavailable> {
+        let ranges = self.closable(ranges);
+        if ranges.is_empty() {
+            return Ok(());
+        }
+        self.run_configurator(docker, spec, settings, job_id, close_script(&ranges)).await?;
+        self.closed.extend(ranges);
+        Ok(())
+    }
+
+    /// Run `script` in a configurator that joins the holder's namespace with
+    /// CAP_NET_ADMIN only, and wait for it to succeed.
+    async fn run_configurator(
+        &self,
+        docker: &Docker,
+        spec: &Container,
+        settings: &ContainerSettings,
+        job_id: &str,
+        script: String,
+    ) -> Result<(), crate::jobnet::NetworkUnavailable> {
+        let busybox_bind = format!("{}:{NET_BUSYBOX}:ro", settings.busybox.display());
         let configurator = ContainerCreateBody {
             image: Some(spec.image.clone()),
             entrypoint: Some(vec![NET_BUSYBOX.into(), "sh".into(), "-c".into(), script]),
@@ -297,7 +356,10 @@ fn configure_script(
     for c in blocked.iter().filter(|c| c.is_ipv4()) {
         s.push_str(&format!("$b ip rule add prio 100 to {c} table {t}\n"));
     }
-    s.push_str(&format!("if $b ip -6 route add prohibit default table {t} 2>/dev/null; then\n"));
+    // A namespace with any IPv6 address gets the IPv6 rules, and a failure to set them
+    // fails the job (set -e); only a namespace without IPv6 skips them.
+    s.push_str("if $b grep -q . /proc/net/if_inet6 2>/dev/null; then\n");
+    s.push_str(&format!("  $b ip -6 route add prohibit default table {t}\n"));
     for c in blocked.iter().filter(|c| !c.is_ipv4()) {
         s.push_str(&format!("  $b ip -6 rule add prio 100 to {c} table {t}\n"));
     }
@@ -312,12 +374,96 @@ fn configure_script(
     s
 }
 
+/// A running namespace's extra rules: each range leads to the prohibiting table.
+fn close_script(ranges: &[byoc_sandbox::net::Cidr]) -> String {
+    let mut s = format!("set -e\nb={NET_BUSYBOX}\n");
+    for c in ranges.iter().filter(|c| c.is_ipv4()) {
+        s.push_str(&format!("$b ip rule add prio 100 to {c} table {PROHIBIT_TABLE}\n"));
+    }
+    // As at the start: IPv6 rules wherever the namespace has IPv6.
+    s.push_str("if $b grep -q . /proc/net/if_inet6 2>/dev/null; then\n  :\n");
+    for c in ranges.iter().filter(|c| !c.is_ipv4()) {
+        s.push_str(&format!("  $b ip -6 rule add prio 100 to {c} table {PROHIBIT_TABLE}\n"));
+    }
+    s.push_str("fi\n");
+    s
+}
+
 #[cfg(test)]
 mod start_tests {
     use super::*;
 
     fn server_error(status_code: u16, message: &str) -> bollard::errors::Error {
         bollard::errors::Error::DockerResponseServerError { status_code, message: message.into() }
+    }
+
+    /// The configurator's script run by a real shell, with a stand-in busybox that
+    /// records each `ip` call and fails those that match `fail` (other applets run
+    /// as the host's own tools).
+    fn run_script(fail: &str) -> (bool, String) {
+        let blocked: Vec<byoc_sandbox::net::Cidr> =
+            ["169.254.0.0/16", "fd00:ec2::/32"].iter().map(|c| c.parse().unwrap()).collect();
+        run(&configure_script(&blocked, None, "172.18.0.1".parse().unwrap()), fail)
+    }
+
+    fn run(script: &str, fail: &str) -> (bool, String) {
+        use std::os::unix::fs::PermissionsExt as _;
+        let dir = tempfile::tempdir().unwrap();
+        let calls = dir.path().join("calls");
+        let stand_in = dir.path().join("busybox");
+        std::fs::write(
+            &stand_in,
+            format!(
+                "#!/bin/sh\n[ \"$1\" = ip ] || exec \"$@\"\necho \"$*\" >> {}\ncase \"$*\" in {fail}) exit 2;; esac\nexit 0\n",
+                calls.display()
+            ),
+        )
+        .unwrap();
+        std::fs::set_permissions(&stand_in, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let script = script.replace(&format!("b={NET_BUSYBOX}"), &format!("b={}", stand_in.display()));
+        let ok = std::process::Command::new("/bin/sh")
+            .args(["-c", &script])
+            .stdout(std::process::Stdio::null())
+            .status()
+            .unwrap()
+            .success();
+        (ok, std::fs::read_to_string(&calls).unwrap_or_default())
+    }
+
+    #[test]
+    fn a_failed_ipv6_rule_fails_the_configurator_when_the_namespace_has_ipv6() {
+        // This host has IPv6 (the suites' machines do): its rules are set...
+        // (A file in /proc has no size: the script reads it, as this does.)
+        let has_ipv6 = std::fs::read_to_string("/proc/net/if_inet6").is_ok_and(|t| !t.trim().is_empty());
+        assert!(has_ipv6, "this test needs a host with IPv6 addresses");
+        let (ok, calls) = run_script("__none__");
+        assert!(ok, "{calls}");
+        assert!(calls.contains("ip -6 rule add prio 100 to fd00:ec2::/32 table 199"), "{calls}");
+        // ...and a failure to set one fails the whole script, before it reports ready.
+        let (ok, calls) = run_script("ip\\ -6\\ rule*");
+        assert!(!ok, "an IPv6 rule failure was ignored:\n{calls}");
+        let (ok, _) = run_script("ip\\ -6\\ route\\ add\\ prohibit*");
+        assert!(!ok, "an IPv6 table failure was ignored");
+    }
+
+    #[test]
+    fn ranges_closed_while_a_container_runs_are_each_one_rule_and_a_failure_fails() {
+        let v4: Vec<byoc_sandbox::net::Cidr> =
+            ["172.30.0.1", "172.30.0.0/16"].iter().map(|c| c.parse().unwrap()).collect();
+        let (ok, calls) = run(&close_script(&v4), "__none__");
+        assert!(ok, "{calls}");
+        assert_eq!(
+            calls.lines().collect::<Vec<_>>(),
+            [
+                "ip rule add prio 100 to 172.30.0.1/32 table 199",
+                "ip rule add prio 100 to 172.30.0.0/16 table 199"
+            ]
+        );
+        let v6: Vec<byoc_sandbox::net::Cidr> = vec!["2001:db8:5::1".parse().unwrap()];
+        let (ok, calls) = run(&close_script(&v6), "__none__");
+        assert!(ok && calls.contains("ip -6 rule add prio 100 to 2001:db8:5::1/128 table 199"), "{calls}");
+        let (ok, _) = run(&close_script(&v4), "ip\\ rule*");
+        assert!(!ok, "a rule failure was ignored");
     }
 
     #[test]

@@ -309,8 +309,9 @@ pub async fn run(config: Config) -> Result<(), DaemonError> {
         })
     });
     let health = Arc::new(AtomicU64::new(now_ms()));
-    spawn_watchdog(&rt, health.clone(), drain.clone());
+    // READY=1 goes first: the watchdog's first ping fires at once on another worker.
     sd_notify(&[sd_notify::NotifyState::Ready, sd_notify::NotifyState::Status("polling for jobs")]);
+    spawn_watchdog(&rt, health.clone(), drain.clone());
     tracing::info!("enrolled and polling");
 
     poll_loop(&rt, &slots, &mut tasks, &drain, &health).await;

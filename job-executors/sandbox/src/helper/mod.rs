@@ -55,8 +55,6 @@ pub const EXIT_NETWORK_FAILED: i32 = 122;
 pub const EXIT_GATE_CLOSED: i32 = 123;
 /// Exit code when a file a stage seals is not a regular file (that stage never ran).
 pub const EXIT_SEAL_REFUSED: i32 = 124;
-/// Priority of the `prohibit` rules: ahead of the main table (32766).
-const PROHIBIT_PRIORITY: u32 = 100;
 
 const RELAYED: &[Signal] = &[Signal::SIGINT, Signal::SIGTERM, Signal::SIGHUP, Signal::SIGQUIT];
 

@@ -7,18 +7,18 @@ use std::os::fd::{AsRawFd as _, OwnedFd};
 
 use nix::unistd::Pid;
 
-use super::PROHIBIT_PRIORITY;
 use super::error::{SetupError, StepExt as _};
-use crate::net::Cidr;
+use crate::net::{Cidr, PROHIBIT_PRIORITY};
 use crate::netlink::Netlink;
 use crate::spec::{UserModeNet, handover};
 
-/// This job's blocked ranges: the fixed list, the customer's, the host's own addresses.
+/// This job's blocked ranges: the fixed list, the customer's, the host's own addresses
+/// and bridged subnets (the runner adds those that appear later, while the job runs).
 pub(super) fn blocked_ranges(net: &UserModeNet) -> Result<Vec<Cidr>, SetupError> {
     let mut all = crate::net::always_blocked();
     all.extend(net.blocked.iter().copied());
     all.extend(
-        crate::net::host_addresses()
+        crate::net::host_blocked()
             .map_err(|e| SetupError::Network(Box::new(SetupError::Refused(e.to_string()))))?,
     );
     all.sort();
