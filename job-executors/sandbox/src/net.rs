@@ -258,6 +258,9 @@ mod tests {
         assert!("0.0.0.0/0".parse::<Cidr>().unwrap().overlaps(&c));
         assert!(c.overlaps(&"169.254.169.254/32".parse().unwrap()));
         assert!(!c.overlaps(&"10.0.0.0/8".parse().unwrap()));
+        assert!(c.covers(&"169.254.169.254/32".parse().unwrap()) && c.covers(&c));
+        assert!(!"169.254.169.254/32".parse::<Cidr>().unwrap().covers(&c));
+        assert!(!c.covers(&"::/0".parse().unwrap()));
     }
 
     #[test]

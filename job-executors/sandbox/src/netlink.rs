@@ -143,8 +143,8 @@ fn messages(buf: &[u8]) -> Vec<(u16, u32, &[u8])> {
 
 fn ip_from(family: u8, bytes: &[u8]) -> Option<IpAddr> {
     match family {
-        AF_INET => <[u8; 4]>::try_from(bytes).ok().map(|b| IpAddr::from(b)),
-        AF_INET6 => <[u8; 16]>::try_from(bytes).ok().map(|b| IpAddr::from(b)),
+        AF_INET => <[u8; 4]>::try_from(bytes).ok().map(IpAddr::from),
+        AF_INET6 => <[u8; 16]>::try_from(bytes).ok().map(IpAddr::from),
         _ => None,
     }
 }
@@ -395,5 +395,61 @@ impl Netlink {
             NLM_F_CREATE | NLM_F_EXCL,
             &body,
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An `RTM_NEWADDR` message as the kernel sends it: header, `ifaddrmsg`, attributes.
+    fn new_address(family: u8, prefix: u8, ifindex: u32, attrs: &[(u16, Vec<u8>)]) -> Vec<u8> {
+        let mut body = vec![family, prefix, 0, 0];
+        body.extend_from_slice(&ifindex.to_ne_bytes());
+        for (kind, data) in attrs {
+            attr(&mut body, *kind, data);
+        }
+        let mut msg = ((16 + body.len()) as u32).to_ne_bytes().to_vec();
+        msg.extend_from_slice(&RTM_NEWADDR.to_ne_bytes());
+        msg.extend_from_slice(&[0; 10]);
+        msg.extend_from_slice(&body);
+        msg
+    }
+
+    #[test]
+    fn announced_addresses_parse_and_hostile_bytes_do_not_panic() {
+        let mut datagram = new_address(
+            AF_INET,
+            16,
+            7,
+            &[(IFA_ADDRESS, vec![172, 30, 0, 9]), (IFA_LOCAL, vec![172, 30, 0, 1])],
+        );
+        datagram.extend(new_address(
+            AF_INET6,
+            64,
+            8,
+            &[(IFA_ADDRESS, "2001:db8::1".parse::<std::net::Ipv6Addr>().unwrap().octets().to_vec())],
+        ));
+        let parsed: Vec<AnnouncedAddress> =
+            messages(&datagram).into_iter().filter_map(|(_, _, p)| parse_new_address(p)).collect();
+        assert_eq!(
+            parsed,
+            [
+                // IFA_LOCAL is the interface's own address where both are sent.
+                AnnouncedAddress { ifindex: 7, addr: "172.30.0.1".parse().unwrap(), prefix_len: 16 },
+                AnnouncedAddress { ifindex: 8, addr: "2001:db8::1".parse().unwrap(), prefix_len: 64 },
+            ]
+        );
+        // Truncated, oversized lengths, wrong address sizes: nothing, and no panic.
+        for cut in 0..datagram.len() {
+            let _ =
+                messages(&datagram[..cut]).into_iter().filter_map(|(_, _, p)| parse_new_address(p)).count();
+        }
+        let wrong_size = new_address(AF_INET, 24, 1, &[(IFA_ADDRESS, vec![1, 2, 3])]);
+        assert!(messages(&wrong_size).into_iter().all(|(_, _, p)| parse_new_address(p).is_none()));
+        let mut lying = new_address(AF_INET, 24, 1, &[(IFA_ADDRESS, vec![10, 0, 0, 1])]);
+        lying[24] = 0xff; // the attribute claims more bytes than there are
+        assert!(messages(&lying).into_iter().all(|(_, _, p)| parse_new_address(p).is_none()));
+        assert!(attributes(&[4, 0]).is_empty());
     }
 }

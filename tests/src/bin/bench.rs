@@ -489,7 +489,9 @@ async fn sandboxed_spawn_us(
         let (ours, theirs) =
             socketpair(AddressFamily::Unix, SockType::SeqPacket, None, SockFlag::SOCK_CLOEXEC)?;
         byoc_sandbox::pass_channels(cmd.as_std_mut(), Some(theirs), None);
-        Some(byoc_job_executors::jobnet::Services::start(ours, &Default::default(), None))
+        let follower = byoc_job_executors::jobnet::HostFollower::open().map_err(|e| anyhow::anyhow!(e.0))?;
+        let stop = tokio_util::sync::CancellationToken::new();
+        Some(byoc_job_executors::jobnet::Services::start(ours, &Default::default(), None, follower, stop))
     } else {
         None
     };
