@@ -213,15 +213,7 @@ impl Forwarder {
     }
 
     async fn ask_upstreams(&self, query: &[u8], tcp: bool) -> Option<Vec<u8>> {
-        for upstream in &self.upstreams {
-            let r = if tcp { ask_tcp(*upstream, query).await } else { ask_udp(*upstream, query).await };
-            match r {
-                Ok(reply) if reply.len() >= 12 && reply[..2] == query[..2] => return Some(reply),
-                Ok(_) => tracing::debug!(%upstream, "upstream DNS answer did not match the query"),
-                Err(e) => tracing::debug!(%upstream, error = %e, "upstream DNS failed"),
-            }
-        }
-        None
+        ask_upstreams(&self.upstreams, query, tcp).await
     }
 
     /// Answer on the job's UDP socket until the task is dropped.
@@ -277,6 +269,47 @@ async fn read_framed(stream: &mut tokio::net::TcpStream) -> std::io::Result<Vec<
     Ok(msg)
 }
 
+/// The first matching answer from `upstreams`, asked in order.
+async fn ask_upstreams(upstreams: &[SocketAddr], query: &[u8], tcp: bool) -> Option<Vec<u8>> {
+    for upstream in upstreams {
+        let r = if tcp { ask_tcp(*upstream, query).await } else { ask_udp(*upstream, query).await };
+        match r {
+            Ok(reply) if reply.len() >= 12 && reply[..2] == query[..2] => return Some(reply),
+            Ok(_) => tracing::debug!(%upstream, "upstream DNS answer did not match the query"),
+            Err(e) => tracing::debug!(%upstream, error = %e, "upstream DNS failed"),
+        }
+    }
+    None
+}
+
+/// A query for `name` of `qtype` (1: A, 28: AAAA), as a stub resolver sends it.
+pub fn query(id: u16, name: &str, qtype: u16) -> Vec<u8> {
+    let mut q = id.to_be_bytes().to_vec();
+    q.extend_from_slice(&[0x01, 0x00, 0, 1, 0, 0, 0, 0, 0, 0]);
+    for label in name.trim_end_matches('.').split('.') {
+        q.push(label.len().min(63) as u8);
+        q.extend_from_slice(&label.as_bytes()[..label.len().min(63)]);
+    }
+    q.push(0);
+    q.extend_from_slice(&qtype.to_be_bytes());
+    q.extend_from_slice(&1u16.to_be_bytes());
+    q
+}
+
+/// The IPv4 addresses of `name`, asked of `upstreams` as a job's forwarder asks them
+/// (for containers, whose names the runner resolves when they start).
+pub async fn resolve_v4(upstreams: &[SocketAddr], name: &str) -> Vec<IpAddr> {
+    // A random id, as any stub resolver's (an off-path answer must guess it).
+    let id = u16::from_str_radix(&byoc_protocol::random_hex(2), 16).unwrap_or(0x4242);
+    let q = query(id, name, TYPE_A);
+    match ask_upstreams(upstreams, &q, false).await {
+        Some(reply) => {
+            answer_addresses(&reply).unwrap_or_default().into_iter().filter(IpAddr::is_ipv4).collect()
+        }
+        None => Vec::new(),
+    }
+}
+
 async fn ask_udp(upstream: SocketAddr, query: &[u8]) -> std::io::Result<Vec<u8>> {
     let bind: SocketAddr = if upstream.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" }.parse().expect("literal");
     let sock = tokio::net::UdpSocket::bind(bind).await?;
@@ -313,20 +346,6 @@ pub fn nameservers_from_resolv_conf(text: &str) -> Vec<SocketAddr> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// A query for `name` of `qtype`, as a stub resolver sends it.
-    pub(crate) fn query(id: u16, name: &str, qtype: u16) -> Vec<u8> {
-        let mut q = id.to_be_bytes().to_vec();
-        q.extend_from_slice(&[0x01, 0x00, 0, 1, 0, 0, 0, 0, 0, 0]);
-        for label in name.split('.') {
-            q.push(label.len() as u8);
-            q.extend_from_slice(label.as_bytes());
-        }
-        q.push(0);
-        q.extend_from_slice(&qtype.to_be_bytes());
-        q.extend_from_slice(&1u16.to_be_bytes());
-        q
-    }
 
     fn answer_with(query: &[u8], records: &[(u16, Vec<u8>)]) -> Vec<u8> {
         let mut r = query.to_vec();

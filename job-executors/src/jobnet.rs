@@ -139,6 +139,17 @@ pub fn check_available(settings: &NetworkSettings) -> Result<(), NetworkUnavaila
     Ok(())
 }
 
+/// The resolvers the runner asks for jobs: the customer's, or the host's.
+pub fn upstreams(settings: &NetworkSettings) -> Vec<SocketAddr> {
+    if settings.nameservers.is_empty() {
+        crate::dns::nameservers_from_resolv_conf(
+            &std::fs::read_to_string("/etc/resolv.conf").unwrap_or_default(),
+        )
+    } else {
+        settings.nameservers.clone()
+    }
+}
+
 /// The helper's network spec for a job.
 pub fn spec(use_: NetworkUse, settings: &NetworkSettings, credentials: bool) -> NetworkSpec {
     match use_ {
@@ -403,13 +414,7 @@ impl Services {
                     return;
                 }
             };
-            let upstreams = if settings.nameservers.is_empty() {
-                crate::dns::nameservers_from_resolv_conf(
-                    &std::fs::read_to_string("/etc/resolv.conf").unwrap_or_default(),
-                )
-            } else {
-                settings.nameservers.clone()
-            };
+            let upstreams = upstreams(&settings);
             let allowed_names = settings.allow.as_ref().map(|a| a.hosts.clone());
             let job_ns =
                 Arc::new(std::sync::Mutex::new(byoc_sandbox::netlink::Netlink::from_fd(handover.netlink)));

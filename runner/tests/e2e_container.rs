@@ -255,6 +255,49 @@ async fn a_docker_network_created_while_a_container_runs_is_closed_to_it() {
     assert!(job_containers(&id).is_empty(), "containers left behind");
 }
 
+/// A container under an egress allow-list resolves the listed names, as the runner
+/// resolved them through its own resolvers, and no other: Docker's DNS has no
+/// resolver to forward to, so an unlisted name neither resolves nor leaves the host.
+#[tokio::test]
+async fn a_container_under_an_allow_list_resolves_only_the_listed_names() {
+    use byoc_control_plane::netlab::{NameServer, PEER_V4, Peer};
+    let image = import_image("byoc-test/busybox:basic", &[]);
+    let peer = Peer::create();
+    let peer_ip: std::net::IpAddr = PEER_V4.parse().unwrap();
+    let dns = NameServer::start(&[("allowed.test", peer_ip), ("other.test", peer_ip)]).await;
+    let e = env_with(RunnerOptions {
+        sandbox_extra: format!(
+            "\n[sandbox.egress]\nnameservers = [\"{}\"]\nallow = [\"allowed.test\"]\n",
+            dns.addr
+        ),
+        ..Default::default()
+    })
+    .await;
+    let port = peer.addr.port();
+    let script = format!(
+        "grep -q allowed.test /etc/hosts || echo NO-HOSTS-ENTRY\n\
+         if nslookup other.test >/dev/null 2>&1; then echo resolved other; else echo unresolved other; fi\n\
+         if nslookup other.test 127.0.0.11 >/dev/null 2>&1; then echo docker resolved other; fi\n\
+         if echo | nc -w 3 allowed.test {port} >/dev/null 2>&1; then echo reached allowed; else echo blocked allowed; fi\n"
+    );
+    let id =
+        e.cp.enqueue(container(serde_json::json!({"image": image, "command": ["sh", "-c", script]})))
+            .unwrap();
+    let v = e.finished(&id).await;
+    let out = e.output(&id);
+    assert_eq!(v.result.unwrap().status, JobStatus::Succeeded, "{out}");
+    assert!(!out.contains("NO-HOSTS-ENTRY"), "{out}");
+    assert!(out.contains("unresolved other") && !out.contains("docker resolved other"), "{out}");
+    assert!(out.contains("reached allowed"), "{out}");
+    assert_eq!(peer.hits(), 1);
+    // The runner asked for the listed name; the unlisted one never left by lookup.
+    let asked = dns.asked();
+    assert!(asked.iter().any(|n| n == "allowed.test"), "{asked:?}");
+    assert!(!asked.iter().any(|n| n.contains("other")), "an unlisted name left by lookup: {asked:?}");
+    let log = String::from_utf8_lossy(&e.cp.log(&id).unwrap()).into_owned();
+    assert!(log.contains("only listed names resolve"), "{log}");
+}
+
 /// A runner killed while a networked container runs leaves its containers and network
 /// to Docker; the next start removes them (the job is reported interrupted).
 #[tokio::test]

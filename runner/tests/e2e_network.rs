@@ -184,14 +184,20 @@ fn an_allow_list_limits_egress_to_what_the_customer_listed() {
             assert!(log.contains("egress allow-list 2 entries"), "{log}");
         }
         assert_eq!(outside_hits.load(std::sync::atomic::Ordering::SeqCst), 0);
-        // Its range: by address only (its name is not on the list).
+        // Its range: by address only (its name is not on the list). The range holds
+        // the resolver too, which the job may not ask directly: DNS is the runner's.
         {
             let e = env_with(egress("allow = [\"198.51.100.0/24\"]")).await;
-            let id = e.cp.enqueue(EnqueueRequest::new("action.script", reach_script(&targets[..2]))).unwrap();
+            let mut script = reach_script(&targets[..2]);
+            let dns = "if (exec 3<>/dev/udp/198.51.100.1/53) 2>/dev/null; then echo 'resolver open'; \
+                       else echo 'resolver closed'; fi\n";
+            script["script"] = format!("{}{dns}", script["script"].as_str().unwrap()).into();
+            let id = e.cp.enqueue(EnqueueRequest::new("action.script", script)).unwrap();
             e.finished(&id).await;
             let out = e.output(&id);
             assert!(out.contains(&format!("reached {OUTSIDE_BY_ADDRESS}")), "{out}");
             assert!(out.contains(&format!("blocked {OUTSIDE_BY_NAME}")), "{out}");
+            assert!(out.contains("resolver closed"), "the job could ask a resolver itself:\n{out}");
         }
         // Its name: what the name resolves to is routed once the job resolves it.
         {

@@ -256,16 +256,63 @@ impl Drop for Tripwire {
 /// A DNS server that knows one name: `outside.test` (A and AAAA); everything else is
 /// NXDOMAIN.
 async fn dns_server(sock: tokio::net::UdpSocket) {
+    let names = vec![(
+        OUTSIDE_NAME.to_string(),
+        vec![OUTSIDE_V4.parse().expect("literal"), OUTSIDE_V6.parse().expect("literal")],
+    )];
+    serve_names(sock, names, Arc::default()).await
+}
+
+/// Answer A and AAAA queries for `names` (anything else: NXDOMAIN), noting each name
+/// asked in `asked`.
+async fn serve_names(
+    sock: tokio::net::UdpSocket,
+    names: Vec<(String, Vec<IpAddr>)>,
+    asked: Arc<std::sync::Mutex<Vec<String>>>,
+) {
     let mut buf = [0u8; 1500];
     loop {
         let Ok((n, from)) = sock.recv_from(&mut buf).await else { continue };
-        if let Some(reply) = dns_answer(&buf[..n]) {
+        if let Some(reply) = dns_answer(&buf[..n], &names, &asked) {
             let _ = sock.send_to(&reply, from).await;
         }
     }
 }
 
-fn dns_answer(q: &[u8]) -> Option<Vec<u8>> {
+/// A DNS server on a loopback port of the caller's namespace that knows the names it
+/// is given and remembers every name it was asked (to show what left by lookup).
+pub struct NameServer {
+    pub addr: SocketAddr,
+    pub asked: Arc<std::sync::Mutex<Vec<String>>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl NameServer {
+    pub async fn start(names: &[(&str, IpAddr)]) -> NameServer {
+        let sock = tokio::net::UdpSocket::bind("127.0.0.1:0").await.expect("binding a DNS port");
+        let addr = sock.local_addr().expect("local addr");
+        let names = names.iter().map(|(n, ip)| (n.to_string(), vec![*ip])).collect();
+        let asked = Arc::<std::sync::Mutex<Vec<String>>>::default();
+        let task = tokio::spawn(serve_names(sock, names, asked.clone()));
+        NameServer { addr, asked, task }
+    }
+
+    pub fn asked(&self) -> Vec<String> {
+        self.asked.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+}
+
+impl Drop for NameServer {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+fn dns_answer(
+    q: &[u8],
+    names: &[(String, Vec<IpAddr>)],
+    asked: &std::sync::Mutex<Vec<String>>,
+) -> Option<Vec<u8>> {
     if q.len() < 12 {
         return None;
     }
@@ -285,15 +332,13 @@ fn dns_answer(q: &[u8]) -> Option<Vec<u8>> {
     let mut r = q.get(..qend)?.to_vec();
     r[2] = 0x84 | (q[2] & 0x01);
     r[6..12].fill(0);
-    let addr: Option<IpAddr> = match (labels.join(".") == OUTSIDE_NAME, qtype) {
-        (true, 1) => Some(OUTSIDE_V4.parse().ok()?),
-        (true, 28) => Some(OUTSIDE_V6.parse().ok()?),
-        _ => None,
-    };
-    if labels.join(".") != OUTSIDE_NAME {
+    let name = labels.join(".");
+    asked.lock().unwrap_or_else(|e| e.into_inner()).push(name.clone());
+    let Some((_, addrs)) = names.iter().find(|(n, _)| *n == name) else {
         r[3] = 0x83; // NXDOMAIN
         return Some(r);
-    }
+    };
+    let addr = addrs.iter().find(|a| (qtype == 1 && a.is_ipv4()) || (qtype == 28 && a.is_ipv6())).copied();
     r[3] = 0x80;
     if let Some(a) = addr {
         r[7] = 1;

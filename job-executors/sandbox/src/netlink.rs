@@ -45,6 +45,8 @@ const RTA_OIF: u16 = 4;
 const RTA_GATEWAY: u16 = 5;
 const FRA_DST: u16 = 1;
 const FRA_PRIORITY: u16 = 6;
+const FRA_IP_PROTO: u16 = 22;
+const FRA_DPORT_RANGE: u16 = 24;
 const IFA_ADDRESS: u16 = 1;
 const IFA_LOCAL: u16 = 2;
 const IFA_F_NODAD: u8 = 0x02;
@@ -378,6 +380,32 @@ impl Netlink {
         body[5] = 0; // protocol: any
         body[6] = RT_SCOPE_NOWHERE; // scope: any
         self.request("deleting the default route", RTM_DELROUTE, 0, &body)
+    }
+
+    /// A rule ahead of every routing table that refuses every destination's `port`
+    /// over `ip_proto` (6: TCP, 17: UDP) in one family (`v6`). Addresses on the
+    /// namespace's own loopback are found in the local table first, so they stay.
+    pub fn prohibit_port(
+        &mut self,
+        v6: bool,
+        ip_proto: u8,
+        port: u16,
+        priority: u32,
+    ) -> Result<(), NetlinkError> {
+        let family = if v6 { AF_INET6 } else { AF_INET };
+        let mut body = vec![family, 0, 0, 0, 0, 0, 0, FR_ACT_PROHIBIT];
+        body.extend_from_slice(&0u32.to_ne_bytes());
+        attr(&mut body, FRA_IP_PROTO, &[ip_proto]);
+        let mut range = port.to_ne_bytes().to_vec();
+        range.extend_from_slice(&port.to_ne_bytes());
+        attr(&mut body, FRA_DPORT_RANGE, &range);
+        attr(&mut body, FRA_PRIORITY, &priority.to_ne_bytes());
+        self.request(
+            &format!("adding a rule that prohibits port {port}/{ip_proto}"),
+            RTM_NEWRULE,
+            NLM_F_CREATE | NLM_F_EXCL,
+            &body,
+        )
     }
 
     /// A rule ahead of every routing table (`priority` lower than main's 32766) that

@@ -6,6 +6,9 @@ use super::*;
 
 /// Where the static busybox appears in the holder and the configurator.
 const NET_BUSYBOX: &str = "/byoc-net/busybox";
+/// The resolver Docker's DNS is given for a container with an allow-list: reserved
+/// (240.0.0.0/4 is never routed) and prohibited in the namespace besides.
+const NO_RESOLVER: std::net::IpAddr = std::net::IpAddr::V4(std::net::Ipv4Addr::new(240, 0, 0, 53));
 /// The routing table whose only route prohibits everything; the blocked ranges'
 /// rules lead there, ahead of the main table.
 const PROHIBIT_TABLE: u32 = 199;
@@ -27,7 +30,11 @@ pub fn check_network(settings: &ContainerSettings) -> Result<(), crate::jobnet::
 pub fn describe_network(settings: &ContainerSettings) -> String {
     let egress = match &settings.network.allow {
         None => "egress to any address not blocked".to_string(),
-        Some(a) => format!("egress allow-list {} entr{}", a.len(), if a.len() == 1 { "y" } else { "ies" }),
+        Some(a) => format!(
+            "egress allow-list {} entr{}, only listed names resolve (exact names, resolved by the runner at start)",
+            a.len(),
+            if a.len() == 1 { "y" } else { "ies" }
+        ),
     };
     format!("network: own Docker network, {egress}, metadata and host blocked")
 }
@@ -147,8 +154,28 @@ impl JobNetwork {
                 "the job's Docker network has no IPv4 gateway".into(),
             ));
         };
+        // With an allow-list the runner resolves the listed names, through the
+        // resolvers it asks for jobs, and the namespace knows only those (its hosts
+        // file): Docker's DNS gets a resolver that can never be reached, so no other
+        // name resolves and none leaves the host by lookup.
+        let (allow, hosts) = match &settings.network.allow {
+            None => (None, Vec::new()),
+            Some(a) => {
+                let upstreams = crate::jobnet::upstreams(&settings.network);
+                let mut ranges = a.ranges.clone();
+                let mut hosts = Vec::new();
+                for name in a.hosts.iter().filter(|h| !h.starts_with("*.")) {
+                    for ip in crate::dns::resolve_v4(&upstreams, name).await {
+                        ranges.push(byoc_sandbox::net::Cidr::host(ip));
+                        hosts.push(format!("{name}:{ip}"));
+                    }
+                }
+                (Some(ranges), hosts)
+            }
+        };
         let busybox_bind = format!("{}:{NET_BUSYBOX}:ro", settings.busybox.display());
-        // The holder: owns the namespace, does nothing, holds no capability.
+        // The holder: owns the namespace (and, for the job's container that joins it,
+        // its resolver settings and hosts file), does nothing, holds no capability.
         let holder = ContainerCreateBody {
             image: Some(spec.image.clone()),
             entrypoint: Some(vec![NET_BUSYBOX.into(), "sleep".into(), "2147483647".into()]),
@@ -157,6 +184,8 @@ impl JobNetwork {
             labels: Some(labels(job_id, &settings.owner)),
             host_config: Some(HostConfig {
                 network_mode: Some(self.network.clone()),
+                dns: allow.is_some().then(|| vec![NO_RESOLVER.to_string()]),
+                extra_hosts: allow.is_some().then(|| hosts.clone()),
                 cap_drop: Some(vec!["ALL".into()]),
                 readonly_rootfs: Some(true),
                 security_opt: Some(vec!["no-new-privileges".into()]),
@@ -188,22 +217,9 @@ impl JobNetwork {
         blocked.extend(gateways.iter().map(|g| byoc_sandbox::net::Cidr::host(*g)));
         blocked.sort();
         blocked.dedup();
-        let allow = match &settings.network.allow {
-            None => None,
-            Some(a) => {
-                let mut ranges = a.ranges.clone();
-                // Names are resolved once, here: a container's DNS is Docker's.
-                for host in &a.hosts {
-                    if host.starts_with("*.") {
-                        continue;
-                    }
-                    if let Ok(addrs) = tokio::net::lookup_host((host.as_str(), 443)).await {
-                        ranges.extend(addrs.map(|a| byoc_sandbox::net::Cidr::host(a.ip())));
-                    }
-                }
-                Some(ranges)
-            }
-        };
+        if allow.is_some() {
+            blocked.push(byoc_sandbox::net::Cidr::host(NO_RESOLVER));
+        }
         let script = configure_script(&blocked, allow.as_deref(), gateway);
         self.run_configurator(docker, spec, settings, job_id, script).await?;
         self.closed.extend(blocked);

@@ -26,6 +26,9 @@ pub(super) fn blocked_ranges(net: &UserModeNet) -> Result<Vec<Cidr>, SetupError>
     Ok(all)
 }
 
+const IPPROTO_TCP: u8 = 6;
+const IPPROTO_UDP: u8 = 17;
+
 /// The running user-mode stack; dropping it closes its exit descriptor, and it exits.
 pub(super) struct UserModeStack {
     _exit: OwnedFd,
@@ -140,6 +143,21 @@ pub(super) fn configure_user_mode(net: &UserModeNet, blocked: &[Cidr]) -> Result
                     return Err(SetupError::Step { step: "netlink".into(), source: Box::new(e) });
                 }
                 _ => {}
+            }
+        }
+    }
+    // With an allow-list, DNS goes through the runner's forwarder only (on the job's
+    // loopback): a resolver inside an allowed range would answer any name, and every
+    // name asked of it leaves the host.
+    if net.allow.is_some() {
+        for v6 in [false, true] {
+            for proto in [IPPROTO_TCP, IPPROTO_UDP] {
+                match nl.prohibit_port(v6, proto, 53, PROHIBIT_PRIORITY) {
+                    Err(e) if e.errno() != Some(nix::Error::EEXIST) => {
+                        return Err(SetupError::Step { step: "netlink".into(), source: Box::new(e) });
+                    }
+                    _ => {}
+                }
             }
         }
     }
