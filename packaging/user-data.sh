@@ -19,6 +19,8 @@
 #   BYOC_INSTALL_ID BYOC_CONTROL_PLANE_URL BYOC_CONTROL_PLANE_KEYS (comma-separated)
 #   BYOC_REGION BYOC_STACK_NAME BYOC_SIGNAL_RESOURCE BYOC_EXTERNAL_ID
 #   BYOC_STATE_BUCKET (the stack's terraform state bucket; empty: local state)
+#   BYOC_ADMIN_GROUP (a local group whose members may pause, approve and allow without
+#     root: created if missing, written as roles.admin_group, given control/; empty: root only)
 #   BYOC_BOOTSTRAP_SECRET (Secrets Manager ARN) BYOC_RELEASE_PUBKEY (minisign key line)
 #   BYOC_RELEASE_URL (https base URL; empty: use BYOC_RELEASE_DIR)
 #   BYOC_RELEASE_DIR (default /opt/byoc-runner/release)
@@ -57,6 +59,10 @@ fail() {
 for v in BYOC_INSTALL_ID BYOC_CONTROL_PLANE_URL BYOC_CONTROL_PLANE_KEYS BYOC_REGION BYOC_RELEASE_PUBKEY; do
     [ -n "$(eval echo "\$$v")" ] || fail "$v is not set"
 done
+if [ -n "$BYOC_ADMIN_GROUP" ]; then
+    printf '%s' "$BYOC_ADMIN_GROUP" | grep -Eqx '[a-z_][a-z0-9_-]{0,31}' \
+        || fail "BYOC_ADMIN_GROUP is not a group name (lower-case letters, digits, _ and -)"
+fi
 
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
@@ -122,6 +128,7 @@ conf="$ROOT/etc/byoc-runner/runner.toml"
     echo "[roles]"
     [ -z "$BYOC_STACK_NAME" ] || echo "stack_name = \"$BYOC_STACK_NAME\""
     [ -z "$BYOC_EXTERNAL_ID" ] || echo "external_id = \"$BYOC_EXTERNAL_ID\""
+    [ -z "$BYOC_ADMIN_GROUP" ] || echo "admin_group = \"$BYOC_ADMIN_GROUP\""
     if [ -n "$BYOC_STATE_BUCKET" ]; then
         echo
         echo "[terraform.state]"
@@ -149,6 +156,27 @@ if [ ! -e "$ROOT/var/lib/byoc-runner/enrollment.json" ]; then
     [ -s "$token_file.new" ] || fail "the bootstrap token secret is empty"
     chown "$uid:$gid" "$token_file.new"
     mv "$token_file.new" "$token_file"
+fi
+
+# 5b. The admin group: control/ and what is in it belong to it (2770: the set-group-ID
+#     bit keeps new files the group's), which only root can arrange; the runner makes
+#     the state directory passable (0711) when it starts.
+if [ -n "$BYOC_ADMIN_GROUP" ]; then
+    admin_gid() { awk -F: -v g="$BYOC_ADMIN_GROUP" '$1 == g { print $3 }' "$ROOT/etc/group"; }
+    if [ -z "$(admin_gid)" ]; then
+        if [ -n "$ROOT" ]; then
+            groupadd --root "$ROOT" --system "$BYOC_ADMIN_GROUP"
+        else
+            groupadd --system "$BYOC_ADMIN_GROUP"
+        fi || fail "creating group $BYOC_ADMIN_GROUP"
+    fi
+    agid="$(admin_gid)"
+    [ -n "$agid" ] || fail "group $BYOC_ADMIN_GROUP does not exist"
+    install -d -m 0700 -o "$uid" -g "$gid" "$ROOT/var/lib/byoc-runner" || fail "creating /var/lib/byoc-runner"
+    for d in control control/audit-inbox control/approvals; do
+        install -d -m 2770 -o "$uid" -g "$agid" "$ROOT/var/lib/byoc-runner/$d" \
+            || fail "giving /var/lib/byoc-runner/$d to $BYOC_ADMIN_GROUP"
+    done
 fi
 
 # 6. Start; `systemctl start` of a Type=notify unit returns once the runner is READY.

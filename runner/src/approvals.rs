@@ -90,8 +90,10 @@ fn decision_path(state_dir: &Path, job_id: &str) -> PathBuf {
 fn write_durably(path: &Path, bytes: &[u8]) -> Result<(), ApprovalError> {
     let parent = path.parent().unwrap_or(Path::new("."));
     let io = |op, p: &Path, e| ApprovalError::Io { op, path: p.to_path_buf(), source: e };
-    byoc_statefs::create_dir(parent, 0o750).map_err(|e| io("creating", parent, e))?;
-    byoc_statefs::write(path, bytes, byoc_statefs::Options::mode(0o640)).map_err(|e| io("writing", path, e))
+    byoc_statefs::create_dir(parent, 0o700).map_err(|e| io("creating", parent, e))?;
+    // Readable by the daemon's user and the admin group whoever writes it (the
+    // directory keeps others out).
+    byoc_statefs::write(path, bytes, byoc_statefs::Options::mode(0o644)).map_err(|e| io("writing", path, e))
 }
 
 fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> Option<Result<T, ApprovalError>> {

@@ -73,14 +73,24 @@ pub async fn run(config_path: &Path) -> Vec<Check> {
     match &config {
         Some(c) => {
             out.push(state_dir(&c.runner.state_dir, &c.disk));
+            out.push(admin_group(&c.runner.state_dir, c.roles.admin_group.as_deref()));
             out.extend(control_plane(c).await);
             out.push(imds(c).await);
             out.push(imds_firewall());
             out.extend(install_stack(c).await);
         }
         None => {
-            for name in ["state_dir", "dns", "tcp", "tls", "clock", "imds", "imds_firewall", "install_stack"]
-            {
+            for name in [
+                "state_dir",
+                "admin_group",
+                "dns",
+                "tcp",
+                "tls",
+                "clock",
+                "imds",
+                "imds_firewall",
+                "install_stack",
+            ] {
                 out.push(check(name, Status::Skip, "needs a valid configuration", None));
             }
         }
@@ -140,6 +150,33 @@ fn state_dir(dir: &Path, disk: &crate::disk::DiskSettings) -> Check {
         )
     } else {
         check("state_dir", Status::Ok, detail, None)
+    }
+}
+
+/// Whether members of `roles.admin_group` can use `control/` (pause, approvals,
+/// allowances) as the docs say.
+fn admin_group(dir: &Path, group: Option<&str>) -> Check {
+    let Some(name) = group else {
+        return check("admin_group", Status::Ok, "not set: only root pauses, approves and allows", None);
+    };
+    if !dir.is_dir() {
+        return check(
+            "admin_group",
+            Status::Ok,
+            format!("{name}: control/ is prepared on the first start"),
+            None,
+        );
+    }
+    let problems = crate::roles::control::problems(dir, name);
+    if problems.is_empty() {
+        check("admin_group", Status::Ok, format!("members of {name} may pause, approve and allow"), None)
+    } else {
+        check(
+            "admin_group",
+            Status::Warn,
+            format!("members of {name} cannot act: {}", problems.join("; ")),
+            Some("as root, run what each problem names (the install stack's user-data does it)"),
+        )
     }
 }
 

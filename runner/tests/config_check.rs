@@ -75,6 +75,7 @@ async fn a_healthy_install_passes_every_check() {
     for name in [
         "config",
         "state_dir",
+        "admin_group",
         "dns",
         "tcp",
         "tls",

@@ -195,6 +195,15 @@ fn stubs(dir: &Path) -> PathBuf {
 }
 
 fn user_data(root: &Path, release: &Release, stub_bin: &Path) -> std::process::Output {
+    user_data_with(root, release, stub_bin, &[])
+}
+
+fn user_data_with(
+    root: &Path,
+    release: &Release,
+    stub_bin: &Path,
+    extra: &[(&str, &str)],
+) -> std::process::Output {
     let path = format!("{}:{}", stub_bin.display(), std::env::var("PATH").unwrap_or_default());
     Command::new("bash")
         .arg(repo().join("packaging/user-data.sh"))
@@ -213,8 +222,42 @@ fn user_data(root: &Path, release: &Release, stub_bin: &Path) -> std::process::O
         .env("BYOC_EXTERNAL_ID", "ext-123")
         .env("BYOC_STATE_BUCKET", "inst-demo-state-123456789012")
         .env("BYOC_BOOTSTRAP_SECRET", "arn:aws:secretsmanager:eu-west-1:123456789012:secret:bootstrap")
+        .envs(extra.iter().copied())
         .output()
         .unwrap()
+}
+
+/// With an admin group the install creates it (in the install's root), names it in
+/// runner.toml and gives it control/ (2770, the runner's user as owner); a name that is
+/// not a group name stops the install before anything is written.
+#[test]
+fn user_data_gives_control_to_the_admin_group() {
+    let release = signed_release();
+    let work = tempfile::tempdir().unwrap();
+    let bin = stubs(work.path());
+    let root = throwaway_root();
+    let r = root.path();
+    let o = user_data_with(r, &release, &bin, &[("BYOC_ADMIN_GROUP", "byoc-ops")]);
+    assert!(o.status.success(), "user-data failed: {}", String::from_utf8_lossy(&o.stderr));
+    let text = std::fs::read_to_string(r.join("etc/byoc-runner/runner.toml")).unwrap();
+    assert!(text.contains("admin_group = \"byoc-ops\""), "{text}");
+    let (uid, gid) = (id_of(r, "etc/passwd", "byoc-runner"), id_of(r, "etc/group", "byoc-ops"));
+    for d in ["control", "control/audit-inbox", "control/approvals"] {
+        let p = r.join("var/lib/byoc-runner").join(d);
+        let m = std::fs::metadata(&p).unwrap();
+        assert_eq!((mode(&p), m.uid(), m.gid()), (0o2770, uid, gid), "{d}");
+    }
+    // A re-run keeps the group (and creates no second one).
+    let o = user_data_with(r, &release, &bin, &[("BYOC_ADMIN_GROUP", "byoc-ops")]);
+    assert!(o.status.success(), "re-run failed: {}", String::from_utf8_lossy(&o.stderr));
+    let groups = std::fs::read_to_string(r.join("etc/group")).unwrap();
+    assert_eq!(groups.matches("byoc-ops:").count(), 1, "{groups}");
+
+    let other = throwaway_root();
+    let o = user_data_with(other.path(), &release, &bin, &[("BYOC_ADMIN_GROUP", "ops; rm -rf /")]);
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("BYOC_ADMIN_GROUP is not a group name"));
+    assert!(!other.path().join("etc/byoc-runner/runner.toml").exists());
 }
 
 fn calls(dir: &Path) -> String {

@@ -64,6 +64,9 @@ fn the_template_is_hardened_as_promised() {
     assert!(user_data.contains("BYOC_BOOTSTRAP_SECRET='${BootstrapSecret}'"));
     assert_eq!(r["BootstrapSecret"]["Properties"]["SecretString"]["Ref"], "BootstrapToken");
     assert_eq!(t["Parameters"]["BootstrapToken"]["NoEcho"], true);
+    // The admin group is the customer's choice, root only by default, a plain name.
+    assert_eq!(t["Parameters"]["AdminGroup"]["Default"], "");
+    assert!(t["Parameters"]["AdminGroup"]["AllowedPattern"].as_str().is_some_and(|p| p.contains("a-z")));
     // The instance waits for the runner's signal.
     assert_eq!(r["RunnerInstance"]["CreationPolicy"]["ResourceSignal"]["Count"], 1);
     // The runner's identity: assume the install's roles, read its own stack and secret.
@@ -246,6 +249,7 @@ contents = """
     assert_eq!(
         group,
         serde_json::json!([
+            "AdminGroup",
             "EnableOperateRole",
             "EnableDbAdminRole",
             "EnableRotateKeysRole",

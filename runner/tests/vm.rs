@@ -283,6 +283,7 @@ fn setup() -> World {
             ("ExternalId", "vm-suite-external-id".into()),
             ("BootstrapSecret", secret_arn.clone()),
             ("StateBucket", physical_id(&resources, "StateBucket")),
+            ("AdminGroup", ADMIN_GROUP.into()),
             ("ReleaseUrl", format!("https://{RELEASE_ADDR}")),
             ("ReleasePublicKey", release_key),
         ],
@@ -440,6 +441,80 @@ fn only_root_and_the_runner_reach_the_metadata_service(w: &mut World) {
     let rules = w.vm.sh("nft list table inet byoc_runner_imds");
     assert!(rules.contains("fd00:ec2::254") && rules.contains("skuid"), "{rules}");
     assert!(w.vm.sh("systemctl is-enabled byoc-runner-imds.service").contains("enabled"));
+}
+
+/// The stack's AdminGroup in this suite.
+const ADMIN_GROUP: &str = "byoc-admins";
+
+/// `byoc-runner ARGS` as local user `who`.
+fn as_user(w: &mut World, who: &str, args: &str) -> byoc_control_plane::vm::ExecOutput {
+    w.vm.exec(&format!("cd / && runuser -u {who} -- byoc-runner {args}"), Duration::from_secs(60)).unwrap()
+}
+
+/// A member of the admin group who is not root pauses and resumes the runner, answers
+/// a held job and allows a role, each attributed to them as the kernel knows them; a
+/// user outside the group can do none of it and changes nothing.
+fn a_non_root_admin_can_pause_approve_and_allow(w: &mut World) {
+    w.vm.sh(&format!("id alice >/dev/null 2>&1 || useradd -m -G {ADMIN_GROUP} alice; id bob >/dev/null 2>&1 || useradd -m bob"));
+    let paused_file = "/var/lib/byoc-runner/control/paused.json";
+    // Outside the group: refused, nothing written.
+    let o = as_user(w, "bob", "pause --reason nope");
+    assert!(!o.ok() && o.stderr.contains(ADMIN_GROUP), "bob paused: {} {}", o.stdout, o.stderr);
+    assert!(!w.vm.exec(&format!("test -e {paused_file}"), Duration::from_secs(30)).unwrap().ok());
+    // A member: pauses, and the runner names them.
+    let o = as_user(w, "alice", "pause --reason 'change freeze'");
+    assert!(o.ok(), "alice could not pause: {} {}", o.stdout, o.stderr);
+    let status = w.vm.sh("byoc-runner status");
+    assert!(status.contains("paused:         yes, by alice (uid"), "{status}");
+    let o = as_user(w, "bob", "resume");
+    assert!(!o.ok(), "bob resumed");
+    let o = as_user(w, "alice", "resume");
+    assert!(o.ok(), "alice could not resume: {} {}", o.stdout, o.stderr);
+    assert!(w.vm.sh("byoc-runner status").contains("paused:         no"));
+
+    // A held job, approved by the member.
+    w.vm.sh("cp /etc/byoc-runner/runner.toml /root/runner.toml.before-approvals && \
+         printf '\n[[guardrails.approval_rule]]\nname = \"vm-admin\"\nkinds = [\"action.script\"]\n' \
+           >> /etc/byoc-runner/runner.toml && systemctl restart byoc-runner");
+    let id = w.cp.enqueue(script("echo ran-after-approval")).unwrap();
+    w.vm.wait_for(
+        &format!("test -e /var/lib/byoc-runner/control/approvals/{id}.request.json"),
+        Duration::from_secs(120),
+    )
+    .unwrap_or_else(|e| panic!("the job was never held: {e}\n{}", w.journal_tail()));
+    let listed = as_user(w, "alice", "approvals --output json");
+    assert!(
+        listed.ok() && listed.stdout.contains(&id),
+        "alice cannot list: {} {}",
+        listed.stdout,
+        listed.stderr
+    );
+    let o = as_user(w, "bob", &format!("approve {id} --reason mine"));
+    assert!(!o.ok(), "bob approved");
+    let o = as_user(w, "alice", &format!("approve {id} --reason 'read it'"));
+    assert!(o.ok(), "alice could not approve: {} {}", o.stdout, o.stderr);
+    let v = w.finished(&id);
+    assert_eq!(v.result.unwrap().status, JobStatus::Succeeded, "{}", w.journal_tail());
+    let approved = w.vm.sh("byoc-runner audit export --state-dir /var/lib/byoc-runner | grep '\"approved\"'");
+    assert!(approved.contains("[left by alice (uid"), "{approved}");
+    w.vm.sh(
+        "cp /root/runner.toml.before-approvals /etc/byoc-runner/runner.toml && systemctl restart byoc-runner",
+    );
+
+    // A role allowed by the member, honoured in their name.
+    let roles: serde_json::Value = serde_json::from_str(&w.vm.sh("byoc-runner roles --output json")).unwrap();
+    let role = roles["roles"][0]["name"].as_str().unwrap_or_else(|| panic!("no roles: {roles}")).to_string();
+    let o = as_user(w, "bob", &format!("roles allow {role} --for 1h --reason mine"));
+    assert!(!o.ok(), "bob allowed a role");
+    let o = as_user(w, "alice", &format!("roles allow {role} --for 1h --reason vm-suite"));
+    assert!(o.ok(), "alice could not allow: {} {}", o.stdout, o.stderr);
+    let seen = w.vm.wait_for(
+        "byoc-runner audit export --state-dir /var/lib/byoc-runner | grep allowance_seen | grep 'alice (uid'",
+        Duration::from_secs(60),
+    );
+    assert!(seen.is_ok(), "the allowance was not honoured in alice's name: {seen:?}");
+    let o = as_user(w, "alice", &format!("roles revoke {role}"));
+    assert!(o.ok(), "alice could not revoke: {} {}", o.stdout, o.stderr);
 }
 
 fn script(s: &str) -> EnqueueRequest {
@@ -769,6 +844,7 @@ const CASES: &[Case] = &[
         "only_root_and_the_runner_reach_the_metadata_service",
         only_root_and_the_runner_reach_the_metadata_service,
     ),
+    ("a_non_root_admin_can_pause_approve_and_allow", a_non_root_admin_can_pause_approve_and_allow),
     (
         "a_job_runs_sandboxed_in_the_units_cgroup_v2_subtree",
         a_job_runs_sandboxed_in_the_units_cgroup_v2_subtree,

@@ -3,7 +3,9 @@
 //! group can write to), the audit log's directory, the terraform state.
 //!
 //! - The directory is opened without following a link and must belong to this
-//!   process's user or to root (a directory someone else owns is not ours to trust).
+//!   process's user, to root, or to the runner's service user (`byoc-runner`, whose
+//!   `control/` root and the admin group write into): a directory someone else owns is
+//!   not ours to trust.
 //! - The temporary file has a random name and is created exclusively, never through a
 //!   link (`O_CREAT | O_EXCL | O_NOFOLLOW`, relative to the directory's descriptor): a
 //!   link or file planted at a name we might use is never written through.
@@ -100,17 +102,26 @@ fn open_dir(dir: &Path, check_owner: bool) -> std::io::Result<OwnedFd> {
     if check_owner {
         let owner = File::from(fd.try_clone()?).metadata()?.uid();
         let me = nix::unistd::geteuid().as_raw();
-        if owner != me && owner != 0 {
+        if owner != me && owner != 0 && Some(owner) != service_uid() {
             return Err(std::io::Error::new(
                 std::io::ErrorKind::PermissionDenied,
                 format!(
-                    "{} belongs to uid {owner}, neither this process's user ({me}) nor root: not written to",
+                    "{} belongs to uid {owner}, neither this process's user ({me}), root nor {SERVICE_USER}: \
+                     not written to",
                     dir.display()
                 ),
             ));
         }
     }
     Ok(fd)
+}
+
+/// The user the packaged service runs as.
+pub const SERVICE_USER: &str = "byoc-runner";
+
+fn service_uid() -> Option<u32> {
+    static UID: std::sync::OnceLock<Option<u32>> = std::sync::OnceLock::new();
+    *UID.get_or_init(|| nix::unistd::User::from_name(SERVICE_USER).ok().flatten().map(|u| u.uid.as_raw()))
 }
 
 fn create_temporary(dir: &OwnedFd, name: &str) -> std::io::Result<(String, File)> {

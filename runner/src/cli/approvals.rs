@@ -78,7 +78,7 @@ pub(super) fn decide(
     approved: bool,
     reason: Option<String>,
 ) -> anyhow::Result<()> {
-    let admin_group = crate::config::Config::load(&s.config).ok().and_then(|c| c.roles.admin_group);
+    let admin_group = super::state::admin_group(s);
     let who = crate::roles::pause::authorize(admin_group.as_deref()).map_err(|_| {
         anyhow::anyhow!(
             "approving and denying need root{}",

@@ -105,7 +105,12 @@ pub(super) fn metrics(s: &StateArgs) -> anyhow::Result<()> {
 }
 
 pub(super) fn admin_group(s: &StateArgs) -> Option<String> {
-    Config::load(&s.config).ok().and_then(|c| c.roles.admin_group)
+    // A member cannot read runner.toml (it is the runner's): the group control/ is
+    // shared with, which only root can set, says the same.
+    match Config::load(&s.config) {
+        Ok(c) => c.roles.admin_group,
+        Err(_) => crate::roles::control::shared_group(&state_dir(s)),
+    }
 }
 
 pub(super) fn pause(s: &StateArgs, reason: Option<String>) -> anyhow::Result<()> {

@@ -215,10 +215,10 @@ pub async fn run(config: Config) -> Result<(), DaemonError> {
         // belong to interrupted jobs.
         byoc_job_executors::container::remove_leftovers(c).await;
     }
+    prepare_control_dir(&state_dir, config.roles.admin_group.as_deref())?;
     let roles = crate::roles::Roles::from_config(&config, &enrollment.install_id, &state_dir)
         .await
         .map_err(DaemonError::Roles)?;
-    prepare_control_dir(&state_dir, config.roles.admin_group.as_deref())?;
     tracing::info!(switches = %roles.source.describe(), sts = roles.assumer.is_some(), "lifecycle roles");
     let rt: Rt = Arc::new(Runtime {
         sandbox,
@@ -380,30 +380,20 @@ pub async fn run(config: Config) -> Result<(), DaemonError> {
     Ok(())
 }
 
-/// `control/` holds the customer's pause file and allowances, and `control/audit-inbox/`
-/// the CLI's records for the audit log: made here, by the daemon's user, so the daemon
-/// can read and remove what root (or the admin group) leaves there. With
-/// `roles.admin_group` its group may write there (0770), so the group can act without
-/// root.
+/// `control/` and what the admin group may use (`roles::control`): made by the daemon's
+/// user, so it can read and remove what root or the group leave there.
 fn prepare_control_dir(state_dir: &Path, admin_group: Option<&str>) -> Result<(), DaemonError> {
-    use std::os::unix::fs::PermissionsExt as _;
-    let dir = state_dir.join(crate::roles::pause::CONTROL_DIR);
-    let inbox = crate::roles::inbox::inbox_dir(state_dir);
-    let err = |e| DaemonError::StateDir { path: dir.display().to_string(), source: e };
-    std::fs::DirBuilder::new().recursive(true).mode(0o700).create(&inbox).map_err(err)?;
-    if let Some(name) = admin_group {
-        match nix::unistd::Group::from_name(name) {
-            Ok(Some(g)) => {
-                for d in [&dir, &inbox] {
-                    std::os::unix::fs::chown(d, None, Some(g.gid.as_raw())).map_err(err)?;
-                    std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o770)).map_err(err)?;
-                }
-                // The group must also reach control/ through the state dir.
-                let _ = std::os::unix::fs::chown(state_dir, None, Some(g.gid.as_raw()));
-                let _ = std::fs::set_permissions(state_dir, std::fs::Permissions::from_mode(0o710));
-            }
-            _ => tracing::warn!(group = name, "roles.admin_group does not exist; only root can pause"),
-        }
+    let problems =
+        crate::roles::control::prepare(state_dir, admin_group).map_err(|e| DaemonError::StateDir {
+            path: state_dir.join(crate::roles::pause::CONTROL_DIR).display().to_string(),
+            source: e,
+        })?;
+    for problem in problems {
+        tracing::warn!(
+            group = admin_group.unwrap_or_default(),
+            problem = %problem,
+            "members of roles.admin_group cannot act until root fixes this"
+        );
     }
     Ok(())
 }

@@ -63,7 +63,8 @@ pub enum AllowancesError {
 fn write(state_dir: &Path, all: &BTreeMap<String, Allowance>) -> std::io::Result<()> {
     byoc_statefs::create_dir(&state_dir.join(CONTROL_DIR), 0o700)?;
     let bytes = serde_json::to_vec_pretty(all).map_err(std::io::Error::other)?;
-    byoc_statefs::write(&path(state_dir), &bytes, byoc_statefs::Options::mode(0o640))
+    // Readable by the daemon's user whoever writes it (`control/` keeps others out).
+    byoc_statefs::write(&path(state_dir), &bytes, byoc_statefs::Options::mode(0o644))
 }
 
 /// Grant (or replace) `role`'s allowance. A damaged file is replaced: the customer is

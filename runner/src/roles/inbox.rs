@@ -47,7 +47,8 @@ pub fn submit(state_dir: &Path, record: &Record) -> std::io::Result<PathBuf> {
     let name = format!("{:016}-{}-{}.json", crate::clock::now_ms(), std::process::id(), unique());
     let path = dir.join(name);
     let bytes = serde_json::to_vec(record).map_err(std::io::Error::other)?;
-    byoc_statefs::write(&path, &bytes, byoc_statefs::Options::mode(0o640))?;
+    // Readable by the daemon's user whoever writes it (the directory keeps others out).
+    byoc_statefs::write(&path, &bytes, byoc_statefs::Options::mode(0o644))?;
     Ok(path)
 }
 
@@ -102,15 +103,34 @@ fn read(path: &Path) -> Record {
         detail: Some(format!("{}: {why}", path.file_name().unwrap_or_default().to_string_lossy())),
         ..Default::default()
     };
-    let too_big = std::fs::metadata(path).map(|m| m.len() > MAX_RECORD).unwrap_or(true);
-    if too_big {
-        return invalid("unreadable or larger than 16 KiB");
+    use std::io::Read as _;
+    use std::os::unix::fs::{MetadataExt as _, OpenOptionsExt as _};
+    let opened = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(nix::fcntl::OFlag::O_NOFOLLOW.bits() | nix::fcntl::OFlag::O_NONBLOCK.bits())
+        .open(path);
+    let Ok((file, meta)) = opened.and_then(|f| f.metadata().map(|m| (f, m))) else {
+        return invalid("unreadable");
+    };
+    if !meta.is_file() || meta.len() > MAX_RECORD {
+        return invalid("not a regular file, or larger than 16 KiB");
     }
-    let Ok(r) = std::fs::read(path)
+    let mut bytes = Vec::new();
+    let Ok(r) = file
+        .take(MAX_RECORD)
+        .read_to_end(&mut bytes)
         .map_err(|_| ())
-        .and_then(|b| serde_json::from_slice::<Record>(&b).map_err(|_| ()))
+        .and_then(|_| serde_json::from_slice::<Record>(&bytes).map_err(|_| ()))
     else {
         return invalid("not an audit record");
+    };
+    // Who left it is the file's owner, as the kernel says: a group member's record
+    // names them, whatever its text claims.
+    let detail = match meta.uid() {
+        0 => r.detail,
+        uid => {
+            Some(format!("[left by {}] {}", super::allowance::writer(uid, ""), r.detail.unwrap_or_default()))
+        }
     };
     if !EVENTS.contains(&r.event.as_str()) {
         return invalid("not an event the CLI leaves");
@@ -124,7 +144,7 @@ fn read(path: &Path) -> Record {
         role: r.role,
         reason: r.reason,
         status: r.status,
-        detail: r.detail.map(|d| d.chars().take(1000).collect()),
+        detail: detail.map(|d| d.chars().take(1100).collect()),
         ..Default::default()
     }
 }

@@ -98,7 +98,8 @@ pub fn pause(state_dir: &Path, reason: Option<String>, by: String) -> Result<Pau
     byoc_statefs::write(
         &path,
         &serde_json::to_vec_pretty(&p).unwrap_or_default(),
-        byoc_statefs::Options::mode(0o640),
+        // Readable by the daemon's user whoever writes it (`control/` keeps others out).
+        byoc_statefs::Options::mode(0o644),
     )
     .map_err(|e| PauseError::Io { op: "writing", path: path.clone(), source: e })?;
     Ok(p)
