@@ -501,9 +501,27 @@ fn a_non_root_admin_can_pause_approve_and_allow(w: &mut World) {
         "cp /root/runner.toml.before-approvals /etc/byoc-runner/runner.toml && systemctl restart byoc-runner",
     );
 
-    // A role allowed by the member, honoured in their name.
+    // A role allowed by the member, honoured in their name. The runner learns the app's
+    // roles from the first job that asks for one.
+    let id =
+        w.cp.enqueue(common::roles::role_job(
+            "component",
+            "deploy",
+            "inst-demo-maintenance",
+            common::roles::named("api"),
+            "true",
+        ))
+        .unwrap();
+    w.finished(&id);
     let roles: serde_json::Value = serde_json::from_str(&w.vm.sh("byoc-runner roles --output json")).unwrap();
-    let role = roles["roles"][0]["name"].as_str().unwrap_or_else(|| panic!("no roles: {roles}")).to_string();
+    let listed = roles["roles"].as_array().cloned().unwrap_or_default();
+    let role = listed
+        .iter()
+        .find(|r| r["role_type"] == "break_glass")
+        .or(listed.first())
+        .and_then(|r| r["name"].as_str())
+        .unwrap_or_else(|| panic!("no roles known after a role job: {roles}\n{}", w.journal_tail()))
+        .to_string();
     let o = as_user(w, "bob", &format!("roles allow {role} --for 1h --reason mine"));
     assert!(!o.ok(), "bob allowed a role");
     let o = as_user(w, "alice", &format!("roles allow {role} --for 1h --reason vm-suite"));
