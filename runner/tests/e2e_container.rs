@@ -13,6 +13,9 @@ use byoc_control_plane::harness::RunnerOptions;
 use byoc_protocol::JobStatus;
 use common::*;
 
+/// Every peer has the same addresses: one test at a time has one.
+static PEER: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 fn container(spec: serde_json::Value) -> EnqueueRequest {
     EnqueueRequest::new("action.container", spec)
 }
@@ -39,7 +42,7 @@ async fn a_container_runs_locked_down_with_masking_and_outputs() {
     assert!(out.contains("65534"), "runs as the unprivileged uid: {out}");
     assert!(out.contains("Read-only file system"), "root filesystem must be read-only: {out}");
     assert_eq!(r.outputs, serde_json::json!({"result": "ok"}));
-    assert!(job_containers(&id).is_empty(), "container left behind");
+    assert!(job_containers(&id).is_empty(), "containers left behind: {:?}", job_containers(&id));
 }
 
 #[tokio::test]
@@ -163,7 +166,7 @@ async fn a_command_the_image_lacks_fails_the_job_after_a_second_start() {
         "{}",
         e.runner.log()
     );
-    assert!(job_containers(&id).is_empty(), "container left behind");
+    assert!(job_containers(&id).is_empty(), "containers left behind: {:?}", job_containers(&id));
 }
 
 /// A networked container gets the same boundary as a sandboxed process: a Docker
@@ -174,6 +177,7 @@ async fn a_command_the_image_lacks_fails_the_job_after_a_second_start() {
 async fn a_networked_container_reaches_the_outside_but_not_metadata_or_the_host() {
     use byoc_control_plane::netlab::{Peer, Tripwire};
     let image = import_image("byoc-test/busybox:basic", &[]);
+    let _one_peer = PEER.lock().await;
     let peer = Peer::create();
     // A service on every address of the host: no container may reach it.
     let wire = Tripwire::start("0.0.0.0:0".parse().unwrap()).await;
@@ -222,13 +226,14 @@ async fn a_docker_network_created_while_a_container_runs_is_closed_to_it() {
     use byoc_control_plane::netlab::Tripwire;
     let image = import_image("byoc-test/busybox:basic", &[]);
     let e = env().await;
-    let (subnet, gateway) = ("172.31.250.0/24", "172.31.250.1");
+    // Outside Docker's own pools, which the suites' job networks are using.
+    let (subnet, gateway) = ("10.213.250.0/24", "10.213.250.1");
     let later = format!("byoc-test-later-{}", std::process::id());
     let _ = std::process::Command::new("docker").args(["network", "rm", &later]).output();
     let script = format!(
         "echo ready\n\
          i=0; until ip rule | grep -q 'to {subnet}'; do i=$((i+1)); [ $i -gt 600 ] && break; sleep 0.1; done\n\
-         ip rule | grep 172.31.250. || true\n\
+         ip rule | grep 10.213.250. || true\n\
          if echo | nc -w 3 {gateway} \"$1\" >/dev/null 2>&1; then echo reached gateway; else echo blocked gateway; fi\n"
     );
     let wire_port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
@@ -262,6 +267,7 @@ async fn a_docker_network_created_while_a_container_runs_is_closed_to_it() {
 async fn a_container_under_an_allow_list_resolves_only_the_listed_names() {
     use byoc_control_plane::netlab::{NameServer, PEER_V4, Peer};
     let image = import_image("byoc-test/busybox:basic", &[]);
+    let _one_peer = PEER.lock().await;
     let peer = Peer::create();
     let peer_ip: std::net::IpAddr = PEER_V4.parse().unwrap();
     let dns = NameServer::start(&[("allowed.test", peer_ip), ("other.test", peer_ip)]).await;
@@ -296,6 +302,80 @@ async fn a_container_under_an_allow_list_resolves_only_the_listed_names() {
     assert!(!asked.iter().any(|n| n.contains("other")), "an unlisted name left by lookup: {asked:?}");
     let log = String::from_utf8_lossy(&e.cp.log(&id).unwrap()).into_owned();
     assert!(log.contains("only listed names resolve"), "{log}");
+}
+
+/// The numbers in a job's output, in order.
+fn numbers(log: &str) -> Vec<u64> {
+    log.lines().filter_map(|l| l.trim().parse().ok()).collect()
+}
+
+/// A container's whole output reaches the log, however long (the engine's log stream
+/// used to lose the last half of this one).
+#[tokio::test]
+async fn a_long_container_output_arrives_whole() {
+    let image = import_image("byoc-test/busybox:basic", &[]);
+    let e = env().await;
+    let id =
+        e.cp.enqueue(container(
+            serde_json::json!({"image": image, "command": ["seq", "1", "300000"], "network": false}),
+        ))
+        .unwrap();
+    let v = e.finished(&id).await;
+    let result = v.result.unwrap();
+    assert_eq!(result.status, JobStatus::Succeeded, "{:?}", result.error);
+    assert_eq!(result.log_omitted_bytes, 0);
+    let seen = numbers(&e.output(&id));
+    assert_eq!(seen.len(), 300_000, "lines lost: the last is {:?}", seen.last());
+    assert!(seen.iter().copied().eq(1..=300_000), "lines out of order or repeated");
+    assert!(job_containers(&id).is_empty(), "containers left behind: {:?}", job_containers(&id));
+}
+
+/// Past the log cap a container's log is the process path's: the head, the omission
+/// marker, the tail.
+#[tokio::test]
+async fn a_container_output_past_the_cap_keeps_its_head_a_marker_and_its_tail() {
+    let image = import_image("byoc-test/busybox:basic", &[]);
+    let e = env_with(RunnerOptions { jobs_extra: "log_max_mib = 1".into(), ..Default::default() }).await;
+    let id =
+        e.cp.enqueue(container(
+            serde_json::json!({"image": image, "command": ["seq", "1", "300000"], "network": false}),
+        ))
+        .unwrap();
+    let v = e.finished(&id).await;
+    let result = v.result.unwrap();
+    assert_eq!(result.status, JobStatus::Succeeded, "{:?}", result.error);
+    assert!(result.log_omitted_bytes > 0);
+    let log = String::from_utf8_lossy(&e.cp.log(&id).unwrap()).into_owned();
+    assert!(log.contains(&format!("… {} bytes omitted …", result.log_omitted_bytes)), "no marker");
+    let seen = numbers(&log);
+    assert_eq!(seen.first(), Some(&1), "the head is gone");
+    assert_eq!(seen.last(), Some(&300_000), "the tail is gone");
+    assert!(log.len() < (1 << 20) + 4096, "{} bytes kept", log.len());
+}
+
+/// An output stream that breaks mid-way fails the job with a reason (the record of
+/// what the container did is incomplete) and stops the container.
+#[tokio::test]
+async fn a_broken_output_stream_fails_the_container_job() {
+    let image = import_image("byoc-test/busybox:basic", &[]);
+    let e = env_with(RunnerOptions {
+        env: vec![("BYOC_RUNNER_TEST_FAULT_BREAK_CONTAINER_OUTPUT_AFTER".into(), "100000".into())],
+        ..Default::default()
+    })
+    .await;
+    let id = e
+        .cp
+        .enqueue(container(serde_json::json!({
+            "image": image, "command": ["sh", "-c", "seq 1 1000000; echo finished >> /work/finished"], "network": false
+        })))
+        .unwrap();
+    let v = e.finished(&id).await;
+    let result = v.result.unwrap();
+    assert_eq!(result.status, JobStatus::Failed);
+    assert_eq!(result.outputs["reason"], "container_output_broken", "{:?}", result.error);
+    assert!(result.error.unwrap_or_default().contains("output stream broke"));
+    assert!(numbers(&e.output(&id)).len() < 1_000_000);
+    assert!(job_containers(&id).is_empty(), "containers left behind: {:?}", job_containers(&id));
 }
 
 /// A runner killed while a networked container runs leaves its containers and network

@@ -18,7 +18,10 @@
 //! cannot join a namespace we built, so a holder container (a static busybox
 //! sleeping, no capabilities) owns the namespace, a short-lived configurator joins it
 //! with only CAP_NET_ADMIN to set the rules and exits, and then the job joins it with
-//! no capabilities at all: it cannot change them. Output streams through the same masking as scripts. Timeout and cancellation
+//! no capabilities at all: it cannot change them. Output is read from the container's
+//! own pipes (attached before it starts; the engine keeps no log of it) through the
+//! same masking and log cap as scripts; a broken stream fails the job
+//! (`container_output_broken`). Timeout and cancellation
 //! send SIGINT, then stop (SIGTERM, then SIGKILL) after the grace; the container is
 //! removed whatever happens. Images must already be in the local engine: the runner
 //! never pulls (artifact sync puts them in the install's registry).
@@ -216,6 +219,9 @@ async fn run_container(spec: &Container, settings: &ContainerSettings, ctx: Exec
         memory_swap: Some(settings.memory_bytes as i64),
         pids_limit: Some(settings.pids as i64),
         network_mode: Some(network_mode),
+        // The runner keeps the log (masked, capped, spooled): no unmasked copy in the
+        // engine's log files.
+        log_config: Some(bollard::models::HostConfigLogConfig { typ: Some("none".into()), config: None }),
         binds: Some(binds),
         tmpfs: Some(HashMap::from([("/tmp".to_string(), "rw,nosuid,nodev,mode=1777,size=256m".to_string())])),
         ..Default::default()
@@ -365,50 +371,129 @@ enum Ending {
     Cancelled,
 }
 
+/// Reason code of a container job whose output stream broke.
+pub const OUTPUT_BROKEN: &str = "container_output_broken";
+
+/// A test fault: the output stream breaks after this many bytes (the suites' stand-in
+/// for an engine that drops the connection).
+const BREAK_OUTPUT_FAULT_ENV: &str = "BYOC_RUNNER_TEST_FAULT_BREAK_CONTAINER_OUTPUT_AFTER";
+
 async fn supervise(
     docker: &Docker,
     id: &str,
     settings: &ContainerSettings,
     ctx: ExecContext<'_>,
 ) -> ExecOutcome {
+    // Attached before it starts, as `docker run` does: the stream carries every byte
+    // the container writes, straight from its pipes, and ends only when they close.
+    // (Following the engine's log file instead lost the tail of a long output and ran
+    // at a few MB/s.)
+    let attach = bollard::query_parameters::AttachContainerOptionsBuilder::default()
+        .stdout(true)
+        .stderr(true)
+        .stream(true)
+        .logs(false)
+        .build();
+    let mut output = match docker.attach_container(id, Some(attach)).await {
+        Ok(a) => a.output,
+        Err(e) => return ExecOutcome::failed(docker_error("attaching to the container's output", e)),
+    };
     if let Err(e) = network::start_container(docker, id, "the job's container").await {
         return ExecOutcome::failed(docker_error("starting the container", e));
     }
-    let mut logs = docker
-        .logs(id, Some(LogsOptionsBuilder::new().follow(true).stdout(true).stderr(true).build()))
-        .boxed();
+    let break_after: Option<u64> = std::env::var(BREAK_OUTPUT_FAULT_ENV).ok().and_then(|v| v.parse().ok());
+    let mut delivered = 0u64;
+    let grace = ctx.settings.kill_grace;
     let deadline = tokio::time::sleep(ctx.settings.timeout);
     tokio::pin!(deadline);
     let mut ending = Ending::Exited;
     let mut sink_error = None;
+    let mut stream_error = None;
+    // Stopping runs beside the reading: a container blocked on a full pipe must have
+    // its output drained to stop.
+    let mut stopping: Option<std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send + '_>>> = None;
     let mut escalated = false;
     loop {
         tokio::select! {
-            item = logs.next() => match item {
+            item = output.next() => match item {
                 Some(Ok(chunk)) => {
-                    if let Err(e) = ctx.output.write(&chunk.into_bytes()) {
-                        sink_error.get_or_insert(e);
+                    let bytes = chunk.into_bytes();
+                    delivered += bytes.len() as u64;
+                    if break_after.is_some_and(|n| delivered > n) {
+                        stream_error = Some("the stream was cut (test fault)".to_string());
+                        break;
+                    }
+                    if sink_error.is_none()
+                        && let Err(e) = ctx.output.write(&bytes)
+                    {
+                        sink_error = Some(e);
                         // As for processes: a job does not run on unrecorded.
                         if !escalated {
                             escalated = true;
-                            stop(docker, id, ctx.settings.kill_grace).await;
+                            stopping = Some(Box::pin(stop(docker, id, grace)));
                         }
                     }
                 }
-                // The log stream ends when the container stops.
-                Some(Err(_)) | None => break,
+                Some(Err(e)) => {
+                    stream_error = Some(e.to_string());
+                    break;
+                }
+                // The container's output closed: it exited (or closed it and runs on).
+                None => break,
             },
+            () = async { if let Some(s) = stopping.as_mut() { s.await } }, if stopping.is_some() => {
+                stopping = None;
+            }
             _ = &mut deadline, if !escalated => {
                 ending = Ending::TimedOut;
                 escalated = true;
-                stop(docker, id, ctx.settings.kill_grace).await;
+                stopping = Some(Box::pin(stop(docker, id, grace)));
             }
             _ = ctx.settings.cancel.cancelled(), if !escalated => {
                 ending = Ending::Cancelled;
                 escalated = true;
-                stop(docker, id, ctx.settings.kill_grace).await;
+                stopping = Some(Box::pin(stop(docker, id, grace)));
             }
         }
+    }
+    // Nothing records the container's output any more: it must not run on.
+    drop(output);
+    if let Some(s) = stopping.take() {
+        s.await;
+    } else if stream_error.is_some() && !escalated {
+        escalated = true;
+        stop(docker, id, grace).await;
+    }
+    // The exit code is the engine's once the container has stopped; a container that
+    // closed its output and runs on is still held to its deadline.
+    if stream_error.is_none() {
+        let mut exited = docker.wait_container(id, None);
+        loop {
+            tokio::select! {
+                _ = exited.next() => break,
+                _ = &mut deadline, if !escalated => {
+                    ending = Ending::TimedOut;
+                    escalated = true;
+                    stop(docker, id, ctx.settings.kill_grace).await;
+                }
+                _ = ctx.settings.cancel.cancelled(), if !escalated => {
+                    ending = Ending::Cancelled;
+                    escalated = true;
+                    stop(docker, id, ctx.settings.kill_grace).await;
+                }
+            }
+        }
+    }
+    if let Some(why) = stream_error {
+        return ExecOutcome {
+            status: JobStatus::Failed,
+            exit_code: None,
+            error: Some(format!(
+                "the container's output stream broke ({why}); the job was stopped so it does not run \
+                 unrecorded, and its log is incomplete"
+            )),
+            outputs: serde_json::json!({ "reason": OUTPUT_BROKEN }),
+        };
     }
     let state = match docker.inspect_container(id, None).await {
         Ok(info) => info.state,

@@ -342,6 +342,13 @@ impl JobNetwork {
     }
 
     pub(super) async fn remove(&self, docker: &Docker) {
+        // A configurator still running (the job ended while it closed a new address).
+        let _ = docker
+            .remove_container(
+                &format!("{}-netcfg", self.network),
+                Some(RemoveContainerOptionsBuilder::new().force(true).build()),
+            )
+            .await;
         if !self.holder.is_empty()
             && let Err(e) = docker
                 .remove_container(

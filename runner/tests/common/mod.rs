@@ -280,7 +280,7 @@ pub fn import_image(tag: &str, extra: &[(&Path, &Path)]) -> String {
 /// Containers (running or not) labelled as this job's.
 pub fn job_containers(job_id: &str) -> Vec<String> {
     let out = std::process::Command::new("docker")
-        .args(["ps", "-a", "-q", "--filter", &format!("label=byoc-runner.job={job_id}")])
+        .args(["ps", "-a", "--format", "{{.Names}}", "--filter", &format!("label=byoc-runner.job={job_id}")])
         .output()
         .expect("docker is required");
     String::from_utf8_lossy(&out.stdout).split_whitespace().map(str::to_string).collect()
