@@ -47,6 +47,10 @@ struct Args {
     /// after the first 1,000 and after the last (0 skips it; `scripts/bench soak` runs 20,000).
     #[arg(long, default_value_t = 0)]
     soak_jobs: usize,
+    /// MiB a container prints for the container output figure, through the runner (0
+    /// skips it; needs Docker and busybox).
+    #[arg(long, default_value_t = 1024)]
+    container_output_mib: usize,
     /// Warm runs for the container start figure (0 skips it; needs Docker and busybox).
     #[arg(long, default_value_t = 20)]
     container_runs: usize,
@@ -58,7 +62,7 @@ fn import_busybox(tag: &str) -> anyhow::Result<()> {
     let bin = root.path().join("bin");
     std::fs::create_dir_all(&bin)?;
     std::fs::copy("/bin/busybox", bin.join("busybox")).context("busybox-static is required")?;
-    for applet in ["sh", "echo", "true"] {
+    for applet in ["sh", "echo", "true", "yes", "head"] {
         std::os::unix::fs::symlink("busybox", bin.join(applet))?;
     }
     std::fs::create_dir_all(root.path().join("tmp"))?;
@@ -273,6 +277,46 @@ async fn soak(cp: &ControlPlane, pid: u32, n: usize) -> anyhow::Result<()> {
 /// clock around the printing is the output path (pipe → read → mask → spool), since the
 /// pipe blocks the job whenever the runner falls behind; the same printing into
 /// /dev/null in the same job is what the job could do alone.
+/// A container's output through the runner (its pipes, masking, the spool and the
+/// log cap), from the job's start to its end: the start (about half a second) included.
+async fn container_output_bench(cp: &ControlPlane, mib: usize) -> anyhow::Result<()> {
+    let tag = format!("byoc-bench/busybox:output-{}", byoc_protocol::random_hex(3));
+    import_busybox(&tag)?;
+    let bytes = mib << 20;
+    let line = "module.network.aws_subnet.private[0]: Still creating... [10s elapsed] id=subnet-0a1b2c3d4e5f6a7b8 ok";
+    let mut req = EnqueueRequest::new(
+        "action.container",
+        serde_json::json!({
+            "image": tag, "network": false,
+            "command": ["sh", "-c", format!("yes '{line}' | head -c {bytes}")],
+            "secret_env": {"SECRET_0": format!("s3cr3t-{}", byoc_protocol::random_hex(12))}
+        }),
+    );
+    req.timeout_secs = 3600;
+    let id = cp.enqueue(req).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let v = cp
+        .wait_for(&id, Duration::from_secs(3600), |v| v.result.is_some() || !v.rejections.is_empty())
+        .await
+        .context("container output job did not finish")?;
+    let _ = std::process::Command::new("docker").args(["rmi", "-f", &tag]).output();
+    anyhow::ensure!(v.rejections.is_empty(), "container output job refused: {:?}", v.rejections);
+    let result = v.result.context("no result")?;
+    anyhow::ensure!(
+        result.status == byoc_protocol::JobStatus::Succeeded,
+        "container output job failed: {:?}",
+        result.error
+    );
+    let secs = v.duration_ms.context("no duration")? as f64 / 1000.0;
+    println!(
+        "container output: {mib} MiB from the container's stdout through masking and the spool in {secs:.2} s \
+         (start included): {:.0} MB/s (target >= 200 MB/s); log kept {} bytes, {} omitted",
+        bytes as f64 / secs / 1e6,
+        result.log_size,
+        result.log_omitted_bytes
+    );
+    Ok(())
+}
+
 async fn output_path_bench(cp: &ControlPlane, mib: usize) -> anyhow::Result<()> {
     let secret_env: serde_json::Map<String, serde_json::Value> = (0..20)
         .map(|i| {
@@ -705,6 +749,9 @@ async fn main() -> anyhow::Result<()> {
 
     if args.output_mib > 0 {
         output_path_bench(&cp, args.output_mib).await?;
+    }
+    if args.container_output_mib > 0 {
+        container_output_bench(&cp, args.container_output_mib).await?;
     }
     if args.soak_jobs > 0 {
         soak(&cp, runner.pid().context("runner exited")?, args.soak_jobs).await?;
