@@ -88,8 +88,19 @@ async fn jobs_are_audited_acknowledged_and_verifiable_offline() {
     assert_eq!(v["report"]["records"], lines.len() as u64);
     assert_eq!(v["report"]["acknowledged_size"], lines.len() as u64);
 
+    // The tail for people (ISO 8601 times), and as stored with -o json.
+    let out = audit_cli(&e, &["tail", "-n", "2"]);
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert_eq!(text.lines().count(), 2, "{text}");
+    assert!(text.lines().all(|l| l.contains("T") && l.contains("Z  ")), "no ISO times: {text}");
+    let out = audit_cli(&e, &["tail", "-n", "2", "-o", "json"]);
+    let json: Vec<serde_json::Value> =
+        String::from_utf8_lossy(&out.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(json.len(), 2);
+    assert_eq!(json[0]["seq"].as_u64().map(|n| n + 1), json[1]["seq"].as_u64(), "{json:?}");
+
     // An inclusion proof a third party can check.
-    let out = audit_cli(&e, &["prove", "2"]);
+    let out = audit_cli(&e, &["prove", "2", "-o", "json"]);
     let p: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let h = |s: &serde_json::Value| -> byoc_audit::merkle::Hash {
         hex::decode(s.as_str().unwrap()).unwrap().try_into().unwrap()

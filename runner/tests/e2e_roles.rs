@@ -278,6 +278,10 @@ async fn break_glass_is_refused_until_enabled_then_allowed_then_refused_again() 
     ] {
         assert!(!e.env.runner.cli(args).status.success(), "{args:?}");
     }
+    // A role that needs no allowance gets none: the CLI says so and grants nothing.
+    let noop = e.env.runner.cli(&["roles", "allow", "inst-demo-maintenance", "--for", "1h", "--reason", "x"]);
+    let said = String::from_utf8_lossy(&noop.stderr).into_owned();
+    assert!(!noop.status.success() && said.contains("needs no local allowance"), "{said}");
     e.set("EnableS3ObjectBreakGlassRole", "false").await;
     let (third, _) = e.refused(bg(), RejectReason::RoleDisabled).await;
     for refused in [&first, &no_allowance, &revoked, &expired, &third] {
@@ -409,6 +413,11 @@ async fn a_pause_refuses_jobs_survives_a_restart_and_is_audited() {
     assert_eq!(e.rejected(&id).await.rejections[0].0, RejectReason::Paused);
     let status = e.cli_json(&["status"]);
     assert_eq!(status["paused"]["reason"], "change freeze");
+    // Pausing again changes nothing, and says so.
+    let again = e.runner.cli(&["pause", "--reason", "another"]);
+    let said = String::from_utf8_lossy(&again.stdout).into_owned();
+    assert!(again.status.success() && said.contains("already paused by"), "{said}");
+    assert_eq!(e.cli_json(&["status"])["paused"]["reason"], "change freeze");
 
     let out = e.runner.cli(&["resume"]);
     assert!(out.status.success(), "{out:?}");

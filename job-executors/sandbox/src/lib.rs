@@ -42,6 +42,12 @@ pub fn keep_allocator_lean() -> bool {
     sys::keep_allocator_lean()
 }
 
+/// Return the heap's free pages to the kernel (see `sys::return_free_heap`): for the
+/// daemon when it is idle, after jobs that needed large buffers.
+pub fn return_free_heap() -> bool {
+    sys::return_free_heap()
+}
+
 /// Receive one message of the hand-over channel and its descriptors (non-blocking
 /// when the socket is).
 pub fn receive_with_fds(

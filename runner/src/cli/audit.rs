@@ -27,7 +27,8 @@ pub(super) enum AuditCmd {
         #[arg(long)]
         trust: Option<PathBuf>,
     },
-    /// Print the last records (follow with -f).
+    /// Print the last records, one line each with its time in ISO 8601 (follow with -f;
+    /// `-o json`: the records as stored, one JSON object a line).
     Tail {
         #[command(flatten)]
         a: AuditArgs,
@@ -47,7 +48,8 @@ pub(super) enum AuditCmd {
         #[command(flatten)]
         a: AuditArgs,
     },
-    /// An inclusion proof for a record that a third party can check.
+    /// An inclusion proof for a record that a third party can check (`-o json`: the
+    /// proof alone, for a verifier).
     Prove {
         #[command(flatten)]
         a: AuditArgs,
@@ -111,10 +113,12 @@ fn inspect(cmd: AuditCmd) -> anyhow::Result<()> {
         AuditCmd::Verify { .. } => unreachable!("handled before"),
         AuditCmd::Tail { a, lines, follow } => {
             let dir = audit_dir(&a);
+            let json = a.state.output == Output::Json;
+            let show = |l: &str| println!("{}", if json { l.to_string() } else { record_line(l) });
             let all = byoc_audit::log::read_lines(&dir, 0, u64::MAX)?;
             let mut printed = all.len();
             for l in all.iter().skip(all.len().saturating_sub(lines)) {
-                println!("{l}");
+                show(l);
             }
             if !follow {
                 return Ok(());
@@ -125,7 +129,7 @@ fn inspect(cmd: AuditCmd) -> anyhow::Result<()> {
                 let more = byoc_audit::log::read_lines(&dir, printed as u64, u64::MAX)?;
                 printed += more.len();
                 for l in more {
-                    println!("{l}");
+                    show(&l);
                 }
             }
         }
@@ -158,8 +162,53 @@ fn inspect(cmd: AuditCmd) -> anyhow::Result<()> {
         }
         AuditCmd::Prove { a, seq } => {
             let proof = crate::audit::prove(&audit_dir(&a), seq)?;
-            println!("{}", serde_json::to_string_pretty(&proof)?);
+            if a.state.output == Output::Json {
+                println!("{}", serde_json::to_string(&proof)?);
+            } else {
+                let v = serde_json::to_value(&proof)?;
+                println!("inclusion proof of record {seq} (give it to a verifier with -o json):");
+                for (k, val) in v.as_object().into_iter().flatten() {
+                    println!("  {k}: {}", val.to_string().trim_matches('"'));
+                }
+            }
             Ok(())
         }
+    }
+}
+
+/// One stored record as a line for people: sequence, time in ISO 8601, event, then the
+/// fields it has. A line that is not a record is printed as it is.
+fn record_line(line: &str) -> String {
+    let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else { return line.to_string() };
+    let mut out = format!(
+        "{:>6}  {}  {}",
+        v["seq"].as_u64().map(|n| n.to_string()).unwrap_or_default(),
+        v["time_ms"].as_u64().map(crate::inspect::format_ms).unwrap_or_default(),
+        v["event"].as_str().unwrap_or("?")
+    );
+    for key in ["job", "kind", "operation", "role", "status", "reason", "exit_code"] {
+        match &v[key] {
+            serde_json::Value::Null => {}
+            serde_json::Value::String(s) if s.is_empty() => {}
+            serde_json::Value::String(s) => out.push_str(&format!(" {key}={s}")),
+            other => out.push_str(&format!(" {key}={other}")),
+        }
+    }
+    if let Some(d) = v["detail"].as_str().filter(|d| !d.is_empty()) {
+        out.push_str(&format!(" -- {d}"));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_record_reads_as_one_line_with_an_iso_time() {
+        let line = r#"{"seq":7,"time_ms":1764201600000,"install":"i","event":"job_finished","job":"job-1","kind":"action.script","role":null,"status":"succeeded","exit_code":0,"digests":{},"detail":"ran"}"#;
+        assert_eq!(
+            super::record_line(line),
+            "     7  2025-11-27T00:00:00Z  job_finished job=job-1 kind=action.script status=succeeded exit_code=0 -- ran"
+        );
+        assert_eq!(super::record_line("not json"), "not json");
     }
 }

@@ -122,6 +122,20 @@ pub(super) fn pause(s: &StateArgs, reason: Option<String>) -> anyhow::Result<()>
         "state dir {} does not exist (is the runner installed here?)",
         dir.display()
     );
+    // A pause in force stays as it is (who paused and when are its record): pausing
+    // again changes nothing and says so.
+    if let Some(p) = pause::read(&dir) {
+        if s.output == Output::Json {
+            return print_json(&serde_json::json!({ "paused": true, "already": true, "pause": p }));
+        }
+        println!(
+            "already paused by {} since {}{}; nothing changed (`byoc-runner resume` first to pause anew)",
+            p.by,
+            crate::inspect::format_ms(p.paused_at_ms),
+            p.reason.as_deref().map(|r| format!(" ({r})")).unwrap_or_default()
+        );
+        return Ok(());
+    }
     let p = pause::pause(&dir, reason, who)?;
     if s.output == Output::Json {
         return print_json(&serde_json::json!({ "paused": true, "pause": p }));
@@ -277,11 +291,25 @@ pub(super) fn roles_action(action: RolesAction) -> anyhow::Result<()> {
     );
     // Only roles the runner knows: a typo must not look like a grant.
     let known = crate::roles::RolesStatus::load(&dir).unwrap_or_default();
-    anyhow::ensure!(
-        known.roles.iter().any(|r| r.name == *role),
-        "no role {role:?} known to this runner (known: {}); `byoc-runner roles` lists them",
-        known.roles.iter().map(|r| r.name.as_str()).collect::<Vec<_>>().join(", ")
-    );
+    let Some(status) = known.roles.iter().find(|r| r.name == *role) else {
+        anyhow::bail!(
+            "no role {role:?} known to this runner (known: {}); `byoc-runner roles` lists them",
+            known.roles.iter().map(|r| r.name.as_str()).collect::<Vec<_>>().join(", ")
+        );
+    };
+    // An allowance for a role that needs none would change nothing: say so, grant
+    // nothing. (A member of the admin group cannot read runner.toml: the shipped
+    // default stands in.)
+    if matches!(action, RolesAction::Allow { .. }) {
+        let require = Config::load(&s.config)
+            .map(|c| c.roles.require_local_allow)
+            .unwrap_or_else(|_| vec!["break_glass".into()]);
+        anyhow::ensure!(
+            require.iter().any(|q| *q == status.name || q == status.role_type.as_str()),
+            "role {role:?} needs no local allowance (roles.require_local_allow = {require:?}): its stack \
+             switch alone decides; nothing was granted"
+        );
+    }
     let audit = |event: &str, detail: String| {
         let r = byoc_audit::log::Record {
             event: event.into(),

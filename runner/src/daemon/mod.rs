@@ -267,6 +267,7 @@ pub async fn run(config: Config) -> Result<(), DaemonError> {
         tokio::spawn(crate::audit::upload_loop(audit.clone(), client, rt.stop_reporting.clone()));
     let idle = rt.clone();
     let idle_audit = audit.clone();
+    let idle_slots = slots.clone();
     let idle_task = tokio::spawn(async move {
         // Idle heartbeat checkpoints make a silently cut tail visible as a gap.
         let mut tick = tokio::time::interval(Duration::from_secs(10));
@@ -277,6 +278,11 @@ pub async fn run(config: Config) -> Result<(), DaemonError> {
             compact_journal(&idle);
             if let Err(e) = idle_audit.checkpoint_if_idle() {
                 tracing::error!(error = %e, "audit checkpoint failed");
+            }
+            // What a large job's buffers left free in the heap goes back to the kernel
+            // while no job runs (the runner idles most of its life; the walk is cheap).
+            if idle_slots.total() == 0 {
+                byoc_sandbox::return_free_heap();
             }
         }
     });
