@@ -178,7 +178,7 @@ fn inspect(cmd: AuditCmd) -> anyhow::Result<()> {
 
 /// One stored record as a line for people: sequence, time in ISO 8601, event, then the
 /// fields it has. A line that is not a record is printed as it is.
-fn record_line(line: &str) -> String {
+pub(super) fn record_line(line: &str) -> String {
     let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else { return line.to_string() };
     let mut out = format!(
         "{:>6}  {}  {}",

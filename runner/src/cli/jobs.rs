@@ -68,12 +68,20 @@ pub(super) fn run(cmd: JobsCmd) -> anyhow::Result<()> {
             Ok(())
         }
         JobsCmd::Show { state, job_id } => {
-            let j = inspect::job(&state_dir(&state), &job_id)?;
+            let dir = state_dir(&state);
+            let j = inspect::job(&dir, &job_id)?;
+            // What the audit log says of it: the role it ran under and its trail.
+            let trail = audit_trail(&dir, &job_id);
+            let role = trail.iter().rev().find_map(|r| r["role"].as_str().filter(|s| !s.is_empty()));
             if state.output == Output::Json {
-                return print_json(&j);
+                let mut v = serde_json::to_value(&j)?;
+                v["role"] = role.into();
+                v["audit"] = trail.clone().into();
+                return print_json(&v);
             }
             println!("job:        {}", j.job_id);
             println!("kind:       {} ({} {})", j.kind, j.entity, j.operation);
+            println!("role:       {}", role.unwrap_or("none (no role asked, or refused before one)"));
             println!("status:     {}", inspect::status_label(&j));
             println!("phase:      {}", j.phase.as_str());
             println!("received:   {}", inspect::format_ms(j.received_at_ms));
@@ -95,6 +103,12 @@ pub(super) fn run(cmd: JobsCmd) -> anyhow::Result<()> {
                 println!("detail:     {d}");
             }
             println!("payload:    sha256 {}", j.payload_sha256);
+            if !trail.is_empty() {
+                println!("audit:");
+                for r in &trail {
+                    println!("  {}", super::audit::record_line(&r.to_string()).trim_start());
+                }
+            }
             Ok(())
         }
         JobsCmd::Logs { state, job_id } => {
@@ -128,4 +142,17 @@ pub(super) fn run(cmd: JobsCmd) -> anyhow::Result<()> {
             Ok(())
         }
     }
+}
+
+/// The job's records in the audit log, oldest first (none when the log cannot be read:
+/// `jobs show` is still the journal's view).
+fn audit_trail(state_dir: &std::path::Path, job_id: &str) -> Vec<serde_json::Value> {
+    let dir = state_dir.join(crate::audit::AUDIT_DIR);
+    byoc_audit::log::read_lines(&dir, 0, u64::MAX)
+        .unwrap_or_default()
+        .iter()
+        .filter(|l| l.contains(job_id))
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|r| r["job"] == job_id)
+        .collect()
 }
