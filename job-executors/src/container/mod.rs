@@ -456,7 +456,8 @@ async fn supervise(
             }
         }
     }
-    // Nothing records the container's output any more: it must not run on.
+    // No more output is read: a container whose stream broke must not run on
+    // unrecorded; one that closed its own output is held to its deadline below.
     drop(output);
     if let Some(s) = stopping.take() {
         s.await;
