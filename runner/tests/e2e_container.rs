@@ -309,17 +309,18 @@ fn numbers(log: &str) -> Vec<u64> {
     log.lines().filter_map(|l| l.trim().parse().ok()).collect()
 }
 
+/// A container without a network printing 1 to 300,000, a line each (1.9 MB).
+fn counting(image: &str) -> EnqueueRequest {
+    container(serde_json::json!({"image": image, "command": ["seq", "1", "300000"], "network": false}))
+}
+
 /// A container's whole output reaches the log, however long (the engine's log stream
 /// used to lose the last half of this one).
 #[tokio::test]
 async fn a_long_container_output_arrives_whole() {
     let image = import_image("byoc-test/busybox:basic", &[]);
     let e = env().await;
-    let id =
-        e.cp.enqueue(container(
-            serde_json::json!({"image": image, "command": ["seq", "1", "300000"], "network": false}),
-        ))
-        .unwrap();
+    let id = e.cp.enqueue(counting(&image)).unwrap();
     let v = e.finished(&id).await;
     let result = v.result.unwrap();
     assert_eq!(result.status, JobStatus::Succeeded, "{:?}", result.error);
@@ -336,11 +337,7 @@ async fn a_long_container_output_arrives_whole() {
 async fn a_container_output_past_the_cap_keeps_its_head_a_marker_and_its_tail() {
     let image = import_image("byoc-test/busybox:basic", &[]);
     let e = env_with(RunnerOptions { jobs_extra: "log_max_mib = 1".into(), ..Default::default() }).await;
-    let id =
-        e.cp.enqueue(container(
-            serde_json::json!({"image": image, "command": ["seq", "1", "300000"], "network": false}),
-        ))
-        .unwrap();
+    let id = e.cp.enqueue(counting(&image)).unwrap();
     let v = e.finished(&id).await;
     let result = v.result.unwrap();
     assert_eq!(result.status, JobStatus::Succeeded, "{:?}", result.error);

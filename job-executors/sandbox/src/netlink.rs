@@ -248,19 +248,27 @@ impl Netlink {
         &self.fd
     }
 
-    /// Send one request and wait for the kernel's acknowledgement.
-    fn request(&mut self, what: &str, kind: u16, flags: u16, body: &[u8]) -> Result<(), NetlinkError> {
+    /// Send one message (a header with the next sequence number, then `body`); returns
+    /// that number.
+    fn send(&mut self, what: &str, kind: u16, flags: u16, body: &[u8]) -> Result<u32, NetlinkError> {
         self.seq = self.seq.wrapping_add(1);
         let seq = self.seq;
         let mut msg = Vec::with_capacity(16 + body.len());
         msg.extend_from_slice(&((16 + body.len()) as u32).to_ne_bytes());
         msg.extend_from_slice(&kind.to_ne_bytes());
-        msg.extend_from_slice(&(flags | NLM_F_REQUEST | NLM_F_ACK).to_ne_bytes());
+        msg.extend_from_slice(&(flags | NLM_F_REQUEST).to_ne_bytes());
         msg.extend_from_slice(&seq.to_ne_bytes());
         msg.extend_from_slice(&0u32.to_ne_bytes());
         msg.extend_from_slice(body);
+        sendto(self.fd.as_raw_fd(), &msg, &NetlinkAddr::new(0, 0), MsgFlags::empty())
+            .map_err(|source| NetlinkError::Io { what: what.to_string(), source })?;
+        Ok(seq)
+    }
+
+    /// Send one request and wait for the kernel's acknowledgement.
+    fn request(&mut self, what: &str, kind: u16, flags: u16, body: &[u8]) -> Result<(), NetlinkError> {
+        let seq = self.send(what, kind, flags | NLM_F_ACK, body)?;
         let io = |source| NetlinkError::Io { what: what.to_string(), source };
-        sendto(self.fd.as_raw_fd(), &msg, &NetlinkAddr::new(0, 0), MsgFlags::empty()).map_err(io)?;
         let mut buf = vec![0u8; 8192];
         // Answers to earlier requests cannot be pending (each waited for its own), but
         // skip anything that is not ours rather than misread it.
@@ -287,22 +295,13 @@ impl Netlink {
     /// physical device, which has no kind.
     pub fn link_kind(&mut self, ifindex: u32) -> Result<Option<String>, NetlinkError> {
         let what = format!("reading link {ifindex}");
-        self.seq = self.seq.wrapping_add(1);
-        let seq = self.seq;
         let mut body = vec![0u8, 0];
         body.extend_from_slice(&0u16.to_ne_bytes());
         body.extend_from_slice(&(ifindex as i32).to_ne_bytes());
         body.extend_from_slice(&0u32.to_ne_bytes());
         body.extend_from_slice(&0u32.to_ne_bytes());
-        let mut msg = Vec::with_capacity(16 + body.len());
-        msg.extend_from_slice(&((16 + body.len()) as u32).to_ne_bytes());
-        msg.extend_from_slice(&RTM_GETLINK.to_ne_bytes());
-        msg.extend_from_slice(&NLM_F_REQUEST.to_ne_bytes());
-        msg.extend_from_slice(&seq.to_ne_bytes());
-        msg.extend_from_slice(&0u32.to_ne_bytes());
-        msg.extend_from_slice(&body);
+        let seq = self.send(&what, RTM_GETLINK, 0, &body)?;
         let io = |source| NetlinkError::Io { what: what.clone(), source };
-        sendto(self.fd.as_raw_fd(), &msg, &NetlinkAddr::new(0, 0), MsgFlags::empty()).map_err(io)?;
         let mut buf = vec![0u8; 32768];
         for _ in 0..16 {
             let n = recv(self.fd.as_raw_fd(), &mut buf, MsgFlags::empty()).map_err(io)?;
