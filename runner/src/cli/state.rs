@@ -298,12 +298,12 @@ pub(super) fn roles_action(action: RolesAction) -> anyhow::Result<()> {
         );
     };
     // An allowance for a role that needs none would change nothing: say so, grant
-    // nothing. (A member of the admin group cannot read runner.toml: the shipped
-    // default stands in.)
-    if matches!(action, RolesAction::Allow { .. }) {
-        let require = Config::load(&s.config)
-            .map(|c| c.roles.require_local_allow)
-            .unwrap_or_else(|_| vec!["break_glass".into()]);
+    // nothing. Only when the configuration says so: a member of the admin group cannot
+    // read runner.toml, and a guess must not refuse a grant the customer requires.
+    if matches!(action, RolesAction::Allow { .. })
+        && let Ok(config) = Config::load(&s.config)
+    {
+        let require = config.roles.require_local_allow;
         anyhow::ensure!(
             require.iter().any(|q| *q == status.name || q == status.role_type.as_str()),
             "role {role:?} needs no local allowance (roles.require_local_allow = {require:?}): its stack \
