@@ -31,6 +31,9 @@ pub struct Request {
     /// (counts and addresses, never values) and why the rule asked.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub plan_digest: Option<String>,
+    /// The digest of the JSON the policies judged (the runner's rendering of that plan).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub judged_digest: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub summary: Option<serde_json::Value>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -246,6 +249,7 @@ mod tests {
             requested_at_ms: 1_000,
             expires_at_ms,
             plan_digest: None,
+            judged_digest: None,
             summary: None,
             findings: Vec::new(),
         }

@@ -320,6 +320,11 @@ async fn a_plan_waits_for_approval_between_decision_and_apply_bound_to_its_diges
     let digest = listed["plan_digest"].as_str().expect("plan digest in the request").to_string();
     assert!(digest.starts_with("sha256:") || digest.len() == 64, "{listed}");
     assert_eq!(listed["summary"]["counts"]["create"], 2, "{listed}");
+    let judged_json = listed["judged_digest"].as_str().expect("the judged JSON's digest").to_string();
+    assert_ne!(judged_json, digest, "{listed}");
+    let shown = e.runner.cli(&["approvals"]);
+    let shown = String::from_utf8_lossy(&shown.stdout);
+    assert!(shown.contains(&format!("plan {digest}")) && shown.contains(&judged_json), "{shown}");
     assert!(e.cp.job(&first).unwrap().result.is_none());
     tokio::time::sleep(Duration::from_secs(13)).await;
     let out = e.runner.cli(&["approve", &first, "--reason", "CHG-7"]);
@@ -330,6 +335,14 @@ async fn a_plan_waits_for_approval_between_decision_and_apply_bound_to_its_diges
     assert_eq!(r.status, JobStatus::Succeeded, "{:?}\n{log}", r.error);
     assert!(log.contains(&format!("[approval] plan {digest} approved by")), "{log}");
     assert!(log.contains("Apply complete! Resources: 2 added"), "{log}");
+    // `jobs show` names what was judged: the plan and the JSON the policies read.
+    let show = e.cli_json(&["jobs", "show", &first]);
+    assert_eq!(show["judged"][0]["subject"], "plan", "{show}");
+    assert_eq!(show["judged"][0]["digest"], digest.as_str(), "{show}");
+    assert_eq!(show["judged"][0]["json_digest"], judged_json.as_str(), "{show}");
+    let text = e.runner.cli(&["jobs", "show", &first]);
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(text.contains(&format!("judged:     plan {digest}, as JSON {judged_json}: allow")), "{text}");
 
     // A changed module is a different plan: a new request, with its own digest.
     let second = e.cp.enqueue(tf_job("approvals", 3, 120)).unwrap();

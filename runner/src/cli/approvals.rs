@@ -38,6 +38,9 @@ pub(super) fn list(s: &StateArgs) -> anyhow::Result<()> {
         );
         if let Some(d) = &r.plan_digest {
             println!("    plan {d}: {}", plan_line(r.summary.as_ref()));
+            if let Some(j) = &r.judged_digest {
+                println!("    judged as JSON {j} (the runner's rendering of that plan)");
+            }
             for f in &r.findings {
                 println!("    because: {f}");
             }

@@ -73,9 +73,11 @@ pub(super) fn run(cmd: JobsCmd) -> anyhow::Result<()> {
             // What the audit log says of it: the role it ran under and its trail.
             let trail = audit_trail(&dir, &job_id);
             let role = trail.iter().rev().find_map(|r| r["role"].as_str().filter(|s| !s.is_empty()));
+            let judged = judged(&trail);
             if state.output == Output::Json {
                 let mut v = serde_json::to_value(&j)?;
                 v["role"] = role.into();
+                v["judged"] = judged.into();
                 v["audit"] = trail.clone().into();
                 return print_json(&v);
             }
@@ -103,6 +105,15 @@ pub(super) fn run(cmd: JobsCmd) -> anyhow::Result<()> {
                 println!("detail:     {d}");
             }
             println!("payload:    sha256 {}", j.payload_sha256);
+            for d in &judged {
+                println!(
+                    "judged:     {} {}, as JSON {}: {}",
+                    d["subject"].as_str().unwrap_or("?"),
+                    d["digest"].as_str().unwrap_or("?"),
+                    d["json_digest"].as_str().unwrap_or("?"),
+                    d["decision"].as_str().unwrap_or("?")
+                );
+            }
             if !trail.is_empty() {
                 println!("audit:");
                 for r in &trail {
@@ -144,6 +155,28 @@ pub(super) fn run(cmd: JobsCmd) -> anyhow::Result<()> {
     }
 }
 
+/// What each policy decision of the job judged, from its `policy_decision` records: the
+/// subject (`plan`, `manifests`, `deletions`) by digest, the digest of the JSON the
+/// policies read (for a plan, the runner's rendering of it) and the verdict.
+fn judged(trail: &[serde_json::Value]) -> Vec<serde_json::Value> {
+    trail
+        .iter()
+        .filter(|r| r["event"] == "policy_decision")
+        .filter_map(|r| {
+            let digests = r["digests"].as_object()?;
+            let (subject, digest) = digests
+                .iter()
+                .find(|(k, _)| !k.starts_with("policy:") && *k != "artifact" && !k.ends_with("_json"))?;
+            Some(serde_json::json!({
+                "subject": subject,
+                "digest": digest,
+                "json_digest": digests.get(&format!("{subject}_json")),
+                "decision": r["detail"].as_str().unwrap_or_default(),
+            }))
+        })
+        .collect()
+}
+
 /// The job's records in the audit log, oldest first (none when the log cannot be read:
 /// `jobs show` is still the journal's view).
 fn audit_trail(state_dir: &std::path::Path, job_id: &str) -> Vec<serde_json::Value> {
@@ -155,4 +188,23 @@ fn audit_trail(state_dir: &std::path::Path, job_id: &str) -> Vec<serde_json::Val
         .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
         .filter(|r| r["job"] == job_id)
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn what_was_judged_comes_from_the_policy_decisions() {
+        let trail = vec![
+            serde_json::json!({"event": "job_started", "digests": {"payload": "sha256:p"}}),
+            serde_json::json!({"event": "policy_decision", "detail": "allow: 0 violations",
+                "digests": {"artifact": "sha256:a", "plan": "sha256:1", "plan_json": "sha256:2", "policy:x.rego": "sha256:3"}}),
+        ];
+        let judged = super::judged(&trail);
+        assert_eq!(
+            judged,
+            vec![
+                serde_json::json!({"subject": "plan", "digest": "sha256:1", "json_digest": "sha256:2", "decision": "allow: 0 violations"})
+            ]
+        );
+    }
 }

@@ -72,6 +72,7 @@ impl PlanApprover {
             requested_at_ms: now_ms,
             expires_at_ms: now_ms + self.rule.expires_secs * 1000,
             plan_digest: Some(req.plan_digest.to_string()),
+            judged_digest: Some(req.decision.input_digest.clone()),
             summary: Some(req.summary.clone()),
             findings: why,
         };

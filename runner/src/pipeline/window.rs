@@ -232,6 +232,7 @@ pub async fn await_approval(
         requested_at_ms: now_ms,
         expires_at_ms: now_ms + rule.expires_secs * 1000,
         plan_digest: None,
+        judged_digest: None,
         summary: None,
         findings: Vec::new(),
     });

@@ -406,6 +406,7 @@ mod tests {
             requested_at_ms: 1,
             expires_at_ms: u64::MAX,
             plan_digest: None,
+            judged_digest: None,
             summary: None,
             findings: vec![],
         };
