@@ -179,6 +179,17 @@ async fn approvals_hold_jobs_until_an_admin_answers_and_every_answer_is_audited(
     assert_eq!(listed["operation"], "action.trigger");
     assert_eq!(listed["rule"], "actions-need-approval");
     assert!(e.cp.job(&yes).unwrap().result.is_none(), "ran before it was approved");
+    // `approvals show`: what it will run, from the signed job the runner keeps.
+    let shown = e.cli_json(&["approvals", "show", &yes]);
+    assert_eq!(shown["runs"]["script"], "echo approved and ran", "{shown}");
+    assert_eq!(shown["request"]["rule"], "actions-need-approval", "{shown}");
+    assert!(shown["decision"].is_null(), "{shown}");
+    let text = e.runner.cli(&["approvals", "show", &yes]);
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(text.contains("script: echo approved and ran") && text.contains("decided:    not yet"), "{text}");
+    let missing = e.runner.cli(&["approvals", "show", "job-nope"]);
+    assert_eq!(missing.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&missing.stderr).contains("no approval request"), "{missing:?}");
     // Not root and not in roles.admin_group: refused, nothing written.
     let denied = std::process::Command::new("setpriv")
         .args(["--reuid=65534", "--regid=65534", "--clear-groups", BIN, "approve", &yes, "--state-dir"])

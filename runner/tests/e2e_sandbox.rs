@@ -116,6 +116,64 @@ async fn every_process_of_a_job_sits_in_the_jobs_cgroup_in_every_hierarchy() {
     }
 }
 
+/// On a cgroup v2 hierarchy the job's init is born in its cgroup (`clone3` with
+/// `CLONE_INTO_CGROUP`): given the directory and no `cgroup.procs` to write, the job
+/// still runs inside it, so nothing moved it there. The helper runs directly, on this
+/// machine's v2 hierarchy (`/sys/fs/cgroup/unified` beside v1, or `/sys/fs/cgroup`).
+#[test]
+fn on_cgroup_v2_the_job_is_born_in_its_cgroup() {
+    use std::io::Write as _;
+    use std::os::unix::fs::PermissionsExt as _;
+    let v2 = ["/sys/fs/cgroup/unified", "/sys/fs/cgroup"]
+        .into_iter()
+        .map(std::path::Path::new)
+        .find(|p| p.join("cgroup.procs").exists() && !p.join("tasks").exists())
+        .expect("a cgroup v2 hierarchy (these machines mount one at /sys/fs/cgroup/unified)");
+    let name = format!("byoc-test-born-{}", std::process::id());
+    let cgroup = v2.join(&name);
+    std::fs::create_dir(&cgroup).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let (work, root) = (dir.path().join("work"), dir.path().join("root"));
+    std::fs::create_dir_all(&work).unwrap();
+    std::fs::create_dir_all(&root).unwrap();
+    std::fs::set_permissions(&work, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let spec = byoc_sandbox::SandboxSpec {
+        argv: vec!["/bin/sh".into(), "-c".into(), "grep '^0::' /proc/self/cgroup".into()],
+        env: vec![("PATH".into(), "/usr/bin:/bin".into())],
+        work_dir: work,
+        new_root: root,
+        ro_paths: vec![],
+        hidden_paths: vec![],
+        network: byoc_sandbox::spec::NetworkSpec::Off,
+        tmp_size_mib: 16,
+        nofile: 1024,
+        host_uid: 65534,
+        host_gid: 65534,
+        cgroup_procs: vec![],
+        cgroup_born_in: Some(cgroup.clone()),
+        hostname: "byoc-job".into(),
+        then: vec![],
+        sealed_dir: None,
+    };
+    let mut child = std::process::Command::new(BIN)
+        .arg("sandbox-exec")
+        .env_clear()
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(&serde_json::to_vec(&spec).unwrap()).unwrap();
+    let out = child.wait_with_output().unwrap();
+    let _ = std::fs::remove_dir(&cgroup);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(stdout.trim(), format!("0::/{name}"), "the job ran outside its cgroup");
+    // The test process itself was never moved.
+    let own = std::fs::read_to_string("/proc/self/cgroup").unwrap();
+    assert!(!own.contains(&name), "{own}");
+}
+
 #[tokio::test]
 async fn pids_limit_stops_a_fork_bomb_and_says_so() {
     let e = env_with(RunnerOptions { sandbox_extra: "pids = 16".into(), ..Default::default() }).await;

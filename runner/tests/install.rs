@@ -80,6 +80,14 @@ fn the_package_installs_its_files_user_and_modes_and_reinstalls_keeping_config()
         .map(|l| l.split_whitespace().last().unwrap().to_string())
         .collect();
     files.sort();
+    // A manual page per command, generated from the binary's own definitions.
+    let (pages, files): (Vec<String>, Vec<String>) =
+        files.into_iter().partition(|f| f.starts_with("./usr/share/man/man1/"));
+    for page in ["byoc-runner.1.gz", "byoc-runner-jobs-show.1.gz", "byoc-runner-approvals-show.1.gz"] {
+        assert!(pages.contains(&format!("./usr/share/man/man1/{page}")), "{page} missing: {pages:?}");
+    }
+    assert!(pages.iter().all(|p| p.ends_with(".1.gz")), "{pages:?}");
+    assert!(!pages.iter().any(|p| p.contains("sandbox-exec") || p.contains("policy-eval")), "{pages:?}");
     assert_eq!(
         files,
         [
@@ -88,7 +96,10 @@ fn the_package_installs_its_files_user_and_modes_and_reinstalls_keeping_config()
             "./lib/systemd/system/byoc-runner.service",
             "./usr/bin/byoc-runner",
             "./usr/lib/byoc-runner/imds-firewall",
-            "./usr/share/doc/byoc-runner/README.md"
+            "./usr/share/bash-completion/completions/byoc-runner",
+            "./usr/share/doc/byoc-runner/README.md",
+            "./usr/share/fish/vendor_completions.d/byoc-runner.fish",
+            "./usr/share/zsh/vendor-completions/_byoc-runner",
         ]
     );
 

@@ -570,6 +570,35 @@ fn a_job_runs_sandboxed_in_the_units_cgroup_v2_subtree(w: &mut World) {
     // The runner itself reaches the metadata service (config check, below, proves IMDSv2).
 }
 
+/// A benchmark figure, not a timed assertion: on the guest (cgroup v2, the shipped
+/// unit), the time from the runner starting a job to the job's first instruction
+/// (both read from the guest's clock), to set beside the host's (`byoc-bench`, same
+/// figure). Under software emulation the guest runs many times slower than the host.
+fn pickup_on_the_guest_is_measured(w: &mut World) {
+    let mut started_to_child = Vec::new();
+    for _ in 0..20 {
+        let req = EnqueueRequest::new(
+            "action.script",
+            serde_json::json!({"script": "echo $(( ${EPOCHREALTIME/./} / 1000 ))", "interpreter": "/bin/bash"}),
+        );
+        let id = w.cp.enqueue(req).unwrap();
+        let v = w.finished(&id);
+        let r = v.result.unwrap();
+        assert_eq!(r.status, JobStatus::Succeeded, "{:?}", r.error);
+        let out = w.output(&id);
+        let child_ms: u64 =
+            out.trim().lines().last().unwrap_or("").parse().unwrap_or_else(|_| panic!("{out}"));
+        started_to_child.push(child_ms.saturating_sub(r.started_at_ms.expect("started_at_ms")));
+    }
+    started_to_child.sort_unstable();
+    println!(
+        "vm: pickup on the guest, runner started -> child running: p50 {} ms, max {} ms (n={})",
+        started_to_child[started_to_child.len() / 2],
+        started_to_child.last().unwrap(),
+        started_to_child.len()
+    );
+}
+
 /// The sandbox probe, run as a job under the shipped unit, finds every escape closed.
 fn the_sandbox_probe_finds_every_escape_closed_under_the_unit(w: &mut World) {
     let pid = w.vm.sh("systemctl show -p MainPID --value byoc-runner").trim().to_string();
@@ -867,6 +896,7 @@ const CASES: &[Case] = &[
         "a_job_runs_sandboxed_in_the_units_cgroup_v2_subtree",
         a_job_runs_sandboxed_in_the_units_cgroup_v2_subtree,
     ),
+    ("pickup_on_the_guest_is_measured", pickup_on_the_guest_is_measured),
     (
         "the_sandbox_probe_finds_every_escape_closed_under_the_unit",
         the_sandbox_probe_finds_every_escape_closed_under_the_unit,

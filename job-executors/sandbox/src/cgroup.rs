@@ -193,6 +193,11 @@ impl JobCgroup {
         Ok(cg)
     }
 
+    /// The job's directory on a v2 hierarchy (where its init is born), `None` on v1.
+    pub fn v2_dir(&self) -> Option<&Path> {
+        (self.version == Version::V2).then(|| self.dirs[0].as_path())
+    }
+
     /// Did the kernel kill something in this cgroup for exceeding the memory limit?
     pub fn oom_killed(&self) -> bool {
         let dir = &self.dirs[0];

@@ -46,6 +46,11 @@ pub struct SandboxSpec {
     /// `cgroup.procs` files the helper joins before building namespaces (prepared and
     /// limited by the runner; empty when cgroups are unavailable).
     pub cgroup_procs: Vec<PathBuf>,
+    /// The job's cgroup v2 directory: init is born in it (`clone3` with
+    /// `CLONE_INTO_CGROUP`) and the helper joins `cgroup_procs` only afterwards, off the
+    /// job's path. `None` (cgroup v1, or no cgroup): the helper joins first.
+    #[serde(default)]
+    pub cgroup_born_in: Option<PathBuf>,
     pub hostname: String,
     /// Programs run after `argv`, in order, in the same sandbox (one network set-up
     /// instead of several), each only after the one before exited 0.

@@ -1,4 +1,4 @@
-//! `approvals`, `approve JOB`, `deny JOB`: the customer's answer to jobs held by a
+//! `approvals [show JOB]`, `approve JOB`, `deny JOB`: the customer's answer to jobs held by a
 //! `[[guardrails.approval_rule]]` (docs/GUARDRAILS.md). Answering needs root or
 //! `roles.admin_group`; the person, uid and reason are audited (`approved`, `denied`)
 //! through the daemon's audit inbox before the answer is written.
@@ -156,4 +156,224 @@ pub(super) fn decide(
         println!("job {job_id} denied by {who}: it will be refused (approval_denied) and never run");
     }
     Ok(())
+}
+
+#[derive(clap::Subcommand)]
+pub(super) enum ApprovalsCmd {
+    /// Show everything a held job will do: its request (rule, plan summary with the
+    /// plan's digest and that of the JSON judged, findings) and, from the signed job
+    /// the runner keeps while it waits, the script, image, files or manifests it runs.
+    Show {
+        #[command(flatten)]
+        state: StateArgs,
+        job_id: String,
+    },
+}
+
+/// Spec fields shown as they are: what a job runs, never a credential.
+const SHOWN_FIELDS: &[&str] = &[
+    "interpreter",
+    "script",
+    "image",
+    "command",
+    "args",
+    "entrypoint",
+    "mode",
+    "module",
+    "workspace",
+    "action",
+    "release",
+    "namespace",
+    "chart",
+    "version",
+    "providers",
+    "source",
+    "destination",
+    "revision",
+];
+
+/// What a signed job will run, from its spec: the fields in [`SHOWN_FIELDS`] as they
+/// are, the names of the files it brings and a `kind/name` per manifest; every other
+/// field by name only (it may hold values the vendor sends for the job, secrets among
+/// them).
+pub(crate) fn what_it_runs(spec: &serde_json::Value) -> serde_json::Value {
+    let Some(fields) = spec.as_object() else { return serde_json::json!({}) };
+    let mut shown = serde_json::Map::new();
+    let mut withheld = Vec::new();
+    for (key, value) in fields {
+        match key.as_str() {
+            k if SHOWN_FIELDS.contains(&k) => {
+                shown.insert(key.clone(), value.clone());
+            }
+            "files" => {
+                let names: Vec<&String> = value.as_object().map(|m| m.keys().collect()).unwrap_or_default();
+                shown.insert("files".into(), serde_json::json!(names));
+            }
+            "manifests" | "manifests_yaml" => {
+                let mut names = manifest_names(value);
+                if let Some(serde_json::Value::Array(before)) = shown.remove("manifests") {
+                    names.splice(0..0, before.iter().filter_map(|v| v.as_str().map(str::to_string)));
+                }
+                shown.insert("manifests".into(), serde_json::json!(names));
+            }
+            _ => withheld.push(key.clone()),
+        }
+    }
+    if !withheld.is_empty() {
+        shown.insert("other_fields".into(), serde_json::json!(withheld));
+    }
+    serde_json::Value::Object(shown)
+}
+
+/// `Kind/namespace/name` of each manifest (a YAML stream or a list of documents).
+fn manifest_names(manifests: &serde_json::Value) -> Vec<String> {
+    let docs: Vec<serde_json::Value> = match manifests {
+        serde_json::Value::String(text) => match byoc_job_executors::tool::parse_manifests(text) {
+            Ok(docs) => docs,
+            Err(e) => return vec![format!("(not valid YAML: {})", e.0)],
+        },
+        serde_json::Value::Array(items) => items.clone(),
+        _ => vec![],
+    };
+    docs.iter()
+        .filter(|d| !d.is_null())
+        .map(|d| {
+            format!(
+                "{}/{}/{}",
+                d["kind"].as_str().unwrap_or("?"),
+                d["metadata"]["namespace"].as_str().unwrap_or("-"),
+                d["metadata"]["name"].as_str().unwrap_or("?")
+            )
+        })
+        .collect()
+}
+
+pub(super) fn run(cmd: ApprovalsCmd) -> anyhow::Result<()> {
+    match cmd {
+        ApprovalsCmd::Show { state, job_id } => show(&state, &job_id),
+    }
+}
+
+fn show(s: &StateArgs, job_id: &str) -> anyhow::Result<()> {
+    let dir = state_dir(s);
+    let (request, decision) =
+        approvals::requests(&dir).into_iter().find(|(r, _)| r.job_id == job_id).ok_or_else(|| {
+            anyhow::anyhow!("no approval request for job {job_id:?} (`byoc-runner approvals` lists them)")
+        })?;
+    // The held job's signed envelope: the runner's own file (0600). An admin who is not
+    // root sees the request only.
+    let runs = match crate::pipeline::held::kept_delivery(&dir, job_id) {
+        Some(d) => {
+            use base64::Engine as _;
+            base64::engine::general_purpose::STANDARD
+                .decode(&d.envelope.payload)
+                .map_err(|e| e.to_string())
+                .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).map_err(|e| e.to_string()))
+                .map(|payload| what_it_runs(&payload["spec"]))
+                .map_err(|e| format!("the kept job does not decode: {e}"))
+        }
+        None => Err(format!(
+            "not readable here: the signed job is kept in {} for the runner's user and root",
+            dir.join(crate::pipeline::held::HELD_DIR).display()
+        )),
+    };
+    if s.output == Output::Json {
+        return print_json(&serde_json::json!({
+            "request": request,
+            "decision": decision,
+            "runs": runs.as_ref().ok(),
+            "runs_unavailable": runs.as_ref().err(),
+        }));
+    }
+    println!("job:        {}", request.job_id);
+    println!("kind:       {} ({})", request.kind, request.operation);
+    println!("role:       {}", request.role.as_deref().unwrap_or("-"));
+    println!("component:  {}", request.component.as_deref().unwrap_or("-"));
+    println!("rule:       {}", request.rule);
+    println!("requested:  {}", format_ms(request.requested_at_ms));
+    println!("expires:    {}", format_ms(request.expires_at_ms));
+    match &decision {
+        Some(d) => println!(
+            "decided:    {} by {} at {}{}",
+            if d.approved { "approved" } else { "denied" },
+            d.by,
+            format_ms(d.at_ms),
+            d.reason.as_deref().map(|r| format!(": {r}")).unwrap_or_default()
+        ),
+        None => {
+            println!("decided:    not yet (`byoc-runner approve {job_id}` or `deny {job_id} --reason …`)")
+        }
+    }
+    if let Some(d) = &request.plan_digest {
+        println!("plan:       {d}");
+        if let Some(j) = &request.judged_digest {
+            println!("judged:     JSON {j} (the runner's rendering of that plan)");
+        }
+        let summary = request.summary.clone().unwrap_or_default();
+        let counts = summary["counts"].as_object().cloned().unwrap_or_default();
+        if counts.is_empty() {
+            println!("changes:    none");
+        }
+        for (action, n) in counts {
+            println!("{:<12}{n}", format!("{action}:"));
+            for a in summary["addresses"][&action].as_array().into_iter().flatten() {
+                println!("              {}", a.as_str().unwrap_or("?"));
+            }
+        }
+        for f in &request.findings {
+            println!("because:    {f}");
+        }
+    }
+    match runs {
+        Ok(v) => {
+            println!("runs:");
+            for (key, value) in v.as_object().into_iter().flatten() {
+                match value {
+                    serde_json::Value::String(text) if text.contains('\n') => {
+                        println!("  {key}:");
+                        for line in text.lines() {
+                            println!("    | {line}");
+                        }
+                    }
+                    serde_json::Value::String(text) => println!("  {key}: {text}"),
+                    serde_json::Value::Array(items) => {
+                        println!("  {key}:");
+                        for i in items {
+                            println!(
+                                "    - {}",
+                                i.as_str().map(str::to_string).unwrap_or_else(|| i.to_string())
+                            );
+                        }
+                    }
+                    other => println!("  {key}: {other}"),
+                }
+            }
+        }
+        Err(why) => println!("runs:       {why}"),
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod show_tests {
+    #[test]
+    fn what_a_job_runs_is_shown_and_its_values_are_not() {
+        let spec = serde_json::json!({
+            "script": "echo hi\nrm -rf /data",
+            "interpreter": "/bin/sh",
+            "secret_vars": {"db_password": "hunter2"},
+            "files": {"main.tf": "resource …", "vars.tf": "…"},
+            "manifests": [{"kind": "Service", "metadata": {"name": "api", "namespace": "acme"}}],
+            "manifests_yaml": "kind: ConfigMap\nmetadata:\n  name: cfg\n---\nkind: Secret\nmetadata:\n  name: s\n",
+        });
+        let shown = super::what_it_runs(&spec);
+        assert_eq!(shown["script"], "echo hi\nrm -rf /data");
+        assert_eq!(shown["files"], serde_json::json!(["main.tf", "vars.tf"]));
+        assert_eq!(
+            shown["manifests"],
+            serde_json::json!(["Service/acme/api", "ConfigMap/-/cfg", "Secret/-/s"])
+        );
+        assert_eq!(shown["other_fields"], serde_json::json!(["secret_vars"]));
+        assert!(!shown.to_string().contains("hunter2"), "{shown}");
+    }
 }

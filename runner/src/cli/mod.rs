@@ -84,6 +84,21 @@ enum Cmd {
     },
     /// Run a job file locally with no control plane (for vendors testing actions).
     RunLocal(run::LocalArgs),
+    /// Print a shell completion script (the package installs bash, zsh and fish ones).
+    ///
+    /// Example: byoc-runner completions bash > /etc/bash_completion.d/byoc-runner
+    Completions {
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
+    /// Print the manual page (roff), or with --dir write one page per command there
+    /// (the package installs them in section 1).
+    ///
+    /// Example: byoc-runner man | man -l -
+    Man {
+        #[arg(long, value_name = "DIR")]
+        dir: Option<PathBuf>,
+    },
     /// Internal: build a job sandbox from the spec on stdin and exec the job.
     #[command(hide = true)]
     SandboxExec,
@@ -140,7 +155,12 @@ enum Cmd {
     Secrets(StateArgs),
     /// List the jobs awaiting a local approval ([[guardrails.approval_rule]]): what
     /// each will do, under which rule, until when.
-    Approvals(StateArgs),
+    Approvals {
+        #[command(flatten)]
+        state: StateArgs,
+        #[command(subcommand)]
+        action: Option<approvals::ApprovalsCmd>,
+    },
     /// Approve a job awaiting approval: it runs. Audited with who and why. Needs root
     /// or roles.admin_group.
     Approve {
@@ -225,13 +245,25 @@ pub fn main() -> i32 {
                 Err(_) => 1,
             }
         }
+        Cmd::Completions { shell } => {
+            byoc_sandbox::default_sigpipe();
+            clap_complete::generate(
+                shell,
+                &mut <Cli as clap::CommandFactory>::command(),
+                "byoc-runner",
+                &mut std::io::stdout(),
+            );
+            0
+        }
+        Cmd::Man { dir } => edge(|| man(dir.as_deref())),
         Cmd::Run { config } => run::daemon(&config),
         Cmd::RunLocal(args) => run::local(args),
         Cmd::Status(s) => edge_code(|| state::status(&s)),
         Cmd::Metrics(s) => edge(|| state::metrics(&s)),
         Cmd::Pause { state, reason } => edge(|| state::pause(&state, reason)),
         Cmd::Resume(s) => edge(|| state::resume(&s)),
-        Cmd::Approvals(s) => edge(|| approvals::list(&s)),
+        Cmd::Approvals { state, action: None } => edge(|| approvals::list(&state)),
+        Cmd::Approvals { action: Some(action), .. } => edge(|| approvals::run(action)),
         Cmd::Secrets(s) => edge(|| secrets::list(&s)),
         Cmd::Drift { state, action } => edge(|| drift::run(&state, action)),
         Cmd::Approve { state, job_id, reason } => edge(|| approvals::decide(&state, &job_id, true, reason)),
@@ -275,6 +307,23 @@ fn edge(f: impl FnOnce() -> anyhow::Result<()>) -> i32 {
     }
 }
 
+/// The manual page from the command definitions: one page on stdout, or a page per
+/// command (`byoc-runner-jobs-show.1`, …) in `dir`. Hidden internal commands have none.
+fn man(dir: Option<&Path>) -> anyhow::Result<()> {
+    let cmd = <Cli as clap::CommandFactory>::command();
+    match dir {
+        None => {
+            let mut out = std::io::stdout().lock();
+            clap_mangen::Man::new(cmd).render(&mut out)?;
+        }
+        Some(dir) => {
+            std::fs::create_dir_all(dir)?;
+            clap_mangen::generate_to(cmd, dir)?;
+        }
+    }
+    Ok(())
+}
+
 fn load_config(path: &Path) -> Result<Config, i32> {
     Config::load(path).map_err(|e| {
         eprintln!("error: {e}");
@@ -296,4 +345,36 @@ fn state_dir(s: &StateArgs) -> PathBuf {
 fn print_json(v: &impl serde::Serialize) -> anyhow::Result<()> {
     println!("{}", serde_json::to_string_pretty(v)?);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory as _;
+
+    #[test]
+    fn the_command_definitions_are_consistent() {
+        super::Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn completions_and_the_manual_come_from_the_definitions() {
+        let mut bash = Vec::new();
+        clap_complete::generate(
+            clap_complete::Shell::Bash,
+            &mut super::Cli::command(),
+            "byoc-runner",
+            &mut bash,
+        );
+        let bash = String::from_utf8(bash).unwrap();
+        assert!(bash.contains("approvals") && bash.contains("rejections"), "{bash}");
+        let mut page = Vec::new();
+        clap_mangen::Man::new(super::Cli::command()).render(&mut page).unwrap();
+        let page = String::from_utf8(page).unwrap();
+        assert!(page.starts_with(".ie") || page.contains(".TH byoc-runner"), "{page}");
+        assert!(page.contains("approvals") && !page.contains("sandbox\\-exec"), "{page}");
+        let dir = tempfile::tempdir().unwrap();
+        super::man(Some(dir.path())).unwrap();
+        assert!(dir.path().join("byoc-runner-jobs-show.1").exists());
+        assert!(!dir.path().join("byoc-runner-sandbox-exec.1").exists());
+    }
 }

@@ -21,7 +21,7 @@
 
 use std::ffi::CString;
 use std::io::Read as _;
-use std::os::fd::{AsRawFd as _, OwnedFd};
+use std::os::fd::{AsFd as _, AsRawFd as _, OwnedFd};
 use std::path::PathBuf;
 
 use nix::sched::CloneFlags;
@@ -102,8 +102,16 @@ fn helper() -> Result<i32, SetupError> {
     } else {
         None
     };
-    // 4. Join the job's cgroup first, so every process of the job is counted and limited.
-    join_cgroups(&spec.cgroup_procs)?;
+    // 4. Every process of the job is counted and limited. On cgroup v2 init and the
+    //    network stack are born in the job's cgroup (6, 7b) and the helper stays out;
+    //    otherwise the helper joins first and they follow.
+    let born_in = match &spec.cgroup_born_in {
+        Some(dir) => Some(open_cgroup(dir)?),
+        None => {
+            join_cgroups(&spec.cgroup_procs)?;
+            None
+        }
+    };
     // The ranges the job may never reach, with this host's own addresses, which only
     // the helper (still in the runner's namespace) can list.
     let blocked = match &user_mode {
@@ -130,20 +138,32 @@ fn helper() -> Result<i32, SetupError> {
     }
     let root_mode = nix::unistd::geteuid().is_root();
     let write_end = ready_w.as_raw_fd();
-    let child = sys::clone_with(
-        flags,
-        Box::new(|| {
-            sys::close_raw(write_end);
-            match init(&spec, &ready_r, root_mode, blocked.as_deref(), channel.take(), gate.as_ref()) {
-                Ok(code) => code as isize,
-                Err(e) => {
-                    eprintln!("sandbox: {e}");
-                    e.exit_code() as isize
-                }
+    let mut run_init = || {
+        sys::close_raw(write_end);
+        match init(&spec, &ready_r, root_mode, blocked.as_deref(), channel.take(), gate.as_ref()) {
+            Ok(code) => code as isize,
+            Err(e) => {
+                eprintln!("sandbox: {e}");
+                e.exit_code() as isize
             }
-        }),
-    )
-    .step("creating namespaces (clone; are unprivileged user namespaces allowed?)")?;
+        }
+    };
+    let cloned = match &born_in {
+        Some(cgroup) => match sys::clone_into_cgroup(flags, cgroup.as_fd()) {
+            Ok(sys::Forked::Child) => sys::exit_now(run_init() as i32),
+            Ok(sys::Forked::Parent(pid)) => Ok((pid, true)),
+            // A kernel (or a filter above the runner) without `clone3` or
+            // CLONE_INTO_CGROUP: the helper joins first, as on v1. Same isolation.
+            Err(nix::errno::Errno::ENOSYS | nix::errno::Errno::E2BIG | nix::errno::Errno::EINVAL) => {
+                join_cgroups(&spec.cgroup_procs)?;
+                sys::clone_with(flags, Box::new(&mut run_init)).map(|pid| (pid, false))
+            }
+            Err(e) => Err(e),
+        },
+        None => sys::clone_with(flags, Box::new(&mut run_init)).map(|pid| (pid, false)),
+    };
+    let (child, born) =
+        cloned.step("creating namespaces (clone; are unprivileged user namespaces allowed?)")?;
     drop(ready_r);
     // init has its own copy of the hand-over channel; ours would only keep the runner
     // from seeing it close should init fail before sending.
@@ -161,9 +181,11 @@ fn helper() -> Result<i32, SetupError> {
     nix::unistd::write(&ready_w, b"1").step("releasing the sandbox init")?;
     // 7b. The job's way out: the user-mode stack joins init's namespaces and brings up
     //     its interface. It lives as long as this helper (its exit descriptor closes
-    //     when we exit) and sits in the job's cgroup.
+    //     when we exit) and sits in the job's cgroup: born there beside init, or
+    //     there with the helper that joined.
+    let stack_cgroup = born_in.as_ref().filter(|_| born).map(|fd| fd.as_fd());
     let _stack = match &user_mode {
-        Some(net) => match start_user_mode_stack(child, net) {
+        Some(net) => match start_user_mode_stack(child, net, stack_cgroup) {
             Ok(stack) => {
                 nix::unistd::write(&ready_w, b"2").step("releasing the sandbox init")?;
                 Some(stack)
@@ -199,6 +221,18 @@ fn join_cgroups(procs_files: &[PathBuf]) -> Result<(), SetupError> {
         }
     }
     Ok(())
+}
+
+/// The job's cgroup v2 directory, for `CLONE_INTO_CGROUP`.
+fn open_cgroup(dir: &std::path::Path) -> Result<OwnedFd, SetupError> {
+    use nix::fcntl::OFlag;
+    let fd = nix::fcntl::open(
+        dir,
+        OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
+        nix::sys::stat::Mode::empty(),
+    )
+    .step(format!("opening cgroup {}", dir.display()))?;
+    Ok(fd)
 }
 
 fn read_spec() -> Result<SandboxSpec, SetupError> {
@@ -517,6 +551,7 @@ mod tests {
             host_uid: 1000,
             host_gid: 1000,
             cgroup_procs: vec![],
+            cgroup_born_in: None,
             hostname: "t".into(),
             then,
             sealed_dir: sealed.then(|| "/tmp/s".into()),

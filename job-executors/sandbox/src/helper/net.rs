@@ -35,7 +35,11 @@ pub(super) struct UserModeStack {
 }
 
 /// Start slirp4netns for `child`'s namespaces and wait until its interface is up.
-pub(super) fn start_user_mode_stack(child: Pid, net: &UserModeNet) -> Result<UserModeStack, SetupError> {
+pub(super) fn start_user_mode_stack(
+    child: Pid,
+    net: &UserModeNet,
+    born_in: Option<std::os::fd::BorrowedFd<'_>>,
+) -> Result<UserModeStack, SetupError> {
     use nix::fcntl::{FcntlArg, FdFlag, OFlag, fcntl};
     use std::os::fd::AsFd as _;
     let (ready_r, ready_w) = nix::unistd::pipe2(OFlag::O_CLOEXEC).step("pipe")?;
@@ -48,28 +52,31 @@ pub(super) fn start_user_mode_stack(child: Pid, net: &UserModeNet) -> Result<Use
     let log = nix::sys::memfd::memfd_create(c"slirp4netns", nix::sys::memfd::MFdFlags::MFD_CLOEXEC)
         .step("memfd_create")?;
     let log_for_child = log.try_clone().step("dup")?;
-    let mut cmd = std::process::Command::new(&net.slirp4netns);
-    cmd.env_clear()
-        .args([
-            "--configure",
-            "--disable-host-loopback",
-            "--disable-dns",
-            "--enable-sandbox",
-            "--enable-seccomp",
-        ])
-        .arg(format!("--mtu={}", net.mtu))
-        .arg(format!("--ready-fd={}", ready_w.as_raw_fd()))
-        .arg(format!("--exit-fd={}", exit_r.as_raw_fd()));
+    let mut args: Vec<String> =
+        ["--configure", "--disable-host-loopback", "--disable-dns", "--enable-sandbox", "--enable-seccomp"]
+            .map(String::from)
+            .into();
+    args.push(format!("--mtu={}", net.mtu));
+    args.push(format!("--ready-fd={}", ready_w.as_raw_fd()));
+    args.push(format!("--exit-fd={}", exit_r.as_raw_fd()));
     if net.ipv6 {
-        cmd.arg("--enable-ipv6");
+        args.push("--enable-ipv6".into());
     }
-    cmd.arg(child.as_raw().to_string())
-        .arg(crate::net::TAP_NAME)
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::from(log_for_child));
-    // The child is reaped by the helper's waitpid loop; the handle is not needed.
-    let spawned = cmd.spawn().step(format!("starting {}", net.slirp4netns.display()));
+    args.push(child.as_raw().to_string());
+    args.push(crate::net::TAP_NAME.into());
+    // The child is reaped by the helper's waitpid loop; its handle is not needed.
+    let spawned = match born_in {
+        Some(cgroup) => spawn_into_cgroup(&net.slirp4netns, &args, log_for_child, cgroup),
+        None => std::process::Command::new(&net.slirp4netns)
+            .env_clear()
+            .args(&args)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::from(log_for_child))
+            .spawn()
+            .map(drop),
+    }
+    .step(format!("starting {}", net.slirp4netns.display()));
     drop(ready_w);
     drop(exit_r);
     spawned?;
@@ -209,4 +216,41 @@ pub(super) fn hand_over(net: &UserModeNet, channel: OwnedFd) -> Result<(), Setup
     .step("handing the job's sockets to the runner")?;
     drop((udp, tcp, nl, creds, channel));
     Ok(())
+}
+
+/// Start `program` (no environment, stdin and stdout /dev/null, stderr `stderr`) born in
+/// the job's cgroup v2 directory, as `Command::spawn` would outside it. An exec that
+/// fails exits 127 before the stack is ready, which its caller reports.
+fn spawn_into_cgroup(
+    program: &std::path::Path,
+    args: &[String],
+    stderr: OwnedFd,
+    cgroup: std::os::fd::BorrowedFd<'_>,
+) -> std::io::Result<()> {
+    use std::os::unix::ffi::OsStrExt as _;
+    let cstr = |b: &[u8]| {
+        std::ffi::CString::new(b).map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput))
+    };
+    let path = cstr(program.as_os_str().as_bytes())?;
+    let mut argv = vec![path.clone()];
+    for a in args {
+        argv.push(cstr(a.as_bytes())?);
+    }
+    let null = std::fs::OpenOptions::new().read(true).write(true).open("/dev/null")?;
+    match crate::sys::clone_into_cgroup(nix::sched::CloneFlags::empty(), cgroup)? {
+        crate::sys::Forked::Parent(_) => Ok(()),
+        crate::sys::Forked::Child => {
+            // A copy of the single-threaded helper: only descriptor moves, the signal
+            // mask the helper blocked (as `Command` resets it) and the exec.
+            use nix::sys::signal::{SigSet, SigmaskHow, sigprocmask};
+            let moved = sigprocmask(SigmaskHow::SIG_SETMASK, Some(&SigSet::empty()), None)
+                .and_then(|()| nix::unistd::dup2_stdin(&null))
+                .and_then(|()| nix::unistd::dup2_stdout(&null))
+                .and_then(|()| nix::unistd::dup2_stderr(&stderr));
+            if moved.is_ok() {
+                let _ = nix::unistd::execve::<_, &std::ffi::CStr>(&path, &argv, &[]);
+            }
+            crate::sys::exit_now(127)
+        }
+    }
 }
