@@ -213,6 +213,10 @@ pub async fn run(
 }
 
 /// Process exit code for a local run, following shell conventions.
+/// `run-local` could not run the job, or the runner stopped it without an exit code of
+/// its own (a refusal, a denied plan): 125, as `docker run` reports its own failures.
+pub const EXIT_RUNNER: i32 = 125;
+
 pub fn exit_code(o: &ExecOutcome) -> i32 {
     match o.status {
         JobStatus::Succeeded => 0,
@@ -220,7 +224,7 @@ pub fn exit_code(o: &ExecOutcome) -> i32 {
         JobStatus::Cancelled => 130,
         JobStatus::Failed | JobStatus::Interrupted => match o.exit_code {
             Some(c) if (1..=255).contains(&c) => c,
-            _ => 1,
+            _ => EXIT_RUNNER,
         },
     }
 }

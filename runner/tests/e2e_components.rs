@@ -357,12 +357,12 @@ async fn run_local_fetches_a_component_by_digest_from_the_vendors_registry() {
     };
     // A registry on this machine's loopback is reached only when named (--endpoint).
     let (code, out) = run_local(dir.path(), &job(&pushed.digest), &[]);
-    assert_eq!(code, 65, "{out}");
+    assert_eq!(code, 125, "{out}");
     assert!(out.contains("module: 127.0.0.1") && out.contains("loopback"), "{out}");
     let endpoint = format!("{}={}", registry.host(), registry.url());
     // No credential: the registry says no, and nothing runs.
     let (code, out) = run_local(dir.path(), &job(&pushed.digest), &["--endpoint", &endpoint]);
-    assert_eq!(code, 1, "{out}");
+    assert_eq!(code, 125, "{out}");
     assert!(out.contains("HTTP 401") && !out.contains("Initializing"), "{out}");
     // With the vendor's credential (the token from the environment, never argv).
     let auth = ["--registry-user", USER, "--endpoint", &endpoint];
@@ -384,7 +384,7 @@ async fn run_local_fetches_a_component_by_digest_from_the_vendors_registry() {
     // A digest the repository does not hold is refused before terraform runs.
     let missing = format!("sha256:{}", "0".repeat(64));
     let (code, out) = run_local_with(dir.path(), &job(&missing), &auth, &token);
-    assert_eq!(code, 1, "{out}");
+    assert_eq!(code, 125, "{out}");
     assert!(out.contains("artifact_not_found") || out.contains("not found"), "{out}");
 }
 
@@ -399,7 +399,7 @@ fn run_local_decides_with_the_vendor_policies_and_the_app_config() {
         "files": {"main.tf": "resource \"terraform_data\" \"a\" {}\n"},
     }});
     let (code, out) = run_local(dir.path(), &job, &["--vendor-policy", deny_all.to_str().unwrap()]);
-    assert_eq!(code, 1, "{out}");
+    assert_eq!(code, 125, "{out}");
     assert!(out.contains("DENY") && out.contains("no new resources today"), "{out}");
     assert!(!out.contains("Apply complete"), "{out}");
     // An app config's declarations for the component are loaded (and a broken one refused).
@@ -418,7 +418,7 @@ fn run_local_decides_with_the_vendor_policies_and_the_app_config() {
     assert_eq!(code, 0, "{out}");
     assert_eq!(policies(&out), without + 1, "the app's terraform_module policy was decided with: {out}");
     let (code, out) = run_local(dir.path(), &job, &["--app-config", "/nonexistent-app"]);
-    assert_eq!(code, 64, "{out}");
+    assert_eq!(code, 125, "{out}");
 }
 
 #[test]
@@ -431,7 +431,7 @@ fn run_local_reviews_kubernetes_manifests_without_a_cluster_when_planning() {
     }});
     let (code, out) = run_local(dir.path(), &job, &["--plan-only"]);
     // The built-in pack refuses a new public LoadBalancer; nothing reaches a cluster.
-    assert_eq!(code, 1, "{out}");
+    assert_eq!(code, 125, "{out}");
     assert!(out.contains("DENY") && out.contains("public_ingress"), "{out}");
 }
 

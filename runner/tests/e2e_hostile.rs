@@ -221,7 +221,7 @@ async fn run_local_refuses_a_kubeconfig_that_names_a_command() {
     let out =
         std::process::Command::new(BIN).arg("run-local").arg(&file).arg("--no-sandbox").output().unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(65), "{stderr}");
+    assert_eq!(out.status.code(), Some(125), "{stderr}");
     assert!(
         stderr.contains("kubeconfig: users[0].user.exec") && stderr.contains("names a command"),
         "{stderr}"

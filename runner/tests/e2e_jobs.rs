@@ -220,11 +220,22 @@ fn run_local_runs_a_job_file_without_a_control_plane() {
     );
     assert_eq!(timeout.status.code(), Some(124));
 
+    // The tool's own failures exit 125; a job's codes, the tool's old ones among them,
+    // pass through unchanged (as with `docker run`).
     let bad = run_local(&serde_json::json!({"kind": "action.script", "spec": {}}), false);
-    assert_eq!(bad.status.code(), Some(65));
+    assert_eq!(bad.status.code(), Some(125));
     assert!(String::from_utf8_lossy(&bad.stderr).contains("missing field `script`"));
     let unknown = run_local(&serde_json::json!({"kind": "nope"}), false);
-    assert_eq!(unknown.status.code(), Some(65));
+    assert_eq!(unknown.status.code(), Some(125));
+    let no_file = std::process::Command::new(BIN).arg("run-local").output().unwrap();
+    assert_eq!(no_file.status.code(), Some(125), "{no_file:?}");
+    for code in [1, 64, 65] {
+        let job = run_local(
+            &serde_json::json!({"kind": "action.script", "spec": {"script": format!("exit {code}")}}),
+            false,
+        );
+        assert_eq!(job.status.code(), Some(code), "{job:?}");
+    }
 }
 
 /// The customer's secrets are read only by a runner's jobs under an install role:
@@ -233,7 +244,7 @@ fn run_local_runs_a_job_file_without_a_control_plane() {
 fn run_local_reads_no_customer_secret() {
     let job = serde_json::json!({"kind": "secrets.sync", "spec": {"kubeconfig": byoc_control_plane::kube_api::unreached_kubeconfig(), "secrets": ["db_password"]}});
     let out = run_local(&job, true);
-    assert_ne!(out.status.code(), Some(0));
+    assert_eq!(out.status.code(), Some(125));
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["status"], "failed", "{v}");
     assert_eq!(v["outputs"]["reason"], "secret_unavailable", "{v}");

@@ -219,7 +219,13 @@ pub fn main() -> i32 {
     let cli = match Cli::try_parse() {
         Ok(c) => c,
         Err(e) => {
-            let code = if e.use_stderr() { EX_USAGE } else { 0 };
+            // run-local passes its job's exit codes through: its own stay apart (125).
+            let usage = if std::env::args().nth(1).as_deref() == Some("run-local") {
+                crate::run_local::EXIT_RUNNER
+            } else {
+                EX_USAGE
+            };
+            let code = if e.use_stderr() { usage } else { 0 };
             let _ = e.print();
             return code;
         }

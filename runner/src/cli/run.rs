@@ -3,7 +3,7 @@
 
 use std::path::{Path, PathBuf};
 
-use super::{EX_DATAERR, EX_USAGE, Output, load_config};
+use super::{EX_USAGE, Output, load_config};
 
 /// Run a job file locally with no control plane: vendors trying an action or a
 /// component. terraform, helm and kubernetes jobs are decided by the same policies a
@@ -105,6 +105,10 @@ pub(super) fn daemon(path: &Path) -> i32 {
     }
 }
 
+/// `run-local`'s own failures (the job file, the options, an endpoint, the runner
+/// itself), kept apart from the job's exit codes as `docker run` keeps its own.
+pub(super) const EX_RUNNER: i32 = crate::run_local::EXIT_RUNNER;
+
 pub(super) fn local(args: LocalArgs) -> i32 {
     crate::logging::init_cli();
     let output = args.output;
@@ -112,25 +116,25 @@ pub(super) fn local(args: LocalArgs) -> i32 {
         Ok(x) => x,
         Err(e) => {
             eprintln!("error: {e}");
-            return if e.is_usage() { EX_DATAERR } else { 1 };
+            return EX_RUNNER;
         }
     };
     let options = match local_options(&args, &job.kind) {
         Ok(o) => o,
         Err(e) => {
             eprintln!("error: {e}");
-            return EX_USAGE;
+            return EX_RUNNER;
         }
     };
     if let Err(e) = crate::run_local::check_endpoints(&args.job_file, exec.as_ref(), &options) {
         eprintln!("error: {e}");
-        return EX_DATAERR;
+        return EX_RUNNER;
     }
     let rt = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("error: starting the async runtime: {e}");
-            return 1;
+            return EX_RUNNER;
         }
     };
     let mut captured = Vec::new();
@@ -157,7 +161,7 @@ pub(super) fn local(args: LocalArgs) -> i32 {
         }
         Err(e) => {
             eprintln!("error: {e}");
-            1
+            EX_RUNNER
         }
     }
 }
