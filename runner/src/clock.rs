@@ -41,6 +41,26 @@ pub fn parse_duration(s: &str) -> Result<u64, BadText> {
     Ok(secs)
 }
 
+/// `--since`: a time (`2026-11-27T09:00:00Z`, any RFC 3339 offset, or a UTC date
+/// `2026-11-27`) or how long ago (`90s`, `30m`, `2h`, `7d`) → Unix milliseconds.
+pub fn parse_since(s: &str, now_ms: u64) -> Result<u64, BadText> {
+    let s = s.trim();
+    if let Ok(t) = s.parse::<jiff::Timestamp>() {
+        return u64::try_from(t.as_millisecond()).map_err(|_| BadText::new(s, "before 1970"));
+    }
+    if let Ok(d) = s.parse::<jiff::civil::Date>() {
+        let t = d.to_zoned(jiff::tz::TimeZone::UTC).map_err(|e| BadText::new(s, e.to_string()))?.timestamp();
+        return u64::try_from(t.as_millisecond()).map_err(|_| BadText::new(s, "before 1970"));
+    }
+    match parse_duration(s) {
+        Ok(secs) => Ok(now_ms.saturating_sub(secs * 1000)),
+        Err(_) => Err(BadText::new(
+            s,
+            "expected a time (2026-11-27T09:00:00Z, 2026-11-27) or how long ago (90s, 30m, 2h, 7d)",
+        )),
+    }
+}
+
 /// Wall-clock time, injectable.
 pub trait Clock: Send + Sync {
     /// Milliseconds since the Unix epoch.
@@ -91,6 +111,18 @@ pub fn unix_now() -> i64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn since_takes_a_time_a_date_or_how_long_ago() {
+        let now = 1_764_201_600_000; // 2025-11-27T00:00:00Z
+        assert_eq!(parse_since("2025-11-26T23:00:00Z", now).unwrap(), now - 3_600_000);
+        assert_eq!(parse_since("2025-11-27T01:00:00+02:00", now).unwrap(), now - 3_600_000);
+        assert_eq!(parse_since("2025-11-26", now).unwrap(), now - 86_400_000);
+        assert_eq!(parse_since("2h", now).unwrap(), now - 7_200_000);
+        for bad in ["yesterday", "", "2h ago", "2025-13-01"] {
+            assert!(parse_since(bad, now).is_err(), "{bad}");
+        }
+    }
 
     #[test]
     fn durations_have_units_and_bounds() {

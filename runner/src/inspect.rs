@@ -168,18 +168,34 @@ fn index_of(state_dir: &Path, all: bool) -> Result<Index, InspectError> {
 }
 
 /// Newest first; `all`: archived jobs too.
-pub fn jobs(state_dir: &Path, limit: usize, all: bool) -> Result<Vec<JobRecord>, InspectError> {
+/// Newest first, the first `limit` of those `keep` accepts; `all`: archived jobs too.
+pub fn jobs(
+    state_dir: &Path,
+    limit: usize,
+    all: bool,
+    keep: impl Fn(&JobRecord) -> bool,
+) -> Result<Vec<JobRecord>, InspectError> {
     let index = index_of(state_dir, all)?;
-    Ok(index.order.iter().rev().take(limit).filter_map(|id| index.jobs.get(id).cloned()).collect())
+    Ok(index
+        .order
+        .iter()
+        .rev()
+        .filter_map(|id| index.jobs.get(id))
+        .filter(|j| keep(j))
+        .take(limit)
+        .cloned()
+        .collect())
 }
 
+/// Newest first, the first `limit` of those `keep` accepts.
 pub fn rejections(
     state_dir: &Path,
     limit: usize,
     all: bool,
+    keep: impl Fn(&journal::Rejection) -> bool,
 ) -> Result<Vec<journal::Rejection>, InspectError> {
     let index = index_of(state_dir, all)?;
-    Ok(index.rejections.iter().rev().take(limit).cloned().collect())
+    Ok(index.rejections.iter().rev().filter(|r| keep(r)).take(limit).cloned().collect())
 }
 
 /// One job, from the journal or, once archived, from the archive.

@@ -597,3 +597,65 @@ async fn settled_jobs_past_the_journal_keep_move_to_the_archive_and_stay_visible
     let out = e.runner.cli(&["audit", "verify"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
 }
+
+/// `jobs logs -f` prints what a running job wrote, keeps printing, and ends when the
+/// job does.
+#[tokio::test]
+async fn jobs_logs_follow_a_running_job_until_it_ends() {
+    use std::io::BufRead as _;
+    let e = env().await;
+    let id = e.cp.enqueue(script("echo first; sleep 3201 & wait")).unwrap();
+    e.log_contains(&id, "first").await;
+    let mut follower = std::process::Command::new(BIN)
+        .args(["jobs", "logs", "-f", &id, "--state-dir"])
+        .arg(e.dir.path().join("state"))
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufReader::new(follower.stdout.take().unwrap()).lines();
+    let first = lines.by_ref().map(|l| l.unwrap()).find(|l| l == "first");
+    assert!(first.is_some(), "the follower never printed the job's first line");
+    assert!(e.cp.job(&id).unwrap().result.is_none(), "printed only after the job ended");
+    e.cp.cancel(&id).unwrap();
+    e.finished(&id).await;
+    // It ends by itself once the job has; nothing it printed is repeated.
+    let rest: Vec<String> =
+        tokio::task::spawn_blocking(move || lines.map(|l| l.unwrap()).collect()).await.unwrap();
+    let status = follower.wait().unwrap();
+    assert!(status.success(), "{status:?}");
+    assert!(!rest.iter().any(|l| l == "first"), "{rest:?}");
+    let json = e.runner.cli(&["jobs", "logs", "-f", &id, "-o", "json"]);
+    assert_eq!(json.status.code(), Some(1), "{json:?}");
+}
+
+/// `jobs list` and `jobs rejections` filter by status, kind, reason and time.
+#[tokio::test]
+async fn jobs_and_rejections_can_be_filtered() {
+    let e = env().await;
+    let ok = e.cp.enqueue(script("echo fine")).unwrap();
+    let bad = e.cp.enqueue(script("exit 3")).unwrap();
+    e.finished(&ok).await;
+    e.finished(&bad).await;
+    let expired =
+        e.cp.enqueue(EnqueueRequest {
+            tamper: Tamper { expires_offset_secs: Some(-3600), ..Default::default() },
+            ..script("echo never")
+        })
+        .unwrap();
+    e.rejected(&expired).await;
+    let ids = |args: &[&str]| -> Vec<String> {
+        let v = e.cli_json(args);
+        v.as_array().unwrap().iter().map(|j| j["job_id"].as_str().unwrap_or("").to_string()).collect()
+    };
+    assert_eq!(ids(&["jobs", "list", "--status", "failed"]), [bad.clone()]);
+    assert_eq!(ids(&["jobs", "list", "--status", "succeeded", "--kind", "action.script"]), [ok.clone()]);
+    assert!(ids(&["jobs", "list", "--kind", "terraform"]).is_empty());
+    assert!(ids(&["jobs", "list", "--since", "2099-01-01"]).is_empty());
+    let recent = ids(&["jobs", "list", "--since", "1h"]);
+    assert!(recent.contains(&ok) && recent.contains(&bad), "{recent:?}");
+    assert_eq!(ids(&["jobs", "rejections", "--reason", "expired"]), [expired.clone()]);
+    assert!(ids(&["jobs", "rejections", "--reason", "bad_signature"]).is_empty());
+    let wrong = e.runner.cli(&["jobs", "list", "--since", "yesterday"]);
+    assert_eq!(wrong.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&wrong.stderr).contains("--since"), "{wrong:?}");
+}

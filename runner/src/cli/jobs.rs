@@ -10,6 +10,9 @@ use crate::inspect;
 #[derive(Subcommand)]
 pub(super) enum JobsCmd {
     /// List jobs, newest first.
+    ///
+    /// Examples: byoc-runner jobs list --status failed --since 1d;
+    /// byoc-runner jobs list --kind terraform -o json
     List {
         #[command(flatten)]
         state: StateArgs,
@@ -18,6 +21,17 @@ pub(super) enum JobsCmd {
         /// Include jobs archived from the journal (past jobs.journal_keep).
         #[arg(long)]
         all: bool,
+        /// Only jobs with this status as listed: succeeded, failed, timed_out,
+        /// cancelled, interrupted, running, received, refused, waiting_window, …
+        #[arg(long)]
+        status: Option<String>,
+        /// Only jobs of this kind (terraform, action.script, …).
+        #[arg(long)]
+        kind: Option<String>,
+        /// Only jobs received since a time (2026-11-27T09:00:00Z, 2026-11-27) or for a
+        /// while (90s, 30m, 2h, 7d).
+        #[arg(long, value_name = "TIME")]
+        since: Option<String>,
     },
     /// Show one job's journal record.
     Show {
@@ -26,10 +40,16 @@ pub(super) enum JobsCmd {
         job_id: String,
     },
     /// Print a job's log from the local spool.
+    ///
+    /// Example: byoc-runner jobs logs -f JOB
     Logs {
         #[command(flatten)]
         state: StateArgs,
         job_id: String,
+        /// Keep printing as the job writes, until it ends (past the log cap, the
+        /// omission marker and the tail arrive when it ends).
+        #[arg(long, short = 'f')]
+        follow: bool,
     },
     /// List refused deliveries with their reason codes, newest first.
     Rejections {
@@ -40,13 +60,25 @@ pub(super) enum JobsCmd {
         /// Include refusals archived from the journal.
         #[arg(long)]
         all: bool,
+        /// Only refusals with this reason code (bad_signature, expired, paused, …).
+        #[arg(long)]
+        reason: Option<String>,
+        /// Only refusals since a time (2026-11-27T09:00:00Z, 2026-11-27) or for a
+        /// while (90s, 30m, 2h, 7d).
+        #[arg(long, value_name = "TIME")]
+        since: Option<String>,
     },
 }
 
 pub(super) fn run(cmd: JobsCmd) -> anyhow::Result<()> {
     match cmd {
-        JobsCmd::List { state, limit, all } => {
-            let jobs = inspect::jobs(&state_dir(&state), limit, all)?;
+        JobsCmd::List { state, limit, all, status, kind, since } => {
+            let since = since_ms(since.as_deref())?;
+            let jobs = inspect::jobs(&state_dir(&state), limit, all, |j| {
+                status.as_ref().is_none_or(|s| inspect::status_label(j) == *s)
+                    && kind.as_ref().is_none_or(|k| j.kind == *k)
+                    && since.is_none_or(|t| j.received_at_ms >= t)
+            })?;
             if state.output == Output::Json {
                 return print_json(&jobs);
             }
@@ -122,7 +154,14 @@ pub(super) fn run(cmd: JobsCmd) -> anyhow::Result<()> {
             }
             Ok(())
         }
-        JobsCmd::Logs { state, job_id } => {
+        JobsCmd::Logs { state, job_id, follow: true } => {
+            anyhow::ensure!(
+                state.output == Output::Text,
+                "--follow prints the log as text; leave out -o json"
+            );
+            follow_log(&state_dir(&state), &job_id)
+        }
+        JobsCmd::Logs { state, job_id, follow: false } => {
             let log = inspect::log(&state_dir(&state), &job_id)?;
             if state.output == Output::Json {
                 return print_json(&serde_json::json!({
@@ -135,8 +174,12 @@ pub(super) fn run(cmd: JobsCmd) -> anyhow::Result<()> {
             std::io::stdout().write_all(&log)?;
             Ok(())
         }
-        JobsCmd::Rejections { state, limit, all } => {
-            let rs = inspect::rejections(&state_dir(&state), limit, all)?;
+        JobsCmd::Rejections { state, limit, all, reason, since } => {
+            let since = since_ms(since.as_deref())?;
+            let rs = inspect::rejections(&state_dir(&state), limit, all, |r| {
+                reason.as_ref().is_none_or(|c| r.reason.code() == c.as_str())
+                    && since.is_none_or(|t| r.ts >= t)
+            })?;
             if state.output == Output::Json {
                 return print_json(&rs);
             }
@@ -152,6 +195,48 @@ pub(super) fn run(cmd: JobsCmd) -> anyhow::Result<()> {
             }
             Ok(())
         }
+    }
+}
+
+fn since_ms(since: Option<&str>) -> anyhow::Result<Option<u64>> {
+    since
+        .map(|t| crate::clock::parse_since(t, crate::clock::now_ms()))
+        .transpose()
+        .map_err(|e| anyhow::anyhow!("--since: {e}"))
+}
+
+/// `jobs logs -f`: what the spool holds, then what the job adds, until the journal
+/// says it ended (the omission marker and the tail of a log past its cap are written
+/// then). A poll every quarter second: this reads files, it asks the daemon nothing.
+fn follow_log(state_dir: &std::path::Path, job_id: &str) -> anyhow::Result<()> {
+    use std::io::{Read as _, Seek as _};
+    let path = crate::spool::spool_path(state_dir, job_id);
+    let mut offset = 0u64;
+    let mut out = std::io::stdout().lock();
+    loop {
+        // Read the journal first: whatever the spool holds after a finished job is all.
+        let ended = inspect::job(state_dir, job_id)?.finished.is_some();
+        match std::fs::File::open(&path) {
+            Ok(mut f) => {
+                f.seek(std::io::SeekFrom::Start(offset))?;
+                let mut buf = Vec::new();
+                f.read_to_end(&mut buf)?;
+                offset += buf.len() as u64;
+                out.write_all(&buf)?;
+                out.flush()?;
+            }
+            // Not written yet, or removed once reported and uploaded.
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                if ended && offset == 0 {
+                    out.write_all(&inspect::log(state_dir, job_id)?)?;
+                }
+            }
+            Err(e) => return Err(e.into()),
+        }
+        if ended {
+            return Ok(());
+        }
+        std::thread::sleep(std::time::Duration::from_millis(250));
     }
 }
 
