@@ -647,13 +647,16 @@ async fn jobs_and_rejections_can_be_filtered() {
         let v = e.cli_json(args);
         v.as_array().unwrap().iter().map(|j| j["job_id"].as_str().unwrap_or("").to_string()).collect()
     };
-    assert_eq!(ids(&["jobs", "list", "--status", "failed"]), [bad.clone()]);
-    assert_eq!(ids(&["jobs", "list", "--status", "succeeded", "--kind", "action.script"]), [ok.clone()]);
+    assert_eq!(ids(&["jobs", "list", "--status", "failed"]), std::slice::from_ref(&bad));
+    assert_eq!(
+        ids(&["jobs", "list", "--status", "succeeded", "--kind", "action.script"]),
+        std::slice::from_ref(&ok)
+    );
     assert!(ids(&["jobs", "list", "--kind", "terraform"]).is_empty());
     assert!(ids(&["jobs", "list", "--since", "2099-01-01"]).is_empty());
     let recent = ids(&["jobs", "list", "--since", "1h"]);
     assert!(recent.contains(&ok) && recent.contains(&bad), "{recent:?}");
-    assert_eq!(ids(&["jobs", "rejections", "--reason", "expired"]), [expired.clone()]);
+    assert_eq!(ids(&["jobs", "rejections", "--reason", "expired"]), std::slice::from_ref(&expired));
     assert!(ids(&["jobs", "rejections", "--reason", "bad_signature"]).is_empty());
     let wrong = e.runner.cli(&["jobs", "list", "--since", "yesterday"]);
     assert_eq!(wrong.status.code(), Some(1));
