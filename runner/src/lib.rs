@@ -16,6 +16,7 @@ pub mod audit;
 pub mod cli;
 pub mod clock;
 pub mod config;
+pub mod contact;
 pub mod control_plane;
 pub mod daemon;
 pub mod disk;

@@ -662,3 +662,37 @@ async fn jobs_and_rejections_can_be_filtered() {
     assert_eq!(wrong.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&wrong.stderr).contains("--since"), "{wrong:?}");
 }
+
+/// `status` says when the control plane last answered a poll and acknowledged a
+/// result, and that polls fail once it is down.
+#[tokio::test]
+async fn status_says_when_the_control_plane_last_answered() {
+    let e = env().await;
+    let id = e.cp.enqueue(script("echo hi")).unwrap();
+    e.finished(&id).await;
+    let contact = status_until(&e, |c| c["last_result_job"] == id.as_str()).await;
+    let now = byoc_control_plane::state::unix_ms();
+    assert!(now - contact["last_poll_ms"].as_u64().unwrap() < 60_000, "{contact}");
+    assert!(contact["poll_error"].is_null(), "{contact}");
+    let text = String::from_utf8_lossy(&e.runner.cli(&["status"]).stdout).into_owned();
+    assert!(text.contains(&format!("last result:    {id} acknowledged")), "{text}");
+    assert!(text.contains("last poll:      20"), "{text}");
+    e.cp.set_faults(byoc_control_plane::Faults { down: true, ..Default::default() }).await.unwrap();
+    let contact = status_until(&e, |c| c["poll_error"]["error"].is_string()).await;
+    assert_eq!(contact["last_result_job"], id.as_str(), "{contact}");
+    let text = String::from_utf8_lossy(&e.runner.cli(&["status"]).stdout).into_owned();
+    assert!(text.contains("poll failed:"), "{text}");
+}
+
+/// `status`'s `contact` once `pred` holds (the daemon writes it after each poll).
+async fn status_until(e: &Env, pred: impl Fn(&serde_json::Value) -> bool) -> serde_json::Value {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        let v = e.cli_json(&["status"]);
+        if pred(&v["contact"]) {
+            return v["contact"].clone();
+        }
+        assert!(std::time::Instant::now() < deadline, "status never showed it: {v}");
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+}

@@ -15,9 +15,11 @@ pub(super) fn status(s: &StateArgs) -> anyhow::Result<i32> {
     let code = if st.daemon_pid.is_some() { 0 } else { EXIT_NOT_RUNNING };
     // The customer's thresholds if the config reads, else the defaults the daemon uses.
     let disk = Config::load(&s.config).map(|c| c.disk).unwrap_or_default().check(&dir);
+    let contact = crate::contact::read(&dir);
     if s.output == Output::Json {
         let mut v = serde_json::to_value(&st)?;
         v["version"] = env!("CARGO_PKG_VERSION").into();
+        v["contact"] = serde_json::to_value(&contact)?;
         v["disk"] = serde_json::to_value(&disk)?;
         v["drift"] = serde_json::to_value(crate::drift::list(&dir))?;
         print_json(&v)?;
@@ -34,6 +36,21 @@ pub(super) fn status(s: &StateArgs) -> anyhow::Result<i32> {
         Some(pid) => println!("daemon:         running (pid {pid})"),
         None => println!("daemon:         not running"),
     }
+    let ago = |ms: u64| {
+        let secs = crate::clock::now_ms().saturating_sub(ms) / 1000;
+        format!("{} ({secs} s ago)", inspect::format_ms(ms))
+    };
+    println!("last poll:      {}", contact.last_poll_ms.map(ago).unwrap_or_else(|| "never answered".into()));
+    if let Some(e) = &contact.poll_error {
+        println!("poll failed:    {}: {}", ago(e.at_ms), e.error);
+    }
+    println!(
+        "last result:    {}",
+        match (contact.last_result_ms, &contact.last_result_job) {
+            (Some(ms), Some(job)) => format!("{} acknowledged {}", job, ago(ms)),
+            _ => "none acknowledged yet".into(),
+        }
+    );
     let counts: Vec<String> = st.jobs_by_status.iter().map(|(k, v)| format!("{k} {v}")).collect();
     println!(
         "jobs:           {} ({})",

@@ -502,13 +502,20 @@ async fn poll_loop(
             _ = &mut slot_freed, if narrowed => continue,
             _ = drain.cancelled() => return,
         };
+        // For `status`, recorded after a delivery is on its way (off the pickup path).
+        let answered_at = rt.clock.now_ms();
         match polled {
-            Ok(None) => backoff.reset(),
+            Ok(None) => {
+                backoff.reset();
+                crate::contact::poll_answered(&rt.state_dir, answered_at);
+            }
             Ok(Some(resp)) => {
                 backoff.reset();
                 handle_delivery(rt, slots, tasks, PolledJob::from(resp));
+                crate::contact::poll_answered(&rt.state_dir, answered_at);
             }
             Err(e) => {
+                crate::contact::poll_failed(&rt.state_dir, answered_at, &e.to_string());
                 let delay = backoff.next_delay();
                 tracing::warn!(error = %e, retry_in_ms = delay.as_millis() as u64, "poll failed");
                 tokio::select! {

@@ -70,6 +70,7 @@ pub async fn report(rt: &Rt, job_id: &str) -> Result<Reported, JournalError> {
     match reported {
         Retried::Done(None) => {
             rt.transition(Event::Reported { job_id: job_id.to_string() })?;
+            crate::contact::result_acknowledged(&rt.state_dir, rt.clock.now_ms(), job_id);
             tracing::info!(status = result.status.as_str(), "result acknowledged");
             Ok(Reported::Acknowledged)
         }
