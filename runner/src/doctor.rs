@@ -513,14 +513,15 @@ async fn install_stack(c: &Config) -> Vec<Check> {
     let snapshot = match tokio::time::timeout(Duration::from_secs(20), source.read()).await {
         Ok(Ok(s)) => s,
         Ok(Err(e)) => {
-            return vec![check(
-                "install_stack",
-                Status::Fail,
-                e.to_string(),
-                Some(
-                    "the instance role needs cloudformation:DescribeStacks on its own stack; check roles.stack_name and aws.region",
-                ),
-            )];
+            let fix = match e {
+                crate::roles::switches::SwitchError::NoCredentials { .. } => {
+                    "give the instance an instance profile with the install's runner role (the install stack does), and let the runner reach the metadata service"
+                }
+                _ => {
+                    "the instance role needs cloudformation:DescribeStacks on its own stack; check roles.stack_name and aws.region"
+                }
+            };
+            return vec![check("install_stack", Status::Fail, e.to_string(), Some(fix))];
         }
         Err(_) => {
             return vec![check(

@@ -24,7 +24,12 @@ pub fn init(target: LogTarget, level: &str) -> &'static str {
         None => {
             let _ = tracing_subscriber::registry()
                 .with(filter())
-                .with(tracing_subscriber::fmt::layer().with_writer(std::io::stderr).with_target(false))
+                .with(
+                    tracing_subscriber::fmt::layer()
+                        .with_ansi(colour_on_stderr())
+                        .with_writer(std::io::stderr)
+                        .with_target(false),
+                )
                 .try_init();
             if target == LogTarget::Journald {
                 tracing::warn!("journald socket not available; logging to stderr");
@@ -37,7 +42,15 @@ pub fn init(target: LogTarget, level: &str) -> &'static str {
 /// For CLI commands: plain stderr at warn unless RUST_LOG says otherwise.
 pub fn init_cli() {
     let _ = tracing_subscriber::fmt()
+        .with_ansi(colour_on_stderr())
         .with_writer(std::io::stderr)
         .with_env_filter(EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("warn")))
         .try_init();
+}
+
+/// Colour only for a person at a terminal, and never when `NO_COLOR` is set
+/// (no-color.org): never escape codes in a pipe, a file or the journal.
+fn colour_on_stderr() -> bool {
+    use std::io::IsTerminal as _;
+    std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty())
 }

@@ -178,3 +178,55 @@ async fn a_broken_install_fails_with_what_to_do() {
     }
     assert_eq!(status(&checks, "seccomp").0, "ok", "host checks still run");
 }
+
+/// No AWS credentials anywhere (no instance role, variables or profile): `roles
+/// --refresh` and `config check` say so in a sentence with what to check, not the
+/// SDK's debug dump, and without colour codes in a pipe.
+#[tokio::test]
+async fn without_aws_credentials_the_cli_says_so_in_words() {
+    let dir = tempfile::tempdir().unwrap();
+    let key = base64::Engine::encode(
+        &base64::engine::general_purpose::STANDARD,
+        ed25519_dalek::SigningKey::from_bytes(&[7u8; 32]).verifying_key().to_bytes(),
+    );
+    let config = dir.path().join("runner.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[control_plane]\nurl = \"https://cp.vendor.example\"\npublic_keys = [\"{key}\"]\n\n\
+             [runner]\ninstall_id = \"inst-1\"\nstate_dir = \"{}\"\n\n[roles]\nstack_name = \"byoc-inst-1\"\n\n\
+             [aws]\nregion = \"us-east-1\"\n",
+            dir.path().join("state").display()
+        ),
+    )
+    .unwrap();
+    std::fs::create_dir(dir.path().join("state")).unwrap();
+    let run = |args: &[&str]| {
+        std::process::Command::new(BIN)
+            .args(args)
+            .arg("--config")
+            .arg(&config)
+            .env_clear()
+            .env("PATH", "/usr/bin:/bin")
+            .env("HOME", dir.path())
+            .env("AWS_EC2_METADATA_DISABLED", "true")
+            .output()
+            .unwrap()
+    };
+    let out = run(&["roles", "--refresh"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("no AWS credentials were found"), "{stderr}");
+    assert!(stderr.contains("AWS_EC2_METADATA_DISABLED"), "{stderr}");
+    for dump in ["DispatchFailure", "ProviderChainError", "\u{1b}["] {
+        assert!(!stderr.contains(dump), "{dump:?} in {stderr}");
+    }
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    let out = run(&["config", "check", "-o", "json"]);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let stack = v["checks"].as_array().unwrap().iter().find(|c| c["name"] == "install_stack").unwrap();
+    assert_eq!(stack["status"], "fail", "{stack}");
+    assert!(stack["detail"].as_str().unwrap().contains("no AWS credentials were found"), "{stack}");
+    assert!(stack["fix"].as_str().unwrap().contains("instance profile"), "{stack}");
+    assert!(!stack["fix"].as_str().unwrap().contains("DescribeStacks"), "{stack}");
+}

@@ -144,6 +144,41 @@ pub struct Roles {
     status: Mutex<RolesStatus>,
 }
 
+/// An AWS SDK error in words: its chain of causes without the SDK's debug dump and, when
+/// no credentials were found, what the runner looks for and what to check.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AwsErrorText {
+    pub no_credentials: bool,
+    pub text: String,
+}
+
+pub fn aws_error_text(e: &(dyn std::error::Error + 'static)) -> AwsErrorText {
+    let mut causes: Vec<String> = Vec::new();
+    let mut next = Some(e);
+    while let Some(err) = next {
+        // One line a cause; a cause already said by the one before adds nothing.
+        let line = err.to_string().lines().next().unwrap_or_default().trim().to_string();
+        if !line.is_empty() && !causes.last().is_some_and(|c| c.contains(&line)) {
+            causes.push(line);
+        }
+        next = err.source();
+    }
+    let text = causes.join(": ");
+    if text.contains("no credentials found") || text.contains("credential provider was not enabled") {
+        let imds_off =
+            std::env::var("AWS_EC2_METADATA_DISABLED").is_ok_and(|v| v.eq_ignore_ascii_case("true"));
+        return AwsErrorText {
+            no_credentials: true,
+            text: format!(
+                "no AWS credentials were found: on EC2 the runner uses its instance role through the metadata \
+                 service{}; elsewhere set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE",
+                if imds_off { " (switched off here by AWS_EC2_METADATA_DISABLED)" } else { "" }
+            ),
+        };
+    }
+    AwsErrorText { no_credentials: false, text }
+}
+
 /// The AWS SDK configuration for the runner's own identity.
 pub async fn sdk_config(config: &Config) -> Option<aws_config::SdkConfig> {
     let region = config.aws.region.clone()?;

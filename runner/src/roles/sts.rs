@@ -85,10 +85,7 @@ impl Assumer for StsAssumer {
                     .map_err(|e| fail(format!("session tag {k}: {e}")))?;
                 req = req.tags(tag);
             }
-            let out = req
-                .send()
-                .await
-                .map_err(|e| fail(aws_sdk_sts::error::DisplayErrorContext(&e).to_string()))?;
+            let out = req.send().await.map_err(|e| fail(super::aws_error_text(&e).text))?;
             let c = out.credentials().ok_or_else(|| fail("the answer carried no credentials".into()))?;
             Ok(Credentials {
                 access_key_id: c.access_key_id().to_string(),

@@ -14,6 +14,8 @@ use super::model::{RoleDef, RoleType};
 pub enum SwitchError {
     #[error("reading install stack {stack}: {message}")]
     Stack { stack: String, message: String },
+    #[error("reading install stack {stack}: {message}")]
+    NoCredentials { stack: String, message: String },
     #[error(
         "install stack {stack} not found (is roles.stack_name right, and may the runner's instance role read it?)"
     )]
@@ -206,11 +208,13 @@ impl SwitchSource for StackSource {
     ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<Snapshot, SwitchError>> + Send + '_>> {
         Box::pin(async move {
             let out = self.client.describe_stacks().stack_name(&self.stack).send().await.map_err(|e| {
-                let message = aws_sdk_cloudformation::error::DisplayErrorContext(&e).to_string();
-                if message.contains("does not exist") {
+                let said = super::aws_error_text(&e);
+                if said.no_credentials {
+                    SwitchError::NoCredentials { stack: self.stack.clone(), message: said.text }
+                } else if said.text.contains("does not exist") {
                     SwitchError::StackMissing { stack: self.stack.clone() }
                 } else {
-                    SwitchError::Stack { stack: self.stack.clone(), message }
+                    SwitchError::Stack { stack: self.stack.clone(), message: said.text }
                 }
             })?;
             let stack = out
