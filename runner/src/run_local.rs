@@ -14,6 +14,11 @@ use tokio_util::sync::CancellationToken;
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct LocalJob {
+    /// What the job shows, and why `run-local` cannot run it where that is so (it needs
+    /// the demo's registries, an install's secrets, a provider from the internet):
+    /// printed before the job runs, never sent anywhere.
+    #[serde(default)]
+    pub about: Option<String>,
     pub kind: String,
     #[serde(default)]
     pub spec: serde_json::Value,
@@ -33,13 +38,8 @@ pub enum RunLocalError {
     Invalid { path: PathBuf, reason: String },
     #[error("preparing a working directory: {0}")]
     WorkDir(std::io::Error),
-}
-
-impl RunLocalError {
-    /// Invalid input is a usage error (EX_USAGE / EX_DATAERR territory).
-    pub fn is_usage(&self) -> bool {
-        !matches!(self, RunLocalError::WorkDir(_))
-    }
+    #[error("installing the Ctrl-C handler: {0}")]
+    Interrupt(std::io::Error),
 }
 
 struct Stdout;
@@ -56,6 +56,16 @@ pub fn load(path: &Path) -> Result<(LocalJob, Box<dyn byoc_job_executors::Execut
     let text = std::fs::read(path).map_err(|e| RunLocalError::Read { path: path.into(), source: e })?;
     let invalid = |reason: String| RunLocalError::Invalid { path: path.into(), reason };
     let job: LocalJob = serde_json::from_slice(&text).map_err(|e| invalid(e.to_string()))?;
+    // `${NAME}` placeholders are filled in by whoever ships the file (scripts/demo for
+    // examples/jobs); a job must not reach an executor with them.
+    let spec = job.spec.to_string();
+    if let Some(at) = spec.find("${") {
+        let name: String = spec[at..].chars().take_while(|c| *c != '}').chain(std::iter::once('}')).collect();
+        return Err(invalid(format!(
+            "it holds the placeholder {name}, which scripts/demo fills in (a registry, a digest, a file); replace it{}",
+            job.about.as_deref().map(|a| format!(" (about this job: {a})")).unwrap_or_default()
+        )));
+    }
     if job.timeout_secs == 0 {
         return Err(invalid("timeout_secs must be at least 1".into()));
     }
@@ -149,9 +159,12 @@ pub async fn run(
     let mut sandbox = if options.sandboxed { Some(local_sandbox(roots.path())?) } else { None };
     let cancel = CancellationToken::new();
     let c = cancel.clone();
-    // Ctrl-C cancels the job the way the control plane would (interrupt → kill).
+    // Ctrl-C cancels the job the way the control plane would (interrupt → kill). The
+    // handler is in place before the job starts: a Ctrl-C at its first line cancels it.
+    let mut interrupt = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())
+        .map_err(RunLocalError::Interrupt)?;
     let ctrl_c = tokio::spawn(async move {
-        if tokio::signal::ctrl_c().await.is_ok() {
+        if interrupt.recv().await.is_some() {
             c.cancel();
         }
     });

@@ -696,3 +696,62 @@ async fn status_until(e: &Env, pred: impl Fn(&serde_json::Value) -> bool) -> ser
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     }
 }
+
+/// Every example job file runs with `run-local`, or says in its `about` why it cannot
+/// or how it ends: a job that ends on purpose with a code, exits with that code; one
+/// that cannot run here is refused or fails, never succeeds quietly.
+#[test]
+fn every_example_job_runs_with_run_local_or_says_why_not() {
+    use std::io::BufRead as _;
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/jobs");
+    let mut files: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().path()).collect();
+    files.sort();
+    assert!(files.len() >= 10, "{files:?}");
+    for file in files {
+        let job: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
+        let about = job["about"].as_str().unwrap_or_default().to_string();
+        let mut cmd = std::process::Command::new(BIN);
+        cmd.arg("run-local")
+            .arg(&file)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped());
+        if about.contains("Ctrl-C") {
+            // Runs until stopped: started, then interrupted as a person would.
+            let mut child = cmd.spawn().unwrap();
+            let first = std::io::BufReader::new(child.stdout.take().unwrap()).lines().next();
+            assert!(first.is_some(), "{}: printed nothing", file.display());
+            nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(child.id() as i32),
+                nix::sys::signal::Signal::SIGINT,
+            )
+            .unwrap();
+            assert_eq!(child.wait().unwrap().code(), Some(130), "{}", file.display());
+            continue;
+        }
+        let out = cmd.output().unwrap();
+        let said =
+            format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        let code = out.status.code();
+        if about.is_empty() {
+            assert_eq!(
+                code,
+                Some(0),
+                "{} has no `about` saying why it would not run:\n{said}",
+                file.display()
+            );
+        } else if let Some(n) =
+            about.split("exits ").nth(1).and_then(|t| t.split(|c: char| !c.is_ascii_digit()).next())
+        {
+            assert_eq!(code, Some(n.parse().unwrap()), "{}: {about}\n{said}", file.display());
+            assert!(said.contains(&format!("about this job: {about}")), "{said}");
+        } else {
+            assert!(
+                about.contains("run-local cannot") || about.contains("run-local refuses"),
+                "{}: {about}",
+                file.display()
+            );
+            assert_ne!(code, Some(0), "{}: {about}\n{said}", file.display());
+            assert!(said.contains(&about), "{} does not say why: {said}", file.display());
+        }
+    }
+}

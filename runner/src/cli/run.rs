@@ -119,6 +119,9 @@ pub(super) fn local(args: LocalArgs) -> i32 {
             return EX_RUNNER;
         }
     };
+    if let Some(about) = &job.about {
+        eprintln!("about this job: {about}");
+    }
     let options = match local_options(&args, &job.kind) {
         Ok(o) => o,
         Err(e) => {

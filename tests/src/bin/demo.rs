@@ -162,6 +162,10 @@ struct PlannedJob {
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct JobFile {
+    /// For people and `run-local` only (what the job shows, why run-local cannot run it).
+    #[serde(default)]
+    #[allow(dead_code)]
+    about: Option<String>,
     kind: String,
     #[serde(default)]
     spec: serde_json::Value,
