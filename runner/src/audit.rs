@@ -102,12 +102,19 @@ impl AuditSink for Audit {
 pub fn record_for(event: &Event) -> Record {
     let mut r = Record::default();
     match event {
-        Event::Received { job_id, kind, operation, payload_sha256, .. } => {
+        Event::Received { job_id, kind, operation, payload_sha256, effect, component, .. } => {
             r.event = "job_received".into();
             r.job = Some(job_id.clone());
             r.kind = Some(kind.clone());
             r.operation = Some(operation.clone());
             r.digests.insert("payload_sha256".into(), payload_sha256.clone());
+            let said: Vec<String> = [("effect", effect), ("component", component)]
+                .into_iter()
+                .filter_map(|(k, v)| v.as_ref().map(|v| format!("{k} {v}")))
+                .collect();
+            if !said.is_empty() {
+                r.detail = Some(said.join(", "));
+            }
         }
         Event::Refused { job_id, reason, detail, role, .. } => {
             r.event = "job_rejected".into();

@@ -349,11 +349,13 @@ async fn a_plan_waits_for_approval_between_decision_and_apply_bound_to_its_diges
     // `jobs show` names what was judged: the plan and the JSON the policies read.
     let show = e.cli_json(&["jobs", "show", &first]);
     assert_eq!(show["judged"][0]["subject"], "plan", "{show}");
+    assert_eq!(show["effect"], "change", "{show}");
     assert_eq!(show["judged"][0]["digest"], digest.as_str(), "{show}");
     assert_eq!(show["judged"][0]["json_digest"], judged_json.as_str(), "{show}");
     let text = e.runner.cli(&["jobs", "show", &first]);
     let text = String::from_utf8_lossy(&text.stdout);
     assert!(text.contains(&format!("judged:     plan {digest}, as JSON {judged_json}: allow")), "{text}");
+    assert!(text.contains("effect:     change"), "{text}");
 
     // A changed module is a different plan: a new request, with its own digest.
     let second = e.cp.enqueue(tf_job("approvals", 3, 120)).unwrap();

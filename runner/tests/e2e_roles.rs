@@ -80,12 +80,16 @@ async fn every_step_of_the_precedence_chain_decides_the_role() {
     // `jobs show` says which role it ran under, with the job's audit trail.
     let shown = e.env.cli_json(&["jobs", "show", &default_job]);
     assert_eq!(shown["role"], "inst-demo-maintenance", "{shown}");
+    // What it does and for which component, as the runner derived and recorded them.
+    assert_eq!(shown["component"], "api", "{shown}");
+    assert_eq!(shown["effect"], "run", "{shown}");
     let trail = shown["audit"].as_array().unwrap();
     assert!(trail.iter().any(|r| r["event"] == "role_assumed"), "{trail:?}");
     assert!(trail.iter().all(|r| r["job"] == default_job.as_str()), "{trail:?}");
     let text =
         String::from_utf8_lossy(&e.env.runner.cli(&["jobs", "show", &default_job]).stdout).into_owned();
     assert!(text.contains("role:       inst-demo-maintenance") && text.contains("role_assumed"), "{text}");
+    assert!(text.contains("component:  api") && text.contains("effect:     run"), "{text}");
     // Matrix rule (operation_roles.toml).
     let (matrix_job, out) = e
         .succeeds(role_job("component", "deploy", "inst-demo-eks-upgrade-role", named("cluster"), SHOW_ROLE))

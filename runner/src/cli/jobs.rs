@@ -115,6 +115,11 @@ pub(super) fn run(cmd: JobsCmd) -> anyhow::Result<()> {
             }
             println!("job:        {}", j.job_id);
             println!("kind:       {} ({} {})", j.kind, j.entity, j.operation);
+            println!(
+                "effect:     {}",
+                j.effect.as_deref().unwrap_or("- (received before the runner recorded effects)")
+            );
+            println!("component:  {}", j.component.as_deref().unwrap_or("-"));
             println!("role:       {}", role.unwrap_or("none (no role asked, or refused before one)"));
             println!("status:     {}", inspect::status_label(&j));
             println!("phase:      {}", j.phase.as_str());

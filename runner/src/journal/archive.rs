@@ -373,6 +373,8 @@ mod tests {
                 entity: "action".into(),
                 payload_sha256: "00".into(),
                 timeout_secs: 10,
+                effect: None,
+                component: None,
             })
             .unwrap();
             j.append(Event::Reported { job_id: id }).unwrap();

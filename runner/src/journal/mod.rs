@@ -46,6 +46,13 @@ pub enum Event {
         entity: String,
         payload_sha256: String,
         timeout_secs: u64,
+        /// What the job does, as the runner derived it from its kind and spec (read,
+        /// change, destroy, copy, run); absent in lines older than the field.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        effect: Option<String>,
+        /// The component it asks a role for (the vendor's label).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        component: Option<String>,
     },
     /// An envelope was refused. Fields the payload did not yield are absent.
     Rejected {
@@ -192,6 +199,11 @@ pub struct JobRecord {
     /// `started`'s terraform workspace (see [`Event::Started`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub state_workspace: Option<String>,
+    /// `received`'s effect and component (see [`Event::Received`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub effect: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub component: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -241,6 +253,8 @@ impl Index {
                 operation,
                 entity,
                 payload_sha256,
+                effect,
+                component,
                 ..
             } => {
                 self.nonces.insert(nonce.clone(), (job_id.clone(), *expires_at));
@@ -265,6 +279,8 @@ impl Index {
                         state_workspace: None,
                         finished: None,
                         detail: None,
+                        effect: effect.clone(),
+                        component: component.clone(),
                     },
                 );
             }
@@ -565,6 +581,8 @@ mod tests {
             entity: "action".into(),
             payload_sha256: "00".into(),
             timeout_secs: 10,
+            effect: None,
+            component: None,
         }
     }
 

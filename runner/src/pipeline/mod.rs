@@ -135,6 +135,8 @@ pub(crate) fn record_received(rt: &Rt, job: &VerifiedJob) -> Result<(), JournalE
         entity: p.entity.clone(),
         payload_sha256: job.payload_sha256.clone(),
         timeout_secs: p.timeout_secs,
+        effect: Some(job.executor.effect().as_str().to_string()),
+        component: p.role_request.as_ref().map(|r| r.entity_name.clone()).filter(|n| !n.is_empty()),
     })
 }
 

@@ -687,6 +687,8 @@ mod tests {
             finished: None,
             detail: None,
             state_workspace: None,
+            effect: None,
+            component: None,
         };
         for (phase, expect) in [
             (Phase::Finished, Some(RejectReason::AlreadyFinished)),
@@ -783,6 +785,8 @@ mod tests {
                     entity: "action".into(),
                     payload_sha256: "00".into(),
                     timeout_secs: 60,
+                    effect: None,
+                    component: None,
                 },
                 Event::Claimed { job_id: id.into(), lease_secs: 60 },
                 Event::Reported { job_id: id.into() },
