@@ -63,16 +63,7 @@ impl Audit {
             reserve.make_room_for_evidence();
         }
         let seq = self.lock().append(r.clone())?;
-        tracing::info!(
-            audit_seq = seq,
-            audit_event = %r.event,
-            job_id = r.job.as_deref().unwrap_or(""),
-            kind = r.kind.as_deref().unwrap_or(""),
-            role = r.role.as_deref().unwrap_or(""),
-            reason = r.reason.as_deref().unwrap_or(""),
-            status = r.status.as_deref().unwrap_or(""),
-            "audit record"
-        );
+        crate::logging::audit_entry(seq, &r);
         self.changed.notify_waiters();
         Ok(seq)
     }
@@ -97,6 +88,77 @@ impl AuditSink for Audit {
         Audit::record(self, r)
     }
 }
+
+/// The audit log's events and what each records, for the journal catalog
+/// (`byoc-runner journal-catalog`; docs/OPERATIONS.md). An event missing here still
+/// has its `MESSAGE_ID`, only no catalog entry.
+pub const EVENTS: &[(&str, &str)] = &[
+    ("runner_started", "The runner started: its version, configuration digest and pinned keys."),
+    ("runner_stopped", "The runner stopped (drained, or told to stop)."),
+    ("config_loaded", "The runner read its configuration; the record holds its digest."),
+    ("key_created", "The runner created its identity key (first start)."),
+    ("runner_paused", "A local admin paused the runner: new jobs are refused (paused) until resumed."),
+    ("runner_resumed", "A local admin resumed the runner."),
+    (
+        "job_received",
+        "A signed job was verified and accepted; its nonce is spent. Kind, operation, the effect the runner derived and the payload digest are recorded.",
+    ),
+    (
+        "job_rejected",
+        "A job was refused, with its reason code: a bad envelope, a role switched off, a window or rule, a policy that could not be read. Nothing of it ran.",
+    ),
+    ("job_claimed", "The control plane leased the job to this runner."),
+    (
+        "job_claim_refused",
+        "The control plane refused the claim (cancelled or given to another attempt); the job did not run.",
+    ),
+    ("job_started", "The job's process started in its sandbox."),
+    ("job_finished", "The job ended: status, exit code and the digest of its log."),
+    ("job_cancelled", "The job was cancelled by the control plane, a window closing or a stop."),
+    ("job_interrupted", "The job was cut short by a restart of the runner; it is reported, not run again."),
+    ("job_reported", "The control plane acknowledged the job's result."),
+    (
+        "policy_decision",
+        "Policies decided a plan or manifests: the verdict, the counts, the digests of what was judged and of every policy.",
+    ),
+    ("approval_requested", "A job waits for a local admin's approval under the customer's rule."),
+    ("approved", "A local admin approved a held job (who, uid and why)."),
+    ("denied", "A local admin denied a held job (who, uid and why); it will not run."),
+    ("window_wait", "A job waits for the customer's maintenance window."),
+    ("role_resolved", "The role a job asked for was matched against the customer's switches."),
+    (
+        "role_assumed",
+        "The runner assumed a lifecycle role for a job (session name, duration, narrowed or not).",
+    ),
+    ("role_assume_failed", "Assuming a lifecycle role failed; the job did not run with it."),
+    ("role_session_opened", "An allowed plan's job was given the role's full session."),
+    ("role_session_refreshed", "A running job's role session was renewed."),
+    ("allowance_granted", "A local admin allowed a role that needs a local allowance, for a while."),
+    ("allowance_revoked", "A local admin revoked a role's allowance."),
+    ("allowance_seen", "The runner found an allowance written by hand and honours it as audited."),
+    ("allowance_expired", "A role's allowance ran out."),
+    ("artifact_synced", "An OCI artifact was copied into the install's registry, by digest."),
+    ("artifact_sync_failed", "Copying an OCI artifact failed; nothing was tagged."),
+    ("secret_read", "A job read one of the customer's secrets (its name and version, never its value)."),
+    ("state_read", "Terraform state was read by a local admin through the CLI."),
+    ("state_unlock_requested", "A local admin asked to remove a stale terraform state lock."),
+    ("state_unlocked", "A stale terraform state lock was removed."),
+    ("state_unlock_failed", "Removing a terraform state lock failed."),
+    ("drift_requested", "A drift check was asked for."),
+    ("drift_check_started", "The runner started one of its own drift checks."),
+    ("drift_checked", "A drift check ended with its verdict."),
+    ("drift_skipped", "A scheduled drift check was skipped (a job of the workspace was running)."),
+    ("cluster_policies_applied", "The customer's cluster policies were applied into the cluster."),
+    ("cluster_policies_removed", "The customer's cluster policies were removed from the cluster."),
+    ("plans_removed", "Saved plans that could no longer be applied were removed."),
+    ("logs_removed", "Job logs past their retention were removed (their digests stay in the audit log)."),
+    ("journal_compacted", "The runner's job journal was compacted."),
+    ("journal_archives_removed", "Job journal archives past their retention were removed."),
+    (
+        "customer_record_invalid",
+        "A record a local admin left for the audit log could not be read; it was set aside.",
+    ),
+];
 
 /// The audit record for a journaled job transition.
 pub fn record_for(event: &Event) -> Record {

@@ -1,24 +1,43 @@
-//! Logging: structured fields to journald (no field prefix, so `JOB_ID=…` matches
-//! `journalctl JOB_ID=…`), or to stderr when journald is absent or not wanted.
+//! Logging: whole-sentence messages with structured fields to journald, every field
+//! prefixed `BYOC_` (`journalctl BYOC_JOB_ID=…`), INFO at priority 6; or to stderr
+//! when journald is absent or not wanted. Audit records are mirrored by [`audit_entry`]
+//! with a `MESSAGE_ID` per audit event, which `byoc-runner journal-catalog` explains
+//! (the package installs it for `journalctl -x`).
 
 use tracing_subscriber::EnvFilter;
 use tracing_subscriber::layer::SubscriberExt as _;
 use tracing_subscriber::util::SubscriberInitExt as _;
 
+use tracing_journald::{Priority, PriorityMappings};
+
 use crate::config::LogTarget;
+
+const FIELD_PREFIX: &str = "BYOC";
+const IDENTIFIER: &str = "byoc-runner";
+/// Set once the daemon logs to journald: audit records then go there directly.
+static TO_JOURNALD: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
 
 /// Install the global subscriber. Returns which sink was chosen.
 pub fn init(target: LogTarget, level: &str) -> &'static str {
     let filter = || EnvFilter::try_new(level).unwrap_or_else(|_| EnvFilter::new("info"));
     let journald = match target {
         LogTarget::Stderr => None,
-        LogTarget::Auto | LogTarget::Journald => tracing_journald::layer()
-            .ok()
-            .map(|l| l.with_field_prefix(None).with_syslog_identifier("byoc-runner".into())),
+        LogTarget::Auto | LogTarget::Journald => tracing_journald::layer().ok().map(|l| {
+            l.with_field_prefix(Some(FIELD_PREFIX.into()))
+                .with_syslog_identifier(IDENTIFIER.into())
+                .with_priority_mappings(PriorityMappings {
+                    error: Priority::Error,
+                    warn: Priority::Warning,
+                    info: Priority::Informational,
+                    debug: Priority::Debug,
+                    trace: Priority::Debug,
+                })
+        }),
     };
     match journald {
         Some(layer) => {
             let _ = tracing_subscriber::registry().with(filter()).with(layer).try_init();
+            let _ = TO_JOURNALD.set(true);
             "journald"
         }
         None => {
@@ -53,4 +72,155 @@ pub fn init_cli() {
 fn colour_on_stderr() -> bool {
     use std::io::IsTerminal as _;
     std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty())
+}
+
+/// The `MESSAGE_ID` of an audit event's journal entries: 128 bits derived from its
+/// name, the same on every runner and release.
+pub fn audit_message_id(event: &str) -> String {
+    let digest =
+        <sha2::Sha256 as sha2::Digest>::digest(format!("byoc-runner audit event {event}").as_bytes());
+    hex::encode(&digest[..16])
+}
+
+/// Mirror one audit record to the journal: a sentence, the event's `MESSAGE_ID`,
+/// priority 6 (4 for refusals and failures) and `BYOC_` fields. Through journald's
+/// socket when the daemon logs there; otherwise as an ordinary log line.
+pub fn audit_entry(seq: u64, r: &byoc_audit::log::Record) {
+    let sentence = audit_sentence(seq, r);
+    let warning = r.event.contains("rejected") || r.event.contains("refused") || r.event.contains("failed");
+    if TO_JOURNALD.get().copied().unwrap_or(false) {
+        let mut fields: Vec<(&str, String)> = vec![
+            ("MESSAGE", sentence.clone()),
+            ("MESSAGE_ID", audit_message_id(&r.event)),
+            ("PRIORITY", if warning { "4" } else { "6" }.into()),
+            ("SYSLOG_IDENTIFIER", IDENTIFIER.into()),
+            ("BYOC_AUDIT_SEQ", seq.to_string()),
+            ("BYOC_AUDIT_EVENT", r.event.clone()),
+        ];
+        let optional = [
+            ("BYOC_JOB_ID", &r.job),
+            ("BYOC_KIND", &r.kind),
+            ("BYOC_OPERATION", &r.operation),
+            ("BYOC_ROLE", &r.role),
+            ("BYOC_STATUS", &r.status),
+            ("BYOC_REASON", &r.reason),
+        ];
+        fields.extend(
+            optional.into_iter().filter_map(|(k, v)| v.clone().filter(|v| !v.is_empty()).map(|v| (k, v))),
+        );
+        if journal_send(&fields).is_ok() {
+            return;
+        }
+    }
+    if warning {
+        tracing::warn!(audit_seq = seq, audit_event = %r.event, job_id = r.job.as_deref().unwrap_or(""), "{sentence}");
+    } else {
+        tracing::info!(audit_seq = seq, audit_event = %r.event, job_id = r.job.as_deref().unwrap_or(""), "{sentence}");
+    }
+}
+
+/// `Audit record 12, job_finished: job job-1 (action.script), status failed, exit code 3: log 40 bytes.`
+pub fn audit_sentence(seq: u64, r: &byoc_audit::log::Record) -> String {
+    let mut s = format!("Audit record {seq}, {}", r.event);
+    if let Some(job) = r.job.as_deref().filter(|j| !j.is_empty()) {
+        s.push_str(&format!(": job {job}"));
+        if let Some(kind) = r.kind.as_deref().filter(|k| !k.is_empty()) {
+            s.push_str(&format!(
+                " ({kind}{})",
+                r.operation.as_deref().map(|o| format!(" {o}")).unwrap_or_default()
+            ));
+        }
+    }
+    for (label, value) in [("role", &r.role), ("status", &r.status), ("reason", &r.reason)] {
+        if let Some(v) = value.as_deref().filter(|v| !v.is_empty()) {
+            s.push_str(&format!(", {label} {v}"));
+        }
+    }
+    if let Some(code) = r.exit_code {
+        s.push_str(&format!(", exit code {code}"));
+    }
+    if let Some(detail) = r.detail.as_deref().filter(|d| !d.is_empty()) {
+        s.push_str(&format!(": {detail}"));
+    }
+    if !s.ends_with('.') {
+        s.push('.');
+    }
+    s
+}
+
+/// One entry in journald's native protocol: `NAME=value` lines, or for a value with a
+/// newline the name, its length (64-bit little-endian) and the bytes.
+fn journal_send(fields: &[(&str, String)]) -> std::io::Result<()> {
+    let mut datagram = Vec::new();
+    for (name, value) in fields {
+        datagram.extend_from_slice(name.as_bytes());
+        if value.contains('\n') {
+            datagram.push(b'\n');
+            datagram.extend_from_slice(&(value.len() as u64).to_le_bytes());
+        } else {
+            datagram.push(b'=');
+        }
+        datagram.extend_from_slice(value.as_bytes());
+        datagram.push(b'\n');
+    }
+    let socket = std::os::unix::net::UnixDatagram::unbound()?;
+    socket.send_to(&datagram, "/run/systemd/journal/socket").map(drop)
+}
+
+/// The journal catalog (`/usr/lib/systemd/catalog/byoc-runner.catalog`): what each
+/// audit event's entries mean, for `journalctl -x`.
+pub fn journal_catalog() -> String {
+    let mut out = String::from(
+        "# byoc-runner: the signed audit log's events, mirrored to the journal.\n\
+         # Generated by `byoc-runner journal-catalog`; installed by the package.\n",
+    );
+    for (event, meaning) in crate::audit::EVENTS {
+        out.push_str(&format!(
+            "\n-- {}\nSubject: byoc-runner audit: {event}\nDefined-By: byoc-runner\n\n\
+             {meaning}\n\n\
+             Every audit record is also kept in the runner's signed, tamper-evident audit log;\n\
+             `byoc-runner audit tail` shows it and `byoc-runner audit verify` checks it.\n",
+            audit_message_id(event)
+        ));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_audit_record_reads_as_a_sentence() {
+        let r = byoc_audit::log::Record {
+            event: "job_finished".into(),
+            job: Some("job-1".into()),
+            kind: Some("action.script".into()),
+            status: Some("failed".into()),
+            exit_code: Some(3),
+            detail: Some("log 12 bytes".into()),
+            ..Default::default()
+        };
+        assert_eq!(
+            audit_sentence(7, &r),
+            "Audit record 7, job_finished: job job-1 (action.script), status failed, exit code 3: log 12 bytes."
+        );
+    }
+
+    #[test]
+    fn every_catalogued_event_has_its_own_message_id() {
+        let ids: std::collections::BTreeSet<String> =
+            crate::audit::EVENTS.iter().map(|(e, _)| audit_message_id(e)).collect();
+        assert_eq!(ids.len(), crate::audit::EVENTS.len());
+        assert!(ids.iter().all(|id| id.len() == 32 && id.chars().all(|c| c.is_ascii_hexdigit())));
+        let catalog = journal_catalog();
+        for (event, _) in crate::audit::EVENTS {
+            assert!(
+                catalog.contains(&format!(
+                    "-- {}\nSubject: byoc-runner audit: {event}\n",
+                    audit_message_id(event)
+                ))
+            );
+        }
+    }
 }

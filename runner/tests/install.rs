@@ -96,6 +96,7 @@ fn the_package_installs_its_files_user_and_modes_and_reinstalls_keeping_config()
             "./lib/systemd/system/byoc-runner.service",
             "./usr/bin/byoc-runner",
             "./usr/lib/byoc-runner/imds-firewall",
+            "./usr/lib/systemd/catalog/byoc-runner.catalog",
             "./usr/share/bash-completion/completions/byoc-runner",
             "./usr/share/doc/byoc-runner/README.md",
             "./usr/share/fish/vendor_completions.d/byoc-runner.fish",

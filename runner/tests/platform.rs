@@ -150,7 +150,7 @@ exec unshare --mount --propagation private /bin/bash -c '
 }
 
 #[tokio::test]
-async fn logs_reach_journald_with_structured_unprefixed_fields() {
+async fn logs_reach_journald_as_sentences_with_byoc_fields_and_message_ids() {
     assert!(
         nix::unistd::geteuid().is_root(),
         "this test needs root (mount namespace for a private journald)"
@@ -193,7 +193,7 @@ async fn logs_reach_journald_with_structured_unprefixed_fields() {
             .arg("--directory")
             .arg(&journal)
             .args(["-o", "json", "--no-pager"])
-            .arg(format!("JOB_ID={id}"))
+            .arg(format!("BYOC_JOB_ID={id}"))
             .output()
             .expect("journalctl is required (apt-get install systemd)");
         let records: Vec<serde_json::Value> = out
@@ -226,7 +226,7 @@ async fn logs_reach_journald_with_structured_unprefixed_fields() {
     let audit = Command::new("journalctl")
         .arg("--directory")
         .arg(&journal)
-        .args(["-o", "json", "--no-pager", "AUDIT_EVENT=job_finished"])
+        .args(["-o", "json", "--no-pager", "BYOC_AUDIT_EVENT=job_finished"])
         .output()
         .unwrap();
     let audit: Vec<serde_json::Value> = audit
@@ -238,12 +238,22 @@ async fn logs_reach_journald_with_structured_unprefixed_fields() {
     let rec = audit
         .iter()
         .find(|r| {
-            r["JOB_ID"] == leaky
-                || r["JOB_ID"].as_array().is_some_and(|a| a.contains(&serde_json::json!(leaky)))
+            r["BYOC_JOB_ID"] == leaky
+                || r["BYOC_JOB_ID"].as_array().is_some_and(|a| a.contains(&serde_json::json!(leaky)))
         })
-        .expect("an AUDIT_EVENT=job_finished record for the job");
-    assert!(rec["AUDIT_SEQ"].as_str().is_some_and(|s| s.parse::<u64>().is_ok()), "{rec}");
-    assert_eq!(rec["STATUS"], "failed");
+        .expect("a BYOC_AUDIT_EVENT=job_finished record for the job");
+    assert!(rec["BYOC_AUDIT_SEQ"].as_str().is_some_and(|s| s.parse::<u64>().is_ok()), "{rec}");
+    assert_eq!(rec["BYOC_STATUS"], "failed");
+    // A sentence, the event's catalogued MESSAGE_ID, priority 6 (informational).
+    assert_eq!(rec["MESSAGE_ID"], byoc_runner::logging::audit_message_id("job_finished"), "{rec}");
+    assert_eq!(rec["PRIORITY"], "6", "{rec}");
+    let message = rec["MESSAGE"].as_str().unwrap();
+    assert!(
+        message.starts_with("Audit record ")
+            && message.contains(&format!("job_finished: job {leaky}"))
+            && message.contains("status failed, exit code 3"),
+        "{message}"
+    );
     runner.kill9().await;
     if let Ok(pid) = std::fs::read_to_string(dir.path().join("journald.pid")) {
         let _ = nix::sys::signal::kill(
@@ -251,13 +261,17 @@ async fn logs_reach_journald_with_structured_unprefixed_fields() {
             nix::sys::signal::Signal::SIGKILL,
         );
     }
-    assert!(!records.is_empty(), "no journal records with JOB_ID={id}");
+    assert!(!records.is_empty(), "no journal records with BYOC_JOB_ID={id}");
     let started = records.iter().find(|r| r["MESSAGE"] == "job started").expect("a 'job started' record");
-    assert_eq!(started["INSTALL_ID"], cp.install_id());
-    assert_eq!(started["KIND"], "action.script");
-    assert_eq!(started["OPERATION"], "trigger");
+    assert_eq!(started["BYOC_INSTALL_ID"], cp.install_id());
+    assert_eq!(started["BYOC_KIND"], "action.script");
+    assert_eq!(started["BYOC_OPERATION"], "trigger");
+    assert_eq!(started["PRIORITY"], "6", "INFO is informational: {started}");
     assert_eq!(started["SYSLOG_IDENTIFIER"], "byoc-runner");
-    assert!(started.get("F_JOB_ID").is_none(), "fields must not carry the F_ prefix");
+    assert!(
+        started.get("JOB_ID").is_none() && started.get("F_JOB_ID").is_none(),
+        "fields carry the BYOC_ prefix"
+    );
     assert!(records.iter().any(|r| r["MESSAGE"] == "result acknowledged"));
 }
 
@@ -309,13 +323,13 @@ async fn role_credentials_never_reach_journald() {
     assert_eq!(v.result.unwrap().status, JobStatus::Failed);
     // The role's audit records are mirrored: the assumption is in the journal...
     let deadline = tokio::time::Instant::now() + WAIT;
-    while journal_json(&journal, &["AUDIT_EVENT=job_reported"]).is_empty()
+    while journal_json(&journal, &["BYOC_AUDIT_EVENT=job_reported"]).is_empty()
         && tokio::time::Instant::now() < deadline
     {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let assumed =
-        String::from_utf8_lossy(&journal_json(&journal, &["AUDIT_EVENT=role_assumed"])).into_owned();
+        String::from_utf8_lossy(&journal_json(&journal, &["BYOC_AUDIT_EVENT=role_assumed"])).into_owned();
     assert!(assumed.contains(&id) && assumed.contains("inst-demo-maintenance"), "{assumed}");
     // ... and none of its credentials, in any encoding the masker knows.
     let everything = journal_json(&journal, &[]);

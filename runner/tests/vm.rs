@@ -653,19 +653,19 @@ fn cgroup_v2_limits_stop_a_memory_hog_and_a_fork_bomb(w: &mut World) {
     assert_no_process(w, "sleep 3301", "the fork bomb outlived its job");
 }
 
-/// The journal has the runner's structured fields: a job's records by JOB_ID, a refused
-/// job by AUDIT_EVENT.
+/// The journal has the runner's structured fields: a job's records by BYOC_JOB_ID, a
+/// refused job by BYOC_AUDIT_EVENT, with its catalogued MESSAGE_ID.
 fn the_journal_has_structured_fields(w: &mut World) {
     let id = w.cp.enqueue(script("echo journal-me")).unwrap();
     w.finished(&id);
-    let out = w.vm.sh(&format!("journalctl -u byoc-runner JOB_ID={id} -o json --no-pager"));
+    let out = w.vm.sh(&format!("journalctl -u byoc-runner BYOC_JOB_ID={id} -o json --no-pager"));
     let records: Vec<serde_json::Value> = out.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
     assert!(!records.is_empty(), "no journal records for {id}");
-    // The job's span fields, unprefixed, on the record of its start.
+    // The job's span fields, prefixed BYOC_, on the record of its start.
     let started =
         records.iter().find(|r| r["MESSAGE"] == "job started").unwrap_or_else(|| panic!("{records:?}"));
-    assert_eq!(started["INSTALL_ID"], w.cp.install_id());
-    assert_eq!(started["KIND"], "action.script");
+    assert_eq!(started["BYOC_INSTALL_ID"], w.cp.install_id());
+    assert_eq!(started["BYOC_KIND"], "action.script");
     assert_eq!(started["SYSLOG_IDENTIFIER"], "byoc-runner");
     // Expired (signature good, so its id is the job's own): refused and audited.
     let mut expired = script("echo never");
@@ -674,12 +674,14 @@ fn the_journal_has_structured_fields(w: &mut World) {
     let id = w.cp.enqueue(expired).unwrap();
     let v = w.wait_job(&id, Duration::from_secs(120), |v| v.state == JobState::Rejected);
     let reason = v.rejections[0].0.code();
-    let out = w
-        .vm
-        .sh(&format!("journalctl -u byoc-runner AUDIT_EVENT=job_rejected JOB_ID={id} -o json --no-pager"));
+    let out = w.vm.sh(&format!(
+        "journalctl -u byoc-runner BYOC_AUDIT_EVENT=job_rejected BYOC_JOB_ID={id} -o json --no-pager"
+    ));
     let records: Vec<serde_json::Value> = out.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
     assert_eq!(records.len(), 1, "job_rejected records for {id}: {out}");
-    assert_eq!(records[0]["REASON"], reason, "{:?}", records[0]);
+    assert_eq!(records[0]["BYOC_REASON"], reason, "{:?}", records[0]);
+    assert_eq!(records[0]["MESSAGE_ID"], byoc_runner::logging::audit_message_id("job_rejected"));
+    assert_eq!(records[0]["PRIORITY"], "4", "a refusal is a warning: {:?}", records[0]);
 }
 
 /// The watchdog's negative case: a runner whose poll loop is wedged (a test-only fault
@@ -858,7 +860,7 @@ fn a_first_boot_with_the_control_plane_down_becomes_ready_when_it_returns(w: &mu
     w.vm = Vm::boot(&w.image, &w.vm_options).unwrap_or_else(|e| panic!("booting the second VM: {e}"));
     w.vm.wait_agent(Duration::from_secs(300)).unwrap_or_else(|e| panic!("{e}\n{}", w.vm.serial_tail(80)));
     let retrying = w.vm.wait_for(
-        "test \"$(journalctl -u byoc-runner -o cat --no-pager | grep -c 'enrollment failed; retrying')\" -ge 2",
+        "test \"$(journalctl -u byoc-runner -o cat --no-pager | grep -c 'Enrolling with the control plane failed')\" -ge 2",
         Duration::from_secs(400),
     );
     assert!(

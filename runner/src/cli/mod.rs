@@ -99,6 +99,10 @@ enum Cmd {
         #[arg(long, value_name = "DIR")]
         dir: Option<PathBuf>,
     },
+    /// Print the journal catalog of the audit events' entries (for `journalctl -x`;
+    /// the package installs it as /usr/lib/systemd/catalog/byoc-runner.catalog).
+    #[command(hide = true)]
+    JournalCatalog,
     /// Internal: build a job sandbox from the spec on stdin and exec the job.
     #[command(hide = true)]
     SandboxExec,
@@ -262,6 +266,11 @@ pub fn main() -> i32 {
             0
         }
         Cmd::Man { dir } => edge(|| man(dir.as_deref())),
+        Cmd::JournalCatalog => {
+            byoc_sandbox::default_sigpipe();
+            print!("{}", crate::logging::journal_catalog());
+            0
+        }
         Cmd::Run { config } => run::daemon(&config),
         Cmd::RunLocal(args) => run::local(args),
         Cmd::Status(s) => edge_code(|| state::status(&s)),

@@ -37,7 +37,7 @@ pub(super) async fn enroll_if_needed(
     let enrolled = retry::retry(policy, &CancellationToken::new(), |_| async {
         match client.enroll(&req).await {
             Err(e) if e.is_transient() => {
-                tracing::warn!(error = %e, "enrollment failed; retrying");
+                tracing::warn!(error = %e, "Enrolling with the control plane failed ({e}); retrying.");
                 Err(e)
             }
             done => Ok(done),

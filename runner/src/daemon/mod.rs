@@ -186,12 +186,21 @@ pub async fn run(config: Config) -> Result<(), DaemonError> {
         crate::runtime::sandbox_self_test(s, &state_dir).await?;
     }
     match &sandbox {
-        Some(s) => tracing::info!(
-            cgroup = ?byoc_sandbox::cgroup::detect(),
-            memory_mib = s.limits.memory_bytes / (1024 * 1024),
-            pids = s.limits.pids,
-            "job sandbox enabled"
-        ),
+        Some(s) => {
+            let cgroup = match byoc_sandbox::cgroup::detect() {
+                Some(byoc_sandbox::cgroup::Version::V1) => "v1",
+                Some(byoc_sandbox::cgroup::Version::V2) => "v2",
+                None => "none",
+            };
+            tracing::info!(
+                cgroup,
+                memory_mib = s.limits.memory_bytes / (1024 * 1024),
+                pids = s.limits.pids,
+                "Job sandbox enabled: cgroup {cgroup}, {} MiB and {} processes per job.",
+                s.limits.memory_bytes / (1024 * 1024),
+                s.limits.pids
+            )
+        }
         None => {
             tracing::warn!("job sandbox DISABLED by configuration: jobs run with the runner's privileges")
         }

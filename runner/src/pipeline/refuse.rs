@@ -18,7 +18,10 @@ pub fn journal_rejection(rt: &Rt, r: &Rejection) {
         delivery_id = %r.delivery_id,
         job_id = r.job_id.as_deref().unwrap_or(""),
         detail = %r.detail,
-        "job rejected"
+        "Job {} rejected ({}): {}",
+        r.job_id.as_deref().unwrap_or("(no valid id)"),
+        r.reason.code(),
+        r.detail
     );
     if let Err(e) = rt.transition(Event::Rejected {
         delivery_id: r.delivery_id.clone(),
