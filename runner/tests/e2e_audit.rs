@@ -99,6 +99,26 @@ async fn jobs_are_audited_acknowledged_and_verifiable_offline() {
     assert_eq!(json.len(), 2);
     assert_eq!(json[0]["seq"].as_u64().map(|n| n + 1), json[1]["seq"].as_u64(), "{json:?}");
 
+    // Filters: one job's records, one event, a time; export with a filter has only those.
+    let records = |args: &[&str]| -> Vec<serde_json::Value> {
+        let out = audit_cli(&e, args);
+        assert!(out.status.success(), "{args:?}: {out:?}");
+        String::from_utf8_lossy(&out.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+    };
+    let of_job = records(&["tail", "-n", "100", "-o", "json", "--job", &ok]);
+    assert!(of_job.len() >= 3 && of_job.iter().all(|r| r["job"] == ok.as_str()), "{of_job:?}");
+    let finished = records(&["tail", "-n", "100", "-o", "json", "--event", "job_finished", "--job", &ok]);
+    assert_eq!(finished.len(), 1, "{finished:?}");
+    assert!(records(&["tail", "-o", "json", "--since", "2099-01-01"]).is_empty());
+    let exported = records(&["export", "--event", "job_received"]);
+    assert!(!exported.is_empty(), "{exported:?}");
+    assert!(
+        exported.iter().all(|x| x["type"] == "record" && x["record"]["event"] == "job_received"),
+        "{exported:?}"
+    );
+    let bad = audit_cli(&e, &["export", "--since", "last tuesday"]);
+    assert_eq!(bad.status.code(), Some(1), "{bad:?}");
+
     // An inclusion proof a third party can check.
     let out = audit_cli(&e, &["prove", "2", "-o", "json"]);
     let p: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();

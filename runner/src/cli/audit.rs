@@ -15,6 +15,44 @@ pub(super) struct AuditArgs {
     dir: Option<PathBuf>,
 }
 
+/// Which records `tail` and `export` print.
+#[derive(clap::Args, Clone, Default)]
+pub(super) struct RecordFilter {
+    /// Only records of this job.
+    #[arg(long)]
+    job: Option<String>,
+    /// Only records of this event (job_finished, policy_decision, role_assumed, …).
+    #[arg(long)]
+    event: Option<String>,
+    /// Only records since a time (2026-11-27T09:00:00Z, 2026-11-27) or for a while
+    /// (90s, 30m, 2h, 7d).
+    #[arg(long, value_name = "TIME")]
+    since: Option<String>,
+}
+
+impl RecordFilter {
+    fn active(&self) -> bool {
+        self.job.is_some() || self.event.is_some() || self.since.is_some()
+    }
+
+    /// A predicate over stored record lines.
+    fn matcher(&self) -> anyhow::Result<impl Fn(&str) -> bool + use<>> {
+        let since = self
+            .since
+            .as_deref()
+            .map(|t| crate::clock::parse_since(t, crate::clock::now_ms()))
+            .transpose()
+            .map_err(|e| anyhow::anyhow!("--since: {e}"))?;
+        let (job, event) = (self.job.clone(), self.event.clone());
+        Ok(move |line: &str| {
+            let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else { return false };
+            job.as_ref().is_none_or(|j| v["job"] == j.as_str())
+                && event.as_ref().is_none_or(|e| v["event"] == e.as_str())
+                && since.is_none_or(|t| v["time_ms"].as_u64().is_some_and(|ms| ms >= t))
+        })
+    }
+}
+
 #[derive(Subcommand)]
 pub(super) enum AuditCmd {
     /// Check every record, the tree, every checkpoint and cosignature; exit 1 naming the
@@ -29,6 +67,8 @@ pub(super) enum AuditCmd {
     },
     /// Print the last records, one line each with its time in ISO 8601 (follow with -f;
     /// `-o json`: the records as stored, one JSON object a line).
+    ///
+    /// Example: byoc-runner audit tail -f --event job_rejected
     Tail {
         #[command(flatten)]
         a: AuditArgs,
@@ -36,6 +76,8 @@ pub(super) enum AuditCmd {
         lines: usize,
         #[arg(short = 'f', long)]
         follow: bool,
+        #[command(flatten)]
+        filter: RecordFilter,
     },
     /// Print one record.
     Show {
@@ -43,10 +85,15 @@ pub(super) enum AuditCmd {
         a: AuditArgs,
         seq: u64,
     },
-    /// Every record and checkpoint as JSON lines (for a SIEM).
+    /// Every record and checkpoint as JSON lines (for a SIEM); with a filter, only the
+    /// records that match (no checkpoints).
+    ///
+    /// Example: byoc-runner audit export --since 2026-11-01 > audit.jsonl
     Export {
         #[command(flatten)]
         a: AuditArgs,
+        #[command(flatten)]
+        filter: RecordFilter,
     },
     /// An inclusion proof for a record that a third party can check (`-o json`: the
     /// proof alone, for a verifier).
@@ -111,13 +158,19 @@ fn inspect(cmd: AuditCmd) -> anyhow::Result<()> {
     use anyhow::Context as _;
     match cmd {
         AuditCmd::Verify { .. } => unreachable!("handled before"),
-        AuditCmd::Tail { a, lines, follow } => {
+        AuditCmd::Tail { a, lines, follow, filter } => {
             let dir = audit_dir(&a);
             let json = a.state.output == Output::Json;
-            let show = |l: &str| println!("{}", if json { l.to_string() } else { record_line(l) });
+            let keep = filter.matcher()?;
+            let show = |l: &str| {
+                if keep(l) {
+                    println!("{}", if json { l.to_string() } else { record_line(l) });
+                }
+            };
             let all = byoc_audit::log::read_lines(&dir, 0, u64::MAX)?;
             let mut printed = all.len();
-            for l in all.iter().skip(all.len().saturating_sub(lines)) {
+            let matching: Vec<&String> = all.iter().filter(|l| keep(l)).collect();
+            for l in matching.iter().skip(matching.len().saturating_sub(lines)) {
                 show(l);
             }
             if !follow {
@@ -146,10 +199,14 @@ fn inspect(cmd: AuditCmd) -> anyhow::Result<()> {
             }
             Ok(())
         }
-        AuditCmd::Export { a } => {
+        AuditCmd::Export { a, filter } => {
             let dir = audit_dir(&a);
-            for l in byoc_audit::log::read_lines(&dir, 0, u64::MAX)? {
+            let keep = filter.matcher()?;
+            for l in byoc_audit::log::read_lines(&dir, 0, u64::MAX)?.into_iter().filter(|l| keep(l)) {
                 println!("{{\"type\":\"record\",\"record\":{l}}}");
+            }
+            if filter.active() {
+                return Ok(());
             }
             for (file, kind) in
                 [(byoc_audit::log::CHECKPOINTS, "checkpoint"), (byoc_audit::log::COSIGNED, "cosigned")]
