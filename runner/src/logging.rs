@@ -74,6 +74,33 @@ fn colour_on_stderr() -> bool {
     std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty())
 }
 
+/// The job a task runs: its audit entries carry the same job fields as its log lines
+/// (which get them from the job's span).
+#[derive(Debug, Clone)]
+pub struct JobFields {
+    pub job_id: String,
+    pub install_id: String,
+    pub kind: String,
+    pub operation: String,
+    pub role: String,
+}
+
+impl JobFields {
+    pub fn of(p: &byoc_protocol::JobPayload) -> JobFields {
+        JobFields {
+            job_id: p.job_id.clone(),
+            install_id: p.install_id.clone(),
+            kind: p.kind.clone(),
+            operation: p.operation.clone(),
+            role: p.requested_role.clone().unwrap_or_else(|| "none".into()),
+        }
+    }
+}
+
+tokio::task_local! {
+    pub static JOB: JobFields;
+}
+
 /// The `MESSAGE_ID` of an audit event's journal entries: 128 bits derived from its
 /// name, the same on every runner and release.
 pub fn audit_message_id(event: &str) -> String {
@@ -97,17 +124,21 @@ pub fn audit_entry(seq: u64, r: &byoc_audit::log::Record) {
             ("BYOC_AUDIT_SEQ", seq.to_string()),
             ("BYOC_AUDIT_EVENT", r.event.clone()),
         ];
+        // The running job's fields where the record leaves them out.
+        let job = JOB.try_with(|f| f.clone()).ok().filter(|f| r.job.as_ref() == Some(&f.job_id));
+        let or_job = |own: &Option<String>, from: fn(&JobFields) -> &String| {
+            own.clone().filter(|v| !v.is_empty()).or_else(|| job.as_ref().map(|j| from(j).clone()))
+        };
         let optional = [
-            ("BYOC_JOB_ID", &r.job),
-            ("BYOC_KIND", &r.kind),
-            ("BYOC_OPERATION", &r.operation),
-            ("BYOC_ROLE", &r.role),
-            ("BYOC_STATUS", &r.status),
-            ("BYOC_REASON", &r.reason),
+            ("BYOC_JOB_ID", r.job.clone()),
+            ("BYOC_INSTALL_ID", job.as_ref().map(|j| j.install_id.clone())),
+            ("BYOC_KIND", or_job(&r.kind, |j| &j.kind)),
+            ("BYOC_OPERATION", or_job(&r.operation, |j| &j.operation)),
+            ("BYOC_ROLE", or_job(&r.role, |j| &j.role)),
+            ("BYOC_STATUS", r.status.clone()),
+            ("BYOC_REASON", r.reason.clone()),
         ];
-        fields.extend(
-            optional.into_iter().filter_map(|(k, v)| v.clone().filter(|v| !v.is_empty()).map(|v| (k, v))),
-        );
+        fields.extend(optional.into_iter().filter_map(|(k, v)| v.filter(|v| !v.is_empty()).map(|v| (k, v))));
         if journal_send(&fields).is_ok() {
             return;
         }

@@ -273,6 +273,32 @@ async fn logs_reach_journald_as_sentences_with_byoc_fields_and_message_ids() {
         "fields carry the BYOC_ prefix"
     );
     assert!(records.iter().any(|r| r["MESSAGE"] == "result acknowledged"));
+    // The job's whole path: every entry carries the job's fields, and each audit event
+    // on it is a sentence with its MESSAGE_ID at priority 6.
+    for r in &records {
+        for (field, want) in [
+            ("BYOC_INSTALL_ID", cp.install_id()),
+            ("BYOC_KIND", "action.script".to_string()),
+            ("BYOC_OPERATION", "trigger".to_string()),
+            ("BYOC_ROLE", "none".to_string()),
+        ] {
+            assert_eq!(r[field], want.as_str(), "{field} on {r}");
+        }
+        assert!(r["MESSAGE"].as_str().is_some_and(|m| !m.is_empty() && !m.contains("Some(")), "{r}");
+    }
+    for event in ["job_received", "job_claimed", "job_started", "job_finished"] {
+        let entry = records
+            .iter()
+            .find(|r| r["BYOC_AUDIT_EVENT"] == event)
+            .unwrap_or_else(|| panic!("no {event} entry for {id}: {records:?}"));
+        assert_eq!(entry["MESSAGE_ID"], byoc_runner::logging::audit_message_id(event), "{entry}");
+        assert_eq!(entry["PRIORITY"], "6", "{entry}");
+        let message = entry["MESSAGE"].as_str().unwrap();
+        assert!(
+            message.starts_with("Audit record ") && message.contains(&format!("{event}: job {id}")),
+            "{message}"
+        );
+    }
 }
 
 fn journal_json(journal: &Path, filter: &[&str]) -> Vec<u8> {

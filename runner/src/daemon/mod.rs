@@ -568,11 +568,12 @@ fn start_job(
         operation = %p.operation,
         role = p.requested_role.as_deref().unwrap_or("none"),
     );
+    let fields = crate::logging::JobFields::of(p);
     let group = byoc_protocol::job_group(&p.kind).to_string();
     let slot = SlotGuard::take(slots, group);
     let rt = rt.clone();
     tasks.spawn(tracing::Instrument::instrument(
-        async move {
+        crate::logging::JOB.scope(fields, async move {
             let _in_hand = in_hand;
             let job_id = job.payload.job_id.clone();
             if let Err(e) = pipeline::run_job(rt.clone(), job, slot).await {
@@ -583,7 +584,7 @@ fn start_job(
             if !rt.abort.is_cancelled() {
                 pipeline::held::forget_held(&rt, &job_id);
             }
-        },
+        }),
         span,
     ));
 }

@@ -125,18 +125,22 @@ pub(crate) fn verifier<'a>(
 /// Journal `received` before anything acts on the job: its nonce is spent.
 pub(crate) fn record_received(rt: &Rt, job: &VerifiedJob) -> Result<(), JournalError> {
     let p = &job.payload;
-    rt.transition(Event::Received {
-        job_id: p.job_id.clone(),
-        delivery_id: job.delivery_id.clone(),
-        nonce: p.nonce.clone(),
-        expires_at: p.expires_at,
-        kind: p.kind.clone(),
-        operation: p.operation.clone(),
-        entity: p.entity.clone(),
-        payload_sha256: job.payload_sha256.clone(),
-        timeout_secs: p.timeout_secs,
-        effect: Some(job.executor.effect().as_str().to_string()),
-        component: p.role_request.as_ref().map(|r| r.entity_name.clone()).filter(|n| !n.is_empty()),
+    // On the poll loop, before the job's own task: its journal entry gets the job's fields.
+    let fields = crate::logging::JobFields::of(p);
+    crate::logging::JOB.sync_scope(fields, || {
+        rt.transition(Event::Received {
+            job_id: p.job_id.clone(),
+            delivery_id: job.delivery_id.clone(),
+            nonce: p.nonce.clone(),
+            expires_at: p.expires_at,
+            kind: p.kind.clone(),
+            operation: p.operation.clone(),
+            entity: p.entity.clone(),
+            payload_sha256: job.payload_sha256.clone(),
+            timeout_secs: p.timeout_secs,
+            effect: Some(job.executor.effect().as_str().to_string()),
+            component: p.role_request.as_ref().map(|r| r.entity_name.clone()).filter(|n| !n.is_empty()),
+        })
     })
 }
 
