@@ -82,14 +82,14 @@ pub(super) fn run(cmd: JobsCmd) -> anyhow::Result<()> {
             if state.output == Output::Json {
                 return print_json(&jobs);
             }
-            println!("{:<24} {:<16} {:<15} {:<21} {:>10}", "JOB", "KIND", "STATUS", "RECEIVED", "DURATION");
+            println!("{:<24} {:<16} {:<18} {:<21} {:>10}", "JOB", "KIND", "STATUS", "RECEIVED", "DURATION");
             for j in jobs {
                 let dur = match (j.started_at_ms, j.finished.as_ref().map(|f| f.finished_at_ms)) {
                     (Some(s), Some(f)) => format!("{:.1}s", f.saturating_sub(s) as f64 / 1000.0),
                     _ => "-".into(),
                 };
                 println!(
-                    "{:<24} {:<16} {:<15} {:<21} {:>10}",
+                    "{:<24} {:<16} {:<18} {:<21} {:>10}",
                     j.job_id,
                     j.kind,
                     inspect::status_label(&j),
