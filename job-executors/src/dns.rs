@@ -192,7 +192,7 @@ impl Forwarder {
         if let Some(allowed) = &self.allowed_names
             && !name_allowed(allowed, &q.name)
         {
-            tracing::debug!(name = %q.name, "job's DNS query refused: not on the egress allow-list");
+            tracing::debug!(name = %q.name, "Job's DNS query refused: not on the egress allow-list.");
             return error_reply(query, RCODE_REFUSED);
         }
         let reply = match self.ask_upstreams(query, tcp).await {
@@ -204,7 +204,7 @@ impl Forwarder {
             // Routed before the job sees the address, so its first connection works.
             for ip in answer_addresses(&reply).unwrap_or_default() {
                 if let Err(e) = router.route(ip) {
-                    tracing::warn!(name = %q.name, %ip, error = %e, "routing an allowed name's address failed");
+                    tracing::warn!(name = %q.name, %ip, error = %e, "Routing an allowed name's address failed: {e}.");
                     return error_reply(query, RCODE_SERVFAIL);
                 }
             }

@@ -211,7 +211,7 @@ pub async fn serve_bounded<F, Fut>(
             Err(e) => {
                 backoff = (backoff * 2)
                     .clamp(std::time::Duration::from_millis(10), std::time::Duration::from_secs(1));
-                tracing::warn!(error = %e, wait_ms = backoff.as_millis() as u64, "accepting a connection from a job's namespace failed");
+                tracing::warn!(error = %e, wait_ms = backoff.as_millis() as u64, "Accepting a connection from a job's namespace failed: {e}.");
                 tokio::time::sleep(backoff).await;
             }
         }
@@ -340,7 +340,7 @@ impl HostFollower {
                         tracing::info!(
                             address = %a.addr,
                             closed = %closed.iter().map(|c| c.to_string()).collect::<Vec<_>>().join(" "),
-                            "a host address appeared: closed to a running job"
+                            "A host address appeared: closed to a running job."
                         );
                         ranges.extend(closed);
                     }
@@ -437,7 +437,7 @@ impl Services {
             };
             let boundary = async {
                 let why = follower.follow(job_ns).await;
-                tracing::error!(error = %why, "the job's network boundary could not follow the host; stopping the job");
+                tracing::error!(error = %why, "The job's network boundary could not follow the host; stopping the job: {why}.");
                 *lost_by_task.lock().unwrap_or_else(|e| e.into_inner()) = Some(why);
                 stop.cancel();
             };

@@ -176,7 +176,7 @@ impl OciSync {
                 report.tags,
             ),
         );
-        tracing::debug!(bytes_read = moved, "oci.sync done");
+        tracing::debug!(bytes_read = moved, "Oci.sync done.");
         let mut v = serde_json::to_value(&report).unwrap_or_default();
         v["repository_created"] = dest.repository_created.into();
         Ok(v)
@@ -293,7 +293,7 @@ impl OciSync {
         // The source reference carries no credential; error texts are left out (they
         // are in the job log, masked).
         if let Err(e) = audit.record(event, detail, digests) {
-            tracing::error!(error = %e, "could not audit the artifact sync");
+            tracing::error!(error = %e, "Could not audit the artifact sync: {e}.");
         }
     }
 }

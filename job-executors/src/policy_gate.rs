@@ -171,6 +171,6 @@ fn audit(ctx: &ExecContext<'_>, d: &byoc_policy::Decision, subject: &str, digest
         d.denials().join(", ")
     );
     if let Err(e) = audit.record("policy_decision", detail, digests) {
-        tracing::error!(error = %e, "could not audit a policy decision");
+        tracing::error!(error = %e, "Could not audit a policy decision: {e}.");
     }
 }

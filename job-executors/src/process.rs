@@ -89,7 +89,7 @@ pub async fn run_capturing(
     let Some(pgid) = child.id().map(|p| Pid::from_raw(p as i32)) else {
         return ExecOutcome::failed("job process exited before it could be supervised");
     };
-    tracing::debug!(job_id = %ctx.settings.job_id, pgid = pgid.as_raw(), "job process started");
+    tracing::debug!(job_id = %ctx.settings.job_id, pgid = pgid.as_raw(), "Job process started.");
     if let (Some(data), Some(mut stdin)) = (stdin_data, child.stdin.take()) {
         use tokio::io::AsyncWriteExt as _;
         // The helper reads its spec before anything else; a failure shows in its exit.

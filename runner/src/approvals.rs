@@ -178,7 +178,7 @@ pub fn clear(state_dir: &Path, job_id: &str) {
         if let Err(e) = std::fs::remove_file(&p)
             && e.kind() != std::io::ErrorKind::NotFound
         {
-            tracing::warn!(error = %e, path = %p.display(), "could not remove an approval file");
+            tracing::warn!(error = %e, path = %p.display(), "Could not remove an approval file: {e}.");
         }
     }
 }

@@ -304,7 +304,7 @@ async fn upload_once(audit: &Audit, client: &dyn ControlPlane, acked: u64) -> Re
     };
     let resp = client.audit(&req).await?;
     audit.lock().store_cosigned(to, &resp.cosigned).map_err(UploadError::StoreCosigned)?;
-    tracing::debug!(size = to, "audit checkpoint acknowledged by the control plane");
+    tracing::debug!(size = to, "Audit checkpoint acknowledged by the control plane.");
     Ok(to)
 }
 

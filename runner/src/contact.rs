@@ -50,7 +50,7 @@ fn update(state_dir: &Path, change: impl FnOnce(&mut Contact)) {
         byoc_statefs::write(&state_dir.join(CONTACT_FILE), &bytes, byoc_statefs::Options::mode(0o600))
     });
     if let Err(e) = written {
-        tracing::warn!(error = %e, "could not record the last contact with the control plane");
+        tracing::warn!(error = %e, "Could not record the last contact with the control plane: {e}.");
     }
 }
 

@@ -122,7 +122,7 @@ impl Reserve {
             && let Err(e) = write_reserve(&self.path, self.bytes)
         {
             let _ = std::fs::remove_file(&self.path);
-            tracing::warn!(error = %e, path = %self.path.display(), "could not hold the disk reserve for the audit log and journal");
+            tracing::warn!(error = %e, path = %self.path.display(), "Could not hold the disk reserve for the audit log and journal: {e}.");
         }
     }
 

@@ -51,7 +51,7 @@ pub fn init(target: LogTarget, level: &str) -> &'static str {
                 )
                 .try_init();
             if target == LogTarget::Journald {
-                tracing::warn!("journald socket not available; logging to stderr");
+                tracing::warn!("Journald socket not available; logging to stderr.");
             }
             "stderr"
         }

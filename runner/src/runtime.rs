@@ -105,15 +105,15 @@ impl Runtime {
                 )),
                 ..Default::default()
             };
-            tracing::info!(role = %role, "a local allowance expired");
+            tracing::info!(role = %role, "A local allowance expired.");
             if let Err(e) = self.audit.record(record) {
-                tracing::error!(error = %e, "could not audit an expired allowance");
+                tracing::error!(error = %e, "Could not audit an expired allowance: {e}.");
                 break;
             }
             done.push((role, a));
         }
         if let Err(e) = allowance::mark_expired_audited(&self.state_dir, &honoured, &done) {
-            tracing::warn!(error = %e, "could not note audited allowance expiries; they may be audited again");
+            tracing::warn!(error = %e, "Could not note audited allowance expiries; they may be audited again: {e}.");
         }
     }
 
@@ -127,7 +127,7 @@ impl Runtime {
         if *last != now {
             let record = match &now {
                 Some(p) => {
-                    tracing::warn!(by = %p.by, reason = p.reason.as_deref().unwrap_or(""), "runner paused by the customer: new jobs are refused");
+                    tracing::warn!(by = %p.by, reason = p.reason.as_deref().unwrap_or(""), "Runner paused by the customer: new jobs are refused.");
                     byoc_audit::log::Record {
                         event: "runner_paused".into(),
                         reason: Some("paused".into()),
@@ -140,12 +140,12 @@ impl Runtime {
                     }
                 }
                 None => {
-                    tracing::info!("runner resumed by the customer");
+                    tracing::info!("Runner resumed by the customer.");
                     byoc_audit::log::Record { event: "runner_resumed".into(), ..Default::default() }
                 }
             };
             if let Err(e) = self.audit.record(record) {
-                tracing::error!(error = %e, "could not audit a pause change");
+                tracing::error!(error = %e, "Could not audit a pause change: {e}.");
             } else {
                 *last = now.clone();
             }

@@ -287,7 +287,7 @@ impl SpoolWriter {
             self.file.sync_all()?;
             drop(ring.file);
             if let Err(e) = std::fs::remove_file(&ring.path) {
-                tracing::warn!(error = %e, path = %ring.path.display(), "could not remove the log's tail ring");
+                tracing::warn!(error = %e, path = %ring.path.display(), "Could not remove the log's tail ring: {e}.");
             }
         }
         self.file.sync_all()?;
@@ -458,7 +458,7 @@ impl Uploader {
                     if corrections > 8 {
                         return Err(ClientError::Protocol("log offset keeps moving".into()).into());
                     }
-                    tracing::debug!(job_id = %self.job_id, server_offset, "log offset corrected by control plane");
+                    tracing::debug!(job_id = %self.job_id, server_offset, "Log offset corrected by control plane.");
                     self.uploaded = server_offset;
                 }
                 Err(e) => return Err(e.into()),

@@ -281,7 +281,7 @@ fn a_network_created_while_a_job_runs_is_closed_to_it() {
         let out = e.output(&later);
         assert!(out.contains("to 172.30.0.1 prohibit") && out.contains("to 172.30.0.0/16 prohibit"), "{out}");
         assert!(
-            e.runner.log().contains("a host address appeared: closed to a running job"),
+            e.runner.log().contains("A host address appeared: closed to a running job."),
             "{}",
             e.runner.log()
         );

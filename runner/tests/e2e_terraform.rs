@@ -488,7 +488,7 @@ async fn a_saved_plan_is_applied_by_digest_and_only_by_its_digest() {
     e.env.runner.kill9().await;
     e.env.runner.spawn(None).unwrap();
     assert!(
-        wait_log(&e.env.runner, "removed saved plans past their use", std::time::Duration::from_secs(30))
+        wait_log(&e.env.runner, "Removed saved plans past their use.", std::time::Duration::from_secs(30))
             .await,
         "{}",
         e.env.runner.log()

@@ -186,7 +186,7 @@ async fn logs_reach_journald_as_sentences_with_byoc_fields_and_message_ids() {
     let id = cp.enqueue(script("echo hi")).unwrap();
     let v = cp.wait_for(&id, WAIT, |v| v.result.is_some()).await.expect("job finished");
     assert_eq!(v.result.unwrap().status, JobStatus::Succeeded);
-    // The runner logs "result acknowledged" after the server stored the result.
+    // The runner logs "Result acknowledged." after the server stored the result.
     let deadline = tokio::time::Instant::now() + WAIT;
     let records = loop {
         let out = Command::new("journalctl")
@@ -202,7 +202,7 @@ async fn logs_reach_journald_as_sentences_with_byoc_fields_and_message_ids() {
             .filter(|l| !l.is_empty())
             .filter_map(|l| serde_json::from_slice(l).ok())
             .collect();
-        if records.iter().any(|r| r["MESSAGE"] == "result acknowledged")
+        if records.iter().any(|r| r["MESSAGE"] == "Result acknowledged.")
             || tokio::time::Instant::now() > deadline
         {
             break records;
@@ -262,7 +262,7 @@ async fn logs_reach_journald_as_sentences_with_byoc_fields_and_message_ids() {
         );
     }
     assert!(!records.is_empty(), "no journal records with BYOC_JOB_ID={id}");
-    let started = records.iter().find(|r| r["MESSAGE"] == "job started").expect("a 'job started' record");
+    let started = records.iter().find(|r| r["MESSAGE"] == "Job started.").expect("a 'Job started.' record");
     assert_eq!(started["BYOC_INSTALL_ID"], cp.install_id());
     assert_eq!(started["BYOC_KIND"], "action.script");
     assert_eq!(started["BYOC_OPERATION"], "trigger");
@@ -272,7 +272,7 @@ async fn logs_reach_journald_as_sentences_with_byoc_fields_and_message_ids() {
         started.get("JOB_ID").is_none() && started.get("F_JOB_ID").is_none(),
         "fields carry the BYOC_ prefix"
     );
-    assert!(records.iter().any(|r| r["MESSAGE"] == "result acknowledged"));
+    assert!(records.iter().any(|r| r["MESSAGE"] == "Result acknowledged."));
     // The job's whole path: every entry carries the job's fields, and each audit event
     // on it is a sentence with its MESSAGE_ID at priority 6.
     for r in &records {

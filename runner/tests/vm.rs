@@ -663,7 +663,7 @@ fn the_journal_has_structured_fields(w: &mut World) {
     assert!(!records.is_empty(), "no journal records for {id}");
     // The job's span fields, prefixed BYOC_, on the record of its start.
     let started =
-        records.iter().find(|r| r["MESSAGE"] == "job started").unwrap_or_else(|| panic!("{records:?}"));
+        records.iter().find(|r| r["MESSAGE"] == "Job started.").unwrap_or_else(|| panic!("{records:?}"));
     assert_eq!(started["BYOC_INSTALL_ID"], w.cp.install_id());
     assert_eq!(started["BYOC_KIND"], "action.script");
     assert_eq!(started["SYSLOG_IDENTIFIER"], "byoc-runner");
@@ -706,7 +706,7 @@ fn a_wedged_poll_loop_is_restarted_by_the_watchdog(w: &mut World) {
          systemctl daemon-reload && systemctl reset-failed byoc-runner; systemctl restart byoc-runner");
     assert!(restarted.is_ok(), "{restarted:?}\n{journal}");
     assert!(journal.contains("the poll loop is wedged on purpose"), "{journal}");
-    assert!(journal.contains("poll loop stalled; withholding watchdog ping"), "{journal}");
+    assert!(journal.contains("Poll loop stalled; withholding watchdog ping."), "{journal}");
     assert!(journal.contains("Watchdog timeout"), "systemd did not report a watchdog timeout:\n{journal}");
     assert_eq!(w.vm.sh("systemctl is-active byoc-runner").trim(), "active");
 }

@@ -287,7 +287,7 @@ impl Registry {
                 });
             }
             let delay = wait.unwrap_or_else(|| backoff.next_delay()).min(self.retry.max_backoff);
-            tracing::debug!(side = %self.side, registry = %self.name, what, reason, ?delay, "retrying");
+            tracing::debug!(side = %self.side, registry = %self.name, what, reason, ?delay, "Retrying.");
             tokio::time::sleep(delay).await;
         }
     }

@@ -191,7 +191,7 @@ impl Copier {
                 .buffer_unordered(self.options.parallel.max(1));
             while let Some((d, size, r)) = stream.next().await {
                 let outcome = r?;
-                tracing::debug!(digest = %d, size, ?outcome, "blob copied");
+                tracing::debug!(digest = %d, size, ?outcome, "Blob copied.");
                 self.counters.blobs_done.fetch_add(1, Ordering::Relaxed);
                 self.counters.bytes_done.fetch_add(size, Ordering::Relaxed);
                 outcomes.push((size, outcome));
@@ -371,7 +371,7 @@ impl Copier {
                 Err(Upload::Restart(reason)) if restarts < BLOB_RESTARTS => {
                     restarts += 1;
                     self.restarted.fetch_add(1, Ordering::Relaxed);
-                    tracing::warn!(%digest, reason, restarts, "destination dropped the upload; starting this blob over");
+                    tracing::warn!(%digest, reason, restarts, "Destination dropped the upload; starting this blob over.");
                 }
                 Err(Upload::Restart(reason)) => {
                     return Err(self.dst.err_transport(
@@ -438,7 +438,7 @@ impl Copier {
                     let status = self.dst.upload_status(dst_repo, &upload).await;
                     match status {
                         Ok(Some((held, next))) if held >= offset && held <= offset + len => {
-                            tracing::info!(%digest, held, "resuming a cut upload where the destination stands");
+                            tracing::info!(%digest, held, "Resuming a cut upload where the destination stands.");
                             self.resumed.fetch_add(1, Ordering::Relaxed);
                             let mut r = reader.lock().await;
                             r.restore(snapshot);
@@ -584,7 +584,7 @@ impl SourceReader {
                                 format!("{reason} (gave up after {SOURCE_REOPENS} resumptions)"),
                             ));
                         }
-                        tracing::info!(digest = %self.digest, pos = self.pos, reason, "resuming the source download");
+                        tracing::info!(digest = %self.digest, pos = self.pos, reason, "Resuming the source download.");
                         tokio::time::sleep(self.reopen_backoff.next_delay()).await;
                         continue;
                     }

@@ -321,7 +321,7 @@ fn evict(dir: &Path, max_bytes: u64, keep: &Path) {
             continue;
         }
         if std::fs::remove_dir_all(&path).is_ok() {
-            tracing::info!(artifact = %path.display(), bytes, "evicted from the artifact cache");
+            tracing::info!(artifact = %path.display(), bytes, "Evicted from the artifact cache.");
             total = total.saturating_sub(bytes);
         }
     }

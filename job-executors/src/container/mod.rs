@@ -280,7 +280,7 @@ async fn run_container(spec: &Container, settings: &ContainerSettings, ctx: Exec
             tokio::select! {
                 outcome = &mut run => outcome,
                 why = &mut follow => {
-                    tracing::error!(error = %why, "the container's network boundary could not follow the host; stopping it");
+                    tracing::error!(error = %why, "The container's network boundary could not follow the host; stopping it: {why}.");
                     lost = Some(why);
                     stop.cancel();
                     run.await
@@ -299,7 +299,7 @@ async fn run_container(spec: &Container, settings: &ContainerSettings, ctx: Exec
         .remove_container(&id, Some(RemoveContainerOptionsBuilder::new().force(true).v(true).build()))
         .await
     {
-        tracing::warn!(container = %id, error = %e, "could not remove the job's container");
+        tracing::warn!(container = %id, error = %e, "Could not remove the job's container: {e}.");
     }
     if let Some(n) = net {
         n.remove(&docker).await;
@@ -342,7 +342,7 @@ pub async fn remove_leftovers(settings: &ContainerSettings) {
         .await
         .unwrap_or_default();
     for c in containers.iter().filter_map(|c| c.id.as_deref()) {
-        tracing::warn!(container = %c, "removing a container left by an interrupted job");
+        tracing::warn!(container = %c, "Removing a container left by an interrupted job.");
         let _ =
             docker.remove_container(c, Some(RemoveContainerOptionsBuilder::new().force(true).build())).await;
     }
@@ -351,7 +351,7 @@ pub async fn remove_leftovers(settings: &ContainerSettings) {
         .await
         .unwrap_or_default();
     for n in networks.iter().filter_map(|n| n.name.as_deref()) {
-        tracing::warn!(network = %n, "removing a network left by an interrupted job");
+        tracing::warn!(network = %n, "Removing a network left by an interrupted job.");
         let _ = docker.remove_network(n).await;
     }
 }

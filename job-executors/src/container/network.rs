@@ -357,10 +357,10 @@ impl JobNetwork {
                 )
                 .await
         {
-            tracing::warn!(container = %self.holder, error = %e, "could not remove the job's network holder");
+            tracing::warn!(container = %self.holder, error = %e, "Could not remove the job's network holder: {e}.");
         }
         if let Err(e) = docker.remove_network(&self.network).await {
-            tracing::warn!(network = %self.network, error = %e, "could not remove the job's network");
+            tracing::warn!(network = %self.network, error = %e, "Could not remove the job's network: {e}.");
         }
     }
 }

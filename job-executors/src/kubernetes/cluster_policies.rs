@@ -133,7 +133,7 @@ pub(super) async fn sync_cluster_policies(
         let event = if remove { "cluster_policies_removed" } else { "cluster_policies_applied" };
         let detail = format!("applied [{}], removed [{}]", applied.join(", "), pruned.join(", "));
         if let Err(e) = audit.record(event, detail, digests) {
-            tracing::error!(error = %e, "could not audit the cluster policies");
+            tracing::error!(error = %e, "Could not audit the cluster policies: {e}.");
         }
     }
     Ok(serde_json::json!({"applied": applied, "pruned": pruned}))

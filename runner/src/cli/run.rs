@@ -79,10 +79,10 @@ pub(super) fn daemon(path: &Path) -> i32 {
         Err(code) => return code,
     };
     let sink = crate::logging::init(config.logging.target, &config.logging.level);
-    tracing::debug!(sink, "logging initialised");
+    tracing::debug!(sink, "Logging initialised.");
     if !lean_allocator {
         // Memory only: the daemon works the same, it may keep more freed memory.
-        tracing::warn!("the C library did not take the allocator settings; idle memory may be higher");
+        tracing::warn!("The C library did not take the allocator settings; idle memory may be higher.");
     }
     let rt = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build() {
         Ok(rt) => rt,
@@ -94,7 +94,7 @@ pub(super) fn daemon(path: &Path) -> i32 {
     match rt.block_on(crate::daemon::run(config)) {
         Ok(()) => 0,
         Err(e) => {
-            tracing::error!(error = %e, "runner failed");
+            tracing::error!(error = %e, "Runner failed: {e}.");
             eprintln!("error: {e}");
             match e {
                 crate::daemon::DaemonError::NoBootstrapToken

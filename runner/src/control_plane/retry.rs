@@ -60,7 +60,7 @@ where
             return Retried::Exhausted(err);
         }
         let delay = backoff.next_delay();
-        tracing::debug!(error = %err, attempt = n, retry_in_ms = delay.as_millis() as u64, "retrying");
+        tracing::debug!(error = %err, attempt = n, retry_in_ms = delay.as_millis() as u64, "Retrying: {err}.");
         if !sleep_unless_stopped(delay, stop).await {
             return Retried::Stopped;
         }

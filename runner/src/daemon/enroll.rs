@@ -70,9 +70,9 @@ pub(super) async fn enroll_if_needed(
     if let Some(path) = &config.runner.bootstrap_token_file
         && let Err(err) = std::fs::remove_file(path)
     {
-        tracing::warn!(path = %path.display(), error = %err, "could not remove the used bootstrap token file");
+        tracing::warn!(path = %path.display(), error = %err, "Could not remove the used bootstrap token file: {err}.");
     }
-    tracing::info!(runner_id = %e.runner_id, "enrolled with the control plane");
+    tracing::info!(runner_id = %e.runner_id, "Enrolled with the control plane.");
     Ok(e)
 }
 

@@ -37,7 +37,7 @@ impl LocalDrift {
                 // Its group is busy: asked again at the next look.
                 Err(None) => {
                     if let Err(e) = local::request(&rt.state_dir, &r) {
-                        tracing::error!(error = %e, name = %r.name, "could not keep a drift check request for later");
+                        tracing::error!(error = %e, name = %r.name, "Could not keep a drift check request for later: {e}.");
                     }
                 }
                 Err(Some(skip)) => audit_skip(rt, &r.name, &trigger, skip),
@@ -143,7 +143,7 @@ impl LocalDrift {
         }
         let Some(in_hand) = slots.in_hand.mark(&job.payload.job_id) else { return Err(None) };
         if let Err(e) = pipeline::record_received(rt, &job) {
-            tracing::error!(error = %e, "could not journal a drift check; not running it");
+            tracing::error!(error = %e, "Could not journal a drift check; not running it: {e}.");
             return Err(None);
         }
         let record = byoc_audit::log::Record {
@@ -156,16 +156,16 @@ impl LocalDrift {
             ..Default::default()
         };
         if let Err(e) = rt.audit.record(record) {
-            tracing::error!(error = %e, "could not audit a drift check's start");
+            tracing::error!(error = %e, "Could not audit a drift check's start: {e}.");
         }
-        tracing::info!(job_id = %job.payload.job_id, name, trigger, "starting a drift check");
+        tracing::info!(job_id = %job.payload.job_id, name, trigger, "Starting a drift check.");
         start_job(rt, slots, tasks, job, in_hand);
         Ok(())
     }
 }
 
 fn audit_skip(rt: &Rt, name: &str, trigger: &str, skip: Skip) {
-    tracing::warn!(name, trigger, reason = skip.reason, detail = %skip.detail, "drift check not started");
+    tracing::warn!(name, trigger, reason = skip.reason, detail = %skip.detail, "Drift check not started.");
     let record = byoc_audit::log::Record {
         event: "drift_skipped".into(),
         reason: Some(skip.reason.into()),
@@ -173,7 +173,7 @@ fn audit_skip(rt: &Rt, name: &str, trigger: &str, skip: Skip) {
         ..Default::default()
     };
     if let Err(e) = rt.audit.record(record) {
-        tracing::error!(error = %e, "could not audit a skipped drift check");
+        tracing::error!(error = %e, "Could not audit a skipped drift check: {e}.");
     }
 }
 

@@ -120,26 +120,26 @@ fn raise_open_files() -> Result<u64, DaemonError> {
 
 pub async fn run(config: Config) -> Result<(), DaemonError> {
     let open_files = raise_open_files()?;
-    tracing::debug!(open_files, "open files limit");
+    tracing::debug!(open_files, "Open files limit.");
     let state_dir = config.runner.state_dir.clone();
     prepare_state_dir(&state_dir)?;
     let (key, created) = identity::load_or_create_key(&state_dir)?;
     if created {
-        tracing::info!(path = %state_dir.join(identity::KEY_FILE).display(), "created runner identity key");
+        tracing::info!(path = %state_dir.join(identity::KEY_FILE).display(), "Created runner identity key.");
     }
     let reserve = crate::disk::Reserve::new(&state_dir, &config.disk);
     reserve.hold();
     let (journal, torn) = Journal::open(&state_dir)?;
     let journal = journal.with_reserve(reserve.clone());
     if torn > 0 {
-        tracing::warn!(bytes = torn, "cut a torn record from the end of the job journal (crash mid-write)");
+        tracing::warn!(bytes = torn, "Cut a torn record from the end of the job journal (crash mid-write)");
     }
     let enrollment = enroll_if_needed(&config, &key).await?;
     tracing::info!(
         runner_id = %enrollment.runner_id,
         install_id = %enrollment.install_id,
         config_digest = %config.digest,
-        "runner starting"
+        "Runner starting."
     );
     let cp_keys: Vec<String> =
         config.control_plane.public_keys.values().map(|k| byoc_protocol::b64(k.as_bytes())).collect();
@@ -228,7 +228,7 @@ pub async fn run(config: Config) -> Result<(), DaemonError> {
     let roles = crate::roles::Roles::from_config(&config, &enrollment.install_id, &state_dir)
         .await
         .map_err(DaemonError::Roles)?;
-    tracing::info!(switches = %roles.source.describe(), sts = roles.assumer.is_some(), "lifecycle roles");
+    tracing::info!(switches = %roles.source.describe(), sts = roles.assumer.is_some(), "Lifecycle roles.");
     let rt: Rt = Arc::new(Runtime {
         sandbox,
         containers,
@@ -286,7 +286,7 @@ pub async fn run(config: Config) -> Result<(), DaemonError> {
             idle.check_customer_controls();
             compact_journal(&idle);
             if let Err(e) = idle_audit.checkpoint_if_idle() {
-                tracing::error!(error = %e, "audit checkpoint failed");
+                tracing::error!(error = %e, "Audit checkpoint failed: {e}.");
             }
             // What a large job's buffers left free in the heap goes back to the kernel
             // while no job runs (the runner idles most of its life; the walk is cheap).
@@ -327,14 +327,14 @@ pub async fn run(config: Config) -> Result<(), DaemonError> {
     // READY=1 goes first: the watchdog's first ping fires at once on another worker.
     sd_notify(&[sd_notify::NotifyState::Ready, sd_notify::NotifyState::Status("polling for jobs")]);
     spawn_watchdog(&rt, health.clone(), drain.clone());
-    tracing::info!("enrolled and polling");
+    tracing::info!("Enrolled and polling.");
 
     poll_loop(&rt, &slots, &mut tasks, &drain, &health).await;
 
     // Drain.
     let running = slots.total();
     sd_notify(&[sd_notify::NotifyState::Stopping, sd_notify::NotifyState::Status("draining")]);
-    tracing::info!(running, grace_secs = rt.config.jobs.drain_grace.as_secs(), "draining: no new jobs");
+    tracing::info!(running, grace_secs = rt.config.jobs.drain_grace.as_secs(), "Draining: no new jobs.");
     let grace = tokio::time::sleep(rt.config.jobs.drain_grace);
     tokio::pin!(grace);
     while slots.total() > 0 {
@@ -347,7 +347,7 @@ pub async fn run(config: Config) -> Result<(), DaemonError> {
         tokio::select! {
             _ = &mut changed => {}
             _ = &mut grace, if !rt.abort.is_cancelled() => {
-                tracing::warn!("drain grace over: cancelling running jobs");
+                tracing::warn!("Drain grace over: cancelling running jobs.");
                 rt.abort.cancel();
             }
             _ = rt.abort.cancelled() => {}
@@ -362,7 +362,7 @@ pub async fn run(config: Config) -> Result<(), DaemonError> {
         tokio::select! {
             next = tasks.join_next() => if next.is_none() { break },
             _ = &mut report_window => {
-                tracing::warn!(pending = tasks.len(), "stopping with results not yet acknowledged; they are sent on next start");
+                tracing::warn!(pending = tasks.len(), "Stopping with results not yet acknowledged; they are sent on next start.");
                 rt.stop_reporting.cancel();
                 while tasks.join_next().await.is_some() {}
                 break;
@@ -373,7 +373,7 @@ pub async fn run(config: Config) -> Result<(), DaemonError> {
     if let Err(e) =
         audit.record(byoc_audit::log::Record { event: "runner_stopped".into(), ..Default::default() })
     {
-        tracing::error!(error = %e, "could not audit the stop");
+        tracing::error!(error = %e, "Could not audit the stop: {e}.");
     }
     // Give the control plane a moment to acknowledge the last records.
     let _ = tokio::time::timeout(Duration::from_secs(3), async {
@@ -391,7 +391,7 @@ pub async fn run(config: Config) -> Result<(), DaemonError> {
     }
     let _ = audit_task.await;
     let _ = std::fs::remove_file(state_dir.join(PID_FILE));
-    tracing::info!("runner stopped");
+    tracing::info!("Runner stopped.");
     Ok(())
 }
 
@@ -407,7 +407,7 @@ fn prepare_control_dir(state_dir: &Path, admin_group: Option<&str>) -> Result<()
         tracing::warn!(
             group = admin_group.unwrap_or_default(),
             problem = %problem,
-            "members of roles.admin_group cannot act until root fixes this"
+            "Members of roles.admin_group cannot act until root fixes this."
         );
     }
     Ok(())
@@ -526,7 +526,7 @@ async fn poll_loop(
             Err(e) => {
                 crate::contact::poll_failed(&rt.state_dir, answered_at, &e.to_string());
                 let delay = backoff.next_delay();
-                tracing::warn!(error = %e, retry_in_ms = delay.as_millis() as u64, "poll failed");
+                tracing::warn!(error = %e, retry_in_ms = delay.as_millis() as u64, "Poll failed: {e}.");
                 tokio::select! {
                     _ = tokio::time::sleep(delay) => {}
                     _ = drain.cancelled() => return,
@@ -577,7 +577,7 @@ fn start_job(
             let _in_hand = in_hand;
             let job_id = job.payload.job_id.clone();
             if let Err(e) = pipeline::run_job(rt.clone(), job, slot).await {
-                tracing::error!(error = %e, "job journal write failed; the job's state is uncertain until restart");
+                tracing::error!(error = %e, "Job journal write failed; the job's state is uncertain until restart: {e}.");
             }
             // A resumed job may have gone through without being held again (its window
             // had opened): its kept envelope goes too, unless the runner is stopping.
@@ -602,10 +602,10 @@ fn spawn_signal_handler(rt: Rt, drain: CancellationToken) -> Result<(), DaemonEr
             }
             count += 1;
             if count == 1 {
-                tracing::info!("stop requested: draining (a second SIGTERM cancels running jobs)");
+                tracing::info!("Stop requested: draining (a second SIGTERM cancels running jobs)");
                 drain.cancel();
             } else {
-                tracing::warn!("second stop request: cancelling running jobs");
+                tracing::warn!("Second stop request: cancelling running jobs.");
                 rt.abort.cancel();
             }
         }
@@ -629,7 +629,7 @@ fn spawn_watchdog(rt: &Rt, health: Arc<AtomicU64>, drain: CancellationToken) {
             if age < stall_ms || drain.is_cancelled() {
                 sd_notify(&[sd_notify::NotifyState::Watchdog]);
             } else {
-                tracing::error!(stalled_ms = age, "poll loop stalled; withholding watchdog ping");
+                tracing::error!(stalled_ms = age, "Poll loop stalled; withholding watchdog ping.");
             }
         }
     });

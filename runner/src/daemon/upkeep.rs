@@ -6,7 +6,7 @@ use super::*;
 /// The metrics textfile, replaced whole; failures are logged (they never touch jobs).
 pub(super) fn write_metrics(rt: &Rt, path: &Path, tally: &mut crate::metrics::AuditTally) {
     if let Err(e) = tally.update(&rt.state_dir.join(crate::audit::AUDIT_DIR)) {
-        tracing::warn!(error = %e, "reading the audit log for metrics");
+        tracing::warn!(error = %e, "Reading the audit log for metrics: {e}.");
     }
     let written = crate::metrics::collect(&rt.state_dir, &rt.config.disk, tally, rt.clock.now_ms())
         .map_err(|e| e.to_string())
@@ -14,7 +14,7 @@ pub(super) fn write_metrics(rt: &Rt, path: &Path, tally: &mut crate::metrics::Au
             crate::metrics::write_textfile(path, &crate::metrics::render(&f)).map_err(|e| e.to_string())
         });
     if let Err(e) = written {
-        tracing::warn!(error = %e, path = %path.display(), "could not write the metrics textfile");
+        tracing::warn!(error = %e, path = %path.display(), "Could not write the metrics textfile: {e}.");
     }
 }
 
@@ -37,7 +37,7 @@ pub(super) fn compact_journal(rt: &Rt) {
         Ok(None) => {}
         Ok(Some(c)) => {
             let name = c.archive.file_name().unwrap_or_default().to_string_lossy().to_string();
-            tracing::info!(jobs = c.jobs, lines = c.lines, archive = %name, "archived settled jobs from the journal");
+            tracing::info!(jobs = c.jobs, lines = c.lines, archive = %name, "Archived settled jobs from the journal.");
             let r = byoc_audit::log::Record {
                 event: "journal_compacted".into(),
                 detail: Some(format!(
@@ -51,7 +51,7 @@ pub(super) fn compact_journal(rt: &Rt) {
                 ..Default::default()
             };
             if let Err(e) = rt.audit.record(r) {
-                tracing::error!(error = %e, "could not audit a journal compaction");
+                tracing::error!(error = %e, "Could not audit a journal compaction: {e}.");
             }
         }
         // Nothing lost: the journal is replaced only after the archive is durable.
@@ -72,7 +72,7 @@ pub(super) fn sweep_logs(rt: &Rt, keep: Duration) {
         logs = swept.files,
         bytes = swept.bytes,
         days,
-        "removed acknowledged job logs past their retention"
+        "Removed acknowledged job logs past their retention."
     );
     let r = byoc_audit::log::Record {
         event: "logs_removed".into(),
@@ -83,7 +83,7 @@ pub(super) fn sweep_logs(rt: &Rt, keep: Duration) {
         ..Default::default()
     };
     if let Err(e) = rt.audit.record(r) {
-        tracing::error!(error = %e, "could not audit the removal of expired job logs");
+        tracing::error!(error = %e, "Could not audit the removal of expired job logs: {e}.");
     }
 }
 
@@ -107,10 +107,10 @@ pub(super) fn sweep_plans(rt: &Rt) {
         ..Default::default()
     };
     if let Err(e) = rt.audit.record(r) {
-        tracing::error!(error = %e, "could not audit the removal of saved plans");
+        tracing::error!(error = %e, "Could not audit the removal of saved plans: {e}.");
     }
     // After the record: a reader of the log finds it in the audit log.
-    tracing::info!(plans = swept.files, bytes = swept.bytes, "removed saved plans past their use");
+    tracing::info!(plans = swept.files, bytes = swept.bytes, "Removed saved plans past their use.");
 }
 
 /// Remove journal archives past `jobs.journal_archive_days`; audited when any went.
@@ -124,7 +124,7 @@ pub(super) fn sweep_archives(rt: &Rt, keep: Duration) {
                 files = removed.files,
                 bytes = removed.bytes,
                 days,
-                "removed journal archives past their retention"
+                "Removed journal archives past their retention."
             );
             let r = byoc_audit::log::Record {
                 event: "journal_archives_removed".into(),
@@ -135,7 +135,7 @@ pub(super) fn sweep_archives(rt: &Rt, keep: Duration) {
                 ..Default::default()
             };
             if let Err(e) = rt.audit.record(r) {
-                tracing::error!(error = %e, "could not audit the removal of journal archives");
+                tracing::error!(error = %e, "Could not audit the removal of journal archives: {e}.");
             }
         }
         Err(e) => {
@@ -152,7 +152,7 @@ mod tests {
     #[tokio::test]
     async fn expired_saved_plans_are_removed_and_audited() {
         let f = testing::runtime().await;
-        let plan = f.rt.state_dir.join(crate::pipeline::execute::PLANS_DIR).join("vpc/aaaa.tfplan");
+        let plan = f.rt.state_dir.join(crate::pipeline::execute::PLANS_DIR).join("vpc/aaaa.tfplan: {e}.");
         std::fs::create_dir_all(plan.parent().expect("parent")).expect("dir");
         std::fs::write(&plan, b"plan").expect("plan");
         let now = std::time::UNIX_EPOCH + Duration::from_millis(f.rt.clock.now_ms());

@@ -168,7 +168,7 @@ async fn assume_for_job(
                 ..Default::default()
             };
             if let Err(e) = rt.audit.record(r) {
-                tracing::error!(error = %e, "could not audit a role session refresh");
+                tracing::error!(error = %e, "Could not audit a role session refresh: {e}.");
             }
         })
     };
@@ -205,7 +205,7 @@ async fn assume_for_job(
         role.derived.step.as_str(),
         params.session_name
     );
-    tracing::info!(role = %name, role_arn = %role.arn, "assumed the job's role");
+    tracing::info!(role = %name, role_arn = %role.arn, "Assumed the job's role.");
 
     // Containers cannot reach the loopback endpoint: a renewed credentials file instead.
     if p.kind == "action.container" {
@@ -256,7 +256,7 @@ async fn assume_for_job(
                 (RoleSession { _file: Some(file) }, creds, note)
             }
             Err(why) => {
-                tracing::warn!(reason = %why, "a container gets its role session's keys without renewal");
+                tracing::warn!(reason = %why, "A container gets its role session's keys without renewal.");
                 let note = format!("{intro}; the container gets its keys without renewal: {why}\n");
                 let creds = JobCredentials {
                     endpoint_env: vec![],

@@ -44,7 +44,7 @@ pub async fn claim(rt: &Rt, job: AuthorizedJob) -> Result<ClaimOutcome, JournalE
                 } else if rt.stop_reporting.is_cancelled() {
                     Ok(Err("runner stopped before the job was claimed".to_string()))
                 } else {
-                    tracing::warn!(error = %e, "claim failed, retrying");
+                    tracing::warn!(error = %e, "Claim failed, retrying: {e}.");
                     Err(e)
                 }
             }
@@ -70,7 +70,7 @@ pub async fn claim(rt: &Rt, job: AuthorizedJob) -> Result<ClaimOutcome, JournalE
         Retried::Done(Err(detail)) => detail,
         Retried::Stopped | Retried::Exhausted(_) => "runner stopped before the job was claimed".to_string(),
     };
-    tracing::warn!(reason = %refused, "job not claimed; it will not run");
+    tracing::warn!(reason = %refused, "Job not claimed; it will not run.");
     rt.transition(Event::ClaimRefused { job_id, detail: refused.clone() })?;
     Ok(ClaimOutcome::NotClaimed { detail: refused })
 }

@@ -44,7 +44,7 @@ pub async fn execute(rt: &Rt, job: AssumedJob) -> Result<FinishedJob, JournalErr
         network: Some(network),
         state_workspace: job.verified.executor.state_workspace(),
     })?;
-    tracing::info!("job started");
+    tracing::info!("Job started.");
 
     let outcome;
     let log: SpoolDigest;
@@ -134,7 +134,7 @@ pub async fn execute(rt: &Rt, job: AssumedJob) -> Result<FinishedJob, JournalErr
             log = match spool.finish() {
                 Ok(d) => d,
                 Err(e) => {
-                    tracing::error!(error = %e, "finishing the job log failed");
+                    tracing::error!(error = %e, "Finishing the job log failed: {e}.");
                     spool_as_found(rt, &job_id)
                 }
             };
@@ -143,13 +143,13 @@ pub async fn execute(rt: &Rt, job: AssumedJob) -> Result<FinishedJob, JournalErr
     if let Err(e) = std::fs::remove_dir_all(&work_dir)
         && e.kind() != std::io::ErrorKind::NotFound
     {
-        tracing::warn!(error = %e, path = %work_dir.display(), "could not remove the job's working directory");
+        tracing::warn!(error = %e, path = %work_dir.display(), "Could not remove the job's working directory: {e}.");
     }
     if outcome.status == JobStatus::Succeeded
         && outcome.outputs.get("drift").is_some()
         && let Err(e) = crate::drift::record(&rt.state_dir, &job_id, now_ms(), &outcome.outputs)
     {
-        tracing::warn!(error = %e, "could not keep the drift check's result for `byoc-runner drift`");
+        tracing::warn!(error = %e, "Could not keep the drift check's result for `byoc-runner drift`: {e}.");
     }
     if outcome.status == JobStatus::Succeeded {
         let p = &job.verified.payload;
@@ -326,7 +326,7 @@ async fn cancel_at_window_close(
     tokio::select! {
         _ = done.cancelled() => {}
         _ = tokio::time::sleep(std::time::Duration::from_secs(left)) => {
-            tracing::warn!("the job's maintenance window closed: cancelling it (on_close = \"cancel\")");
+            tracing::warn!("The job's maintenance window closed: cancelling it (on_close = \"cancel\")");
             closed.cancel();
             cancel.cancel();
         }
@@ -353,14 +353,14 @@ async fn heartbeat_and_upload(
         let waiting = holding.lock().unwrap_or_else(|e| e.into_inner()).clone();
         match rt.client.heartbeat(&job_id, waiting.as_ref()).await {
             Ok(hb) if hb.cancel && !cancel.is_cancelled() => {
-                tracing::warn!("control plane cancelled the job");
+                tracing::warn!("Control plane cancelled the job.");
                 cancel.cancel();
             }
             Ok(_) => {}
             Err(e) => tracing::warn!(error = %e, "job heartbeat failed"),
         }
         if let Err(e) = uploader.upload_available(rt.client.as_ref()).await {
-            tracing::debug!(error = %e, "log upload deferred");
+            tracing::debug!(error = %e, "Log upload deferred: {e}.");
         }
     }
 }

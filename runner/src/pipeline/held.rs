@@ -42,7 +42,7 @@ pub fn forget_held(rt: &Rt, job_id: &str) {
     if let Err(e) = std::fs::remove_file(&path)
         && e.kind() != std::io::ErrorKind::NotFound
     {
-        tracing::warn!(error = %e, path = %path.display(), "could not remove a held job's envelope");
+        tracing::warn!(error = %e, path = %path.display(), "Could not remove a held job's envelope: {e}.");
     }
 }
 

@@ -75,11 +75,11 @@ pub fn accept(rt: &Rt, polled: PolledJob, in_hand: &JobsInHand) -> Accepted {
         }
     };
     let Some(mark) = in_hand.mark(&job.payload.job_id) else {
-        tracing::info!(job_id = %job.payload.job_id, "duplicate delivery of a job already in hand; ignored");
+        tracing::info!(job_id = %job.payload.job_id, "Duplicate delivery of a job already in hand; ignored.");
         return Accepted::Dropped;
     };
     if let Err(e) = record_received(rt, &job) {
-        tracing::error!(job_id = %job.payload.job_id, error = %e, "could not journal the job; not running it");
+        tracing::error!(job_id = %job.payload.job_id, error = %e, "Could not journal the job; not running it: {e}.");
         return Accepted::Dropped;
     }
     Accepted::Job(Box::new(job), mark)
@@ -165,7 +165,7 @@ pub async fn run_job<Slot: window::JobSlot>(
         Ok(job) => job,
         Err(e) => {
             // Left `received`: the next start settles it as interrupted.
-            tracing::error!(error = %e, "not running the job");
+            tracing::error!(error = %e, "Not running the job: {e}.");
             return Ok(());
         }
     };

@@ -100,7 +100,7 @@ impl PlanApprover {
             .map_err(|e| {
                 refused("approval_denied", format!("the approval request could not be journaled: {e}"))
             })?;
-        tracing::info!(plan = %req.plan_digest, rule = %self.rule.name, "the plan awaits the customer's approval");
+        tracing::info!(plan = %req.plan_digest, rule = %self.rule.name, "The plan awaits the customer's approval.");
         self.set_holding(Some(waiting));
         loop {
             // The CLI's record of the answer reaches the audit log before its effect.

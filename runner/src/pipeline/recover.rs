@@ -45,7 +45,7 @@ pub fn recover(
         tasks.push(in_job_span(&rt.clone(), job_id.clone(), async move {
             let _mark = mark;
             if let Err(e) = settle_unclaimed(&rt, &job_id, &delivery_id).await {
-                tracing::error!(error = %e, "journal write failed while settling an unclaimed job");
+                tracing::error!(error = %e, "Journal write failed while settling an unclaimed job: {e}.");
             }
         }));
     }
@@ -73,7 +73,7 @@ pub fn recover(
         let rt = rt.clone();
         tasks.push(in_job_span(&rt.clone(), job_id.clone(), async move {
             if let Err(e) = report::report(&rt, &job_id).await {
-                tracing::error!(error = %e, "journal write failed while reporting");
+                tracing::error!(error = %e, "Journal write failed while reporting: {e}.");
             }
         }));
     }
@@ -95,7 +95,7 @@ pub fn resume_held(rt: &Rt) -> Vec<super::VerifiedJob> {
     let mut out = Vec::new();
     for job_id in held {
         let Some(polled) = super::held::kept_delivery(&rt.state_dir, &job_id) else {
-            tracing::warn!(job_id = %job_id, "a held job's envelope was not kept; settling it as interrupted");
+            tracing::warn!(job_id = %job_id, "A held job's envelope was not kept; settling it as interrupted.");
             continue;
         };
         // Pause and disk are checked again when it leaves the gate, not here.
@@ -103,7 +103,7 @@ pub fn resume_held(rt: &Rt) -> Vec<super::VerifiedJob> {
             super::verify::Verifier { resume_held: true, ..super::verifier(rt, &readiness, None, None) };
         match rt.journal.with_index(|index| verifier.verify(polled, index)) {
             Ok(job) if job.payload.job_id == job_id => {
-                tracing::info!(job_id = %job_id, "resuming a job the guardrails held when the runner stopped");
+                tracing::info!(job_id = %job_id, "Resuming a job the guardrails held when the runner stopped.");
                 out.push(job);
             }
             Ok(_) => {
@@ -129,7 +129,7 @@ fn interrupt(rt: &Rt, job_id: &str, phase: Phase) -> Result<(), JournalError> {
     // in order, as the job's end would have put it.
     let cap = spool::LogCap::of(rt.config.jobs.log_max_bytes);
     let recovered = spool::recover_tail(&rt.state_dir, job_id, cap).unwrap_or_else(|e| {
-        tracing::warn!(error = %e, job_id = %job_id, "could not put an interrupted job's log tail after its head; the head stands as its log");
+        tracing::warn!(error = %e, job_id = %job_id, "Could not put an interrupted job's log tail after its head; the head stands as its log: {e}.");
         let _ = std::fs::remove_file(spool::tail_path(&rt.state_dir, job_id));
         None
     });
@@ -142,7 +142,7 @@ fn interrupt(rt: &Rt, job_id: &str, phase: Phase) -> Result<(), JournalError> {
         }
     };
     let started = rt.journal.job(job_id).and_then(|j| j.started_at_ms);
-    tracing::warn!(job_id = %job_id, was = phase.as_str(), "job was interrupted by a runner restart; reporting it, not re-running it");
+    tracing::warn!(job_id = %job_id, was = phase.as_str(), "Job was interrupted by a runner restart; reporting it, not re-running it.");
     rt.transition(Event::Finished {
         job_id: job_id.to_string(),
         status: byoc_protocol::JobStatus::Interrupted,
@@ -179,7 +179,7 @@ fn interrupt(rt: &Rt, job_id: &str, phase: Phase) -> Result<(), JournalError> {
         Ok(None) => {}
         Err(e) => {
             // Keep the directory: the state in it is the only record of what was made.
-            tracing::error!(error = %e, dir = %work_dir.display(), "could not keep an interrupted job's terraform state; its directory is left in place");
+            tracing::error!(error = %e, dir = %work_dir.display(), "Could not keep an interrupted job's terraform state; its directory is left in place: {e}.");
             return Ok(());
         }
     }
@@ -217,7 +217,7 @@ async fn settle_unclaimed(rt: &Rt, job_id: &str, delivery_id: &str) -> Result<()
         Retried::Done(Err(detail)) => rt.transition(Event::ClaimRefused { job_id: job_id.into(), detail }),
         Retried::Done(Ok(lease_secs)) => {
             tracing::warn!(
-                "job was received but not started before a runner restart; reporting it, not running it"
+                "Job was received but not started before a runner restart; reporting it, not running it."
             );
             rt.transition(Event::Claimed { job_id: job_id.into(), lease_secs })?;
             rt.transition(Event::Finished {

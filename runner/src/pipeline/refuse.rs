@@ -31,14 +31,14 @@ pub fn journal_rejection(rt: &Rt, r: &Rejection) {
         reason: r.reason,
         detail: r.detail.clone(),
     }) {
-        tracing::error!(error = %e, "could not journal a rejection");
+        tracing::error!(error = %e, "Could not journal a rejection: {e}.");
     }
 }
 
 /// A received job refused before its claim: journaled (and audited) as refused, then
 /// reported to the control plane like any rejection.
 pub async fn refuse_received(rt: &Rt, job: &super::VerifiedJob, r: Rejection) -> Result<(), JournalError> {
-    tracing::warn!(reason = r.reason.code(), detail = %r.detail, "job refused");
+    tracing::warn!(reason = r.reason.code(), detail = %r.detail, "Job refused.");
     rt.transition(Event::Refused {
         job_id: job.payload.job_id.clone(),
         delivery_id: r.delivery_id.clone(),
@@ -62,7 +62,7 @@ pub async fn send_rejection(rt: &Rt, r: &Rejection) {
     })
     .await;
     if let Retried::Done(Err(e)) = sent {
-        tracing::warn!(error = %e, "control plane did not take the rejection report");
+        tracing::warn!(error = %e, "Control plane did not take the rejection report: {e}.");
     }
 }
 

@@ -71,11 +71,11 @@ pub async fn report(rt: &Rt, job_id: &str) -> Result<Reported, JournalError> {
         Retried::Done(None) => {
             rt.transition(Event::Reported { job_id: job_id.to_string() })?;
             crate::contact::result_acknowledged(&rt.state_dir, rt.clock.now_ms(), job_id);
-            tracing::info!(status = result.status.as_str(), "result acknowledged");
+            tracing::info!(status = result.status.as_str(), "Result acknowledged.");
             Ok(Reported::Acknowledged)
         }
         Retried::Done(Some(refusal)) => {
-            tracing::error!(error = %refusal, "control plane refused the job result");
+            tracing::error!(error = %refusal, "Control plane refused the job result: {refusal}.");
             Ok(Reported::Refused(refusal))
         }
         Retried::Stopped | Retried::Exhausted(_) => Ok(Reported::Deferred),

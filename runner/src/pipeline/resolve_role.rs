@@ -51,7 +51,7 @@ pub async fn scope(rt: &Rt, verified: VerifiedJob) -> Result<ScopedJob, Box<(Ver
         Policy::new(Duration::from_millis(200), Duration::from_secs(2)).attempts(SWITCH_READ_ATTEMPTS);
     let read = retry(policy, &rt.abort, |attempt| async move {
         rt.roles.source.read().await.inspect_err(|e| {
-            tracing::warn!(error = %e, attempt, "reading the role switches failed");
+            tracing::warn!(error = %e, attempt, "Reading the role switches failed: {e}.");
         })
     })
     .await;

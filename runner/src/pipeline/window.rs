@@ -326,11 +326,11 @@ where
     if !job.verified.executor.secrets().is_empty() {
         // A job's secrets (a one-time registry token, secret_env) never go to disk.
         tracing::info!(
-            "the held job carries secrets, so its envelope is not kept on disk: a restart meanwhile would settle it as interrupted"
+            "The held job carries secrets, so its envelope is not kept on disk: a restart meanwhile would settle it as interrupted."
         );
     } else if let Err(e) = keep_held(rt, &job.verified) {
         // It can still wait; only a restart meanwhile would lose it (settled interrupted).
-        tracing::warn!(error = %e, "could not keep the held job's envelope; a restart would settle it as interrupted");
+        tracing::warn!(error = %e, "Could not keep the held job's envelope; a restart would settle it as interrupted: {e}.");
     }
     slot.release();
     let waited = hold_loop(rt, job, slot, &mut look).await;
@@ -369,7 +369,7 @@ where
         };
         let changed = reported.as_ref() != Some(&waiting);
         if changed {
-            tracing::info!(state = %waiting.state, until = waiting.until, detail = %waiting.detail, "job held by the customer's guardrails");
+            tracing::info!(state = %waiting.state, until = waiting.until, detail = %waiting.detail, "Job held by the customer's guardrails.");
             rt.transition(Event::Waiting {
                 job_id: job_id.clone(),
                 state: waiting.state.clone(),
@@ -382,7 +382,7 @@ where
             last_heartbeat = Some(std::time::Instant::now());
             match rt.client.heartbeat(&job_id, Some(&waiting)).await {
                 Ok(hb) if hb.cancel => {
-                    tracing::warn!("control plane cancelled the job while it was held");
+                    tracing::warn!("Control plane cancelled the job while it was held.");
                     settle_cancelled(rt, &job_id, &waiting.state)?;
                     return Ok(Waited::Settled);
                 }

@@ -128,7 +128,7 @@ impl JobSession {
             }
             // Still valid for a while: hand out what we have and try again next time.
             Err(e) if current.expiration > now => {
-                tracing::warn!(error = %e, "refreshing the job's role session failed; the current one is still valid");
+                tracing::warn!(error = %e, "Refreshing the job's role session failed; the current one is still valid: {e}.");
                 Ok(current.clone())
             }
             Err(e) => Err(e.to_string()),
@@ -258,7 +258,7 @@ impl Drop for CredentialFile {
         if let Err(e) = std::fs::remove_dir_all(&self.dir)
             && e.kind() != std::io::ErrorKind::NotFound
         {
-            tracing::warn!(error = %e, path = %self.dir.display(), "could not remove a job's credentials directory");
+            tracing::warn!(error = %e, path = %self.dir.display(), "Could not remove a job's credentials directory: {e}.");
         }
     }
 }
@@ -308,13 +308,13 @@ impl CredentialFile {
                         // Masked before the container can read them.
                         feed_credentials(&session.feed, &fresh);
                         if let Err(e) = write_readable(&path, &process_output(&fresh)) {
-                            tracing::error!(error = %e, "could not write a container's renewed credentials");
+                            tracing::error!(error = %e, "Could not write a container's renewed credentials: {e}.");
                         }
                         (session.on_refresh)(&session.params, &fresh);
                         current = fresh;
                     }
                     Err(e) => {
-                        tracing::warn!(error = %e, "renewing a container's role session failed; retrying");
+                        tracing::warn!(error = %e, "Renewing a container's role session failed; retrying: {e}.");
                         tokio::time::sleep(Duration::from_secs(5)).await;
                     }
                 }
@@ -348,7 +348,7 @@ pub fn remove_stale_credential_files(parent: &std::path::Path) {
         if dir.join("credentials.json").is_file()
             && let Err(e) = std::fs::remove_dir_all(&dir)
         {
-            tracing::warn!(error = %e, path = %dir.display(), "could not remove credentials of an earlier container job");
+            tracing::warn!(error = %e, path = %dir.display(), "Could not remove credentials of an earlier container job: {e}.");
         }
     }
 }

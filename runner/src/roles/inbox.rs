@@ -77,11 +77,11 @@ pub fn drain<E: std::fmt::Display>(
     for path in names {
         let record = read(&path);
         if let Err(e) = audit(record) {
-            tracing::error!(error = %e, path = %path.display(), "could not audit a customer action; kept for the next try");
+            tracing::error!(error = %e, path = %path.display(), "Could not audit a customer action; kept for the next try: {e}.");
             break;
         }
         if let Err(e) = std::fs::remove_file(&path) {
-            tracing::error!(error = %e, path = %path.display(), "could not remove an audited customer action");
+            tracing::error!(error = %e, path = %path.display(), "Could not remove an audited customer action: {e}.");
             break;
         }
         done += 1;
