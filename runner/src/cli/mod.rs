@@ -61,6 +61,7 @@ pub(crate) struct StateArgs {
     /// State directory; overrides the config file.
     #[arg(long)]
     state_dir: Option<PathBuf>,
+    /// Output format: text for people, json for scripts.
     #[arg(long, short = 'o', value_enum, default_value_t = Output::Text)]
     output: Output,
 }
@@ -72,7 +73,10 @@ enum Cmd {
         #[arg(long, env = "BYOC_RUNNER_CONFIG", default_value = DEFAULT_CONFIG_PATH)]
         config: PathBuf,
     },
-    /// Show enrollment, daemon and job summary from the state dir.
+    /// Show the version, enrollment, the daemon (exit 3 when it is not running), its last
+    /// contact with the control plane and a summary of jobs, from the state dir.
+    ///
+    /// Examples: byoc-runner status; byoc-runner status -o json | jq .contact
     Status(StateArgs),
     /// Print the runner's metrics in Prometheus text format (the same the daemon writes
     /// to `[metrics] textfile`), read from the state dir.
@@ -82,7 +86,10 @@ enum Cmd {
         #[command(subcommand)]
         cmd: jobs::JobsCmd,
     },
-    /// Run a job file locally with no control plane (for vendors testing actions).
+    /// Run a job file locally with no control plane (for vendors testing actions). Exit
+    /// codes: the job's own, 124 timed out, 130 cancelled, 125 run-local itself failed.
+    ///
+    /// Example: byoc-runner run-local examples/jobs/hello.json
     RunLocal(run::LocalArgs),
     /// Print a shell completion script (the package installs bash, zsh and fish ones).
     ///
@@ -134,6 +141,8 @@ enum Cmd {
     },
     /// Pause the runner: it refuses new jobs (reason `paused`) until `resume`; running
     /// jobs finish. Survives restarts. Needs root or roles.admin_group.
+    ///
+    /// Example: byoc-runner pause --reason "change freeze CHG-42"
     Pause {
         #[command(flatten)]
         state: StateArgs,
@@ -167,6 +176,8 @@ enum Cmd {
     },
     /// Approve a job awaiting approval: it runs. Audited with who and why. Needs root
     /// or roles.admin_group.
+    ///
+    /// Example: byoc-runner approvals show JOB && byoc-runner approve JOB --reason CHG-42
     Approve {
         #[command(flatten)]
         state: StateArgs,
@@ -176,6 +187,8 @@ enum Cmd {
     },
     /// Deny a job awaiting approval: it is refused (approval_denied) and never runs.
     /// Audited. Needs root or roles.admin_group.
+    ///
+    /// Example: byoc-runner deny JOB --reason "not during the audit"
     Deny {
         #[command(flatten)]
         state: StateArgs,
@@ -186,6 +199,8 @@ enum Cmd {
     },
     /// List the lifecycle roles: enabled or not, ARN, where the switch came from, last
     /// assumed.
+    ///
+    /// Examples: byoc-runner roles --refresh; byoc-runner roles allow NAME --for 2h --reason INC-7
     #[command(args_conflicts_with_subcommands = true)]
     Roles {
         #[command(flatten)]
