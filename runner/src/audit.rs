@@ -252,7 +252,7 @@ pub async fn upload_loop(audit: Arc<Audit>, client: Arc<dyn ControlPlane>, stop:
         if audit.size() > acked {
             let uploaded = retry(policy, &stop, |_| async {
                 upload_once(audit, client, acked).await.inspect_err(
-                    |e| tracing::warn!(error = %e, acknowledged = acked, "audit upload failed; retrying"),
+                    |e| tracing::warn!(error = %e, acknowledged = acked, "Audit upload failed; retrying: {e}."),
                 )
             })
             .await;

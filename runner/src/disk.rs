@@ -133,10 +133,10 @@ impl Reserve {
             match std::fs::remove_file(&self.path) {
                 Ok(()) => tracing::error!(
                     freed_bytes = self.bytes,
-                    "the state dir's disk is full: released the reserve so the journal and audit log can still be written"
+                    "The state dir's disk is full: released the reserve so the journal and audit log can still be written."
                 ),
                 Err(e) => {
-                    tracing::error!(error = %e, "the state dir's disk is full and the reserve could not be released")
+                    tracing::error!(error = %e, "The state dir's disk is full and the reserve could not be released: {e}.")
                 }
             }
         }

@@ -43,7 +43,7 @@ pub fn sweep_spools(journal: &dyn JobJournal, state_dir: &Path, keep: Duration, 
                     swept.bytes += meta.len();
                 }
                 Err(e) => {
-                    tracing::warn!(error = %e, path = %path.display(), "could not remove an expired job log")
+                    tracing::warn!(error = %e, path = %path.display(), "Could not remove an expired job log: {e}.")
                 }
             }
         }
@@ -84,7 +84,7 @@ pub fn sweep_saved_plans(plans_dir: &Path, plan_max_age: Duration, now_ms: u64) 
                     swept.bytes += meta.len();
                 }
                 Err(e) => {
-                    tracing::warn!(error = %e, path = %path.display(), "could not remove an expired saved plan")
+                    tracing::warn!(error = %e, path = %path.display(), "Could not remove an expired saved plan: {e}.")
                 }
             }
         }

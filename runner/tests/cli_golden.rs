@@ -164,6 +164,7 @@ fn the_inspection_commands_print_what_customers_expect() {
     let cases: &[(&str, &[&str])] = &[
         ("jobs-list.txt", &["jobs", "list"]),
         ("jobs-list.json", &["jobs", "list", "-o", "json"]),
+        ("jobs-list-options-first.json", &["-o", "json", "jobs", "list"]),
         ("jobs-list-failed.txt", &["jobs", "list", "--status", "failed"]),
         ("jobs-show.txt", &["jobs", "show", "job-0000000000000001"]),
         ("jobs-show.json", &["jobs", "show", "job-0000000000000001", "-o", "json"]),
@@ -174,6 +175,7 @@ fn the_inspection_commands_print_what_customers_expect() {
         ("approvals.txt", &["approvals"]),
         ("approvals.json", &["approvals", "-o", "json"]),
         ("approvals-show.txt", &["approvals", "show", "job-0000000000000002"]),
+        ("roles-enable.txt", &["roles", "enable", "inst-1-maintenance"]),
     ];
     let mut differ = Vec::new();
     for (file, args) in cases {

@@ -373,7 +373,7 @@ async fn a_job_re_offered_while_its_claim_is_retried_runs_once() {
     assert_eq!(e.output(&id), "run\n");
     let show = e.cli_json(&["jobs", "show", &id]);
     assert_eq!(show["phase"], "reported");
-    assert!(e.runner.log().contains("duplicate delivery"), "the re-offer never arrived:\n{}", e.runner.log());
+    assert!(e.runner.log().contains("Duplicate delivery"), "the re-offer never arrived:\n{}", e.runner.log());
     assert!(v.rejections.is_empty(), "{:?}", v.rejections);
 }
 

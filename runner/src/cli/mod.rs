@@ -39,7 +39,9 @@ pub const EX_DATAERR: i32 = 65;
 #[command(
     name = "byoc-runner",
     version,
-    about = "Runs the vendor's signed jobs in this cloud account, and shows what it did"
+    about = "Runs the vendor's signed jobs in this cloud account, and shows what it did",
+    after_help = "The inspection commands' options -o/--output, --state-dir and --config may also come \
+                  before the command: byoc-runner -o json jobs list"
 )]
 pub struct Cli {
     #[command(subcommand)]
@@ -234,12 +236,42 @@ enum Cmd {
     },
 }
 
+/// The options every inspection command takes, which may also come before the command
+/// (`byoc-runner -o json jobs list`): moved after it, where the command reads them.
+/// Stops at the first argument that is not one of them (the command's name).
+fn hoist_common_options(args: Vec<std::ffi::OsString>) -> Vec<std::ffi::OsString> {
+    const WITH_VALUE: [&str; 4] = ["-o", "--output", "--state-dir", "--config"];
+    let Some((program, rest)) = args.split_first() else { return args };
+    let mut leading = Vec::new();
+    let mut i = 0;
+    while let Some(arg) = rest.get(i).and_then(|a| a.to_str()) {
+        let inline = WITH_VALUE.iter().any(|o| o.starts_with("--") && arg.starts_with(&format!("{o}=")));
+        if inline || (arg.starts_with("-o") && arg.len() > 2 && !arg.starts_with("--")) {
+            leading.push(rest[i].clone());
+            i += 1;
+        } else if WITH_VALUE.contains(&arg) && i + 1 < rest.len() {
+            leading.extend_from_slice(&rest[i..i + 2]);
+            i += 2;
+        } else {
+            break;
+        }
+    }
+    if leading.is_empty() {
+        return args;
+    }
+    let mut out = vec![program.clone()];
+    out.extend_from_slice(&rest[i..]);
+    out.extend(leading);
+    out
+}
+
 pub fn main() -> i32 {
-    let cli = match Cli::try_parse() {
+    let args = hoist_common_options(std::env::args_os().collect());
+    let cli = match Cli::try_parse_from(&args) {
         Ok(c) => c,
         Err(e) => {
             // run-local passes its job's exit codes through: its own stay apart (125).
-            let usage = if std::env::args().nth(1).as_deref() == Some("run-local") {
+            let usage = if args.get(1).and_then(|a| a.to_str()) == Some("run-local") {
                 crate::run_local::EXIT_RUNNER
             } else {
                 EX_USAGE
@@ -380,6 +412,24 @@ fn print_json(v: &impl serde::Serialize) -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use clap::CommandFactory as _;
+
+    #[test]
+    fn common_options_before_the_command_move_after_it() {
+        let args = |s: &str| s.split(' ').map(std::ffi::OsString::from).collect::<Vec<_>>();
+        assert_eq!(
+            super::hoist_common_options(args("byoc-runner -o json --state-dir /s jobs list --limit 2")),
+            args("byoc-runner jobs list --limit 2 -o json --state-dir /s")
+        );
+        assert_eq!(
+            super::hoist_common_options(args("byoc-runner --output=json -ojson status")),
+            args("byoc-runner status --output=json -ojson")
+        );
+        for unchanged in
+            ["byoc-runner jobs list -o json", "byoc-runner --version", "byoc-runner -o", "byoc-runner"]
+        {
+            assert_eq!(super::hoist_common_options(args(unchanged)), args(unchanged));
+        }
+    }
 
     #[test]
     fn the_command_definitions_are_consistent() {

@@ -292,12 +292,31 @@ pub(super) enum RolesAction {
         state: StateArgs,
         role: String,
     },
+    /// Not here: switches live in the install stack (says where).
+    #[command(hide = true)]
+    Enable {
+        #[command(flatten)]
+        state: StateArgs,
+        role: String,
+    },
+    /// Not here: switches live in the install stack (says where).
+    #[command(hide = true)]
+    Disable {
+        #[command(flatten)]
+        state: StateArgs,
+        role: String,
+    },
 }
 
 pub(super) fn roles_action(action: RolesAction) -> anyhow::Result<()> {
     use crate::roles::{allowance, inbox};
     let (s, role) = match &action {
         RolesAction::Allow { state, role, .. } | RolesAction::Revoke { state, role } => (state, role),
+        RolesAction::Enable { role, .. } | RolesAction::Disable { role, .. } => anyhow::bail!(
+            "a role's switch is not on this VM: it is the install stack's Enable…Role parameter for {role:?}, \
+             changed in CloudFormation by whoever owns the stack (`byoc-runner roles` shows each switch and how \
+             to turn it on); `byoc-runner roles allow` gives a role that also needs a local allowance its second key"
+        ),
     };
     let who = crate::roles::pause::authorize(admin_group(s).as_deref())?;
     let dir = state_dir(s);
@@ -374,6 +393,7 @@ pub(super) fn roles_action(action: RolesAction) -> anyhow::Result<()> {
                 }
             );
         }
+        RolesAction::Enable { .. } | RolesAction::Disable { .. } => unreachable!("refused above"),
     }
     Ok(())
 }

@@ -132,7 +132,7 @@ pub async fn run(config: Config) -> Result<(), DaemonError> {
     let (journal, torn) = Journal::open(&state_dir)?;
     let journal = journal.with_reserve(reserve.clone());
     if torn > 0 {
-        tracing::warn!(bytes = torn, "Cut a torn record from the end of the job journal (crash mid-write)");
+        tracing::warn!(bytes = torn, "Cut a torn record from the end of the job journal (crash mid-write).");
     }
     let enrollment = enroll_if_needed(&config, &key).await?;
     tracing::info!(
@@ -154,7 +154,7 @@ pub async fn run(config: Config) -> Result<(), DaemonError> {
     if audit_cut > 0 {
         tracing::warn!(
             bytes = audit_cut,
-            "cut a torn record from the end of the audit log (crash mid-write); the cut is recorded"
+            "Cut a torn record from the end of the audit log (crash mid-write); the cut is recorded."
         );
     }
     let started = byoc_audit::log::Record {
@@ -202,18 +202,18 @@ pub async fn run(config: Config) -> Result<(), DaemonError> {
             )
         }
         None => {
-            tracing::warn!("job sandbox DISABLED by configuration: jobs run with the runner's privileges")
+            tracing::warn!("Job sandbox DISABLED by configuration: jobs run with the runner's privileges.")
         }
     }
     if let Some(s) = &sandbox {
         match byoc_job_executors::jobnet::check_available(&s.network) {
             Ok(()) => tracing::info!(
                 network = %byoc_job_executors::jobnet::describe(byoc_job_executors::jobnet::NetworkUse::UserMode, &s.network),
-                "job network boundary available"
+                "Job network boundary available."
             ),
             Err(why) => tracing::error!(
                 reason = %why,
-                "job network boundary UNAVAILABLE: networked jobs are refused (sandbox_network_unavailable)"
+                "Job network boundary UNAVAILABLE: networked jobs are refused (sandbox_network_unavailable)."
             ),
         }
     }
@@ -602,7 +602,7 @@ fn spawn_signal_handler(rt: Rt, drain: CancellationToken) -> Result<(), DaemonEr
             }
             count += 1;
             if count == 1 {
-                tracing::info!("Stop requested: draining (a second SIGTERM cancels running jobs)");
+                tracing::info!("Stop requested: draining (a second SIGTERM cancels running jobs).");
                 drain.cancel();
             } else {
                 tracing::warn!("Second stop request: cancelling running jobs.");

@@ -57,7 +57,7 @@ pub(super) fn compact_journal(rt: &Rt) {
         // Nothing lost: the journal is replaced only after the archive is durable.
         Err(e) => {
             RETRY_AT_MS.store(now_ms + 600_000, Ordering::Relaxed);
-            tracing::error!(error = %e, "could not compact the job journal (next try in 10 minutes); it keeps growing until this is fixed")
+            tracing::error!(error = %e, "Could not compact the job journal (next try in 10 minutes); it keeps growing until this is fixed: {e}.")
         }
     }
 }
@@ -139,7 +139,7 @@ pub(super) fn sweep_archives(rt: &Rt, keep: Duration) {
             }
         }
         Err(e) => {
-            tracing::error!(error = %e, "could not remove expired journal archives (next try in an hour)")
+            tracing::error!(error = %e, "Could not remove expired journal archives (next try in an hour): {e}.")
         }
     }
 }
@@ -152,7 +152,7 @@ mod tests {
     #[tokio::test]
     async fn expired_saved_plans_are_removed_and_audited() {
         let f = testing::runtime().await;
-        let plan = f.rt.state_dir.join(crate::pipeline::execute::PLANS_DIR).join("vpc/aaaa.tfplan: {e}.");
+        let plan = f.rt.state_dir.join(crate::pipeline::execute::PLANS_DIR).join("vpc/aaaa.tfplan");
         std::fs::create_dir_all(plan.parent().expect("parent")).expect("dir");
         std::fs::write(&plan, b"plan").expect("plan");
         let now = std::time::UNIX_EPOCH + Duration::from_millis(f.rt.clock.now_ms());

@@ -169,7 +169,7 @@ pub fn take_requests(state_dir: &Path) -> Vec<Request> {
         let _ = std::fs::remove_file(e.path());
         match read.ok().and_then(|_| serde_json::from_slice::<Request>(&bytes).ok()) {
             Some(r) if byoc_job_executors::terraform::valid_name(&r.name) => out.push(r),
-            _ => tracing::warn!(file = %name, "dropped an unreadable drift check request"),
+            _ => tracing::warn!(file = %name, "Dropped an unreadable drift check request."),
         }
     }
     out.sort_by_key(|r| r.at_ms);

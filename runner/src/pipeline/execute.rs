@@ -154,16 +154,18 @@ pub async fn execute(rt: &Rt, job: AssumedJob) -> Result<FinishedJob, JournalErr
     if outcome.status == JobStatus::Succeeded {
         let p = &job.verified.payload;
         match crate::drift::local::remember(&rt.state_dir, p, job.verified.executor.as_ref(), now_ms()) {
-            Ok(true) => tracing::info!("kept what a drift check of this deploy needs (docs/DRIFT.md)"),
+            Ok(true) => tracing::info!("Kept what a drift check of this deploy needs (docs/DRIFT.md)."),
             Ok(false) => {}
-            Err(e) => tracing::warn!(error = %e, "could not keep this deploy's drift check target"),
+            Err(e) => tracing::warn!(error = %e, "Could not keep this deploy's drift check target: {e}."),
         }
     }
     if outcome.status == JobStatus::Succeeded {
         match crate::secrets::record(&rt.state_dir, &job_id, now_ms(), &outcome.outputs) {
             Ok(0) => {}
-            Ok(n) => tracing::info!(secrets = n, "kept where the job wrote the customer's secrets"),
-            Err(e) => tracing::warn!(error = %e, "could not keep where the job wrote the customer's secrets"),
+            Ok(n) => tracing::info!(secrets = n, "Kept where the job wrote the customer's secrets."),
+            Err(e) => {
+                tracing::warn!(error = %e, "Could not keep where the job wrote the customer's secrets: {e}.")
+            }
         }
     }
     rt.transition(Event::Finished {
@@ -184,14 +186,14 @@ pub async fn execute(rt: &Rt, job: AssumedJob) -> Result<FinishedJob, JournalErr
                 status = outcome.status.as_str(),
                 log_size = log.size,
                 log_omitted = log.omitted,
-                "job finished"
+                "Job finished."
             )
         }
         _ => tracing::warn!(
             status = outcome.status.as_str(),
             exit_code = outcome.exit_code,
             error = outcome.error.as_deref().unwrap_or(""),
-            "job finished"
+            "Job finished."
         ),
     }
     Ok(FinishedJob { job_id })
@@ -220,7 +222,7 @@ fn secret_settings(
         v.secrets.clone(),
         role,
     )
-    .inspect_err(|e| tracing::error!(error = %e, "the secrets' digest key is unavailable"))
+    .inspect_err(|e| tracing::error!(error = %e, "The secrets' digest key is unavailable: {e}."))
     .ok()
 }
 
@@ -326,7 +328,7 @@ async fn cancel_at_window_close(
     tokio::select! {
         _ = done.cancelled() => {}
         _ = tokio::time::sleep(std::time::Duration::from_secs(left)) => {
-            tracing::warn!("The job's maintenance window closed: cancelling it (on_close = \"cancel\")");
+            tracing::warn!("The job's maintenance window closed: cancelling it (on_close = \"cancel\").");
             closed.cancel();
             cancel.cancel();
         }
@@ -357,7 +359,7 @@ async fn heartbeat_and_upload(
                 cancel.cancel();
             }
             Ok(_) => {}
-            Err(e) => tracing::warn!(error = %e, "job heartbeat failed"),
+            Err(e) => tracing::warn!(error = %e, "Job heartbeat failed: {e}."),
         }
         if let Err(e) = uploader.upload_available(rt.client.as_ref()).await {
             tracing::debug!(error = %e, "Log upload deferred: {e}.");

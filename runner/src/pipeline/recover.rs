@@ -107,10 +107,10 @@ pub fn resume_held(rt: &Rt) -> Vec<super::VerifiedJob> {
                 out.push(job);
             }
             Ok(_) => {
-                tracing::warn!(job_id = %job_id, "a held job's kept envelope is another job's; settling it as interrupted")
+                tracing::warn!(job_id = %job_id, "A held job's kept envelope is another job's; settling it as interrupted.")
             }
             Err(r) => {
-                tracing::warn!(job_id = %job_id, reason = r.reason.code(), detail = %r.detail, "a held job's kept envelope no longer verifies; settling it as interrupted")
+                tracing::warn!(job_id = %job_id, reason = r.reason.code(), detail = %r.detail, "A held job's kept envelope no longer verifies; settling it as interrupted.")
             }
         }
     }
@@ -173,7 +173,7 @@ fn interrupt(rt: &Rt, job_id: &str, phase: Phase) -> Result<(), JournalError> {
             tracing::warn!(
                 workspace = workspace.as_deref().unwrap_or_default(),
                 serial,
-                "kept the terraform state the interrupted job left"
+                "Kept the terraform state the interrupted job left."
             )
         }
         Ok(None) => {}

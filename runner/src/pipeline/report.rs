@@ -61,7 +61,7 @@ pub async fn report(rt: &Rt, job_id: &str) -> Result<Reported, JournalError> {
             }
         };
         tokio::select! {
-            r = attempt => r.inspect_err(|e| tracing::warn!(error = %e, "reporting the result failed; retrying")),
+            r = attempt => r.inspect_err(|e| tracing::warn!(error = %e, "Reporting the result failed; retrying: {e}.")),
             // Stopping mid-attempt: the journal keeps the job finished-not-reported.
             _ = rt.stop_reporting.cancelled() => Err("the runner is stopping".to_string()),
         }

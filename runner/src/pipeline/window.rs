@@ -369,7 +369,16 @@ where
         };
         let changed = reported.as_ref() != Some(&waiting);
         if changed {
-            tracing::info!(state = %waiting.state, until = waiting.until, detail = %waiting.detail, "Job held by the customer's guardrails.");
+            let until = waiting.until.map(crate::guardrails::rfc3339);
+            tracing::info!(
+                state = %waiting.state,
+                until = until.as_deref().unwrap_or("-"),
+                detail = %waiting.detail,
+                "Job held by the customer's guardrails ({}) until {}: {}.",
+                waiting.state,
+                until.as_deref().unwrap_or("further notice"),
+                waiting.detail
+            );
             rt.transition(Event::Waiting {
                 job_id: job_id.clone(),
                 state: waiting.state.clone(),
@@ -387,7 +396,7 @@ where
                     return Ok(Waited::Settled);
                 }
                 Ok(_) => {}
-                Err(e) => tracing::warn!(error = %e, "heartbeat of a held job failed"),
+                Err(e) => tracing::warn!(error = %e, "Heartbeat of a held job failed: {e}."),
             }
         }
         if rt.clock.unix_now() > expires_at {

@@ -179,7 +179,7 @@ pub fn sync(
                     now_seen.insert(role, Seen { claimed, honoured });
                 }
                 Err(e) => {
-                    tracing::error!(role = %role, error = %e, "an allowance could not be audited, so it is not honoured")
+                    tracing::error!(role = %role, error = %e, "An allowance could not be audited, so it is not honoured: {e}.")
                 }
             }
         }
