@@ -85,8 +85,8 @@ pub(super) enum AuditCmd {
         a: AuditArgs,
         seq: u64,
     },
-    /// Every record and checkpoint as JSON lines (for a SIEM); with a filter, only the
-    /// records that match (no checkpoints).
+    /// Every record and checkpoint as JSON lines (for a SIEM; JSON whatever -o says);
+    /// with a filter, only the records that match (no checkpoints).
     ///
     /// Example: byoc-runner audit export --since 2026-11-01 > audit.jsonl
     Export {
@@ -194,7 +194,11 @@ fn inspect(cmd: AuditCmd) -> anyhow::Result<()> {
             if a.state.output == Output::Json {
                 println!("{line}");
             } else {
-                let v: serde_json::Value = serde_json::from_str(&line)?;
+                // For people: the record's time in ISO 8601 beside its milliseconds.
+                let mut v: serde_json::Value = serde_json::from_str(&line)?;
+                if let Some(ms) = v["time_ms"].as_u64() {
+                    v["time"] = crate::inspect::format_ms(ms).into();
+                }
                 println!("{}", serde_json::to_string_pretty(&v)?);
             }
             Ok(())
