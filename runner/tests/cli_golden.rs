@@ -242,3 +242,43 @@ fn every_listing_command_ends_quietly_when_its_reader_goes() {
         assert!(ok, "{args}: exit {code}, {stderr}");
     }
 }
+
+/// `jobs logs -f` of a job refused before it ran ends at once: it will never finish.
+#[test]
+fn following_a_refused_job_ends() {
+    let dir = tempfile::tempdir().unwrap();
+    fixed_state(dir.path(), false);
+    let mut journal = std::fs::read_to_string(dir.path().join(byoc_runner::journal::JOURNAL_FILE)).unwrap();
+    for event in [
+        Event::Received {
+            job_id: "job-0000000000000004".into(),
+            delivery_id: "d-4".into(),
+            nonce: "n-4".into(),
+            expires_at: 4_102_444_800,
+            kind: "action.script".into(),
+            operation: "trigger".into(),
+            entity: "action".into(),
+            payload_sha256: "cd".repeat(32),
+            timeout_secs: 600,
+            effect: Some("run".into()),
+            component: None,
+        },
+        Event::Refused {
+            job_id: "job-0000000000000004".into(),
+            delivery_id: "d-4".into(),
+            reason: RejectReason::RoleDisabled,
+            detail: "role switched off".into(),
+            role: Some("inst-1-maintenance".into()),
+        },
+    ] {
+        journal.push_str(&(serde_json::to_string(&Line { ts: T0 + 180_000, event }).unwrap() + "\n"));
+    }
+    std::fs::write(dir.path().join(byoc_runner::journal::JOURNAL_FILE), journal).unwrap();
+    // `timeout` stands guard: a follower that never ends exits 124.
+    let out = Command::new("timeout")
+        .args(["20", BIN, "jobs", "logs", "-f", "job-0000000000000004", "--state-dir"])
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0), "{out:?}");
+}

@@ -219,8 +219,11 @@ fn follow_log(state_dir: &std::path::Path, job_id: &str) -> anyhow::Result<()> {
     let mut offset = 0u64;
     let mut out = std::io::stdout().lock();
     loop {
-        // Read the journal first: whatever the spool holds after a finished job is all.
-        let ended = inspect::job(state_dir, job_id)?.finished.is_some();
+        // Read the journal first: whatever the spool holds after the job ended is all. A
+        // job refused or not claimed ends without a result.
+        let j = inspect::job(state_dir, job_id)?;
+        let ended = j.finished.is_some()
+            || matches!(j.phase, crate::journal::Phase::Refused | crate::journal::Phase::ClaimRefused);
         match std::fs::File::open(&path) {
             Ok(mut f) => {
                 f.seek(std::io::SeekFrom::Start(offset))?;

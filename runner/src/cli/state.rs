@@ -310,8 +310,9 @@ pub(super) enum RolesAction {
 
 pub(super) fn roles_action(action: RolesAction) -> anyhow::Result<()> {
     use crate::roles::{allowance, inbox};
-    let (s, role) = match &action {
-        RolesAction::Allow { state, role, .. } | RolesAction::Revoke { state, role } => (state, role),
+    let (s, role, allow) = match &action {
+        RolesAction::Allow { state, role, duration, reason } => (state, role, Some((duration, reason))),
+        RolesAction::Revoke { state, role } => (state, role, None),
         RolesAction::Enable { role, .. } | RolesAction::Disable { role, .. } => anyhow::bail!(
             "a role's switch is not on this VM: it is the install stack's Enable…Role parameter for {role:?}, \
              changed in CloudFormation by whoever owns the stack (`byoc-runner roles` shows each switch and how \
@@ -357,8 +358,8 @@ pub(super) fn roles_action(action: RolesAction) -> anyhow::Result<()> {
             anyhow::anyhow!("recording for the audit log in {}: {e}", inbox::inbox_dir(&dir).display())
         })
     };
-    match &action {
-        RolesAction::Allow { duration, reason, .. } => {
+    match allow {
+        Some((duration, reason)) => {
             let reason = reason.clone();
             let secs = crate::clock::parse_duration(duration).map_err(|e| anyhow::anyhow!("--for {e}"))?;
             anyhow::ensure!(
@@ -378,7 +379,7 @@ pub(super) fn roles_action(action: RolesAction) -> anyhow::Result<()> {
                 "role {role} is allowed until {until} (its stack switch must be on too); `byoc-runner roles revoke {role}` ends it sooner"
             );
         }
-        RolesAction::Revoke { .. } => {
+        None => {
             audit("allowance_revoked", format!("by {who}"))?;
             let removed = allowance::revoke(&dir, role)?;
             if s.output == Output::Json {
@@ -393,7 +394,6 @@ pub(super) fn roles_action(action: RolesAction) -> anyhow::Result<()> {
                 }
             );
         }
-        RolesAction::Enable { .. } | RolesAction::Disable { .. } => unreachable!("refused above"),
     }
     Ok(())
 }
