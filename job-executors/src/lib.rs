@@ -88,6 +88,9 @@ pub struct ContainerSettings {
     /// Labels this runner's containers and networks (its runner id), so that a
     /// restart removes what it left and nothing else.
     pub owner: String,
+    /// Make the next networked container's namespace while nothing waits for it (the
+    /// daemon; `release_prepared` at its stop). Off for one-shot commands.
+    pub prepare_networks: bool,
 }
 
 /// Where `oci.sync` finds registries and how hard it pushes.

@@ -182,6 +182,7 @@ pub async fn run(
         busybox: PathBuf::from("/bin/busybox"),
         network: Default::default(),
         owner: "local".into(),
+        prepare_networks: false,
     };
     let mut tools = byoc_job_executors::ToolSettings {
         terraform: options.terraform.clone(),

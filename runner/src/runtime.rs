@@ -177,6 +177,7 @@ pub fn container_settings(config: &Config) -> Option<byoc_job_executors::Contain
         busybox: config.roles.busybox.clone(),
         network: config.sandbox.egress.clone(),
         owner: String::new(),
+        prepare_networks: false,
     })
 }
 

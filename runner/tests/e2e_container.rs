@@ -218,7 +218,7 @@ async fn a_networked_container_reaches_the_outside_but_not_metadata_or_the_host(
     assert_eq!(peer.hits(), 1);
     let log = String::from_utf8_lossy(&e.cp.log(&id).unwrap()).into_owned();
     assert!(log.contains("[sandbox] network: own Docker network"), "{log}");
-    assert!(job_containers(&id).is_empty(), "containers left behind");
+    assert!(job_containers(&id).is_empty(), "containers left behind:\n{}", e.runner.log());
     assert!(job_networks(&id).is_empty(), "the job's network left behind");
 }
 
@@ -262,6 +262,69 @@ async fn a_docker_network_created_while_a_container_runs_is_closed_to_it() {
     assert!(out.contains("blocked gateway"), "{out}");
     assert_eq!(wire.hits(), 0, "the new network's gateway was reached");
     assert!(job_containers(&id).is_empty(), "containers left behind");
+}
+
+/// A networked container after the first starts in a namespace the runner made ahead
+/// of it. What appeared on the host since (here a Docker network: its gateway, a host
+/// address, and the subnet behind it) is closed before the job's first instruction, not
+/// while it runs; the namespace is the job's alone and goes with it.
+#[tokio::test]
+async fn a_network_made_ahead_is_closed_to_what_appeared_since_before_the_job_starts() {
+    use byoc_control_plane::netlab::Tripwire;
+    let image = import_image("byoc-test/busybox:basic", &[]);
+    let e = env().await;
+    let first = e.cp.enqueue(container(serde_json::json!({"image": image, "command": ["true"]}))).unwrap();
+    assert_eq!(e.finished(&first).await.result.unwrap().status, JobStatus::Succeeded);
+    let made = e.cp.wait_until(WAIT, |_| e.runner.log().contains("Made a container network ahead")).await;
+    assert!(made, "no network was made ahead:\n{}", e.runner.log());
+    let enrollment: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(e.runner.state_dir.join("enrollment.json")).unwrap()).unwrap();
+    let runner_id = enrollment["runner_id"].as_str().unwrap();
+    let prepared = |what: &[&str]| -> Vec<String> {
+        let out = std::process::Command::new("docker")
+            .args(what)
+            .args(["--filter", &format!("label=byoc-runner.runner={runner_id}")])
+            .args(["--filter", "label=byoc-runner.job=prepared", "--format", "{{.Name}}"])
+            .output()
+            .expect("docker is required");
+        String::from_utf8_lossy(&out.stdout).split_whitespace().map(str::to_string).collect()
+    };
+    let ahead = prepared(&["network", "ls"]);
+    assert_eq!(ahead.len(), 1, "{ahead:?}");
+    // Appears after the namespace was made, before the job arrives. Outside Docker's
+    // own pools and the other test's subnet.
+    let (subnet, gateway) = ("10.213.251.0/24", "10.213.251.1");
+    let later = format!("byoc-test-ahead-{}", std::process::id());
+    let _ = std::process::Command::new("docker").args(["network", "rm", &later]).output();
+    let created = std::process::Command::new("docker")
+        .args(["network", "create", "--subnet", subnet, &later])
+        .output()
+        .expect("docker is required");
+    assert!(created.status.success(), "{}", String::from_utf8_lossy(&created.stderr));
+    let wire = Tripwire::start(format!("{gateway}:0").parse().unwrap()).await;
+    let port = wire.addr.port();
+    // The first thing the job does: no waiting for rules to arrive.
+    let script = format!(
+        "ip rule | grep 10.213.251. || true\n\
+         if echo | nc -w 3 {gateway} {port} >/dev/null 2>&1; then echo reached gateway; else echo blocked gateway; fi\n"
+    );
+    let second =
+        e.cp.enqueue(container(serde_json::json!({"image": image, "command": ["sh", "-c", script]})))
+            .unwrap();
+    let v = e.finished(&second).await;
+    let _ = std::process::Command::new("docker").args(["network", "rm", &later]).output();
+    let out = e.output(&second);
+    assert_eq!(v.result.unwrap().status, JobStatus::Succeeded, "{out}");
+    let log = String::from_utf8_lossy(&e.cp.log(&second).unwrap()).into_owned();
+    assert!(log.contains("made ahead of the job"), "{log}");
+    assert!(out.contains(&format!("to {gateway} lookup")), "the gateway was not closed:\n{out}");
+    assert!(out.contains(&format!("to {subnet} lookup")), "the subnet was not closed:\n{out}");
+    assert!(out.contains("blocked gateway"), "{out}");
+    assert_eq!(wire.hits(), 0, "the new network's gateway was reached");
+    // The namespace the job used went with it; the next job's is another.
+    let now = prepared(&["network", "ls"]);
+    assert!(!now.contains(&ahead[0]), "the used network is still there: {now:?}");
+    assert!(job_containers(&second).is_empty(), "containers left behind");
 }
 
 /// A container under an egress allow-list resolves the listed names, as the runner

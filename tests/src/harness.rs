@@ -235,6 +235,46 @@ level = "info"
 }
 
 /// Wait until the runner has enrolled and its first poll reached the control plane.
+impl Drop for RunnerProcess {
+    /// A killed runner cannot remove the container network it made ahead of the next
+    /// job (its next start would): the suites remove it, so that the engine's address
+    /// pools do not run out over a run.
+    fn drop(&mut self) {
+        if let Some(child) = self.child.as_mut() {
+            let _ = child.start_kill();
+            // Dead before the listing below, so that it makes nothing after it.
+            if let Some(pid) = child.id() {
+                let _ = nix::sys::wait::waitpid(Pid::from_raw(pid as i32), None);
+            }
+        }
+        if !self.log().contains("container network ahead") {
+            return;
+        }
+        let Ok(enrollment) = std::fs::read(self.state_dir.join("enrollment.json")) else { return };
+        let Some(runner_id) = serde_json::from_slice::<serde_json::Value>(&enrollment)
+            .ok()
+            .and_then(|e| e["runner_id"].as_str().map(str::to_string))
+        else {
+            return;
+        };
+        let ids = |what: &[&str]| -> Vec<String> {
+            let out = Command::new("docker")
+                .args(what)
+                .args(["-q", "--filter", &format!("label=byoc-runner.runner={runner_id}")])
+                .args(["--filter", "label=byoc-runner.job=prepared"])
+                .output();
+            out.map(|o| String::from_utf8_lossy(&o.stdout).split_whitespace().map(str::to_string).collect())
+                .unwrap_or_default()
+        };
+        for c in ids(&["ps", "-a"]) {
+            let _ = Command::new("docker").args(["rm", "-f", &c]).output();
+        }
+        for n in ids(&["network", "ls"]) {
+            let _ = Command::new("docker").args(["network", "rm", &n]).output();
+        }
+    }
+}
+
 pub async fn wait_polling(cp: &ControlPlane, timeout: Duration) -> bool {
     cp.wait_until(timeout, |cp| cp.runners().iter().any(|r| r.polls > 0)).await
 }

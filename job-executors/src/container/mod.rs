@@ -18,7 +18,9 @@
 //! cannot join a namespace we built, so a holder container (a static busybox
 //! sleeping, no capabilities) owns the namespace, a short-lived configurator joins it
 //! with only CAP_NET_ADMIN to set the rules and exits, and then the job joins it with
-//! no capabilities at all: it cannot change them. Output is read from the container's
+//! no capabilities at all: it cannot change them. The daemon makes the next job's
+//! namespace while none waits (`network::for_job`); it is brought up to date at the
+//! job's start and serves that job alone. Output is read from the container's
 //! own pipes (attached before it starts; the engine keeps no log of it) through the
 //! same masking and log cap as scripts; a broken stream fails the job
 //! (`container_output_broken`). Timeout and cancellation
@@ -40,8 +42,7 @@ use serde::Deserialize;
 use crate::{ContainerSettings, ExecContext, ExecFuture, ExecOutcome, Executor, JobStatus};
 
 mod network;
-use network::JobNetwork;
-pub use network::{check_network, describe_network};
+pub use network::{check_network, describe_network, prepared_settled, release_prepared};
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -185,9 +186,12 @@ async fn run_container(spec: &Container, settings: &ContainerSettings, ctx: Exec
                 return crate::sandboxed::refused(crate::sandboxed::NETWORK_UNAVAILABLE, e.0);
             }
         }
-        match JobNetwork::build(&docker, spec, settings, &ctx.settings.job_id).await {
-            Ok(n) => {
-                let _ = ctx.output.write(format!("[sandbox] {}\n", describe_network(settings)).as_bytes());
+        match network::for_job(&docker, settings, &ctx.settings.job_id).await {
+            Ok((n, ahead)) => {
+                let made =
+                    if ahead { " (made ahead of the job, brought up to date at its start)" } else { "" };
+                let _ =
+                    ctx.output.write(format!("[sandbox] {}{made}\n", describe_network(settings)).as_bytes());
                 Some(n)
             }
             Err(e) => {
@@ -254,7 +258,6 @@ async fn run_container(spec: &Container, settings: &ContainerSettings, ctx: Exec
             return ExecOutcome::failed(docker_error("creating the container", e));
         }
     };
-    let job_id = ctx.settings.job_id.clone();
     let mut ctx = ctx;
     // The follower stops the job if it cannot keep the host closed to it.
     let stop = ctx.settings.cancel.child_token();
@@ -262,24 +265,34 @@ async fn run_container(spec: &Container, settings: &ContainerSettings, ctx: Exec
     let mut lost = None;
     let mut outcome = match (net.as_mut(), follower) {
         (Some(n), Some(mut f)) => {
+            // A close in progress is never dropped half-way: a configurator whose
+            // creation is still in flight would outlive the job's clean-up.
+            let followed = tokio_util::sync::CancellationToken::new();
             let follow = async {
                 loop {
-                    let closed = match f.next_ranges().await {
-                        Ok(ranges) => {
-                            n.close(&docker, spec, settings, &job_id, ranges).await.map_err(|e| e.0)
-                        }
+                    let ranges = tokio::select! {
+                        r = f.next_ranges() => r,
+                        () = followed.cancelled() => return None,
+                    };
+                    let closed = match ranges {
+                        Ok(ranges) => n.close(&docker, settings, ranges).await.map_err(|e| e.0),
                         Err(e) => Err(e),
                     };
                     if let Err(why) = closed {
-                        return why;
+                        return Some(why);
                     }
                 }
             };
             let run = supervise(&docker, &id, settings, ctx);
             tokio::pin!(follow, run);
             tokio::select! {
-                outcome = &mut run => outcome,
+                outcome = &mut run => {
+                    followed.cancel();
+                    let _ = follow.await;
+                    outcome
+                }
                 why = &mut follow => {
+                    let why = why.unwrap_or_default();
                     tracing::error!(error = %why, "The container's network boundary could not follow the host; stopping it: {why}.");
                     lost = Some(why);
                     stop.cancel();

@@ -77,6 +77,12 @@ const HELPER_MEMORY_BYTES: i64 = 64 << 20;
 pub(super) struct JobNetwork {
     network: String,
     pub(super) holder: String,
+    /// The `byoc-runner.job` label of its containers: the job's id, or `prepared`.
+    label: String,
+    /// The image the holder and the configurator run (the host's busybox alone).
+    image: String,
+    /// The allow-list's names as resolved when the namespace was made (`name:ip`).
+    hosts: Vec<String>,
     /// The network's gateways: its own subnet is the container's way out.
     gateways: Vec<std::net::IpAddr>,
     /// Ranges already closed in the namespace.
@@ -84,15 +90,16 @@ pub(super) struct JobNetwork {
 }
 
 impl JobNetwork {
+    /// A new network named `name`, its containers labelled `label`.
     pub(super) async fn build(
         docker: &Docker,
-        spec: &Container,
         settings: &ContainerSettings,
-        job_id: &str,
+        name: &str,
+        label: &str,
     ) -> Result<JobNetwork, crate::jobnet::NetworkUnavailable> {
         use bollard::models::NetworkCreateRequest;
         check_network(settings)?;
-        let name = format!("byoc-job-{job_id}");
+        let image = holder_image(docker, settings).await?;
         // Whatever an interrupted attempt of this job left goes first.
         let _ = docker
             .remove_container(
@@ -100,13 +107,13 @@ impl JobNetwork {
                 Some(RemoveContainerOptionsBuilder::new().force(true).build()),
             )
             .await;
-        let _ = docker.remove_network(&name).await;
+        let _ = docker.remove_network(name).await;
         docker
             .create_network(NetworkCreateRequest {
-                name: name.clone(),
+                name: name.to_string(),
                 driver: Some("bridge".into()),
                 internal: Some(false),
-                labels: Some(labels(job_id, &settings.owner)),
+                labels: Some(labels(label, &settings.owner)),
                 options: Some(HashMap::from([(
                     "com.docker.network.bridge.enable_icc".to_string(),
                     "false".to_string(),
@@ -116,12 +123,15 @@ impl JobNetwork {
             .await
             .map_err(|e| docker_error("creating the job's network", e))?;
         let mut net = JobNetwork {
-            network: name.clone(),
+            network: name.to_string(),
             holder: String::new(),
+            label: label.to_string(),
+            image,
+            hosts: Vec::new(),
             gateways: Vec::new(),
             closed: Default::default(),
         };
-        match net.finish(docker, spec, settings, job_id).await {
+        match net.finish(docker, settings).await {
             Ok(()) => Ok(net),
             Err(e) => {
                 net.remove(docker).await;
@@ -130,12 +140,10 @@ impl JobNetwork {
         }
     }
 
-    pub(super) async fn finish(
+    async fn finish(
         &mut self,
         docker: &Docker,
-        spec: &Container,
         settings: &ContainerSettings,
-        job_id: &str,
     ) -> Result<(), crate::jobnet::NetworkUnavailable> {
         let info = docker
             .inspect_network(&self.network, None)
@@ -158,30 +166,16 @@ impl JobNetwork {
         // resolvers it asks for jobs, and the namespace knows only those (its hosts
         // file): Docker's DNS gets a resolver that can never be reached, so no other
         // name resolves and none leaves the host by lookup.
-        let (allow, hosts) = match &settings.network.allow {
-            None => (None, Vec::new()),
-            Some(a) => {
-                let upstreams = crate::jobnet::upstreams(&settings.network);
-                let mut ranges = a.ranges.clone();
-                let mut hosts = Vec::new();
-                for name in a.hosts.iter().filter(|h| !h.starts_with("*.")) {
-                    for ip in crate::dns::resolve_v4(&upstreams, name).await {
-                        ranges.push(byoc_sandbox::net::Cidr::host(ip));
-                        hosts.push(format!("{name}:{ip}"));
-                    }
-                }
-                (Some(ranges), hosts)
-            }
-        };
-        let busybox_bind = format!("{}:{NET_BUSYBOX}:ro", settings.busybox.display());
+        let (allow, hosts) = resolve_allowed(settings).await;
+        self.hosts = hosts.clone();
         // The holder: owns the namespace (and, for the job's container that joins it,
         // its resolver settings and hosts file), does nothing, holds no capability.
         let holder = ContainerCreateBody {
-            image: Some(spec.image.clone()),
+            image: Some(self.image.clone()),
             entrypoint: Some(vec![NET_BUSYBOX.into(), "sleep".into(), "2147483647".into()]),
             cmd: Some(vec![]),
             user: Some(format!("{}:{}", settings.uid, settings.gid)),
-            labels: Some(labels(job_id, &settings.owner)),
+            labels: Some(labels(&self.label, &settings.owner)),
             host_config: Some(HostConfig {
                 network_mode: Some(self.network.clone()),
                 dns: allow.is_some().then(|| vec![NO_RESOLVER.to_string()]),
@@ -189,7 +183,6 @@ impl JobNetwork {
                 cap_drop: Some(vec!["ALL".into()]),
                 readonly_rootfs: Some(true),
                 security_opt: Some(vec!["no-new-privileges".into()]),
-                binds: Some(vec![busybox_bind.clone()]),
                 memory: Some(HELPER_MEMORY_BYTES),
                 pids_limit: Some(4),
                 ..Default::default()
@@ -221,9 +214,37 @@ impl JobNetwork {
             blocked.push(byoc_sandbox::net::Cidr::host(NO_RESOLVER));
         }
         let script = configure_script(&blocked, allow.as_deref(), gateway);
-        self.run_configurator(docker, spec, settings, job_id, script).await?;
+        self.run_configurator(docker, settings, script).await?;
         self.closed.extend(blocked);
         Ok(())
+    }
+
+    /// Make a namespace made ahead fit to be the next job's: its holder still runs, the
+    /// allow-list's names resolve as they did, and every host address and subnet that
+    /// appeared since is closed before the job starts. `false`: build a fresh one.
+    async fn bring_up_to_date(
+        &mut self,
+        docker: &Docker,
+        settings: &ContainerSettings,
+    ) -> Result<bool, crate::jobnet::NetworkUnavailable> {
+        let running = docker
+            .inspect_container(&self.holder, None)
+            .await
+            .ok()
+            .and_then(|c| c.state)
+            .and_then(|s| s.running)
+            .unwrap_or(false);
+        if !running {
+            return Ok(false);
+        }
+        let (_, hosts) = resolve_allowed(settings).await;
+        if hosts != self.hosts {
+            return Ok(false);
+        }
+        let host = byoc_sandbox::net::host_blocked()
+            .map_err(|e| crate::jobnet::NetworkUnavailable(e.to_string()))?;
+        self.close(docker, settings, host).await?;
+        Ok(true)
     }
 
     /// Of `ranges`, those this container's namespace may close: not its own subnet
@@ -244,16 +265,14 @@ impl JobNetwork {
     pub(super) async fn close(
         &mut self,
         docker: &Docker,
-        spec: &Container,
         settings: &ContainerSettings,
-        job_id: &str,
         ranges: Vec<byoc_sandbox::net::Cidr>,
     ) -> Result<(), crate::jobnet::NetworkUnavailable> {
         let ranges = self.closable(ranges);
         if ranges.is_empty() {
             return Ok(());
         }
-        self.run_configurator(docker, spec, settings, job_id, close_script(&ranges)).await?;
+        self.run_configurator(docker, settings, close_script(&ranges)).await?;
         self.closed.extend(ranges);
         Ok(())
     }
@@ -263,18 +282,15 @@ impl JobNetwork {
     async fn run_configurator(
         &self,
         docker: &Docker,
-        spec: &Container,
         settings: &ContainerSettings,
-        job_id: &str,
         script: String,
     ) -> Result<(), crate::jobnet::NetworkUnavailable> {
-        let busybox_bind = format!("{}:{NET_BUSYBOX}:ro", settings.busybox.display());
         let configurator = ContainerCreateBody {
-            image: Some(spec.image.clone()),
+            image: Some(self.image.clone()),
             entrypoint: Some(vec![NET_BUSYBOX.into(), "sh".into(), "-c".into(), script]),
             cmd: Some(vec![]),
             user: Some("0:0".into()),
-            labels: Some(labels(job_id, &settings.owner)),
+            labels: Some(labels(&self.label, &settings.owner)),
             network_disabled: Some(false),
             host_config: Some(HostConfig {
                 network_mode: Some(format!("container:{}", self.holder)),
@@ -282,7 +298,6 @@ impl JobNetwork {
                 cap_add: Some(vec!["NET_ADMIN".into()]),
                 readonly_rootfs: Some(true),
                 security_opt: Some(vec!["no-new-privileges".into()]),
-                binds: Some(vec![busybox_bind]),
                 memory: Some(HELPER_MEMORY_BYTES),
                 pids_limit: Some(16),
                 ..Default::default()
@@ -363,6 +378,183 @@ impl JobNetwork {
             tracing::warn!(network = %self.network, error = %e, "Could not remove the job's network: {e}.");
         }
     }
+}
+
+/// With an allow-list, the ranges a container may reach (the listed ranges and the
+/// addresses of the listed names, resolved by the runner through the resolvers it asks
+/// for jobs) and the hosts-file entries (`name:ip`, sorted) that are the only names the
+/// namespace knows. Without one: `(None, [])`.
+async fn resolve_allowed(
+    settings: &ContainerSettings,
+) -> (Option<Vec<byoc_sandbox::net::Cidr>>, Vec<String>) {
+    let Some(a) = &settings.network.allow else { return (None, Vec::new()) };
+    let upstreams = crate::jobnet::upstreams(&settings.network);
+    let mut ranges = a.ranges.clone();
+    let mut hosts = Vec::new();
+    for name in a.hosts.iter().filter(|h| !h.starts_with("*.")) {
+        for ip in crate::dns::resolve_v4(&upstreams, name).await {
+            ranges.push(byoc_sandbox::net::Cidr::host(ip));
+            hosts.push(format!("{name}:{ip}"));
+        }
+    }
+    hosts.sort();
+    (Some(ranges), hosts)
+}
+
+/// The image the holder and the configurator run: nothing but the host's static
+/// busybox, imported once (its tag names the binary's digest), so a namespace can be
+/// made before the job's image is known and does not depend on what that image holds.
+async fn holder_image(
+    docker: &Docker,
+    settings: &ContainerSettings,
+) -> Result<String, crate::jobnet::NetworkUnavailable> {
+    use sha2::Digest as _;
+    let unavailable = |e: String| crate::jobnet::NetworkUnavailable(e);
+    let busybox = std::fs::read(&settings.busybox)
+        .map_err(|e| unavailable(format!("reading {}: {e}", settings.busybox.display())))?;
+    let digest = sha2::Sha256::digest(&busybox);
+    let tag = hex::encode(&digest[..8]);
+    let image = format!("{HOLDER_REPOSITORY}:{tag}");
+    if docker.inspect_image(&image).await.is_ok() {
+        return Ok(image);
+    }
+    let mut tar = tar::Builder::new(Vec::new());
+    let mut dir = tar::Header::new_gnu();
+    dir.set_entry_type(tar::EntryType::Directory);
+    dir.set_mode(0o755);
+    dir.set_size(0);
+    tar.append_data(&mut dir, "byoc-net/", std::io::empty())
+        .map_err(|e| unavailable(format!("building the network holder's image: {e}")))?;
+    let mut file = tar::Header::new_gnu();
+    file.set_mode(0o755);
+    file.set_size(busybox.len() as u64);
+    tar.append_data(&mut file, NET_BUSYBOX.trim_start_matches('/'), busybox.as_slice())
+        .map_err(|e| unavailable(format!("building the network holder's image: {e}")))?;
+    let tar =
+        tar.into_inner().map_err(|e| unavailable(format!("building the network holder's image: {e}")))?;
+    let options = bollard::query_parameters::CreateImageOptionsBuilder::new()
+        .from_src("-")
+        .repo(HOLDER_REPOSITORY)
+        .tag(&tag)
+        .build();
+    let mut progress = docker.create_image(Some(options), Some(bollard::body_full(tar.into())), None);
+    while let Some(step) = progress.next().await {
+        step.map_err(|e| unavailable(docker_error("importing the network holder's image", e)))?;
+    }
+    Ok(image)
+}
+
+/// Local repository of the holder's image (`docker images byoc-runner-net`).
+const HOLDER_REPOSITORY: &str = "byoc-runner-net";
+
+/// The `byoc-runner.job` label of a namespace made before its job arrived.
+const PREPARED_LABEL: &str = "prepared";
+
+/// A networked container's namespace made ahead of its job (the daemon only,
+/// `ContainerSettings::prepare_networks`): the next networked container starts
+/// without waiting for a network, a holder and a configurator. Each is used once,
+/// by one job, and removed with it, as a namespace made for the job is.
+struct Prepared {
+    /// The settings it was made under: a namespace made under others is not used.
+    key: String,
+    docker: Docker,
+    net: JobNetwork,
+}
+
+static PREPARED: std::sync::Mutex<Option<Prepared>> = std::sync::Mutex::new(None);
+/// Held while a namespace is made ahead: at most one at a time.
+static MAKING: std::sync::LazyLock<std::sync::Arc<tokio::sync::Mutex<()>>> =
+    std::sync::LazyLock::new(Default::default);
+
+fn settings_key(settings: &ContainerSettings) -> String {
+    format!("{settings:?}")
+}
+
+/// The job's namespace: the one made ahead if there is one fit for it (see
+/// `bring_up_to_date`), otherwise one made now. `true` with one made ahead. With
+/// `prepare_networks`, the next job's is then made in the background.
+pub(super) async fn for_job(
+    docker: &Docker,
+    settings: &ContainerSettings,
+    job_id: &str,
+) -> Result<(JobNetwork, bool), crate::jobnet::NetworkUnavailable> {
+    check_network(settings)?;
+    let key = settings_key(settings);
+    let ahead = if settings.prepare_networks {
+        let mut slot = PREPARED.lock().unwrap_or_else(|e| e.into_inner());
+        match slot.take() {
+            Some(p) if p.key == key => Some(p.net),
+            Some(stale) => {
+                tokio::spawn(async move { stale.net.remove(&stale.docker).await });
+                None
+            }
+            None => None,
+        }
+    } else {
+        None
+    };
+    let result = match ahead {
+        Some(mut net) => match net.bring_up_to_date(docker, settings).await {
+            Ok(true) => Ok((net, true)),
+            stale => {
+                if let Err(e) = stale {
+                    tracing::warn!(error = %e, "The network made ahead could not be brought up to date; making the job its own: {e}.");
+                }
+                net.remove(docker).await;
+                JobNetwork::build(docker, settings, &format!("byoc-job-{job_id}"), job_id)
+                    .await
+                    .map(|n| (n, false))
+            }
+        },
+        None => JobNetwork::build(docker, settings, &format!("byoc-job-{job_id}"), job_id)
+            .await
+            .map(|n| (n, false)),
+    };
+    if settings.prepare_networks {
+        prepare_next(docker, settings);
+    }
+    result
+}
+
+/// Make the next job's namespace in the background, unless one is being made or is
+/// ready under the same settings.
+fn prepare_next(docker: &Docker, settings: &ContainerSettings) {
+    let Ok(making) = MAKING.clone().try_lock_owned() else { return };
+    let (docker, settings) = (docker.clone(), settings.clone());
+    tokio::spawn(async move {
+        let _making = making;
+        let key = settings_key(&settings);
+        if PREPARED.lock().unwrap_or_else(|e| e.into_inner()).as_ref().is_some_and(|p| p.key == key) {
+            return;
+        }
+        let name = format!("byoc-net-{}", byoc_protocol::random_hex(6));
+        tracing::info!(network = %name, "Making a container network ahead of the next networked container.");
+        match JobNetwork::build(&docker, &settings, &name, PREPARED_LABEL).await {
+            Ok(net) => {
+                tracing::info!(network = %name, "Made a container network ahead of the next networked container.");
+                let replaced =
+                    PREPARED.lock().unwrap_or_else(|e| e.into_inner()).replace(Prepared { key, docker, net });
+                if let Some(old) = replaced {
+                    old.net.remove(&old.docker).await;
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "Could not make a container network ahead: {e}."),
+        }
+    });
+}
+
+/// Remove the namespace made ahead (the daemon's stop), after one being made.
+pub async fn release_prepared() {
+    let _making = MAKING.lock().await;
+    let taken = PREPARED.lock().unwrap_or_else(|e| e.into_inner()).take();
+    if let Some(p) = taken {
+        p.net.remove(&p.docker).await;
+    }
+}
+
+/// Wait until no namespace is being made ahead (benchmarks measure warm starts).
+pub async fn prepared_settled() {
+    let _making = MAKING.lock().await;
 }
 
 /// The configurator's shell script (busybox `sh` and `ip`): blocked ranges lead to a

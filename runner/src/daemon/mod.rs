@@ -220,6 +220,7 @@ pub async fn run(config: Config) -> Result<(), DaemonError> {
     let mut containers = crate::runtime::container_settings(&config);
     if let Some(c) = &mut containers {
         c.owner = enrollment.runner_id.clone();
+        c.prepare_networks = true;
         // No job runs yet: containers and networks of jobs a killed runner left behind
         // belong to interrupted jobs.
         byoc_job_executors::container::remove_leftovers(c).await;
@@ -370,6 +371,7 @@ pub async fn run(config: Config) -> Result<(), DaemonError> {
         }
     }
     byoc_job_executors::sandboxed::settle().await;
+    byoc_job_executors::container::release_prepared().await;
     if let Err(e) =
         audit.record(byoc_audit::log::Record { event: "runner_stopped".into(), ..Default::default() })
     {

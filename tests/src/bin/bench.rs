@@ -104,6 +104,7 @@ async fn container_start_ms(image: &str, dir: &std::path::Path) -> anyhow::Resul
         busybox: "/bin/busybox".into(),
         network: Default::default(),
         owner: "local".into(),
+        prepare_networks: true,
     };
     let ctx = byoc_job_executors::ExecContext::builder(
         format!("bench-{}", byoc_protocol::random_hex(4)),
@@ -119,6 +120,8 @@ async fn container_start_ms(image: &str, dir: &std::path::Path) -> anyhow::Resul
         outcome.error
     );
     let first = sink.0.context("no output")?;
+    // As on a runner between jobs: the next job's network is made while none waits.
+    byoc_job_executors::container::prepared_settled().await;
     Ok(first.duration_since(t0).as_secs_f64() * 1000.0)
 }
 
@@ -671,12 +674,17 @@ async fn main() -> anyhow::Result<()> {
             }
             let _ = std::process::Command::new("docker").args(["rmi", "-f", &tag]).output();
         }
+        byoc_job_executors::container::release_prepared().await;
+        println!(
+            "networked container action start, first of the process (its network made then): {:.0} ms",
+            cold[0]
+        );
         let med = |v: &mut Vec<f64>| {
             v.sort_by(|a, b| a.total_cmp(b));
             v[v.len() / 2]
         };
         println!(
-            "container action start, run -> first output byte: cold (first run of a freshly imported image) median {:.0} ms (n={}); warm median {:.0} ms (n={})",
+            "networked container action start, run -> first output byte: cold (first run of a freshly imported image) median {:.0} ms (n={}); warm median {:.0} ms (n={}, target <= 300 ms)",
             med(&mut cold),
             cold.len(),
             med(&mut warm),
