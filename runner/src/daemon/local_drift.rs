@@ -132,7 +132,7 @@ impl LocalDrift {
                 detail: format!("outside the windows of rule {rule:?}{}", opens.unwrap_or_default()),
             }));
         }
-        if let Some(rule) = pipeline::window::approval_rule(rt, &job) {
+        if let Some(rule) = pipeline::approval::approval_rule(rt, &job) {
             return Err(Some(Skip {
                 reason: "approval_required",
                 detail: format!(

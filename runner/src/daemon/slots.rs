@@ -64,7 +64,7 @@ impl SlotGuard {
     }
 }
 
-impl pipeline::window::JobSlot for SlotGuard {
+impl pipeline::gate::JobSlot for SlotGuard {
     fn release(&mut self) {
         if std::mem::take(&mut self.held) {
             self.slots.release(&self.group);
@@ -88,14 +88,14 @@ impl pipeline::window::JobSlot for SlotGuard {
 
 impl Drop for SlotGuard {
     fn drop(&mut self) {
-        pipeline::window::JobSlot::release(self);
+        pipeline::gate::JobSlot::release(self);
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use pipeline::window::JobSlot as _;
+    use pipeline::gate::JobSlot as _;
 
     fn slots(limit: usize) -> Arc<Slots> {
         Arc::new(Slots {

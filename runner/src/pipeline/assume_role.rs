@@ -2,15 +2,15 @@
 //! `role_assumed` / `role_assume_failed`), then what carries the session into the
 //! sandbox: the credential endpoint inside the job's own network namespace, renewed
 //! before expiry, or for a container a renewed credentials file read by its
-//! `credential_process`. A failed assumption does not end the job here: `execute`
-//! journals it started and failed, with the reason in its log, without running it.
+//! `credential_process`. A failed assumption is `NotAssumed`: `execute::not_run`
+//! journals the job started and failed, with the reason in its log, without running it.
 
 use std::sync::Arc;
 
 use byoc_job_executors::mask::SecretFeed;
 use byoc_job_executors::{ContainerCredentials, JobCredentials};
 
-use super::claim::ClaimedJob;
+use super::gate::ClearedJob;
 use super::resolve_role::ScopedRole;
 use crate::roles::creds::{
     CONTAINER_BUSYBOX, CONTAINER_CREDENTIALS_DIR, CredentialFile, JobEndpoint, JobSession, rfc3339,
@@ -19,45 +19,51 @@ use crate::roles::sts::{SessionParams, session_duration, sts_identifier, tag_val
 use crate::runtime::Rt;
 
 pub struct AssumedJob {
-    pub claimed: ClaimedJob,
+    pub cleared: ClearedJob,
     pub session: Session,
 }
 
 /// The job's AWS session, if it asked for a role.
 #[derive(Default)]
 pub struct Session {
-    /// What reaches the sandbox; `None` for a job without a role or when assuming failed.
+    /// What reaches the sandbox; `None` for a job without a role.
     pub credentials: Option<JobCredentials>,
     /// Kept alive while the executor runs; dropping it stops a container's renewal.
     pub keep_alive: Option<RoleSession>,
     /// Lines for the head of the job's log.
     pub log_note: Option<String>,
-    /// The job asked for a role and did not get it: it must not run.
-    pub failed: Option<String>,
 }
 
-pub async fn assume(rt: &Rt, claimed: ClaimedJob) -> AssumedJob {
-    let Some(role) = &claimed.role else {
-        return AssumedJob { claimed, session: Session::default() };
+/// The job asked for a role and did not get it: it must not run.
+pub struct NotAssumed {
+    pub cleared: ClearedJob,
+    /// Why, for the head of the job's log.
+    pub log_note: String,
+    /// The job's error.
+    pub error: String,
+}
+
+pub async fn assume(rt: &Rt, cleared: ClearedJob) -> Result<AssumedJob, Box<NotAssumed>> {
+    let Some(role) = &cleared.role else {
+        return Ok(AssumedJob { cleared, session: Session::default() });
     };
-    let session = match assume_for_job(rt, &claimed.verified.payload, role).await {
-        Ok((keep_alive, credentials, note)) => Session {
-            credentials: Some(credentials),
-            keep_alive: Some(keep_alive),
-            log_note: Some(note),
-            failed: None,
-        },
-        Err(e) => Session {
-            credentials: None,
-            keep_alive: None,
-            log_note: Some(format!("[runner] {e}\n")),
-            failed: Some(format!(
+    match assume_for_job(rt, &cleared.verified.payload, role).await {
+        Ok((keep_alive, credentials, note)) => Ok(AssumedJob {
+            session: Session {
+                credentials: Some(credentials),
+                keep_alive: Some(keep_alive),
+                log_note: Some(note),
+            },
+            cleared,
+        }),
+        Err(e) => {
+            let error = format!(
                 "could not assume role {:?}; the job did not run (see the job log)",
                 role.derived.role.name
-            )),
-        },
-    };
-    AssumedJob { claimed, session }
+            );
+            Err(Box::new(NotAssumed { log_note: format!("[runner] {e}\n"), error, cleared }))
+        }
+    }
 }
 
 /// AssumeRole for the job (audited), then its credential endpoint registration and
@@ -337,35 +343,32 @@ mod tests {
     use crate::pipeline::authorize::PolicyChoice;
     use crate::testing;
 
-    async fn claimed(f: &testing::Fakes, role: Option<&str>) -> ClaimedJob {
+    async fn cleared(f: &testing::Fakes, role: Option<&str>) -> ClearedJob {
         f.switches.set("maintenance", true);
         let scoped = super::super::resolve_role::scope(&f.rt, testing::verified("job-1", role))
             .await
             .ok()
             .expect("scoped");
-        ClaimedJob {
+        ClearedJob {
             verified: scoped.verified,
             role: scoped.role,
             policy: PolicyChoice::default(),
-            lease_secs: 60,
             window_close: None,
-            approvals: Vec::new(),
         }
     }
 
     #[tokio::test]
     async fn a_job_without_a_role_gets_no_credentials_and_no_sts_call() {
         let f = testing::runtime().await;
-        let job = assume(&f.rt, claimed(&f, None).await).await;
-        assert!(job.session.credentials.is_none() && job.session.failed.is_none());
+        let job = assume(&f.rt, cleared(&f, None).await).await.ok().expect("assumed");
+        assert!(job.session.credentials.is_none());
         assert_eq!(f.sts.calls.load(Ordering::SeqCst), 0);
     }
 
     #[tokio::test]
     async fn the_session_carries_the_job_id_and_reaches_only_the_sandbox() {
         let f = testing::runtime().await;
-        let job = assume(&f.rt, claimed(&f, Some("maintenance")).await).await;
-        assert!(job.session.failed.is_none());
+        let job = assume(&f.rt, cleared(&f, Some("maintenance")).await).await.ok().expect("assumed");
         let creds = job.session.credentials.expect("credentials");
         assert!(creds.endpoint.is_some(), "served by the endpoint in the job's namespace");
         assert!(creds.static_env.iter().any(|(k, v)| k == "AWS_SECRET_ACCESS_KEY" && v == "fake-secret-key"));
@@ -382,7 +385,7 @@ mod tests {
     async fn a_session_under_a_local_allowance_asks_for_no_longer_than_it_has_left() {
         use crate::roles::allowance;
         let f = testing::runtime().await;
-        let break_glass = |mut job: ClaimedJob| {
+        let break_glass = |mut job: ClearedJob| {
             if let Some(r) = job.role.as_mut() {
                 r.derived.role.role_type = crate::roles::model::RoleType::BreakGlass;
             }
@@ -395,17 +398,17 @@ mod tests {
             by: "root".into(),
             reason: "t".into(),
         };
-        let job = break_glass(claimed(&f, Some("maintenance")).await);
+        let job = break_glass(cleared(&f, Some("maintenance")).await);
         // 20 minutes left: the session asks for 1,200 s, not the job's whole timeout.
         allowance::grant(&f.rt.state_dir, "maintenance", grant(now + 1_200_000)).expect("grant");
         let mut job = job;
         job.verified.payload.timeout_secs = 7200;
-        assume(&f.rt, job).await;
+        let _ = assume(&f.rt, job).await;
         // Revoked after resolve_role let the job through: the shortest session STS gives.
         allowance::revoke(&f.rt.state_dir, "maintenance").expect("revoke");
-        let mut job = break_glass(claimed(&f, Some("maintenance")).await);
+        let mut job = break_glass(cleared(&f, Some("maintenance")).await);
         job.verified.payload.timeout_secs = 7200;
-        assume(&f.rt, job).await;
+        let _ = assume(&f.rt, job).await;
         let params = f.sts.params.lock().unwrap_or_else(|e| e.into_inner()).clone();
         let min = f.rt.roles.session_min_secs as i32;
         assert_eq!(params.len(), 2);
@@ -417,20 +420,20 @@ mod tests {
     async fn a_refused_assume_role_is_audited_and_the_job_marked_not_to_run() {
         let f = testing::runtime().await;
         *f.sts.fail_with.lock().unwrap_or_else(|e| e.into_inner()) = Some("AccessDenied".into());
-        let job = assume(&f.rt, claimed(&f, Some("maintenance")).await).await;
-        assert!(job.session.credentials.is_none());
-        assert!(job.session.failed.as_deref().is_some_and(|w| w.contains("did not run")));
-        assert!(job.session.log_note.as_deref().is_some_and(|n| n.contains("AccessDenied")));
+        let Err(refused) = assume(&f.rt, cleared(&f, Some("maintenance")).await).await else {
+            panic!("assumed")
+        };
+        assert!(refused.error.contains("did not run"), "{}", refused.error);
+        assert!(refused.log_note.contains("AccessDenied"), "{}", refused.log_note);
         assert!(f.audit.events().contains(&"role_assume_failed".to_string()));
     }
 
     #[tokio::test]
     async fn without_a_region_no_role_can_be_assumed() {
         let mut f = testing::runtime().await;
-        let job = claimed(&f, Some("maintenance")).await;
+        let job = cleared(&f, Some("maintenance")).await;
         std::sync::Arc::get_mut(&mut f.rt).expect("sole owner").roles.assumer = None;
-        let job = assume(&f.rt, job).await;
-        assert!(job.session.failed.is_some());
-        assert!(job.session.log_note.as_deref().is_some_and(|n| n.contains("aws.region")));
+        let Err(refused) = assume(&f.rt, job).await else { panic!("assumed") };
+        assert!(refused.log_note.contains("aws.region"), "{}", refused.log_note);
     }
 }

@@ -1,17 +1,21 @@
-//! Stage 7, execute: run the job. The working directory (0700) and the log spool are
-//! created, `started` is journaled, and the executor runs while a companion task
-//! heartbeats the lease (picking up cancellation) and uploads the spooled log. When the
-//! executor returns, the spool is fsynced and `finished` is journaled with the log's
-//! size and SHA-256 before anything is reported.
+//! Stage 8, execute: `AssumedJob` → `RanJob`. The working directory (0700) and the log
+//! spool are created, `started` is journaled, and the executor runs while a companion
+//! task heartbeats the lease (picking up cancellation) and uploads the spooled log.
+//! When the executor returns, the spool is fsynced and digested and the working
+//! directory removed; `record` journals the end. A job whose role could not be assumed
+//! goes through `not_run`: started, failed, its reason at the head of its log, the
+//! executor never called.
 
 use std::os::unix::fs::DirBuilderExt as _;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use byoc_job_executors::{ExecContext, ExecOutcome, JobStatus};
+use byoc_job_executors::{ExecContext, ExecOutcome};
 use tokio_util::sync::CancellationToken;
 
-use super::assume_role::AssumedJob;
+use super::VerifiedJob;
+use super::assume_role::{AssumedJob, NotAssumed, Session};
+use super::gate::ClearedJob;
 use crate::clock::now_ms;
 use crate::journal::{Event, JournalError};
 use crate::runtime::Rt;
@@ -24,12 +28,34 @@ pub const TFSTATE_DIR: &str = "tfstate";
 /// Components fetched by digest, unpacked, by digest.
 pub const ARTIFACTS_DIR: &str = "artifacts";
 
-pub struct FinishedJob {
-    pub job_id: String,
+/// A job that ran (or was refused a role), before its end is journaled.
+pub struct RanJob {
+    pub verified: VerifiedJob,
+    pub started_at_ms: u64,
+    pub outcome: ExecOutcome,
+    /// The spooled log's size, SHA-256 and what the cap left out.
+    pub log: SpoolDigest,
 }
 
-pub async fn execute(rt: &Rt, job: AssumedJob) -> Result<FinishedJob, JournalError> {
-    let AssumedJob { claimed: job, session } = job;
+pub async fn execute(rt: &Rt, job: AssumedJob) -> Result<RanJob, JournalError> {
+    let AssumedJob { cleared, session } = job;
+    run(rt, cleared, session, None).await
+}
+
+/// A job that may not run: its role could not be assumed.
+pub async fn not_run(rt: &Rt, job: NotAssumed) -> Result<RanJob, JournalError> {
+    let NotAssumed { cleared, log_note, error } = job;
+    let session = Session { log_note: Some(log_note), ..Session::default() };
+    run(rt, cleared, session, Some(error)).await
+}
+
+/// `refused`: the executor is not called and the job fails with this error.
+async fn run(
+    rt: &Rt,
+    job: ClearedJob,
+    session: Session,
+    refused: Option<String>,
+) -> Result<RanJob, JournalError> {
     let job_id = job.verified.payload.job_id.clone();
     let work_dir = rt.state_dir.join(WORK_DIR).join(&job_id);
     let started_at_ms = now_ms();
@@ -114,8 +140,8 @@ pub async fn execute(rt: &Rt, job: AssumedJob) -> Result<FinishedJob, JournalErr
                     role: job.role.as_ref().map(|r| r.derived.role.name.clone()),
                 }))
                 .build(&mut spool);
-            let mut ran = match &session.failed {
-                Some(why) => ExecOutcome::failed(why.clone()),
+            let mut ran = match refused {
+                Some(why) => ExecOutcome::failed(why),
                 None => byoc_job_executors::run_masked(job.verified.executor.as_ref(), ctx).await,
             };
             if let Some(close) = job.window_close.as_ref().filter(|_| window_closed.is_cancelled())
@@ -145,68 +171,14 @@ pub async fn execute(rt: &Rt, job: AssumedJob) -> Result<FinishedJob, JournalErr
     {
         tracing::warn!(error = %e, path = %work_dir.display(), "Could not remove the job's working directory: {e}.");
     }
-    if outcome.status == JobStatus::Succeeded
-        && outcome.outputs.get("drift").is_some()
-        && let Err(e) = crate::drift::record(&rt.state_dir, &job_id, now_ms(), &outcome.outputs)
-    {
-        tracing::warn!(error = %e, "Could not keep the drift check's result for `byoc-runner drift`: {e}.");
-    }
-    if outcome.status == JobStatus::Succeeded {
-        let p = &job.verified.payload;
-        match crate::drift::local::remember(&rt.state_dir, p, job.verified.executor.as_ref(), now_ms()) {
-            Ok(true) => tracing::info!("Kept what a drift check of this deploy needs (docs/DRIFT.md)."),
-            Ok(false) => {}
-            Err(e) => tracing::warn!(error = %e, "Could not keep this deploy's drift check target: {e}."),
-        }
-    }
-    if outcome.status == JobStatus::Succeeded {
-        match crate::secrets::record(&rt.state_dir, &job_id, now_ms(), &outcome.outputs) {
-            Ok(0) => {}
-            Ok(n) => tracing::info!(secrets = n, "Kept where the job wrote the customer's secrets."),
-            Err(e) => {
-                tracing::warn!(error = %e, "Could not keep where the job wrote the customer's secrets: {e}.")
-            }
-        }
-    }
-    rt.transition(Event::Finished {
-        job_id: job_id.clone(),
-        status: outcome.status,
-        exit_code: outcome.exit_code,
-        error: outcome.error.clone(),
-        log_size: log.size,
-        log_sha256: log.sha256,
-        log_omitted: log.omitted,
-        started_at_ms: Some(started_at_ms),
-        finished_at_ms: now_ms(),
-        outputs: outcome.outputs,
-    })?;
-    match outcome.status {
-        JobStatus::Succeeded => {
-            tracing::info!(
-                status = outcome.status.as_str(),
-                log_size = log.size,
-                log_omitted = log.omitted,
-                "Job finished."
-            )
-        }
-        _ => tracing::warn!(
-            status = outcome.status.as_str(),
-            exit_code = outcome.exit_code,
-            error = outcome.error.as_deref().unwrap_or(""),
-            "Job finished."
-        ),
-    }
-    Ok(FinishedJob { job_id })
+    Ok(RanJob { verified: job.verified, started_at_ms, outcome, log })
 }
 
 /// What the job reads the customer's secrets with: the app config's declarations (as
 /// verified), the install's Secrets Manager, the digest key and the job's role. `None`
 /// for jobs that name no secret and declare none (and when the digest key cannot be
 /// had: a job naming secrets then fails with `secret_unavailable`).
-fn secret_settings(
-    rt: &Rt,
-    job: &super::claim::ClaimedJob,
-) -> Option<byoc_job_executors::secrets::SecretSettings> {
+fn secret_settings(rt: &Rt, job: &ClearedJob) -> Option<byoc_job_executors::secrets::SecretSettings> {
     let v = &job.verified;
     if v.secrets.is_empty() && v.executor.secret_uses().is_empty() {
         return None;
@@ -370,37 +342,39 @@ async fn heartbeat_and_upload(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::pipeline::assume_role::Session;
     use crate::pipeline::authorize::PolicyChoice;
-    use crate::pipeline::claim::ClaimedJob;
     use crate::testing::{self, Fakes, journaled};
+    use byoc_job_executors::JobStatus;
 
-    fn assumed(f: &Fakes, verified: crate::pipeline::VerifiedJob, session: Session) -> AssumedJob {
+    fn cleared(f: &Fakes, verified: VerifiedJob) -> ClearedJob {
         testing::receive(f, &verified);
         f.rt.transition(Event::Claimed { job_id: verified.payload.job_id.clone(), lease_secs: 60 })
             .expect("journal");
-        let claimed = ClaimedJob {
-            verified,
-            role: None,
-            policy: PolicyChoice::default(),
-            lease_secs: 60,
-            window_close: None,
-            approvals: Vec::new(),
-        };
-        AssumedJob { claimed, session }
+        ClearedJob { verified, role: None, policy: PolicyChoice::default(), window_close: None }
     }
 
-    fn finished(f: &Fakes, job_id: &str) -> crate::journal::Finished {
-        f.rt.journal.job(job_id).and_then(|j| j.finished).expect("finished")
+    fn assumed(f: &Fakes, verified: VerifiedJob, session: Session) -> AssumedJob {
+        AssumedJob { cleared: cleared(f, verified), session }
+    }
+
+    /// Executed and recorded: the journal's account of its end.
+    async fn executed(f: &Fakes, job: AssumedJob) -> crate::journal::Finished {
+        let ran = execute(&f.rt, job).await.expect("journal");
+        finished(f, ran)
+    }
+
+    fn finished(f: &Fakes, ran: RanJob) -> crate::journal::Finished {
+        let id = ran.verified.payload.job_id.clone();
+        crate::pipeline::record::record(&f.rt, ran).expect("journal");
+        f.rt.journal.job(&id).and_then(|j| j.finished).expect("finished")
     }
 
     #[tokio::test]
     async fn a_job_runs_and_its_log_is_spooled_digested_and_journaled() {
         let f = testing::runtime().await;
         let job = assumed(&f, testing::verified("job-1", None), Session::default());
-        execute(&f.rt, job).await.expect("journal");
+        let done = executed(&f, job).await;
         assert_eq!(journaled(&f), ["received", "claimed", "started", "finished"]);
-        let done = finished(&f, "job-1");
         assert_eq!(done.status, JobStatus::Succeeded);
         let log = std::fs::read(crate::spool::spool_path(&f.rt.state_dir, "job-1")).expect("spool");
         assert_eq!(log, b"noop\n");
@@ -411,13 +385,13 @@ mod tests {
     #[tokio::test]
     async fn a_job_whose_role_could_not_be_assumed_fails_without_running() {
         let f = testing::runtime().await;
-        let session = Session {
-            log_note: Some("[runner] AssumeRole arn:x failed: AccessDenied\n".into()),
-            failed: Some("could not assume role \"maintenance\"; the job did not run".into()),
-            ..Session::default()
+        let refused = NotAssumed {
+            cleared: cleared(&f, testing::verified("job-1", None)),
+            log_note: "[runner] AssumeRole arn:x failed: AccessDenied\n".into(),
+            error: "could not assume role \"maintenance\"; the job did not run".into(),
         };
-        execute(&f.rt, assumed(&f, testing::verified("job-1", None), session)).await.expect("journal");
-        let done = finished(&f, "job-1");
+        let ran = not_run(&f.rt, refused).await.expect("journal");
+        let done = finished(&f, ran);
         assert_eq!(done.status, JobStatus::Failed);
         assert!(done.error.as_deref().is_some_and(|e| e.contains("did not run")));
         let log = std::fs::read_to_string(crate::spool::spool_path(&f.rt.state_dir, "job-1")).expect("spool");
@@ -454,8 +428,8 @@ mod tests {
             .push_back(Ok(byoc_protocol::JobHeartbeatResponse { lease_secs: 60, cancel: true }));
         let mut verified = testing::verified("job-1", None);
         verified.executor = Box::new(UntilCancelled);
-        execute(&f.rt, assumed(&f, verified, Session::default())).await.expect("journal");
-        assert_eq!(finished(&f, "job-1").status, JobStatus::Cancelled);
+        let done = executed(&f, assumed(&f, verified, Session::default())).await;
+        assert_eq!(done.status, JobStatus::Cancelled);
         assert_eq!(f.cp.calls(), ["heartbeat job-1"]);
     }
 

@@ -7,10 +7,12 @@
 //! | verify         | `verify.rs`        | `PolledJob` → `VerifiedJob` (journaled) |
 //! | resolve_role   | `resolve_role.rs`  | `VerifiedJob` → `ScopedJob`            |
 //! | authorize      | `authorize.rs`     | `ScopedJob` → `AuthorizedJob`          |
-//! | window         | `window.rs`        | refuses or holds a job outside its maintenance window |
+//! | window         | `window.rs`        | refuses a job outside a window whose rule refuses |
 //! | claim          | `claim.rs`         | `AuthorizedJob` → `ClaimedJob`         |
-//! | assume_role    | `assume_role.rs`   | `ClaimedJob` → `AssumedJob`            |
-//! | execute        | `execute.rs`       | `AssumedJob` → `FinishedJob`           |
+//! | gate           | `gate.rs`          | `ClaimedJob` → `ClearedJob` (windows, `approval.rs`, policy context) |
+//! | assume_role    | `assume_role.rs`   | `ClearedJob` → `AssumedJob`, or `NotAssumed` |
+//! | execute        | `execute.rs`       | `AssumedJob` → `RanJob` (`not_run`: `NotAssumed` → `RanJob`) |
+//! | record         | `record.rs`        | `RanJob` → `FinishedJob` (what it leaves for later; journaled) |
 //! | report         | `report.rs`        | `FinishedJob` → `Reported`             |
 //!
 //! `accept` runs receive and verify on the poll loop, so the job's receipt (its nonce
@@ -18,13 +20,16 @@
 //! `run_job` runs the rest in the job's own task. Refusals on the way are `refuse.rs`;
 //! after a crash, `recover.rs` settles what the journal shows unfinished.
 
+pub mod approval;
 pub mod assume_role;
 pub mod authorize;
 pub mod claim;
 pub mod execute;
+pub mod gate;
 pub mod held;
 pub mod plan_approval;
 pub mod receive;
+pub mod record;
 pub mod recover;
 pub mod refuse;
 pub mod report;
@@ -41,8 +46,10 @@ use crate::runtime::Rt;
 pub use assume_role::AssumedJob;
 pub use authorize::AuthorizedJob;
 pub use claim::ClaimedJob;
-pub use execute::FinishedJob;
+pub use execute::RanJob;
+pub use gate::ClearedJob;
 pub use receive::PolledJob;
+pub use record::FinishedJob;
 pub use resolve_role::ScopedJob;
 pub use verify::{Rejection, VerifiedJob};
 
@@ -148,7 +155,7 @@ pub(crate) fn record_received(rt: &Rt, job: &VerifiedJob) -> Result<(), JournalE
 /// slot) is released when execution ends, and while the job waits for a maintenance
 /// window; reporting may take longer. An error is a journal write that failed: the
 /// job's state is uncertain until the next start.
-pub async fn run_job<Slot: window::JobSlot>(
+pub async fn run_job<Slot: gate::JobSlot>(
     rt: Rt,
     job: VerifiedJob,
     mut slot: Slot,
@@ -173,38 +180,29 @@ pub async fn run_job<Slot: window::JobSlot>(
     if let Some(rejection) = window::outside_window(&authorized.verified, &window) {
         return refuse::refuse_received(&rt, &authorized.verified, rejection).await;
     }
-    let mut claimed = match claim::claim(&rt, authorized).await? {
+    let claimed = match claim::claim(&rt, authorized).await? {
         claim::ClaimOutcome::Claimed(claimed) => *claimed,
         claim::ClaimOutcome::NotClaimed { .. } => return Ok(()),
     };
-    if matches!(window, crate::guardrails::WindowCheck::Closed { .. }) {
-        claimed = match window::wait(&rt, claimed, &mut slot, window).await? {
-            window::Waited::Run(claimed) => *claimed,
-            window::Waited::Settled => return report_if_finished(&rt, &job_id).await,
-        };
-    } else {
-        claimed.window_close = window::close_of(&window);
-    }
-    if let Some(rule) = window::approval_rule(&rt, &claimed.verified) {
-        claimed = match window::await_approval(&rt, claimed, &mut slot, &rule).await? {
-            window::Waited::Run(claimed) => *claimed,
-            window::Waited::Settled => return report_if_finished(&rt, &job_id).await,
-        };
-    }
-    if let Some(scope) = claimed.policy.scope.as_mut() {
-        let now = window::check(&rt, &claimed.verified);
-        scope.context = window::policy_context(&rt, &claimed.verified, &now, &claimed.approvals);
-    }
-    let assumed = assume_role::assume(&rt, claimed).await;
-    let finished = execute::execute(&rt, assumed).await?;
+    let cleared = match gate::clear(&rt, claimed, &mut slot, window).await? {
+        gate::Gated::Cleared(cleared) => *cleared,
+        gate::Gated::Settled => return report_if_finished(&rt, &job_id).await,
+    };
+    let ran = match assume_role::assume(&rt, cleared).await {
+        Ok(assumed) => execute::execute(&rt, assumed).await?,
+        Err(not_assumed) => execute::not_run(&rt, *not_assumed).await?,
+    };
+    let finished = record::record(&rt, ran)?;
     drop(slot);
-    report::report(&rt, &finished.job_id).await.map(|_| ())
+    report::report(&rt, finished).await.map(|_| ())
 }
 
 /// A job settled while it waited: a cancelled one has a result to report.
 async fn report_if_finished(rt: &Rt, job_id: &str) -> Result<(), JournalError> {
-    let finished = rt.journal.job(job_id).is_some_and(|j| j.phase == crate::journal::Phase::Finished);
-    if finished { report::report(rt, job_id).await.map(|_| ()) } else { Ok(()) }
+    match FinishedJob::from_journal(rt, job_id) {
+        Some(finished) => report::report(rt, finished).await.map(|_| ()),
+        None => Ok(()),
+    }
 }
 
 /// Jobs with a live task (from `received` until reported or refused). A second

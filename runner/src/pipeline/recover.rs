@@ -72,7 +72,8 @@ pub fn recover(
         }
         let rt = rt.clone();
         tasks.push(in_job_span(&rt.clone(), job_id.clone(), async move {
-            if let Err(e) = report::report(&rt, &job_id).await {
+            let Some(finished) = super::FinishedJob::from_journal(&rt, &job_id) else { return };
+            if let Err(e) = report::report(&rt, finished).await {
                 tracing::error!(error = %e, "Journal write failed while reporting: {e}.");
             }
         }));
@@ -235,7 +236,10 @@ async fn settle_unclaimed(rt: &Rt, job_id: &str, delivery_id: &str) -> Result<()
                 finished_at_ms: now_ms(),
                 outputs: serde_json::Value::Null,
             })?;
-            report::report(rt, job_id).await.map(|_| ())
+            match super::FinishedJob::from_journal(rt, job_id) {
+                Some(finished) => report::report(rt, finished).await.map(|_| ()),
+                None => Ok(()),
+            }
         }
     }
 }

@@ -1,9 +1,10 @@
-//! Stage 8, report: deliver the rest of the log and the result, retrying until the control
-//! plane acknowledges; then journal `reported`. Results are idempotent on the server,
+//! Stage 10, report: `FinishedJob` → `Reported`. Deliver the rest of the log and the
+//! result, retrying until the control plane acknowledges; then journal `reported`. Results are idempotent on the server,
 //! so a retry after a lost acknowledgement is harmless.
 
 use byoc_protocol::JobResult;
 
+use super::record::FinishedJob;
 use crate::control_plane::ClientError;
 use crate::control_plane::retry::{Policy, Retried, retry};
 use crate::journal::{Event, Finished, JobRecord, JournalError};
@@ -33,14 +34,9 @@ pub enum Reported {
     Refused(String),
 }
 
-pub async fn report(rt: &Rt, job_id: &str) -> Result<Reported, JournalError> {
-    let Some(record) = rt.journal.job(job_id) else {
-        return Ok(Reported::Refused(format!("job {job_id} is not in the journal")));
-    };
-    let Some(finished) = record.finished.clone() else {
-        return Ok(Reported::Refused(format!("job {job_id} has not finished")));
-    };
-    let result = result_of(&record, &finished);
+pub async fn report(rt: &Rt, finished: FinishedJob) -> Result<Reported, JournalError> {
+    let FinishedJob { job_id, result } = finished;
+    let job_id = job_id.as_str();
     // Shared by the attempts (a retry resumes the upload where the last one stopped).
     let uploader = tokio::sync::Mutex::new(Uploader::new(&rt.state_dir, job_id));
     let policy = Policy::new(rt.config.poll.backoff_initial, rt.config.poll.backoff_max);
@@ -90,7 +86,7 @@ mod tests {
     use crate::testing::{self, Fakes, conflict, journaled, unavailable};
 
     /// A job journaled through `finished`, with `log` in its spool.
-    fn finished(f: &Fakes, job_id: &str, log: &[u8]) {
+    fn finished(f: &Fakes, job_id: &str, log: &[u8]) -> FinishedJob {
         let job = testing::verified(job_id, None);
         testing::receive(f, &job);
         let spool = crate::spool::spool_path(&f.rt.state_dir, job_id);
@@ -114,13 +110,14 @@ mod tests {
         ] {
             f.rt.transition(event).expect("journal");
         }
+        FinishedJob::from_journal(&f.rt, job_id).expect("finished")
     }
 
     #[tokio::test]
     async fn the_log_then_the_result_are_delivered_and_reported_is_journaled() {
         let f = testing::runtime().await;
-        finished(&f, "job-1", b"hello\nworld\n");
-        let r = report(&f.rt, "job-1").await.expect("journal");
+        let job = finished(&f, "job-1", b"hello\nworld\n");
+        let r = report(&f.rt, job).await.expect("journal");
         assert!(matches!(r, Reported::Acknowledged), "{r:?}");
         assert_eq!(*f.cp.log.lock().unwrap_or_else(|e| e.into_inner()), b"hello\nworld\n");
         let reported = f.cp.reported.lock().unwrap_or_else(|e| e.into_inner()).clone();
@@ -132,9 +129,9 @@ mod tests {
     #[tokio::test]
     async fn transient_failures_are_retried_and_the_log_is_not_sent_twice() {
         let f = testing::runtime().await;
-        finished(&f, "job-1", b"once\n");
+        let job = finished(&f, "job-1", b"once\n");
         f.cp.script_results([Err(unavailable("result")), Err(unavailable("result"))]);
-        let r = report(&f.rt, "job-1").await.expect("journal");
+        let r = report(&f.rt, job).await.expect("journal");
         assert!(matches!(r, Reported::Acknowledged), "{r:?}");
         assert_eq!(f.cp.calls(), ["result job-1 succeeded"; 3]);
         assert_eq!(*f.cp.log.lock().unwrap_or_else(|e| e.into_inner()), b"once\n");
@@ -143,9 +140,9 @@ mod tests {
     #[tokio::test]
     async fn a_result_refused_for_good_is_not_journaled_as_reported() {
         let f = testing::runtime().await;
-        finished(&f, "job-1", b"");
+        let job = finished(&f, "job-1", b"");
         f.cp.script_results([Err(conflict("result", "job was cancelled"))]);
-        let r = report(&f.rt, "job-1").await.expect("journal");
+        let r = report(&f.rt, job).await.expect("journal");
         let Reported::Refused(why) = r else { panic!("{r:?}") };
         assert!(why.contains("job was cancelled"), "{why}");
         assert_ne!(journaled(&f).last().map(String::as_str), Some("reported"));
@@ -155,30 +152,30 @@ mod tests {
     #[tokio::test]
     async fn a_stopping_runner_defers_the_report_to_the_next_start() {
         let f = testing::runtime().await;
-        finished(&f, "job-1", b"x\n");
+        let job = finished(&f, "job-1", b"x\n");
         f.cp.script_results((0..1000).map(|_| Err(unavailable("result"))));
         f.rt.stop_reporting.cancel();
-        let r = report(&f.rt, "job-1").await.expect("journal");
+        let r = report(&f.rt, job).await.expect("journal");
         assert!(matches!(r, Reported::Deferred), "{r:?}");
         assert_eq!(journaled(&f).last().map(String::as_str), Some("finished"));
     }
 
     #[tokio::test]
-    async fn jobs_unknown_or_unfinished_are_not_reported() {
+    async fn jobs_unknown_or_unfinished_have_nothing_to_report() {
         let f = testing::runtime().await;
-        assert!(matches!(report(&f.rt, "nope").await.expect("journal"), Reported::Refused(_)));
+        assert!(FinishedJob::from_journal(&f.rt, "nope").is_none());
         testing::receive(&f, &testing::verified("job-2", None));
-        let Reported::Refused(why) = report(&f.rt, "job-2").await.expect("journal") else { panic!() };
-        assert!(why.contains("has not finished"), "{why}");
-        assert!(f.cp.calls().is_empty());
+        assert!(FinishedJob::from_journal(&f.rt, "job-2").is_none());
+        let job = finished(&f, "job-3", b"x\n");
+        assert_eq!((job.result.log_size, job.result.started_at_ms), (2, Some(1)));
     }
 
     #[tokio::test]
     async fn an_acknowledgement_that_cannot_be_journaled_is_an_error() {
         let f = testing::runtime().await;
-        finished(&f, "job-1", b"");
+        let job = finished(&f, "job-1", b"");
         f.journal.fail_appends.store(true, Ordering::SeqCst);
-        assert!(report(&f.rt, "job-1").await.is_err());
+        assert!(report(&f.rt, job).await.is_err());
         // The control plane has the result; the next start sends it again (idempotent).
         assert_eq!(f.cp.calls(), ["result job-1 succeeded"]);
     }
