@@ -22,6 +22,7 @@ pub struct Runtime {
     /// tested against fakes (the `testing` module).
     pub journal: Arc<dyn JobJournal>,
     pub audit: Arc<dyn AuditSink>,
+    /// The control plane. A job's path reaches it through `plane(origin)`.
     pub client: Arc<dyn ControlPlane>,
     /// Cancelled on the second SIGTERM: every running job is cancelled.
     pub abort: CancellationToken,
@@ -50,6 +51,15 @@ impl Runtime {
         self.journal.append(event)?;
         self.audit.record(record).map_err(|e| crate::journal::JournalError::Audit(e.to_string()))?;
         Ok(())
+    }
+
+    /// Whom a job's path answers to: the control plane for a delivery, the VM itself
+    /// for one of the runner's own checks.
+    pub fn plane(&self, origin: crate::pipeline::Origin) -> &dyn ControlPlane {
+        match origin {
+            crate::pipeline::Origin::Remote => self.client.as_ref(),
+            crate::pipeline::Origin::Local => &crate::control_plane::local::LocalChecks,
+        }
     }
 }
 

@@ -335,8 +335,7 @@ pub async fn runtime_with(extra: &str) -> Fakes {
         state_dir: dir.path().to_path_buf(),
         journal: journal.clone(),
         audit: audit.clone(),
-        // As the daemon has it: the runner's own checks are answered locally.
-        client: Arc::new(crate::control_plane::local::Routed { remote: cp.clone() }),
+        client: cp.clone(),
         abort: CancellationToken::new(),
         sandbox: None,
         containers: None,
@@ -398,6 +397,7 @@ pub fn verified(job_id: &str, role: Option<&str>) -> VerifiedJob {
         secrets: Vec::new(),
         envelope: byoc_protocol::JobEnvelope::sign(&payload, &byoc_protocol::generate_signing_key()),
         payload,
+        origin: crate::pipeline::Origin::Remote,
     }
 }
 

@@ -35,6 +35,7 @@ fn fixed_state(dir: &Path, with_audit: bool) {
             timeout_secs: 600,
             effect: Some(effect.into()),
             component: Some("api".into()),
+            local: false,
         },
     };
     let log = b"hello from the job\n";
@@ -262,6 +263,7 @@ fn following_a_refused_job_ends() {
             timeout_secs: 600,
             effect: Some("run".into()),
             component: None,
+            local: false,
         },
         Event::Refused {
             job_id: "job-0000000000000004".into(),

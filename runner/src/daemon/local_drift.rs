@@ -119,7 +119,9 @@ impl LocalDrift {
         let verifier = pipeline::verifier(rt, &readiness, pause.as_ref(), disk.low.as_deref());
         let job = rt
             .journal
-            .with_index(|index| verifier.admit(payload, payload_sha256, polled, index))
+            .with_index(|index| {
+                verifier.admit(payload, payload_sha256, polled, index, pipeline::Origin::Local)
+            })
             .map_err(|r| Some(Skip { reason: r.reason.code(), detail: r.detail }))?;
         // The customer's guardrails hold a delivery; a local check is not held (there is
         // no vendor's envelope to keep): outside its window, or under an approval rule,

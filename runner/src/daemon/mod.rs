@@ -242,7 +242,7 @@ pub async fn run(config: Config) -> Result<(), DaemonError> {
         journal: Arc::new(journal),
         audit: audit.clone(),
         // The runner's own drift checks are answered locally (`control_plane::local`).
-        client: Arc::new(crate::control_plane::local::Routed { remote: client.clone() }),
+        client: client.clone(),
         abort: CancellationToken::new(),
         stop_reporting: CancellationToken::new(),
         clock: Arc::new(crate::clock::SystemClock),
@@ -545,7 +545,9 @@ fn handle_delivery(rt: &Rt, slots: &Arc<Slots>, tasks: &mut JoinSet<()>, polled:
         Accepted::Job(job, in_hand) => (*job, in_hand),
         Accepted::Rejected(rejection) => {
             let rt = rt.clone();
-            tasks.spawn(async move { pipeline::refuse::send_rejection(&rt, &rejection).await });
+            tasks.spawn(async move {
+                pipeline::refuse::send_rejection(&rt, pipeline::Origin::Remote, &rejection).await
+            });
             return;
         }
         Accepted::Dropped => return,

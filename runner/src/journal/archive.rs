@@ -375,6 +375,7 @@ mod tests {
                 timeout_secs: 10,
                 effect: None,
                 component: None,
+                local: false,
             })
             .unwrap();
             j.append(Event::Reported { job_id: id }).unwrap();

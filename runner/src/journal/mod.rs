@@ -53,6 +53,9 @@ pub enum Event {
         /// The component it asks a role for (the vendor's label).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         component: Option<String>,
+        /// One of the runner's own checks, not a delivery (`pipeline::Origin::Local`).
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        local: bool,
     },
     /// An envelope was refused. Fields the payload did not yield are absent.
     Rejected {
@@ -204,6 +207,9 @@ pub struct JobRecord {
     pub effect: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub component: Option<String>,
+    /// `received`'s `local`: one of the runner's own checks.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub local: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -255,6 +261,7 @@ impl Index {
                 payload_sha256,
                 effect,
                 component,
+                local,
                 ..
             } => {
                 self.nonces.insert(nonce.clone(), (job_id.clone(), *expires_at));
@@ -281,6 +288,7 @@ impl Index {
                         detail: None,
                         effect: effect.clone(),
                         component: component.clone(),
+                        local: *local,
                     },
                 );
             }
@@ -583,6 +591,7 @@ mod tests {
             timeout_secs: 10,
             effect: None,
             component: None,
+            local: false,
         }
     }
 

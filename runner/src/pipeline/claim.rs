@@ -36,7 +36,7 @@ pub async fn claim(rt: &Rt, job: AuthorizedJob) -> Result<ClaimOutcome, JournalE
     let retry_policy = Policy::new(rt.config.poll.backoff_initial, rt.config.poll.backoff_max);
     // Ok(Ok(lease)): claimed; Ok(Err(why)): refused for good; Err: transient.
     let claimed = retry(retry_policy, &rt.abort, |_| async {
-        match rt.client.claim(&job_id, &verified.delivery_id).await {
+        match rt.plane(verified.origin).claim(&job_id, &verified.delivery_id).await {
             Ok(c) => Ok(Ok(c.lease_secs)),
             Err(e) if e.is_transient() => {
                 if rt.clock.unix_now() > expires_at {

@@ -88,6 +88,7 @@ async fn run(
             let holding = super::plan_approval::Holding::default();
             let companion = tokio::spawn(heartbeat_and_upload(
                 rt.clone(),
+                job.verified.origin,
                 job_id.clone(),
                 cancel.clone(),
                 done.clone(),
@@ -311,6 +312,7 @@ async fn cancel_at_window_close(
 /// retried next tick: an outage must not stop the job; the report stage catches up.
 async fn heartbeat_and_upload(
     rt: Rt,
+    origin: super::Origin,
     job_id: String,
     cancel: CancellationToken,
     done: CancellationToken,
@@ -325,7 +327,7 @@ async fn heartbeat_and_upload(
             _ = tick.tick() => {}
         }
         let waiting = holding.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        match rt.client.heartbeat(&job_id, waiting.as_ref()).await {
+        match rt.plane(origin).heartbeat(&job_id, waiting.as_ref()).await {
             Ok(hb) if hb.cancel && !cancel.is_cancelled() => {
                 tracing::warn!("Control plane cancelled the job.");
                 cancel.cancel();
@@ -333,7 +335,7 @@ async fn heartbeat_and_upload(
             Ok(_) => {}
             Err(e) => tracing::warn!(error = %e, "Job heartbeat failed: {e}."),
         }
-        if let Err(e) = uploader.upload_available(rt.client.as_ref()).await {
+        if let Err(e) = uploader.upload_available(rt.plane(origin)).await {
             tracing::debug!(error = %e, "Log upload deferred: {e}.");
         }
     }

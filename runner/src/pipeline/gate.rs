@@ -232,7 +232,7 @@ where
         }
         if changed || last_heartbeat.is_none_or(|t| t.elapsed() >= rt.config.jobs.heartbeat_interval) {
             last_heartbeat = Some(std::time::Instant::now());
-            match rt.client.heartbeat(&job_id, Some(&waiting)).await {
+            match rt.plane(job.verified.origin).heartbeat(&job_id, Some(&waiting)).await {
                 Ok(hb) if hb.cancel => {
                     tracing::warn!("Control plane cancelled the job while it was held.");
                     settle_cancelled(rt, &job_id, &waiting.state)?;

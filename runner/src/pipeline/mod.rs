@@ -53,6 +53,30 @@ pub use record::FinishedJob;
 pub use resolve_role::ScopedJob;
 pub use verify::{Rejection, VerifiedJob};
 
+/// Where a job came from, which decides whom its path answers to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Origin {
+    /// Delivered by the control plane: claimed, heartbeated, logged and reported there.
+    Remote,
+    /// One of the runner's own checks (`crate::drift`): the control plane never sent
+    /// it; its claim, lease and result are settled on the VM
+    /// (`control_plane::local::LocalChecks`), and the control plane learns of it from
+    /// the audit log.
+    Local,
+}
+
+impl Origin {
+    /// A journaled job's origin. Journals written before `received` said so know the
+    /// runner's own checks by their id alone.
+    pub fn of_record(record: &crate::journal::JobRecord) -> Origin {
+        if record.local || record.job_id.starts_with(byoc_protocol::LOCAL_JOB_PREFIX) {
+            Origin::Local
+        } else {
+            Origin::Remote
+        }
+    }
+}
+
 /// What `accept` made of a delivery.
 pub enum Accepted {
     /// Verified and journaled as received: run it with `run_job`, holding the mark.
@@ -147,6 +171,7 @@ pub(crate) fn record_received(rt: &Rt, job: &VerifiedJob) -> Result<(), JournalE
             timeout_secs: p.timeout_secs,
             effect: Some(job.executor.effect().as_str().to_string()),
             component: p.role_request.as_ref().map(|r| r.entity_name.clone()).filter(|n| !n.is_empty()),
+            local: job.origin == Origin::Local,
         })
     })
 }
@@ -255,6 +280,20 @@ mod tests {
         drop(mark);
         assert_eq!(journaled(&f), ["received", "claimed", "started", "finished", "reported"]);
         assert_eq!(f.cp.calls(), ["claim job-1", "result job-1 succeeded"]);
+    }
+
+    #[tokio::test]
+    async fn a_local_check_answers_to_the_vm_and_the_control_plane_hears_nothing_of_it() {
+        let f = testing::runtime().await;
+        let mut job = testing::verified("job-1", None);
+        job.origin = Origin::Local;
+        testing::receive(&f, &job);
+        run_job(f.rt.clone(), job, ()).await.expect("journal");
+        assert_eq!(journaled(&f), ["received", "claimed", "started", "finished", "reported"]);
+        assert!(f.cp.calls().is_empty(), "{:?}", f.cp.calls());
+        // After a restart its report still goes nowhere but the VM.
+        let finished = FinishedJob::from_journal(&f.rt, "job-1").expect("finished");
+        assert_eq!(finished.origin, Origin::Local);
     }
 
     #[tokio::test]

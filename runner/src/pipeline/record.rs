@@ -15,6 +15,7 @@ use crate::runtime::Rt;
 /// A job whose end is journaled, with the result to report.
 pub struct FinishedJob {
     pub job_id: String,
+    pub origin: super::Origin,
     pub result: JobResult,
 }
 
@@ -24,7 +25,11 @@ impl FinishedJob {
     pub fn from_journal(rt: &Rt, job_id: &str) -> Option<FinishedJob> {
         let record = rt.journal.job(job_id)?;
         let finished = record.finished.as_ref()?;
-        Some(FinishedJob { job_id: job_id.to_string(), result: super::report::result_of(&record, finished) })
+        Some(FinishedJob {
+            job_id: job_id.to_string(),
+            origin: super::Origin::of_record(&record),
+            result: super::report::result_of(&record, finished),
+        })
     }
 }
 
@@ -72,7 +77,7 @@ pub fn record(rt: &Rt, ran: RanJob) -> Result<FinishedJob, JournalError> {
             "Job finished."
         ),
     }
-    Ok(FinishedJob { job_id, result })
+    Ok(FinishedJob { job_id, origin: verified.origin, result })
 }
 
 /// What a job that succeeded leaves for later: a drift check's result (for

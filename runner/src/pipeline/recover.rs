@@ -32,19 +32,19 @@ pub fn recover(
     resumed: &std::collections::HashSet<String>,
 ) -> Result<Vec<Settle>, JournalError> {
     let mut tasks: Vec<Settle> = Vec::new();
-    let unclaimed: Vec<(String, String)> = rt.journal.with_index(|i| {
+    let unclaimed: Vec<(String, String, super::Origin)> = rt.journal.with_index(|i| {
         i.jobs
             .values()
             .filter(|j| j.phase == Phase::Received)
-            .map(|j| (j.job_id.clone(), j.delivery_id.clone()))
+            .map(|j| (j.job_id.clone(), j.delivery_id.clone(), super::Origin::of_record(j)))
             .collect()
     });
-    for (job_id, delivery_id) in unclaimed {
+    for (job_id, delivery_id, origin) in unclaimed {
         let mark = in_hand.mark(&job_id);
         let rt = rt.clone();
         tasks.push(in_job_span(&rt.clone(), job_id.clone(), async move {
             let _mark = mark;
-            if let Err(e) = settle_unclaimed(&rt, &job_id, &delivery_id).await {
+            if let Err(e) = settle_unclaimed(&rt, origin, &job_id, &delivery_id).await {
                 tracing::error!(error = %e, "Journal write failed while settling an unclaimed job: {e}.");
             }
         }));
@@ -203,10 +203,15 @@ fn interrupt(rt: &Rt, job_id: &str, phase: Phase) -> Result<(), JournalError> {
     Ok(())
 }
 
-async fn settle_unclaimed(rt: &Rt, job_id: &str, delivery_id: &str) -> Result<(), JournalError> {
+async fn settle_unclaimed(
+    rt: &Rt,
+    origin: super::Origin,
+    job_id: &str,
+    delivery_id: &str,
+) -> Result<(), JournalError> {
     let policy = Policy::new(rt.config.poll.backoff_initial, rt.config.poll.backoff_max);
     let claimed = retry(policy, &rt.stop_reporting, |_| async {
-        match rt.client.claim(job_id, delivery_id).await {
+        match rt.plane(origin).claim(job_id, delivery_id).await {
             Ok(c) => Ok(Ok(c.lease_secs)),
             Err(e) if e.is_transient() => Err(e),
             Err(e) => Ok(Err(e.to_string())),

@@ -46,16 +46,16 @@ pub async fn refuse_received(rt: &Rt, job: &super::VerifiedJob, r: Rejection) ->
         detail: r.detail.clone(),
         role: job.role.as_ref().map(|d| d.role.name.clone()),
     })?;
-    send_rejection(rt, &r).await;
+    send_rejection(rt, job.origin, &r).await;
     Ok(())
 }
 
 /// Tell the control plane why a delivery was refused (bounded retries).
-pub async fn send_rejection(rt: &Rt, r: &Rejection) {
+pub async fn send_rejection(rt: &Rt, origin: super::Origin, r: &Rejection) {
     let policy =
         Policy::new(rt.config.poll.backoff_initial, rt.config.poll.backoff_max).attempts(REJECTION_ATTEMPTS);
     let sent = retry(policy, &rt.stop_reporting, |_| async {
-        match rt.client.reject(&r.delivery_id, r.reason, &r.detail).await {
+        match rt.plane(origin).reject(&r.delivery_id, r.reason, &r.detail).await {
             Err(e) if e.is_transient() => Err(e),
             other => Ok(other),
         }
@@ -111,7 +111,7 @@ mod tests {
         let f = testing::runtime().await;
         let job = testing::verified("job-1", None);
         f.cp.script_rejects((0..100).map(|_| Err(unavailable("reject"))));
-        send_rejection(&f.rt, &rejection(&job)).await;
+        send_rejection(&f.rt, job.origin, &rejection(&job)).await;
         assert_eq!(f.cp.calls().len(), REJECTION_ATTEMPTS as usize);
     }
 

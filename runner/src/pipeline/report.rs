@@ -35,7 +35,8 @@ pub enum Reported {
 }
 
 pub async fn report(rt: &Rt, finished: FinishedJob) -> Result<Reported, JournalError> {
-    let FinishedJob { job_id, result } = finished;
+    let FinishedJob { job_id, origin, result } = finished;
+    let plane = rt.plane(origin);
     let job_id = job_id.as_str();
     // Shared by the attempts (a retry resumes the upload where the last one stopped).
     let uploader = tokio::sync::Mutex::new(Uploader::new(&rt.state_dir, job_id));
@@ -44,8 +45,8 @@ pub async fn report(rt: &Rt, finished: FinishedJob) -> Result<Reported, JournalE
     let reported = retry(policy, &rt.stop_reporting, |_| async {
         let attempt = async {
             let mut uploader = uploader.lock().await;
-            uploader.upload_available(rt.client.as_ref()).await.map_err(|e| e.to_string())?;
-            match rt.client.result(job_id, &result).await {
+            uploader.upload_available(plane).await.map_err(|e| e.to_string())?;
+            match plane.result(job_id, &result).await {
                 Ok(()) => Ok(None),
                 Err(e) if e.is_transient() => Err(e.to_string()),
                 Err(ClientError::Conflict { body, .. }) if body.contains("log mismatch") => {

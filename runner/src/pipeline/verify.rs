@@ -30,6 +30,7 @@ pub struct VerifiedJob {
     /// The envelope as delivered: kept (durably) while the job is held by the
     /// customer's guardrails, so a restart can verify and resume it.
     pub envelope: byoc_protocol::JobEnvelope,
+    pub origin: super::Origin,
 }
 
 #[derive(Debug, Clone)]
@@ -130,7 +131,7 @@ impl Verifier<'_> {
                 ),
             ));
         }
-        self.admit(payload, sha256_hex(&bytes), polled, journal)
+        self.admit(payload, sha256_hex(&bytes), polled, journal, super::Origin::Remote)
     }
 
     /// The checks of an authentic payload, and the job they admit. Deliveries come here
@@ -142,6 +143,7 @@ impl Verifier<'_> {
         payload_sha256: String,
         polled: PolledJob,
         journal: &Index,
+        origin: super::Origin,
     ) -> Result<VerifiedJob, Rejection> {
         let delivery_id = polled.delivery_id.clone();
         let reject = |reason, detail: String| Rejection {
@@ -344,6 +346,7 @@ impl Verifier<'_> {
             received_at: polled.received_at,
             role,
             secrets,
+            origin,
         })
     }
 }
@@ -689,6 +692,7 @@ mod tests {
             state_workspace: None,
             effect: None,
             component: None,
+            local: false,
         };
         for (phase, expect) in [
             (Phase::Finished, Some(RejectReason::AlreadyFinished)),
@@ -787,6 +791,7 @@ mod tests {
                     timeout_secs: 60,
                     effect: None,
                     component: None,
+                    local: false,
                 },
                 Event::Claimed { job_id: id.into(), lease_secs: 60 },
                 Event::Reported { job_id: id.into() },
