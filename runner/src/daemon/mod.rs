@@ -1,12 +1,16 @@
-//! `byoc-runner run`: the daemon. Start-up order matters and is fixed:
+//! `byoc-runner run`: the daemon (`run`). Start-up order matters and is fixed:
 //!
-//! 1. state dir, identity key, job journal (torn tail cut);
-//! 2. enrollment (first start only; the bootstrap token is used once, never stored);
-//! 3. recovery: jobs the journal shows as started but not finished are reported as
-//!    interrupted (never re-run); finished-but-unreported results are sent again;
-//! 4. READY=1, then the long-poll loop until the first SIGTERM;
-//! 5. drain: no new polls, running jobs get `jobs.drain_grace_secs` to finish; a second
-//!    SIGTERM (or the grace running out) cancels them; results are reported, then exit.
+//! 1. `start_up`: state dir, identity key, job journal (torn tail cut); enrollment
+//!    (first start only; the bootstrap token is used once, never stored); the audit log;
+//!    the job isolation (sandbox self-test, containers' leftovers); roles; the runtime;
+//! 2. `settle_and_resume`: jobs the journal shows as started but not finished are
+//!    reported as interrupted (never re-run); finished-but-unreported results are sent
+//!    again; held jobs resume;
+//! 3. `Background::spawn` (audit upload, idle upkeep, retention, metrics), READY=1, then
+//!    the long-poll loop until the first SIGTERM;
+//! 4. `drain_jobs`: no new polls, running jobs get `jobs.drain_grace_secs` to finish; a
+//!    second SIGTERM (or the grace running out) cancels them; results are reported;
+//! 5. `stop`: the last audit records, the background tasks end, exit.
 
 use std::collections::BTreeMap;
 use std::os::unix::fs::DirBuilderExt as _;
@@ -118,7 +122,77 @@ fn raise_open_files() -> Result<u64, DaemonError> {
     Ok(target)
 }
 
+/// The daemon: start-up, the background tasks, the poll loop, and the drain and stop.
 pub async fn run(config: Config) -> Result<(), DaemonError> {
+    let (rt, audit, client) = start_up(config).await?;
+    let drain = CancellationToken::new();
+    spawn_signal_handler(rt.clone(), drain.clone())?;
+
+    let slots = Arc::new(Slots {
+        limits: rt.config.jobs.groups.clone(),
+        running: Mutex::new(BTreeMap::new()),
+        changed: Notify::new(),
+        in_hand: JobsInHand::default(),
+    });
+    let mut tasks: JoinSet<()> = JoinSet::new();
+    settle_and_resume(&rt, &slots, &mut tasks)?;
+    rt.check_customer_controls();
+    compact_journal(&rt);
+    let background = Background::spawn(&rt, &audit, client, &slots);
+
+    let health = Arc::new(AtomicU64::new(now_ms()));
+    // READY=1 goes first: the watchdog's first ping fires at once on another worker.
+    sd_notify(&[sd_notify::NotifyState::Ready, sd_notify::NotifyState::Status("polling for jobs")]);
+    spawn_watchdog(&rt, health.clone(), drain.clone());
+    tracing::info!("Enrolled and polling.");
+
+    poll_loop(&rt, &slots, &mut tasks, &drain, &health).await;
+
+    drain_jobs(&rt, &slots, &mut tasks).await;
+    stop(&rt, &audit, background).await;
+    Ok(())
+}
+
+/// Everything before the first poll: the state dir, the identity key, the journal,
+/// enrollment, the audit log, the job isolation, the roles, the runtime.
+async fn start_up(
+    config: Config,
+) -> Result<(Rt, Arc<crate::audit::Audit>, Arc<dyn ControlPlane>), DaemonError> {
+    let (journal, enrollment, audit, client) = open_state(&config).await?;
+    let state_dir = config.runner.state_dir.clone();
+    let (sandbox, containers) = isolation(&config, &enrollment.runner_id).await?;
+    prepare_control_dir(&state_dir, config.roles.admin_group.as_deref())?;
+    let roles = crate::roles::Roles::from_config(&config, &enrollment.install_id, &state_dir)
+        .await
+        .map_err(DaemonError::Roles)?;
+    tracing::info!(switches = %roles.source.describe(), sts = roles.assumer.is_some(), "Lifecycle roles.");
+    let rt: Rt = Arc::new(Runtime {
+        sandbox,
+        containers,
+        roles,
+        pause: Mutex::new(None),
+        allowances_sync: Mutex::new(()),
+        runner_id: enrollment.runner_id.clone(),
+        install_id: enrollment.install_id.clone(),
+        state_dir: state_dir.clone(),
+        journal: Arc::new(journal),
+        audit: audit.clone(),
+        // The runner's own drift checks are answered locally (`control_plane::local`).
+        client: client.clone(),
+        abort: CancellationToken::new(),
+        stop_reporting: CancellationToken::new(),
+        clock: Arc::new(crate::clock::SystemClock),
+        config,
+    });
+    let _ = std::fs::write(state_dir.join(PID_FILE), std::process::id().to_string());
+    Ok((rt, audit, client))
+}
+
+/// The state dir, the identity key, the journal, enrollment and the audit log (its
+/// start records written), and the control plane's client.
+async fn open_state(
+    config: &Config,
+) -> Result<(Journal, identity::Enrollment, Arc<crate::audit::Audit>, Arc<dyn ControlPlane>), DaemonError> {
     let open_files = raise_open_files()?;
     tracing::debug!(open_files, "Open files limit.");
     let state_dir = config.runner.state_dir.clone();
@@ -134,7 +208,7 @@ pub async fn run(config: Config) -> Result<(), DaemonError> {
     if torn > 0 {
         tracing::warn!(bytes = torn, "Cut a torn record from the end of the job journal (crash mid-write).");
     }
-    let enrollment = enroll_if_needed(&config, &key).await?;
+    let enrollment = enroll_if_needed(config, &key).await?;
     tracing::info!(
         runner_id = %enrollment.runner_id,
         install_id = %enrollment.install_id,
@@ -180,10 +254,23 @@ pub async fn run(config: Config) -> Result<(), DaemonError> {
         Arc::new(CpClient::new(&config.control_plane)?.with_identity(enrollment.runner_id.clone(), key));
     let audit = Arc::new(audit);
 
+    Ok((journal, enrollment, audit, client))
+}
+
+/// How jobs are isolated here: the sandbox (its self-test passed) and containers
+/// (what a killed runner left of them removed).
+async fn isolation(
+    config: &Config,
+    runner_id: &str,
+) -> Result<
+    (Option<byoc_job_executors::SandboxSettings>, Option<byoc_job_executors::ContainerSettings>),
+    DaemonError,
+> {
+    let state_dir = &config.runner.state_dir;
     let helper = std::env::current_exe().map_err(DaemonError::CurrentExe)?;
-    let sandbox = crate::runtime::sandbox_settings(&config, helper);
+    let sandbox = crate::runtime::sandbox_settings(config, helper);
     if let Some(s) = &sandbox {
-        crate::runtime::sandbox_self_test(s, &state_dir).await?;
+        crate::runtime::sandbox_self_test(s, state_dir).await?;
     }
     match &sandbox {
         Some(s) => {
@@ -217,121 +304,108 @@ pub async fn run(config: Config) -> Result<(), DaemonError> {
             ),
         }
     }
-    let mut containers = crate::runtime::container_settings(&config);
+    let mut containers = crate::runtime::container_settings(config);
     if let Some(c) = &mut containers {
-        c.owner = enrollment.runner_id.clone();
+        c.owner = runner_id.to_string();
         c.prepare_networks = true;
         // No job runs yet: containers and networks of jobs a killed runner left behind
         // belong to interrupted jobs.
         byoc_job_executors::container::remove_leftovers(c).await;
     }
-    prepare_control_dir(&state_dir, config.roles.admin_group.as_deref())?;
-    let roles = crate::roles::Roles::from_config(&config, &enrollment.install_id, &state_dir)
-        .await
-        .map_err(DaemonError::Roles)?;
-    tracing::info!(switches = %roles.source.describe(), sts = roles.assumer.is_some(), "Lifecycle roles.");
-    let rt: Rt = Arc::new(Runtime {
-        sandbox,
-        containers,
-        roles,
-        pause: Mutex::new(None),
-        allowances_sync: Mutex::new(()),
-        runner_id: enrollment.runner_id.clone(),
-        install_id: enrollment.install_id.clone(),
-        state_dir: state_dir.clone(),
-        journal: Arc::new(journal),
-        audit: audit.clone(),
-        // The runner's own drift checks are answered locally (`control_plane::local`).
-        client: client.clone(),
-        abort: CancellationToken::new(),
-        stop_reporting: CancellationToken::new(),
-        clock: Arc::new(crate::clock::SystemClock),
-        config,
-    });
-    let _ = std::fs::write(state_dir.join(PID_FILE), std::process::id().to_string());
+    Ok((sandbox, containers))
+}
 
-    let drain = CancellationToken::new();
-    spawn_signal_handler(rt.clone(), drain.clone())?;
-
-    let slots = Arc::new(Slots {
-        limits: rt.config.jobs.groups.clone(),
-        running: Mutex::new(BTreeMap::new()),
-        changed: Notify::new(),
-        in_hand: JobsInHand::default(),
-    });
-    let mut tasks: JoinSet<()> = JoinSet::new();
-    let resumed = pipeline::recover::resume_held(&rt);
+/// Jobs the journal shows unfinished are settled (`recover`); held jobs resume.
+fn settle_and_resume(rt: &Rt, slots: &Arc<Slots>, tasks: &mut JoinSet<()>) -> Result<(), DaemonError> {
+    let resumed = pipeline::recover::resume_held(rt);
     let resumed_ids = resumed.iter().map(|j| j.payload.job_id.clone()).collect();
-    for settle in pipeline::recover::recover(&rt, &slots.in_hand, &resumed_ids)? {
+    for settle in pipeline::recover::recover(rt, &slots.in_hand, &resumed_ids)? {
         tasks.spawn(settle);
     }
     for job in resumed {
         if let Some(in_hand) = slots.in_hand.mark(&job.payload.job_id) {
-            start_job(&rt, &slots, &mut tasks, job, in_hand);
+            start_job(rt, slots, tasks, job, in_hand);
         }
     }
-    rt.check_customer_controls();
-    compact_journal(&rt);
 
-    let audit_task =
-        tokio::spawn(crate::audit::upload_loop(audit.clone(), client, rt.stop_reporting.clone()));
-    let idle = rt.clone();
-    let idle_audit = audit.clone();
-    let idle_slots = slots.clone();
-    let idle_task = tokio::spawn(async move {
-        // Idle heartbeat checkpoints make a silently cut tail visible as a gap.
-        let mut tick = tokio::time::interval(Duration::from_secs(10));
-        loop {
-            tick.tick().await;
-            // A pause written by the CLI is audited within one tick even when no job comes.
-            idle.check_customer_controls();
-            compact_journal(&idle);
-            if let Err(e) = idle_audit.checkpoint_if_idle() {
-                tracing::error!(error = %e, "Audit checkpoint failed: {e}.");
-            }
-            // What a large job's buffers left free in the heap goes back to the kernel
-            // while no job runs (the runner idles most of its life; the walk is cheap).
-            if idle_slots.total() == 0 {
-                byoc_sandbox::return_free_heap();
-            }
-        }
-    });
-    let (logs_keep, archives_keep) = (rt.config.jobs.log_retention, rt.config.jobs.journal_archive_retention);
-    let retention_task = {
-        let rt = rt.clone();
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(Duration::from_secs(3600));
+    Ok(())
+}
+
+/// The daemon's background tasks: the audit upload, the idle upkeep (customer
+/// controls, journal compaction, checkpoints, the heap), retention, metrics.
+struct Background {
+    audit_task: tokio::task::JoinHandle<()>,
+    idle_task: tokio::task::JoinHandle<()>,
+    retention_task: tokio::task::JoinHandle<()>,
+    metrics_task: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl Background {
+    fn spawn(
+        rt: &Rt,
+        audit: &Arc<crate::audit::Audit>,
+        client: Arc<dyn ControlPlane>,
+        slots: &Arc<Slots>,
+    ) -> Background {
+        let audit_task =
+            tokio::spawn(crate::audit::upload_loop(audit.clone(), client, rt.stop_reporting.clone()));
+        let idle = rt.clone();
+        let idle_audit = audit.clone();
+        let idle_slots = slots.clone();
+        let idle_task = tokio::spawn(async move {
+            // Idle heartbeat checkpoints make a silently cut tail visible as a gap.
+            let mut tick = tokio::time::interval(Duration::from_secs(10));
             loop {
                 tick.tick().await;
-                sweep_plans(&rt);
-                if let Some(keep) = logs_keep {
-                    sweep_logs(&rt, keep);
+                // A pause written by the CLI is audited within one tick even when no job comes.
+                idle.check_customer_controls();
+                compact_journal(&idle);
+                if let Err(e) = idle_audit.checkpoint_if_idle() {
+                    tracing::error!(error = %e, "Audit checkpoint failed: {e}.");
                 }
-                if let Some(keep) = archives_keep {
-                    sweep_archives(&rt, keep);
+                // What a large job's buffers left free in the heap goes back to the kernel
+                // while no job runs (the runner idles most of its life; the walk is cheap).
+                if idle_slots.total() == 0 {
+                    byoc_sandbox::return_free_heap();
                 }
             }
-        })
-    };
-    let metrics_task = rt.config.metrics_textfile.clone().map(|path| {
-        let rt = rt.clone();
-        tokio::spawn(async move {
-            let mut tally = crate::metrics::AuditTally::default();
-            let mut tick = tokio::time::interval(Duration::from_secs(15));
-            loop {
-                tick.tick().await;
-                write_metrics(&rt, &path, &mut tally);
-            }
-        })
-    });
-    let health = Arc::new(AtomicU64::new(now_ms()));
-    // READY=1 goes first: the watchdog's first ping fires at once on another worker.
-    sd_notify(&[sd_notify::NotifyState::Ready, sd_notify::NotifyState::Status("polling for jobs")]);
-    spawn_watchdog(&rt, health.clone(), drain.clone());
-    tracing::info!("Enrolled and polling.");
+        });
+        let (logs_keep, archives_keep) =
+            (rt.config.jobs.log_retention, rt.config.jobs.journal_archive_retention);
+        let retention_task = {
+            let rt = rt.clone();
+            tokio::spawn(async move {
+                let mut tick = tokio::time::interval(Duration::from_secs(3600));
+                loop {
+                    tick.tick().await;
+                    sweep_plans(&rt);
+                    if let Some(keep) = logs_keep {
+                        sweep_logs(&rt, keep);
+                    }
+                    if let Some(keep) = archives_keep {
+                        sweep_archives(&rt, keep);
+                    }
+                }
+            })
+        };
+        let metrics_task = rt.config.metrics_textfile.clone().map(|path| {
+            let rt = rt.clone();
+            tokio::spawn(async move {
+                let mut tally = crate::metrics::AuditTally::default();
+                let mut tick = tokio::time::interval(Duration::from_secs(15));
+                loop {
+                    tick.tick().await;
+                    write_metrics(&rt, &path, &mut tally);
+                }
+            })
+        });
+        Background { audit_task, idle_task, retention_task, metrics_task }
+    }
+}
 
-    poll_loop(&rt, &slots, &mut tasks, &drain, &health).await;
-
+/// No new jobs: running ones get the drain grace, then are cancelled; reports get a
+/// moment, the rest is sent at the next start (the journal has them).
+async fn drain_jobs(rt: &Rt, slots: &Arc<Slots>, tasks: &mut JoinSet<()>) {
     // Drain.
     let running = slots.total();
     sd_notify(&[sd_notify::NotifyState::Stopping, sd_notify::NotifyState::Status("draining")]);
@@ -370,6 +444,10 @@ pub async fn run(config: Config) -> Result<(), DaemonError> {
             }
         }
     }
+}
+
+/// The last records and the background tasks' end.
+async fn stop(rt: &Rt, audit: &Arc<crate::audit::Audit>, background: Background) {
     byoc_job_executors::sandboxed::settle().await;
     byoc_job_executors::container::release_prepared().await;
     if let Err(e) =
@@ -386,15 +464,14 @@ pub async fn run(config: Config) -> Result<(), DaemonError> {
     })
     .await;
     rt.stop_reporting.cancel();
-    idle_task.abort();
-    retention_task.abort();
-    if let Some(t) = metrics_task {
+    background.idle_task.abort();
+    background.retention_task.abort();
+    if let Some(t) = background.metrics_task {
         t.abort();
     }
-    let _ = audit_task.await;
-    let _ = std::fs::remove_file(state_dir.join(PID_FILE));
+    let _ = background.audit_task.await;
+    let _ = std::fs::remove_file(rt.state_dir.join(PID_FILE));
     tracing::info!("Runner stopped.");
-    Ok(())
 }
 
 /// `control/` and what the admin group may use (`roles::control`): made by the daemon's
@@ -480,27 +557,7 @@ async fn poll_loop(
         // Before every poll too, not only on the idle tick: a busy runner stays within
         // journal_keep (the check is a count; the file is rewritten every keep/4 jobs).
         compact_journal(rt);
-        let running_jobs: Vec<String> = rt.journal.with_index(|i| {
-            i.jobs
-                .values()
-                .filter(|j| {
-                    matches!(
-                        j.phase,
-                        Phase::Claimed | Phase::WaitingWindow | Phase::AwaitingApproval | Phase::Started
-                    )
-                })
-                .map(|j| j.job_id.clone())
-                .collect()
-        });
-        let req = PollRequest {
-            wait_secs: rt.config.poll.wait.as_secs(),
-            free_groups,
-            running_jobs,
-            draining: false,
-            version: env!("CARGO_PKG_VERSION").to_string(),
-            paused: pause.is_some(),
-            pause_reason: pause.and_then(|p| p.reason),
-        };
+        let req = poll_request(rt, free_groups, pause);
         // A poll sent while some group was full names only the free groups; if a slot
         // frees while it is held, poll again at once so that group's jobs are not kept
         // waiting for the hold to run out.
@@ -535,6 +592,32 @@ async fn poll_loop(
                 }
             }
         }
+    }
+}
+
+/// What a poll tells the control plane: the free groups, the jobs this runner holds,
+/// whether the customer paused it.
+fn poll_request(rt: &Rt, free_groups: Vec<String>, pause: Option<crate::roles::pause::Pause>) -> PollRequest {
+    let running_jobs: Vec<String> = rt.journal.with_index(|i| {
+        i.jobs
+            .values()
+            .filter(|j| {
+                matches!(
+                    j.phase,
+                    Phase::Claimed | Phase::WaitingWindow | Phase::AwaitingApproval | Phase::Started
+                )
+            })
+            .map(|j| j.job_id.clone())
+            .collect()
+    });
+    PollRequest {
+        wait_secs: rt.config.poll.wait.as_secs(),
+        free_groups,
+        running_jobs,
+        draining: false,
+        version: env!("CARGO_PKG_VERSION").to_string(),
+        paused: pause.is_some(),
+        pause_reason: pause.and_then(|p| p.reason),
     }
 }
 
