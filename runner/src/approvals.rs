@@ -10,9 +10,8 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::roles::pause::CONTROL_DIR;
+use crate::state_dir::StateDir;
 
-pub const APPROVALS_DIR: &str = "approvals";
 const MAX_FILE: u64 = 64 << 10;
 
 /// What a held job will do, for the person asked to approve it.
@@ -71,7 +70,7 @@ pub enum ApprovalError {
 }
 
 pub fn dir(state_dir: &Path) -> PathBuf {
-    state_dir.join(CONTROL_DIR).join(APPROVALS_DIR)
+    StateDir::of(state_dir).approvals()
 }
 
 /// Job ids name files here: letters, digits, `-`, `_`, `.`, not leading with a dot.
@@ -96,7 +95,7 @@ fn write_durably(path: &Path, bytes: &[u8]) -> Result<(), ApprovalError> {
     byoc_statefs::create_dir(parent, 0o700).map_err(|e| io("creating", parent, e))?;
     // Readable by the daemon's user and the admin group whoever writes it (the
     // directory keeps others out).
-    byoc_statefs::write(path, bytes, byoc_statefs::Options::mode(0o644)).map_err(|e| io("writing", path, e))
+    crate::state_dir::write(path, bytes, 0o644).map_err(|e| io("writing", path, e))
 }
 
 fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> Option<Result<T, ApprovalError>> {

@@ -15,8 +15,8 @@ use tokio_util::sync::CancellationToken;
 use crate::control_plane::retry::{Policy, Retried, retry};
 use crate::control_plane::{ClientError, ControlPlane};
 use crate::journal::Event;
+use crate::state_dir::StateDir;
 
-pub const AUDIT_DIR: &str = "audit";
 /// Most records sent in one acknowledgement request.
 const UPLOAD_BATCH: u64 = 500;
 
@@ -35,7 +35,7 @@ impl Audit {
         install: &str,
         control_plane_keys: &[String],
     ) -> Result<(Audit, u64), AuditError> {
-        let dir = state_dir.join(AUDIT_DIR);
+        let dir = StateDir::of(state_dir).audit();
         let (writer, opened) = AuditWriter::open(&dir, key, runner_id, install, control_plane_keys)?;
         Ok((
             Audit { writer: Mutex::new(writer), dir, changed: Notify::new(), reserve: None },

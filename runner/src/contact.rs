@@ -8,7 +8,7 @@ use std::sync::Mutex;
 
 use serde::{Deserialize, Serialize};
 
-pub const CONTACT_FILE: &str = "contact.json";
+use crate::state_dir::StateDir;
 
 /// Writers in one process take turns: each reads the file, changes its part, writes.
 static WRITING: Mutex<()> = Mutex::new(());
@@ -36,7 +36,7 @@ pub struct ContactError {
 
 /// What the daemon last wrote (`Contact::default()` when it never did).
 pub fn read(state_dir: &Path) -> Contact {
-    std::fs::read(state_dir.join(CONTACT_FILE))
+    std::fs::read(StateDir::of(state_dir).contact())
         .ok()
         .and_then(|b| serde_json::from_slice(&b).ok())
         .unwrap_or_default()
@@ -46,9 +46,9 @@ fn update(state_dir: &Path, change: impl FnOnce(&mut Contact)) {
     let _turn = WRITING.lock().unwrap_or_else(|e| e.into_inner());
     let mut contact = read(state_dir);
     change(&mut contact);
-    let written = serde_json::to_vec(&contact).map_err(std::io::Error::other).and_then(|bytes| {
-        byoc_statefs::write(&state_dir.join(CONTACT_FILE), &bytes, byoc_statefs::Options::mode(0o600))
-    });
+    let written = serde_json::to_vec(&contact)
+        .map_err(std::io::Error::other)
+        .and_then(|bytes| crate::state_dir::write(&StateDir::of(state_dir).contact(), &bytes, 0o600));
     if let Err(e) = written {
         tracing::warn!(error = %e, "Could not record the last contact with the control plane: {e}.");
     }

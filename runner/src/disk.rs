@@ -10,6 +10,8 @@
 
 use std::path::{Path, PathBuf};
 
+use crate::state_dir::StateDir;
+
 /// `[disk]` in runner.toml.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DiskSettings {
@@ -24,8 +26,6 @@ impl Default for DiskSettings {
     }
 }
 
-/// The reserve's file name in the state dir.
-pub const RESERVE_FILE: &str = "disk-reserve";
 /// Under this much free space an evidence write gives the reserve back first.
 const EVIDENCE_FLOOR: u64 = 4 << 20;
 
@@ -100,7 +100,7 @@ pub struct Reserve {
 
 impl Reserve {
     pub fn new(state_dir: &Path, settings: &DiskSettings) -> Reserve {
-        Reserve { path: state_dir.join(RESERVE_FILE), bytes: settings.reserve_bytes }
+        Reserve { path: StateDir::of(state_dir).disk_reserve(), bytes: settings.reserve_bytes }
     }
 
     /// Hold the reserve if it is not held and the disk can spare it (twice its size
@@ -193,19 +193,22 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let r = Reserve::new(dir.path(), &DiskSettings { reserve_bytes: 1 << 20, ..Default::default() });
         r.hold();
-        let meta = std::fs::metadata(dir.path().join(RESERVE_FILE)).expect("reserve");
+        let meta = std::fs::metadata(StateDir::of(dir.path()).disk_reserve()).expect("reserve");
         use std::os::unix::fs::MetadataExt as _;
         assert_eq!(meta.len(), 1 << 20);
         assert!(meta.blocks() * 512 >= 1 << 20, "the reserve is sparse");
         r.make_room_for_evidence();
-        assert!(dir.path().join(RESERVE_FILE).exists(), "released with plenty of space");
+        assert!(StateDir::of(dir.path()).disk_reserve().exists(), "released with plenty of space");
     }
 
     #[test]
     fn a_reserve_cut_short_by_a_crash_is_written_again() {
         let dir = tempfile::tempdir().expect("tempdir");
-        std::fs::write(dir.path().join(RESERVE_FILE), b"partial").expect("partial reserve");
+        std::fs::write(StateDir::of(dir.path()).disk_reserve(), b"partial").expect("partial reserve");
         Reserve::new(dir.path(), &DiskSettings { reserve_bytes: 1 << 20, ..Default::default() }).hold();
-        assert_eq!(std::fs::metadata(dir.path().join(RESERVE_FILE)).expect("reserve").len(), 1 << 20);
+        assert_eq!(
+            std::fs::metadata(StateDir::of(dir.path()).disk_reserve()).expect("reserve").len(),
+            1 << 20
+        );
     }
 }

@@ -11,8 +11,7 @@ use std::path::{Path, PathBuf};
 use ed25519_dalek::SigningKey;
 use serde::{Deserialize, Serialize};
 
-pub const KEY_FILE: &str = "identity.key";
-pub const ENROLLMENT_FILE: &str = "enrollment.json";
+use crate::state_dir::StateDir;
 
 #[derive(Debug, thiserror::Error)]
 pub enum IdentityError {
@@ -34,7 +33,7 @@ pub enum IdentityError {
 
 /// Load the identity key, creating it on first start. Returns (key, created).
 pub fn load_or_create_key(state_dir: &Path) -> Result<(SigningKey, bool), IdentityError> {
-    let path = state_dir.join(KEY_FILE);
+    let path = StateDir::of(state_dir).key();
     match File::open(&path) {
         Ok(mut f) => {
             let mode = f
@@ -77,7 +76,7 @@ pub struct Enrollment {
 }
 
 pub fn load_enrollment(state_dir: &Path) -> Result<Option<Enrollment>, IdentityError> {
-    let path = state_dir.join(ENROLLMENT_FILE);
+    let path = StateDir::of(state_dir).enrollment();
     match std::fs::read(&path) {
         Ok(bytes) => serde_json::from_slice(&bytes)
             .map(Some)
@@ -89,14 +88,8 @@ pub fn load_enrollment(state_dir: &Path) -> Result<Option<Enrollment>, IdentityE
 
 pub fn save_enrollment(state_dir: &Path, e: &Enrollment) -> Result<(), IdentityError> {
     let bytes = serde_json::to_vec_pretty(e).expect("enrollment serialises");
-    write_atomic(&state_dir.join(ENROLLMENT_FILE), &bytes, 0o600)
-}
-
-/// Written the state directory's one way (`byoc_statefs`): the file is either the old
-/// or the new content after a crash, never a torn mix, and never written through a link.
-pub fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> Result<(), IdentityError> {
-    byoc_statefs::write(path, bytes, byoc_statefs::Options::mode(mode))
-        .map_err(|e| IdentityError::Write { path: path.to_path_buf(), source: e })
+    let path = StateDir::of(state_dir).enrollment();
+    crate::state_dir::write(&path, &bytes, 0o600).map_err(|source| IdentityError::Write { path, source })
 }
 
 pub fn sync_dir(dir: &Path) -> std::io::Result<()> {
@@ -112,7 +105,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let (k1, created) = load_or_create_key(dir.path()).unwrap();
         assert!(created);
-        let mode = std::fs::metadata(dir.path().join(KEY_FILE)).unwrap().permissions().mode();
+        let mode = std::fs::metadata(StateDir::of(dir.path()).key()).unwrap().permissions().mode();
         assert_eq!(mode & 0o777, 0o600);
         let (k2, created) = load_or_create_key(dir.path()).unwrap();
         assert!(!created);
@@ -123,7 +116,7 @@ mod tests {
     fn loose_permissions_and_corruption_are_refused() {
         let dir = tempfile::tempdir().unwrap();
         load_or_create_key(dir.path()).unwrap();
-        let path = dir.path().join(KEY_FILE);
+        let path = StateDir::of(dir.path()).key();
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
         assert!(matches!(load_or_create_key(dir.path()), Err(IdentityError::Permissions { .. })));
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();

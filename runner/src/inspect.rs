@@ -8,9 +8,7 @@ use serde::Serialize;
 use crate::identity;
 use crate::journal::{self, Index, JobRecord, Phase};
 use crate::spool;
-
-/// Marker file while the daemon runs (its pid, written by the daemon), for `status`.
-pub const PID_FILE: &str = "daemon.pid";
+use crate::state_dir::StateDir;
 
 #[derive(Debug, thiserror::Error)]
 pub enum InspectError {
@@ -21,7 +19,7 @@ pub enum InspectError {
     #[error(transparent)]
     Identity(#[from] identity::IdentityError),
     #[error(transparent)]
-    Journal(#[from] journal::JournalError),
+    Journal(#[from] journal::RecordError),
     #[error("no job {0:?} in the journal (see `byoc-runner jobs list`)")]
     NoSuchJob(String),
     #[error("reading {path}: {source}")]
@@ -47,7 +45,7 @@ fn check_state_dir(state_dir: &Path) -> Result<(), InspectError> {
 
 pub fn load_index(state_dir: &Path) -> Result<Index, InspectError> {
     check_state_dir(state_dir)?;
-    if !state_dir.join(journal::JOURNAL_FILE).exists() {
+    if !StateDir::of(state_dir).journal().exists() {
         return Ok(Index::default());
     }
     Ok(journal::read_index(state_dir)?)
@@ -88,15 +86,14 @@ fn disk_use(state_dir: &Path) -> std::collections::BTreeMap<&'static str, u64> {
             Err(_) => 0,
         }
     }
-    use crate::pipeline::execute::{ARTIFACTS_DIR, PLANS_DIR, TFSTATE_DIR};
     [
-        ("job_logs", state_dir.join(spool::SPOOL_DIR)),
-        ("journal", state_dir.join(journal::JOURNAL_FILE)),
-        ("audit", state_dir.join(crate::audit::AUDIT_DIR)),
-        ("artifacts", state_dir.join(ARTIFACTS_DIR)),
-        ("terraform_state", state_dir.join(TFSTATE_DIR)),
-        ("plans", state_dir.join(PLANS_DIR)),
-        ("disk_reserve", state_dir.join(crate::disk::RESERVE_FILE)),
+        ("job_logs", StateDir::of(state_dir).spool()),
+        ("journal", StateDir::of(state_dir).journal()),
+        ("audit", StateDir::of(state_dir).audit()),
+        ("artifacts", StateDir::of(state_dir).artifacts()),
+        ("terraform_state", StateDir::of(state_dir).tfstate()),
+        ("plans", StateDir::of(state_dir).plans()),
+        ("disk_reserve", StateDir::of(state_dir).disk_reserve()),
     ]
     .into_iter()
     .map(|(name, path)| (name, bytes(&path)))
@@ -111,7 +108,7 @@ pub fn status(state_dir: &Path) -> Result<Status, InspectError> {
 pub fn status_of(state_dir: &Path, index: &Index) -> Result<Status, InspectError> {
     let enrollment = identity::load_enrollment(state_dir)?;
     let pid: Option<u32> =
-        std::fs::read_to_string(state_dir.join(PID_FILE)).ok().and_then(|s| s.trim().parse().ok());
+        std::fs::read_to_string(StateDir::of(state_dir).pid()).ok().and_then(|s| s.trim().parse().ok());
     let running = pid.is_some_and(|p| Path::new(&format!("/proc/{p}")).exists());
     let mut by_status = std::collections::BTreeMap::new();
     for j in index.jobs.values() {

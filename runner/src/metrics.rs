@@ -12,6 +12,7 @@ use std::path::Path;
 use serde::Serialize;
 
 use crate::inspect;
+use crate::state_dir::StateDir;
 
 /// Counts of audit events, read incrementally (the daemon keeps one and reads only
 /// what was appended since).
@@ -205,7 +206,7 @@ pub fn collect(
     }
     out.push(f);
 
-    let audit_dir = state_dir.join(crate::audit::AUDIT_DIR);
+    let audit_dir = StateDir::of(state_dir).audit();
     let mut f = family("byoc_runner_audit_records", "gauge", "Records in the signed audit log.");
     f.add(&[], tally.records as f64);
     out.push(f);

@@ -187,9 +187,9 @@ pub async fn run(
     let mut tools = byoc_job_executors::ToolSettings {
         terraform: options.terraform.clone(),
         helm: options.helm.clone(),
-        plans_dir: options.state_dir.join("plans"),
+        plans_dir: crate::state_dir::StateDir::of(&options.state_dir).plans(),
         artifacts: byoc_job_executors::artifact::CacheSettings {
-            dir: Some(options.state_dir.join("artifacts")),
+            dir: Some(crate::state_dir::StateDir::of(&options.state_dir).artifacts()),
             ..Default::default()
         },
         artifact_source: byoc_job_executors::artifact::ArtifactSource::AnyRegistry {
@@ -197,8 +197,9 @@ pub async fn run(
         },
         ..Default::default()
     };
-    tools.state.backend =
-        byoc_job_executors::terraform::state::Backend::Local { root: options.state_dir.join("tfstate") };
+    tools.state.backend = byoc_job_executors::terraform::state::Backend::Local {
+        root: crate::state_dir::StateDir::of(&options.state_dir).tfstate(),
+    };
     if let Some(s) = &mut sandbox {
         // The tools must be visible inside the sandbox wherever they are installed.
         for tool in [&options.terraform, &options.helm] {

@@ -11,6 +11,7 @@ use crate::audit::AuditSink;
 use crate::config::Config;
 use crate::control_plane::ControlPlane;
 use crate::journal::JobJournal;
+use crate::state_dir::StateDir;
 
 /// What every stage may use: shared, read-mostly runner context.
 pub struct Runtime {
@@ -46,10 +47,10 @@ pub type Rt = Arc<Runtime>;
 
 impl Runtime {
     /// Journal a job transition, then audit it; both are fsynced before the caller acts.
-    pub fn transition(&self, event: crate::journal::Event) -> Result<(), crate::journal::JournalError> {
+    pub fn transition(&self, event: crate::journal::Event) -> Result<(), crate::journal::RecordError> {
         let record = crate::audit::record_for(&event);
         self.journal.append(event)?;
-        self.audit.record(record).map_err(|e| crate::journal::JournalError::Audit(e.to_string()))?;
+        self.audit.record(record).map_err(|e| crate::journal::RecordError::Audit(e.to_string()))?;
         Ok(())
     }
 
@@ -164,15 +165,12 @@ impl Runtime {
     }
 }
 
-/// The directory under the state dir where per-job sandbox root mount points live.
-pub const ROOTS_DIR: &str = "roots";
-
 /// Prove the sandbox can be built here before taking any job.
 pub async fn sandbox_self_test(
     settings: &byoc_job_executors::SandboxSettings,
     state_dir: &std::path::Path,
 ) -> Result<(), byoc_job_executors::sandboxed::SelfTestError> {
-    byoc_job_executors::sandboxed::self_test(settings, &state_dir.join(ROOTS_DIR)).await
+    byoc_job_executors::sandboxed::self_test(settings, &StateDir::of(state_dir).roots()).await
 }
 
 /// Container settings from the configuration (limits shared with the sandbox).
@@ -208,7 +206,7 @@ pub fn sandbox_settings(
     Some(byoc_job_executors::SandboxSettings {
         helper,
         helper_args: vec!["sandbox-exec".into()],
-        roots_dir: state_dir.join(ROOTS_DIR),
+        roots_dir: StateDir::of(&state_dir).roots(),
         limits: byoc_sandbox::cgroup::Limits {
             memory_bytes: s.memory_mib * 1024 * 1024,
             pids: s.pids,

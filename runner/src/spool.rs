@@ -14,13 +14,13 @@ use byoc_job_executors::OutputSink;
 use sha2::{Digest as _, Sha256};
 
 use crate::control_plane::{ClientError, ControlPlane};
+use crate::state_dir::StateDir;
 
-pub const SPOOL_DIR: &str = "spool";
 /// Largest log chunk sent in one request.
 pub const UPLOAD_CHUNK: usize = 256 * 1024;
 
 pub fn spool_path(state_dir: &Path, job_id: &str) -> PathBuf {
-    state_dir.join(SPOOL_DIR).join(format!("{job_id}.log"))
+    StateDir::of(state_dir).spool().join(format!("{job_id}.log"))
 }
 
 /// Where a job's log stops growing on disk: the first `head` bytes are kept as they
@@ -58,7 +58,7 @@ pub struct SpoolDigest {
 }
 
 pub fn tail_path(state_dir: &Path, job_id: &str) -> PathBuf {
-    state_dir.join(SPOOL_DIR).join(format!("{job_id}.tail"))
+    StateDir::of(state_dir).spool().join(format!("{job_id}.tail"))
 }
 
 pub struct SpoolWriter {
@@ -473,7 +473,7 @@ mod tests {
     use super::*;
 
     fn writer(dir: &Path, cap: LogCap) -> SpoolWriter {
-        std::fs::create_dir_all(dir.join(SPOOL_DIR)).expect("spool dir");
+        std::fs::create_dir_all(StateDir::of(dir).spool()).expect("spool dir");
         SpoolWriter::create(dir, "job-1", cap, 0).expect("spool")
     }
 

@@ -19,7 +19,7 @@ use crate::audit::AuditSink;
 use crate::clock::FixedClock;
 use crate::config::Config;
 use crate::control_plane::{ClientError, ControlPlane, CpFuture};
-use crate::journal::{Event, Index, JobJournal, JournalError, Line};
+use crate::journal::{Event, Index, JobJournal, Line, RecordError};
 use crate::pipeline::VerifiedJob;
 use crate::roles::chain::{Derived, Step};
 use crate::roles::model::{RoleDef, RoleType};
@@ -147,9 +147,9 @@ impl FakeJournal {
 }
 
 impl JobJournal for FakeJournal {
-    fn append(&self, event: Event) -> Result<(), JournalError> {
+    fn append(&self, event: Event) -> Result<(), RecordError> {
         if self.fail_appends.load(Ordering::SeqCst) {
-            return Err(JournalError::Append {
+            return Err(RecordError::Append {
                 path: "fake-journal".into(),
                 source: std::io::Error::other("no space left on device"),
             });

@@ -94,7 +94,7 @@ fn fixed_state(dir: &Path, with_audit: bool) {
         },
     ];
     let text: String = lines.iter().map(|l| serde_json::to_string(l).unwrap() + "\n").collect();
-    std::fs::write(dir.join(byoc_runner::journal::JOURNAL_FILE), text).unwrap();
+    std::fs::write(byoc_runner::state_dir::StateDir::of(dir).journal(), text).unwrap();
     let spool = byoc_runner::spool::spool_path(dir, "job-0000000000000001");
     std::fs::create_dir_all(spool.parent().unwrap()).unwrap();
     std::fs::write(spool, log).unwrap();
@@ -124,7 +124,7 @@ fn fixed_state(dir: &Path, with_audit: bool) {
 
 fn audit_log(dir: &Path) {
     let (mut audit, _) = byoc_audit::log::AuditWriter::open(
-        &dir.join(byoc_runner::audit::AUDIT_DIR),
+        &byoc_runner::state_dir::StateDir::of(dir).audit(),
         ed25519_dalek::SigningKey::from_bytes(&[9u8; 32]),
         "rn-golden",
         "inst-golden",
@@ -249,7 +249,8 @@ fn every_listing_command_ends_quietly_when_its_reader_goes() {
 fn following_a_refused_job_ends() {
     let dir = tempfile::tempdir().unwrap();
     fixed_state(dir.path(), false);
-    let mut journal = std::fs::read_to_string(dir.path().join(byoc_runner::journal::JOURNAL_FILE)).unwrap();
+    let mut journal =
+        std::fs::read_to_string(byoc_runner::state_dir::StateDir::of(dir.path()).journal()).unwrap();
     for event in [
         Event::Received {
             job_id: "job-0000000000000004".into(),
@@ -275,7 +276,7 @@ fn following_a_refused_job_ends() {
     ] {
         journal.push_str(&(serde_json::to_string(&Line { ts: T0 + 180_000, event }).unwrap() + "\n"));
     }
-    std::fs::write(dir.path().join(byoc_runner::journal::JOURNAL_FILE), journal).unwrap();
+    std::fs::write(byoc_runner::state_dir::StateDir::of(dir.path()).journal(), journal).unwrap();
     // `timeout` stands guard: a follower that never ends exits 124.
     let out = Command::new("timeout")
         .args(["20", BIN, "jobs", "logs", "-f", "job-0000000000000004", "--state-dir"])

@@ -6,6 +6,7 @@
 use super::{Output, StateArgs, print_json, state_dir};
 use crate::approvals::{self, Decision};
 use crate::inspect::format_ms;
+use crate::state_dir::StateDir;
 
 pub(super) fn list(s: &StateArgs) -> anyhow::Result<()> {
     let now = crate::clock::now_ms();
@@ -274,7 +275,7 @@ fn show(s: &StateArgs, job_id: &str) -> anyhow::Result<()> {
         }
         None => Err(format!(
             "not readable here: the signed job is kept in {} for the runner's user and root",
-            dir.join(crate::pipeline::held::HELD_DIR).display()
+            StateDir::of(&dir).held().display()
         )),
     };
     if s.output == Output::Json {

@@ -112,7 +112,7 @@ pub(super) fn run(cmd: AuditCmd) -> i32 {
 }
 
 fn audit_dir(a: &AuditArgs) -> PathBuf {
-    a.dir.clone().unwrap_or_else(|| state_dir(&a.state).join(crate::audit::AUDIT_DIR))
+    a.dir.clone().unwrap_or_else(|| crate::state_dir::StateDir::of(&state_dir(&a.state)).audit())
 }
 
 fn verify(a: &AuditArgs, trust: Option<&Path>) -> i32 {

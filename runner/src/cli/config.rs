@@ -64,8 +64,8 @@ fn check(path: &Path, output: Output) -> i32 {
             return 1;
         }
     };
-    let checks = rt.block_on(crate::doctor::run(path));
-    let failed = checks.iter().any(|c| c.status == crate::doctor::Status::Fail);
+    let checks = rt.block_on(crate::config_check::run(path));
+    let failed = checks.iter().any(|c| c.status == crate::config_check::Status::Fail);
     if output == Output::Json {
         println!("{}", serde_json::json!({ "ok": !failed, "checks": checks }));
     } else {

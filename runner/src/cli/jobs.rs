@@ -6,6 +6,7 @@ use clap::Subcommand;
 
 use super::{Output, StateArgs, print_json, state_dir};
 use crate::inspect;
+use crate::state_dir::StateDir;
 
 #[derive(Subcommand)]
 pub(super) enum JobsCmd {
@@ -273,7 +274,7 @@ fn judged(trail: &[serde_json::Value]) -> Vec<serde_json::Value> {
 /// The job's records in the audit log, oldest first (none when the log cannot be read:
 /// `jobs show` is still the journal's view).
 fn audit_trail(state_dir: &std::path::Path, job_id: &str) -> Vec<serde_json::Value> {
-    let dir = state_dir.join(crate::audit::AUDIT_DIR);
+    let dir = StateDir::of(state_dir).audit();
     byoc_audit::log::read_lines(&dir, 0, u64::MAX)
         .unwrap_or_default()
         .iter()

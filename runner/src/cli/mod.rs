@@ -29,6 +29,7 @@ use std::path::{Path, PathBuf};
 use clap::{Parser, Subcommand, ValueEnum};
 
 use crate::config::{Config, DEFAULT_CONFIG_PATH, DEFAULT_STATE_DIR};
+use crate::state_dir::StateDir;
 
 /// sysexits.h: the command was used incorrectly (bad arguments or configuration).
 pub const EX_USAGE: i32 = 64;
@@ -286,7 +287,7 @@ pub fn main() -> i32 {
         Cmd::SandboxExec => byoc_sandbox::helper::sandbox_exec_main(),
         Cmd::PolicyEval { memory_mib } => policy::eval(memory_mib),
         Cmd::SandboxProbe { runner_pid, state_dir, config_dir, unreachable } => {
-            let key = state_dir.join(crate::identity::KEY_FILE);
+            let key = StateDir::of(&state_dir).key();
             let report = byoc_sandbox::probe::run(&byoc_sandbox::probe::ProbeArgs {
                 runner_pid,
                 state_dir: &state_dir,

@@ -3,6 +3,7 @@
 use super::{Output, StateArgs, print_json, state_dir};
 use crate::config::Config;
 use crate::inspect;
+use crate::state_dir::StateDir;
 
 /// `status`'s exit code when the daemon is not running (systemctl's "not running").
 pub(super) const EXIT_NOT_RUNNING: i32 = 3;
@@ -112,7 +113,7 @@ pub(super) fn metrics(s: &StateArgs) -> anyhow::Result<()> {
     let dir = state_dir(s);
     let disk = Config::load(&s.config).map(|c| c.disk).unwrap_or_default();
     let mut tally = crate::metrics::AuditTally::default();
-    tally.update(&dir.join(crate::audit::AUDIT_DIR))?;
+    tally.update(&StateDir::of(&dir).audit())?;
     let families = crate::metrics::collect(&dir, &disk, &tally, crate::clock::now_ms())?;
     if s.output == Output::Json {
         return print_json(&crate::metrics::samples(&families));

@@ -103,7 +103,7 @@ fn on_runner(cmd: &TfStateCmd) -> Result<(), Failure> {
             (args, Some(workspace.as_str()))
         }
     };
-    let root = state_dir(&args.state).join(crate::pipeline::execute::TFSTATE_DIR);
+    let root = crate::state_dir::StateDir::of(&state_dir(&args.state)).tfstate();
     let json = args.state.output == Output::Json;
     let io = |e: std::io::Error| failure("state_io", format!("{}: {e}", root.display()));
     match (cmd, workspace) {

@@ -29,11 +29,10 @@ use crate::config::Config;
 use crate::control_plane::retry::{self, Backoff, Retried};
 use crate::control_plane::{ClientError, ControlPlane, CpClient};
 use crate::identity::{self, Enrollment};
-use crate::inspect::PID_FILE;
 use crate::journal::{Journal, Phase};
-use crate::pipeline::{self, Accepted, JobsInHand, PolledJob, execute};
+use crate::pipeline::{self, Accepted, JobsInHand, PolledJob};
 use crate::runtime::{Rt, Runtime};
-use crate::spool;
+use crate::state_dir::StateDir;
 
 mod enroll;
 mod local_drift;
@@ -57,7 +56,7 @@ pub enum DaemonError {
     #[error(transparent)]
     Identity(#[from] identity::IdentityError),
     #[error(transparent)]
-    Journal(#[from] crate::journal::JournalError),
+    Journal(#[from] crate::journal::RecordError),
     #[error(transparent)]
     Client(#[from] ClientError),
     #[error(
@@ -184,7 +183,7 @@ async fn start_up(
         clock: Arc::new(crate::clock::SystemClock),
         config,
     });
-    let _ = std::fs::write(state_dir.join(PID_FILE), std::process::id().to_string());
+    let _ = std::fs::write(StateDir::of(&state_dir).pid(), std::process::id().to_string());
     Ok((rt, audit, client))
 }
 
@@ -199,7 +198,7 @@ async fn open_state(
     prepare_state_dir(&state_dir)?;
     let (key, created) = identity::load_or_create_key(&state_dir)?;
     if created {
-        tracing::info!(path = %state_dir.join(identity::KEY_FILE).display(), "Created runner identity key.");
+        tracing::info!(path = %StateDir::of(&state_dir).key().display(), "Created runner identity key.");
     }
     let reserve = crate::disk::Reserve::new(&state_dir, &config.disk);
     reserve.hold();
@@ -470,18 +469,16 @@ async fn stop(rt: &Rt, audit: &Arc<crate::audit::Audit>, background: Background)
         t.abort();
     }
     let _ = background.audit_task.await;
-    let _ = std::fs::remove_file(rt.state_dir.join(PID_FILE));
+    let _ = std::fs::remove_file(StateDir::of(&rt.state_dir).pid());
     tracing::info!("Runner stopped.");
 }
 
 /// `control/` and what the admin group may use (`roles::control`): made by the daemon's
 /// user, so it can read and remove what root or the group leave there.
 fn prepare_control_dir(state_dir: &Path, admin_group: Option<&str>) -> Result<(), DaemonError> {
-    let problems =
-        crate::roles::control::prepare(state_dir, admin_group).map_err(|e| DaemonError::StateDir {
-            path: state_dir.join(crate::roles::pause::CONTROL_DIR).display().to_string(),
-            source: e,
-        })?;
+    let problems = crate::roles::control::prepare(state_dir, admin_group).map_err(|e| {
+        DaemonError::StateDir { path: StateDir::of(state_dir).control().display().to_string(), source: e }
+    })?;
     for problem in problems {
         tracing::warn!(
             group = admin_group.unwrap_or_default(),
@@ -493,8 +490,7 @@ fn prepare_control_dir(state_dir: &Path, admin_group: Option<&str>) -> Result<()
 }
 
 pub(crate) fn prepare_state_dir(state_dir: &Path) -> Result<(), DaemonError> {
-    for dir in [state_dir.to_path_buf(), state_dir.join(spool::SPOOL_DIR), state_dir.join(execute::WORK_DIR)]
-    {
+    for dir in [state_dir.to_path_buf(), StateDir::of(state_dir).spool(), StateDir::of(state_dir).work()] {
         std::fs::DirBuilder::new()
             .recursive(true)
             .mode(0o700)

@@ -3,9 +3,11 @@
 
 use super::*;
 
+use crate::state_dir::StateDir;
+
 /// The metrics textfile, replaced whole; failures are logged (they never touch jobs).
 pub(super) fn write_metrics(rt: &Rt, path: &Path, tally: &mut crate::metrics::AuditTally) {
-    if let Err(e) = tally.update(&rt.state_dir.join(crate::audit::AUDIT_DIR)) {
+    if let Err(e) = tally.update(&StateDir::of(&rt.state_dir).audit()) {
         tracing::warn!(error = %e, "Reading the audit log for metrics: {e}.");
     }
     let written = crate::metrics::collect(&rt.state_dir, &rt.config.disk, tally, rt.clock.now_ms())
@@ -44,7 +46,7 @@ pub(super) fn compact_journal(rt: &Rt) {
                     "{} settled jobs ({} lines) moved to {}/{name}; {} lines kept (jobs.journal_keep = {})",
                     c.jobs,
                     c.lines,
-                    crate::journal::ARCHIVE_DIR,
+                    crate::state_dir::ARCHIVE_DIR,
                     c.kept_lines,
                     rt.config.jobs.journal_keep
                 )),
@@ -91,7 +93,7 @@ pub(super) fn sweep_logs(rt: &Rt, keep: Duration) {
 /// `terraform.plan_max_age_secs`); audited when any went.
 pub(super) fn sweep_plans(rt: &Rt) {
     let max_age = rt.config.terraform.plan_max_age;
-    let plans_dir = rt.state_dir.join(crate::pipeline::execute::PLANS_DIR);
+    let plans_dir = StateDir::of(&rt.state_dir).plans();
     let swept = crate::retention::sweep_saved_plans(&plans_dir, max_age, rt.clock.now_ms());
     if swept.files == 0 {
         return;
@@ -152,7 +154,7 @@ mod tests {
     #[tokio::test]
     async fn expired_saved_plans_are_removed_and_audited() {
         let f = testing::runtime().await;
-        let plan = f.rt.state_dir.join(crate::pipeline::execute::PLANS_DIR).join("vpc/aaaa.tfplan");
+        let plan = StateDir::of(&f.rt.state_dir).plans().join("vpc/aaaa.tfplan");
         std::fs::create_dir_all(plan.parent().expect("parent")).expect("dir");
         std::fs::write(&plan, b"plan").expect("plan");
         let now = std::time::UNIX_EPOCH + Duration::from_millis(f.rt.clock.now_ms());

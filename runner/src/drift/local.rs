@@ -16,8 +16,8 @@ use std::path::{Path, PathBuf};
 use byoc_protocol::JobPayload;
 use serde::{Deserialize, Serialize};
 
-use super::DRIFT_DIR;
 use crate::config::DriftSchedule;
+use crate::state_dir::StateDir;
 
 const TARGETS_DIR: &str = "targets";
 /// `control/drift-run.<kind>.<name>.json`: `byoc-runner drift run` asks the daemon.
@@ -40,7 +40,7 @@ pub struct Target {
 }
 
 fn targets_dir(state_dir: &Path) -> PathBuf {
-    state_dir.join(DRIFT_DIR).join(TARGETS_DIR)
+    StateDir::of(state_dir).drift().join(TARGETS_DIR)
 }
 
 fn target_path(state_dir: &Path, kind: &str, name: &str) -> PathBuf {
@@ -91,7 +91,7 @@ pub fn remember(
     use std::os::unix::fs::DirBuilderExt as _;
     std::fs::DirBuilder::new().recursive(true).mode(0o700).create(targets_dir(state_dir))?;
     let bytes = serde_json::to_vec(&target).map_err(std::io::Error::other)?;
-    crate::identity::write_atomic(&path, &bytes, 0o600).map_err(std::io::Error::other)?;
+    crate::state_dir::write(&path, &bytes, 0o600)?;
     Ok(true)
 }
 
@@ -144,11 +144,11 @@ pub struct Request {
 
 /// The CLI: ask the daemon for a check, durably.
 pub fn request(state_dir: &Path, r: &Request) -> std::io::Result<PathBuf> {
-    let control = state_dir.join(crate::roles::pause::CONTROL_DIR);
+    let control = StateDir::of(state_dir).control();
     let path =
         control.join(format!("{REQUEST_PREFIX}{}.{}.json", r.kind.as_deref().unwrap_or("any"), r.name));
     let bytes = serde_json::to_vec(r).map_err(std::io::Error::other)?;
-    crate::identity::write_atomic(&path, &bytes, 0o660).map_err(std::io::Error::other)?;
+    crate::state_dir::write(&path, &bytes, 0o660)?;
     Ok(path)
 }
 
@@ -156,7 +156,7 @@ pub fn request(state_dir: &Path, r: &Request) -> std::io::Result<PathBuf> {
 /// dropped: the CLI audited the request before it wrote it).
 pub fn take_requests(state_dir: &Path) -> Vec<Request> {
     use std::io::Read as _;
-    let control = state_dir.join(crate::roles::pause::CONTROL_DIR);
+    let control = StateDir::of(state_dir).control();
     let Ok(entries) = std::fs::read_dir(&control) else { return Vec::new() };
     let mut out = Vec::new();
     for e in entries.flatten() {

@@ -7,11 +7,10 @@
 
 use std::path::{Path, PathBuf};
 
+use crate::state_dir::StateDir;
 use serde::{Deserialize, Serialize};
 
 pub mod local;
-
-pub const DRIFT_DIR: &str = "drift";
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct DriftRecord {
@@ -42,7 +41,7 @@ fn path(state_dir: &Path, kind: &str, workspace: &str) -> PathBuf {
     // Names are [a-z0-9_-]: the dot keeps kinds apart.
     let name =
         if kind == "terraform" { format!("{workspace}.json") } else { format!("{kind}.{workspace}.json") };
-    state_dir.join(DRIFT_DIR).join(name)
+    StateDir::of(state_dir).drift().join(name)
 }
 
 /// Keep a finished drift job's result as its workspace's latest. `outputs` is the
@@ -74,15 +73,14 @@ pub fn record(
         plan_digest: d["plan_digest"].as_str().unwrap_or("").to_string(),
     };
     use std::os::unix::fs::DirBuilderExt as _;
-    std::fs::DirBuilder::new().recursive(true).mode(0o700).create(state_dir.join(DRIFT_DIR))?;
+    std::fs::DirBuilder::new().recursive(true).mode(0o700).create(StateDir::of(state_dir).drift())?;
     let bytes = serde_json::to_vec_pretty(&r).map_err(std::io::Error::other)?;
-    crate::identity::write_atomic(&path(state_dir, kind, workspace), &bytes, 0o600)
-        .map_err(std::io::Error::other)
+    crate::state_dir::write(&path(state_dir, kind, workspace), &bytes, 0o600)
 }
 
 /// Every workspace's latest drift check, by name.
 pub fn list(state_dir: &Path) -> Vec<DriftRecord> {
-    let Ok(entries) = std::fs::read_dir(state_dir.join(DRIFT_DIR)) else { return Vec::new() };
+    let Ok(entries) = std::fs::read_dir(StateDir::of(state_dir).drift()) else { return Vec::new() };
     let mut out: Vec<DriftRecord> = entries
         .filter_map(|e| e.ok())
         .filter(|e| e.path().extension().is_some_and(|x| x == "json"))

@@ -4,24 +4,26 @@
 
 use super::*;
 
+use crate::state_dir::StateDir;
+
 impl Journal {
     /// Archive settled jobs past the newest `keep` (and refused deliveries past the
     /// newest `keep`) whose nonces expired before `now_secs`. Runs only once there are a
     /// quarter more than `keep`, so the journal is not rewritten for every new job.
-    pub fn compact(&self, keep: usize, now_secs: i64) -> Result<Option<Compacted>, JournalError> {
+    pub fn compact(&self, keep: usize, now_secs: i64) -> Result<Option<Compacted>, RecordError> {
         let mut inner = self.lock();
         let plan = ArchivePlan::new(&inner.index, keep, now_secs);
         if plan.is_empty() {
             return Ok(None);
         }
-        let err = |e| JournalError::Append { path: self.path.clone(), source: e };
+        let err = |e| RecordError::Append { path: self.path.clone(), source: e };
         let bytes = std::fs::read(&self.path).map_err(err)?;
         let (mut kept, mut archived) = (Vec::new(), Vec::new());
         let (mut first_ts, mut last_ts) = (u64::MAX, 0);
         let mut rejected_seen = 0usize;
         for raw in bytes.split_inclusive(|b| *b == b'\n') {
             // Appends are whole lines under this lock: every line parses.
-            let line: Line = serde_json::from_slice(raw).map_err(|e| JournalError::Corrupt {
+            let line: Line = serde_json::from_slice(raw).map_err(|e| RecordError::Corrupt {
                 path: self.path.clone(),
                 line: kept.len() + archived.len() + 1,
                 reason: e.to_string(),
@@ -44,7 +46,7 @@ impl Journal {
         if archived.is_empty() {
             return Ok(None);
         }
-        let dir = self.path.with_file_name(ARCHIVE_DIR);
+        let dir = self.path.with_file_name(crate::state_dir::ARCHIVE_DIR);
         let name = format!("{first_ts:013}-{last_ts:013}-{}.jsonl.gz", byoc_protocol::random_hex(4));
         let archive_path = dir.join(&name);
         write_archive(&dir, &archive_path, &archived).map_err(err)?;
@@ -80,9 +82,6 @@ impl Journal {
 pub fn nonce_horizon_secs(now_ms: u64, skew: std::time::Duration) -> i64 {
     (now_ms / 1000) as i64 - skew.as_secs() as i64
 }
-
-/// The archive directory beside the journal.
-pub const ARCHIVE_DIR: &str = "journal-archive";
 
 /// What one compaction moved.
 #[derive(Debug, Clone, PartialEq)]
@@ -178,7 +177,7 @@ pub struct ArchivesRemoved {
 /// settled and its envelope expired long before, so no replay protection rests on
 /// them: they only serve `jobs list --all`. Names that do not parse are left alone.
 pub fn remove_archives_before(state_dir: &Path, older_than_ms: u64) -> std::io::Result<ArchivesRemoved> {
-    let dir = state_dir.join(ARCHIVE_DIR);
+    let dir = StateDir::of(state_dir).journal_archive();
     let entries = match std::fs::read_dir(&dir) {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(ArchivesRemoved::default()),
         other => other?,
@@ -206,8 +205,8 @@ pub fn remove_archives_before(state_dir: &Path, older_than_ms: u64) -> std::io::
 /// The archived lines, oldest archive first, then the journal's, folded into one
 /// index (a job found in both, after a crash mid-compaction, merges: phases only move
 /// forward). For `jobs list --all` and `jobs show`.
-pub fn read_index_all(state_dir: &Path) -> Result<Index, JournalError> {
-    let dir = state_dir.join(ARCHIVE_DIR);
+pub fn read_index_all(state_dir: &Path) -> Result<Index, RecordError> {
+    let dir = StateDir::of(state_dir).journal_archive();
     let mut names: Vec<PathBuf> = match std::fs::read_dir(&dir) {
         Ok(entries) => entries
             .flatten()
@@ -215,18 +214,18 @@ pub fn read_index_all(state_dir: &Path) -> Result<Index, JournalError> {
             .filter(|p| p.to_string_lossy().ends_with(".jsonl.gz"))
             .collect(),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => vec![],
-        Err(e) => return Err(JournalError::Open { path: dir, source: e }),
+        Err(e) => return Err(RecordError::Open { path: dir, source: e }),
     };
     names.sort();
     let mut index = Index::default();
     for path in names {
-        let open = |e| JournalError::Open { path: path.clone(), source: e };
+        let open = |e| RecordError::Open { path: path.clone(), source: e };
         let mut text = Vec::new();
         flate2::read::GzDecoder::new(File::open(&path).map_err(open)?)
             .read_to_end(&mut text)
             .map_err(open)?;
         for (i, raw) in text.split(|b| *b == b'\n').filter(|l| !l.is_empty()).enumerate() {
-            let line: Line = serde_json::from_slice(raw).map_err(|e| JournalError::Corrupt {
+            let line: Line = serde_json::from_slice(raw).map_err(|e| RecordError::Corrupt {
                 path: path.clone(),
                 line: i + 1,
                 reason: e.to_string(),
@@ -234,7 +233,7 @@ pub fn read_index_all(state_dir: &Path) -> Result<Index, JournalError> {
             index.apply(&line);
         }
     }
-    if state_dir.join(JOURNAL_FILE).exists() {
+    if StateDir::of(state_dir).journal().exists() {
         replay_into(state_dir, &mut index)?;
     }
     Ok(index)
@@ -328,7 +327,7 @@ mod tests {
         }
         let second = j.compact(10, 1000).unwrap().expect("compacted again").archive;
         // Something else in the directory is never touched.
-        let stray = dir.path().join(ARCHIVE_DIR).join("notes.txt");
+        let stray = StateDir::of(dir.path()).journal_archive().join("notes.txt");
         std::fs::write(&stray, b"mine").unwrap();
 
         // Nothing is older than the first archive's newest line.
@@ -394,11 +393,11 @@ mod tests {
             }
         }
         // The archive written, the journal not yet replaced: both hold the old jobs.
-        let before = std::fs::read(dir.path().join(JOURNAL_FILE)).unwrap();
+        let before = std::fs::read(StateDir::of(dir.path()).journal()).unwrap();
         let (j, _) = Journal::open(dir.path()).unwrap();
         j.compact(10, 1000).unwrap().expect("compacted");
         drop(j);
-        std::fs::write(dir.path().join(JOURNAL_FILE), &before).unwrap();
+        std::fs::write(StateDir::of(dir.path()).journal(), &before).unwrap();
         let all = read_index_all(dir.path()).unwrap();
         assert_eq!(all.order.len(), 30, "each job once");
         // And the next compaction archives them again, harmlessly.

@@ -25,12 +25,10 @@ use std::sync::{Mutex, MutexGuard};
 use byoc_protocol::{JobStatus, RejectReason};
 use serde::{Deserialize, Serialize};
 
-mod archive;
-pub use archive::{
-    ARCHIVE_DIR, ArchivesRemoved, Compacted, nonce_horizon_secs, read_index_all, remove_archives_before,
-};
+use crate::state_dir::StateDir;
 
-pub const JOURNAL_FILE: &str = "journal.jsonl";
+mod archive;
+pub use archive::{ArchivesRemoved, Compacted, nonce_horizon_secs, read_index_all, remove_archives_before};
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "event", rename_all = "snake_case")]
@@ -393,8 +391,11 @@ impl Index {
     }
 }
 
+/// A job's state could not be recorded durably: its journal (opened, read, appended)
+/// or, for a transition, its audit record. Either way nothing may act on the job until
+/// the next start settles it.
 #[derive(Debug, thiserror::Error)]
-pub enum JournalError {
+pub enum RecordError {
     #[error("opening job journal {path}: {source}")]
     Open { path: PathBuf, source: std::io::Error },
     #[error(
@@ -421,9 +422,9 @@ struct Inner {
 impl Journal {
     /// Open (creating if absent) and replay. Returns the journal and the number of
     /// torn bytes cut from its tail, if any.
-    pub fn open(state_dir: &Path) -> Result<(Journal, u64), JournalError> {
-        let path = state_dir.join(JOURNAL_FILE);
-        let open_err = |e| JournalError::Open { path: path.clone(), source: e };
+    pub fn open(state_dir: &Path) -> Result<(Journal, u64), RecordError> {
+        let path = StateDir::of(state_dir).journal();
+        let open_err = |e| RecordError::Open { path: path.clone(), source: e };
         let mut file =
             OpenOptions::new().read(true).append(true).create(true).open(&path).map_err(open_err)?;
         let mut index = Index::default();
@@ -441,7 +442,7 @@ impl Journal {
             line_no += 1;
             if let Some((l, reason)) = torn.take() {
                 // Damage followed by more lines is not a torn tail.
-                return Err(JournalError::Corrupt { path, line: l, reason });
+                return Err(RecordError::Corrupt { path, line: l, reason });
             }
             let complete = buf.ends_with(b"\n");
             match serde_json::from_slice::<Line>(&buf) {
@@ -474,7 +475,7 @@ impl Journal {
     }
 
     /// Append one event and fsync it. Only after this returns may the runner act on it.
-    pub fn append(&self, event: Event) -> Result<(), JournalError> {
+    pub fn append(&self, event: Event) -> Result<(), RecordError> {
         let line = Line { ts: crate::clock::now_ms(), event };
         let mut bytes = serde_json::to_vec(&line).expect("journal line serialises");
         bytes.push(b'\n');
@@ -482,7 +483,7 @@ impl Journal {
             r.make_room_for_evidence();
         }
         let mut inner = self.lock();
-        let err = |e| JournalError::Append { path: self.path.clone(), source: e };
+        let err = |e| RecordError::Append { path: self.path.clone(), source: e };
         let before = inner.file.metadata().map_err(err)?.len();
         if let Err(e) = inner.file.write_all(&bytes).and_then(|()| inner.file.sync_data()) {
             // A line half-written (a full disk) is cut again, so the next append starts
@@ -507,21 +508,21 @@ impl Journal {
 /// file-backed [`Journal`], or a fake in tests.
 pub trait JobJournal: Send + Sync {
     /// Append one event durably. Only after this returns may the runner act on it.
-    fn append(&self, event: Event) -> Result<(), JournalError>;
+    fn append(&self, event: Event) -> Result<(), RecordError>;
     /// Call `f` with the index of every job as of now (object-safe form of
     /// [`with_index`](dyn JobJournal::with_index)).
     fn visit_index(&self, f: &mut dyn FnMut(&Index));
     /// Archive settled jobs past the newest `keep` (see [`Journal::compact`]).
-    fn compact(&self, _keep: usize, _now_secs: i64) -> Result<Option<Compacted>, JournalError> {
+    fn compact(&self, _keep: usize, _now_secs: i64) -> Result<Option<Compacted>, RecordError> {
         Ok(None)
     }
 }
 
 impl JobJournal for Journal {
-    fn append(&self, event: Event) -> Result<(), JournalError> {
+    fn append(&self, event: Event) -> Result<(), RecordError> {
         Journal::append(self, event)
     }
-    fn compact(&self, keep: usize, now_secs: i64) -> Result<Option<Compacted>, JournalError> {
+    fn compact(&self, keep: usize, now_secs: i64) -> Result<Option<Compacted>, RecordError> {
         Journal::compact(self, keep, now_secs)
     }
     fn visit_index(&self, f: &mut dyn FnMut(&Index)) {
@@ -548,19 +549,19 @@ impl dyn JobJournal {
 
 /// Read-only replay for the inspection CLI: never modifies the file, tolerates a torn
 /// tail (the daemon may be mid-write).
-pub fn read_index(state_dir: &Path) -> Result<Index, JournalError> {
+pub fn read_index(state_dir: &Path) -> Result<Index, RecordError> {
     let mut index = Index::default();
     replay_into(state_dir, &mut index)?;
     Ok(index)
 }
 
-fn replay_into(state_dir: &Path, index: &mut Index) -> Result<(), JournalError> {
-    let path = state_dir.join(JOURNAL_FILE);
-    let file = File::open(&path).map_err(|e| JournalError::Open { path: path.clone(), source: e })?;
+fn replay_into(state_dir: &Path, index: &mut Index) -> Result<(), RecordError> {
+    let path = StateDir::of(state_dir).journal();
+    let file = File::open(&path).map_err(|e| RecordError::Open { path: path.clone(), source: e })?;
     let mut bytes = Vec::new();
     BufReader::new(file)
         .read_to_end(&mut bytes)
-        .map_err(|e| JournalError::Open { path: path.clone(), source: e })?;
+        .map_err(|e| RecordError::Open { path: path.clone(), source: e })?;
     let complete = bytes.ends_with(b"\n");
     let lines: Vec<&[u8]> = bytes.split(|b| *b == b'\n').filter(|l| !l.is_empty()).collect();
     for (i, line) in lines.iter().enumerate() {
@@ -568,7 +569,7 @@ fn replay_into(state_dir: &Path, index: &mut Index) -> Result<(), JournalError> 
             Ok(l) => index.apply(&l),
             // The daemon may be in the middle of writing the last line.
             Err(_) if i + 1 == lines.len() && !complete => {}
-            Err(e) => return Err(JournalError::Corrupt { path, line: i + 1, reason: e.to_string() }),
+            Err(e) => return Err(RecordError::Corrupt { path, line: i + 1, reason: e.to_string() }),
         }
     }
     Ok(())
@@ -624,7 +625,7 @@ mod tests {
         let (j, _) = Journal::open(dir.path()).unwrap();
         j.append(received("a", "n1")).unwrap();
         drop(j);
-        let path = dir.path().join(JOURNAL_FILE);
+        let path = StateDir::of(dir.path()).journal();
         let good = std::fs::read(&path).unwrap();
         let mut torn = good.clone();
         torn.extend_from_slice(b"{\"ts\":1,\"ev");
@@ -633,7 +634,7 @@ mod tests {
         let mut damaged = b"garbage\n".to_vec();
         damaged.extend_from_slice(&good);
         std::fs::write(&path, &damaged).unwrap();
-        assert!(matches!(read_index(dir.path()), Err(JournalError::Corrupt { line: 1, .. })));
+        assert!(matches!(read_index(dir.path()), Err(RecordError::Corrupt { line: 1, .. })));
     }
 
     #[test]
@@ -655,7 +656,7 @@ mod tests {
             let (j, _) = Journal::open(dir.path()).unwrap();
             j.append(received("a", "n1")).unwrap();
         }
-        let path = dir.path().join(JOURNAL_FILE);
+        let path = StateDir::of(dir.path()).journal();
         let good = std::fs::read(&path).unwrap();
         let mut torn = good.clone();
         let tail = b"{\"ts\":1,\"event\":\"clai";
@@ -672,7 +673,7 @@ mod tests {
         damaged.extend_from_slice(&std::fs::read(&path).unwrap());
         std::fs::write(&path, &damaged).unwrap();
         match Journal::open(dir.path()) {
-            Err(JournalError::Corrupt { line, .. }) => assert_eq!(line, 1),
+            Err(RecordError::Corrupt { line, .. }) => assert_eq!(line, 1),
             other => panic!("expected corruption error, got {:?}", other.map(|_| ())),
         }
     }

@@ -6,15 +6,15 @@ use byoc_protocol::{JobWaiting, RejectReason};
 
 use super::claim::ClaimedJob;
 use super::gate::{JobSlot, Look, Waited, hold, rejection_of};
-use super::window::Scoped;
+use super::window::JobFacts;
 use super::{VerifiedJob, refuse};
 use crate::guardrails::rfc3339;
-use crate::journal::JournalError;
+use crate::journal::RecordError;
 use crate::runtime::Rt;
 
 /// The approval rule that holds `job` before it runs, if any.
 pub fn approval_rule(rt: &Rt, job: &VerifiedJob) -> Option<crate::guardrails::ApprovalRule> {
-    rt.config.guardrails.approval_for(&Scoped::of(job).scope()).cloned()
+    rt.config.guardrails.approval_for(&JobFacts::of(job).scope()).cloned()
 }
 
 /// Hold a claimed job until a local admin approves it (`byoc-runner approve`), under
@@ -25,9 +25,9 @@ pub(super) async fn await_approval(
     job: ClaimedJob,
     slot: &mut impl JobSlot,
     rule: &crate::guardrails::ApprovalRule,
-) -> Result<Waited, JournalError> {
+) -> Result<Waited, RecordError> {
     use crate::approvals;
-    let Scoped { role, operation, component, .. } = Scoped::of(&job.verified);
+    let JobFacts { role, operation, component, .. } = JobFacts::of(&job.verified);
     let now_ms = rt.clock.now_ms();
     let kept = approvals::read_request(&rt.state_dir, &job.verified.payload.job_id);
     let resumed = kept.is_some();

@@ -7,7 +7,7 @@ use super::authorize::{AuthorizedJob, PolicyChoice};
 use super::resolve_role::ScopedRole;
 use crate::control_plane::ClientError;
 use crate::control_plane::retry::{Policy, Retried, retry};
-use crate::journal::{Event, JournalError};
+use crate::journal::{Event, RecordError};
 use crate::runtime::Rt;
 
 pub struct ClaimedJob {
@@ -29,7 +29,7 @@ pub enum ClaimOutcome {
     },
 }
 
-pub async fn claim(rt: &Rt, job: AuthorizedJob) -> Result<ClaimOutcome, JournalError> {
+pub async fn claim(rt: &Rt, job: AuthorizedJob) -> Result<ClaimOutcome, RecordError> {
     let AuthorizedJob { verified, role, policy } = job;
     let job_id = verified.payload.job_id.clone();
     let expires_at = verified.payload.expires_at;

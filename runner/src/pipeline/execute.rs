@@ -17,16 +17,10 @@ use super::VerifiedJob;
 use super::assume_role::{AssumedJob, NotAssumed, Session};
 use super::gate::ClearedJob;
 use crate::clock::now_ms;
-use crate::journal::{Event, JournalError};
+use crate::journal::{Event, RecordError};
 use crate::runtime::Rt;
 use crate::spool::{LogCap, SpoolDigest, SpoolWriter, Uploader};
-pub const WORK_DIR: &str = "work";
-/// Saved plans of plan-only terraform jobs.
-pub const PLANS_DIR: &str = "plans";
-/// Local terraform state, by workspace (without a state bucket).
-pub const TFSTATE_DIR: &str = "tfstate";
-/// Components fetched by digest, unpacked, by digest.
-pub const ARTIFACTS_DIR: &str = "artifacts";
+use crate::state_dir::StateDir;
 
 /// A job that ran (or was refused a role), before its end is journaled.
 pub struct RanJob {
@@ -37,13 +31,13 @@ pub struct RanJob {
     pub log: SpoolDigest,
 }
 
-pub async fn execute(rt: &Rt, job: AssumedJob) -> Result<RanJob, JournalError> {
+pub async fn execute(rt: &Rt, job: AssumedJob) -> Result<RanJob, RecordError> {
     let AssumedJob { cleared, session } = job;
     run(rt, cleared, session, None).await
 }
 
 /// A job that may not run: its role could not be assumed.
-pub async fn not_run(rt: &Rt, job: NotAssumed) -> Result<RanJob, JournalError> {
+pub async fn not_run(rt: &Rt, job: NotAssumed) -> Result<RanJob, RecordError> {
     let NotAssumed { cleared, log_note, error } = job;
     let session = Session { log_note: Some(log_note), ..Session::default() };
     run(rt, cleared, session, Some(error)).await
@@ -55,9 +49,9 @@ async fn run(
     job: ClearedJob,
     session: Session,
     refused: Option<String>,
-) -> Result<RanJob, JournalError> {
+) -> Result<RanJob, RecordError> {
     let job_id = job.verified.payload.job_id.clone();
-    let work_dir = rt.state_dir.join(WORK_DIR).join(&job_id);
+    let work_dir = StateDir::of(&rt.state_dir).work().join(&job_id);
     let started_at_ms = now_ms();
     let network = byoc_job_executors::describe_network(
         job.verified.executor.placement(),
@@ -121,7 +115,7 @@ async fn run(
                 .tools(byoc_job_executors::ToolSettings {
                     terraform: rt.config.terraform.binary.clone(),
                     helm: rt.config.helm.binary.clone(),
-                    plans_dir: rt.state_dir.join(PLANS_DIR),
+                    plans_dir: StateDir::of(&rt.state_dir).plans(),
                     plan_max_age: rt.config.terraform.plan_max_age,
                     cli_config_file: rt.config.terraform.cli_config_file.clone(),
                     plugin_cache_dir: rt.config.terraform.plugin_cache_dir.clone(),
@@ -211,7 +205,7 @@ pub fn terraform_state(rt: &Rt) -> byoc_job_executors::terraform::state::StateSe
             key_prefix: s.key_prefix.clone().unwrap_or_else(|| rt.install_id.clone()),
             endpoint: s.endpoint.clone(),
         },
-        None => Backend::Local { root: rt.state_dir.join(TFSTATE_DIR) },
+        None => Backend::Local { root: StateDir::of(&rt.state_dir).tfstate() },
     };
     StateSettings { backend, allow_job_backend: s.allow_job_backend }
 }
@@ -220,7 +214,7 @@ pub fn terraform_state(rt: &Rt) -> byoc_job_executors::terraform::state::StateSe
 pub fn artifact_cache(rt: &Rt) -> byoc_job_executors::artifact::CacheSettings {
     let a = &rt.config.artifacts;
     byoc_job_executors::artifact::CacheSettings {
-        dir: (a.cache_bytes > 0).then(|| rt.state_dir.join(ARTIFACTS_DIR)),
+        dir: (a.cache_bytes > 0).then(|| StateDir::of(&rt.state_dir).artifacts()),
         max_bytes: a.cache_bytes,
         limits: byoc_job_executors::artifact::unpack::Limits {
             max_entries: a.max_files,
@@ -381,7 +375,10 @@ mod tests {
         let log = std::fs::read(crate::spool::spool_path(&f.rt.state_dir, "job-1")).expect("spool");
         assert_eq!(log, b"noop\n");
         assert_eq!((done.log_size, done.log_sha256), (5, byoc_protocol::sha256_hex(b"noop\n")));
-        assert!(!f.rt.state_dir.join(WORK_DIR).join("job-1").exists(), "the working directory is removed");
+        assert!(
+            !StateDir::of(&f.rt.state_dir).work().join("job-1").exists(),
+            "the working directory is removed"
+        );
     }
 
     #[tokio::test]

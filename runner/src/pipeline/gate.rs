@@ -24,7 +24,7 @@ use super::resolve_role::ScopedRole;
 use super::window::{WindowClose, check, close_of, next_opening, policy_context};
 use super::{Rejection, VerifiedJob, approval, refuse, resolve_role};
 use crate::guardrails::{WindowCheck, rfc3339};
-use crate::journal::{Event, JournalError};
+use crate::journal::{Event, RecordError};
 use crate::runtime::Rt;
 
 /// A concurrency slot a job can give back while it waits and take again to run.
@@ -67,7 +67,7 @@ pub async fn clear(
     claimed: ClaimedJob,
     slot: &mut impl JobSlot,
     window: WindowCheck,
-) -> Result<Gated, JournalError> {
+) -> Result<Gated, RecordError> {
     let mut claimed = claimed;
     if matches!(window, WindowCheck::Closed { .. }) {
         claimed = match wait_for_window(rt, claimed, slot, window).await? {
@@ -115,7 +115,7 @@ async fn wait_for_window(
     job: ClaimedJob,
     slot: &mut impl JobSlot,
     first: WindowCheck,
-) -> Result<Waited, JournalError> {
+) -> Result<Waited, RecordError> {
     let mut current = Some(first);
     hold(rt, job, slot, |rt, job| {
         let now = current.take().unwrap_or_else(|| check(rt, job));
@@ -161,7 +161,7 @@ pub(super) async fn hold<F>(
     job: ClaimedJob,
     slot: &mut impl JobSlot,
     mut look: F,
-) -> Result<Waited, JournalError>
+) -> Result<Waited, RecordError>
 where
     F: FnMut(&Rt, &VerifiedJob) -> Look,
 {
@@ -189,7 +189,7 @@ async fn hold_loop<F>(
     job: ClaimedJob,
     slot: &mut impl JobSlot,
     look: &mut F,
-) -> Result<Waited, JournalError>
+) -> Result<Waited, RecordError>
 where
     F: FnMut(&Rt, &VerifiedJob) -> Look,
 {
@@ -295,7 +295,7 @@ where
 }
 
 /// The vendor cancelled a job that never started: journaled cancelled, reported.
-fn settle_cancelled(rt: &Rt, job_id: &str, state: &str) -> Result<(), JournalError> {
+fn settle_cancelled(rt: &Rt, job_id: &str, state: &str) -> Result<(), RecordError> {
     rt.transition(Event::Finished {
         job_id: job_id.to_string(),
         status: JobStatus::Cancelled,

@@ -4,9 +4,7 @@
 
 use super::VerifiedJob;
 use crate::runtime::Rt;
-
-/// Where held jobs' envelopes wait (see the module's doc).
-pub const HELD_DIR: &str = "held";
+use crate::state_dir::StateDir;
 
 #[derive(serde::Serialize, serde::Deserialize)]
 struct Held {
@@ -15,25 +13,21 @@ struct Held {
 }
 
 fn held_path(state_dir: &std::path::Path, job_id: &str) -> std::path::PathBuf {
-    state_dir.join(HELD_DIR).join(format!("{job_id}.json"))
+    StateDir::of(state_dir).held().join(format!("{job_id}.json"))
 }
 
 /// Keep a held job's envelope so a restart can resume it.
-pub(super) fn keep_held(rt: &Rt, job: &VerifiedJob) -> Result<(), crate::identity::IdentityError> {
+pub(super) fn keep_held(rt: &Rt, job: &VerifiedJob) -> std::io::Result<()> {
     use std::os::unix::fs::DirBuilderExt as _;
-    let dir = rt.state_dir.join(HELD_DIR);
-    std::fs::DirBuilder::new()
-        .recursive(true)
-        .mode(0o700)
-        .create(&dir)
-        .map_err(|source| crate::identity::IdentityError::Write { path: dir.clone(), source })?;
+    let dir = StateDir::of(&rt.state_dir).held();
+    let at = |path: &std::path::Path, e: std::io::Error| {
+        std::io::Error::new(e.kind(), format!("{}: {e}", path.display()))
+    };
+    std::fs::DirBuilder::new().recursive(true).mode(0o700).create(&dir).map_err(|e| at(&dir, e))?;
     let held = Held { delivery_id: job.delivery_id.clone(), envelope: job.envelope.clone() };
     let path = held_path(&rt.state_dir, &job.payload.job_id);
-    let bytes = serde_json::to_vec(&held).map_err(|e| crate::identity::IdentityError::Write {
-        path: path.clone(),
-        source: std::io::Error::other(e),
-    })?;
-    crate::identity::write_atomic(&path, &bytes, 0o600)
+    let bytes = serde_json::to_vec(&held).map_err(std::io::Error::other)?;
+    crate::state_dir::write(&path, &bytes, 0o600).map_err(|e| at(&path, e))
 }
 
 /// The job left the gate (ran, or was settled): its envelope goes.

@@ -40,7 +40,7 @@ pub mod window;
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 
-use crate::journal::{Event, JournalError};
+use crate::journal::{Event, RecordError};
 use crate::runtime::Rt;
 
 pub use assume_role::AssumedJob;
@@ -154,7 +154,7 @@ pub(crate) fn verifier<'a>(
 }
 
 /// Journal `received` before anything acts on the job: its nonce is spent.
-pub(crate) fn record_received(rt: &Rt, job: &VerifiedJob) -> Result<(), JournalError> {
+pub(crate) fn record_received(rt: &Rt, job: &VerifiedJob) -> Result<(), RecordError> {
     let p = &job.payload;
     // On the poll loop, before the job's own task: its journal entry gets the job's fields.
     let fields = crate::logging::JobFields::of(p);
@@ -184,7 +184,7 @@ pub async fn run_job<Slot: gate::JobSlot>(
     rt: Rt,
     job: VerifiedJob,
     mut slot: Slot,
-) -> Result<(), JournalError> {
+) -> Result<(), RecordError> {
     let job_id = job.payload.job_id.clone();
     let scoped = match resolve_role::scope(&rt, job).await {
         Ok(scoped) => scoped,
@@ -223,7 +223,7 @@ pub async fn run_job<Slot: gate::JobSlot>(
 }
 
 /// A job settled while it waited: a cancelled one has a result to report.
-async fn report_if_finished(rt: &Rt, job_id: &str) -> Result<(), JournalError> {
+async fn report_if_finished(rt: &Rt, job_id: &str) -> Result<(), RecordError> {
     match FinishedJob::from_journal(rt, job_id) {
         Some(finished) => report::report(rt, finished).await.map(|_| ()),
         None => Ok(()),

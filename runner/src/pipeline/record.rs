@@ -9,7 +9,7 @@ use byoc_protocol::JobResult;
 use super::VerifiedJob;
 use super::execute::RanJob;
 use crate::clock::now_ms;
-use crate::journal::{Event, JournalError};
+use crate::journal::{Event, RecordError};
 use crate::runtime::Rt;
 
 /// A job whose end is journaled, with the result to report.
@@ -33,7 +33,7 @@ impl FinishedJob {
     }
 }
 
-pub fn record(rt: &Rt, ran: RanJob) -> Result<FinishedJob, JournalError> {
+pub fn record(rt: &Rt, ran: RanJob) -> Result<FinishedJob, RecordError> {
     let RanJob { verified, started_at_ms, outcome, log } = ran;
     let job_id = verified.payload.job_id.clone();
     keep_for_later(rt, &job_id, &verified, &outcome);

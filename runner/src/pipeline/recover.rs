@@ -15,11 +15,12 @@ use std::future::Future;
 
 use crate::clock::now_ms;
 use crate::control_plane::retry::{Policy, Retried, retry};
-use crate::journal::{Event, JournalError, Phase};
+use crate::journal::{Event, Phase, RecordError};
 use crate::runtime::Rt;
 use crate::spool;
+use crate::state_dir::StateDir;
 
-use super::{JobsInHand, execute, report};
+use super::{JobsInHand, report};
 
 /// A job recovery wants finished in the background (on the daemon's task set).
 pub type Settle = std::pin::Pin<Box<dyn Future<Output = ()> + Send>>;
@@ -30,7 +31,7 @@ pub fn recover(
     rt: &Rt,
     in_hand: &JobsInHand,
     resumed: &std::collections::HashSet<String>,
-) -> Result<Vec<Settle>, JournalError> {
+) -> Result<Vec<Settle>, RecordError> {
     let mut tasks: Vec<Settle> = Vec::new();
     let unclaimed: Vec<(String, String, super::Origin)> = rt.journal.with_index(|i| {
         i.jobs
@@ -125,7 +126,7 @@ fn in_job_span(rt: &Rt, job_id: String, task: impl Future<Output = ()> + Send + 
 
 /// A claimed or started job the runner stopped under: finished as interrupted, with
 /// what its log holds; its working directory and sandbox mount point removed.
-fn interrupt(rt: &Rt, job_id: &str, phase: Phase) -> Result<(), JournalError> {
+fn interrupt(rt: &Rt, job_id: &str, phase: Phase) -> Result<(), RecordError> {
     // Past its cap the log's tail is in a ring beside the spool: it goes after the head,
     // in order, as the job's end would have put it.
     let cap = spool::LogCap::of(rt.config.jobs.log_max_bytes);
@@ -156,12 +157,12 @@ fn interrupt(rt: &Rt, job_id: &str, phase: Phase) -> Result<(), JournalError> {
         finished_at_ms: now_ms(),
         outputs: serde_json::Value::Null,
     })?;
-    let work_dir = rt.state_dir.join(execute::WORK_DIR).join(job_id);
+    let work_dir = StateDir::of(&rt.state_dir).work().join(job_id);
     // A terraform job's local state, as far as terraform got, goes back to its workspace
     // before the directory does: what it created exists, and the next plan must know.
     // The workspace is the one journaled when the job started, never a name read from
     // the job's directory.
-    let tfstate = rt.state_dir.join(execute::TFSTATE_DIR);
+    let tfstate = StateDir::of(&rt.state_dir).tfstate();
     let workspace = rt.journal.job(job_id).and_then(|j| j.state_workspace);
     let salvaged = match &workspace {
         Some(ws) if work_dir.is_dir() => {
@@ -188,7 +189,7 @@ fn interrupt(rt: &Rt, job_id: &str, phase: Phase) -> Result<(), JournalError> {
     // The runner's sealed copies beside it (a terraform job's plan).
     let _ = std::fs::remove_dir_all(work_dir.with_file_name(format!("{job_id}.sealed")));
     // The sandboxes' mount points, `<job id>-s<n>` (their namespaces died with the runner).
-    let roots = rt.state_dir.join(crate::runtime::ROOTS_DIR);
+    let roots = StateDir::of(&rt.state_dir).roots();
     let prefix = format!("{job_id}-s");
     for entry in std::fs::read_dir(&roots).into_iter().flatten().flatten() {
         let name = entry.file_name();
@@ -208,7 +209,7 @@ async fn settle_unclaimed(
     origin: super::Origin,
     job_id: &str,
     delivery_id: &str,
-) -> Result<(), JournalError> {
+) -> Result<(), RecordError> {
     let policy = Policy::new(rt.config.poll.backoff_initial, rt.config.poll.backoff_max);
     let claimed = retry(policy, &rt.stop_reporting, |_| async {
         match rt.plane(origin).claim(job_id, delivery_id).await {
@@ -278,7 +279,7 @@ mod tests {
             state_workspace: None,
         })
         .expect("journal");
-        let work = f.rt.state_dir.join(execute::WORK_DIR).join("job-1");
+        let work = StateDir::of(&f.rt.state_dir).work().join("job-1");
         std::fs::create_dir_all(&work).expect("work dir");
         let sealed = work.with_file_name("job-1.sealed");
         std::fs::create_dir_all(&sealed).expect("sealed dir");

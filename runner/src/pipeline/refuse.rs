@@ -4,7 +4,7 @@
 
 use super::Rejection;
 use crate::control_plane::retry::{Policy, Retried, retry};
-use crate::journal::{Event, JournalError};
+use crate::journal::{Event, RecordError};
 use crate::runtime::Rt;
 
 /// How many times a rejection report is tried (it is advisory: the control plane also
@@ -37,7 +37,7 @@ pub fn journal_rejection(rt: &Rt, r: &Rejection) {
 
 /// A received job refused before its claim: journaled (and audited) as refused, then
 /// reported to the control plane like any rejection.
-pub async fn refuse_received(rt: &Rt, job: &super::VerifiedJob, r: Rejection) -> Result<(), JournalError> {
+pub async fn refuse_received(rt: &Rt, job: &super::VerifiedJob, r: Rejection) -> Result<(), RecordError> {
     tracing::warn!(reason = r.reason.code(), detail = %r.detail, "Job refused.");
     rt.transition(Event::Refused {
         job_id: job.payload.job_id.clone(),

@@ -7,7 +7,7 @@ use byoc_protocol::JobResult;
 use super::record::FinishedJob;
 use crate::control_plane::ClientError;
 use crate::control_plane::retry::{Policy, Retried, retry};
-use crate::journal::{Event, Finished, JobRecord, JournalError};
+use crate::journal::{Event, Finished, JobRecord, RecordError};
 use crate::runtime::Rt;
 use crate::spool::Uploader;
 
@@ -34,7 +34,7 @@ pub enum Reported {
     Refused(String),
 }
 
-pub async fn report(rt: &Rt, finished: FinishedJob) -> Result<Reported, JournalError> {
+pub async fn report(rt: &Rt, finished: FinishedJob) -> Result<Reported, RecordError> {
     let FinishedJob { job_id, origin, result } = finished;
     let plane = rt.plane(origin);
     let job_id = job_id.as_str();

@@ -18,8 +18,9 @@ pub struct WindowClose {
     pub at: i64,
 }
 
-/// What the guardrails' rules match a job by, owned (see `guardrails::JobScope`).
-pub struct Scoped {
+/// The facts about a job the guardrails' rules match it by, owned (`scope()` lends
+/// them as a `guardrails::JobScope`).
+pub struct JobFacts {
     pub role: Option<String>,
     pub role_type: Option<String>,
     /// `entity.operation`.
@@ -30,10 +31,10 @@ pub struct Scoped {
     pub effect: byoc_protocol::Effect,
 }
 
-impl Scoped {
-    pub fn of(job: &VerifiedJob) -> Scoped {
+impl JobFacts {
+    pub fn of(job: &VerifiedJob) -> JobFacts {
         let p = &job.payload;
-        Scoped {
+        JobFacts {
             role: job.role.as_ref().map(|d| d.role.name.clone()),
             role_type: job.role.as_ref().map(|d| d.role.role_type.as_str().to_string()),
             operation: format!("{}.{}", p.entity, p.operation),
@@ -60,7 +61,7 @@ pub fn check(rt: &Rt, job: &VerifiedJob) -> WindowCheck {
     if rt.config.guardrails.is_empty() {
         return WindowCheck::Unbound;
     }
-    rt.config.guardrails.check(&Scoped::of(job).scope(), rt.clock.unix_now())
+    rt.config.guardrails.check(&JobFacts::of(job).scope(), rt.clock.unix_now())
 }
 
 /// The refusal of a job outside a window whose rule refuses.

@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use super::model::RoleDef;
-use super::pause::CONTROL_DIR;
+use crate::state_dir::StateDir;
 
 pub const ALLOWANCES_FILE: &str = "allowances.json";
 /// The longest an allowance holds, however it was written (the CLI refuses longer).
@@ -36,7 +36,7 @@ pub struct Allowance {
 }
 
 pub fn path(state_dir: &Path) -> PathBuf {
-    state_dir.join(CONTROL_DIR).join(ALLOWANCES_FILE)
+    StateDir::of(state_dir).control().join(ALLOWANCES_FILE)
 }
 
 /// Every allowance on record, by role name (expired ones included until replaced).
@@ -61,10 +61,10 @@ pub enum AllowancesError {
 }
 
 fn write(state_dir: &Path, all: &BTreeMap<String, Allowance>) -> std::io::Result<()> {
-    byoc_statefs::create_dir(&state_dir.join(CONTROL_DIR), 0o700)?;
+    byoc_statefs::create_dir(&StateDir::of(state_dir).control(), 0o700)?;
     let bytes = serde_json::to_vec_pretty(all).map_err(std::io::Error::other)?;
     // Readable by the daemon's user whoever writes it (`control/` keeps others out).
-    byoc_statefs::write(&path(state_dir), &bytes, byoc_statefs::Options::mode(0o644))
+    crate::state_dir::write(&path(state_dir), &bytes, 0o644)
 }
 
 /// Grant (or replace) `role`'s allowance. A damaged file is replaced: the customer is
@@ -187,7 +187,7 @@ pub fn sync(
     if now_seen != seen {
         let bytes = serde_json::to_vec(&now_seen)
             .map_err(|e| AllowancesError::Read { path: record.clone(), source: std::io::Error::other(e) })?;
-        byoc_statefs::write(&record, &bytes, byoc_statefs::Options::mode(0o600))
+        crate::state_dir::write(&record, &bytes, 0o600)
             .map_err(|source| AllowancesError::Read { path: record.clone(), source })?;
     }
     Ok(now_seen.into_iter().map(|(role, s)| (role, s.honoured)).collect())
@@ -207,7 +207,7 @@ pub fn newly_expired(
 ) -> Vec<(String, Allowance)> {
     let all = honoured.clone();
     let audited: BTreeMap<String, u64> =
-        std::fs::read(state_dir.join(CONTROL_DIR).join(EXPIRED_AUDITED_FILE))
+        std::fs::read(StateDir::of(state_dir).control().join(EXPIRED_AUDITED_FILE))
             .ok()
             .and_then(|b| serde_json::from_slice(&b).ok())
             .unwrap_or_default();
@@ -222,17 +222,13 @@ pub fn mark_expired_audited(
     honoured: &BTreeMap<String, Allowance>,
     done: &[(String, Allowance)],
 ) -> std::io::Result<()> {
-    let dir = state_dir.join(CONTROL_DIR);
+    let dir = StateDir::of(state_dir).control();
     let file = dir.join(EXPIRED_AUDITED_FILE);
     let mut audited: BTreeMap<String, u64> =
         std::fs::read(&file).ok().and_then(|b| serde_json::from_slice(&b).ok()).unwrap_or_default();
     audited.retain(|role, _| honoured.contains_key(role));
     audited.extend(done.iter().map(|(role, a)| (role.clone(), a.until_ms)));
-    byoc_statefs::write(
-        &file,
-        &serde_json::to_vec(&audited).map_err(std::io::Error::other)?,
-        byoc_statefs::Options::mode(0o600),
-    )
+    crate::state_dir::write(&file, &serde_json::to_vec(&audited).map_err(std::io::Error::other)?, 0o600)
 }
 
 /// Whether `role` needs a local allowance: `require` names roles by name or by type
@@ -375,7 +371,7 @@ mod tests {
         let outside = tempfile::tempdir().unwrap();
         let victim = outside.path().join("ld.so.preload");
         std::fs::write(&victim, b"untouched").unwrap();
-        let control = dir.path().join(CONTROL_DIR);
+        let control = StateDir::of(dir.path()).control();
         let approvals = crate::approvals::dir(dir.path());
         std::fs::create_dir_all(&approvals).unwrap();
         std::fs::create_dir_all(crate::roles::inbox::inbox_dir(dir.path())).unwrap();

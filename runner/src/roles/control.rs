@@ -9,14 +9,13 @@
 //! 0711, so members reach them and nothing else. The install sets the group as root; a
 //! daemon that is not root cannot, and says what to fix.
 
+use crate::state_dir::StateDir;
 use std::os::unix::fs::{DirBuilderExt as _, MetadataExt as _, PermissionsExt as _};
 use std::path::{Path, PathBuf};
 
-use super::pause::CONTROL_DIR;
-
 /// The directories the admin group writes to.
 pub fn dirs(state_dir: &Path) -> [PathBuf; 3] {
-    [state_dir.join(CONTROL_DIR), super::inbox::inbox_dir(state_dir), crate::approvals::dir(state_dir)]
+    [StateDir::of(state_dir).control(), super::inbox::inbox_dir(state_dir), crate::approvals::dir(state_dir)]
 }
 
 /// Make the directories (0700) and, with an admin group, give them to it. Returns what
@@ -83,7 +82,7 @@ fn shared_with(dir: &Path, gid: u32) -> bool {
 /// The admin group as the kernel shows it: the group `control/` is shared with. For a
 /// member who cannot read `runner.toml` (it is the runner's).
 pub fn shared_group(state_dir: &Path) -> Option<String> {
-    let m = std::fs::symlink_metadata(state_dir.join(CONTROL_DIR)).ok()?;
+    let m = std::fs::symlink_metadata(StateDir::of(state_dir).control()).ok()?;
     if !m.is_dir() || m.mode() & 0o2070 != 0o2070 {
         return None;
     }

@@ -373,7 +373,7 @@ fn process_output(c: &Credentials) -> Vec<u8> {
 /// the runner can traverse the parent.
 fn write_readable(path: &std::path::Path, bytes: &[u8]) -> std::io::Result<()> {
     // The mode is set exactly (the service's UMask=0077 does not apply).
-    byoc_statefs::write(path, bytes, byoc_statefs::Options::mode(0o444))
+    crate::state_dir::write(path, bytes, 0o444)
 }
 
 pub fn rfc3339(unix_secs: i64) -> String {

@@ -6,11 +6,9 @@
 
 use std::path::{Path, PathBuf};
 
+use crate::state_dir::StateDir;
 use byoc_audit::log::Record;
 
-use super::pause::CONTROL_DIR;
-
-pub const INBOX_DIR: &str = "audit-inbox";
 /// Events the CLI may leave; anything else in the inbox is audited as
 /// `customer_record_invalid` and dropped.
 pub const EVENTS: &[&str] = &[
@@ -27,7 +25,7 @@ pub const EVENTS: &[&str] = &[
 const MAX_RECORD: u64 = 16 << 10;
 
 pub fn inbox_dir(state_dir: &Path) -> PathBuf {
-    state_dir.join(CONTROL_DIR).join(INBOX_DIR)
+    StateDir::of(state_dir).audit_inbox()
 }
 
 /// Leave `record` for the daemon, durably (temp file, fsync, rename, fsync the dir).
@@ -38,7 +36,7 @@ pub fn submit(state_dir: &Path, record: &Record) -> std::io::Result<PathBuf> {
         // The daemon makes it at start; before it ever ran, make it as `control/` is
         // (its owner and mode), so the daemon can still drain it.
         std::fs::DirBuilder::new().recursive(true).mode(0o700).create(&dir)?;
-        if let Ok(control) = std::fs::metadata(state_dir.join(CONTROL_DIR)) {
+        if let Ok(control) = std::fs::metadata(StateDir::of(state_dir).control()) {
             let _ = std::os::unix::fs::chown(&dir, Some(control.uid()), Some(control.gid()));
             let _ = std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(control.mode() & 0o770));
         }
@@ -48,7 +46,7 @@ pub fn submit(state_dir: &Path, record: &Record) -> std::io::Result<PathBuf> {
     let path = dir.join(name);
     let bytes = serde_json::to_vec(record).map_err(std::io::Error::other)?;
     // Readable by the daemon's user whoever writes it (the directory keeps others out).
-    byoc_statefs::write(&path, &bytes, byoc_statefs::Options::mode(0o644))?;
+    crate::state_dir::write(&path, &bytes, 0o644)?;
     Ok(path)
 }
 

@@ -26,6 +26,7 @@ use std::sync::{Arc, Mutex};
 use serde::{Deserialize, Serialize};
 
 use crate::config::Config;
+use crate::state_dir::StateDir;
 use model::RoleDef;
 use switches::{Snapshot, SwitchSource};
 use template::InstallState;
@@ -65,8 +66,7 @@ pub struct RoleStatus {
 
 impl RolesStatus {
     pub fn load(state_dir: &Path) -> Option<RolesStatus> {
-        serde_json::from_slice(&std::fs::read(state_dir.join(pause::CONTROL_DIR).join(STATUS_FILE)).ok()?)
-            .ok()
+        serde_json::from_slice(&std::fs::read(StateDir::of(state_dir).control().join(STATUS_FILE)).ok()?).ok()
     }
 
     /// Merge a fresh view of the roles an app defines with what was known before.
@@ -220,7 +220,7 @@ impl Roles {
         // No job runs yet: credential files left by a runner that was killed belong to
         // jobs that are now interrupted, so their sessions go.
         creds::remove_stale_credential_files(&config.roles.container_credentials_dir);
-        let status_path = state_dir.join(pause::CONTROL_DIR).join(STATUS_FILE);
+        let status_path = StateDir::of(state_dir).control().join(STATUS_FILE);
         Ok(Roles {
             install: install_state(config, install_id),
             source: switch_source(config, sdk.as_ref()),
@@ -242,9 +242,8 @@ impl Roles {
     fn save_status(&self, status: &RolesStatus) {
         let bytes = serde_json::to_vec_pretty(status).unwrap_or_default();
         let parent = self.status_path.parent().unwrap_or(Path::new("."));
-        let written = byoc_statefs::create_dir(parent, 0o700).and_then(|()| {
-            byoc_statefs::write(&self.status_path, &bytes, byoc_statefs::Options::mode(0o644))
-        });
+        let written = byoc_statefs::create_dir(parent, 0o700)
+            .and_then(|()| crate::state_dir::write(&self.status_path, &bytes, 0o644));
         if let Err(e) = written {
             tracing::warn!(error = %e, "could not write {}", self.status_path.display());
         }

@@ -5,9 +5,9 @@
 
 use std::path::{Path, PathBuf};
 
+use crate::state_dir::StateDir;
 use serde::{Deserialize, Serialize};
 
-pub const CONTROL_DIR: &str = "control";
 pub const PAUSE_FILE: &str = "paused.json";
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -30,7 +30,7 @@ pub enum PauseError {
 }
 
 pub fn pause_path(state_dir: &Path) -> PathBuf {
-    state_dir.join(CONTROL_DIR).join(PAUSE_FILE)
+    StateDir::of(state_dir).control().join(PAUSE_FILE)
 }
 
 /// The pause in force, if any. An unreadable or damaged file counts as paused: the
@@ -87,7 +87,7 @@ pub fn pause(state_dir: &Path, reason: Option<String>, by: String) -> Result<Pau
     if reason.as_ref().is_some_and(|r| r.chars().count() > 500) {
         return Err(PauseError::ReasonTooLong);
     }
-    let dir = state_dir.join(CONTROL_DIR);
+    let dir = StateDir::of(state_dir).control();
     std::fs::create_dir_all(&dir).map_err(|e| PauseError::Io {
         op: "creating",
         path: dir.clone(),
@@ -95,11 +95,11 @@ pub fn pause(state_dir: &Path, reason: Option<String>, by: String) -> Result<Pau
     })?;
     let p = Pause { paused_at_ms: crate::clock::now_ms(), reason, by };
     let path = pause_path(state_dir);
-    byoc_statefs::write(
+    crate::state_dir::write(
         &path,
         &serde_json::to_vec_pretty(&p).unwrap_or_default(),
         // Readable by the daemon's user whoever writes it (`control/` keeps others out).
-        byoc_statefs::Options::mode(0o644),
+        0o644,
     )
     .map_err(|e| PauseError::Io { op: "writing", path: path.clone(), source: e })?;
     Ok(p)
@@ -110,7 +110,7 @@ pub fn resume(state_dir: &Path) -> Result<bool, PauseError> {
     let path = pause_path(state_dir);
     match std::fs::remove_file(&path) {
         Ok(()) => {
-            sync_dir(&state_dir.join(CONTROL_DIR))?;
+            sync_dir(&StateDir::of(state_dir).control())?;
             Ok(true)
         }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),

@@ -14,10 +14,10 @@ use byoc_protocol::JobPayload;
 use serde::{Deserialize, Serialize};
 
 use crate::roles::template::InstallState;
+use crate::state_dir::StateDir;
 
 pub mod declare;
 
-pub const SECRETS_DIR: &str = "secrets";
 const DIGEST_KEY_FILE: &str = "digest.key";
 const LEDGER_FILE: &str = "ledger.json";
 
@@ -77,7 +77,7 @@ pub fn settings(
 /// The install's digest key: 32 random bytes made on first use, 0600, never sent.
 pub fn digest_key(state_dir: &Path) -> std::io::Result<Vec<u8>> {
     let _held = LOCK.lock().unwrap_or_else(|e| e.into_inner());
-    let path = state_dir.join(SECRETS_DIR).join(DIGEST_KEY_FILE);
+    let path = StateDir::of(state_dir).secrets().join(DIGEST_KEY_FILE);
     match std::fs::read(&path) {
         Ok(k) if k.len() == 32 => return Ok(k),
         Ok(_) => {
@@ -91,13 +91,13 @@ pub fn digest_key(state_dir: &Path) -> std::io::Result<Vec<u8>> {
     }
     make_dir(state_dir)?;
     let key = hex::decode(byoc_protocol::random_hex(32)).map_err(std::io::Error::other)?;
-    crate::identity::write_atomic(&path, &key, 0o600).map_err(std::io::Error::other)?;
+    crate::state_dir::write(&path, &key, 0o600)?;
     Ok(key)
 }
 
 fn make_dir(state_dir: &Path) -> std::io::Result<PathBuf> {
     use std::os::unix::fs::DirBuilderExt as _;
-    let dir = state_dir.join(SECRETS_DIR);
+    let dir = StateDir::of(state_dir).secrets();
     std::fs::DirBuilder::new().recursive(true).mode(0o700).create(&dir)?;
     Ok(dir)
 }
@@ -152,13 +152,13 @@ pub fn record(
     let dir = make_dir(state_dir)?;
     let entries: Vec<&LedgerEntry> = ledger.values().collect();
     let bytes = serde_json::to_vec_pretty(&entries).map_err(std::io::Error::other)?;
-    crate::identity::write_atomic(&dir.join(LEDGER_FILE), &bytes, 0o600).map_err(std::io::Error::other)?;
+    crate::state_dir::write(&dir.join(LEDGER_FILE), &bytes, 0o600)?;
     Ok(n)
 }
 
 /// Every secret a job has written on this runner, by name.
 pub fn ledger(state_dir: &Path) -> Vec<LedgerEntry> {
-    std::fs::read(state_dir.join(SECRETS_DIR).join(LEDGER_FILE))
+    std::fs::read(StateDir::of(state_dir).secrets().join(LEDGER_FILE))
         .ok()
         .and_then(|b| serde_json::from_slice(&b).ok())
         .unwrap_or_default()
