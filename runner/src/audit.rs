@@ -226,7 +226,7 @@ pub fn record_for(event: &Event) -> Record {
             r.job = Some(job_id.clone());
             r.status = Some(state.clone());
             r.detail = Some(match until {
-                Some(t) => format!("{detail}; until {}", crate::guardrails::rfc3339(*t)),
+                Some(t) => format!("{detail}; until {}", crate::clock::rfc3339(*t)),
                 None => detail.clone(),
             });
         }

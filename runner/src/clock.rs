@@ -2,6 +2,17 @@
 //! session lifetimes) takes a `&dyn Clock` where a test must fix the time; everything
 //! else reads `now_ms()`/`unix_now()`, which are the system clock.
 
+/// A time as RFC 3339 in UTC (`2026-11-27T23:12:15Z`): the one way the runner writes a
+/// time in logs, reports, the CLI and the role session's files. Out of range: the number.
+pub fn rfc3339(unix_secs: i64) -> String {
+    jiff::Timestamp::from_second(unix_secs).map(|t| t.to_string()).unwrap_or_else(|_| unix_secs.to_string())
+}
+
+/// `rfc3339` of a time in milliseconds (to the second).
+pub fn rfc3339_ms(ms: u64) -> String {
+    rfc3339((ms / 1000) as i64)
+}
+
 /// The longest duration a customer may type (an allowance, an approval's expiry, a
 /// one-off window): 7 days.
 pub const MAX_DURATION_SECS: u64 = 7 * 86_400;
@@ -111,6 +122,14 @@ pub fn unix_now() -> i64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn formats_utc_timestamps() {
+        assert_eq!(rfc3339_ms(0), "1970-01-01T00:00:00Z");
+        assert_eq!(rfc3339_ms(1_795_000_000_000), "2026-11-18T11:06:40Z");
+        assert_eq!(rfc3339_ms(951_782_400_000), "2000-02-29T00:00:00Z");
+        assert_eq!(rfc3339(1_795_000_000), "2026-11-18T11:06:40Z");
+    }
 
     #[test]
     fn since_takes_a_time_a_date_or_how_long_ago() {

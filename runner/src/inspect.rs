@@ -220,37 +220,9 @@ pub fn log(state_dir: &Path, job_id: &str) -> Result<Vec<u8>, InspectError> {
     }
 }
 
-pub fn format_ms(ms: u64) -> String {
-    let secs = (ms / 1000) as i64;
-    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
-    let (y, m, d) = civil_from_days(days);
-    format!("{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z", rem / 3600, rem % 3600 / 60, rem % 60)
-}
-
-/// Days since 1970-01-01 → (year, month, day), proleptic Gregorian (H. Hinnant).
-fn civil_from_days(z: i64) -> (i64, u32, u32) {
-    let z = z + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let y = yoe + era * 400;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
-    (if m <= 2 { y + 1 } else { y }, m, d)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn formats_utc_timestamps() {
-        assert_eq!(format_ms(0), "1970-01-01T00:00:00Z");
-        assert_eq!(format_ms(1_795_000_000_000), "2026-11-18T11:06:40Z");
-        assert_eq!(format_ms(951_782_400_000), "2000-02-29T00:00:00Z");
-    }
 
     #[test]
     fn missing_state_dir_says_so() {

@@ -84,7 +84,7 @@ impl Runtime {
                 detail: Some(format!(
                     "written by {}, until {}{}: {}",
                     a.by,
-                    crate::roles::creds::rfc3339((a.until_ms / 1000) as i64),
+                    crate::clock::rfc3339((a.until_ms / 1000) as i64),
                     note.map(|n| format!(" ({n})")).unwrap_or_default(),
                     a.reason
                 )),
@@ -112,7 +112,7 @@ impl Runtime {
                     "granted by {} ({}), expired at {}",
                     a.by,
                     a.reason,
-                    crate::roles::creds::rfc3339((a.until_ms / 1000) as i64)
+                    crate::clock::rfc3339((a.until_ms / 1000) as i64)
                 )),
                 ..Default::default()
             };

@@ -18,7 +18,7 @@ fn unix_now() -> i64 {
 }
 
 fn rfc3339(unix: i64) -> String {
-    byoc_runner::guardrails::rfc3339(unix)
+    byoc_runner::clock::rfc3339(unix)
 }
 
 /// Actions wait for a window opening at `opens`; sandbox provisioning is refused

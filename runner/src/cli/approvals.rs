@@ -5,7 +5,7 @@
 
 use super::{Output, StateArgs, print_json, state_dir};
 use crate::approvals::{self, Decision};
-use crate::inspect::format_ms;
+use crate::clock::rfc3339_ms as format_ms;
 use crate::state_dir::StateDir;
 
 pub(super) fn list(s: &StateArgs) -> anyhow::Result<()> {

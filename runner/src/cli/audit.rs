@@ -197,7 +197,7 @@ fn inspect(cmd: AuditCmd) -> anyhow::Result<()> {
                 // For people: the record's time in ISO 8601 beside its milliseconds.
                 let mut v: serde_json::Value = serde_json::from_str(&line)?;
                 if let Some(ms) = v["time_ms"].as_u64() {
-                    v["time"] = crate::inspect::format_ms(ms).into();
+                    v["time"] = crate::clock::rfc3339_ms(ms).into();
                 }
                 println!("{}", serde_json::to_string_pretty(&v)?);
             }
@@ -244,7 +244,7 @@ pub(super) fn record_line(line: &str) -> String {
     let mut out = format!(
         "{:>6}  {}  {}",
         v["seq"].as_u64().map(|n| n.to_string()).unwrap_or_default(),
-        v["time_ms"].as_u64().map(crate::inspect::format_ms).unwrap_or_default(),
+        v["time_ms"].as_u64().map(crate::clock::rfc3339_ms).unwrap_or_default(),
         v["event"].as_str().unwrap_or("?")
     );
     for key in ["job", "kind", "operation", "role", "status", "reason", "exit_code"] {

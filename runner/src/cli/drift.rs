@@ -3,7 +3,6 @@
 
 use super::{Output, StateArgs, print_json, state_dir};
 use crate::drift::local;
-use crate::inspect;
 
 #[derive(clap::Subcommand)]
 pub(super) enum DriftAction {
@@ -50,7 +49,13 @@ fn targets(s: &StateArgs) -> anyhow::Result<()> {
     }
     println!("{:<20} {:<11} {:<21} FROM DEPLOY", "NAME", "KIND", "RECORDED");
     for t in &all {
-        println!("{:<20} {:<11} {:<21} {}", t.name, t.kind, inspect::format_ms(t.recorded_at_ms), t.from_job);
+        println!(
+            "{:<20} {:<11} {:<21} {}",
+            t.name,
+            t.kind,
+            crate::clock::rfc3339_ms(t.recorded_at_ms),
+            t.from_job
+        );
     }
     Ok(())
 }
@@ -125,7 +130,7 @@ fn list(s: &StateArgs) -> anyhow::Result<()> {
             r.workspace,
             r.kind,
             r.verdict,
-            inspect::format_ms(r.checked_at_ms),
+            crate::clock::rfc3339_ms(r.checked_at_ms),
             r.job_id,
             r.drifted.as_array().map_or(0, Vec::len),
             would

@@ -94,7 +94,7 @@ pub(super) fn run(cmd: JobsCmd) -> anyhow::Result<()> {
                     j.job_id,
                     j.kind,
                     inspect::status_label(&j),
-                    inspect::format_ms(j.received_at_ms),
+                    crate::clock::rfc3339_ms(j.received_at_ms),
                     dur
                 );
             }
@@ -124,12 +124,12 @@ pub(super) fn run(cmd: JobsCmd) -> anyhow::Result<()> {
             println!("role:       {}", role.unwrap_or("none (no role asked, or refused before one)"));
             println!("status:     {}", inspect::status_label(&j));
             println!("phase:      {}", j.phase.as_str());
-            println!("received:   {}", inspect::format_ms(j.received_at_ms));
+            println!("received:   {}", crate::clock::rfc3339_ms(j.received_at_ms));
             if let Some(s) = j.started_at_ms {
-                println!("started:    {}", inspect::format_ms(s));
+                println!("started:    {}", crate::clock::rfc3339_ms(s));
             }
             if let Some(f) = &j.finished {
-                println!("finished:   {}", inspect::format_ms(f.finished_at_ms));
+                println!("finished:   {}", crate::clock::rfc3339_ms(f.finished_at_ms));
                 println!("exit code:  {}", f.exit_code.map(|c| c.to_string()).unwrap_or_else(|| "-".into()));
                 println!("log:        {} bytes, sha256 {}", f.log_size, f.log_sha256);
                 if f.log_omitted > 0 {
@@ -193,7 +193,7 @@ pub(super) fn run(cmd: JobsCmd) -> anyhow::Result<()> {
             for r in rs {
                 println!(
                     "{:<21} {:<20} {:<24} {}",
-                    inspect::format_ms(r.ts),
+                    crate::clock::rfc3339_ms(r.ts),
                     r.reason.code(),
                     r.job_id.as_deref().unwrap_or("-"),
                     r.detail

@@ -3,7 +3,6 @@
 //! runner keeps none.
 
 use super::{Output, StateArgs, print_json, state_dir};
-use crate::inspect;
 
 pub(super) fn list(s: &StateArgs) -> anyhow::Result<()> {
     let all = crate::secrets::ledger(&state_dir(s));
@@ -22,7 +21,7 @@ pub(super) fn list(s: &StateArgs) -> anyhow::Result<()> {
             "{:<24} {:<38} {:<21} {:<28} {}",
             e.name,
             e.version_id.as_deref().unwrap_or("(not set)"),
-            inspect::format_ms(e.at_ms),
+            crate::clock::rfc3339_ms(e.at_ms),
             e.job_id,
             if e.written_to.is_empty() { "nothing".to_string() } else { e.written_to.join(", ") }
         );

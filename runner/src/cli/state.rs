@@ -39,7 +39,7 @@ pub(super) fn status(s: &StateArgs) -> anyhow::Result<i32> {
     }
     let ago = |ms: u64| {
         let secs = crate::clock::now_ms().saturating_sub(ms) / 1000;
-        format!("{} ({secs} s ago)", inspect::format_ms(ms))
+        format!("{} ({secs} s ago)", crate::clock::rfc3339_ms(ms))
     };
     println!("last poll:      {}", contact.last_poll_ms.map(ago).unwrap_or_else(|| "never answered".into()));
     if let Some(e) = &contact.poll_error {
@@ -84,7 +84,7 @@ pub(super) fn status(s: &StateArgs) -> anyhow::Result<i32> {
         Some(p) => println!(
             "paused:         yes, by {} since {}{}",
             p.by,
-            inspect::format_ms(p.paused_at_ms),
+            crate::clock::rfc3339_ms(p.paused_at_ms),
             p.reason.as_deref().map(|r| format!(" ({r})")).unwrap_or_default()
         ),
         None => println!("paused:         no"),
@@ -102,7 +102,12 @@ pub(super) fn status(s: &StateArgs) -> anyhow::Result<i32> {
     println!("disk use:       {}", used.join(", "));
     match &st.last_rejection {
         Some(r) => {
-            println!("rejections:     {} (last: {} at {})", st.rejections, r.reason, inspect::format_ms(r.ts))
+            println!(
+                "rejections:     {} (last: {} at {})",
+                st.rejections,
+                r.reason,
+                crate::clock::rfc3339_ms(r.ts)
+            )
         }
         None => println!("rejections:     0"),
     }
@@ -149,7 +154,7 @@ pub(super) fn pause(s: &StateArgs, reason: Option<String>) -> anyhow::Result<()>
         println!(
             "already paused by {} since {}{}; nothing changed (`byoc-runner resume` first to pause anew)",
             p.by,
-            crate::inspect::format_ms(p.paused_at_ms),
+            crate::clock::rfc3339_ms(p.paused_at_ms),
             p.reason.as_deref().map(|r| format!(" ({r})")).unwrap_or_default()
         );
         return Ok(());
@@ -210,12 +215,12 @@ pub(super) fn roles(s: &StateArgs, refresh: bool) -> anyhow::Result<()> {
                 Ok(all) => match all.get(&r.name) {
                     Some(a) if a.until_ms > now => format!(
                         "allowed until {} by {} ({})",
-                        crate::roles::creds::rfc3339((a.until_ms / 1000) as i64),
+                        crate::clock::rfc3339((a.until_ms / 1000) as i64),
                         a.by,
                         a.reason
                     ),
                     Some(a) => {
-                        format!("expired {}", crate::roles::creds::rfc3339((a.until_ms / 1000) as i64))
+                        format!("expired {}", crate::clock::rfc3339((a.until_ms / 1000) as i64))
                     }
                     None => format!("needs `byoc-runner roles allow {} --for DURATION --reason …`", r.name),
                 },
@@ -238,7 +243,7 @@ pub(super) fn roles(s: &StateArgs, refresh: bool) -> anyhow::Result<()> {
     println!(
         "switches: {} (read {})",
         status.switch_source,
-        status.switches_read_ms.map(inspect::format_ms).unwrap_or_else(|| "never".into())
+        status.switches_read_ms.map(crate::clock::rfc3339_ms).unwrap_or_else(|| "never".into())
     );
     println!(
         "{:<36} {:<12} {:<8} {:<21} {:<24} SWITCH",
@@ -250,7 +255,7 @@ pub(super) fn roles(s: &StateArgs, refresh: bool) -> anyhow::Result<()> {
             r.name,
             r.role_type.as_str(),
             if r.enabled { "yes" } else { "no" },
-            r.last_assumed_ms.map(inspect::format_ms).unwrap_or_else(|| "-".into()),
+            r.last_assumed_ms.map(crate::clock::rfc3339_ms).unwrap_or_else(|| "-".into()),
             r.last_job.as_deref().unwrap_or("-"),
             r.source
         );
@@ -369,7 +374,7 @@ pub(super) fn roles_action(action: RolesAction) -> anyhow::Result<()> {
             );
             let now = crate::clock::now_ms();
             let a = allowance::Allowance { granted_ms: now, until_ms: now + secs * 1000, by: who, reason };
-            let until = crate::roles::creds::rfc3339((a.until_ms / 1000) as i64);
+            let until = crate::clock::rfc3339((a.until_ms / 1000) as i64);
             // On record before it takes effect.
             audit("allowance_granted", format!("until {until} ({secs}s) by {}: {}", a.by, a.reason))?;
             allowance::grant(&dir, role, a.clone())?;

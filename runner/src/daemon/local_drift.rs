@@ -127,8 +127,7 @@ impl LocalDrift {
         // no vendor's envelope to keep): outside its window, or under an approval rule,
         // it waits for the next time instead.
         if let WindowCheck::Closed { rule, next, .. } = pipeline::window::check(rt, &job) {
-            let opens =
-                next.map(|(w, at)| format!("; {w:?} opens next at {}", crate::guardrails::rfc3339(at)));
+            let opens = next.map(|(w, at)| format!("; {w:?} opens next at {}", crate::clock::rfc3339(at)));
             return Err(Some(Skip {
                 reason: "outside_window",
                 detail: format!("outside the windows of rule {rule:?}{}", opens.unwrap_or_default()),

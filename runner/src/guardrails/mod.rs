@@ -315,11 +315,6 @@ impl Window {
     }
 }
 
-/// RFC 3339 in UTC, for logs and reports.
-pub fn rfc3339(unix: i64) -> String {
-    Timestamp::from_second(unix).map(|t| t.to_string()).unwrap_or_else(|_| unix.to_string())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

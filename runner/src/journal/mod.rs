@@ -371,7 +371,7 @@ impl Index {
                     && matches!(j.phase, Phase::WaitingWindow | Phase::AwaitingApproval | Phase::Started)
                 {
                     j.detail = Some(match until {
-                        Some(t) => format!("{detail} (until {})", crate::guardrails::rfc3339(*t)),
+                        Some(t) => format!("{detail} (until {})", crate::clock::rfc3339(*t)),
                         None => detail.clone(),
                     });
                 }

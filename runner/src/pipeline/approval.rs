@@ -8,7 +8,7 @@ use super::claim::ClaimedJob;
 use super::gate::{JobSlot, Look, Waited, hold, rejection_of};
 use super::window::JobFacts;
 use super::{VerifiedJob, refuse};
-use crate::guardrails::rfc3339;
+use crate::clock::rfc3339;
 use crate::journal::RecordError;
 use crate::runtime::Rt;
 

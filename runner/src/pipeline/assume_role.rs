@@ -12,8 +12,9 @@ use byoc_job_executors::{ContainerCredentials, JobCredentials};
 
 use super::gate::ClearedJob;
 use super::resolve_role::ScopedRole;
+use crate::clock::rfc3339;
 use crate::roles::creds::{
-    CONTAINER_BUSYBOX, CONTAINER_CREDENTIALS_DIR, CredentialFile, JobEndpoint, JobSession, rfc3339,
+    CONTAINER_BUSYBOX, CONTAINER_CREDENTIALS_DIR, CredentialFile, JobEndpoint, JobSession,
 };
 use crate::roles::sts::{SessionParams, session_duration, sts_identifier, tag_value};
 use crate::runtime::Rt;

@@ -145,7 +145,7 @@ async fn run(
                 ran.error = Some(format!(
                     "maintenance window {:?} closed at {} and its rule cancels jobs then (on_close = \"cancel\")",
                     close.window,
-                    crate::guardrails::rfc3339(close.at)
+                    crate::clock::rfc3339(close.at)
                 ));
             }
             outcome = ran;

@@ -23,7 +23,8 @@ use super::held::{forget_held, keep_held};
 use super::resolve_role::ScopedRole;
 use super::window::{WindowClose, check, close_of, next_opening, policy_context};
 use super::{Rejection, VerifiedJob, approval, refuse, resolve_role};
-use crate::guardrails::{WindowCheck, rfc3339};
+use crate::clock::rfc3339;
+use crate::guardrails::WindowCheck;
 use crate::journal::{Event, RecordError};
 use crate::runtime::Rt;
 
@@ -212,7 +213,7 @@ where
         };
         let changed = reported.as_ref() != Some(&waiting);
         if changed {
-            let until = waiting.until.map(crate::guardrails::rfc3339);
+            let until = waiting.until.map(crate::clock::rfc3339);
             tracing::info!(
                 state = %waiting.state,
                 until = until.as_deref().unwrap_or("-"),

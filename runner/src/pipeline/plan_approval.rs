@@ -12,7 +12,8 @@ use byoc_job_executors::policy_gate::{ApplyApproval, ApplyRequest, ApprovalRefus
 use byoc_protocol::JobWaiting;
 
 use crate::approvals;
-use crate::guardrails::{ApprovalRule, rfc3339};
+use crate::clock::rfc3339;
+use crate::guardrails::ApprovalRule;
 use crate::journal::Event;
 use crate::runtime::Rt;
 

@@ -7,7 +7,8 @@
 use byoc_protocol::RejectReason;
 
 use super::{Rejection, VerifiedJob};
-use crate::guardrails::{JobScope, OnClose, Outside, WindowCheck, rfc3339};
+use crate::clock::rfc3339;
+use crate::guardrails::{JobScope, OnClose, Outside, WindowCheck};
 use crate::runtime::Rt;
 
 /// When the window the job runs in closes, if its rule cancels the job then.

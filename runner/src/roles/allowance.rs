@@ -170,7 +170,7 @@ pub fn sync(
             let note = (claimed.until_ms > cap).then(|| {
                 format!(
                     "claimed until {}, capped at {} days after it was first seen",
-                    super::creds::rfc3339((claimed.until_ms / 1000) as i64),
+                    crate::clock::rfc3339((claimed.until_ms / 1000) as i64),
                     MAX_ALLOWANCE_MS / 86_400_000
                 )
             });
@@ -252,7 +252,7 @@ pub fn refusal(
             Some(a) if a.until_ms <= now_ms => Some(format!(
                 "its local allowance (granted by {}) expired at {}; {how}",
                 a.by,
-                crate::roles::creds::rfc3339((a.until_ms / 1000) as i64)
+                crate::clock::rfc3339((a.until_ms / 1000) as i64)
             )),
             Some(_) => None,
         },

@@ -17,6 +17,7 @@ use http_body_util::Full;
 use hyper::{Request, Response, StatusCode};
 
 use super::sts::{Assumer, Credentials, SessionParams};
+use crate::clock::rfc3339;
 
 pub const CREDENTIALS_PATH: &str = "/v1/credentials";
 
@@ -374,12 +375,6 @@ fn process_output(c: &Credentials) -> Vec<u8> {
 fn write_readable(path: &std::path::Path, bytes: &[u8]) -> std::io::Result<()> {
     // The mode is set exactly (the service's UMask=0077 does not apply).
     crate::state_dir::write(path, bytes, 0o444)
-}
-
-pub fn rfc3339(unix_secs: i64) -> String {
-    aws_sdk_sts::primitives::DateTime::from_secs(unix_secs)
-        .fmt(aws_sdk_sts::primitives::DateTimeFormat::DateTime)
-        .unwrap_or_default()
 }
 
 #[cfg(test)]
