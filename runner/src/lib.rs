@@ -13,6 +13,7 @@
 pub mod app_policies;
 pub mod approvals;
 pub mod audit;
+pub mod audit_records;
 pub mod cli;
 pub mod clock;
 pub mod config;

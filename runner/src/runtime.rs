@@ -54,6 +54,19 @@ impl Runtime {
         Ok(())
     }
 
+    /// Append one of the runner's own records to the audit log. A failure is logged
+    /// (`Could not audit {what}`) and returned as `false`: the caller decides whether
+    /// what it records may go on without it.
+    pub fn audit_or_log(&self, record: byoc_audit::log::Record, what: &str) -> bool {
+        match self.audit.record(record) {
+            Ok(_) => true,
+            Err(e) => {
+                tracing::error!(error = %e, "Could not audit {what}: {e}.");
+                false
+            }
+        }
+    }
+
     /// Whom a job's path answers to: the control plane for a delivery, the VM itself
     /// for one of the runner's own checks.
     pub fn plane(&self, origin: crate::pipeline::Origin) -> &dyn ControlPlane {
@@ -78,18 +91,7 @@ impl Runtime {
         // One sync at a time: two would audit the same allowance twice.
         let _held = self.allowances_sync.lock().unwrap_or_else(|e| e.into_inner());
         allowance::sync(&self.state_dir, self.clock.now_ms(), &mut |role, a, note| {
-            let record = byoc_audit::log::Record {
-                event: "allowance_seen".into(),
-                role: Some(role.to_string()),
-                detail: Some(format!(
-                    "written by {}, until {}{}: {}",
-                    a.by,
-                    crate::clock::rfc3339((a.until_ms / 1000) as i64),
-                    note.map(|n| format!(" ({n})")).unwrap_or_default(),
-                    a.reason
-                )),
-                ..Default::default()
-            };
+            let record = crate::audit_records::allowance_seen(role, a, note.as_deref());
             self.audit.record(record).map(drop).map_err(|e| e.to_string())
         })
     }
@@ -105,20 +107,9 @@ impl Runtime {
         }
         let mut done = Vec::new();
         for (role, a) in expired {
-            let record = byoc_audit::log::Record {
-                event: "allowance_expired".into(),
-                role: Some(role.clone()),
-                detail: Some(format!(
-                    "granted by {} ({}), expired at {}",
-                    a.by,
-                    a.reason,
-                    crate::clock::rfc3339((a.until_ms / 1000) as i64)
-                )),
-                ..Default::default()
-            };
             tracing::info!(role = %role, "A local allowance expired.");
-            if let Err(e) = self.audit.record(record) {
-                tracing::error!(error = %e, "Could not audit an expired allowance: {e}.");
+            if !self.audit_or_log(crate::audit_records::allowance_expired(&role, &a), "an expired allowance")
+            {
                 break;
             }
             done.push((role, a));
@@ -136,28 +127,13 @@ impl Runtime {
         let now = crate::roles::pause::read(&self.state_dir);
         let mut last = self.pause.lock().unwrap_or_else(|e| e.into_inner());
         if *last != now {
-            let record = match &now {
+            match &now {
                 Some(p) => {
-                    tracing::warn!(by = %p.by, reason = p.reason.as_deref().unwrap_or(""), "Runner paused by the customer: new jobs are refused.");
-                    byoc_audit::log::Record {
-                        event: "runner_paused".into(),
-                        reason: Some("paused".into()),
-                        detail: Some(format!(
-                            "by {}{}",
-                            p.by,
-                            p.reason.as_deref().map(|r| format!(": {r}")).unwrap_or_default()
-                        )),
-                        ..Default::default()
-                    }
+                    tracing::warn!(by = %p.by, reason = p.reason.as_deref().unwrap_or(""), "Runner paused by the customer: new jobs are refused.")
                 }
-                None => {
-                    tracing::info!("Runner resumed by the customer.");
-                    byoc_audit::log::Record { event: "runner_resumed".into(), ..Default::default() }
-                }
-            };
-            if let Err(e) = self.audit.record(record) {
-                tracing::error!(error = %e, "Could not audit a pause change: {e}.");
-            } else {
+                None => tracing::info!("Runner resumed by the customer."),
+            }
+            if self.audit_or_log(crate::audit_records::pause_changed(now.as_ref()), "a pause change") {
                 *last = now.clone();
             }
         }

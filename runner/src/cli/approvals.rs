@@ -123,21 +123,19 @@ pub(super) fn decide(
     // A plan approval binds to the plan the person was shown.
     let decision = Decision { plan_digest: request.plan_digest.clone(), ..decision };
     let event = if approved { "approved" } else { "denied" };
-    let record = byoc_audit::log::Record {
-        event: event.into(),
-        job: Some(job_id.to_string()),
-        kind: Some(request.kind.clone()),
-        operation: Some(request.operation.clone()),
-        role: request.role.clone(),
-        detail: Some(format!(
-            "by {who} (uid {}) under rule {:?}{}{}",
-            decision.uid,
-            request.rule,
-            request.plan_digest.as_deref().map(|d| format!(", plan {d}")).unwrap_or_default(),
-            reason.as_deref().map(|r| format!(": {r}")).unwrap_or_default()
-        )),
-        ..Default::default()
-    };
+    let detail = format!(
+        "by {who} (uid {}) under rule {:?}{}{}",
+        decision.uid,
+        request.rule,
+        request.plan_digest.as_deref().map(|d| format!(", plan {d}")).unwrap_or_default(),
+        reason.as_deref().map(|r| format!(": {r}")).unwrap_or_default()
+    );
+    let record = crate::audit_records::about_job(
+        event,
+        [job_id, &request.kind, &request.operation],
+        request.role.as_deref(),
+        detail,
+    );
     // On record before it takes effect.
     crate::roles::inbox::submit(&dir, &record).map_err(|e| {
         anyhow::anyhow!(

@@ -77,11 +77,8 @@ fn request(s: &StateArgs, name: &str, kind: Option<String>) -> anyhow::Result<()
     }
     // Refused here, not later in the daemon's log: a name with nothing to check.
     let target = local::find(&dir, name, kind.as_deref())?;
-    let record = byoc_audit::log::Record {
-        event: "drift_requested".into(),
-        detail: Some(format!("{} {} by {who}", target.kind, target.name)),
-        ..Default::default()
-    };
+    let record =
+        crate::audit_records::note("drift_requested", format!("{} {} by {who}", target.kind, target.name));
     crate::roles::inbox::submit(&dir, &record).map_err(|e| {
         anyhow::anyhow!(
             "recording for the audit log in {}: {e}",

@@ -354,12 +354,8 @@ pub(super) fn roles_action(action: RolesAction) -> anyhow::Result<()> {
         );
     }
     let audit = |event: &str, detail: String| {
-        let r = byoc_audit::log::Record {
-            event: event.into(),
-            role: Some(role.clone()),
-            detail: Some(detail),
-            ..Default::default()
-        };
+        let r =
+            byoc_audit::log::Record { role: Some(role.clone()), ..crate::audit_records::note(event, detail) };
         inbox::submit(&dir, &r).map_err(|e| {
             anyhow::anyhow!("recording for the audit log in {}: {e}", inbox::inbox_dir(&dir).display())
         })

@@ -147,18 +147,12 @@ impl LocalDrift {
             tracing::error!(error = %e, "Could not journal a drift check; not running it: {e}.");
             return Err(None);
         }
-        let record = byoc_audit::log::Record {
-            event: "drift_check_started".into(),
-            job: Some(job.payload.job_id.clone()),
-            detail: Some(format!(
-                "{} {} ({trigger}), from deploy {}",
-                target.kind, target.name, target.from_job
-            )),
-            ..Default::default()
-        };
-        if let Err(e) = rt.audit.record(record) {
-            tracing::error!(error = %e, "Could not audit a drift check's start: {e}.");
-        }
+        let mut record = crate::audit_records::note(
+            "drift_check_started",
+            format!("{} {} ({trigger}), from deploy {}", target.kind, target.name, target.from_job),
+        );
+        record.job = Some(job.payload.job_id.clone());
+        rt.audit_or_log(record, "a drift check's start");
         tracing::info!(job_id = %job.payload.job_id, name, trigger, "Starting a drift check.");
         start_job(rt, slots, tasks, job, in_hand);
         Ok(())
@@ -167,15 +161,8 @@ impl LocalDrift {
 
 fn audit_skip(rt: &Rt, name: &str, trigger: &str, skip: Skip) {
     tracing::warn!(name, trigger, reason = skip.reason, detail = %skip.detail, "Drift check not started.");
-    let record = byoc_audit::log::Record {
-        event: "drift_skipped".into(),
-        reason: Some(skip.reason.into()),
-        detail: Some(format!("{name} ({trigger}): {}", skip.detail)),
-        ..Default::default()
-    };
-    if let Err(e) = rt.audit.record(record) {
-        tracing::error!(error = %e, "Could not audit a skipped drift check: {e}.");
-    }
+    let record = crate::audit_records::drift_skipped(name, trigger, skip.reason, &skip.detail);
+    rt.audit_or_log(record, "a skipped drift check");
 }
 
 #[cfg(test)]

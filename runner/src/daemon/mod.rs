@@ -230,24 +230,10 @@ async fn open_state(
             "Cut a torn record from the end of the audit log (crash mid-write); the cut is recorded."
         );
     }
-    let started = byoc_audit::log::Record {
-        event: "runner_started".into(),
-        detail: Some(format!("byoc-runner {}", env!("CARGO_PKG_VERSION"))),
-        ..Default::default()
-    };
-    audit.record(started)?;
-    let mut loaded = byoc_audit::log::Record {
-        event: "config_loaded".into(),
-        detail: Some(config.source.display().to_string()),
-        ..Default::default()
-    };
-    loaded.digests.insert("config_sha256".into(), config.digest.clone());
-    audit.record(loaded)?;
+    audit.record(crate::audit_records::runner_started())?;
+    audit.record(crate::audit_records::config_loaded(&config.source, &config.digest))?;
     if created {
-        let mut r = byoc_audit::log::Record { event: "key_created".into(), ..Default::default() };
-        r.digests
-            .insert("public_key_sha256".into(), byoc_protocol::sha256_hex(key.verifying_key().as_bytes()));
-        audit.record(r)?;
+        audit.record(crate::audit_records::key_created(key.verifying_key().as_bytes()))?;
     }
     let client: Arc<dyn ControlPlane> =
         Arc::new(CpClient::new(&config.control_plane)?.with_identity(enrollment.runner_id.clone(), key));
@@ -449,11 +435,7 @@ async fn drain_jobs(rt: &Rt, slots: &Arc<Slots>, tasks: &mut JoinSet<()>) {
 async fn stop(rt: &Rt, audit: &Arc<crate::audit::Audit>, background: Background) {
     byoc_job_executors::sandboxed::settle().await;
     byoc_job_executors::container::release_prepared().await;
-    if let Err(e) =
-        audit.record(byoc_audit::log::Record { event: "runner_stopped".into(), ..Default::default() })
-    {
-        tracing::error!(error = %e, "Could not audit the stop: {e}.");
-    }
+    rt.audit_or_log(crate::audit_records::runner_stopped(), "the stop");
     // Give the control plane a moment to acknowledge the last records.
     let _ = tokio::time::timeout(Duration::from_secs(3), async {
         while byoc_audit::log::acknowledged_size(audit.dir()) < audit.size() {

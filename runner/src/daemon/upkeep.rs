@@ -40,21 +40,15 @@ pub(super) fn compact_journal(rt: &Rt) {
         Ok(Some(c)) => {
             let name = c.archive.file_name().unwrap_or_default().to_string_lossy().to_string();
             tracing::info!(jobs = c.jobs, lines = c.lines, archive = %name, "Archived settled jobs from the journal.");
-            let r = byoc_audit::log::Record {
-                event: "journal_compacted".into(),
-                detail: Some(format!(
-                    "{} settled jobs ({} lines) moved to {}/{name}; {} lines kept (jobs.journal_keep = {})",
-                    c.jobs,
-                    c.lines,
-                    crate::state_dir::ARCHIVE_DIR,
-                    c.kept_lines,
-                    rt.config.jobs.journal_keep
-                )),
-                ..Default::default()
-            };
-            if let Err(e) = rt.audit.record(r) {
-                tracing::error!(error = %e, "Could not audit a journal compaction: {e}.");
-            }
+            let detail = format!(
+                "{} settled jobs ({} lines) moved to {}/{name}; {} lines kept (jobs.journal_keep = {})",
+                c.jobs,
+                c.lines,
+                crate::state_dir::ARCHIVE_DIR,
+                c.kept_lines,
+                rt.config.jobs.journal_keep
+            );
+            rt.audit_or_log(crate::audit_records::note("journal_compacted", detail), "a journal compaction");
         }
         // Nothing lost: the journal is replaced only after the archive is durable.
         Err(e) => {
@@ -76,17 +70,11 @@ pub(super) fn sweep_logs(rt: &Rt, keep: Duration) {
         days,
         "Removed acknowledged job logs past their retention."
     );
-    let r = byoc_audit::log::Record {
-        event: "logs_removed".into(),
-        detail: Some(format!(
-            "{} acknowledged job logs ({} bytes) older than {days} days (jobs.log_retention_days)",
-            swept.files, swept.bytes
-        )),
-        ..Default::default()
-    };
-    if let Err(e) = rt.audit.record(r) {
-        tracing::error!(error = %e, "Could not audit the removal of expired job logs: {e}.");
-    }
+    let detail = format!(
+        "{} acknowledged job logs ({} bytes) older than {days} days (jobs.log_retention_days)",
+        swept.files, swept.bytes
+    );
+    rt.audit_or_log(crate::audit_records::note("logs_removed", detail), "the removal of expired job logs");
 }
 
 /// Remove saved plans no job may apply any more (a day past
@@ -98,19 +86,13 @@ pub(super) fn sweep_plans(rt: &Rt) {
     if swept.files == 0 {
         return;
     }
-    let r = byoc_audit::log::Record {
-        event: "plans_removed".into(),
-        detail: Some(format!(
-            "{} saved plans ({} bytes) written more than {} s + 1 day ago (terraform.plan_max_age_secs)",
-            swept.files,
-            swept.bytes,
-            max_age.as_secs()
-        )),
-        ..Default::default()
-    };
-    if let Err(e) = rt.audit.record(r) {
-        tracing::error!(error = %e, "Could not audit the removal of saved plans: {e}.");
-    }
+    let detail = format!(
+        "{} saved plans ({} bytes) written more than {} s + 1 day ago (terraform.plan_max_age_secs)",
+        swept.files,
+        swept.bytes,
+        max_age.as_secs()
+    );
+    rt.audit_or_log(crate::audit_records::note("plans_removed", detail), "the removal of saved plans");
     // After the record: a reader of the log finds it in the audit log.
     tracing::info!(plans = swept.files, bytes = swept.bytes, "Removed saved plans past their use.");
 }
@@ -128,17 +110,12 @@ pub(super) fn sweep_archives(rt: &Rt, keep: Duration) {
                 days,
                 "Removed journal archives past their retention."
             );
-            let r = byoc_audit::log::Record {
-                event: "journal_archives_removed".into(),
-                detail: Some(format!(
-                    "{} journal archives ({} bytes) whose newest job settled more than {days} days ago (jobs.journal_archive_days)",
-                    removed.files, removed.bytes
-                )),
-                ..Default::default()
-            };
-            if let Err(e) = rt.audit.record(r) {
-                tracing::error!(error = %e, "Could not audit the removal of journal archives: {e}.");
-            }
+            let detail = format!(
+                "{} journal archives ({} bytes) whose newest job settled more than {days} days ago (jobs.journal_archive_days)",
+                removed.files, removed.bytes
+            );
+            let record = crate::audit_records::note("journal_archives_removed", detail);
+            rt.audit_or_log(record, "the removal of journal archives");
         }
         Err(e) => {
             tracing::error!(error = %e, "Could not remove expired journal archives (next try in an hour): {e}.")

@@ -110,15 +110,7 @@ async fn assume_for_job(
         policy: None,
     };
     let audit = |event: &str, detail: String| {
-        let r = byoc_audit::log::Record {
-            event: event.into(),
-            job: Some(p.job_id.clone()),
-            kind: Some(p.kind.clone()),
-            operation: Some(p.operation.clone()),
-            role: Some(name.clone()),
-            detail: Some(detail),
-            ..Default::default()
-        };
+        let r = crate::audit_records::of_job(event, p, Some(name), detail);
         rt.audit.record(r).map_err(|e| format!("auditing {event}: {e}"))
     };
     // A terraform job's processes get a read-only session until its plan is allowed.
@@ -162,21 +154,18 @@ async fn assume_for_job(
         let rt = rt.clone();
         let (job_id, role_name) = (p.job_id.clone(), name.clone());
         Arc::new(move |params: &SessionParams, c: &crate::roles::sts::Credentials| {
+            let detail = format!(
+                "{} session {} expires {}",
+                params.role_arn,
+                params.session_name,
+                rfc3339(c.expiration)
+            );
             let r = byoc_audit::log::Record {
-                event: "role_session_refreshed".into(),
                 job: Some(job_id.clone()),
                 role: Some(role_name.clone()),
-                detail: Some(format!(
-                    "{} session {} expires {}",
-                    params.role_arn,
-                    params.session_name,
-                    rfc3339(c.expiration)
-                )),
-                ..Default::default()
+                ..crate::audit_records::note("role_session_refreshed", detail)
             };
-            if let Err(e) = rt.audit.record(r) {
-                tracing::error!(error = %e, "Could not audit a role session refresh: {e}.");
-            }
+            rt.audit_or_log(r, "a role session refresh");
         })
     };
     let mut session = JobSession::new(

@@ -45,21 +45,14 @@ pub fn authorize(rt: &Rt, job: ScopedJob) -> Result<AuthorizedJob, AuthorizeErro
 
 fn role_resolved(job: &VerifiedJob, role: &ScopedRole) -> byoc_audit::log::Record {
     let p = &job.payload;
-    let mut r = byoc_audit::log::Record {
-        event: "role_resolved".into(),
-        job: Some(p.job_id.clone()),
-        kind: Some(p.kind.clone()),
-        operation: Some(p.operation.clone()),
-        role: Some(role.derived.role.name.clone()),
-        detail: Some(format!(
-            "{} by {} {:?}; {}",
-            role.arn,
-            role.derived.step.as_str(),
-            role.derived.reference,
-            role.switch_source
-        )),
-        ..Default::default()
-    };
+    let detail = format!(
+        "{} by {} {:?}; {}",
+        role.arn,
+        role.derived.step.as_str(),
+        role.derived.reference,
+        role.switch_source
+    );
+    let mut r = crate::audit_records::of_job("role_resolved", p, Some(&role.derived.role.name), detail);
     if let Some(app) = &p.app_config {
         r.digests.insert(
             "app_config_sha256".into(),

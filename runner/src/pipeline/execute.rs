@@ -241,14 +241,13 @@ impl byoc_job_executors::JobAudit for ExecutorAudit {
         digests: std::collections::BTreeMap<String, String>,
     ) -> Result<(), byoc_job_executors::AuditFailed> {
         let r = byoc_audit::log::Record {
-            event: event.into(),
-            job: Some(self.job_id.clone()),
-            kind: Some(self.kind.clone()),
-            operation: Some(self.operation.clone()),
-            role: self.role.clone(),
             digests,
-            detail: Some(detail.chars().take(500).collect()),
-            ..Default::default()
+            ..crate::audit_records::about_job(
+                event,
+                [&self.job_id, &self.kind, &self.operation],
+                self.role.as_deref(),
+                detail.chars().take(500).collect::<String>(),
+            )
         };
         self.rt.audit.record(r).map(|_| ()).map_err(|e| byoc_job_executors::AuditFailed(e.to_string()))
     }
