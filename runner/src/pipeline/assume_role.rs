@@ -79,36 +79,7 @@ async fn assume_for_job(
     let Some(assumer) = &roles.assumer else {
         return Err(format!("role {name:?} cannot be assumed: aws.region is not configured on this runner"));
     };
-    // A role under a local allowance: its session lasts no longer than the allowance
-    // (STS's 15-minute minimum aside) and is not renewed past it.
-    let now_secs = (rt.clock.now_ms() / 1000) as i64;
-    let allowance_end = crate::roles::allowance::required(&roles.require_local_allow, &role.derived.role)
-        .then(|| {
-            // Revoked or unreadable since resolve_role checked it: no renewal at all.
-            rt.honoured_allowances()
-                .ok()
-                .and_then(|all| all.get(name).map(|a| (a.until_ms / 1000) as i64))
-                .unwrap_or(now_secs)
-        });
-    let params = SessionParams {
-        role_arn: role.arn.clone(),
-        session_name: sts_identifier("byoc-", &p.job_id),
-        external_id: roles.external_id.clone(),
-        source_identity: sts_identifier("", &p.job_id),
-        tags: vec![
-            ("install".into(), tag_value(&p.install_id)),
-            ("operation".into(), tag_value(&format!("{}.{}", p.entity, p.operation))),
-            ("job".into(), tag_value(&p.job_id)),
-        ],
-        duration_secs: session_duration(
-            allowance_end
-                .map_or(p.timeout_secs, |end| p.timeout_secs.min(end.saturating_sub(now_secs) as u64)),
-            roles.session_min_secs,
-            roles.session_max_secs,
-        ),
-        policy_arns: Vec::new(),
-        policy: None,
-    };
+    let (params, allowance_end) = session_params(rt, p, role);
     let audit = |event: &str, detail: String| {
         let r = crate::audit_records::of_job(event, p, Some(name), detail);
         rt.audit.record(r).map_err(|e| format!("auditing {event}: {e}"))
@@ -150,24 +121,7 @@ async fn assume_for_job(
         ("AWS_SESSION_TOKEN".to_string(), first.session_token.clone()),
     ];
     let feed = SecretFeed::default();
-    let on_refresh = {
-        let rt = rt.clone();
-        let (job_id, role_name) = (p.job_id.clone(), name.clone());
-        Arc::new(move |params: &SessionParams, c: &crate::roles::sts::Credentials| {
-            let detail = format!(
-                "{} session {} expires {}",
-                params.role_arn,
-                params.session_name,
-                rfc3339(c.expiration)
-            );
-            let r = byoc_audit::log::Record {
-                job: Some(job_id.clone()),
-                role: Some(role_name.clone()),
-                ..crate::audit_records::note("role_session_refreshed", detail)
-            };
-            rt.audit_or_log(r, "a role session refresh");
-        })
-    };
+    let on_refresh = audit_refreshes(rt, &p.job_id, name);
     let mut session = JobSession::new(
         params.clone(),
         assumer.clone(),
@@ -185,15 +139,7 @@ async fn assume_for_job(
         session = session.narrowed_until(narrowed, full.clone());
         full_session = Some(full);
     }
-    let mut common =
-        vec![("BYOC_ROLE".to_string(), name.clone()), ("BYOC_ROLE_ARN".to_string(), role.arn.clone())];
-    if let Some(region) = &roles.region {
-        common.push(("AWS_REGION".into(), region.clone()));
-        common.push(("AWS_DEFAULT_REGION".into(), region.clone()));
-    }
-    if let Some(url) = &roles.endpoint_url {
-        common.push(("AWS_ENDPOINT_URL".into(), url.clone()));
-    }
+    let common = role_env(roles, name, &role.arn);
     static_env.extend(common.iter().cloned());
     let intro = format!(
         "[runner] assumed role {name} ({}) chosen by {}; session {} expires {expires}{scope_note}",
@@ -205,67 +151,41 @@ async fn assume_for_job(
 
     // Containers cannot reach the loopback endpoint: a renewed credentials file instead.
     if p.kind == "action.container" {
-        let file = if !crate::roles::creds::is_static_elf(&roles.busybox) {
-            Err(format!(
-                "{} is missing or not statically linked (install busybox-static)",
-                roles.busybox.display()
-            ))
-        } else {
-            CredentialFile::start(
-                &roles.container_credentials_dir,
-                &p.job_id,
-                session,
-                roles.region.as_deref(),
-            )
-            .map_err(|e| {
-                format!(
-                    "writing the credentials file under {}: {e}",
-                    roles.container_credentials_dir.display()
-                )
-            })
-        };
-        return Ok(match file {
-            Ok(file) => {
-                let mut env = vec![
-                    ("AWS_CONFIG_FILE".to_string(), format!("{CONTAINER_CREDENTIALS_DIR}/config")),
-                    // The Go SDK v1 reads the config file only when asked to.
-                    ("AWS_SDK_LOAD_CONFIG".to_string(), "1".to_string()),
-                ];
-                env.extend(common);
-                let container = ContainerCredentials {
-                    host_dir: file.dir.clone(),
-                    mount: CONTAINER_CREDENTIALS_DIR.into(),
-                    busybox: roles.busybox.clone(),
-                    busybox_mount: CONTAINER_BUSYBOX.into(),
-                    env,
-                };
-                let note =
-                    format!("{intro}, renewed before expiry through the container's credential_process\n");
-                let creds = JobCredentials {
-                    endpoint_env: vec![],
-                    endpoint: None,
-                    static_env,
-                    container: Some(container),
-                    feed,
-                    full_session: None,
-                };
-                (RoleSession { _file: Some(file) }, creds, note)
-            }
-            Err(why) => {
-                tracing::warn!(reason = %why, "A container gets its role session's keys without renewal.");
-                let note = format!("{intro}; the container gets its keys without renewal: {why}\n");
-                let creds = JobCredentials {
-                    endpoint_env: vec![],
-                    endpoint: None,
-                    static_env,
-                    container: None,
-                    feed,
-                    full_session: None,
-                };
-                (RoleSession { _file: None }, creds, note)
-            }
-        });
+        return Ok(container_credentials(roles, &p.job_id, session, static_env, common, feed, &intro));
     }
+    Ok(endpoint_credentials(session, static_env, common, feed, full_session, &intro))
+}
+
+/// Each renewal of the job's session, audited (`role_session_refreshed`).
+fn audit_refreshes(
+    rt: &Rt,
+    job_id: &str,
+    role_name: &str,
+) -> crate::roles::creds::OnAssume {
+    let rt = rt.clone();
+    let (job_id, role_name) = (job_id.to_string(), role_name.to_string());
+    Arc::new(move |params: &SessionParams, c: &crate::roles::sts::Credentials| {
+        let detail =
+            format!("{} session {} expires {}", params.role_arn, params.session_name, rfc3339(c.expiration));
+        let r = byoc_audit::log::Record {
+            job: Some(job_id.clone()),
+            role: Some(role_name.clone()),
+            ..crate::audit_records::note("role_session_refreshed", detail)
+        };
+        rt.audit_or_log(r, "a role session refresh");
+    })
+}
+
+/// A process job's credentials: the endpoint in its own network namespace, renewed by
+/// the runner.
+fn endpoint_credentials(
+    session: JobSession,
+    static_env: Vec<(String, String)>,
+    common: Vec<(String, String)>,
+    feed: SecretFeed,
+    full_session: Option<byoc_job_executors::FullSession>,
+    intro: &str,
+) -> (RoleSession, JobCredentials, String) {
     let endpoint = JobEndpoint::new(session);
     let mut endpoint_env = endpoint.env();
     endpoint_env.extend(common);
@@ -281,7 +201,126 @@ async fn assume_for_job(
         feed,
         full_session,
     };
-    Ok((RoleSession { _file: None }, creds, note))
+    (RoleSession { _file: None }, creds, note)
+}
+
+/// The job's session: named and tagged after the job, as long as its timeout (and no
+/// longer than a local allowance it runs under, whose end is returned too).
+fn session_params(rt: &Rt, p: &byoc_protocol::JobPayload, role: &ScopedRole) -> (SessionParams, Option<i64>) {
+    let roles = &rt.roles;
+    let name = &role.derived.role.name;
+    // A role under a local allowance: its session lasts no longer than the allowance
+    // (STS's 15-minute minimum aside) and is not renewed past it.
+    let now_secs = (rt.clock.now_ms() / 1000) as i64;
+    let allowance_end = crate::roles::allowance::required(&roles.require_local_allow, &role.derived.role)
+        .then(|| {
+            // Revoked or unreadable since resolve_role checked it: no renewal at all.
+            rt.honoured_allowances()
+                .ok()
+                .and_then(|all| all.get(name).map(|a| (a.until_ms / 1000) as i64))
+                .unwrap_or(now_secs)
+        });
+    let params = SessionParams {
+        role_arn: role.arn.clone(),
+        session_name: sts_identifier("byoc-", &p.job_id),
+        external_id: roles.external_id.clone(),
+        source_identity: sts_identifier("", &p.job_id),
+        tags: vec![
+            ("install".into(), tag_value(&p.install_id)),
+            ("operation".into(), tag_value(&format!("{}.{}", p.entity, p.operation))),
+            ("job".into(), tag_value(&p.job_id)),
+        ],
+        duration_secs: session_duration(
+            allowance_end
+                .map_or(p.timeout_secs, |end| p.timeout_secs.min(end.saturating_sub(now_secs) as u64)),
+            roles.session_min_secs,
+            roles.session_max_secs,
+        ),
+        policy_arns: Vec::new(),
+        policy: None,
+    };
+    (params, allowance_end)
+}
+
+/// What every process of the job learns of its role, beside the credentials.
+fn role_env(roles: &crate::roles::Roles, name: &str, arn: &str) -> Vec<(String, String)> {
+    let mut common =
+        vec![("BYOC_ROLE".to_string(), name.to_string()), ("BYOC_ROLE_ARN".to_string(), arn.to_string())];
+    if let Some(region) = &roles.region {
+        common.push(("AWS_REGION".into(), region.clone()));
+        common.push(("AWS_DEFAULT_REGION".into(), region.clone()));
+    }
+    if let Some(url) = &roles.endpoint_url {
+        common.push(("AWS_ENDPOINT_URL".into(), url.clone()));
+    }
+    common
+}
+
+/// A container's credentials: a file its `credential_process` reads, renewed by the
+/// runner; without a static busybox to read it, the session's keys as they are.
+fn container_credentials(
+    roles: &crate::roles::Roles,
+    job_id: &str,
+    session: JobSession,
+    static_env: Vec<(String, String)>,
+    common: Vec<(String, String)>,
+    feed: SecretFeed,
+    intro: &str,
+) -> (RoleSession, JobCredentials, String) {
+    let file = if !crate::roles::creds::is_static_elf(&roles.busybox) {
+        Err(format!(
+            "{} is missing or not statically linked (install busybox-static)",
+            roles.busybox.display()
+        ))
+    } else {
+        CredentialFile::start(&roles.container_credentials_dir, job_id, session, roles.region.as_deref())
+            .map_err(|e| {
+                format!(
+                    "writing the credentials file under {}: {e}",
+                    roles.container_credentials_dir.display()
+                )
+            })
+    };
+    match file {
+        Ok(file) => {
+            let mut env = vec![
+                ("AWS_CONFIG_FILE".to_string(), format!("{CONTAINER_CREDENTIALS_DIR}/config")),
+                // The Go SDK v1 reads the config file only when asked to.
+                ("AWS_SDK_LOAD_CONFIG".to_string(), "1".to_string()),
+            ];
+            env.extend(common);
+            let container = ContainerCredentials {
+                host_dir: file.dir.clone(),
+                mount: CONTAINER_CREDENTIALS_DIR.into(),
+                busybox: roles.busybox.clone(),
+                busybox_mount: CONTAINER_BUSYBOX.into(),
+                env,
+            };
+            let note = format!("{intro}, renewed before expiry through the container's credential_process\n");
+            let creds = JobCredentials {
+                endpoint_env: vec![],
+                endpoint: None,
+                static_env,
+                container: Some(container),
+                feed,
+                full_session: None,
+            };
+            (RoleSession { _file: Some(file) }, creds, note)
+        }
+        Err(why) => {
+            tracing::warn!(reason = %why, "A container gets its role session's keys without renewal.");
+            let note = format!("{intro}; the container gets its keys without renewal: {why}\n");
+            let creds = JobCredentials {
+                endpoint_env: vec![],
+                endpoint: None,
+                static_env,
+                container: None,
+                feed,
+                full_session: None,
+            };
+            (RoleSession { _file: None }, creds, note)
+        }
+    }
 }
 
 /// For a terraform job: the session parameters that narrow the role to read-only plus

@@ -105,25 +105,9 @@ async fn run(
                 .cancel(cancel)
                 .isolation(rt.sandbox.clone(), rt.containers.clone())
                 .credentials(session.credentials)
-                .oci(byoc_job_executors::OciSettings {
-                    registry_endpoints: rt.config.oci.registry_endpoints.clone(),
-                    parallel: rt.config.oci.parallel,
-                    chunk_size: rt.config.oci.chunk_bytes,
-                    ca_bundle: rt.config.control_plane.ca_bundle.clone(),
-                })
+                .oci(oci_settings(rt))
                 .cluster_reach(rt.config.kubernetes.reach())
-                .tools(byoc_job_executors::ToolSettings {
-                    terraform: rt.config.terraform.binary.clone(),
-                    helm: rt.config.helm.binary.clone(),
-                    plans_dir: StateDir::of(&rt.state_dir).plans(),
-                    plan_max_age: rt.config.terraform.plan_max_age,
-                    cli_config_file: rt.config.terraform.cli_config_file.clone(),
-                    plugin_cache_dir: rt.config.terraform.plugin_cache_dir.clone(),
-                    artifacts: artifact_cache(rt),
-                    // The runner deploys only what was synced into the install's registry.
-                    artifact_source: byoc_job_executors::artifact::ArtifactSource::InstallRegistry,
-                    state: terraform_state(rt),
-                })
+                .tools(tool_settings(rt))
                 .policy(job.policy.scope)
                 .secrets(secrets)
                 .apply_approval(apply_approval)
@@ -142,11 +126,7 @@ async fn run(
             if let Some(close) = job.window_close.as_ref().filter(|_| window_closed.is_cancelled())
                 && ran.status == byoc_protocol::JobStatus::Cancelled
             {
-                ran.error = Some(format!(
-                    "maintenance window {:?} closed at {} and its rule cancels jobs then (on_close = \"cancel\")",
-                    close.window,
-                    crate::clock::rfc3339(close.at)
-                ));
+                ran.error = Some(closed_by_window(close));
             }
             outcome = ran;
             drop(session.keep_alive);
@@ -191,6 +171,42 @@ fn secret_settings(rt: &Rt, job: &ClearedJob) -> Option<byoc_job_executors::secr
     )
     .inspect_err(|e| tracing::error!(error = %e, "The secrets' digest key is unavailable: {e}."))
     .ok()
+}
+
+/// Why a job its window's closing cancelled was cancelled.
+fn closed_by_window(close: &super::window::WindowClose) -> String {
+    format!(
+        "maintenance window {:?} closed at {} and its rule cancels jobs then (on_close = \"cancel\")",
+        close.window,
+        crate::clock::rfc3339(close.at)
+    )
+}
+
+/// How `oci.sync` reaches registries, from the configuration.
+fn oci_settings(rt: &Rt) -> byoc_job_executors::OciSettings {
+    byoc_job_executors::OciSettings {
+        registry_endpoints: rt.config.oci.registry_endpoints.clone(),
+        parallel: rt.config.oci.parallel,
+        chunk_size: rt.config.oci.chunk_bytes,
+        ca_bundle: rt.config.control_plane.ca_bundle.clone(),
+    }
+}
+
+/// The tools jobs run (terraform, helm), where their plans, state and fetched
+/// components live.
+fn tool_settings(rt: &Rt) -> byoc_job_executors::ToolSettings {
+    byoc_job_executors::ToolSettings {
+        terraform: rt.config.terraform.binary.clone(),
+        helm: rt.config.helm.binary.clone(),
+        plans_dir: StateDir::of(&rt.state_dir).plans(),
+        plan_max_age: rt.config.terraform.plan_max_age,
+        cli_config_file: rt.config.terraform.cli_config_file.clone(),
+        plugin_cache_dir: rt.config.terraform.plugin_cache_dir.clone(),
+        artifacts: artifact_cache(rt),
+        // The runner deploys only what was synced into the install's registry.
+        artifact_source: byoc_job_executors::artifact::ArtifactSource::InstallRegistry,
+        state: terraform_state(rt),
+    }
 }
 
 /// Where terraform workspaces' state lives: the customer's bucket, or local state in

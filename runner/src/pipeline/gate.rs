@@ -266,8 +266,12 @@ where
         }
     }
     slot.reacquire().await;
-    // Checked again as if it had just arrived: the customer may have paused the runner
-    // or switched the role off while the job waited.
+    recheck(rt, job).await
+}
+
+/// A held job let through, checked again as if it had just arrived: the customer may
+/// have paused the runner or switched the role off while it waited.
+async fn recheck(rt: &Rt, job: ClaimedJob) -> Result<Waited, RecordError> {
     let ClaimedJob { verified, policy, lease_secs, approvals, .. } = job;
     if let Some(p) = rt.check_customer_controls() {
         let detail = format!("the customer paused the runner while the job was held (by {})", p.by);

@@ -56,14 +56,10 @@ impl PlanApprover {
         *self.holding.lock().unwrap_or_else(|e| e.into_inner()) = w;
     }
 
-    async fn wait(
-        &self,
-        req: &ApplyRequest<'_>,
-        why: Vec<String>,
-    ) -> Result<Option<String>, ApprovalRefused> {
-        let refused = |reason: &str, message: String| ApprovalRefused { reason: reason.into(), message };
+    /// The approval request a person is shown: the plan, what was judged, the findings.
+    fn request(&self, req: &ApplyRequest<'_>, findings: Vec<String>) -> approvals::Request {
         let now_ms = self.rt.clock.now_ms();
-        let request = approvals::Request {
+        approvals::Request {
             job_id: self.job_id.clone(),
             kind: self.kind.clone(),
             operation: self.operation.clone(),
@@ -75,8 +71,17 @@ impl PlanApprover {
             plan_digest: Some(req.plan_digest.to_string()),
             judged_digest: Some(req.decision.input_digest.clone()),
             summary: Some(req.summary.clone()),
-            findings: why,
-        };
+            findings,
+        }
+    }
+
+    async fn wait(
+        &self,
+        req: &ApplyRequest<'_>,
+        why: Vec<String>,
+    ) -> Result<Option<String>, ApprovalRefused> {
+        let refused = |reason: &str, message: String| ApprovalRefused { reason: reason.into(), message };
+        let request = self.request(req, why);
         approvals::write_request(&self.rt.state_dir, &request).map_err(|e| {
             refused(
                 "approval_denied",

@@ -33,6 +33,10 @@ pub struct VerifiedJob {
     pub origin: super::Origin,
 }
 
+/// Why a job is refused, before it is a `Rejection` (the delivery's and the job's ids
+/// added).
+type Refused = (RejectReason, String);
+
 #[derive(Debug, Clone)]
 pub struct Rejection {
     pub delivery_id: String,
@@ -146,16 +150,42 @@ impl Verifier<'_> {
         origin: super::Origin,
     ) -> Result<VerifiedJob, Rejection> {
         let delivery_id = polled.delivery_id.clone();
-        let reject = |reason, detail: String| Rejection {
+        let (job_id, nonce, expires_at) = (
+            valid_job_id(&payload.job_id).then(|| payload.job_id.clone()),
+            payload.nonce.clone(),
+            payload.expires_at,
+        );
+        let refuse = |(reason, detail): Refused| Rejection {
             delivery_id: delivery_id.clone(),
             reason,
             detail,
-            job_id: valid_job_id(&payload.job_id).then(|| payload.job_id.clone()),
-            nonce: Some(payload.nonce.clone()),
-            expires_at: Some(payload.expires_at),
+            job_id: job_id.clone(),
+            nonce: Some(nonce.clone()),
+            expires_at: Some(expires_at),
         };
+        self.check_addressed(&payload).map_err(refuse)?;
+        self.check_not_seen(&payload, &payload_sha256, journal).map_err(refuse)?;
+        let (executor, timeout) = self.build_executor(&payload).map_err(refuse)?;
+        self.check_runner_can_take(executor.as_ref()).map_err(refuse)?;
+        let (secrets, role) = self.check_app(&payload, executor.as_ref()).map_err(refuse)?;
+        Ok(VerifiedJob {
+            delivery_id: polled.delivery_id,
+            envelope: polled.envelope,
+            payload,
+            payload_sha256,
+            executor,
+            timeout,
+            received_at: polled.received_at,
+            role,
+            secrets,
+            origin,
+        })
+    }
+
+    /// Well formed, for this runner and install, within its validity window.
+    fn check_addressed(&self, payload: &JobPayload) -> Result<(), Refused> {
         if !valid_job_id(&payload.job_id) {
-            return Err(reject(
+            return Err((
                 RejectReason::MalformedEnvelope,
                 format!(
                     "job id {:?} is not 1-128 characters of [A-Za-z0-9._-]",
@@ -164,10 +194,10 @@ impl Verifier<'_> {
             ));
         }
         if payload.nonce.is_empty() || payload.nonce.len() > 128 {
-            return Err(reject(RejectReason::MalformedEnvelope, "nonce must be 1-128 characters".into()));
+            return Err((RejectReason::MalformedEnvelope, "nonce must be 1-128 characters".into()));
         }
         if payload.runner_id != self.runner_id {
-            return Err(reject(
+            return Err((
                 RejectReason::WrongRunner,
                 format!(
                     "job is for runner {:?}, this is {}",
@@ -177,7 +207,7 @@ impl Verifier<'_> {
             ));
         }
         if payload.install_id != self.install_id {
-            return Err(reject(
+            return Err((
                 RejectReason::WrongInstall,
                 format!(
                     "job is for install {:?}, this is {}",
@@ -188,46 +218,60 @@ impl Verifier<'_> {
         }
         let skew = self.max_skew.as_secs() as i64;
         if self.now > payload.expires_at.saturating_add(skew) {
-            return Err(reject(
-                RejectReason::Expired,
-                format!("expired {}s ago", self.now - payload.expires_at),
-            ));
+            return Err((RejectReason::Expired, format!("expired {}s ago", self.now - payload.expires_at)));
         }
         if payload.issued_at > self.now.saturating_add(skew) {
-            return Err(reject(
+            return Err((
                 RejectReason::NotYetValid,
                 format!("issued {}s in the future (allowed skew {skew}s)", payload.issued_at - self.now),
             ));
         }
+        Ok(())
+    }
+
+    /// Neither this job nor its nonce has been here before (unless it is the same
+    /// envelope of a job received and never claimed, or a held job resuming).
+    fn check_not_seen(
+        &self,
+        payload: &JobPayload,
+        payload_sha256: &str,
+        journal: &Index,
+    ) -> Result<(), Refused> {
         if let Some(job) = journal.jobs.get(&payload.job_id) {
             match job.phase {
                 Phase::Finished | Phase::Reported | Phase::ClaimRefused | Phase::Refused => {
-                    return Err(reject(
+                    return Err((
                         RejectReason::AlreadyFinished,
                         format!("job {} already ended here ({})", payload.job_id, job.phase.as_str()),
                     ));
                 }
                 // The same envelope again after we received it but never claimed (we
                 // crashed, or the offer timed out): accepting it runs the job once.
-                Phase::Received if job.payload_sha256 == payload_sha256 => {}
+                Phase::Received if job.payload_sha256 == *payload_sha256 => {}
                 Phase::WaitingWindow | Phase::AwaitingApproval
-                    if self.resume_held && job.payload_sha256 == payload_sha256 => {}
+                    if self.resume_held && job.payload_sha256 == *payload_sha256 => {}
                 phase => {
-                    return Err(reject(
+                    return Err((
                         RejectReason::ReplayedNonce,
                         format!("job {} is already {} here", payload.job_id, phase.as_str()),
                     ));
                 }
             }
         } else if let Some((other_job, _)) = journal.nonces.get(&payload.nonce) {
-            return Err(reject(
+            return Err((
                 RejectReason::ReplayedNonce,
                 format!("nonce was already used by job {other_job:?}"),
             ));
         }
+        Ok(())
+    }
+
+    /// The job's executor from its kind and spec, held to what it does (its effect) and
+    /// to what it may reach; and its timeout.
+    fn build_executor(&self, payload: &JobPayload) -> Result<(Box<dyn Executor>, Duration), Refused> {
         let timeout = Duration::from_secs(payload.timeout_secs);
         if timeout.is_zero() || timeout > self.max_timeout {
-            return Err(reject(
+            return Err((
                 RejectReason::InvalidSpec,
                 format!("timeout_secs {} must be 1..={}", payload.timeout_secs, self.max_timeout.as_secs()),
             ));
@@ -235,25 +279,25 @@ impl Verifier<'_> {
         let executor = match byoc_job_executors::build(&payload.kind, &payload.spec) {
             Ok(e) => e,
             Err(SpecError::UnknownKind(k)) => {
-                return Err(reject(
+                return Err((
                     RejectReason::UnknownKind,
                     format!("kind {:?} is not supported", truncate(&k, 64)),
                 ));
             }
             Err(e @ SpecError::Invalid { .. }) => {
-                return Err(reject(RejectReason::InvalidSpec, e.to_string()));
+                return Err((RejectReason::InvalidSpec, e.to_string()));
             }
         };
         if let Err(why) =
             byoc_job_executors::check_drift_operation(&payload.entity, &payload.operation, executor.as_ref())
         {
-            return Err(reject(RejectReason::InvalidSpec, why.to_string()));
+            return Err((RejectReason::InvalidSpec, why.to_string()));
         }
         // What the job does is the runner's to say, not a label's: its operation must be
         // one that effect may run as (a terraform apply is not an `action.trigger`).
         let effect = executor.effect();
         if !effect.allows(&payload.entity, &payload.operation) {
-            return Err(reject(
+            return Err((
                 RejectReason::OperationMismatch,
                 truncate(
                     &format!(
@@ -272,10 +316,16 @@ impl Verifier<'_> {
         if let Some(why) =
             byoc_job_executors::endpoint_refusal(executor.as_ref(), &self.registries, &self.clusters)
         {
-            return Err(reject(RejectReason::InvalidSpec, truncate(&why, 1000)));
+            return Err((RejectReason::InvalidSpec, truncate(&why, 1000)));
         }
+        Ok((executor, timeout))
+    }
+
+    /// Whether this runner takes the job now: not paused, room on disk, its sandbox
+    /// buildable as documented.
+    fn check_runner_can_take(&self, executor: &dyn Executor) -> Result<(), Refused> {
         if let Some(p) = self.paused {
-            return Err(reject(
+            return Err((
                 RejectReason::Paused,
                 format!(
                     "the customer paused this runner{}{}; it takes no new jobs until `byoc-runner resume`",
@@ -285,50 +335,62 @@ impl Verifier<'_> {
             ));
         }
         if let Some(why) = self.disk_low {
-            return Err(reject(RejectReason::DiskLow, why.to_string()));
+            return Err((RejectReason::DiskLow, why.to_string()));
         }
-        if let Some(refusal) = (self.readiness)(executor.as_ref()) {
+        if let Some(refusal) = (self.readiness)(executor) {
             return Err(match refusal {
-                byoc_job_executors::Refusal::NetworkUnavailable(why) => reject(
+                byoc_job_executors::Refusal::NetworkUnavailable(why) => (
                     RejectReason::SandboxNetworkUnavailable,
                     format!("the job's network boundary cannot be built on this runner: {why}"),
                 ),
-                byoc_job_executors::Refusal::LimitsUnavailable(why) => reject(
+                byoc_job_executors::Refusal::LimitsUnavailable(why) => (
                     RejectReason::SandboxLimitsUnavailable,
                     format!("the job's resource limits cannot be applied on this runner: {why}"),
                 ),
             });
         }
+        Ok(())
+    }
+
+    /// What the app config says of the job: its policies parse, its secrets are
+    /// declared, and the role the runner derives (a deprovision role never changes or
+    /// copies).
+    fn check_app(
+        &self,
+        payload: &JobPayload,
+        executor: &dyn Executor,
+    ) -> Result<(Vec<byoc_job_executors::secrets::Declared>, Option<crate::roles::chain::Derived>), Refused>
+    {
         // The vendor's policy declarations: one that cannot apply to anything is an
         // error of the app config, never skipped.
         if let Some(app) = &payload.app_config
             && let Err(problems) = crate::app_policies::parse(app)
         {
-            return Err(reject(
+            return Err((
                 RejectReason::InvalidSpec,
                 truncate(&format!("app config policies: {}", problems.join("; ")), 1000),
             ));
         }
         // Secrets go only where the app config declares them.
-        let secrets =
-            crate::secrets::check_job(&payload, executor.as_ref(), self.install).map_err(|e| match e {
-                crate::secrets::UseRefused::Declarations(_) => {
-                    reject(RejectReason::InvalidSpec, truncate(&e.to_string(), 1000))
-                }
-                crate::secrets::UseRefused::NotDeclared(why) => {
-                    reject(RejectReason::SecretTargetNotDeclared, truncate(&why, 1000))
-                }
-            })?;
+        let secrets = crate::secrets::check_job(payload, executor, self.install).map_err(|e| match e {
+            crate::secrets::UseRefused::Declarations(_) => {
+                (RejectReason::InvalidSpec, truncate(&e.to_string(), 1000))
+            }
+            crate::secrets::UseRefused::NotDeclared(why) => {
+                (RejectReason::SecretTargetNotDeclared, truncate(&why, 1000))
+            }
+        })?;
         // The vendor proposes a role; the runner derives its own and compares.
-        let role = crate::roles::chain::derive_for_job(&payload, self.install)
-            .map_err(|e| reject(e.reason, e.detail))?;
+        let role =
+            crate::roles::chain::derive_for_job(payload, self.install).map_err(|e| (e.reason, e.detail))?;
         // A deprovision role is for taking things down: a change or a copy under it would
         // be decided as a deprovision (where deleting a database is expected).
+        let effect = executor.effect();
         if let Some(r) = &role
             && r.role.role_type == crate::roles::model::RoleType::Deprovision
             && matches!(effect, byoc_protocol::Effect::Change | byoc_protocol::Effect::Copy)
         {
-            return Err(reject(
+            return Err((
                 RejectReason::OperationMismatch,
                 format!(
                     "a {} job whose effect is {effect} cannot run under the deprovision-type role {:?}",
@@ -336,18 +398,7 @@ impl Verifier<'_> {
                 ),
             ));
         }
-        Ok(VerifiedJob {
-            delivery_id: polled.delivery_id,
-            envelope: polled.envelope,
-            payload,
-            payload_sha256,
-            executor,
-            timeout,
-            received_at: polled.received_at,
-            role,
-            secrets,
-            origin,
-        })
+        Ok((secrets, role))
     }
 }
 

@@ -21,7 +21,8 @@ use crate::clock::rfc3339;
 
 pub const CREDENTIALS_PATH: &str = "/v1/credentials";
 
-type OnAssume = Arc<dyn Fn(&SessionParams, &Credentials) + Send + Sync>;
+/// Called with each new session (its renewals), e.g. to audit them.
+pub type OnAssume = Arc<dyn Fn(&SessionParams, &Credentials) + Send + Sync>;
 
 /// One job's role session behind the endpoint.
 pub struct JobSession {
