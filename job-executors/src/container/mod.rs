@@ -119,25 +119,10 @@ fn docker_error(what: &str, e: bollard::errors::Error) -> String {
 }
 
 async fn run_container(spec: &Container, settings: &ContainerSettings, ctx: ExecContext<'_>) -> ExecOutcome {
-    let socket = settings.docker_socket.display().to_string();
-    let docker = match Docker::connect_with_unix(&socket, 120, bollard::API_DEFAULT_VERSION) {
+    let docker = match connect(settings, &spec.image).await {
         Ok(d) => d,
-        Err(e) => return ExecOutcome::failed(format!("connecting to the Docker Engine at {socket}: {e}")),
+        Err(e) => return ExecOutcome::failed(e),
     };
-    // Engines speak older API versions than the client's default: agree on one.
-    let docker = match docker.negotiate_version().await {
-        Ok(d) => d,
-        Err(e) => return ExecOutcome::failed(format!("connecting to the Docker Engine at {socket}: {e}")),
-    };
-    if let Err(e) = docker.inspect_image(&spec.image).await {
-        return ExecOutcome::failed(match e {
-            bollard::errors::Error::DockerResponseServerError { status_code: 404, .. } => format!(
-                "image {} is not in the local engine; the runner never pulls images (sync it into the install's registry first)",
-                spec.image
-            ),
-            e => docker_error("inspecting the image", e),
-        });
-    }
     if nix::unistd::geteuid().is_root()
         && let Err(e) =
             std::os::unix::fs::chown(&ctx.settings.work_dir, Some(settings.uid), Some(settings.gid))
@@ -147,33 +132,7 @@ async fn run_container(spec: &Container, settings: &ContainerSettings, ctx: Exec
             ctx.settings.work_dir.display()
         ));
     }
-    let mut env = vec![
-        format!("BYOC_JOB_ID={}", ctx.settings.job_id),
-        "HOME=/work".to_string(),
-        format!("{}=/work/{}", crate::outputs::OUTPUT_ENV, crate::outputs::OUTPUT_FILE),
-    ];
-    env.extend(spec.env.iter().chain(&spec.secret_env).map(|(k, v)| format!("{k}={v}")));
-    // A container cannot reach the host's loopback credential endpoint: it gets an AWS
-    // config whose credential_process reads a file the runner renews (or, failing
-    // that, the session as of its start). The role's values win over same-named job
-    // variables, and no static key is left to shadow the config.
-    let mut binds = vec![format!("{}:/work:rw", ctx.settings.work_dir.display())];
-    if let Some(creds) = &ctx.settings.credentials {
-        let role_env = match &creds.container {
-            Some(c) => {
-                binds.push(format!("{}:{}:ro", c.host_dir.display(), c.mount));
-                binds.push(format!("{}:{}:ro", c.busybox.display(), c.busybox_mount));
-                &c.env
-            }
-            None => &creds.static_env,
-        };
-        env.retain(|kv| {
-            kv.split_once('=').is_none_or(|(n, _)| {
-                !role_env.iter().any(|(k, _)| k == n) && !creds.static_env.iter().any(|(k, _)| k == n)
-            })
-        });
-        env.extend(role_env.iter().map(|(k, v)| format!("{k}={v}")));
-    }
+    let (env, binds) = env_and_binds(spec, &ctx.settings);
     // The job's network: its own, with the blocked ranges refused before it starts.
     // The host's addresses are followed from before it is built, so that nothing that
     // appears meanwhile is missed.
@@ -210,38 +169,7 @@ async fn run_container(spec: &Container, settings: &ContainerSettings, ctx: Exec
         Some(n) => format!("container:{}", n.holder),
         None => "none".into(),
     };
-    let host_config = HostConfig {
-        privileged: Some(false),
-        cap_drop: Some(vec!["ALL".into()]),
-        readonly_rootfs: Some(true),
-        // The same system-call policy as the process sandbox.
-        security_opt: Some(vec![
-            "no-new-privileges".into(),
-            format!("seccomp={}", byoc_sandbox::seccomp::docker_profile()),
-        ]),
-        memory: Some(settings.memory_bytes as i64),
-        memory_swap: Some(settings.memory_bytes as i64),
-        pids_limit: Some(settings.pids as i64),
-        network_mode: Some(network_mode),
-        // The runner keeps the log (masked, capped, spooled): no unmasked copy in the
-        // engine's log files.
-        log_config: Some(bollard::models::HostConfigLogConfig { typ: Some("none".into()), config: None }),
-        binds: Some(binds),
-        tmpfs: Some(HashMap::from([("/tmp".to_string(), "rw,nosuid,nodev,mode=1777,size=256m".to_string())])),
-        ..Default::default()
-    };
-    let body = ContainerCreateBody {
-        image: Some(spec.image.clone()),
-        cmd: (!spec.command.is_empty()).then(|| spec.command.clone()),
-        entrypoint: spec.entrypoint.clone(),
-        env: Some(env),
-        working_dir: Some("/work".into()),
-        user: Some(format!("{}:{}", settings.uid, settings.gid)),
-        network_disabled: Some(!spec.network),
-        labels: Some(labels(&ctx.settings.job_id, &settings.owner)),
-        host_config: Some(host_config),
-        ..Default::default()
-    };
+    let body = create_body(spec, settings, &ctx.settings.job_id, env, binds, network_mode);
     let name = format!("byoc-job-{}", ctx.settings.job_id);
     // A container left by an earlier, interrupted attempt of this job goes first.
     let _ =
@@ -318,6 +246,109 @@ async fn run_container(spec: &Container, settings: &ContainerSettings, ctx: Exec
         n.remove(&docker).await;
     }
     outcome
+}
+
+/// The Docker Engine, with an API version both speak, and the job's image in it (the
+/// runner never pulls).
+async fn connect(settings: &ContainerSettings, image: &str) -> Result<Docker, String> {
+    let socket = settings.docker_socket.display().to_string();
+    let docker = match Docker::connect_with_unix(&socket, 120, bollard::API_DEFAULT_VERSION) {
+        Ok(d) => d,
+        Err(e) => return Err(format!("connecting to the Docker Engine at {socket}: {e}")),
+    };
+    // Engines speak older API versions than the client's default: agree on one.
+    let docker = match docker.negotiate_version().await {
+        Ok(d) => d,
+        Err(e) => return Err(format!("connecting to the Docker Engine at {socket}: {e}")),
+    };
+    if let Err(e) = docker.inspect_image(image).await {
+        return Err(match e {
+            bollard::errors::Error::DockerResponseServerError { status_code: 404, .. } => format!(
+                "image {} is not in the local engine; the runner never pulls images (sync it into the install's registry first)",
+                image
+            ),
+            e => docker_error("inspecting the image", e),
+        });
+    }
+    Ok(docker)
+}
+
+/// The container's environment (the job's, the role's winning over same-named job
+/// variables) and its mounts: the job's directory, and with a role the renewed
+/// credentials file and the busybox that reads it.
+fn env_and_binds(spec: &Container, job: &crate::ExecSettings) -> (Vec<String>, Vec<String>) {
+    let mut env = vec![
+        format!("BYOC_JOB_ID={}", job.job_id),
+        "HOME=/work".to_string(),
+        format!("{}=/work/{}", crate::outputs::OUTPUT_ENV, crate::outputs::OUTPUT_FILE),
+    ];
+    env.extend(spec.env.iter().chain(&spec.secret_env).map(|(k, v)| format!("{k}={v}")));
+    // A container cannot reach the host's loopback credential endpoint: it gets an AWS
+    // config whose credential_process reads a file the runner renews (or, failing
+    // that, the session as of its start). The role's values win over same-named job
+    // variables, and no static key is left to shadow the config.
+    let mut binds = vec![format!("{}:/work:rw", job.work_dir.display())];
+    if let Some(creds) = &job.credentials {
+        let role_env = match &creds.container {
+            Some(c) => {
+                binds.push(format!("{}:{}:ro", c.host_dir.display(), c.mount));
+                binds.push(format!("{}:{}:ro", c.busybox.display(), c.busybox_mount));
+                &c.env
+            }
+            None => &creds.static_env,
+        };
+        env.retain(|kv| {
+            kv.split_once('=').is_none_or(|(n, _)| {
+                !role_env.iter().any(|(k, _)| k == n) && !creds.static_env.iter().any(|(k, _)| k == n)
+            })
+        });
+        env.extend(role_env.iter().map(|(k, v)| format!("{k}={v}")));
+    }
+    (env, binds)
+}
+
+/// The container as it is created: never privileged, no capabilities, read-only root,
+/// the sandbox's system-call policy, limits, an unprivileged user, no engine log.
+fn create_body(
+    spec: &Container,
+    settings: &ContainerSettings,
+    job_id: &str,
+    env: Vec<String>,
+    binds: Vec<String>,
+    network_mode: String,
+) -> ContainerCreateBody {
+    let host_config = HostConfig {
+        privileged: Some(false),
+        cap_drop: Some(vec!["ALL".into()]),
+        readonly_rootfs: Some(true),
+        // The same system-call policy as the process sandbox.
+        security_opt: Some(vec![
+            "no-new-privileges".into(),
+            format!("seccomp={}", byoc_sandbox::seccomp::docker_profile()),
+        ]),
+        memory: Some(settings.memory_bytes as i64),
+        memory_swap: Some(settings.memory_bytes as i64),
+        pids_limit: Some(settings.pids as i64),
+        network_mode: Some(network_mode),
+        // The runner keeps the log (masked, capped, spooled): no unmasked copy in the
+        // engine's log files.
+        log_config: Some(bollard::models::HostConfigLogConfig { typ: Some("none".into()), config: None }),
+        binds: Some(binds),
+        tmpfs: Some(HashMap::from([("/tmp".to_string(), "rw,nosuid,nodev,mode=1777,size=256m".to_string())])),
+        ..Default::default()
+    };
+    ContainerCreateBody {
+        image: Some(spec.image.clone()),
+        cmd: (!spec.command.is_empty()).then(|| spec.command.clone()),
+        entrypoint: spec.entrypoint.clone(),
+        env: Some(env),
+        working_dir: Some("/work".into()),
+        user: Some(format!("{}:{}", settings.uid, settings.gid)),
+        network_disabled: Some(!spec.network),
+        labels: Some(labels(job_id, &settings.owner)),
+        host_config: Some(host_config),
+        ..Default::default()
+    }
 }
 
 /// Whether `path` is an x86-64/aarch64 ELF executable without an interpreter (a static

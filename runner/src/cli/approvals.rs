@@ -5,7 +5,7 @@
 
 use super::{Output, StateArgs, print_json, state_dir};
 use crate::approvals::{self, Decision};
-use crate::clock::rfc3339_ms as format_ms;
+use crate::clock::rfc3339_ms;
 use crate::state_dir::StateDir;
 
 pub(super) fn list(s: &StateArgs) -> anyhow::Result<()> {
@@ -34,8 +34,8 @@ pub(super) fn list(s: &StateArgs) -> anyhow::Result<()> {
             r.operation,
             r.role.as_deref().unwrap_or("-"),
             r.component.as_deref().unwrap_or("-"),
-            format_ms(r.requested_at_ms),
-            format_ms(r.expires_at_ms)
+            rfc3339_ms(r.requested_at_ms),
+            rfc3339_ms(r.expires_at_ms)
         );
         if let Some(d) = &r.plan_digest {
             println!("    plan {d}: {}", plan_line(r.summary.as_ref()));
@@ -289,14 +289,14 @@ fn show(s: &StateArgs, job_id: &str) -> anyhow::Result<()> {
     println!("role:       {}", request.role.as_deref().unwrap_or("-"));
     println!("component:  {}", request.component.as_deref().unwrap_or("-"));
     println!("rule:       {}", request.rule);
-    println!("requested:  {}", format_ms(request.requested_at_ms));
-    println!("expires:    {}", format_ms(request.expires_at_ms));
+    println!("requested:  {}", rfc3339_ms(request.requested_at_ms));
+    println!("expires:    {}", rfc3339_ms(request.expires_at_ms));
     match &decision {
         Some(d) => println!(
             "decided:    {} by {} at {}{}",
             if d.approved { "approved" } else { "denied" },
             d.by,
-            format_ms(d.at_ms),
+            rfc3339_ms(d.at_ms),
             d.reason.as_deref().map(|r| format!(": {r}")).unwrap_or_default()
         ),
         None => {

@@ -157,11 +157,7 @@ async fn assume_for_job(
 }
 
 /// Each renewal of the job's session, audited (`role_session_refreshed`).
-fn audit_refreshes(
-    rt: &Rt,
-    job_id: &str,
-    role_name: &str,
-) -> crate::roles::creds::OnAssume {
+fn audit_refreshes(rt: &Rt, job_id: &str, role_name: &str) -> crate::roles::creds::OnAssume {
     let rt = rt.clone();
     let (job_id, role_name) = (job_id.to_string(), role_name.to_string());
     Arc::new(move |params: &SessionParams, c: &crate::roles::sts::Credentials| {
