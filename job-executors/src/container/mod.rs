@@ -540,11 +540,10 @@ async fn supervise(
             outputs: serde_json::json!({ "reason": OUTPUT_BROKEN }),
         };
     }
-    let state = match docker.inspect_container(id, None).await {
-        Ok(info) => info.state,
+    let state = match exit_state(docker, id, ending == Ending::Exited).await {
+        Ok(state) => state,
         Err(e) => return ExecOutcome::failed(docker_error("inspecting the finished container", e)),
     };
-    let state = state.unwrap_or_default();
     let exit_code = state.exit_code.map(|c| c as i32);
     let (status, error) = match ending {
         Ending::TimedOut => (
@@ -575,6 +574,30 @@ async fn supervise(
         _ => (status, error),
     };
     ExecOutcome { status, exit_code, error, outputs: serde_json::json!({}) }
+}
+
+/// How a finished container ended, as the engine has it. The engine marks an OOM kill
+/// from an event of its own that may land just after the exit it caused; a container
+/// that died of SIGKILL on its own (`own_end`, exit code 137) is looked at again for
+/// up to a second, so that its memory limit is named rather than a bare exit code.
+async fn exit_state(
+    docker: &Docker,
+    id: &str,
+    own_end: bool,
+) -> Result<bollard::models::ContainerState, bollard::errors::Error> {
+    let look = || async {
+        Ok::<_, bollard::errors::Error>(docker.inspect_container(id, None).await?.state.unwrap_or_default())
+    };
+    let mut state = look().await?;
+    let sigkilled =
+        |s: &bollard::models::ContainerState| s.exit_code == Some(137) && s.oom_killed != Some(true);
+    let mut tries = 0;
+    while own_end && sigkilled(&state) && tries < 10 {
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        state = look().await?;
+        tries += 1;
+    }
+    Ok(state)
 }
 
 /// SIGINT first (tools release locks), then Docker's stop: SIGTERM, SIGKILL after the grace.
