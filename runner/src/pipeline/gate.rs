@@ -141,6 +141,7 @@ fn held_as(state: &str) -> &str {
     }
 }
 
+/// The refusal of a received job, carrying its ids.
 pub(super) fn rejection_of(job: &VerifiedJob, reason: RejectReason, detail: String) -> Rejection {
     let p = &job.payload;
     Rejection {

@@ -35,15 +35,7 @@ pub async fn scope(rt: &Rt, verified: VerifiedJob) -> Result<ScopedJob, Box<(Ver
         return Ok(ScopedJob { verified, role: None });
     };
     let refuse = |verified: VerifiedJob, reason, detail: String| {
-        let p = &verified.payload;
-        let rejection = Rejection {
-            delivery_id: verified.delivery_id.clone(),
-            reason,
-            detail,
-            job_id: Some(p.job_id.clone()),
-            nonce: Some(p.nonce.clone()),
-            expires_at: Some(p.expires_at),
-        };
+        let rejection = super::gate::rejection_of(&verified, reason, detail);
         Err(Box::new((verified, rejection)))
     };
     // Read afresh for every job: a switch flipped a minute ago counts.
