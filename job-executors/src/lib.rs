@@ -431,11 +431,14 @@ pub enum Refusal {
     NetworkUnavailable(String),
     /// `sandbox_limits_unavailable`
     LimitsUnavailable(String),
+    /// `container_output_unavailable`
+    OutputUnavailable(String),
 }
 
 /// Check, before a job is claimed, that its sandbox can be built as documented: the
 /// network boundary for networked jobs, the cgroup limits unless the customer opted
-/// out. (With the sandbox switched off by configuration there is nothing to build.)
+/// out, a container's output relay. (With the sandbox switched off by configuration
+/// there is nothing to build.)
 pub fn refusal(
     placement: Placement,
     sandbox: Option<&SandboxSettings>,
@@ -457,10 +460,13 @@ pub fn refusal(
             }
             None
         }
-        Placement::Container { network: true } => containers
-            .and_then(|c| container::check_network(c).err())
-            .map(|e| Refusal::NetworkUnavailable(e.0)),
-        Placement::Container { network: false } => None,
+        Placement::Container { network } => {
+            let c = containers?;
+            if network && let Err(why) = container::check_network(c) {
+                return Some(Refusal::NetworkUnavailable(why.0));
+            }
+            container::check_output(c).err().map(Refusal::OutputUnavailable)
+        }
     }
 }
 

@@ -424,6 +424,9 @@ pub enum RejectReason {
     SandboxNetworkUnavailable,
     /// The job's cgroup limits cannot be applied (and the customer requires them).
     SandboxLimitsUnavailable,
+    /// A container job's output cannot be relayed to the runner (no static busybox):
+    /// it would run unrecorded.
+    ContainerOutputUnavailable,
     /// Free space on the runner's state dir is under the customer's threshold.
     DiskLow,
     /// The customer's maintenance windows do not allow this job now, and its rule
@@ -463,6 +466,7 @@ impl RejectReason {
             Self::Paused => "paused",
             Self::SandboxNetworkUnavailable => "sandbox_network_unavailable",
             Self::SandboxLimitsUnavailable => "sandbox_limits_unavailable",
+            Self::ContainerOutputUnavailable => "container_output_unavailable",
             Self::DiskLow => "disk_low",
             Self::OutsideWindow => "outside_window",
             Self::ApprovalDenied => "approval_denied",
@@ -491,6 +495,7 @@ impl RejectReason {
         Self::Paused,
         Self::SandboxNetworkUnavailable,
         Self::SandboxLimitsUnavailable,
+        Self::ContainerOutputUnavailable,
         Self::DiskLow,
         Self::OutsideWindow,
         Self::ApprovalDenied,

@@ -675,16 +675,16 @@ async fn sandbox(config: Option<&Config>) -> Vec<Check> {
         let busybox = &c.roles.busybox;
         out.push(if crate::roles::creds::is_static_elf(busybox) {
             check(
-                "container_credentials",
+                "container_busybox",
                 Status::Ok,
-                format!("static {}: containers' network boundary is set up and their role sessions renewed through credential_process", busybox.display()),
+                format!("static {}: containers' output is relayed, their network boundary set up and their role sessions renewed through credential_process", busybox.display()),
                 None,
             )
         } else {
             check(
-                "container_credentials",
+                "container_busybox",
                 Status::Fail,
-                format!("{} is missing or not statically linked: networked container jobs are refused (sandbox_network_unavailable: it sets up their network boundary) and role sessions are not renewed", busybox.display()),
+                format!("{} is missing or not statically linked: container jobs are refused (container_output_unavailable: it relays their output; networked ones sandbox_network_unavailable: it sets up their network boundary)", busybox.display()),
                 Some("apt-get install busybox-static, or point [roles] busybox at a static busybox"),
             )
         });

@@ -88,7 +88,7 @@ async fn a_healthy_install_passes_every_check() {
         "cgroups",
         "network_stack",
         "network_boundary",
-        "container_credentials",
+        "container_busybox",
     ] {
         let (s, detail, _) = status(&checks, name);
         assert_eq!(s, "ok", "{name}: {detail}");
@@ -144,10 +144,11 @@ async fn a_broken_install_fails_with_what_to_do() {
     assert!(fix.contains("cloudformation:DescribeStacks"), "{fix}");
     let (s, detail, _) = status(&checks, "imds");
     assert_eq!(s, "warn", "the runner has other credentials here: {detail}");
-    let (s, detail, fix) = status(&checks, "container_credentials");
+    let (s, detail, fix) = status(&checks, "container_busybox");
     assert_eq!(s, "fail", "{detail}");
     assert!(detail.contains("/bin/ls is missing or not statically linked"), "{detail}");
     assert!(detail.contains("sandbox_network_unavailable"), "{detail}");
+    assert!(detail.contains("container_output_unavailable"), "{detail}");
     assert!(fix.contains("busybox-static"), "{fix}");
     let (s, detail, fix) = status(&checks, "network_stack");
     assert_eq!(s, "fail", "{detail}");

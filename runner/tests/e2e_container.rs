@@ -149,11 +149,10 @@ async fn an_image_missing_locally_is_refused_without_pulling() {
     assert!(r.error.unwrap().contains("never pulls"));
 }
 
-/// runc sometimes fails to create a container's process for a path that is there (seen
-/// on fuse-overlayfs), so the start is tried once more; a command the image really
-/// lacks still fails the job, with runc's reason, and leaves nothing behind.
+/// A command the image lacks fails the job with the engine's exit code for it (127)
+/// and says which, in the job's log; nothing is left behind.
 #[tokio::test]
-async fn a_command_the_image_lacks_fails_the_job_after_a_second_start() {
+async fn a_command_the_image_lacks_fails_the_job_and_says_so() {
     let image = import_image("byoc-test/busybox:basic", &[]);
     let e = env().await;
     let id =
@@ -163,14 +162,81 @@ async fn a_command_the_image_lacks_fails_the_job_after_a_second_start() {
         .unwrap();
     let r = e.finished(&id).await.result.unwrap();
     assert_eq!(r.status, JobStatus::Failed);
-    let error = r.error.unwrap_or_default();
-    assert!(error.contains("starting the container") && error.contains("no-such-tool"), "{error}");
-    assert!(
-        e.runner.log().contains("the job's container did not start; trying once more"),
-        "{}",
-        e.runner.log()
-    );
+    assert_eq!(r.exit_code, Some(127), "{:?}", r.error);
+    let log = e.output(&id);
+    assert!(log.contains("no-such-tool: executable file not found in $PATH"), "{log}");
     assert!(job_containers(&id).is_empty(), "containers left behind: {:?}", job_containers(&id));
+}
+
+/// The container runs what the engine would: the image's entrypoint and command, the
+/// job's command after the image's entrypoint, the job's entrypoint without the
+/// image's command, and the environment the engine made (the image's, the job's
+/// winning), with nothing added by the way its output is read.
+#[tokio::test]
+async fn a_container_runs_its_images_entrypoint_and_command_as_the_engine_would() {
+    let image = import_image_with(
+        "byoc-test/busybox:entrypoint",
+        &[],
+        &[r#"ENTRYPOINT ["/bin/echo", "entry"]"#, r#"CMD ["image-cmd"]"#, "ENV GREETING=hello FROM_IMAGE=1"],
+    );
+    let e = env().await;
+    let since = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
+    let cases = [
+        (serde_json::json!({"image": image, "network": false}), "entry image-cmd"),
+        (serde_json::json!({"image": image, "command": ["job-cmd"], "network": false}), "entry job-cmd"),
+        (serde_json::json!({"image": image, "entrypoint": ["echo", "own"], "network": false}), "own"),
+    ];
+    for (spec, expected) in cases {
+        let id = e.cp.enqueue(container(spec.clone())).unwrap();
+        let r = e.finished(&id).await.result.unwrap();
+        assert_eq!(r.status, JobStatus::Succeeded, "{spec}: {:?}", r.error);
+        assert_eq!(e.output(&id).trim(), expected, "{spec}");
+    }
+    let id =
+        e.cp.enqueue(container(serde_json::json!({
+            "image": image, "entrypoint": ["env"], "env": {"GREETING": "from-job"}, "network": false
+        })))
+        .unwrap();
+    let r = e.finished(&id).await.result.unwrap();
+    assert_eq!(r.status, JobStatus::Succeeded, "{:?}", r.error);
+    let out = e.output(&id);
+    let names: Vec<&str> = out.lines().filter_map(|l| l.split_once('=').map(|(k, _)| k)).collect();
+    assert!(
+        out.lines().any(|l| l == "GREETING=from-job") && out.lines().any(|l| l == "FROM_IMAGE=1"),
+        "{out}"
+    );
+    for added in ["PWD", "SHLVL"] {
+        assert!(!names.contains(&added), "{added} was added to the container's environment: {out}");
+    }
+    // What the refusal without a busybox is checked against.
+    let events = engine_events(&id, since);
+    assert!(events.iter().any(|a| a == "create") && events.iter().any(|a| a == "start"), "{events:?}");
+}
+
+/// Without a static busybox the runner cannot read a container's output, so it
+/// refuses the job before claiming it, with a reason and what to install, and the
+/// engine is asked for nothing.
+#[tokio::test]
+async fn a_container_job_is_refused_without_a_static_busybox_and_nothing_is_created() {
+    let image = import_image("byoc-test/busybox:basic", &[]);
+    let e = env_with(RunnerOptions {
+        // Dynamically linked: it would not run in an image without its libc.
+        extra: "[roles]\nbusybox = \"/bin/ls\"\n".into(),
+        ..Default::default()
+    })
+    .await;
+    let since = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
+    let id = e
+        .cp
+        .enqueue(container(serde_json::json!({"image": image, "command": ["echo", "ran"], "network": false})))
+        .unwrap();
+    let v = e.rejected(&id).await;
+    let (reason, detail) = v.rejections[0].clone();
+    assert_eq!(reason, byoc_protocol::RejectReason::ContainerOutputUnavailable, "{detail}");
+    assert!(detail.contains("/bin/ls is missing or not statically linked"), "{detail}");
+    assert!(detail.contains("apt-get install busybox-static"), "{detail}");
+    assert!(v.result.is_none());
+    assert_eq!(engine_events(&id, since), Vec::<String>::new(), "the engine was asked to do something");
 }
 
 /// A networked container gets the same boundary as a sandboxed process: a Docker

@@ -106,7 +106,7 @@ async fn every_envelope_rejection_has_its_reason_code() {
         local.as_array().unwrap().iter().map(|r| r["reason"].as_str().unwrap().to_string()).collect();
     codes.sort();
     // Role and pause refusals have their own suite (e2e_roles), the sandbox's theirs
-    // (e2e_network, e2e_sandbox), the disk's (e2e_disk), the guardrails' theirs
+    // (e2e_network, e2e_sandbox, e2e_container), the disk's (e2e_disk), the guardrails' theirs
     // (e2e_guardrails), the secrets' theirs (e2e_secrets), a job held to its effect
     // (e2e_roles).
     let not_here = [
@@ -116,6 +116,7 @@ async fn every_envelope_rejection_has_its_reason_code() {
         RejectReason::Paused,
         RejectReason::SandboxNetworkUnavailable,
         RejectReason::SandboxLimitsUnavailable,
+        RejectReason::ContainerOutputUnavailable,
         RejectReason::DiskLow,
         RejectReason::OutsideWindow,
         RejectReason::ApprovalDenied,

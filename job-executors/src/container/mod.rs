@@ -20,9 +20,9 @@
 //! with only CAP_NET_ADMIN to set the rules and exits, and then the job joins it with
 //! no capabilities at all: it cannot change them. The daemon makes the next job's
 //! namespace while none waits (`network::for_job`); it is brought up to date at the
-//! job's start and serves that job alone. Output is read from the container's
-//! own pipes (attached before it starts; the engine keeps no log of it) through the
-//! same masking and log cap as scripts; a broken stream fails the job
+//! job's start and serves that job alone. Output goes into a FIFO the runner reads
+//! (`relay`: the engine keeps no log of it and its attach stream is a third as fast)
+//! through the same masking and log cap as scripts; a broken stream fails the job
 //! (`container_output_broken`). Timeout and cancellation
 //! send SIGINT, then stop (SIGTERM, then SIGKILL) after the grace; the container is
 //! removed whatever happens. Images must already be in the local engine: the runner
@@ -42,7 +42,21 @@ use serde::Deserialize;
 use crate::{ContainerSettings, ExecContext, ExecFuture, ExecOutcome, Executor, JobStatus};
 
 mod network;
+mod relay;
 pub use network::{check_network, describe_network, prepared_settled, release_prepared};
+
+/// Whether a container's output can be relayed to the runner: a static busybox.
+pub fn check_output(settings: &ContainerSettings) -> Result<(), String> {
+    if is_static_elf(&settings.busybox) {
+        Ok(())
+    } else {
+        Err(format!(
+            "{} is missing or not statically linked: a container's output is relayed by it, so nothing ran \
+             (apt-get install busybox-static, or set roles.busybox)",
+            settings.busybox.display()
+        ))
+    }
+}
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -119,9 +133,13 @@ fn docker_error(what: &str, e: bollard::errors::Error) -> String {
 }
 
 async fn run_container(spec: &Container, settings: &ContainerSettings, ctx: ExecContext<'_>) -> ExecOutcome {
-    let docker = match connect(settings, &spec.image).await {
+    let (docker, image) = match connect(settings, &spec.image).await {
         Ok(d) => d,
         Err(e) => return ExecOutcome::failed(e),
+    };
+    let argv = match relay::argv(spec.entrypoint.as_deref(), &spec.command, image.as_ref()) {
+        Ok(argv) => argv,
+        Err(e) => return ExecOutcome::failed(format!("image {}: {e}", spec.image)),
     };
     if nix::unistd::geteuid().is_root()
         && let Err(e) =
@@ -132,7 +150,15 @@ async fn run_container(spec: &Container, settings: &ContainerSettings, ctx: Exec
             ctx.settings.work_dir.display()
         ));
     }
-    let (env, binds) = env_and_binds(spec, &ctx.settings);
+    let (env, mut binds) = env_and_binds(spec, &ctx.settings);
+    let output = match output_relay(settings, &ctx.settings.work_dir) {
+        Ok(r) => r,
+        Err(e) => {
+            let _ = ctx.output.write(format!("[sandbox] refused: {e}\n").as_bytes());
+            return crate::sandboxed::refused(OUTPUT_UNAVAILABLE, e);
+        }
+    };
+    binds.extend(output.binds(&settings.busybox));
     // The job's network: its own, with the blocked ranges refused before it starts.
     // The host's addresses are followed from before it is built, so that nothing that
     // appears meanwhile is missed.
@@ -169,7 +195,9 @@ async fn run_container(spec: &Container, settings: &ContainerSettings, ctx: Exec
         Some(n) => format!("container:{}", n.holder),
         None => "none".into(),
     };
-    let body = create_body(spec, settings, &ctx.settings.job_id, env, binds, network_mode);
+    let image_env = image.as_ref().and_then(|c| c.env.clone()).unwrap_or_default();
+    let launch = relay::wrapped(argv, &image_env, &env);
+    let body = create_body(spec, settings, &ctx.settings.job_id, launch, env, binds, network_mode);
     let name = format!("byoc-job-{}", ctx.settings.job_id);
     // A container left by an earlier, interrupted attempt of this job goes first.
     let _ =
@@ -211,7 +239,7 @@ async fn run_container(spec: &Container, settings: &ContainerSettings, ctx: Exec
                     }
                 }
             };
-            let run = supervise(&docker, &id, settings, ctx);
+            let run = supervise(&docker, &id, settings, ctx, output);
             tokio::pin!(follow, run);
             tokio::select! {
                 outcome = &mut run => {
@@ -228,7 +256,7 @@ async fn run_container(spec: &Container, settings: &ContainerSettings, ctx: Exec
                 }
             }
         }
-        _ => supervise(&docker, &id, settings, ctx).await,
+        _ => supervise(&docker, &id, settings, ctx, output).await,
     };
     if let Some(why) = lost {
         outcome = crate::sandboxed::refused(
@@ -249,8 +277,11 @@ async fn run_container(spec: &Container, settings: &ContainerSettings, ctx: Exec
 }
 
 /// The Docker Engine, with an API version both speak, and the job's image in it (the
-/// runner never pulls).
-async fn connect(settings: &ContainerSettings, image: &str) -> Result<Docker, String> {
+/// runner never pulls), with the image's configuration.
+async fn connect(
+    settings: &ContainerSettings,
+    image: &str,
+) -> Result<(Docker, Option<bollard::models::ImageConfig>), String> {
     let socket = settings.docker_socket.display().to_string();
     let docker = match Docker::connect_with_unix(&socket, 120, bollard::API_DEFAULT_VERSION) {
         Ok(d) => d,
@@ -261,16 +292,24 @@ async fn connect(settings: &ContainerSettings, image: &str) -> Result<Docker, St
         Ok(d) => d,
         Err(e) => return Err(format!("connecting to the Docker Engine at {socket}: {e}")),
     };
-    if let Err(e) = docker.inspect_image(image).await {
-        return Err(match e {
-            bollard::errors::Error::DockerResponseServerError { status_code: 404, .. } => format!(
-                "image {} is not in the local engine; the runner never pulls images (sync it into the install's registry first)",
-                image
-            ),
-            e => docker_error("inspecting the image", e),
-        });
+    match docker.inspect_image(image).await {
+        Ok(inspected) => Ok((docker, inspected.config)),
+        Err(bollard::errors::Error::DockerResponseServerError { status_code: 404, .. }) => Err(format!(
+            "image {image} is not in the local engine; the runner never pulls images (sync it into the install's registry first)"
+        )),
+        Err(e) => Err(docker_error("inspecting the image", e)),
     }
-    Ok(docker)
+}
+
+/// Reason code of a container job refused because its output could not be relayed.
+pub const OUTPUT_UNAVAILABLE: &str = "container_output_unavailable";
+
+/// The FIFO the job's output comes through, beside its working directory.
+fn output_relay(settings: &ContainerSettings, work_dir: &std::path::Path) -> Result<relay::Relay, String> {
+    check_output(settings)?;
+    let parent = work_dir.parent().unwrap_or(work_dir);
+    relay::Relay::open(parent, settings.uid, settings.gid)
+        .map_err(|e| format!("making the pipe for the container's output under {}: {e}", parent.display()))
 }
 
 /// The container's environment (the job's, the role's winning over same-named job
@@ -307,12 +346,14 @@ fn env_and_binds(spec: &Container, job: &crate::ExecSettings) -> (Vec<String>, V
     (env, binds)
 }
 
-/// The container as it is created: never privileged, no capabilities, read-only root,
-/// the sandbox's system-call policy, limits, an unprivileged user, no engine log.
+/// The container as it is created, its first command the output relay's: never
+/// privileged, no capabilities, read-only root, the sandbox's system-call policy,
+/// limits, an unprivileged user, no engine log.
 fn create_body(
     spec: &Container,
     settings: &ContainerSettings,
     job_id: &str,
+    (entrypoint, cmd): (Vec<String>, Vec<String>),
     env: Vec<String>,
     binds: Vec<String>,
     network_mode: String,
@@ -339,8 +380,8 @@ fn create_body(
     };
     ContainerCreateBody {
         image: Some(spec.image.clone()),
-        cmd: (!spec.command.is_empty()).then(|| spec.command.clone()),
-        entrypoint: spec.entrypoint.clone(),
+        cmd: Some(cmd),
+        entrypoint: Some(entrypoint),
         env: Some(env),
         working_dir: Some("/work".into()),
         user: Some(format!("{}:{}", settings.uid, settings.gid)),
@@ -427,24 +468,15 @@ async fn supervise(
     id: &str,
     settings: &ContainerSettings,
     ctx: ExecContext<'_>,
+    output: relay::Relay,
 ) -> ExecOutcome {
-    // Attached before it starts, as `docker run` does: the stream carries every byte
-    // the container writes, straight from its pipes, and ends only when they close.
-    // (Following the engine's log file instead lost the tail of a long output and ran
-    // at a few MB/s.)
-    let attach = bollard::query_parameters::AttachContainerOptionsBuilder::default()
-        .stdout(true)
-        .stderr(true)
-        .stream(true)
-        .logs(false)
-        .build();
-    let mut output = match docker.attach_container(id, Some(attach)).await {
-        Ok(a) => a.output,
-        Err(e) => return ExecOutcome::failed(docker_error("attaching to the container's output", e)),
-    };
+    let relay::Relay { dir: _fifo_dir, mut reader, mut holder } = output;
     if let Err(e) = network::start_container(docker, id, "the job's container").await {
         return ExecOutcome::failed(docker_error("starting the container", e));
     }
+    // Asked after the start: a container that has already stopped answers at once.
+    let mut stopped = docker.wait_container(id, None);
+    let mut buf = vec![0u8; relay::READ_CHUNK];
     let break_after: Option<u64> = std::env::var(BREAK_OUTPUT_FAULT_ENV).ok().and_then(|v| v.parse().ok());
     let mut delivered = 0u64;
     let grace = ctx.settings.kill_grace;
@@ -459,16 +491,18 @@ async fn supervise(
     let mut escalated = false;
     loop {
         tokio::select! {
-            item = output.next() => match item {
-                Some(Ok(chunk)) => {
-                    let bytes = chunk.into_bytes();
-                    delivered += bytes.len() as u64;
+            read = tokio::io::AsyncReadExt::read(&mut reader, &mut buf) => match read {
+                // Every writer closed, the runner's own last: all that was written is read.
+                Ok(0) => break,
+                Ok(n) => {
+                    let bytes = &buf[..n];
+                    delivered += n as u64;
                     if break_after.is_some_and(|n| delivered > n) {
                         stream_error = Some("the stream was cut (test fault)".to_string());
                         break;
                     }
                     if sink_error.is_none()
-                        && let Err(e) = ctx.output.write(&bytes)
+                        && let Err(e) = ctx.output.write(bytes)
                     {
                         sink_error = Some(e);
                         // As for processes: a job does not run on unrecorded.
@@ -478,13 +512,13 @@ async fn supervise(
                         }
                     }
                 }
-                Some(Err(e)) => {
+                Err(e) => {
                     stream_error = Some(e.to_string());
                     break;
                 }
-                // The container's output closed: it exited (or closed it and runs on).
-                None => break,
             },
+            // The container stopped: what it wrote is in the pipe, and no more can come.
+            _ = stopped.next(), if holder.is_some() => holder = None,
             () = async { if let Some(s) = stopping.as_mut() { s.await } }, if stopping.is_some() => {
                 stopping = None;
             }
@@ -501,8 +535,9 @@ async fn supervise(
         }
     }
     // No more output is read: a container whose stream broke must not run on
-    // unrecorded; one that closed its own output is held to its deadline below.
-    drop(output);
+    // unrecorded.
+    drop(reader);
+    drop(holder);
     if let Some(s) = stopping.take() {
         s.await;
     } else if stream_error.is_some() && !escalated {

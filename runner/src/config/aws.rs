@@ -56,8 +56,9 @@ pub struct RolesConfig {
     /// Where container jobs' renewable credential files live (a tmpfs: the keys never
     /// reach the state dir's disk), one directory per job, mounted into its container.
     pub container_credentials_dir: PathBuf,
-    /// A statically linked busybox mounted into containers to run their
-    /// `credential_process` (any image, even one without a shell, can use it).
+    /// A statically linked busybox mounted into containers (any image, even one without
+    /// a shell, can use it): it relays their output to the runner, holds and configures
+    /// their network namespace and runs their `credential_process`.
     pub busybox: PathBuf,
     /// Roles (by name or type) usable only under a local allowance
     /// (`byoc-runner roles allow`) as well as their stack switch.

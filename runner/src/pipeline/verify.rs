@@ -347,6 +347,10 @@ impl Verifier<'_> {
                     RejectReason::SandboxLimitsUnavailable,
                     format!("the job's resource limits cannot be applied on this runner: {why}"),
                 ),
+                byoc_job_executors::Refusal::OutputUnavailable(why) => (
+                    RejectReason::ContainerOutputUnavailable,
+                    format!("the container's output cannot be recorded on this runner: {why}"),
+                ),
             });
         }
         Ok(())

@@ -239,6 +239,12 @@ pub fn alive(pid: i32) -> bool {
 /// Build a local Docker image offline (`docker import` of a rootfs): static busybox
 /// with its applets, plus `extra` (host file, path in the image) copies.
 pub fn import_image(tag: &str, extra: &[(&Path, &Path)]) -> String {
+    import_image_with(tag, extra, &[])
+}
+
+/// [`import_image`] with Dockerfile instructions for its configuration (`docker import
+/// --change`: ENTRYPOINT, CMD, ENV, …).
+pub fn import_image_with(tag: &str, extra: &[(&Path, &Path)], changes: &[&str]) -> String {
     let busybox = Path::new("/bin/busybox");
     assert!(busybox.exists(), "busybox-static is required (apt-get install busybox-static)");
     let root = tempfile::tempdir().unwrap();
@@ -268,13 +274,28 @@ pub fn import_image(tag: &str, extra: &[(&Path, &Path)]) -> String {
         .spawn()
         .unwrap();
     let out = std::process::Command::new("docker")
-        .args(["import", "-", tag])
+        .arg("import")
+        .args(changes.iter().flat_map(|c| ["--change", c]))
+        .args(["-", tag])
         .stdin(tar.stdout.take().unwrap())
         .output()
         .expect("docker is required");
     assert!(tar.wait().unwrap().success(), "tar of the image rootfs failed");
     assert!(out.status.success(), "docker import failed: {}", String::from_utf8_lossy(&out.stderr));
     tag.to_string()
+}
+
+/// What the engine did to this job's containers since `since` (unix seconds), as
+/// `docker events` lists it (create, start, die, destroy, …).
+pub fn engine_events(job_id: &str, since: u64) -> Vec<String> {
+    let until = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs() + 1;
+    let out = std::process::Command::new("docker")
+        .args(["events", "--since", &since.to_string(), "--until", &until.to_string()])
+        .args(["--filter", &format!("label=byoc-runner.job={job_id}"), "--format", "{{.Action}}"])
+        .output()
+        .expect("docker is required");
+    assert!(out.status.success(), "docker events: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).lines().map(String::from).collect()
 }
 
 /// Containers (running or not) labelled as this job's.
