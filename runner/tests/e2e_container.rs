@@ -113,6 +113,24 @@ async fn cancelling_a_container_stops_and_removes_it() {
     assert!(job_containers(&id).is_empty(), "cancelled container left behind");
 }
 
+/// A container that closes its output and runs on is still held to its deadline:
+/// timed out, stopped and removed, with what it printed before kept.
+#[tokio::test]
+async fn a_container_that_closes_its_output_is_held_to_its_deadline() {
+    let image = import_image("byoc-test/busybox:basic", &[]);
+    let e = env().await;
+    let mut req = container(serde_json::json!({
+        "image": image, "network": false,
+        "command": ["sh", "-c", "echo before; exec >&- 2>&-; trap '' INT TERM; while true; do sleep 1; done"]
+    }));
+    req.timeout_secs = 3;
+    let id = e.cp.enqueue(req).unwrap();
+    let r = e.finished(&id).await.result.unwrap();
+    assert_eq!(r.status, JobStatus::TimedOut, "{:?}", r.error);
+    assert!(e.output(&id).contains("before"));
+    assert!(job_containers(&id).is_empty(), "containers left behind: {:?}", job_containers(&id));
+}
+
 #[tokio::test]
 async fn container_memory_limit_names_itself_and_network_can_be_off() {
     let image = import_image("byoc-test/busybox:basic", &[]);

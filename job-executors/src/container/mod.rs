@@ -132,7 +132,11 @@ fn docker_error(what: &str, e: bollard::errors::Error) -> String {
     format!("docker {what}: {e}")
 }
 
-async fn run_container(spec: &Container, settings: &ContainerSettings, ctx: ExecContext<'_>) -> ExecOutcome {
+async fn run_container(
+    spec: &Container,
+    settings: &ContainerSettings,
+    mut ctx: ExecContext<'_>,
+) -> ExecOutcome {
     let (docker, image) = match connect(settings, &spec.image).await {
         Ok(d) => d,
         Err(e) => return ExecOutcome::failed(e),
@@ -159,40 +163,17 @@ async fn run_container(spec: &Container, settings: &ContainerSettings, ctx: Exec
         }
     };
     binds.extend(output.binds(&settings.busybox));
-    // The job's network: its own, with the blocked ranges refused before it starts.
-    // The host's addresses are followed from before it is built, so that nothing that
-    // appears meanwhile is missed.
-    let mut follower = None;
-    let mut net = if spec.network {
-        match crate::jobnet::HostFollower::open() {
-            Ok(f) => follower = Some(f),
-            Err(e) => {
-                let _ = ctx.output.write(format!("[sandbox] refused: {e}\n").as_bytes());
-                return crate::sandboxed::refused(crate::sandboxed::NETWORK_UNAVAILABLE, e.0);
-            }
-        }
-        match network::for_job(&docker, settings, &ctx.settings.job_id).await {
-            Ok((n, ahead)) => {
-                let made =
-                    if ahead { " (made ahead of the job, brought up to date at its start)" } else { "" };
-                let _ =
-                    ctx.output.write(format!("[sandbox] {}{made}\n", describe_network(settings)).as_bytes());
-                Some(n)
-            }
-            Err(e) => {
-                let _ = ctx.output.write(format!("[sandbox] refused: {e}\n").as_bytes());
-                return crate::sandboxed::refused(
-                    crate::sandboxed::NETWORK_UNAVAILABLE,
-                    format!("the container's network boundary could not be built, so nothing ran: {e}"),
-                );
-            }
+    let net = if spec.network {
+        match job_network(&docker, settings, &mut ctx).await {
+            Ok(n) => Some(n),
+            Err(refused) => return refused,
         }
     } else {
         let _ = ctx.output.write(b"[sandbox] network: none (container without a network)\n");
         None
     };
     let network_mode = match &net {
-        Some(n) => format!("container:{}", n.holder),
+        Some((n, _)) => format!("container:{}", n.holder),
         None => "none".into(),
     };
     let image_env = image.as_ref().and_then(|c| c.env.clone()).unwrap_or_default();
@@ -208,62 +189,18 @@ async fn run_container(spec: &Container, settings: &ContainerSettings, ctx: Exec
     {
         Ok(r) => r.id,
         Err(e) => {
-            if let Some(n) = net {
+            if let Some((n, _)) = net {
                 n.remove(&docker).await;
             }
             return ExecOutcome::failed(docker_error("creating the container", e));
         }
     };
-    let mut ctx = ctx;
-    // The follower stops the job if it cannot keep the host closed to it.
-    let stop = ctx.settings.cancel.child_token();
-    ctx.settings.cancel = stop.clone();
-    let mut lost = None;
-    let mut outcome = match (net.as_mut(), follower) {
-        (Some(n), Some(mut f)) => {
-            // A close in progress is never dropped half-way: a configurator whose
-            // creation is still in flight would outlive the job's clean-up.
-            let followed = tokio_util::sync::CancellationToken::new();
-            let follow = async {
-                loop {
-                    let ranges = tokio::select! {
-                        r = f.next_ranges() => r,
-                        () = followed.cancelled() => return None,
-                    };
-                    let closed = match ranges {
-                        Ok(ranges) => n.close(&docker, settings, ranges).await.map_err(|e| e.0),
-                        Err(e) => Err(e),
-                    };
-                    if let Err(why) = closed {
-                        return Some(why);
-                    }
-                }
-            };
-            let run = supervise(&docker, &id, settings, ctx, output);
-            tokio::pin!(follow, run);
-            tokio::select! {
-                outcome = &mut run => {
-                    followed.cancel();
-                    let _ = follow.await;
-                    outcome
-                }
-                why = &mut follow => {
-                    let why = why.unwrap_or_default();
-                    tracing::error!(error = %why, "The container's network boundary could not follow the host; stopping it: {why}.");
-                    lost = Some(why);
-                    stop.cancel();
-                    run.await
-                }
-            }
+    let (outcome, net) = match net {
+        Some((mut n, follower)) => {
+            (supervise_following(&docker, &id, settings, ctx, output, &mut n, follower).await, Some(n))
         }
-        _ => supervise(&docker, &id, settings, ctx, output).await,
+        None => (supervise(&docker, &id, settings, ctx, output).await, None),
     };
-    if let Some(why) = lost {
-        outcome = crate::sandboxed::refused(
-            crate::sandboxed::NETWORK_UNAVAILABLE,
-            format!("stopped: the container's network boundary could not follow the host ({why})"),
-        );
-    }
     if let Err(e) = docker
         .remove_container(&id, Some(RemoveContainerOptionsBuilder::new().force(true).v(true).build()))
         .await
@@ -274,6 +211,89 @@ async fn run_container(spec: &Container, settings: &ContainerSettings, ctx: Exec
         n.remove(&docker).await;
     }
     outcome
+}
+
+/// The job's network: its own, with the blocked ranges refused before it starts. The
+/// host's addresses are followed from before it is built, so that nothing that
+/// appears meanwhile is missed. A boundary that cannot be built refuses the job.
+async fn job_network(
+    docker: &Docker,
+    settings: &ContainerSettings,
+    ctx: &mut ExecContext<'_>,
+) -> Result<(network::JobNetwork, crate::jobnet::HostFollower), ExecOutcome> {
+    let follower = match crate::jobnet::HostFollower::open() {
+        Ok(f) => f,
+        Err(e) => {
+            let _ = ctx.output.write(format!("[sandbox] refused: {e}\n").as_bytes());
+            return Err(crate::sandboxed::refused(crate::sandboxed::NETWORK_UNAVAILABLE, e.0));
+        }
+    };
+    match network::for_job(docker, settings, &ctx.settings.job_id).await {
+        Ok((n, ahead)) => {
+            let made = if ahead { " (made ahead of the job, brought up to date at its start)" } else { "" };
+            let _ = ctx.output.write(format!("[sandbox] {}{made}\n", describe_network(settings)).as_bytes());
+            Ok((n, follower))
+        }
+        Err(e) => {
+            let _ = ctx.output.write(format!("[sandbox] refused: {e}\n").as_bytes());
+            Err(crate::sandboxed::refused(
+                crate::sandboxed::NETWORK_UNAVAILABLE,
+                format!("the container's network boundary could not be built, so nothing ran: {e}"),
+            ))
+        }
+    }
+}
+
+/// A networked container runs while the host is followed: every address or subnet
+/// that appears is closed to it, and a boundary that cannot follow stops the job.
+async fn supervise_following(
+    docker: &Docker,
+    id: &str,
+    settings: &ContainerSettings,
+    mut ctx: ExecContext<'_>,
+    output: relay::Relay,
+    net: &mut network::JobNetwork,
+    mut follower: crate::jobnet::HostFollower,
+) -> ExecOutcome {
+    let stop = ctx.settings.cancel.child_token();
+    ctx.settings.cancel = stop.clone();
+    // A close in progress is never dropped half-way: a configurator whose creation is
+    // still in flight would outlive the job's clean-up.
+    let followed = tokio_util::sync::CancellationToken::new();
+    let follow = async {
+        loop {
+            let ranges = tokio::select! {
+                r = follower.next_ranges() => r,
+                () = followed.cancelled() => return None,
+            };
+            let closed = match ranges {
+                Ok(ranges) => net.close(docker, settings, ranges).await.map_err(|e| e.0),
+                Err(e) => Err(e),
+            };
+            if let Err(why) = closed {
+                return Some(why);
+            }
+        }
+    };
+    let run = supervise(docker, id, settings, ctx, output);
+    tokio::pin!(follow, run);
+    tokio::select! {
+        outcome = &mut run => {
+            followed.cancel();
+            let _ = follow.await;
+            outcome
+        }
+        why = &mut follow => {
+            let why = why.unwrap_or_default();
+            tracing::error!(error = %why, "The container's network boundary could not follow the host; stopping it: {why}.");
+            stop.cancel();
+            let _ = run.await;
+            crate::sandboxed::refused(
+                crate::sandboxed::NETWORK_UNAVAILABLE,
+                format!("stopped: the container's network boundary could not follow the host ({why})"),
+            )
+        }
+    }
 }
 
 /// The Docker Engine, with an API version both speak, and the job's image in it (the
@@ -463,108 +483,21 @@ pub const OUTPUT_BROKEN: &str = "container_output_broken";
 /// for an engine that drops the connection).
 const BREAK_OUTPUT_FAULT_ENV: &str = "BYOC_RUNNER_TEST_FAULT_BREAK_CONTAINER_OUTPUT_AFTER";
 
+/// Start the container and follow it to its end: its output, its deadline, its exit.
 async fn supervise(
     docker: &Docker,
     id: &str,
     settings: &ContainerSettings,
-    ctx: ExecContext<'_>,
+    mut ctx: ExecContext<'_>,
     output: relay::Relay,
 ) -> ExecOutcome {
-    let relay::Relay { dir: _fifo_dir, mut reader, mut holder } = output;
     if let Err(e) = network::start_container(docker, id, "the job's container").await {
         return ExecOutcome::failed(docker_error("starting the container", e));
     }
-    // Asked after the start: a container that has already stopped answers at once.
-    let mut stopped = docker.wait_container(id, None);
-    let mut buf = vec![0u8; relay::READ_CHUNK];
-    let break_after: Option<u64> = std::env::var(BREAK_OUTPUT_FAULT_ENV).ok().and_then(|v| v.parse().ok());
-    let mut delivered = 0u64;
-    let grace = ctx.settings.kill_grace;
     let deadline = tokio::time::sleep(ctx.settings.timeout);
     tokio::pin!(deadline);
-    let mut ending = Ending::Exited;
-    let mut sink_error = None;
-    let mut stream_error = None;
-    // Stopping runs beside the reading: a container blocked on a full pipe must have
-    // its output drained to stop.
-    let mut stopping: Option<std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send + '_>>> = None;
-    let mut escalated = false;
-    loop {
-        tokio::select! {
-            read = tokio::io::AsyncReadExt::read(&mut reader, &mut buf) => match read {
-                // Every writer closed, the runner's own last: all that was written is read.
-                Ok(0) => break,
-                Ok(n) => {
-                    let bytes = &buf[..n];
-                    delivered += n as u64;
-                    if break_after.is_some_and(|n| delivered > n) {
-                        stream_error = Some("the stream was cut (test fault)".to_string());
-                        break;
-                    }
-                    if sink_error.is_none()
-                        && let Err(e) = ctx.output.write(bytes)
-                    {
-                        sink_error = Some(e);
-                        // As for processes: a job does not run on unrecorded.
-                        if !escalated {
-                            escalated = true;
-                            stopping = Some(Box::pin(stop(docker, id, grace)));
-                        }
-                    }
-                }
-                Err(e) => {
-                    stream_error = Some(e.to_string());
-                    break;
-                }
-            },
-            // The container stopped: what it wrote is in the pipe, and no more can come.
-            _ = stopped.next(), if holder.is_some() => holder = None,
-            () = async { if let Some(s) = stopping.as_mut() { s.await } }, if stopping.is_some() => {
-                stopping = None;
-            }
-            _ = &mut deadline, if !escalated => {
-                ending = Ending::TimedOut;
-                escalated = true;
-                stopping = Some(Box::pin(stop(docker, id, grace)));
-            }
-            _ = ctx.settings.cancel.cancelled(), if !escalated => {
-                ending = Ending::Cancelled;
-                escalated = true;
-                stopping = Some(Box::pin(stop(docker, id, grace)));
-            }
-        }
-    }
-    // No more output is read: a container whose stream broke must not run on
-    // unrecorded.
-    drop(reader);
-    drop(holder);
-    if let Some(s) = stopping.take() {
-        s.await;
-    } else if stream_error.is_some() && !escalated {
-        escalated = true;
-        stop(docker, id, grace).await;
-    }
-    // The exit code is the engine's once the container has stopped; a container that
-    // closed its output and runs on is still held to its deadline.
-    if stream_error.is_none() {
-        let mut exited = docker.wait_container(id, None);
-        loop {
-            tokio::select! {
-                _ = exited.next() => break,
-                _ = &mut deadline, if !escalated => {
-                    ending = Ending::TimedOut;
-                    escalated = true;
-                    stop(docker, id, ctx.settings.kill_grace).await;
-                }
-                _ = ctx.settings.cancel.cancelled(), if !escalated => {
-                    ending = Ending::Cancelled;
-                    escalated = true;
-                    stop(docker, id, ctx.settings.kill_grace).await;
-                }
-            }
-        }
-    }
-    if let Some(why) = stream_error {
+    let mut read = read_until_stopped(docker, id, &mut ctx, output, deadline.as_mut()).await;
+    if let Some(why) = read.stream_error {
         return ExecOutcome {
             status: JobStatus::Failed,
             exit_code: None,
@@ -575,16 +508,129 @@ async fn supervise(
             outputs: serde_json::json!({ "reason": OUTPUT_BROKEN }),
         };
     }
-    let state = match exit_state(docker, id, ending == Ending::Exited).await {
-        Ok(state) => state,
-        Err(e) => return ExecOutcome::failed(docker_error("inspecting the finished container", e)),
-    };
+    // The exit code is the engine's once the container has stopped; a container that
+    // closed its output and runs on is still held to its deadline.
+    let mut exited = docker.wait_container(id, None);
+    loop {
+        tokio::select! {
+            _ = exited.next() => break,
+            _ = &mut deadline, if !read.escalated => {
+                read.ending = Ending::TimedOut;
+                read.escalated = true;
+                stop(docker, id, ctx.settings.kill_grace).await;
+            }
+            _ = ctx.settings.cancel.cancelled(), if !read.escalated => {
+                read.ending = Ending::Cancelled;
+                read.escalated = true;
+                stop(docker, id, ctx.settings.kill_grace).await;
+            }
+        }
+    }
+    match exit_state(docker, id, read.ending == Ending::Exited).await {
+        Ok(state) => outcome(read, &state, &ctx.settings, settings),
+        Err(e) => ExecOutcome::failed(docker_error("inspecting the finished container", e)),
+    }
+}
+
+/// How the reading of a container's output ended.
+struct Reading {
+    ending: Ending,
+    /// The container was told to stop (timeout, cancel, an unwritable log).
+    escalated: bool,
+    sink_error: Option<String>,
+    stream_error: Option<String>,
+}
+
+/// Read the container's output into the job's log until the container has stopped
+/// and every byte it wrote is read; stop it on timeout, cancellation or a log that
+/// cannot be written. A container whose stream broke is stopped before this returns.
+async fn read_until_stopped(
+    docker: &Docker,
+    id: &str,
+    ctx: &mut ExecContext<'_>,
+    output: relay::Relay,
+    mut deadline: std::pin::Pin<&mut tokio::time::Sleep>,
+) -> Reading {
+    let relay::Relay { dir: _fifo_dir, mut reader, mut holder } = output;
+    // Asked after the start: a container that has already stopped answers at once.
+    let mut stopped = docker.wait_container(id, None);
+    let mut buf = vec![0u8; relay::READ_CHUNK];
+    let break_after: Option<u64> = std::env::var(BREAK_OUTPUT_FAULT_ENV).ok().and_then(|v| v.parse().ok());
+    let mut delivered = 0u64;
+    let grace = ctx.settings.kill_grace;
+    let mut r = Reading { ending: Ending::Exited, escalated: false, sink_error: None, stream_error: None };
+    // Stopping runs beside the reading: a container blocked on a full pipe must have
+    // its output drained to stop.
+    let mut stopping: Option<std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send + '_>>> = None;
+    loop {
+        tokio::select! {
+            read = tokio::io::AsyncReadExt::read(&mut reader, &mut buf) => match read {
+                // Every writer closed, the runner's own last: all that was written is read.
+                Ok(0) => break,
+                Ok(n) => {
+                    delivered += n as u64;
+                    if break_after.is_some_and(|n| delivered > n) {
+                        r.stream_error = Some("the stream was cut (test fault)".to_string());
+                        break;
+                    }
+                    if r.sink_error.is_none()
+                        && let Err(e) = ctx.output.write(&buf[..n])
+                    {
+                        r.sink_error = Some(e.to_string());
+                        // As for processes: a job does not run on unrecorded.
+                        if !r.escalated {
+                            r.escalated = true;
+                            stopping = Some(Box::pin(stop(docker, id, grace)));
+                        }
+                    }
+                }
+                Err(e) => {
+                    r.stream_error = Some(e.to_string());
+                    break;
+                }
+            },
+            // The container stopped: what it wrote is in the pipe, and no more can come.
+            _ = stopped.next(), if holder.is_some() => holder = None,
+            () = async { if let Some(s) = stopping.as_mut() { s.await } }, if stopping.is_some() => {
+                stopping = None;
+            }
+            _ = &mut deadline, if !r.escalated => {
+                r.ending = Ending::TimedOut;
+                r.escalated = true;
+                stopping = Some(Box::pin(stop(docker, id, grace)));
+            }
+            _ = ctx.settings.cancel.cancelled(), if !r.escalated => {
+                r.ending = Ending::Cancelled;
+                r.escalated = true;
+                stopping = Some(Box::pin(stop(docker, id, grace)));
+            }
+        }
+    }
+    // No more output is read: a container whose stream broke must not run on
+    // unrecorded.
+    drop(reader);
+    drop(holder);
+    if let Some(s) = stopping.take() {
+        s.await;
+    } else if r.stream_error.is_some() && !r.escalated {
+        r.escalated = true;
+        stop(docker, id, grace).await;
+    }
+    r
+}
+
+/// The job's outcome from how it ended and the engine's view of the container.
+fn outcome(
+    read: Reading,
+    state: &bollard::models::ContainerState,
+    job: &crate::ExecSettings,
+    settings: &ContainerSettings,
+) -> ExecOutcome {
     let exit_code = state.exit_code.map(|c| c as i32);
-    let (status, error) = match ending {
-        Ending::TimedOut => (
-            JobStatus::TimedOut,
-            Some(format!("job exceeded its timeout of {}s", ctx.settings.timeout.as_secs())),
-        ),
+    let (status, error) = match read.ending {
+        Ending::TimedOut => {
+            (JobStatus::TimedOut, Some(format!("job exceeded its timeout of {}s", job.timeout.as_secs())))
+        }
         Ending::Cancelled => (JobStatus::Cancelled, Some("job was cancelled".into())),
         Ending::Exited if state.oom_killed == Some(true) => (
             JobStatus::Failed,
@@ -599,8 +645,8 @@ async fn supervise(
             None => (JobStatus::Failed, Some("the container ended without an exit code".into())),
         },
     };
-    let (status, error) = match sink_error {
-        Some(e) if matches!(ending, Ending::Exited) => (
+    let (status, error) = match read.sink_error {
+        Some(e) if matches!(read.ending, Ending::Exited) => (
             JobStatus::Failed,
             Some(format!(
                 "the job's log could not be written ({e}); the job was stopped so it does not run on unrecorded"
