@@ -170,12 +170,35 @@ fn one(at: &str, mut t: toml::Table, install: &InstallState, problems: &mut Vec<
             Format::Plain
         }
     };
-    let render = |what: &str, s: &str, problems: &mut Vec<String>| -> String {
-        install.render(s).unwrap_or_else(|e| {
-            problems.push(format!("{at}: {what}: {e}"));
-            s.to_string()
-        })
-    };
+    let single = (kubernetes_sync == Some(true)).then_some((namespace.as_str(), secret_name.as_str()));
+    let kubernetes = kubernetes_targets(&at, &mut t, single, install, problems);
+    check_value_names(&at, terraform_variable.as_deref(), helm_value.as_deref(), problems);
+    let read_by = read_by(&at, &mut t, install, problems);
+    if problems.len() > before {
+        return None;
+    }
+    Some(Declared { name, required, format, kubernetes, terraform_variable, helm_value, read_by })
+}
+
+/// A template rendered for the install; a failure is a problem and leaves it as written.
+fn render(install: &InstallState, at: &str, what: &str, s: &str, problems: &mut Vec<String>) -> String {
+    install.render(s).unwrap_or_else(|e| {
+        problems.push(format!("{at}: {what}: {e}"));
+        s.to_string()
+    })
+}
+
+/// The Kubernetes Secrets a secret is written to: `kubernetes_sync_targets`, or the
+/// modelled system's single target (`single`: its namespace and name, when
+/// `kubernetes_sync` is on), each checked as Kubernetes names it.
+fn kubernetes_targets(
+    at: &str,
+    t: &mut toml::Table,
+    single: Option<(&str, &str)>,
+    install: &InstallState,
+    problems: &mut Vec<String>,
+) -> Vec<KubeTarget> {
+    let render = |what: &str, s: &str, problems: &mut Vec<String>| render(install, at, what, s, problems);
     let mut kubernetes = Vec::new();
     let targets = match t.remove("kubernetes_sync_targets") {
         None => Vec::new(),
@@ -221,7 +244,9 @@ fn one(at: &str, mut t: toml::Table, install: &InstallState, problems: &mut Vec<
             });
         }
     }
-    if kubernetes_sync == Some(true) && kubernetes.is_empty() {
+    if let Some((namespace, secret_name)) = single
+        && kubernetes.is_empty()
+    {
         if secret_name.is_empty() {
             problems.push(format!("{at}: kubernetes_secret_name must be set when kubernetes_sync is true"));
         }
@@ -232,8 +257,8 @@ fn one(at: &str, mut t: toml::Table, install: &InstallState, problems: &mut Vec<
         if !secret_name.is_empty() && !namespace.is_empty() {
             // The modelled system's single target writes the key `value`.
             kubernetes.push(KubeTarget {
-                namespace: render("kubernetes_secret_namespace", &namespace, problems),
-                name: render("kubernetes_secret_name", &secret_name, problems),
+                namespace: render("kubernetes_secret_namespace", namespace, problems),
+                name: render("kubernetes_secret_name", secret_name, problems),
                 key: "value".into(),
             });
         }
@@ -251,7 +276,17 @@ fn one(at: &str, mut t: toml::Table, install: &InstallState, problems: &mut Vec<
             problems.push(format!("{at}: Kubernetes Secret key {:?} is not valid ([-._a-zA-Z0-9]+)", k.key));
         }
     }
-    if let Some(v) = &terraform_variable {
+    kubernetes
+}
+
+/// The terraform variable and helm value a secret is passed as must be names of theirs.
+fn check_value_names(
+    at: &str,
+    terraform_variable: Option<&str>,
+    helm_value: Option<&str>,
+    problems: &mut Vec<String>,
+) {
+    if let Some(v) = terraform_variable {
         let ok = !v.is_empty()
             && !v.starts_with(|c: char| c.is_ascii_digit())
             && v.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
@@ -259,7 +294,7 @@ fn one(at: &str, mut t: toml::Table, install: &InstallState, problems: &mut Vec<
             problems.push(format!("{at}: terraform_variable {v:?} is not a terraform variable name"));
         }
     }
-    if let Some(p) = &helm_value {
+    if let Some(p) = helm_value {
         let ok = p
             .split('.')
             .all(|s| !s.is_empty() && s.bytes().all(|b| b.is_ascii_alphanumeric() || b"_-".contains(&b)));
@@ -267,23 +302,23 @@ fn one(at: &str, mut t: toml::Table, install: &InstallState, problems: &mut Vec<
             problems.push(format!("{at}: helm_value {p:?} is not a value path (a.b.c of [A-Za-z0-9_-])"));
         }
     }
-    let read_by = match t.remove("read_by") {
+}
+
+/// Who may read the secret: role types or (templated) role names.
+fn read_by(at: &str, t: &mut toml::Table, install: &InstallState, problems: &mut Vec<String>) -> Vec<String> {
+    match t.remove("read_by") {
         None => DEFAULT_READ_BY.iter().map(|s| s.to_string()).collect(),
         // Role names may be templates, as in the role files.
         Some(toml::Value::Array(a))
             if !a.is_empty() && a.iter().all(|v| v.as_str().is_some_and(|s| !s.is_empty())) =>
         {
-            a.iter().filter_map(|v| v.as_str()).map(|r| render("read_by", r, problems)).collect()
+            a.iter().filter_map(|v| v.as_str()).map(|r| render(install, at, "read_by", r, problems)).collect()
         }
         Some(_) => {
             problems.push(format!("{at}: read_by must list role types or role names"));
             Vec::new()
         }
-    };
-    if problems.len() > before {
-        return None;
     }
-    Some(Declared { name, required, format, kubernetes, terraform_variable, helm_value, read_by })
 }
 
 /// A Kubernetes object name or namespace: lower-case alphanumerics, `-` and `.`.
