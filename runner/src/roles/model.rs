@@ -229,103 +229,169 @@ fn check_policies(policies: &[PolicyDef], at: &str, problems: &mut Vec<String>) 
     }
 }
 
+/// A role joins the app's unless its name or switch key is taken.
+fn add_role(roles: &mut Vec<RoleDef>, def: RoleDef, problems: &mut Vec<String>) {
+    if let Some(other) = roles.iter().find(|r| r.name == def.name) {
+        problems.push(format!(
+            "{}: role name {:?} is also defined in {}",
+            def.defined_in, def.name, other.defined_in
+        ));
+    } else if let Some(other) = roles.iter().find(|r| r.key == def.key) {
+        problems.push(format!(
+            "{}: switch key {:?} (stack parameter Enable{}Role) is also used by {}",
+            def.defined_in, def.key, def.key, other.defined_in
+        ));
+    } else {
+        roles.push(def);
+    }
+}
+
+/// One `permissions/*.toml` role.
+fn role_file(at: &str, text: &str, install: &InstallState, problems: &mut Vec<String>) -> Option<RoleDef> {
+    let parsed: RoleFile = match toml::from_str(text) {
+        Ok(p) => p,
+        Err(e) => {
+            problems.push(format!("{at}: {}", e.message()));
+            return None;
+        }
+    };
+    let role_type = match parsed.role_type.as_str() {
+        "provision" => RoleType::Provision,
+        "maintenance" => RoleType::Maintenance,
+        "deprovision" => RoleType::Deprovision,
+        "custom" => RoleType::Custom,
+        other => {
+            problems.push(format!(
+                "{at}: type {other:?} is not one of provision, maintenance, deprovision, custom (break-glass roles go in break_glass.toml)"
+            ));
+            return None;
+        }
+    };
+    check_policies(&parsed.policies, at, problems);
+    if let Some(bad) = parsed.plan_actions.iter().find(|a| !valid_plan_action(a)) {
+        problems.push(format!(
+            "{at}: plan_actions {bad:?} is not service:Action (a wildcard may complete an action, never stand for a whole service)"
+        ));
+    }
+    let _ = parsed.permissions_boundary;
+    match install.render(&parsed.name) {
+        Ok(name) => Some(RoleDef {
+            name,
+            key: switch_key(&parsed.name),
+            name_template: parsed.name,
+            role_type,
+            display_name: parsed.display_name,
+            description: parsed.description,
+            defined_in: at.to_string(),
+            policies: parsed.policies.len(),
+            plan_actions: parsed.plan_actions,
+        }),
+        Err(e) => {
+            problems.push(format!("{at}: {e}"));
+            None
+        }
+    }
+}
+
+/// The roles of `break_glass.toml`.
+fn break_glass_roles(text: &str, install: &InstallState, problems: &mut Vec<String>) -> Vec<RoleDef> {
+    let at = "break_glass.toml";
+    let file = match toml::from_str::<BreakGlassFile>(text) {
+        Ok(file) => file,
+        Err(e) => {
+            problems.push(format!("{at}: {}", e.message()));
+            return Vec::new();
+        }
+    };
+    let mut roles = Vec::new();
+    for (i, r) in file.role.into_iter().enumerate() {
+        let at = format!("{at} role[{i}]");
+        if r.role_type.as_deref().is_some_and(|t| t != "break_glass") {
+            problems.push(format!("{at}: type must be break_glass if given"));
+            continue;
+        }
+        check_policies(&r.policies, &at, problems);
+        let _ = r.permissions_boundary;
+        match install.render(&r.name) {
+            Ok(name) => roles.push(RoleDef {
+                name,
+                key: switch_key(&r.name),
+                name_template: r.name,
+                role_type: RoleType::BreakGlass,
+                display_name: r.display_name,
+                description: r.description,
+                defined_in: at,
+                policies: r.policies.len(),
+                plan_actions: Vec::new(),
+            }),
+            Err(e) => problems.push(format!("{at}: {e}")),
+        }
+    }
+    roles
+}
+
+/// `operation_roles.toml`: the defaults per operation (over the built-in ones) and the
+/// rules, each naming a known entity and operation.
+fn operation_roles(
+    text: Option<&str>,
+    problems: &mut Vec<String>,
+) -> (BTreeMap<String, String>, Vec<MatrixRule>) {
+    let matrix = match text {
+        None => MatrixFile::default(),
+        Some(text) => toml::from_str::<MatrixFile>(text).unwrap_or_else(|e| {
+            problems.push(format!("operation_roles.toml: {}", e.message()));
+            MatrixFile::default()
+        }),
+    };
+    let mut defaults: BTreeMap<String, String> =
+        BUILT_IN_DEFAULTS.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+    for (op, role) in matrix.defaults {
+        let known = op.split_once('.').is_some_and(|(e, o)| known_operation(e, o));
+        if !known {
+            problems.push(format!(
+                "operation_roles.toml: defaults key {op:?} is not an entity.operation ({})",
+                BUILT_IN_DEFAULTS.iter().map(|(k, _)| *k).collect::<Vec<_>>().join(", ")
+            ));
+        } else {
+            defaults.insert(op, role);
+        }
+    }
+    let mut rules = Vec::new();
+    for (i, r) in matrix.rule.into_iter().enumerate() {
+        let at = format!("operation_roles.toml rule[{i}]");
+        let entity = r.principal.split_once(':').map(|(e, _)| e);
+        match entity {
+            None if r.principal != "*" => {
+                problems.push(format!("{at}: principal {:?} is not entity:name, entity:* or *", r.principal));
+                continue;
+            }
+            Some(e) if !OPERATIONS.iter().any(|(k, _)| *k == e) => {
+                problems.push(format!("{at}: unknown entity {e:?}"));
+                continue;
+            }
+            Some(e) if r.operation != "*" && !known_operation(e, &r.operation) => {
+                problems.push(format!("{at}: {e} has no operation {:?}", r.operation));
+                continue;
+            }
+            _ => {}
+        }
+        rules.push(MatrixRule { principal: r.principal, operation: r.operation, role: r.role });
+    }
+    (defaults, rules)
+}
+
 impl AppRoles {
     pub fn parse(app: &AppConfig, install: &InstallState) -> Result<AppRoles, ModelError> {
         let mut problems = Vec::new();
         let mut roles: Vec<RoleDef> = Vec::new();
-        let mut add = |def: RoleDef, problems: &mut Vec<String>| {
-            if let Some(other) = roles.iter().find(|r| r.name == def.name) {
-                problems.push(format!(
-                    "{}: role name {:?} is also defined in {}",
-                    def.defined_in, def.name, other.defined_in
-                ));
-            } else if let Some(other) = roles.iter().find(|r| r.key == def.key) {
-                problems.push(format!(
-                    "{}: switch key {:?} (stack parameter Enable{}Role) is also used by {}",
-                    def.defined_in, def.key, def.key, other.defined_in
-                ));
-            } else {
-                roles.push(def);
-            }
-        };
         for (file, text) in &app.permissions {
-            let at = format!("permissions/{file}");
-            let parsed: RoleFile = match toml::from_str(text) {
-                Ok(p) => p,
-                Err(e) => {
-                    problems.push(format!("{at}: {}", e.message()));
-                    continue;
-                }
-            };
-            let role_type = match parsed.role_type.as_str() {
-                "provision" => RoleType::Provision,
-                "maintenance" => RoleType::Maintenance,
-                "deprovision" => RoleType::Deprovision,
-                "custom" => RoleType::Custom,
-                other => {
-                    problems.push(format!(
-                        "{at}: type {other:?} is not one of provision, maintenance, deprovision, custom (break-glass roles go in break_glass.toml)"
-                    ));
-                    continue;
-                }
-            };
-            check_policies(&parsed.policies, &at, &mut problems);
-            if let Some(bad) = parsed.plan_actions.iter().find(|a| !valid_plan_action(a)) {
-                problems.push(format!(
-                    "{at}: plan_actions {bad:?} is not service:Action (a wildcard may complete an action, never stand for a whole service)"
-                ));
-            }
-            let _ = parsed.permissions_boundary;
-            match install.render(&parsed.name) {
-                Ok(name) => add(
-                    RoleDef {
-                        name,
-                        key: switch_key(&parsed.name),
-                        name_template: parsed.name,
-                        role_type,
-                        display_name: parsed.display_name,
-                        description: parsed.description,
-                        defined_in: at,
-                        policies: parsed.policies.len(),
-                        plan_actions: parsed.plan_actions,
-                    },
-                    &mut problems,
-                ),
-                Err(e) => problems.push(format!("{at}: {e}")),
+            if let Some(def) = role_file(&format!("permissions/{file}"), text, install, &mut problems) {
+                add_role(&mut roles, def, &mut problems);
             }
         }
         if let Some(text) = &app.break_glass {
-            let at = "break_glass.toml";
-            match toml::from_str::<BreakGlassFile>(text) {
-                Err(e) => problems.push(format!("{at}: {}", e.message())),
-                Ok(file) => {
-                    for (i, r) in file.role.into_iter().enumerate() {
-                        let at = format!("{at} role[{i}]");
-                        if r.role_type.as_deref().is_some_and(|t| t != "break_glass") {
-                            problems.push(format!("{at}: type must be break_glass if given"));
-                            continue;
-                        }
-                        check_policies(&r.policies, &at, &mut problems);
-                        let _ = r.permissions_boundary;
-                        match install.render(&r.name) {
-                            Ok(name) => add(
-                                RoleDef {
-                                    name,
-                                    key: switch_key(&r.name),
-                                    name_template: r.name,
-                                    role_type: RoleType::BreakGlass,
-                                    display_name: r.display_name,
-                                    description: r.description,
-                                    defined_in: at,
-                                    policies: r.policies.len(),
-                                    plan_actions: Vec::new(),
-                                },
-                                &mut problems,
-                            ),
-                            Err(e) => problems.push(format!("{at}: {e}")),
-                        }
-                    }
-                }
+            for def in break_glass_roles(text, install, &mut problems) {
+                add_role(&mut roles, def, &mut problems);
             }
         }
         for t in [RoleType::Provision, RoleType::Maintenance, RoleType::Deprovision] {
@@ -334,63 +400,27 @@ impl AppRoles {
                 problems.push(format!("{n} roles have type {}; at most one may", t.as_str()));
             }
         }
-        let matrix = match &app.operation_roles {
-            None => MatrixFile::default(),
-            Some(text) => toml::from_str::<MatrixFile>(text).unwrap_or_else(|e| {
-                problems.push(format!("operation_roles.toml: {}", e.message()));
-                MatrixFile::default()
-            }),
-        };
-        let mut defaults: BTreeMap<String, String> =
-            BUILT_IN_DEFAULTS.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
-        for (op, role) in matrix.defaults {
-            let known = op.split_once('.').is_some_and(|(e, o)| known_operation(e, o));
-            if !known {
-                problems.push(format!(
-                    "operation_roles.toml: defaults key {op:?} is not an entity.operation ({})",
-                    BUILT_IN_DEFAULTS.iter().map(|(k, _)| *k).collect::<Vec<_>>().join(", ")
-                ));
-            } else {
-                defaults.insert(op, role);
-            }
-        }
-        let mut rules = Vec::new();
-        for (i, r) in matrix.rule.into_iter().enumerate() {
-            let at = format!("operation_roles.toml rule[{i}]");
-            let entity = r.principal.split_once(':').map(|(e, _)| e);
-            match entity {
-                None if r.principal != "*" => {
-                    problems
-                        .push(format!("{at}: principal {:?} is not entity:name, entity:* or *", r.principal));
-                    continue;
-                }
-                Some(e) if !OPERATIONS.iter().any(|(k, _)| *k == e) => {
-                    problems.push(format!("{at}: unknown entity {e:?}"));
-                    continue;
-                }
-                Some(e) if r.operation != "*" && !known_operation(e, &r.operation) => {
-                    problems.push(format!("{at}: {e} has no operation {:?}", r.operation));
-                    continue;
-                }
-                _ => {}
-            }
-            rules.push(MatrixRule { principal: r.principal, operation: r.operation, role: r.role });
-        }
+        let (defaults, rules) = operation_roles(app.operation_roles.as_deref(), &mut problems);
         let app = AppRoles { roles, defaults, rules };
-        // Every reference must name a defined, non-break-glass role; checked up front
-        // so a bad matrix fails every job the same way, not only the ones it matches.
-        let refs = app
+        app.check_references(install, &mut problems);
+        if problems.is_empty() { Ok(app) } else { Err(ModelError { problems }) }
+    }
+
+    /// Every reference must name a defined, non-break-glass role; checked up front so a
+    /// bad matrix fails every job the same way, not only the ones it matches.
+    fn check_references(&self, install: &InstallState, problems: &mut Vec<String>) {
+        let refs = self
             .defaults
             .iter()
             .map(|(op, r)| (format!("operation_roles.toml defaults {op:?}"), r.clone()))
             .chain(
-                app.rules
+                self.rules
                     .iter()
                     .enumerate()
                     .map(|(i, r)| (format!("operation_roles.toml rule[{i}]"), r.role.clone())),
             );
         for (at, reference) in refs {
-            match app.lookup(&reference, install) {
+            match self.lookup(&reference, install) {
                 Ok(role) if role.role_type == RoleType::BreakGlass => problems.push(format!(
                     "{at}: {reference:?} is a break-glass role; those are reached only through an action's break_glass_role or a runtime override"
                 )),
@@ -401,7 +431,6 @@ impl AppRoles {
                 Err(e) => problems.push(format!("{at}: {e}")),
             }
         }
-        if problems.is_empty() { Ok(app) } else { Err(ModelError { problems }) }
     }
 
     /// A role reference: a role type (`maintenance`), or a role name (template allowed).
