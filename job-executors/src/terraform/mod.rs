@@ -276,129 +276,24 @@ impl Terraform {
             );
         };
         let module = ctx.settings.work_dir.join(MODULE_DIR);
-        if let Some(reference) = &self.module {
-            match crate::artifact::fetch(&ctx.settings, reference).await {
-                Ok(fetched) => {
-                    let _ = ctx.output.write(
-                        format!(
-                            "[terraform] module {reference}: {} files, {} bytes{}\n",
-                            fetched.files,
-                            fetched.bytes,
-                            if fetched.cached { " (cached)" } else { ", fetched and verified" }
-                        )
-                        .as_bytes(),
-                    );
-                    if let Err(e) = crate::artifact::copy_tree(&fetched.tree, &module) {
-                        return ExecOutcome::failed(format!(
-                            "copying the module into the job's directory: {e}"
-                        ));
-                    }
-                    ctx.settings.artifact = Some(fetched.digest.to_string());
-                }
-                Err(e) => {
-                    let _ = ctx.output.write(format!("[terraform] module {reference}: {e}\n").as_bytes());
-                    return failed(
-                        &e.code(),
-                        e.to_string(),
-                        serde_json::json!({"module": reference.to_string()}),
-                    );
-                }
-            }
-        }
-        for (rel, content) in &self.spec.files {
-            let path = module.join(rel);
-            if let Some(parent) = path.parent()
-                && let Err(e) = std::fs::create_dir_all(parent)
-            {
-                return ExecOutcome::failed(format!("writing module file {rel}: {e}"));
-            }
-            if let Err(e) = std::fs::write(&path, content) {
-                return ExecOutcome::failed(format!("writing module file {rel}: {e}"));
-            }
+        if let Err(outcome) = self.stage_module(ctx, &module).await {
+            return outcome;
         }
         let dir = match &ctx.settings.sandbox {
             Some(_) => crate::sandboxed::work_dir_inside(),
             None => ctx.settings.work_dir.clone(),
         };
-        // The state: never the job's scratch directory.
-        let state_settings = ctx.settings.tools.state.clone();
-        let own_backend = !self.spec.backend_config.is_empty();
-        if own_backend && !state_settings.allow_job_backend {
-            return failed(
-                "backend_not_allowed",
-                "the job names its own terraform backend (backend_config), which this runner's configuration does not allow: its state goes to the install's state bucket or the runner's local state".into(),
-                serde_json::Value::Null,
-            );
-        }
-        let mut local_state = None;
-        if !own_backend {
-            let override_path = module.join(state::OVERRIDE_FILE);
-            let text = state::override_file(&state_settings.backend, &self.spec.workspace);
-            if let Err(e) = std::fs::write(&override_path, text) {
-                return ExecOutcome::failed(format!("writing the backend configuration: {e}"));
-            }
-            if let state::Backend::Local { root } = &state_settings.backend {
-                let held = match state::LocalState::acquire(root, &self.spec.workspace) {
-                    Ok(held) => held,
-                    Err(e) => return failed(e.code(), e.to_string(), serde_json::Value::Null),
-                };
-                if let Err(e) = held.stage(&module) {
-                    return failed(e.code(), e.to_string(), serde_json::Value::Null);
-                }
-                local_state = Some(held);
-            }
-            let _ = ctx.output.write(
-                format!(
-                    "[terraform] state of workspace {}: {}\n",
-                    self.spec.workspace,
-                    match &state_settings.backend {
-                        state::Backend::Local { .. } => "local, on this runner".to_string(),
-                        state::Backend::S3 { bucket, key_prefix, .. } => format!(
-                            "s3://{bucket}/{}/{}/terraform.tfstate",
-                            key_prefix.trim_matches('/'),
-                            self.spec.workspace
-                        ),
-                    }
-                )
-                .as_bytes(),
-            );
-        }
+        let local_state = match self.stage_state(ctx, &module) {
+            Ok(held) => held,
+            Err(outcome) => return outcome,
+        };
         if let Err(e) = hand_over(ctx, &module) {
             return ExecOutcome::failed(format!("handing the module to the job's uid: {e}"));
         }
-        let mut env: Vec<(String, String)> = vec![
-            ("PATH".into(), DEFAULT_PATH.into()),
-            ("HOME".into(), dir.display().to_string()),
-            ("BYOC_JOB_ID".into(), ctx.settings.job_id.clone()),
-            ("TF_IN_AUTOMATION".into(), "1".into()),
-            ("TF_INPUT".into(), "0".into()),
-            ("CHECKPOINT_DISABLE".into(), "1".into()),
-        ];
-        match &self.providers {
-            Some(reference) => match self.provider_mirror(ctx, reference, &dir).await {
-                Ok(rc) => env.push(("TF_CLI_CONFIG_FILE".into(), rc)),
-                Err(outcome) => return outcome,
-            },
-            None => {
-                if let Some(f) = &ctx.settings.tools.cli_config_file {
-                    env.push(("TF_CLI_CONFIG_FILE".into(), f.display().to_string()));
-                }
-            }
-        }
-        if let Some(d) = &ctx.settings.tools.plugin_cache_dir {
-            env.push(("TF_PLUGIN_CACHE_DIR".into(), d.display().to_string()));
-        }
-        for (k, v) in self.spec.vars.iter().chain(&self.spec.secret_vars) {
-            env.push((format!("TF_VAR_{k}"), v.clone()));
-        }
-        let customer_secrets = match self.customer_secrets(ctx).await {
-            Ok(s) => s,
+        let (env, customer_secrets) = match self.environment(ctx, &dir).await {
+            Ok(e) => e,
             Err(outcome) => return outcome,
         };
-        for (variable, value) in &customer_secrets.env {
-            env.push((format!("TF_VAR_{variable}"), value.clone()));
-        }
-        crate::add_role_env(ctx, &mut env, true);
         let mut run = Run {
             tool: "terraform",
             ctx,
@@ -442,6 +337,137 @@ impl Terraform {
             }
         }
         outcome
+    }
+
+    /// The module in the job's directory: the fetched artifact (by digest), then the
+    /// spec's files over it.
+    async fn stage_module(&self, ctx: &mut ExecContext<'_>, module: &Path) -> Result<(), ExecOutcome> {
+        if let Some(reference) = &self.module {
+            match crate::artifact::fetch(&ctx.settings, reference).await {
+                Ok(fetched) => {
+                    let _ = ctx.output.write(
+                        format!(
+                            "[terraform] module {reference}: {} files, {} bytes{}\n",
+                            fetched.files,
+                            fetched.bytes,
+                            if fetched.cached { " (cached)" } else { ", fetched and verified" }
+                        )
+                        .as_bytes(),
+                    );
+                    if let Err(e) = crate::artifact::copy_tree(&fetched.tree, module) {
+                        return Err(ExecOutcome::failed(format!(
+                            "copying the module into the job's directory: {e}"
+                        )));
+                    }
+                    ctx.settings.artifact = Some(fetched.digest.to_string());
+                }
+                Err(e) => {
+                    let _ = ctx.output.write(format!("[terraform] module {reference}: {e}\n").as_bytes());
+                    return Err(failed(
+                        &e.code(),
+                        e.to_string(),
+                        serde_json::json!({"module": reference.to_string()}),
+                    ));
+                }
+            }
+        }
+        for (rel, content) in &self.spec.files {
+            let path = module.join(rel);
+            if let Some(parent) = path.parent()
+                && let Err(e) = std::fs::create_dir_all(parent)
+            {
+                return Err(ExecOutcome::failed(format!("writing module file {rel}: {e}")));
+            }
+            if let Err(e) = std::fs::write(&path, content) {
+                return Err(ExecOutcome::failed(format!("writing module file {rel}: {e}")));
+            }
+        }
+        Ok(())
+    }
+
+    /// Where the state lives: never the job's scratch directory. The install's backend
+    /// (its override file written into the module), with the runner's local state held
+    /// and staged; a backend of the job's own only where the customer allows it.
+    fn stage_state(
+        &self,
+        ctx: &mut ExecContext<'_>,
+        module: &Path,
+    ) -> Result<Option<state::LocalState>, ExecOutcome> {
+        let state_settings = &ctx.settings.tools.state;
+        if !self.spec.backend_config.is_empty() {
+            if !state_settings.allow_job_backend {
+                return Err(failed(
+                    "backend_not_allowed",
+                    "the job names its own terraform backend (backend_config), which this runner's configuration does not allow: its state goes to the install's state bucket or the runner's local state".into(),
+                    serde_json::Value::Null,
+                ));
+            }
+            return Ok(None);
+        }
+        let override_path = module.join(state::OVERRIDE_FILE);
+        let text = state::override_file(&state_settings.backend, &self.spec.workspace);
+        if let Err(e) = std::fs::write(&override_path, text) {
+            return Err(ExecOutcome::failed(format!("writing the backend configuration: {e}")));
+        }
+        let mut local_state = None;
+        if let state::Backend::Local { root } = &state_settings.backend {
+            let held = state::LocalState::acquire(root, &self.spec.workspace)
+                .map_err(|e| failed(e.code(), e.to_string(), serde_json::Value::Null))?;
+            held.stage(module).map_err(|e| failed(e.code(), e.to_string(), serde_json::Value::Null))?;
+            local_state = Some(held);
+        }
+        let place = match &state_settings.backend {
+            state::Backend::Local { .. } => "local, on this runner".to_string(),
+            state::Backend::S3 { bucket, key_prefix, .. } => format!(
+                "s3://{bucket}/{}/{}/terraform.tfstate",
+                key_prefix.trim_matches('/'),
+                self.spec.workspace
+            ),
+        };
+        let _ = ctx
+            .output
+            .write(format!("[terraform] state of workspace {}: {place}\n", self.spec.workspace).as_bytes());
+        Ok(local_state)
+    }
+
+    /// Terraform's environment: no prompts or update checks, the provider mirror or the
+    /// customer's CLI config, the job's variables, the customer's secrets it may read,
+    /// the role's credentials.
+    async fn environment(
+        &self,
+        ctx: &mut ExecContext<'_>,
+        dir: &Path,
+    ) -> Result<(Vec<(String, String)>, customer_secrets::CustomerSecrets), ExecOutcome> {
+        let mut env: Vec<(String, String)> = vec![
+            ("PATH".into(), DEFAULT_PATH.into()),
+            ("HOME".into(), dir.display().to_string()),
+            ("BYOC_JOB_ID".into(), ctx.settings.job_id.clone()),
+            ("TF_IN_AUTOMATION".into(), "1".into()),
+            ("TF_INPUT".into(), "0".into()),
+            ("CHECKPOINT_DISABLE".into(), "1".into()),
+        ];
+        match &self.providers {
+            Some(reference) => {
+                env.push(("TF_CLI_CONFIG_FILE".into(), self.provider_mirror(ctx, reference, dir).await?))
+            }
+            None => {
+                if let Some(f) = &ctx.settings.tools.cli_config_file {
+                    env.push(("TF_CLI_CONFIG_FILE".into(), f.display().to_string()));
+                }
+            }
+        }
+        if let Some(d) = &ctx.settings.tools.plugin_cache_dir {
+            env.push(("TF_PLUGIN_CACHE_DIR".into(), d.display().to_string()));
+        }
+        for (k, v) in self.spec.vars.iter().chain(&self.spec.secret_vars) {
+            env.push((format!("TF_VAR_{k}"), v.clone()));
+        }
+        let customer_secrets = self.customer_secrets(ctx).await?;
+        for (variable, value) in &customer_secrets.env {
+            env.push((format!("TF_VAR_{variable}"), value.clone()));
+        }
+        crate::add_role_env(ctx, &mut env, true);
+        Ok((env, customer_secrets))
     }
 
     async fn steps(
