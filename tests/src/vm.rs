@@ -34,6 +34,12 @@ fn repo() -> PathBuf {
 }
 
 /// Where `scripts/setup` unpacks qemu (see there for why it is not installed).
+/// qemu's accelerator: `BYOC_VM_ACCEL` (`kvm`, `tcg,thread=multi`), or software
+/// emulation.
+fn accel() -> String {
+    std::env::var("BYOC_VM_ACCEL").unwrap_or_else(|_| "tcg,thread=multi".into())
+}
+
 pub fn qemu_dir() -> PathBuf {
     std::env::var_os("BYOC_QEMU_DIR")
         .map_or_else(|| PathBuf::from("/opt/byoc-runner-test/qemu"), PathBuf::from)
@@ -173,7 +179,9 @@ impl Vm {
         for fw in ["usr/share/qemu", "usr/share/seabios", "usr/lib/ipxe/qemu"] {
             cmd.arg("-L").arg(q.join(fw));
         }
-        cmd.args(["-accel", "tcg,thread=multi", "-cpu", "max", "-smp", "2", "-m"])
+        let accel = accel();
+        let cpu = if accel.starts_with("kvm") { "host" } else { "max" };
+        cmd.args(["-accel", &accel, "-cpu", cpu, "-smp", "2", "-m"])
             .arg(opts.memory_mib.unwrap_or(1536).to_string())
             .args(["-display", "none", "-no-user-config", "-nodefaults"])
             .arg("-serial")

@@ -10,8 +10,8 @@
 //! output); the runner holds a writer of its own until the engine says the container
 //! stopped, so that the read ends exactly when every byte it wrote has been read.
 
-use std::os::unix::fs::PermissionsExt as _;
-use std::path::Path;
+use std::os::unix::fs::{DirBuilderExt as _, PermissionsExt as _};
+use std::path::{Path, PathBuf};
 
 use tokio::net::unix::pipe;
 
@@ -49,7 +49,7 @@ pub(super) const READ_CHUNK: usize = 64 * 1024;
 
 /// The FIFO the container writes its output into, read by the runner.
 pub(super) struct Relay {
-    pub(super) dir: tempfile::TempDir,
+    pub(super) dir: PrivateDir,
     pub(super) reader: pipe::Receiver,
     /// The runner's own writer: without one, a read before the container opens the
     /// FIFO would end at once. Dropped when the container has stopped, so that the
@@ -61,8 +61,8 @@ impl Relay {
     /// A FIFO in a new private directory under `parent`, writable by `uid:gid` only
     /// (when the runner can hand it over), opened for reading.
     pub(super) fn open(parent: &Path, uid: u32, gid: u32) -> std::io::Result<Relay> {
-        let dir = tempfile::Builder::new().prefix(".container-output-").tempdir_in(parent)?;
-        let path = dir.path().join("log");
+        let dir = PrivateDir::create(parent)?;
+        let path = dir.0.join("log");
         nix::unistd::mkfifo(&path, nix::sys::stat::Mode::from_bits_truncate(0o600))?;
         if nix::unistd::geteuid().is_root() {
             std::os::unix::fs::chown(&path, Some(uid), Some(gid))?;
@@ -79,8 +79,25 @@ impl Relay {
     pub(super) fn binds(&self, busybox: &Path) -> [String; 2] {
         [
             format!("{}:{BUSYBOX}:ro", busybox.display()),
-            format!("{}:{FIFO}:rw", self.dir.path().join("log").display()),
+            format!("{}:{FIFO}:rw", self.dir.0.join("log").display()),
         ]
+    }
+}
+
+/// A directory only the runner can enter, removed with what is in it when dropped.
+pub(super) struct PrivateDir(PathBuf);
+
+impl PrivateDir {
+    fn create(parent: &Path) -> std::io::Result<PrivateDir> {
+        let path = parent.join(format!(".container-output-{}", byoc_protocol::random_hex(8)));
+        std::fs::DirBuilder::new().mode(0o700).create(&path)?;
+        Ok(PrivateDir(path))
+    }
+}
+
+impl Drop for PrivateDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
     }
 }
 

@@ -391,168 +391,129 @@ impl Helm {
     }
 
     async fn steps(&self, run: &mut Run<'_, '_>, helm: &str) -> Result<ExecOutcome, ExecOutcome> {
-        let s = &self.spec;
-        let wait = format!("{}s", s.wait_secs);
-        let ns = ["--namespace".to_string(), s.namespace.clone()];
         let sh = |args: String, file: &str| {
             vec!["/bin/sh".to_string(), "-c".into(), format!("exec \"$0\" {args} > {file}"), helm.to_string()]
         };
-        let argv = |a: Vec<String>| [vec![helm.to_string()], a].concat();
-        match s.action {
-            Action::Drift => return self.drift(run, &sh).await,
-            Action::Uninstall => {
-                // What the release has deployed is about to be deleted: reviewed as
-                // DELETE first (nothing deployed, nothing to decide).
-                let deployed = self.deployed(run, &sh).await?;
-                if !deployed.is_empty() {
-                    let bytes = serde_json::to_vec(&deployed).unwrap_or_default();
-                    let subject = crate::policy_gate::Subject {
-                        source: byoc_policy::Source::Helm,
-                        admission: byoc_policy::Admission::Delete,
-                        name: "manifests",
-                        digest: None,
-                    };
-                    let decision =
-                        crate::policy_gate::decide(run.ctx, subject, &bytes).await.map_err(|e| {
-                            failed(crate::policy_gate::UNAVAILABLE, e.to_string(), serde_json::Value::Null)
-                        })?;
-                    let digest = decision.input_digest.clone();
-                    if decision.verdict == byoc_policy::Verdict::Deny {
-                        return Err(failed(
-                            "policy_denied",
-                            format!("policy denied the uninstall: {}", decision.denials().join(", ")),
-                            serde_json::json!({"release": s.release, "manifests_digest": digest}),
-                        ));
-                    }
-                }
-                if run.ctx.settings.decide_only {
-                    run.log("[helm] stopping after the decision: nothing uninstalled\n");
-                    return Ok(ExecOutcome {
-                        status: JobStatus::Succeeded,
-                        exit_code: Some(0),
-                        error: None,
-                        outputs: serde_json::json!({"release": s.release}),
-                    });
-                }
-                run.cmd(
-                    "uninstall",
-                    argv(
-                        [
-                            vec![
-                                "uninstall".into(),
-                                s.release.clone(),
-                                "--wait".into(),
-                                "--timeout".into(),
-                                wait,
-                            ],
-                            ns.to_vec(),
-                        ]
-                        .concat(),
-                    ),
-                )
-                .await?;
-                Ok(ExecOutcome {
-                    status: JobStatus::Succeeded,
-                    exit_code: Some(0),
-                    error: None,
-                    outputs: serde_json::json!({"release": s.release, "uninstalled": true}),
-                })
-            }
-            Action::Rollback => {
-                // A rollback restores a revision's stored manifests and hooks (nothing is
-                // rendered again): those are what is judged.
-                let revision = self.rollback_target(run, &argv).await?;
-                let get = |what: &str| {
-                    let args = vec![
-                        "get".to_string(),
-                        what.into(),
-                        s.release.clone(),
-                        "--revision".into(),
-                        revision.to_string(),
-                    ];
-                    argv([args, ns.to_vec()].concat())
-                };
-                let manifest =
-                    run.captured("get manifest --revision", get("manifest"), MAX_HELM_FILE_BYTES).await?;
-                let hooks = run.captured("get hooks --revision", get("hooks"), MAX_HELM_FILE_BYTES).await?;
-                let text = format!(
-                    "{}\n---\n{}",
-                    String::from_utf8_lossy(&manifest),
-                    String::from_utf8_lossy(&hooks)
-                );
-                let manifests = parse_manifests(&text).map_err(|e| {
-                    failed(
-                        "manifests_unreadable",
-                        format!("revision {revision}: {e}"),
-                        serde_json::Value::Null,
-                    )
-                })?;
-                let mut base = self.judge_release(run, &sh, &manifests, "rollback").await?;
-                run.cmd(
-                    "rollback",
-                    argv(
-                        [
-                            vec![
-                                "rollback".into(),
-                                s.release.clone(),
-                                revision.to_string(),
-                                "--wait".into(),
-                                "--timeout".into(),
-                                wait,
-                            ],
-                            ns.to_vec(),
-                        ]
-                        .concat(),
-                    ),
-                )
-                .await?;
-                base["revision_restored"] = revision.into();
-                base["status"] = self.status(run, helm).await?;
-                Ok(ExecOutcome {
-                    status: JobStatus::Succeeded,
-                    exit_code: Some(0),
-                    error: None,
-                    outputs: base,
-                })
-            }
-            Action::Upgrade => {
-                // helm renders with the cluster's view; its report goes to the runner.
-                let mut dry = vec!["upgrade".to_string(), "--install".into(), s.release.clone()];
-                dry.extend(self.chart_args());
-                dry.extend(["--dry-run=server".into(), "--output".into(), "json".into()]);
-                let release = run
-                    .captured("upgrade --install --dry-run=server", argv(dry), MAX_HELM_FILE_BYTES)
-                    .await?;
-                let crds = judged::chart_crds(&run.ctx.settings.work_dir, CHART_DIR, MAX_HELM_FILE_BYTES)?;
-                let rendering = judged::Rendering::from_release(&release, crds)?;
-                let manifests = rendering.manifests()?;
-                let base = self.judge_release(run, &sh, &manifests, "release").await?;
-                // Exactly the judged bytes: a chart of the runner's with nothing to render.
-                let sealed = crate::tool::SealedDir::create(run.ctx)
-                    .and_then(|sealed| rendering.write_chart(&sealed).map(|()| sealed))
-                    .map_err(|e| ExecOutcome::failed(format!("writing the judged chart: {e}")))?;
-                let chart = sealed.inside.join(judged::JUDGED_CHART).display().to_string();
-                let mut up = vec!["upgrade".to_string(), "--install".into(), s.release.clone(), chart];
-                up.extend(ns.iter().cloned());
-                up.extend([
-                    "--reset-values".into(),
-                    "--atomic".into(),
-                    "--wait".into(),
-                    "--timeout".into(),
-                    wait,
-                ]);
-                run.staged("upgrade --install (the judged manifests)", argv(up), vec![], Some(&sealed))
-                    .await?;
-                let mut out = base;
-                out["status"] = self.status(run, helm).await?;
-                Ok(ExecOutcome {
-                    status: JobStatus::Succeeded,
-                    exit_code: Some(0),
-                    error: None,
-                    outputs: out,
-                })
+        match self.spec.action {
+            Action::Drift => self.drift(run, &sh).await,
+            Action::Uninstall => self.uninstall(run, helm, &sh).await,
+            Action::Rollback => self.rollback(run, helm, &sh).await,
+            Action::Upgrade => self.upgrade(run, helm, &sh).await,
+        }
+    }
+
+    /// helm's argv: `args`, waiting for the release up to the spec's time, in its namespace.
+    fn waited(&self, helm: &str, args: Vec<String>) -> Vec<String> {
+        let s = &self.spec;
+        let mut v = vec![helm.to_string()];
+        v.extend(args);
+        v.extend(["--wait".to_string(), "--timeout".into(), format!("{}s", s.wait_secs)]);
+        v.extend(["--namespace".to_string(), s.namespace.clone()]);
+        v
+    }
+
+    /// What the release has deployed is about to be deleted: reviewed as DELETE first
+    /// (nothing deployed, nothing to decide).
+    async fn uninstall(
+        &self,
+        run: &mut Run<'_, '_>,
+        helm: &str,
+        sh: &impl Fn(String, &str) -> Vec<String>,
+    ) -> Result<ExecOutcome, ExecOutcome> {
+        let s = &self.spec;
+        let deployed = self.deployed(run, sh).await?;
+        if !deployed.is_empty() {
+            let bytes = serde_json::to_vec(&deployed).unwrap_or_default();
+            let subject = crate::policy_gate::Subject {
+                source: byoc_policy::Source::Helm,
+                admission: byoc_policy::Admission::Delete,
+                name: "manifests",
+                digest: None,
+            };
+            let decision = crate::policy_gate::decide(run.ctx, subject, &bytes).await.map_err(|e| {
+                failed(crate::policy_gate::UNAVAILABLE, e.to_string(), serde_json::Value::Null)
+            })?;
+            let digest = decision.input_digest.clone();
+            if decision.verdict == byoc_policy::Verdict::Deny {
+                return Err(failed(
+                    "policy_denied",
+                    format!("policy denied the uninstall: {}", decision.denials().join(", ")),
+                    serde_json::json!({"release": s.release, "manifests_digest": digest}),
+                ));
             }
         }
+        if run.ctx.settings.decide_only {
+            run.log("[helm] stopping after the decision: nothing uninstalled\n");
+            return Ok(succeeded(serde_json::json!({"release": s.release})));
+        }
+        run.cmd("uninstall", self.waited(helm, vec!["uninstall".into(), s.release.clone()])).await?;
+        Ok(succeeded(serde_json::json!({"release": s.release, "uninstalled": true})))
+    }
+
+    /// A rollback restores a revision's stored manifests and hooks (nothing is rendered
+    /// again): those are what is judged.
+    async fn rollback(
+        &self,
+        run: &mut Run<'_, '_>,
+        helm: &str,
+        sh: &impl Fn(String, &str) -> Vec<String>,
+    ) -> Result<ExecOutcome, ExecOutcome> {
+        let s = &self.spec;
+        let argv = |a: Vec<String>| [vec![helm.to_string()], a].concat();
+        let revision = self.rollback_target(run, &argv).await?;
+        let get = |what: &str| {
+            argv(vec![
+                "get".to_string(),
+                what.into(),
+                s.release.clone(),
+                "--revision".into(),
+                revision.to_string(),
+                "--namespace".into(),
+                s.namespace.clone(),
+            ])
+        };
+        let manifest = run.captured("get manifest --revision", get("manifest"), MAX_HELM_FILE_BYTES).await?;
+        let hooks = run.captured("get hooks --revision", get("hooks"), MAX_HELM_FILE_BYTES).await?;
+        let text =
+            format!("{}\n---\n{}", String::from_utf8_lossy(&manifest), String::from_utf8_lossy(&hooks));
+        let manifests = parse_manifests(&text).map_err(|e| {
+            failed("manifests_unreadable", format!("revision {revision}: {e}"), serde_json::Value::Null)
+        })?;
+        let mut base = self.judge_release(run, sh, &manifests, "rollback").await?;
+        let back = vec!["rollback".into(), s.release.clone(), revision.to_string()];
+        run.cmd("rollback", self.waited(helm, back)).await?;
+        base["revision_restored"] = revision.into();
+        base["status"] = self.status(run, helm).await?;
+        Ok(succeeded(base))
+    }
+
+    /// helm renders with the cluster's view and reports to the runner; what is judged is
+    /// installed as a chart of the runner's with nothing left to render.
+    async fn upgrade(
+        &self,
+        run: &mut Run<'_, '_>,
+        helm: &str,
+        sh: &impl Fn(String, &str) -> Vec<String>,
+    ) -> Result<ExecOutcome, ExecOutcome> {
+        let s = &self.spec;
+        let mut dry = vec![helm.to_string(), "upgrade".to_string(), "--install".into(), s.release.clone()];
+        dry.extend(self.chart_args());
+        dry.extend(["--dry-run=server".into(), "--output".into(), "json".into()]);
+        let release = run.captured("upgrade --install --dry-run=server", dry, MAX_HELM_FILE_BYTES).await?;
+        let crds = judged::chart_crds(&run.ctx.settings.work_dir, CHART_DIR, MAX_HELM_FILE_BYTES)?;
+        let rendering = judged::Rendering::from_release(&release, crds)?;
+        let manifests = rendering.manifests()?;
+        let mut out = self.judge_release(run, sh, &manifests, "release").await?;
+        // Exactly the judged bytes.
+        let sealed = crate::tool::SealedDir::create(run.ctx)
+            .and_then(|sealed| rendering.write_chart(&sealed).map(|()| sealed))
+            .map_err(|e| ExecOutcome::failed(format!("writing the judged chart: {e}")))?;
+        let chart = sealed.inside.join(judged::JUDGED_CHART).display().to_string();
+        let judged = vec!["upgrade".into(), "--install".into(), s.release.clone(), chart];
+        let up = self.waited(helm, [judged, vec!["--reset-values".into(), "--atomic".into()]].concat());
+        run.staged("upgrade --install (the judged manifests)", up, vec![], Some(&sealed)).await?;
+        out["status"] = self.status(run, helm).await?;
+        Ok(succeeded(out))
     }
 
     /// The policies' decision over what a release will hold (`what`: "release",
@@ -737,6 +698,10 @@ impl Executor for Helm {
         }
         e
     }
+}
+
+fn succeeded(outputs: serde_json::Value) -> ExecOutcome {
+    ExecOutcome { status: JobStatus::Succeeded, exit_code: Some(0), error: None, outputs }
 }
 
 #[cfg(test)]
