@@ -113,6 +113,14 @@ pub fn collect(
     let st = inspect::status_of(state_dir, &index)?;
     let mut out = Vec::new();
 
+    job_families(&st, &index, &mut out);
+    audit_families(state_dir, tally, now_ms, &mut out);
+    host_families(state_dir, disk, &st, &mut out);
+    Ok(out)
+}
+
+/// The journal's figures: the daemon, jobs by status, refusals, pickup.
+fn job_families(st: &inspect::Status, index: &crate::journal::Index, out: &mut Vec<Family>) {
     let mut f =
         family("byoc_runner_daemon_running", "gauge", "1 while the runner daemon's process is alive.");
     f.add(&[], f64::from(u8::from(st.daemon_running)));
@@ -176,7 +184,11 @@ pub fn collect(
         }
     }
     out.push(f);
+}
 
+/// The audit log's figures: jobs ended, role sessions, policy verdicts, records and
+/// the control plane's cosignatures.
+fn audit_families(state_dir: &Path, tally: &AuditTally, now_ms: u64, out: &mut Vec<Family>) {
     let mut f = family(
         "byoc_runner_jobs_finished_total",
         "counter",
@@ -229,7 +241,15 @@ pub fn collect(
         f.add(&[], now_ms.saturating_sub(at) as f64 / 1000.0);
     }
     out.push(f);
+}
 
+/// The host's figures: disk, the state dir's parts, the daemon's memory.
+fn host_families(
+    state_dir: &Path,
+    disk: &crate::disk::DiskSettings,
+    st: &inspect::Status,
+    out: &mut Vec<Family>,
+) {
     let check = disk.check(state_dir);
     let mut f = family("byoc_runner_disk_free_bytes", "gauge", "Free bytes on the state dir's filesystem.");
     if let Some(free) = check.free_bytes {
@@ -250,7 +270,6 @@ pub fn collect(
         f.add(&[], (kib * 1024) as f64);
     }
     out.push(f);
-    Ok(out)
 }
 
 fn rss_kib(pid: u32) -> Option<u64> {
