@@ -84,38 +84,9 @@ pub async fn run_capturing(
         let _ = ctx.output.write(format!("[sandbox] refused: {why}\n").as_bytes());
         return refused(NETWORK_UNAVAILABLE, format!("the job's network boundary cannot be built: {why}"));
     }
-    let cgroup = if settings.cgroups {
-        match JobCgroup::create(&name, settings.limits) {
-            Ok(cg) => {
-                let line = format!("[sandbox] cgroup {:?} limits: {}\n", cg.version, cg.applied.join(", "));
-                let _ = ctx.output.write(line.as_bytes());
-                Some(cg)
-            }
-            Err(e) if settings.require_limits => {
-                let _ = ctx
-                    .output
-                    .write(format!("[sandbox] refused: cgroup limits cannot be applied: {e}\n").as_bytes());
-                return refused(
-                    LIMITS_UNAVAILABLE,
-                    format!(
-                        "the job's memory/pids/cpu limits cannot be applied ({e}); fix the cgroup delegation \
-                         (the packaged unit has Delegate=yes) or set sandbox.require_limits = false"
-                    ),
-                );
-            }
-            Err(e) => {
-                let _ = ctx.output.write(
-                    format!("[sandbox] cgroup limits not applied (sandbox.require_limits = false): {e}\n")
-                        .as_bytes(),
-                );
-                None
-            }
-        }
-    } else {
-        let _ = ctx
-            .output
-            .write(b"[sandbox] cgroup limits disabled by configuration (sandbox.cgroups = false)\n");
-        None
+    let cgroup = match job_cgroup(&name, &settings, &mut ctx) {
+        Ok(cg) => cg,
+        Err(refusal) => return refusal,
     };
     let credentials = ctx.settings.credentials.as_ref().and_then(|c| c.endpoint.clone());
     let network = jobnet::spec(use_, &settings.network, credentials.is_some());
@@ -140,21 +111,9 @@ pub async fn run_capturing(
     let spec_bytes = serde_json::to_vec(&spec).expect("sandbox spec serialises");
     let mut cmd = Command::new(&settings.helper);
     cmd.args(&settings.helper_args).env_clear().current_dir("/");
-    // The runner's services inside the job's namespace (DNS, the role's endpoint) are
-    // served on sockets init makes there and hands over on this channel.
     let services = if use_ == NetworkUse::UserMode {
-        use nix::sys::socket::{AddressFamily, SockFlag, SockType, socketpair};
-        let channel = socketpair(AddressFamily::Unix, SockType::SeqPacket, None, SockFlag::SOCK_CLOEXEC)
-            .map_err(|e| format!("creating the hand-over channel: {e}"));
-        let follower = jobnet::HostFollower::open().map_err(|e| e.0);
-        match channel.and_then(|c| Ok((c, follower?))) {
-            Ok(((ours, theirs), follower)) => {
-                byoc_sandbox::pass_channels(cmd.as_std_mut(), Some(theirs), job.gate);
-                // The follower stops the job if it cannot keep the host closed to it.
-                let stop = ctx.settings.cancel.child_token();
-                ctx.settings.cancel = stop.clone();
-                Some(jobnet::Services::start(ours, &settings.network, credentials, follower, stop))
-            }
+        match start_services(&mut cmd, job.gate, &settings, &mut ctx, credentials) {
+            Ok(services) => Some(services),
             Err(why) => {
                 if let Some(cg) = cgroup {
                     let _ = tokio::task::spawn_blocking(move || cg.kill_all_and_remove()).await;
@@ -180,45 +139,118 @@ pub async fn run_capturing(
     }
 
     if let Some(cg) = &cgroup {
-        if outcome.status != JobStatus::Succeeded && cg.oom_killed() {
-            outcome.status = JobStatus::Failed;
-            outcome.error = Some(format!(
-                "killed: the job exceeded its memory limit of {} MiB",
-                settings.limits.memory_bytes / (1024 * 1024)
-            ));
-        } else if outcome.status != JobStatus::Succeeded && cg.pids_limited() {
-            outcome.error = Some(format!(
-                "{}; the job hit its limit of {} processes",
-                outcome.error.unwrap_or_else(|| "failed".into()),
-                settings.limits.pids
-            ));
-        }
+        name_a_limit(&mut outcome, cg, &settings);
     }
     if let Some(cg) = cgroup {
         retire(cg);
     }
-    if outcome.status == JobStatus::Failed {
-        match outcome.exit_code {
-            Some(EXIT_NETWORK_FAILED) if !matches!(network_up, Some(Ok(()))) => {
-                outcome.error = Some(
-                    "the job's network boundary could not be built, so nothing ran; the job log says why"
-                        .into(),
-                );
-                outcome.outputs = serde_json::json!({ "reason": NETWORK_UNAVAILABLE });
-            }
-            Some(EXIT_SANDBOX_FAILED) => {
-                outcome.error = Some("the sandbox could not be built; the job log says why".into())
-            }
-            Some(EXIT_EXEC_FAILED) if outcome.error.as_deref().is_some_and(|e| e.starts_with("exited")) => {
-                outcome.error = Some(
-                    "the job's program could not be executed in the sandbox; the job log says why".into(),
-                )
-            }
-            _ => {}
-        }
-    }
+    name_a_sandbox_failure(&mut outcome, matches!(network_up, Some(Ok(()))));
     let _ = std::fs::remove_dir(&new_root);
     outcome
+}
+
+/// The runner's services inside the job's namespace (DNS, the role's endpoint), served
+/// on sockets the sandbox's init makes there and hands over on a channel; the host's
+/// addresses followed, the job stopped if its boundary cannot follow them.
+fn start_services(
+    cmd: &mut Command,
+    gate: Option<std::os::fd::OwnedFd>,
+    settings: &SandboxSettings,
+    ctx: &mut ExecContext<'_>,
+    credentials: Option<std::sync::Arc<dyn jobnet::CredentialEndpoint>>,
+) -> Result<jobnet::Services, String> {
+    use nix::sys::socket::{AddressFamily, SockFlag, SockType, socketpair};
+    let (ours, theirs) = socketpair(AddressFamily::Unix, SockType::SeqPacket, None, SockFlag::SOCK_CLOEXEC)
+        .map_err(|e| format!("creating the hand-over channel: {e}"))?;
+    let follower = jobnet::HostFollower::open().map_err(|e| e.0)?;
+    byoc_sandbox::pass_channels(cmd.as_std_mut(), Some(theirs), gate);
+    let stop = ctx.settings.cancel.child_token();
+    ctx.settings.cancel = stop.clone();
+    Ok(jobnet::Services::start(ours, &settings.network, credentials, follower, stop))
+}
+
+/// The job's cgroup with its limits, or none where the customer allows that; a limit
+/// that cannot be applied refuses the job unless `sandbox.require_limits` is off.
+fn job_cgroup(
+    name: &str,
+    settings: &SandboxSettings,
+    ctx: &mut ExecContext<'_>,
+) -> Result<Option<JobCgroup>, ExecOutcome> {
+    if !settings.cgroups {
+        let _ = ctx
+            .output
+            .write(b"[sandbox] cgroup limits disabled by configuration (sandbox.cgroups = false)\n");
+        return Ok(None);
+    }
+    match JobCgroup::create(name, settings.limits) {
+        Ok(cg) => {
+            let line = format!("[sandbox] cgroup {:?} limits: {}\n", cg.version, cg.applied.join(", "));
+            let _ = ctx.output.write(line.as_bytes());
+            Ok(Some(cg))
+        }
+        Err(e) if settings.require_limits => {
+            let _ = ctx
+                .output
+                .write(format!("[sandbox] refused: cgroup limits cannot be applied: {e}\n").as_bytes());
+            Err(refused(
+                LIMITS_UNAVAILABLE,
+                format!(
+                    "the job's memory/pids/cpu limits cannot be applied ({e}); fix the cgroup delegation \
+                     (the packaged unit has Delegate=yes) or set sandbox.require_limits = false"
+                ),
+            ))
+        }
+        Err(e) => {
+            let _ = ctx.output.write(
+                format!("[sandbox] cgroup limits not applied (sandbox.require_limits = false): {e}\n")
+                    .as_bytes(),
+            );
+            Ok(None)
+        }
+    }
+}
+
+/// A failed job that met its memory or process limit says so.
+fn name_a_limit(outcome: &mut ExecOutcome, cg: &JobCgroup, settings: &SandboxSettings) {
+    if outcome.status == JobStatus::Succeeded {
+        return;
+    }
+    if cg.oom_killed() {
+        outcome.status = JobStatus::Failed;
+        outcome.error = Some(format!(
+            "killed: the job exceeded its memory limit of {} MiB",
+            settings.limits.memory_bytes / (1024 * 1024)
+        ));
+    } else if cg.pids_limited() {
+        outcome.error = Some(format!(
+            "{}; the job hit its limit of {} processes",
+            outcome.error.take().unwrap_or_else(|| "failed".into()),
+            settings.limits.pids
+        ));
+    }
+}
+
+/// The sandbox helper's own exit codes: what failed before the job's program ran.
+fn name_a_sandbox_failure(outcome: &mut ExecOutcome, network_built: bool) {
+    if outcome.status != JobStatus::Failed {
+        return;
+    }
+    match outcome.exit_code {
+        Some(EXIT_NETWORK_FAILED) if !network_built => {
+            outcome.error = Some(
+                "the job's network boundary could not be built, so nothing ran; the job log says why".into(),
+            );
+            outcome.outputs = serde_json::json!({ "reason": NETWORK_UNAVAILABLE });
+        }
+        Some(EXIT_SANDBOX_FAILED) => {
+            outcome.error = Some("the sandbox could not be built; the job log says why".into())
+        }
+        Some(EXIT_EXEC_FAILED) if outcome.error.as_deref().is_some_and(|e| e.starts_with("exited")) => {
+            outcome.error =
+                Some("the job's program could not be executed in the sandbox; the job log says why".into())
+        }
+        _ => {}
+    }
 }
 
 /// Each sandbox gets a cgroup and a root directory of its own (a job may run several,
