@@ -69,34 +69,16 @@ impl Capture {
 /// [`run_process_group`], with the standard output going to `capture` when given (the
 /// standard error still goes to the job's log).
 pub async fn run_capturing(
-    mut cmd: Command,
+    cmd: Command,
     ctx: ExecContext<'_>,
     stdin_data: Option<Vec<u8>>,
     mut capture: Option<&mut Capture>,
 ) -> ExecOutcome {
-    cmd.stdin(if stdin_data.is_some() { Stdio::piped() } else { Stdio::null() })
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .process_group(0)
-        .kill_on_drop(true);
-    let spawned = cmd.spawn();
-    // Whatever the command holds for the child (a hand-over channel) is the child's now.
-    drop(cmd);
-    let mut child = match spawned {
-        Ok(c) => c,
-        Err(e) => return ExecOutcome::failed(format!("starting the job process: {e}")),
-    };
-    let Some(pgid) = child.id().map(|p| Pid::from_raw(p as i32)) else {
-        return ExecOutcome::failed("job process exited before it could be supervised");
+    let (mut child, pgid) = match spawn(cmd, stdin_data).await {
+        Ok(started) => started,
+        Err(outcome) => return outcome,
     };
     tracing::debug!(job_id = %ctx.settings.job_id, pgid = pgid.as_raw(), "Job process started.");
-    if let (Some(data), Some(mut stdin)) = (stdin_data, child.stdin.take()) {
-        use tokio::io::AsyncWriteExt as _;
-        // The helper reads its spec before anything else; a failure shows in its exit.
-        let _ = stdin.write_all(&data).await;
-        drop(stdin);
-    }
-
     let (tx, mut rx) = mpsc::channel::<Vec<u8>>(64);
     let (captured_tx, mut captured_rx) = mpsc::channel::<Vec<u8>>(64);
     let readers = [
@@ -170,6 +152,23 @@ pub async fn run_capturing(
         let _ = r.await;
     }
 
+    outcome(
+        status,
+        ending,
+        sink_error,
+        ctx.settings.timeout,
+        capture.as_ref().map(|c| c.max).unwrap_or_default(),
+    )
+}
+
+/// The job's outcome from how its process ended and how it was supervised.
+fn outcome(
+    status: std::io::Result<std::process::ExitStatus>,
+    ending: Ending,
+    sink_error: Option<std::io::Error>,
+    timeout: std::time::Duration,
+    capture_max: usize,
+) -> ExecOutcome {
     let (exit_code, signal) = match &status {
         Ok(s) => {
             use std::os::unix::process::ExitStatusExt;
@@ -178,10 +177,9 @@ pub async fn run_capturing(
         Err(_) => (None, None),
     };
     let (status, error) = match ending {
-        Ending::TimedOut => (
-            JobStatus::TimedOut,
-            Some(format!("job exceeded its timeout of {}s", ctx.settings.timeout.as_secs())),
-        ),
+        Ending::TimedOut => {
+            (JobStatus::TimedOut, Some(format!("job exceeded its timeout of {}s", timeout.as_secs())))
+        }
         Ending::Cancelled => (JobStatus::Cancelled, Some("job was cancelled".to_string())),
         Ending::LogFailed => (
             JobStatus::Failed,
@@ -192,10 +190,7 @@ pub async fn run_capturing(
         ),
         Ending::CaptureOverflowed => (
             JobStatus::Failed,
-            Some(format!(
-                "printed more than {} bytes on its standard output; stopped",
-                capture.as_ref().map(|c| c.max).unwrap_or_default()
-            )),
+            Some(format!("printed more than {} bytes on its standard output; stopped", capture_max)),
         ),
         Ending::Exited => match (&status, exit_code, signal) {
             (Err(e), _, _) => (JobStatus::Failed, Some(format!("waiting for the job process: {e}"))),
@@ -213,6 +208,33 @@ pub async fn run_capturing(
         _ => (status, error),
     };
     ExecOutcome { status, exit_code, error, outputs: serde_json::json!({}) }
+}
+
+/// The job's process in a process group of its own, killed if dropped, its standard
+/// input fed `stdin_data` (the sandbox helper's spec).
+async fn spawn(mut cmd: Command, stdin_data: Option<Vec<u8>>) -> Result<(Child, Pid), ExecOutcome> {
+    cmd.stdin(if stdin_data.is_some() { Stdio::piped() } else { Stdio::null() })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .process_group(0)
+        .kill_on_drop(true);
+    let spawned = cmd.spawn();
+    // Whatever the command holds for the child (a hand-over channel) is the child's now.
+    drop(cmd);
+    let mut child = match spawned {
+        Ok(c) => c,
+        Err(e) => return Err(ExecOutcome::failed(format!("starting the job process: {e}"))),
+    };
+    let Some(pgid) = child.id().map(|p| Pid::from_raw(p as i32)) else {
+        return Err(ExecOutcome::failed("job process exited before it could be supervised"));
+    };
+    if let (Some(data), Some(mut stdin)) = (stdin_data, child.stdin.take()) {
+        use tokio::io::AsyncWriteExt as _;
+        // The helper reads its spec before anything else; a failure shows in its exit.
+        let _ = stdin.write_all(&data).await;
+        drop(stdin);
+    }
+    Ok((child, pgid))
 }
 
 fn spawn_reader<R>(mut r: R, tx: mpsc::Sender<Vec<u8>>) -> tokio::task::JoinHandle<()>
