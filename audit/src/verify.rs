@@ -178,38 +178,10 @@ fn read_signed(
     Ok(out)
 }
 
-pub fn verify_dir(dir: &Path, trust: &Trust) -> Result<Report, VerifyError> {
-    let path = dir.join(LOG);
-    let io = |e: std::io::Error| VerifyError::Io { path: path.display().to_string(), reason: e.to_string() };
-    let f = std::fs::File::open(&path).map_err(io)?;
-    // A consistent snapshot of a log the runner may be appending to: under a shared lock
-    // (the writer holds the exclusive one for each commit of records + checkpoint) read
-    // the checkpoints and the log's length, then verify only that prefix. The log is
-    // append-only, so the prefix cannot change after the lock is released.
-    f.lock_shared().map_err(io)?;
-    let snapshot = (|| {
-        let checkpoints = read_signed(dir, CHECKPOINTS, trust, false)?;
-        let cosigned = read_signed(dir, COSIGNED, trust, true)?;
-        let len = f.metadata().map_err(io)?.len();
-        Ok((checkpoints, cosigned, len))
-    })();
-    let _ = f.unlock();
-    let (checkpoints, cosigned, len) = snapshot?;
-    let origin = checkpoints.first().map(|s| s.cp.origin.clone());
-    for s in checkpoints.iter().chain(&cosigned) {
-        if Some(&s.cp.origin) != origin.as_ref() {
-            return Err(VerifyError::Checkpoint {
-                file: s.file.into(),
-                line: s.line,
-                reason: format!("origin {:?} differs from {:?}", s.cp.origin, origin),
-            });
-        }
-    }
-
-    // Records: parse, sequence, leaf hashes; blocks of whole lines, each split across
-    // the machine's cores, merged in order (so the first bad record reported is the
-    // first in the log).
-    let mut reader = std::io::Read::take(f, len);
+/// The log's records as leaf hashes, with where the runner restarted: blocks of whole
+/// lines, each split across the machine's cores, merged in order (so the first bad
+/// record reported is the first in the log).
+fn read_leaves(mut reader: impl std::io::Read, path: &Path) -> Result<(Vec<Hash>, Vec<u64>), VerifyError> {
     let mut leaves: Vec<Hash> = Vec::new();
     let mut restarts: Vec<u64> = Vec::new();
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(16);
@@ -262,26 +234,17 @@ pub fn verify_dir(dir: &Path, trust: &Trust) -> Result<Report, VerifyError> {
         }
         pending.drain(..cut);
     }
+    Ok((leaves, restarts))
+}
+
+/// Every checkpoint's root is the tree's root at its size: one pass over the leaves.
+fn check_roots(
+    checkpoints: &[Signed],
+    cosigned: &[Signed],
+    leaves: &[Hash],
+) -> Result<Frontier, VerifyError> {
     let records = leaves.len() as u64;
-
-    // Sizes first: a checkpoint beyond the log is truncation (acknowledged ones above all).
-    // Acknowledged checkpoints first: their truncation is the one the control plane can prove.
-    for s in cosigned.iter().chain(&checkpoints) {
-        if s.cp.size > records {
-            let what = match s.file {
-                COSIGNED => format!("the acknowledged checkpoint on line {} of {COSIGNED}", s.line),
-                _ => format!("the checkpoint on line {} of {}", s.line, s.file),
-            };
-            return Err(VerifyError::Truncated { what, size: s.cp.size, records });
-        }
-    }
-    let covered = checkpoints.iter().map(|s| s.cp.size).max().unwrap_or(0);
-    if covered < records {
-        return Err(VerifyError::Uncovered { from: covered, to: records });
-    }
-
-    // Roots, in one pass over the leaves.
-    let mut all: Vec<&Signed> = checkpoints.iter().chain(&cosigned).collect();
+    let mut all: Vec<&Signed> = checkpoints.iter().chain(cosigned).collect();
     all.sort_by_key(|s| s.cp.size);
     let mut frontier = Frontier::default();
     let mut last_good = 0u64;
@@ -303,6 +266,59 @@ pub fn verify_dir(dir: &Path, trust: &Trust) -> Result<Report, VerifyError> {
             frontier.push(leaves[size as usize]);
         }
     }
+
+    Ok(frontier)
+}
+
+pub fn verify_dir(dir: &Path, trust: &Trust) -> Result<Report, VerifyError> {
+    let path = dir.join(LOG);
+    let io = |e: std::io::Error| VerifyError::Io { path: path.display().to_string(), reason: e.to_string() };
+    let f = std::fs::File::open(&path).map_err(io)?;
+    // A consistent snapshot of a log the runner may be appending to: under a shared lock
+    // (the writer holds the exclusive one for each commit of records + checkpoint) read
+    // the checkpoints and the log's length, then verify only that prefix. The log is
+    // append-only, so the prefix cannot change after the lock is released.
+    f.lock_shared().map_err(io)?;
+    let snapshot = (|| {
+        let checkpoints = read_signed(dir, CHECKPOINTS, trust, false)?;
+        let cosigned = read_signed(dir, COSIGNED, trust, true)?;
+        let len = f.metadata().map_err(io)?.len();
+        Ok((checkpoints, cosigned, len))
+    })();
+    let _ = f.unlock();
+    let (checkpoints, cosigned, len) = snapshot?;
+    let origin = checkpoints.first().map(|s| s.cp.origin.clone());
+    for s in checkpoints.iter().chain(&cosigned) {
+        if Some(&s.cp.origin) != origin.as_ref() {
+            return Err(VerifyError::Checkpoint {
+                file: s.file.into(),
+                line: s.line,
+                reason: format!("origin {:?} differs from {:?}", s.cp.origin, origin),
+            });
+        }
+    }
+
+    // Records: parse, sequence, leaf hashes.
+    let (leaves, restarts) = read_leaves(std::io::Read::take(f, len), &path)?;
+    let records = leaves.len() as u64;
+
+    // Sizes first: a checkpoint beyond the log is truncation (acknowledged ones above all).
+    // Acknowledged checkpoints first: their truncation is the one the control plane can prove.
+    for s in cosigned.iter().chain(&checkpoints) {
+        if s.cp.size > records {
+            let what = match s.file {
+                COSIGNED => format!("the acknowledged checkpoint on line {} of {COSIGNED}", s.line),
+                _ => format!("the checkpoint on line {} of {}", s.line, s.file),
+            };
+            return Err(VerifyError::Truncated { what, size: s.cp.size, records });
+        }
+    }
+    let covered = checkpoints.iter().map(|s| s.cp.size).max().unwrap_or(0);
+    if covered < records {
+        return Err(VerifyError::Uncovered { from: covered, to: records });
+    }
+
+    let frontier = check_roots(&checkpoints, &cosigned, &leaves)?;
 
     // Idle gaps: checkpoints at least every 60 s while running.
     for w in checkpoints.windows(2) {
