@@ -213,66 +213,22 @@ fn test(t: TestArgs) -> i32 {
         Ok(a) => a,
         Err(e) => return usage(e.to_string()),
     };
-    let context = match &t.context {
-        None => serde_json::Value::Null,
-        Some(path) => match std::fs::read(path).map_err(|e| e.to_string()).and_then(|b| {
-            serde_json::from_slice::<serde_json::Value>(&b).map_err(|e| format!("not JSON: {e}"))
-        }) {
-            Ok(v @ serde_json::Value::Object(_)) => v,
-            Ok(_) => return usage(format!("--context {}: must be a JSON object", path.display())),
-            Err(e) => return usage(format!("--context {}: {e}", path.display())),
-        },
+    let context = match t.context.as_deref().map(read_context).transpose() {
+        Ok(c) => c.unwrap_or(serde_json::Value::Null),
+        Err(e) => return usage(e),
     };
-    let mut bytes = match std::fs::read(&t.input) {
-        Ok(b) => b,
-        Err(e) => return usage(format!("reading {}: {e}", t.input.display())),
-    };
-    // Rendered manifests are usually YAML (`helm template`, kustomize): convert them.
-    if serde_json::from_slice::<serde_json::Value>(&bytes).is_err()
-        && let Ok(text) = std::str::from_utf8(&bytes)
-        && let Ok(manifests) = byoc_job_executors::tool::parse_manifests(text)
-        && !manifests.is_empty()
-    {
-        bytes = serde_json::to_vec(&manifests).unwrap_or_default();
-    }
-    let source = match t.source.as_deref() {
-        Some(s) => match Source::parse(s) {
-            Ok(s) => s,
-            Err(e) => return usage(e.to_string()),
-        },
-        None => {
-            let looks_like_plan = serde_json::from_slice::<serde_json::Value>(&bytes)
-                .ok()
-                .is_some_and(|v| v.get("format_version").is_some());
-            if looks_like_plan { Source::Terraform } else { Source::Kubernetes }
-        }
+    let (bytes, source) = match read_input(&t.input, t.source.as_deref()) {
+        Ok(input) => input,
+        Err(e) => return usage(e),
     };
     let limits =
         Limits { time_per_policy: std::time::Duration::from_millis(t.time_limit_ms), ..Limits::default() };
     if let Err(e) = byoc_policy::parse_document(source, &bytes, &limits) {
         return usage(format!("{}: {e}", t.input.display()));
     }
-    // --operation names the job's operation, or the admission operation.
-    let (operation, admission) = match t.operation.to_ascii_lowercase().as_str() {
-        "create" | "install" => ("component.deploy".to_string(), byoc_policy::Admission::Create),
-        "update" | "upgrade" | "apply" => ("component.deploy".to_string(), byoc_policy::Admission::Update),
-        "delete" | "uninstall" | "teardown" | "prune" => {
-            ("component.teardown".to_string(), byoc_policy::Admission::Delete)
-        }
-        _ if t.operation.contains('.') => {
-            let admission = if t.operation.ends_with(".teardown") || t.operation.ends_with(".deprovision") {
-                byoc_policy::Admission::Delete
-            } else {
-                byoc_policy::Admission::Update
-            };
-            (t.operation.clone(), admission)
-        }
-        _ => {
-            return usage(format!(
-                "--operation {:?}: use entity.operation (component.deploy) or CREATE, UPDATE, DELETE",
-                t.operation
-            ));
-        }
+    let (operation, admission) = match operation_of(&t.operation) {
+        Ok(o) => o,
+        Err(e) => return usage(e),
     };
     let source = if source == Source::Terraform && operation.starts_with("sandbox.") {
         Source::Sandbox
@@ -311,7 +267,81 @@ fn test(t: TestArgs) -> i32 {
         Ok(rt) => rt.block_on(scope.decide(ctx, &bytes)),
         Err(e) => return usage(format!("starting the runtime: {e}")),
     };
-    match t.output {
+    print_decision(&decision, t.output);
+    match decision.verdict {
+        Verdict::Allow => 0,
+        Verdict::Deny => 1,
+    }
+}
+
+/// `--context FILE`: a JSON object.
+fn read_context(path: &std::path::Path) -> Result<serde_json::Value, String> {
+    match std::fs::read(path)
+        .map_err(|e| e.to_string())
+        .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).map_err(|e| format!("not JSON: {e}")))
+    {
+        Ok(v @ serde_json::Value::Object(_)) => Ok(v),
+        Ok(_) => Err(format!("--context {}: must be a JSON object", path.display())),
+        Err(e) => Err(format!("--context {}: {e}", path.display())),
+    }
+}
+
+/// The document to decide, as JSON, and what it is: `--source`, or a plan when it has
+/// terraform's `format_version`, else manifests (YAML converted).
+fn read_input(
+    path: &std::path::Path,
+    source: Option<&str>,
+) -> Result<(Vec<u8>, byoc_policy::Source), String> {
+    use byoc_policy::Source;
+    let mut bytes = std::fs::read(path).map_err(|e| format!("reading {}: {e}", path.display()))?;
+    // Rendered manifests are usually YAML (`helm template`, kustomize): convert them.
+    if serde_json::from_slice::<serde_json::Value>(&bytes).is_err()
+        && let Ok(text) = std::str::from_utf8(&bytes)
+        && let Ok(manifests) = byoc_job_executors::tool::parse_manifests(text)
+        && !manifests.is_empty()
+    {
+        bytes = serde_json::to_vec(&manifests).unwrap_or_default();
+    }
+    let source = match source {
+        Some(s) => Source::parse(s).map_err(|e| e.to_string())?,
+        None => {
+            let looks_like_plan = serde_json::from_slice::<serde_json::Value>(&bytes)
+                .ok()
+                .is_some_and(|v| v.get("format_version").is_some());
+            if looks_like_plan { Source::Terraform } else { Source::Kubernetes }
+        }
+    };
+    Ok((bytes, source))
+}
+
+/// `--operation`: the job's operation (entity.operation), or the admission operation.
+fn operation_of(operation: &str) -> Result<(String, byoc_policy::Admission), String> {
+    use byoc_policy::Admission;
+    Ok(match operation.to_ascii_lowercase().as_str() {
+        "create" | "install" => ("component.deploy".to_string(), Admission::Create),
+        "update" | "upgrade" | "apply" => ("component.deploy".to_string(), Admission::Update),
+        "delete" | "uninstall" | "teardown" | "prune" => {
+            ("component.teardown".to_string(), Admission::Delete)
+        }
+        _ if operation.contains('.') => {
+            let admission = if operation.ends_with(".teardown") || operation.ends_with(".deprovision") {
+                Admission::Delete
+            } else {
+                Admission::Update
+            };
+            (operation.to_string(), admission)
+        }
+        _ => {
+            return Err(format!(
+                "--operation {operation:?}: use entity.operation (component.deploy) or CREATE, UPDATE, DELETE"
+            ));
+        }
+    })
+}
+
+fn print_decision(decision: &byoc_policy::Decision, output: Output) {
+    use byoc_policy::Verdict;
+    match output {
         Output::Json => println!("{}", serde_json::to_string(&decision).unwrap_or_default()),
         Output::Text => {
             let findings = decision
@@ -349,10 +379,6 @@ fn test(t: TestArgs) -> i32 {
                 decision.input_digest
             );
         }
-    }
-    match decision.verdict {
-        Verdict::Allow => 0,
-        Verdict::Deny => 1,
     }
 }
 
