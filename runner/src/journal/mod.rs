@@ -244,51 +244,89 @@ pub struct Index {
     pub rejected_lines: usize,
 }
 
+impl JobRecord {
+    /// A job as its `received` line has it.
+    fn received(line: &Line) -> Option<JobRecord> {
+        let Event::Received {
+            job_id,
+            delivery_id,
+            nonce,
+            kind,
+            operation,
+            entity,
+            payload_sha256,
+            effect,
+            component,
+            local,
+            ..
+        } = &line.event
+        else {
+            return None;
+        };
+        Some(JobRecord {
+            job_id: job_id.clone(),
+            delivery_id: delivery_id.clone(),
+            kind: kind.clone(),
+            operation: operation.clone(),
+            entity: entity.clone(),
+            nonce: nonce.clone(),
+            payload_sha256: payload_sha256.clone(),
+            phase: Phase::Received,
+            received_at_ms: line.ts,
+            started_at_ms: None,
+            state_workspace: None,
+            finished: None,
+            detail: None,
+            effect: effect.clone(),
+            component: component.clone(),
+            local: *local,
+        })
+    }
+}
+
+impl Finished {
+    /// A job's end as its `finished` line has it.
+    fn of(event: &Event) -> Option<Finished> {
+        let Event::Finished {
+            status,
+            exit_code,
+            error,
+            log_size,
+            log_sha256,
+            log_omitted,
+            finished_at_ms,
+            outputs,
+            ..
+        } = event
+        else {
+            return None;
+        };
+        Some(Finished {
+            status: *status,
+            exit_code: *exit_code,
+            error: error.clone(),
+            log_size: *log_size,
+            log_sha256: log_sha256.clone(),
+            log_omitted: *log_omitted,
+            finished_at_ms: *finished_at_ms,
+            outputs: outputs.clone(),
+        })
+    }
+}
+
 impl Index {
     /// Fold one journal line into the index (replay and append both do).
     pub fn apply(&mut self, line: &Line) {
         match &line.event {
-            Event::Received {
-                job_id,
-                delivery_id,
-                nonce,
-                expires_at,
-                kind,
-                operation,
-                entity,
-                payload_sha256,
-                effect,
-                component,
-                local,
-                ..
-            } => {
+            Event::Received { job_id, nonce, expires_at, .. } => {
                 self.nonces.insert(nonce.clone(), (job_id.clone(), *expires_at));
-                if self.jobs.contains_key(job_id) {
-                    // The same envelope again (accepted only while still `received`).
-                    return;
+                // The same envelope again is accepted only while still `received`.
+                if !self.jobs.contains_key(job_id)
+                    && let Some(record) = JobRecord::received(line)
+                {
+                    self.order.push(job_id.clone());
+                    self.jobs.insert(job_id.clone(), record);
                 }
-                self.order.push(job_id.clone());
-                self.jobs.insert(
-                    job_id.clone(),
-                    JobRecord {
-                        job_id: job_id.clone(),
-                        delivery_id: delivery_id.clone(),
-                        kind: kind.clone(),
-                        operation: operation.clone(),
-                        entity: entity.clone(),
-                        nonce: nonce.clone(),
-                        payload_sha256: payload_sha256.clone(),
-                        phase: Phase::Received,
-                        received_at_ms: line.ts,
-                        started_at_ms: None,
-                        state_workspace: None,
-                        finished: None,
-                        detail: None,
-                        effect: effect.clone(),
-                        component: component.clone(),
-                        local: *local,
-                    },
-                );
             }
             Event::Refused { job_id, delivery_id, reason, detail, .. } => {
                 self.set_phase(job_id, Phase::Refused);
@@ -336,30 +374,10 @@ impl Index {
                     j.state_workspace.clone_from(state_workspace);
                 }
             }
-            Event::Finished {
-                job_id,
-                status,
-                exit_code,
-                error,
-                log_size,
-                log_sha256,
-                log_omitted,
-                finished_at_ms,
-                outputs,
-                ..
-            } => {
+            Event::Finished { job_id, .. } => {
                 self.set_phase(job_id, Phase::Finished);
                 if let Some(j) = self.jobs.get_mut(job_id) {
-                    j.finished = Some(Finished {
-                        status: *status,
-                        exit_code: *exit_code,
-                        error: error.clone(),
-                        log_size: *log_size,
-                        log_sha256: log_sha256.clone(),
-                        log_omitted: *log_omitted,
-                        finished_at_ms: *finished_at_ms,
-                        outputs: outputs.clone(),
-                    });
+                    j.finished = Finished::of(&line.event);
                 }
             }
             Event::Waiting { job_id, state, until, detail } => {
