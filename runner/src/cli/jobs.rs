@@ -74,92 +74,9 @@ pub(super) enum JobsCmd {
 pub(super) fn run(cmd: JobsCmd) -> anyhow::Result<()> {
     match cmd {
         JobsCmd::List { state, limit, all, status, kind, since } => {
-            let since = since_ms(since.as_deref())?;
-            let jobs = inspect::jobs(&state_dir(&state), limit, all, |j| {
-                status.as_ref().is_none_or(|s| inspect::status_label(j) == *s)
-                    && kind.as_ref().is_none_or(|k| j.kind == *k)
-                    && since.is_none_or(|t| j.received_at_ms >= t)
-            })?;
-            if state.output == Output::Json {
-                return print_json(&jobs);
-            }
-            println!("{:<24} {:<16} {:<18} {:<21} {:>10}", "JOB", "KIND", "STATUS", "RECEIVED", "DURATION");
-            for j in jobs {
-                let dur = match (j.started_at_ms, j.finished.as_ref().map(|f| f.finished_at_ms)) {
-                    (Some(s), Some(f)) => format!("{:.1}s", f.saturating_sub(s) as f64 / 1000.0),
-                    _ => "-".into(),
-                };
-                println!(
-                    "{:<24} {:<16} {:<18} {:<21} {:>10}",
-                    j.job_id,
-                    j.kind,
-                    inspect::status_label(&j),
-                    crate::clock::rfc3339_ms(j.received_at_ms),
-                    dur
-                );
-            }
-            Ok(())
+            list(&state, limit, all, status, kind, since)
         }
-        JobsCmd::Show { state, job_id } => {
-            let dir = state_dir(&state);
-            let j = inspect::job(&dir, &job_id)?;
-            // What the audit log says of it: the role it ran under and its trail.
-            let trail = audit_trail(&dir, &job_id);
-            let role = trail.iter().rev().find_map(|r| r["role"].as_str().filter(|s| !s.is_empty()));
-            let judged = judged(&trail);
-            if state.output == Output::Json {
-                let mut v = serde_json::to_value(&j)?;
-                v["role"] = role.into();
-                v["judged"] = judged.into();
-                v["audit"] = trail.clone().into();
-                return print_json(&v);
-            }
-            println!("job:        {}", j.job_id);
-            println!("kind:       {} ({} {})", j.kind, j.entity, j.operation);
-            println!(
-                "effect:     {}",
-                j.effect.as_deref().unwrap_or("- (received before the runner recorded effects)")
-            );
-            println!("component:  {}", j.component.as_deref().unwrap_or("-"));
-            println!("role:       {}", role.unwrap_or("none (no role asked, or refused before one)"));
-            println!("status:     {}", inspect::status_label(&j));
-            println!("phase:      {}", j.phase.as_str());
-            println!("received:   {}", crate::clock::rfc3339_ms(j.received_at_ms));
-            if let Some(s) = j.started_at_ms {
-                println!("started:    {}", crate::clock::rfc3339_ms(s));
-            }
-            if let Some(f) = &j.finished {
-                println!("finished:   {}", crate::clock::rfc3339_ms(f.finished_at_ms));
-                println!("exit code:  {}", f.exit_code.map(|c| c.to_string()).unwrap_or_else(|| "-".into()));
-                println!("log:        {} bytes, sha256 {}", f.log_size, f.log_sha256);
-                if f.log_omitted > 0 {
-                    println!("            truncated: {} bytes omitted (jobs.log_max_mib)", f.log_omitted);
-                }
-                if let Some(e) = &f.error {
-                    println!("error:      {e}");
-                }
-            }
-            if let Some(d) = &j.detail {
-                println!("detail:     {d}");
-            }
-            println!("payload:    sha256 {}", j.payload_sha256);
-            for d in &judged {
-                println!(
-                    "judged:     {} {}, as JSON {}: {}",
-                    d["subject"].as_str().unwrap_or("?"),
-                    d["digest"].as_str().unwrap_or("?"),
-                    d["json_digest"].as_str().unwrap_or("?"),
-                    d["decision"].as_str().unwrap_or("?")
-                );
-            }
-            if !trail.is_empty() {
-                println!("audit:");
-                for r in &trail {
-                    println!("  {}", super::audit::record_line(&r.to_string()).trim_start());
-                }
-            }
-            Ok(())
-        }
+        JobsCmd::Show { state, job_id } => show(&state, &job_id),
         JobsCmd::Logs { state, job_id, follow: true } => {
             anyhow::ensure!(
                 state.output == Output::Text,
@@ -181,27 +98,134 @@ pub(super) fn run(cmd: JobsCmd) -> anyhow::Result<()> {
             Ok(())
         }
         JobsCmd::Rejections { state, limit, all, reason, since } => {
-            let since = since_ms(since.as_deref())?;
-            let rs = inspect::rejections(&state_dir(&state), limit, all, |r| {
-                reason.as_ref().is_none_or(|c| r.reason.code() == c.as_str())
-                    && since.is_none_or(|t| r.ts >= t)
-            })?;
-            if state.output == Output::Json {
-                return print_json(&rs);
-            }
-            println!("{:<21} {:<20} {:<24} DETAIL", "TIME", "REASON", "JOB");
-            for r in rs {
-                println!(
-                    "{:<21} {:<20} {:<24} {}",
-                    crate::clock::rfc3339_ms(r.ts),
-                    r.reason.code(),
-                    r.job_id.as_deref().unwrap_or("-"),
-                    r.detail
-                );
-            }
-            Ok(())
+            rejections(&state, limit, all, reason, since)
         }
     }
+}
+
+fn list(
+    state: &StateArgs,
+    limit: usize,
+    all: bool,
+    status: Option<String>,
+    kind: Option<String>,
+    since: Option<String>,
+) -> anyhow::Result<()> {
+    let since = since_ms(since.as_deref())?;
+    let jobs = inspect::jobs(&state_dir(state), limit, all, |j| {
+        status.as_ref().is_none_or(|s| inspect::status_label(j) == *s)
+            && kind.as_ref().is_none_or(|k| j.kind == *k)
+            && since.is_none_or(|t| j.received_at_ms >= t)
+    })?;
+    if state.output == Output::Json {
+        return print_json(&jobs);
+    }
+    println!("{:<24} {:<16} {:<18} {:<21} {:>10}", "JOB", "KIND", "STATUS", "RECEIVED", "DURATION");
+    for j in jobs {
+        let dur = match (j.started_at_ms, j.finished.as_ref().map(|f| f.finished_at_ms)) {
+            (Some(s), Some(f)) => format!("{:.1}s", f.saturating_sub(s) as f64 / 1000.0),
+            _ => "-".into(),
+        };
+        println!(
+            "{:<24} {:<16} {:<18} {:<21} {:>10}",
+            j.job_id,
+            j.kind,
+            inspect::status_label(&j),
+            crate::clock::rfc3339_ms(j.received_at_ms),
+            dur
+        );
+    }
+    Ok(())
+}
+
+/// One job's record, with what the audit log says of it: the role it ran under, what
+/// was judged, its trail.
+fn show(state: &StateArgs, job_id: &str) -> anyhow::Result<()> {
+    let dir = state_dir(state);
+    let j = inspect::job(&dir, job_id)?;
+    // What the audit log says of it: the role it ran under and its trail.
+    let trail = audit_trail(&dir, job_id);
+    let role = trail.iter().rev().find_map(|r| r["role"].as_str().filter(|s| !s.is_empty()));
+    let judged = judged(&trail);
+    if state.output == Output::Json {
+        let mut v = serde_json::to_value(&j)?;
+        v["role"] = role.into();
+        v["judged"] = judged.into();
+        v["audit"] = trail.clone().into();
+        return print_json(&v);
+    }
+    println!("job:        {}", j.job_id);
+    println!("kind:       {} ({} {})", j.kind, j.entity, j.operation);
+    println!(
+        "effect:     {}",
+        j.effect.as_deref().unwrap_or("- (received before the runner recorded effects)")
+    );
+    println!("component:  {}", j.component.as_deref().unwrap_or("-"));
+    println!("role:       {}", role.unwrap_or("none (no role asked, or refused before one)"));
+    println!("status:     {}", inspect::status_label(&j));
+    println!("phase:      {}", j.phase.as_str());
+    println!("received:   {}", crate::clock::rfc3339_ms(j.received_at_ms));
+    if let Some(s) = j.started_at_ms {
+        println!("started:    {}", crate::clock::rfc3339_ms(s));
+    }
+    if let Some(f) = &j.finished {
+        println!("finished:   {}", crate::clock::rfc3339_ms(f.finished_at_ms));
+        println!("exit code:  {}", f.exit_code.map(|c| c.to_string()).unwrap_or_else(|| "-".into()));
+        println!("log:        {} bytes, sha256 {}", f.log_size, f.log_sha256);
+        if f.log_omitted > 0 {
+            println!("            truncated: {} bytes omitted (jobs.log_max_mib)", f.log_omitted);
+        }
+        if let Some(e) = &f.error {
+            println!("error:      {e}");
+        }
+    }
+    if let Some(d) = &j.detail {
+        println!("detail:     {d}");
+    }
+    println!("payload:    sha256 {}", j.payload_sha256);
+    for d in &judged {
+        println!(
+            "judged:     {} {}, as JSON {}: {}",
+            d["subject"].as_str().unwrap_or("?"),
+            d["digest"].as_str().unwrap_or("?"),
+            d["json_digest"].as_str().unwrap_or("?"),
+            d["decision"].as_str().unwrap_or("?")
+        );
+    }
+    if !trail.is_empty() {
+        println!("audit:");
+        for r in &trail {
+            println!("  {}", super::audit::record_line(&r.to_string()).trim_start());
+        }
+    }
+    Ok(())
+}
+
+fn rejections(
+    state: &StateArgs,
+    limit: usize,
+    all: bool,
+    reason: Option<String>,
+    since: Option<String>,
+) -> anyhow::Result<()> {
+    let since = since_ms(since.as_deref())?;
+    let rs = inspect::rejections(&state_dir(state), limit, all, |r| {
+        reason.as_ref().is_none_or(|c| r.reason.code() == c.as_str()) && since.is_none_or(|t| r.ts >= t)
+    })?;
+    if state.output == Output::Json {
+        return print_json(&rs);
+    }
+    println!("{:<21} {:<20} {:<24} DETAIL", "TIME", "REASON", "JOB");
+    for r in rs {
+        println!(
+            "{:<21} {:<20} {:<24} {}",
+            crate::clock::rfc3339_ms(r.ts),
+            r.reason.code(),
+            r.job_id.as_deref().unwrap_or("-"),
+            r.detail
+        );
+    }
+    Ok(())
 }
 
 fn since_ms(since: Option<&str>) -> anyhow::Result<Option<u64>> {
