@@ -74,26 +74,7 @@ pub(super) fn run(a: SyncArgs) -> i32 {
         Output::Json => println!("{}", serde_json::json!({"ok": false, "code": code, "error": msg})),
         Output::Text => eprintln!("error: {msg}"),
     };
-    let prepared = (|| -> anyhow::Result<_> {
-        let src = byoc_oci_sync::Reference::parse(&a.source).map_err(anyhow::Error::msg)?;
-        let mut dst = byoc_oci_sync::Reference::parse(&a.destination).map_err(anyhow::Error::msg)?;
-        anyhow::ensure!(dst.digest.is_none(), "the destination names no digest (the source's is kept)");
-        if dst.tag.is_none() {
-            dst.tag = src.tag.clone();
-        }
-        let mut endpoints = std::collections::BTreeMap::new();
-        for e in &a.endpoints {
-            let (h, u) =
-                e.split_once('=').ok_or_else(|| anyhow::anyhow!("--endpoint {e:?}: expected HOST=URL"))?;
-            endpoints.insert(h.to_string(), u.to_string());
-        }
-        let src_cred =
-            credential(a.src_user.clone(), secret(a.src_token_file.as_deref(), "BYOC_SYNC_SRC_TOKEN")?)?;
-        let dst_cred =
-            credential(a.dest_user.clone(), secret(a.dest_token_file.as_deref(), "BYOC_SYNC_DEST_TOKEN")?)?;
-        Ok((src, dst, endpoints, src_cred, dst_cred))
-    })();
-    let (src, dst, endpoints, src_cred, dst_cred) = match prepared {
+    let (src, dst, endpoints, src_cred, dst_cred) = match prepare(&a) {
         Ok(p) => p,
         Err(e) => {
             fail("usage", &format!("{e:#}"));
@@ -136,32 +117,7 @@ pub(super) fn run(a: SyncArgs) -> i32 {
             (None, None) => "latest".to_string(),
         };
         let tags: Vec<String> = dst.tag.iter().cloned().collect();
-        let progress = {
-            use std::io::IsTerminal as _;
-            let counters = copier.counters.clone();
-            let on_terminal = output == Output::Text && std::io::stderr().is_terminal();
-            tokio::spawn(async move {
-                if !on_terminal {
-                    return;
-                }
-                let start = std::time::Instant::now();
-                let mut tick = tokio::time::interval(std::time::Duration::from_millis(250));
-                loop {
-                    tick.tick().await;
-                    let o = std::sync::atomic::Ordering::Relaxed;
-                    let read = counters.bytes_read.load(o);
-                    let mib = |b: u64| b as f64 / (1 << 20) as f64;
-                    eprint!(
-                        "\r{}/{} blobs, {:.1}/{:.1} MiB, {:.1} MiB/s   ",
-                        counters.blobs_done.load(o),
-                        counters.blobs_total.load(o),
-                        mib(counters.bytes_done.load(o)),
-                        mib(counters.bytes_total.load(o)),
-                        mib(read) / start.elapsed().as_secs_f64().max(0.001),
-                    );
-                }
-            })
-        };
+        let progress = show_progress(copier.counters.clone(), output);
         let r = copier.copy(&src.repository, &reference, src.digest.as_ref(), &dst.repository, &tags).await;
         progress.abort();
         if output == Output::Text && std::io::IsTerminal::is_terminal(&std::io::stderr()) {
@@ -171,29 +127,93 @@ pub(super) fn run(a: SyncArgs) -> i32 {
     });
     match result {
         Ok(r) => {
-            match output {
-                Output::Json => println!("{}", serde_json::json!({"ok": true, "report": r})),
-                Output::Text => println!(
-                    "{} -> {}\n{} manifests ({} pushed), {} blobs: {} moved, {} present, {} mounted; {} bytes moved, {} skipped; {} referrers; tags {:?}",
-                    r.source,
-                    r.destination,
-                    r.manifests,
-                    r.manifests_pushed,
-                    r.blobs,
-                    r.blobs_moved,
-                    r.blobs_skipped,
-                    r.blobs_mounted,
-                    r.bytes_moved,
-                    r.bytes_skipped,
-                    r.referrers,
-                    r.tags
-                ),
-            }
+            print_report(&r, output);
             0
         }
         Err(e) => {
             fail(&e.code(), &e.to_string());
             1
         }
+    }
+}
+
+type Prepared = (
+    byoc_oci_sync::Reference,
+    byoc_oci_sync::Reference,
+    std::collections::BTreeMap<String, String>,
+    Option<byoc_oci_sync::Credential>,
+    Option<byoc_oci_sync::Credential>,
+);
+
+/// The references (the destination keeps the source's tag unless it names one), the
+/// registry endpoints and the credentials.
+fn prepare(a: &SyncArgs) -> anyhow::Result<Prepared> {
+    let src = byoc_oci_sync::Reference::parse(&a.source).map_err(anyhow::Error::msg)?;
+    let mut dst = byoc_oci_sync::Reference::parse(&a.destination).map_err(anyhow::Error::msg)?;
+    anyhow::ensure!(dst.digest.is_none(), "the destination names no digest (the source's is kept)");
+    if dst.tag.is_none() {
+        dst.tag = src.tag.clone();
+    }
+    let mut endpoints = std::collections::BTreeMap::new();
+    for e in &a.endpoints {
+        let (h, u) =
+            e.split_once('=').ok_or_else(|| anyhow::anyhow!("--endpoint {e:?}: expected HOST=URL"))?;
+        endpoints.insert(h.to_string(), u.to_string());
+    }
+    let src_cred =
+        credential(a.src_user.clone(), secret(a.src_token_file.as_deref(), "BYOC_SYNC_SRC_TOKEN")?)?;
+    let dst_cred =
+        credential(a.dest_user.clone(), secret(a.dest_token_file.as_deref(), "BYOC_SYNC_DEST_TOKEN")?)?;
+    Ok((src, dst, endpoints, src_cred, dst_cred))
+}
+
+/// Progress on a terminal, four times a second, until aborted.
+fn show_progress(
+    counters: std::sync::Arc<byoc_oci_sync::Counters>,
+    output: Output,
+) -> tokio::task::JoinHandle<()> {
+    use std::io::IsTerminal as _;
+    let on_terminal = output == Output::Text && std::io::stderr().is_terminal();
+    tokio::spawn(async move {
+        if !on_terminal {
+            return;
+        }
+        let start = std::time::Instant::now();
+        let mut tick = tokio::time::interval(std::time::Duration::from_millis(250));
+        loop {
+            tick.tick().await;
+            let o = std::sync::atomic::Ordering::Relaxed;
+            let read = counters.bytes_read.load(o);
+            let mib = |b: u64| b as f64 / (1 << 20) as f64;
+            eprint!(
+                "\r{}/{} blobs, {:.1}/{:.1} MiB, {:.1} MiB/s   ",
+                counters.blobs_done.load(o),
+                counters.blobs_total.load(o),
+                mib(counters.bytes_done.load(o)),
+                mib(counters.bytes_total.load(o)),
+                mib(read) / start.elapsed().as_secs_f64().max(0.001),
+            );
+        }
+    })
+}
+
+fn print_report(r: &byoc_oci_sync::Report, output: Output) {
+    match output {
+        Output::Json => println!("{}", serde_json::json!({"ok": true, "report": r})),
+        Output::Text => println!(
+            "{} -> {}\n{} manifests ({} pushed), {} blobs: {} moved, {} present, {} mounted; {} bytes moved, {} skipped; {} referrers; tags {:?}",
+            r.source,
+            r.destination,
+            r.manifests,
+            r.manifests_pushed,
+            r.blobs,
+            r.blobs_moved,
+            r.blobs_skipped,
+            r.blobs_mounted,
+            r.bytes_moved,
+            r.bytes_skipped,
+            r.referrers,
+            r.tags
+        ),
     }
 }
