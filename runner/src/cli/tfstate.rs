@@ -270,56 +270,84 @@ async fn in_bucket(cmd: &TfStateCmd, config: &Config) -> Result<(), Failure> {
             Ok(())
         }
         TfStateCmd::Unlock { workspace, lock_id, .. } => {
-            let detail = |what: &str| {
+            let at = Unlocking {
+                dir: &dir,
+                operation,
+                role: &role,
+                who: &who,
+                bucket_name: &bucket_name,
+                key_prefix: &key_prefix,
+            };
+            unlock(&b, &at, workspace, lock_id, json).await
+        }
+    }
+}
+
+/// Who unlocks which bucket's state, as the audit records name it.
+struct Unlocking<'a> {
+    dir: &'a std::path::Path,
+    operation: &'a str,
+    role: &'a str,
+    who: &'a str,
+    bucket_name: &'a str,
+    key_prefix: &'a str,
+}
+
+/// Remove a stale lock, on record before it goes and after.
+async fn unlock(
+    b: &bucket::StateBucket,
+    at: &Unlocking<'_>,
+    workspace: &str,
+    lock_id: &str,
+    json: bool,
+) -> Result<(), Failure> {
+    let Unlocking { dir, operation, role, who, bucket_name, key_prefix } = *at;
+    let detail = |what: &str| {
+        format!(
+            "workspace {workspace} s3://{bucket_name}/{key_prefix}/{workspace} lock {lock_id}: {what} by {who} as role {role}"
+        )
+    };
+    let record = |event: &str, reason: Option<&str>, what: &str| {
+        let r = Record {
+            event: event.into(),
+            operation: Some(operation.into()),
+            role: Some(role.to_string()),
+            reason: reason.map(str::to_string),
+            detail: Some(detail(what)),
+            ..Default::default()
+        };
+        inbox::submit(dir, &r).map_err(|e| {
+            failure(
+                "audit_unavailable",
                 format!(
-                    "workspace {workspace} s3://{bucket_name}/{key_prefix}/{workspace} lock {lock_id}: {what} by {who} as role {role}"
-                )
-            };
-            let record = |event: &str, reason: Option<&str>, what: &str| {
-                let r = Record {
-                    event: event.into(),
-                    operation: Some(operation.into()),
-                    role: Some(role.clone()),
-                    reason: reason.map(str::to_string),
-                    detail: Some(detail(what)),
-                    ..Default::default()
-                };
-                inbox::submit(&dir, &r).map_err(|e| {
-                    failure(
-                        "audit_unavailable",
-                        format!(
-                            "recording the unlock for the audit log in {}: {e}",
-                            inbox::inbox_dir(&dir).display()
-                        ),
-                    )
-                })
-            };
-            // On record before the lock goes: an unlock is never unaudited.
-            record("state_unlock_requested", None, "requested")?;
-            match b.unlock(workspace, lock_id).await {
-                Ok(held) => {
-                    record(
-                        "state_unlocked",
-                        None,
-                        &format!("removed ({} by {} since {})", held.operation, held.who, held.created),
-                    )?;
-                    if json {
-                        return json_out(
-                            &serde_json::json!({"ok": true, "workspace": workspace, "removed": held}),
-                        );
-                    }
-                    println!(
-                        "removed lock {} on workspace {workspace} ({} by {} since {}); the next job takes the lock (audited)",
-                        held.id, held.operation, held.who, held.created
-                    );
-                    Ok(())
-                }
-                Err(e) => {
-                    let f = Failure::from(e);
-                    record("state_unlock_failed", Some(f.code), &f.message)?;
-                    Err(f)
-                }
+                    "recording the unlock for the audit log in {}: {e}",
+                    inbox::inbox_dir(dir).display()
+                ),
+            )
+        })
+    };
+    // On record before the lock goes: an unlock is never unaudited.
+    record("state_unlock_requested", None, "requested")?;
+    match b.unlock(workspace, lock_id).await {
+        Ok(held) => {
+            record(
+                "state_unlocked",
+                None,
+                &format!("removed ({} by {} since {})", held.operation, held.who, held.created),
+            )?;
+            if json {
+                return json_out(&serde_json::json!({"ok": true, "workspace": workspace, "removed": held}));
             }
+            println!(
+                "removed lock {} on workspace {workspace} ({} by {} since {}); the next job takes the lock (audited)",
+                held.id, held.operation, held.who, held.created
+            );
+            Ok(())
+        }
+        Err(e) => {
+            let f = Failure::from(e);
+            record("state_unlock_failed", Some(f.code), &f.message)?;
+            Err(f)
         }
     }
 }
