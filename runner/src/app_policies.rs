@@ -105,56 +105,15 @@ pub fn parse(app: &AppConfig) -> Result<Vec<Declared>, Vec<String>> {
         let kind_s = take_str("type", &mut problems);
         let engine_s = take_str("engine", &mut problems);
         let contents = take_str("contents", &mut problems);
-        let components = match t.remove("components") {
-            None => None,
-            Some(toml::Value::String(s)) if s == "*" => Some(Components::All),
-            Some(toml::Value::Array(a)) => {
-                let names: Vec<String> = a.iter().filter_map(|v| v.as_str().map(str::to_string)).collect();
-                if names.len() != a.len() || names.iter().any(|n| n.is_empty()) {
-                    problems.push(at("components must be component names, or [\"*\"]".into()));
-                    None
-                } else if names.iter().any(|n| n == "*") && names.len() > 1 {
-                    problems.push(at("components: \"*\" names every component and must stand alone".into()));
-                    None
-                } else if names == ["*"] {
-                    Some(Components::All)
-                } else {
-                    Some(Components::Named(names))
-                }
-            }
-            Some(other) => {
-                problems.push(at(format!(
-                    "components must be a list of names or \"*\", not {}",
-                    other.type_str()
-                )));
-                None
-            }
-        };
+        let components = components_of(t.remove("components")).unwrap_or_else(|e| {
+            problems.push(at(e));
+            None
+        });
         for key in t.keys() {
             problems.push(at(format!("unknown field {key:?} (known: type, engine, contents, components)")));
         }
-        let kind = match kind_s.as_deref() {
-            None => {
-                problems.push(at("type is required".into()));
-                None
-            }
-            Some(k) => match PolicyType::ALL.iter().find(|(n, _)| *n == k) {
-                Some((_, t)) => Some(*t),
-                None => {
-                    let known: Vec<&str> = PolicyType::ALL.iter().map(|(n, _)| *n).collect();
-                    problems.push(at(format!("type {k:?} is not one of {}", known.join(", "))));
-                    None
-                }
-            },
-        };
-        let engine = match engine_s.as_deref() {
-            None | Some("kyverno") => Some(Engine::Kyverno),
-            Some("opa") => Some(Engine::Opa),
-            Some(other) => {
-                problems.push(at(format!("engine {other:?} is not opa or kyverno")));
-                None
-            }
-        };
+        let kind = kind_of(kind_s.as_deref()).map_err(|e| problems.push(at(e))).ok();
+        let engine = engine_of(engine_s.as_deref()).map_err(|e| problems.push(at(e))).ok();
         let text = match &contents {
             None => {
                 problems.push(at("contents (the policy file's path in the app config) is required".into()));
@@ -171,41 +130,84 @@ pub fn parse(app: &AppConfig) -> Result<Vec<Declared>, Vec<String>> {
         let (Some(kind), Some(engine), Some(path), Some(text)) = (kind, engine, contents, text) else {
             continue;
         };
-        // A declaration that could never apply to anything.
-        match (kind, engine) {
-            (PolicyType::KubernetesCluster, Engine::Opa) => {
-                problems.push(at(
-                    "kubernetes_cluster policies are admission policies the runner applies into the cluster: \
-                     engine must be kyverno"
-                        .into(),
-                ));
-                continue;
-            }
-            (PolicyType::KubernetesCluster, Engine::Kyverno) => {}
-            (k, Engine::Kyverno) => {
-                problems.push(at(format!(
-                    "a {} policy is Rego evaluated by the runner: set engine = \"opa\" (kyverno, the default, \
-                     applies only to kubernetes_cluster)",
-                    k.as_str()
-                )));
-                continue;
-            }
-            (_, Engine::Opa) => {}
-        }
-        if kind.per_component() && components.is_none() {
-            problems.push(at(format!(
-                "a {} policy applies to the components it names: set components = [\"name\", …] or [\"*\"]",
-                kind.as_str()
-            )));
-            continue;
-        }
-        if !kind.per_component() && components.is_some() {
-            problems.push(at(format!("components has no meaning for {} policies", kind.as_str())));
+        if let Err(e) = applies(kind, engine, components.is_some()) {
+            problems.push(at(e));
             continue;
         }
         out.push(Declared { kind, engine, path, text, components });
     }
     if problems.is_empty() { Ok(out) } else { Err(problems) }
+}
+
+/// `components`: component names, or `"*"` (alone, or as the only name) for all.
+fn components_of(value: Option<toml::Value>) -> Result<Option<Components>, String> {
+    match value {
+        None => Ok(None),
+        Some(toml::Value::String(s)) if s == "*" => Ok(Some(Components::All)),
+        Some(toml::Value::Array(a)) => {
+            let names: Vec<String> = a.iter().filter_map(|v| v.as_str().map(str::to_string)).collect();
+            if names.len() != a.len() || names.iter().any(|n| n.is_empty()) {
+                Err("components must be component names, or [\"*\"]".into())
+            } else if names.iter().any(|n| n == "*") && names.len() > 1 {
+                Err("components: \"*\" names every component and must stand alone".into())
+            } else if names == ["*"] {
+                Ok(Some(Components::All))
+            } else {
+                Ok(Some(Components::Named(names)))
+            }
+        }
+        Some(other) => Err(format!("components must be a list of names or \"*\", not {}", other.type_str())),
+    }
+}
+
+fn kind_of(kind: Option<&str>) -> Result<PolicyType, String> {
+    let k = kind.ok_or_else(|| "type is required".to_string())?;
+    match PolicyType::ALL.iter().find(|(n, _)| *n == k) {
+        Some((_, t)) => Ok(*t),
+        None => {
+            let known: Vec<&str> = PolicyType::ALL.iter().map(|(n, _)| *n).collect();
+            Err(format!("type {k:?} is not one of {}", known.join(", ")))
+        }
+    }
+}
+
+fn engine_of(engine: Option<&str>) -> Result<Engine, String> {
+    match engine {
+        None | Some("kyverno") => Ok(Engine::Kyverno),
+        Some("opa") => Ok(Engine::Opa),
+        Some(other) => Err(format!("engine {other:?} is not opa or kyverno")),
+    }
+}
+
+/// A declaration that could never apply to anything is refused.
+fn applies(kind: PolicyType, engine: Engine, names_components: bool) -> Result<(), String> {
+    match (kind, engine) {
+        (PolicyType::KubernetesCluster, Engine::Opa) => {
+            return Err(
+                "kubernetes_cluster policies are admission policies the runner applies into the cluster: \
+                 engine must be kyverno"
+                    .into(),
+            );
+        }
+        (PolicyType::KubernetesCluster, Engine::Kyverno) | (_, Engine::Opa) => {}
+        (k, Engine::Kyverno) => {
+            return Err(format!(
+                "a {} policy is Rego evaluated by the runner: set engine = \"opa\" (kyverno, the default, \
+                 applies only to kubernetes_cluster)",
+                k.as_str()
+            ));
+        }
+    }
+    if kind.per_component() && !names_components {
+        return Err(format!(
+            "a {} policy applies to the components it names: set components = [\"name\", …] or [\"*\"]",
+            kind.as_str()
+        ));
+    }
+    if !kind.per_component() && names_components {
+        return Err(format!("components has no meaning for {} policies", kind.as_str()));
+    }
+    Ok(())
 }
 
 /// The policy type a job's decisions use: from its kind and entity.

@@ -319,10 +319,7 @@ async fn unlock(
         inbox::submit(dir, &r).map_err(|e| {
             failure(
                 "audit_unavailable",
-                format!(
-                    "recording the unlock for the audit log in {}: {e}",
-                    inbox::inbox_dir(dir).display()
-                ),
+                format!("recording the unlock for the audit log in {}: {e}", inbox::inbox_dir(dir).display()),
             )
         })
     };
