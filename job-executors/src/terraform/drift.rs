@@ -73,26 +73,7 @@ impl Terraform {
         ];
         run.log("[terraform] drift check: refresh-only and contract plans; nothing is applied\n");
         run.cmd("init, plan -refresh-only, plan", run.tf_script(&steps, backend)).await?;
-        // The sandbox has ended, and every process of the job with it: both plans are
-        // sealed as they are and rendered by the runner (offline, no credentials).
-        let sealed = SealedDir::create(run.ctx)
-            .map_err(|e| ExecOutcome::failed(format!("creating the sealed plan directory: {e}")))?;
-        let cap = policy_input_cap(run);
-        let mut rendered = Vec::new();
-        for plan in [DRIFT_PLAN, PLAN_FILE] {
-            seal(module, plan, &sealed)?;
-            let digest = sha256_file(&sealed.path.join(plan))
-                .map_err(|e| ExecOutcome::failed(format!("hashing the plan {plan}: {e}")))?;
-            let bytes = render_in(run, &sealed, plan, cap).await?;
-            let value: serde_json::Value = serde_json::from_slice(&bytes).map_err(|e| {
-                failed(
-                    "plan_unreadable",
-                    format!("terraform show -json is not JSON: {e}"),
-                    serde_json::Value::Null,
-                )
-            })?;
-            rendered.push((value, digest));
-        }
+        let mut rendered = render_plans(run, module).await?;
         let (contract, plan_digest) = rendered.pop().unwrap_or_default();
         let (refresh, refresh_digest) = rendered.pop().unwrap_or_default();
         // No state yet: the component was never deployed here; nothing can have drifted.
@@ -103,41 +84,11 @@ impl Terraform {
                 "[drift] workspace {} has no state: the component was never deployed here\n",
                 self.spec.workspace
             ));
-            if let Some(a) = &run.ctx.settings.audit {
-                let _ = a.record(
-                    "drift_checked",
-                    format!("workspace {}: not_deployed (no state)", self.spec.workspace),
-                    BTreeMap::from([("refresh_plan".to_string(), refresh_digest.clone())]),
-                );
-            }
-            return Ok(ExecOutcome {
-                status: JobStatus::Succeeded,
-                exit_code: Some(0),
-                error: None,
-                outputs: serde_json::json!({"drift": {
-                    "workspace": self.spec.workspace,
-                    "verdict": "not_deployed",
-                    "drifted": [],
-                    "would_change": summary(&contract),
-                    "refresh_plan_digest": refresh_digest,
-                    "plan_digest": plan_digest,
-                }, "violations": []}),
-            });
+            return Ok(self.not_deployed(run, &contract, refresh_digest, plan_digest));
         }
         let drifted = drifted(&refresh);
         let would_change = summary(&contract);
-        // The policies see what drifted as changes: a console edit that opened a
-        // security group to the internet is a violation though nobody deployed it.
-        let mut doc = refresh.clone();
-        if let Some(o) = doc.as_object_mut() {
-            let drift = match &refresh["resource_drift"] {
-                serde_json::Value::Array(a) => serde_json::Value::Array(a.clone()),
-                // terraform leaves the key out when nothing drifted.
-                _ => serde_json::Value::Array(Vec::new()),
-            };
-            o.insert("resource_changes".into(), drift);
-        }
-        let doc_bytes = serde_json::to_vec(&doc).unwrap_or_default();
+        let doc_bytes = drift_as_changes(&refresh);
         let subject = crate::policy_gate::Subject {
             source: byoc_policy::Source::Terraform,
             admission: Default::default(),
@@ -195,4 +146,75 @@ impl Terraform {
             }),
         })
     }
+
+    /// No state yet: the component was never deployed here, and nothing can have drifted.
+    fn not_deployed(
+        &self,
+        run: &mut Run<'_, '_>,
+        contract: &serde_json::Value,
+        refresh_digest: String,
+        plan_digest: String,
+    ) -> ExecOutcome {
+        if let Some(a) = &run.ctx.settings.audit {
+            let _ = a.record(
+                "drift_checked",
+                format!("workspace {}: not_deployed (no state)", self.spec.workspace),
+                BTreeMap::from([("refresh_plan".to_string(), refresh_digest.clone())]),
+            );
+        }
+        ExecOutcome {
+            status: JobStatus::Succeeded,
+            exit_code: Some(0),
+            error: None,
+            outputs: serde_json::json!({"drift": {
+                "workspace": self.spec.workspace,
+                "verdict": "not_deployed",
+                "drifted": [],
+                "would_change": summary(contract),
+                "refresh_plan_digest": refresh_digest,
+                "plan_digest": plan_digest,
+            }, "violations": []}),
+        }
+    }
+}
+
+/// Both plans sealed as they are and rendered by the runner (offline, no
+/// credentials), with their digests: the refresh-only plan, then the contract plan.
+async fn render_plans(run: &mut Run<'_, '_>, module: &Path) -> Step<Vec<(serde_json::Value, String)>> {
+    // The sandbox has ended, and every process of the job with it: both plans are
+    // sealed as they are and rendered by the runner (offline, no credentials).
+    let sealed = SealedDir::create(run.ctx)
+        .map_err(|e| ExecOutcome::failed(format!("creating the sealed plan directory: {e}")))?;
+    let cap = policy_input_cap(run);
+    let mut rendered = Vec::new();
+    for plan in [DRIFT_PLAN, PLAN_FILE] {
+        seal(module, plan, &sealed)?;
+        let digest = sha256_file(&sealed.path.join(plan))
+            .map_err(|e| ExecOutcome::failed(format!("hashing the plan {plan}: {e}")))?;
+        let bytes = render_in(run, &sealed, plan, cap).await?;
+        let value: serde_json::Value = serde_json::from_slice(&bytes).map_err(|e| {
+            failed(
+                "plan_unreadable",
+                format!("terraform show -json is not JSON: {e}"),
+                serde_json::Value::Null,
+            )
+        })?;
+        rendered.push((value, digest));
+    }
+    Ok(rendered)
+}
+
+/// The policies see what drifted as changes: a console edit that opened a security
+/// group to the internet is a violation though nobody deployed it.
+fn drift_as_changes(refresh: &serde_json::Value) -> Vec<u8> {
+    let mut doc = refresh.clone();
+    if let Some(o) = doc.as_object_mut() {
+        let drift = match &refresh["resource_drift"] {
+            serde_json::Value::Array(a) => serde_json::Value::Array(a.clone()),
+            // terraform leaves the key out when nothing drifted.
+            _ => serde_json::Value::Array(Vec::new()),
+        };
+        o.insert("resource_changes".into(), drift);
+    }
+    serde_json::to_vec(&doc).unwrap_or_default()
 }
