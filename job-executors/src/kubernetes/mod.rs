@@ -179,64 +179,63 @@ impl Kubernetes {
         resolved.deploy(ctx).await
     }
 
+    /// The policies' decision over the manifests to apply, then the customer's approval
+    /// of exactly these, if asked for (the readiness deadline is taken after it).
+    async fn decide_apply(&self, ctx: &mut ExecContext<'_>) -> Result<serde_json::Value, ExecOutcome> {
+        let failed = crate::tool::failed;
+        let manifests: Vec<&serde_json::Value> = self.objects.iter().map(|(_, m)| m).collect();
+        let bytes = serde_json::to_vec(&manifests).unwrap_or_default();
+        let subject = crate::policy_gate::Subject {
+            source: byoc_policy::Source::Kubernetes,
+            // An apply (server-side apply creates or updates).
+            admission: byoc_policy::Admission::Update,
+            name: "manifests",
+            digest: None,
+        };
+        let d = crate::policy_gate::decide(ctx, subject, &bytes)
+            .await
+            .map_err(|e| failed(crate::policy_gate::UNAVAILABLE, e.to_string(), serde_json::Value::Null))?;
+        let decided = serde_json::json!({"verdict": d.verdict, "manifests_digest": d.input_digest});
+        if d.verdict == byoc_policy::Verdict::Deny {
+            return Err(failed(
+                "policy_denied",
+                format!("policy denied the manifests: {}", d.denials().join(", ")),
+                decided,
+            ));
+        }
+        if !ctx.settings.decide_only {
+            // The customer's approval of exactly these manifests, if asked for; the
+            // readiness deadline is taken after it.
+            let names: Vec<String> = self
+                .objects
+                .iter()
+                .map(|(o, _)| match &o.namespace {
+                    Some(ns) => format!("{}/{ns}/{}", o.kind, o.name),
+                    None => format!("{}/{}", o.kind, o.name),
+                })
+                .collect();
+            let summary =
+                serde_json::json!({"counts": {"apply": names.len()}, "addresses": {"apply": names}});
+            crate::policy_gate::approve_apply(ctx, "kubernetes", &d.input_digest, &summary, &d, &decided)
+                .await?;
+        }
+        Ok(decided)
+    }
+
     async fn deploy(&self, ctx: &mut ExecContext<'_>) -> ExecOutcome {
         if self.spec.action == Action::Drift {
             return self.drift(ctx).await;
         }
         let failed = crate::tool::failed;
         // Policy first: nothing reaches the cluster before the decision.
-        let mut decided = serde_json::Value::Null;
-        if self.spec.action == Action::Apply {
-            let manifests: Vec<&serde_json::Value> = self.objects.iter().map(|(_, m)| m).collect();
-            let bytes = serde_json::to_vec(&manifests).unwrap_or_default();
-            let subject = crate::policy_gate::Subject {
-                source: byoc_policy::Source::Kubernetes,
-                // An apply (server-side apply creates or updates).
-                admission: byoc_policy::Admission::Update,
-                name: "manifests",
-                digest: None,
-            };
-            let d = match crate::policy_gate::decide(ctx, subject, &bytes).await {
-                Ok(d) => d,
-                Err(e) => {
-                    return failed(crate::policy_gate::UNAVAILABLE, e.to_string(), serde_json::Value::Null);
-                }
-            };
-            decided = serde_json::json!({"verdict": d.verdict, "manifests_digest": d.input_digest});
-            if d.verdict == byoc_policy::Verdict::Deny {
-                return failed(
-                    "policy_denied",
-                    format!("policy denied the manifests: {}", d.denials().join(", ")),
-                    decided,
-                );
+        let decided = if self.spec.action == Action::Apply {
+            match self.decide_apply(ctx).await {
+                Ok(decided) => decided,
+                Err(outcome) => return outcome,
             }
-            if !ctx.settings.decide_only {
-                // The customer's approval of exactly these manifests, if asked for; the
-                // readiness deadline is taken after it.
-                let names: Vec<String> = self
-                    .objects
-                    .iter()
-                    .map(|(o, _)| match &o.namespace {
-                        Some(ns) => format!("{}/{ns}/{}", o.kind, o.name),
-                        None => format!("{}/{}", o.kind, o.name),
-                    })
-                    .collect();
-                let summary =
-                    serde_json::json!({"counts": {"apply": names.len()}, "addresses": {"apply": names}});
-                if let Err(outcome) = crate::policy_gate::approve_apply(
-                    ctx,
-                    "kubernetes",
-                    &d.input_digest,
-                    &summary,
-                    &d,
-                    &decided,
-                )
-                .await
-                {
-                    return outcome;
-                }
-            }
-        }
+        } else {
+            serde_json::Value::Null
+        };
         if ctx.settings.decide_only {
             let _ =
                 ctx.output.write(b"[kubernetes] stopping after the decision: nothing sent to the cluster\n");
