@@ -541,16 +541,8 @@ impl Terraform {
         }
         if self.spec.mode == Mode::Plan {
             let saved = self.saved_plan(&run.ctx.settings.tools.plans_dir, &plan_digest);
-            // The result names this digest: the file and its directory entry are on
-            // disk before the job reports success.
-            let dir = saved.parent().map(Path::to_path_buf).unwrap_or_default();
-            let keep = std::fs::create_dir_all(&dir)
-                .and_then(|_| std::fs::copy(&plan_path, &saved).map(|_| ()))
-                .and_then(|_| std::fs::File::open(&saved)?.sync_all())
-                .and_then(|_| std::fs::File::open(&dir)?.sync_all());
-            if let Err(e) = keep {
-                return Err(ExecOutcome::failed(format!("saving the plan: {e}")));
-            }
+            keep_plan(&plan_path, &saved)
+                .map_err(|e| ExecOutcome::failed(format!("saving the plan: {e}")))?;
             return Ok(ExecOutcome {
                 status: JobStatus::Succeeded,
                 exit_code: Some(0),
@@ -566,20 +558,32 @@ impl Terraform {
         // Exactly the plan the policies saw, or nothing.
         still_the_plan(run.ctx, &plan_path, &plan_digest, &base)?;
         crate::open_full_session(run.ctx, &plan_digest)?;
-        // The outputs, without another terraform run where they can be had otherwise
-        // (a run is ~30 ms of a fast module): none declared, none to read; with local
-        // state, the state file holds them in `output -json`'s own shape.
-        let declares_outputs = gated::declares_outputs(&plan_value);
+        self.apply_sealed(run, module, &sealed, &plan_value, state_beside_module, base).await
+    }
+
+    /// Apply the sealed plan and read its outputs, without another terraform run where
+    /// they can be had otherwise (a run is ~30 ms of a fast module): none declared, none
+    /// to read; with local state, the state file holds them in `output -json`'s shape.
+    async fn apply_sealed(
+        &self,
+        run: &mut Run<'_, '_>,
+        module: &Path,
+        sealed: &SealedDir,
+        plan_value: &serde_json::Value,
+        state_beside_module: bool,
+        base: serde_json::Value,
+    ) -> Step<ExecOutcome> {
+        let declares_outputs = gated::declares_outputs(plan_value);
         let apply =
             ("apply", format!("apply -input=false -no-color -auto-approve {}", sealed.inside(PLAN_FILE)));
         let with_output_json = declares_outputs && !state_beside_module;
         if with_output_json {
             // apply and output in one sandbox.
             let output = ("output -json", format!("output -json > {OUTPUTS_JSON}"));
-            run.staged("apply, output -json", run.tf_script(&[apply, output], &[]), vec![], Some(&sealed))
+            run.staged("apply, output -json", run.tf_script(&[apply, output], &[]), vec![], Some(sealed))
                 .await?;
         } else {
-            run.staged("apply", run.tf_script(&[apply], &[]), vec![], Some(&sealed)).await?;
+            run.staged("apply", run.tf_script(&[apply], &[]), vec![], Some(sealed)).await?;
         }
         let raw = read_outputs(module, declares_outputs, with_output_json)?;
         let outputs = crate::outputs::from_terraform(&raw)
@@ -649,6 +653,16 @@ impl Executor for Terraform {
             spec
         })
     }
+}
+
+/// Keep a plan by its digest: the result names it, so the file and its directory entry
+/// are on disk before the job reports success.
+fn keep_plan(plan: &Path, saved: &Path) -> std::io::Result<()> {
+    let dir = saved.parent().map(Path::to_path_buf).unwrap_or_default();
+    std::fs::create_dir_all(&dir)?;
+    std::fs::copy(plan, saved)?;
+    std::fs::File::open(saved)?.sync_all()?;
+    std::fs::File::open(&dir)?.sync_all()
 }
 
 #[cfg(test)]
