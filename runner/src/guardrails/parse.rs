@@ -104,65 +104,76 @@ pub fn parse(mut table: toml::Table, problems: &mut Vec<String>) -> Guardrails {
     .enumerate()
     {
         let at = format!("guardrails.approval_rule[{i}] ({:?})", raw.name);
-        let before = problems.len();
-        check_scope(&raw.scope, &at, problems);
-        let expires_secs = match raw.expires.as_deref().map(crate::clock::parse_duration) {
-            None => APPROVAL_EXPIRES_SECS,
-            Some(Ok(secs)) => secs,
-            Some(Err(e)) => {
-                problems.push(format!("{at}: expires {e}"));
-                APPROVAL_EXPIRES_SECS
-            }
-        };
-        let on = match raw.on.as_deref() {
-            None | Some("job") => ApprovalPoint::Job,
-            Some("plan") => ApprovalPoint::Plan,
-            Some(o) => {
-                problems.push(format!("{at}: on = {o:?}: expected \"job\" or \"plan\""));
-                ApprovalPoint::Job
-            }
-        };
-        let when_warn = match raw.when.as_deref() {
-            None | Some("always") => false,
-            Some("warn") => true,
-            Some(w) => {
-                problems.push(format!("{at}: when = {w:?}: expected \"always\" or \"warn\""));
-                false
-            }
-        };
-        if on == ApprovalPoint::Job && (when_warn || !raw.policies.is_empty()) {
-            problems.push(format!(
-                "{at}: when and policies need on = \"plan\" (a job is approved before any plan exists)"
-            ));
-        }
-        if on == ApprovalPoint::Plan
-            && raw.scope.kinds.iter().any(|k| !["terraform", "helm", "kubernetes"].contains(&k.as_str()))
-        {
-            problems.push(format!(
-                "{at}: on = \"plan\" applies to what policy decides: terraform, helm and kubernetes jobs (kinds)"
-            ));
-        }
-        if g.approval_rules.iter().any(|o| o.name == raw.name) {
-            problems.push(format!("{at}: an approval rule named {:?} is already defined", raw.name));
-        }
-        for other in g.approval_rules.iter().filter(|o| o.on == on && o.scope.overlaps(&raw.scope)) {
-            problems.push(format!(
-                "{at}: overlaps approval rule {:?}: a job could match both (give them disjoint roles, operations, components, kinds or effects)",
-                other.name
-            ));
-        }
-        if problems.len() == before {
-            g.approval_rules.push(ApprovalRule {
-                name: raw.name,
-                scope: raw.scope,
-                expires_secs,
-                on,
-                when_warn,
-                policies: raw.policies,
-            });
+        if let Some(rule) = parse_approval_rule(raw, &at, &g.approval_rules, problems) {
+            g.approval_rules.push(rule);
         }
     }
     g
+}
+
+/// One `[[guardrails.approval_rule]]`: when it asks (before the job, or on its plan and
+/// which warnings), how long an approval waits, not overlapping `existing` rules.
+fn parse_approval_rule(
+    raw: RawApprovalRule,
+    at: &str,
+    existing: &[ApprovalRule],
+    problems: &mut Vec<String>,
+) -> Option<ApprovalRule> {
+    let before = problems.len();
+    check_scope(&raw.scope, at, problems);
+    let expires_secs = match raw.expires.as_deref().map(crate::clock::parse_duration) {
+        None => APPROVAL_EXPIRES_SECS,
+        Some(Ok(secs)) => secs,
+        Some(Err(e)) => {
+            problems.push(format!("{at}: expires {e}"));
+            APPROVAL_EXPIRES_SECS
+        }
+    };
+    let on = match raw.on.as_deref() {
+        None | Some("job") => ApprovalPoint::Job,
+        Some("plan") => ApprovalPoint::Plan,
+        Some(o) => {
+            problems.push(format!("{at}: on = {o:?}: expected \"job\" or \"plan\""));
+            ApprovalPoint::Job
+        }
+    };
+    let when_warn = match raw.when.as_deref() {
+        None | Some("always") => false,
+        Some("warn") => true,
+        Some(w) => {
+            problems.push(format!("{at}: when = {w:?}: expected \"always\" or \"warn\""));
+            false
+        }
+    };
+    if on == ApprovalPoint::Job && (when_warn || !raw.policies.is_empty()) {
+        problems.push(format!(
+            "{at}: when and policies need on = \"plan\" (a job is approved before any plan exists)"
+        ));
+    }
+    if on == ApprovalPoint::Plan
+        && raw.scope.kinds.iter().any(|k| !["terraform", "helm", "kubernetes"].contains(&k.as_str()))
+    {
+        problems.push(format!(
+            "{at}: on = \"plan\" applies to what policy decides: terraform, helm and kubernetes jobs (kinds)"
+        ));
+    }
+    if existing.iter().any(|o| o.name == raw.name) {
+        problems.push(format!("{at}: an approval rule named {:?} is already defined", raw.name));
+    }
+    for other in existing.iter().filter(|o| o.on == on && o.scope.overlaps(&raw.scope)) {
+        problems.push(format!(
+            "{at}: overlaps approval rule {:?}: a job could match both (give them disjoint roles, operations, components, kinds or effects)",
+            other.name
+        ));
+    }
+    (problems.len() == before).then_some(ApprovalRule {
+        name: raw.name,
+        scope: raw.scope,
+        expires_secs,
+        on,
+        when_warn,
+        policies: raw.policies,
+    })
 }
 
 /// Operations and kinds must be ones the runner knows; no value twice.
