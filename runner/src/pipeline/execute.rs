@@ -46,7 +46,7 @@ pub async fn not_run(rt: &Rt, job: NotAssumed) -> Result<RanJob, RecordError> {
 /// `refused`: the executor is not called and the job fails with this error.
 async fn run(
     rt: &Rt,
-    job: ClearedJob,
+    mut job: ClearedJob,
     session: Session,
     refused: Option<String>,
 ) -> Result<RanJob, RecordError> {
@@ -66,87 +66,95 @@ async fn run(
     })?;
     tracing::info!("Job started.");
 
-    let outcome;
-    let log: SpoolDigest;
-    match prepare(rt, &job_id, &work_dir) {
-        Err(error) => {
-            outcome = ExecOutcome::failed(error.to_string());
-            log = spool_as_found(rt, &job_id);
-        }
-        Ok(mut spool) => {
-            for note in [&session.log_note, &job.policy.note].into_iter().flatten() {
-                let _ = byoc_job_executors::OutputSink::write(&mut spool, note.as_bytes());
-            }
-            let cancel = rt.abort.child_token();
-            let done = CancellationToken::new();
-            let holding = super::plan_approval::Holding::default();
-            let companion = tokio::spawn(heartbeat_and_upload(
-                rt.clone(),
-                job.verified.origin,
-                job_id.clone(),
-                cancel.clone(),
-                done.clone(),
-                holding.clone(),
-            ));
-            let apply_approval = super::plan_approval::PlanApprover::for_job(rt, &job.verified, holding);
-            let window_closed = CancellationToken::new();
-            if let Some(close) = &job.window_close {
-                tokio::spawn(cancel_at_window_close(
-                    rt.clone(),
-                    close.at,
-                    cancel.clone(),
-                    window_closed.clone(),
-                    done.clone(),
-                ));
-            }
-            let secrets = secret_settings(rt, &job);
-            let ctx = ExecContext::builder(job_id.clone(), work_dir.clone())
-                .timeout(job.verified.timeout, rt.config.jobs.kill_grace)
-                .cancel(cancel)
-                .isolation(rt.sandbox.clone(), rt.containers.clone())
-                .credentials(session.credentials)
-                .oci(oci_settings(rt))
-                .cluster_reach(rt.config.kubernetes.reach())
-                .tools(tool_settings(rt))
-                .policy(job.policy.scope)
-                .secrets(secrets)
-                .apply_approval(apply_approval)
-                .audit(Arc::new(ExecutorAudit {
-                    rt: rt.clone(),
-                    job_id: job_id.clone(),
-                    kind: job.verified.payload.kind.clone(),
-                    operation: job.verified.payload.operation.clone(),
-                    role: job.role.as_ref().map(|r| r.derived.role.name.clone()),
-                }))
-                .build(&mut spool);
-            let mut ran = match refused {
-                Some(why) => ExecOutcome::failed(why),
-                None => byoc_job_executors::run_masked(job.verified.executor.as_ref(), ctx).await,
-            };
-            if let Some(close) = job.window_close.as_ref().filter(|_| window_closed.is_cancelled())
-                && ran.status == byoc_protocol::JobStatus::Cancelled
-            {
-                ran.error = Some(closed_by_window(close));
-            }
-            outcome = ran;
-            drop(session.keep_alive);
-            done.cancel();
-            let _ = companion.await;
-            log = match spool.finish() {
-                Ok(d) => d,
-                Err(e) => {
-                    tracing::error!(error = %e, "Finishing the job log failed: {e}.");
-                    spool_as_found(rt, &job_id)
-                }
-            };
-        }
-    }
+    let (outcome, log) = match prepare(rt, &job_id, &work_dir) {
+        Err(error) => (ExecOutcome::failed(error.to_string()), spool_as_found(rt, &job_id)),
+        Ok(spool) => run_spooled(rt, &mut job, session, refused, &work_dir, spool).await,
+    };
     if let Err(e) = std::fs::remove_dir_all(&work_dir)
         && e.kind() != std::io::ErrorKind::NotFound
     {
         tracing::warn!(error = %e, path = %work_dir.display(), "Could not remove the job's working directory: {e}.");
     }
     Ok(RanJob { verified: job.verified, started_at_ms, outcome, log })
+}
+
+/// The job's run with its log open: the companion (heartbeats, log uploads, approvals
+/// held), the window's close, the executor with everything it is given, the log
+/// finished.
+async fn run_spooled(
+    rt: &Rt,
+    job: &mut ClearedJob,
+    session: Session,
+    refused: Option<String>,
+    work_dir: &std::path::Path,
+    mut spool: SpoolWriter,
+) -> (ExecOutcome, SpoolDigest) {
+    let job_id = job.verified.payload.job_id.clone();
+    for note in [&session.log_note, &job.policy.note].into_iter().flatten() {
+        let _ = byoc_job_executors::OutputSink::write(&mut spool, note.as_bytes());
+    }
+    let cancel = rt.abort.child_token();
+    let done = CancellationToken::new();
+    let holding = super::plan_approval::Holding::default();
+    let companion = tokio::spawn(heartbeat_and_upload(
+        rt.clone(),
+        job.verified.origin,
+        job_id.clone(),
+        cancel.clone(),
+        done.clone(),
+        holding.clone(),
+    ));
+    let apply_approval = super::plan_approval::PlanApprover::for_job(rt, &job.verified, holding);
+    let window_closed = CancellationToken::new();
+    if let Some(close) = &job.window_close {
+        tokio::spawn(cancel_at_window_close(
+            rt.clone(),
+            close.at,
+            cancel.clone(),
+            window_closed.clone(),
+            done.clone(),
+        ));
+    }
+    let secrets = secret_settings(rt, job);
+    let ctx = ExecContext::builder(job_id.clone(), work_dir.to_path_buf())
+        .timeout(job.verified.timeout, rt.config.jobs.kill_grace)
+        .cancel(cancel)
+        .isolation(rt.sandbox.clone(), rt.containers.clone())
+        .credentials(session.credentials)
+        .oci(oci_settings(rt))
+        .cluster_reach(rt.config.kubernetes.reach())
+        .tools(tool_settings(rt))
+        .policy(job.policy.scope.take())
+        .secrets(secrets)
+        .apply_approval(apply_approval)
+        .audit(Arc::new(ExecutorAudit {
+            rt: rt.clone(),
+            job_id: job_id.clone(),
+            kind: job.verified.payload.kind.clone(),
+            operation: job.verified.payload.operation.clone(),
+            role: job.role.as_ref().map(|r| r.derived.role.name.clone()),
+        }))
+        .build(&mut spool);
+    let mut ran = match refused {
+        Some(why) => ExecOutcome::failed(why),
+        None => byoc_job_executors::run_masked(job.verified.executor.as_ref(), ctx).await,
+    };
+    if let Some(close) = job.window_close.as_ref().filter(|_| window_closed.is_cancelled())
+        && ran.status == byoc_protocol::JobStatus::Cancelled
+    {
+        ran.error = Some(closed_by_window(close));
+    }
+    drop(session.keep_alive);
+    done.cancel();
+    let _ = companion.await;
+    let log = match spool.finish() {
+        Ok(d) => d,
+        Err(e) => {
+            tracing::error!(error = %e, "Finishing the job log failed: {e}.");
+            spool_as_found(rt, &job_id)
+        }
+    };
+    (ran, log)
 }
 
 /// What the job reads the customer's secrets with: the app config's declarations (as
