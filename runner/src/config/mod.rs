@@ -128,26 +128,8 @@ impl Config {
         let artifacts = ArtifactsConfig::parse(artifacts_t, &mut problems);
         let guardrails = crate::guardrails::parse(guardrails_t, &mut problems);
         let drift = DriftConfig::parse(drift_t, &mut problems);
-        let disk = {
-            let mut f = fields::Fields::new("disk", disk_t, &mut problems);
-            let settings = crate::disk::DiskSettings {
-                min_free_bytes: f.ranged("min_free_mib", 2048, 0..=1024 * 1024) << 20,
-                min_free_percent: f.ranged("min_free_percent", 5, 0..=90),
-                reserve_bytes: f.ranged("reserve_mib", 32, 0..=4096) << 20,
-            };
-            f.finish();
-            settings
-        };
-        let metrics_textfile = {
-            let mut f = fields::Fields::new("metrics", metrics_t, &mut problems);
-            let path = f.get::<String>("textfile").map(PathBuf::from);
-            if let Some(p) = &path {
-                f.require_absolute("textfile", p);
-            }
-            f.finish();
-            path
-        };
-
+        let disk = parse_disk(disk_t, &mut problems);
+        let metrics_textfile = parse_metrics(metrics_t, &mut problems);
         // Across sections.
         if terraform.state.bucket.is_some() && terraform.state.region.is_none() && aws.region.is_none() {
             problems.push("terraform.state.region: required (or aws.region) with a state bucket".into());
@@ -183,6 +165,29 @@ impl Config {
             digest,
         })
     }
+}
+
+/// `[disk]`: the free space under which new jobs are refused, and the reserve.
+fn parse_disk(table: toml::Table, problems: &mut Vec<String>) -> crate::disk::DiskSettings {
+    let mut f = fields::Fields::new("disk", table, problems);
+    let settings = crate::disk::DiskSettings {
+        min_free_bytes: f.ranged("min_free_mib", 2048, 0..=1024 * 1024) << 20,
+        min_free_percent: f.ranged("min_free_percent", 5, 0..=90),
+        reserve_bytes: f.ranged("reserve_mib", 32, 0..=4096) << 20,
+    };
+    f.finish();
+    settings
+}
+
+/// `[metrics]`: the node exporter's textfile, if any.
+fn parse_metrics(table: toml::Table, problems: &mut Vec<String>) -> Option<PathBuf> {
+    let mut f = fields::Fields::new("metrics", table, problems);
+    let path = f.get::<String>("textfile").map(PathBuf::from);
+    if let Some(p) = &path {
+        f.require_absolute("textfile", p);
+    }
+    f.finish();
+    path
 }
 
 #[cfg(test)]
