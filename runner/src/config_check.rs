@@ -583,6 +583,45 @@ fn journald() -> Check {
 }
 
 async fn sandbox(config: Option<&Config>) -> Vec<Check> {
+    let mut out = kernel_features(config);
+    let Some(c) = config else {
+        out.push(check("sandbox", Status::Skip, "needs a valid configuration", None));
+        return out;
+    };
+    if !c.sandbox.enabled {
+        out.push(check(
+            "sandbox",
+            Status::Warn,
+            "disabled by [sandbox] enabled = false: jobs run with the runner's privileges",
+            Some("set [sandbox] enabled = true"),
+        ));
+        return out;
+    }
+    let helper = std::env::current_exe().unwrap_or_else(|_| PathBuf::from("/usr/bin/byoc-runner"));
+    let scratch = match tempfile::tempdir() {
+        Ok(d) => d,
+        Err(e) => {
+            out.push(check("sandbox", Status::Fail, format!("temp dir: {e}"), None));
+            return out;
+        }
+    };
+    let Some(mut settings) = crate::runtime::sandbox_settings(c, helper) else {
+        return out;
+    };
+    settings.roots_dir = scratch.path().join("roots");
+    out.push(match byoc_job_executors::sandboxed::self_test(&settings, scratch.path()).await {
+        Ok(()) => check("sandbox", Status::Ok, "a test job ran in a full sandbox (namespaces, new root, seccomp, no capabilities)", None),
+        Err(e) => check("sandbox", Status::Fail, e.to_string(), Some("the daemon refuses to start without it: check the unit allows namespaces, or see docs/THREAT_MODEL.md")),
+    });
+    out.extend(network_boundary(&settings, scratch.path()).await);
+    if c.containers.enabled {
+        out.extend(containers(c).await);
+    }
+    out
+}
+
+/// What the kernel gives the sandbox: user namespaces, cgroups, seccomp, Landlock.
+fn kernel_features(config: Option<&Config>) -> Vec<Check> {
     let mut out = Vec::new();
     let userns = std::fs::read_to_string("/proc/sys/user/max_user_namespaces")
         .ok()
@@ -636,59 +675,38 @@ async fn sandbox(config: Option<&Config>) -> Vec<Check> {
             Some("boot with lsm=landlock,... (kernel 5.13+)"),
         )
     });
-    let Some(c) = config else {
-        out.push(check("sandbox", Status::Skip, "needs a valid configuration", None));
-        return out;
-    };
-    if !c.sandbox.enabled {
-        out.push(check(
-            "sandbox",
+    out
+}
+
+/// Container actions: the Docker Engine, and the static busybox their output relay,
+/// network boundary and role sessions need.
+async fn containers(c: &Config) -> Vec<Check> {
+    let sock = &c.containers.docker_socket;
+    let mut out = vec![match tokio::net::UnixStream::connect(sock).await {
+        Ok(_) => check("docker", Status::Ok, format!("{} reachable", sock.display()), None),
+        Err(e) => check(
+            "docker",
             Status::Warn,
-            "disabled by [sandbox] enabled = false: jobs run with the runner's privileges",
-            Some("set [sandbox] enabled = true"),
-        ));
-        return out;
-    }
-    let helper = std::env::current_exe().unwrap_or_else(|_| PathBuf::from("/usr/bin/byoc-runner"));
-    let scratch = match tempfile::tempdir() {
-        Ok(d) => d,
-        Err(e) => {
-            out.push(check("sandbox", Status::Fail, format!("temp dir: {e}"), None));
-            return out;
-        }
-    };
-    let Some(mut settings) = crate::runtime::sandbox_settings(c, helper) else {
-        return out;
-    };
-    settings.roots_dir = scratch.path().join("roots");
-    out.push(match byoc_job_executors::sandboxed::self_test(&settings, scratch.path()).await {
-        Ok(()) => check("sandbox", Status::Ok, "a test job ran in a full sandbox (namespaces, new root, seccomp, no capabilities)", None),
-        Err(e) => check("sandbox", Status::Fail, e.to_string(), Some("the daemon refuses to start without it: check the unit allows namespaces, or see docs/THREAT_MODEL.md")),
+            format!("{}: {e}: container actions will fail", sock.display()),
+            Some("start Docker and add byoc-runner to the docker group, or set [containers] enabled = false"),
+        ),
+    }];
+    let busybox = &c.roles.busybox;
+    out.push(if crate::roles::creds::is_static_elf(busybox) {
+        check(
+            "container_busybox",
+            Status::Ok,
+            format!("static {}: containers' output is relayed, their network boundary set up and their role sessions renewed through credential_process", busybox.display()),
+            None,
+        )
+    } else {
+        check(
+            "container_busybox",
+            Status::Fail,
+            format!("{} is missing or not statically linked: container jobs are refused (container_output_unavailable: it relays their output; networked ones sandbox_network_unavailable: it sets up their network boundary)", busybox.display()),
+            Some("apt-get install busybox-static, or point [roles] busybox at a static busybox"),
+        )
     });
-    out.extend(network_boundary(&settings, scratch.path()).await);
-    if c.containers.enabled {
-        let sock = &c.containers.docker_socket;
-        out.push(match tokio::net::UnixStream::connect(sock).await {
-            Ok(_) => check("docker", Status::Ok, format!("{} reachable", sock.display()), None),
-            Err(e) => check("docker", Status::Warn, format!("{}: {e}: container actions will fail", sock.display()), Some("start Docker and add byoc-runner to the docker group, or set [containers] enabled = false")),
-        });
-        let busybox = &c.roles.busybox;
-        out.push(if crate::roles::creds::is_static_elf(busybox) {
-            check(
-                "container_busybox",
-                Status::Ok,
-                format!("static {}: containers' output is relayed, their network boundary set up and their role sessions renewed through credential_process", busybox.display()),
-                None,
-            )
-        } else {
-            check(
-                "container_busybox",
-                Status::Fail,
-                format!("{} is missing or not statically linked: container jobs are refused (container_output_unavailable: it relays their output; networked ones sandbox_network_unavailable: it sets up their network boundary)", busybox.display()),
-                Some("apt-get install busybox-static, or point [roles] busybox at a static busybox"),
-            )
-        });
-    }
     out
 }
 
