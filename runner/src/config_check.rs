@@ -199,6 +199,33 @@ fn proxy_for(url: &reqwest::Url) -> Option<reqwest::Url> {
     if bypass { None } else { reqwest::Url::parse(&proxy).ok() }
 }
 
+/// The control plane's (or the proxy's) first address, or the failed `dns` check.
+async fn resolve(host: &str, port: u16) -> Result<SocketAddr, Check> {
+    let addrs: Vec<SocketAddr> =
+        match tokio::time::timeout(NET_TIMEOUT, tokio::net::lookup_host((host, port))).await {
+            Ok(Ok(a)) => a.collect(),
+            Ok(Err(e)) => {
+                return Err(check(
+                    "dns",
+                    Status::Fail,
+                    format!("{host}: {e}"),
+                    Some("check the VPC's DNS resolver and the control-plane URL (or the proxy's host)"),
+                ));
+            }
+            Err(_) => {
+                return Err(check(
+                    "dns",
+                    Status::Fail,
+                    format!("{host}: no answer in 5 s"),
+                    Some("check the VPC's DNS resolver"),
+                ));
+            }
+        };
+    addrs.first().copied().ok_or_else(|| {
+        check("dns", Status::Fail, format!("{host}: no addresses"), Some("check the control-plane URL"))
+    })
+}
+
 async fn control_plane(c: &Config) -> Vec<Check> {
     let url = &c.control_plane.url;
     let via_proxy = proxy_for(url);
@@ -211,36 +238,12 @@ async fn control_plane(c: &Config) -> Vec<Check> {
         .unwrap_or_default();
     let mut out = Vec::new();
 
-    let addrs: Vec<SocketAddr> =
-        match tokio::time::timeout(NET_TIMEOUT, tokio::net::lookup_host((host.as_str(), port))).await {
-            Ok(Ok(a)) => a.collect(),
-            Ok(Err(e)) => {
-                out.push(check(
-                    "dns",
-                    Status::Fail,
-                    format!("{host}: {e}"),
-                    Some("check the VPC's DNS resolver and the control-plane URL (or the proxy's host)"),
-                ));
-                return skip_rest(out, &["tcp", "tls", "clock"]);
-            }
-            Err(_) => {
-                out.push(check(
-                    "dns",
-                    Status::Fail,
-                    format!("{host}: no answer in 5 s"),
-                    Some("check the VPC's DNS resolver"),
-                ));
-                return skip_rest(out, &["tcp", "tls", "clock"]);
-            }
-        };
-    let Some(first) = addrs.first().copied() else {
-        out.push(check(
-            "dns",
-            Status::Fail,
-            format!("{host}: no addresses"),
-            Some("check the control-plane URL"),
-        ));
-        return skip_rest(out, &["tcp", "tls", "clock"]);
+    let first = match resolve(&host, port).await {
+        Ok(first) => first,
+        Err(failed) => {
+            out.push(failed);
+            return skip_rest(out, &["tcp", "tls", "clock"]);
+        }
     };
     out.push(check("dns", Status::Ok, format!("{host} → {}{through}", first.ip()), None));
 
