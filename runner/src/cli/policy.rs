@@ -116,16 +116,6 @@ fn list(dir: &Path, app_dir: Option<&Path>, output: Output) -> i32 {
             "description": crate::policy::description(p),
         })
     };
-    let vendor_entry = |d: &crate::app_policies::Declared| {
-        let p = d.policy();
-        let applied = d.kind == crate::app_policies::PolicyType::KubernetesCluster;
-        serde_json::json!({
-            "name": p.name, "origin": "vendor", "type": d.kind.as_str(), "components": d.components_str(),
-            "engine": if d.engine == crate::app_policies::Engine::Opa { "opa" } else { "kyverno" },
-            "convention": if applied { "kyverno".to_string() } else { crate::app_policies::convention_of(&p) },
-            "enforcement": if applied { "applied to the cluster" } else { "mandatory" }, "digest": p.digest(),
-        })
-    };
     match output {
         Output::Json => {
             let v = serde_json::json!({
@@ -135,64 +125,78 @@ fn list(dir: &Path, app_dir: Option<&Path>, output: Output) -> i32 {
             });
             println!("{v}");
         }
-        Output::Text => {
-            if !declared.is_empty() {
-                println!(
-                    "{:<40} {:<8} {:<20} {:<20} {:<12} LEVEL",
-                    "VENDOR POLICY", "ORIGIN", "TYPE", "COMPONENTS", "CONVENTION"
-                );
-                for d in &declared {
-                    let e = vendor_entry(d);
-                    println!(
-                        "{:<40} {:<8} {:<20} {:<20} {:<12} {}",
-                        d.policy().name,
-                        "vendor",
-                        d.kind.as_str(),
-                        d.components_str(),
-                        e["convention"].as_str().unwrap_or(""),
-                        e["enforcement"].as_str().unwrap_or("")
-                    );
-                }
-                println!();
-            }
-            println!("{:<36} {:<9} {:<10} DESCRIPTION", "POLICY", "ORIGIN", "LEVEL");
-            let level = |e: byoc_policy::Enforcement| match e {
-                byoc_policy::Enforcement::Mandatory => "mandatory",
-                byoc_policy::Enforcement::Advisory => "advisory",
-            };
-            for p in &c.builtin {
-                println!(
-                    "{:<36} {:<9} {:<10} {}",
-                    p.name,
-                    "builtin",
-                    level(p.enforcement),
-                    crate::policy::description(p)
-                );
-            }
-            for id in &c.off {
-                println!(
-                    "{:<36} {:<9} {:<10} switched off in {}",
-                    format!("builtin/{id}"),
-                    "builtin",
-                    "off",
-                    crate::policy::SETTINGS_FILE
-                );
-            }
-            for p in &c.own {
-                println!(
-                    "{:<36} {:<9} {:<10} {} ({})",
-                    p.name,
-                    "customer",
-                    level(p.enforcement),
-                    crate::app_policies::convention_of(p),
-                    p.digest()
-                );
-            }
-            println!("\nparameters (data.byoc.params): {}", c.params);
-            println!("vendor policies arrive with each job, in the signed app config");
-        }
+        Output::Text => print_list(&c, &declared),
     }
     0
+}
+
+/// A vendor policy of the app config, as listed.
+fn vendor_entry(d: &crate::app_policies::Declared) -> serde_json::Value {
+    let p = d.policy();
+    let applied = d.kind == crate::app_policies::PolicyType::KubernetesCluster;
+    serde_json::json!({
+        "name": p.name, "origin": "vendor", "type": d.kind.as_str(), "components": d.components_str(),
+        "engine": if d.engine == crate::app_policies::Engine::Opa { "opa" } else { "kyverno" },
+        "convention": if applied { "kyverno".to_string() } else { crate::app_policies::convention_of(&p) },
+        "enforcement": if applied { "applied to the cluster" } else { "mandatory" }, "digest": p.digest(),
+    })
+}
+
+fn print_list(c: &crate::policy::CustomerPolicies, declared: &[crate::app_policies::Declared]) {
+    if !declared.is_empty() {
+        println!(
+            "{:<40} {:<8} {:<20} {:<20} {:<12} LEVEL",
+            "VENDOR POLICY", "ORIGIN", "TYPE", "COMPONENTS", "CONVENTION"
+        );
+        for d in declared {
+            let e = vendor_entry(d);
+            println!(
+                "{:<40} {:<8} {:<20} {:<20} {:<12} {}",
+                d.policy().name,
+                "vendor",
+                d.kind.as_str(),
+                d.components_str(),
+                e["convention"].as_str().unwrap_or(""),
+                e["enforcement"].as_str().unwrap_or("")
+            );
+        }
+        println!();
+    }
+    println!("{:<36} {:<9} {:<10} DESCRIPTION", "POLICY", "ORIGIN", "LEVEL");
+    let level = |e: byoc_policy::Enforcement| match e {
+        byoc_policy::Enforcement::Mandatory => "mandatory",
+        byoc_policy::Enforcement::Advisory => "advisory",
+    };
+    for p in &c.builtin {
+        println!(
+            "{:<36} {:<9} {:<10} {}",
+            p.name,
+            "builtin",
+            level(p.enforcement),
+            crate::policy::description(p)
+        );
+    }
+    for id in &c.off {
+        println!(
+            "{:<36} {:<9} {:<10} switched off in {}",
+            format!("builtin/{id}"),
+            "builtin",
+            "off",
+            crate::policy::SETTINGS_FILE
+        );
+    }
+    for p in &c.own {
+        println!(
+            "{:<36} {:<9} {:<10} {} ({})",
+            p.name,
+            "customer",
+            level(p.enforcement),
+            crate::app_policies::convention_of(p),
+            p.digest()
+        );
+    }
+    println!("\nparameters (data.byoc.params): {}", c.params);
+    println!("vendor policies arrive with each job, in the signed app config");
 }
 
 fn test(t: TestArgs) -> i32 {
