@@ -26,6 +26,13 @@ pub(super) fn status(s: &StateArgs) -> anyhow::Result<i32> {
         print_json(&v)?;
         return Ok(code);
     }
+    print_identity(&st, &contact);
+    print_work(&st, &crate::drift::list(&dir), &disk);
+    Ok(code)
+}
+
+/// Who the runner is and when it last heard from the control plane.
+fn print_identity(st: &inspect::Status, contact: &crate::contact::Contact) {
     let or_dash = |o: &Option<String>| o.clone().unwrap_or_else(|| "-".into());
     println!("version:        {}", env!("CARGO_PKG_VERSION"));
     println!("state dir:      {}", st.state_dir);
@@ -52,6 +59,10 @@ pub(super) fn status(s: &StateArgs) -> anyhow::Result<i32> {
             _ => "none acknowledged yet".into(),
         }
     );
+}
+
+/// Its jobs, drift, pause, disk and refusals.
+fn print_work(st: &inspect::Status, drift: &[crate::drift::DriftRecord], disk: &crate::disk::DiskCheck) {
     let counts: Vec<String> = st.jobs_by_status.iter().map(|(k, v)| format!("{k} {v}")).collect();
     println!(
         "jobs:           {} ({})",
@@ -62,8 +73,8 @@ pub(super) fn status(s: &StateArgs) -> anyhow::Result<i32> {
         "running:        {}",
         if st.jobs_running.is_empty() { "-".into() } else { st.jobs_running.join(", ") }
     );
-    let drift: Vec<String> = crate::drift::list(&state_dir(s))
-        .into_iter()
+    let drift: Vec<String> = drift
+        .iter()
         .filter(|r| r.verdict != "clean")
         .map(|r| match r.kind.as_str() {
             "terraform" => format!("{} {}", r.workspace, r.verdict),
@@ -111,7 +122,6 @@ pub(super) fn status(s: &StateArgs) -> anyhow::Result<i32> {
         }
         None => println!("rejections:     0"),
     }
-    Ok(code)
 }
 
 pub(super) fn metrics(s: &StateArgs) -> anyhow::Result<()> {
