@@ -83,25 +83,8 @@ fn helper() -> Result<i32, SetupError> {
         NetworkSpec::UserMode(net) => Some(net.clone()),
         _ => None,
     };
-    let wants_handover = user_mode.as_ref().is_some_and(|n| n.handover);
-    let gated = spec.then.iter().any(|s| s.gate);
-    let keep_up_to = if gated {
-        GATE_FD
-    } else if wants_handover {
-        HANDOVER_FD
-    } else {
-        HANDOVER_FD - 1
-    };
-    sys::close_fds_from(keep_up_to as u32 + 1).step("closing inherited descriptors")?;
-    if gated && !wants_handover {
-        sys::close_raw(HANDOVER_FD);
-    }
-    let gate = if gated { Some(sys::take_handover_fd(GATE_FD).step("the gate channel")?) } else { None };
-    let mut channel = if wants_handover {
-        Some(sys::take_handover_fd(HANDOVER_FD).step("the hand-over channel")?)
-    } else {
-        None
-    };
+    let (gate, mut channel) =
+        keep_only_channels(spec.then.iter().any(|s| s.gate), user_mode.as_ref().is_some_and(|n| n.handover))?;
     // 4. Every process of the job is counted and limited. On cgroup v2 init and the
     //    network stack are born in the job's cgroup (6, 7b) and the helper stays out;
     //    otherwise the helper joins first and they follow.
@@ -120,22 +103,11 @@ fn helper() -> Result<i32, SetupError> {
     };
     // 5. Signals are handled synchronously (sigwait) by helper and init; block them
     //    before the clone so none is lost in between. The job unblocks them.
-    let mut mask = SigSet::empty();
-    for s in RELAYED.iter().chain([&Signal::SIGCHLD]) {
-        mask.add(*s);
-    }
-    sigprocmask(SigmaskHow::SIG_BLOCK, Some(&mask), None).step("blocking signals")?;
+    let mask = block_signals()?;
     // 6. New namespaces. init waits on the pipe until its id maps exist.
     //    Close-on-exec: the network stack the helper starts must not hold init's pipe.
     let (ready_r, ready_w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).step("pipe")?;
-    let mut flags = CloneFlags::CLONE_NEWUSER
-        | CloneFlags::CLONE_NEWNS
-        | CloneFlags::CLONE_NEWPID
-        | CloneFlags::CLONE_NEWIPC
-        | CloneFlags::CLONE_NEWUTS;
-    if !matches!(spec.network, NetworkSpec::SharedWithHost) {
-        flags |= CloneFlags::CLONE_NEWNET;
-    }
+    let flags = namespaces(&spec.network);
     let root_mode = nix::unistd::geteuid().is_root();
     let write_end = ready_w.as_raw_fd();
     let mut run_init = || {
@@ -185,16 +157,7 @@ fn helper() -> Result<i32, SetupError> {
     //     there with the helper that joined.
     let stack_cgroup = born_in.as_ref().filter(|_| born).map(|fd| fd.as_fd());
     let _stack = match &user_mode {
-        Some(net) => match start_user_mode_stack(child, net, stack_cgroup) {
-            Ok(stack) => {
-                nix::unistd::write(&ready_w, b"2").step("releasing the sandbox init")?;
-                Some(stack)
-            }
-            Err(e) => {
-                let _ = kill(child, Signal::SIGKILL);
-                return Err(SetupError::Network(Box::new(e)));
-            }
-        },
+        Some(net) => Some(network_up(child, net, stack_cgroup, &ready_w)?),
         None => None,
     };
     drop(ready_w);
@@ -202,6 +165,77 @@ fn helper() -> Result<i32, SetupError> {
     supervise(child, &mask, |sig| {
         let _ = kill(child, sig);
     })
+}
+
+/// The job's new namespaces: user, mount, pid, IPC, UTS, and network unless it shares
+/// the host's (never asked for by the runner: the benchmark of what the boundary costs).
+fn namespaces(network: &NetworkSpec) -> CloneFlags {
+    let mut flags = CloneFlags::CLONE_NEWUSER
+        | CloneFlags::CLONE_NEWNS
+        | CloneFlags::CLONE_NEWPID
+        | CloneFlags::CLONE_NEWIPC
+        | CloneFlags::CLONE_NEWUTS;
+    if !matches!(network, NetworkSpec::SharedWithHost) {
+        flags |= CloneFlags::CLONE_NEWNET;
+    }
+    flags
+}
+
+/// Close every descriptor the runner left open but the channels this sandbox uses:
+/// the gate (a gated stage) and the hand-over (the runner's services in the job's
+/// namespace), returned.
+fn keep_only_channels(
+    gated: bool,
+    wants_handover: bool,
+) -> Result<(Option<OwnedFd>, Option<OwnedFd>), SetupError> {
+    let keep_up_to = if gated {
+        GATE_FD
+    } else if wants_handover {
+        HANDOVER_FD
+    } else {
+        HANDOVER_FD - 1
+    };
+    sys::close_fds_from(keep_up_to as u32 + 1).step("closing inherited descriptors")?;
+    if gated && !wants_handover {
+        sys::close_raw(HANDOVER_FD);
+    }
+    let gate = if gated { Some(sys::take_handover_fd(GATE_FD).step("the gate channel")?) } else { None };
+    let channel = if wants_handover {
+        Some(sys::take_handover_fd(HANDOVER_FD).step("the hand-over channel")?)
+    } else {
+        None
+    };
+    Ok((gate, channel))
+}
+
+/// The stop signals and SIGCHLD, blocked: the helper and init take them with sigwait.
+fn block_signals() -> Result<SigSet, SetupError> {
+    let mut mask = SigSet::empty();
+    for s in RELAYED.iter().chain([&Signal::SIGCHLD]) {
+        mask.add(*s);
+    }
+    sigprocmask(SigmaskHow::SIG_BLOCK, Some(&mask), None).step("blocking signals")?;
+    Ok(mask)
+}
+
+/// The user-mode stack in init's namespaces, then init released; init is killed if the
+/// stack cannot start.
+fn network_up(
+    child: Pid,
+    net: &crate::spec::UserModeNet,
+    cgroup: Option<std::os::fd::BorrowedFd<'_>>,
+    ready: &OwnedFd,
+) -> Result<net::UserModeStack, SetupError> {
+    match start_user_mode_stack(child, net, cgroup) {
+        Ok(stack) => {
+            nix::unistd::write(ready, b"2").step("releasing the sandbox init")?;
+            Ok(stack)
+        }
+        Err(e) => {
+            let _ = kill(child, Signal::SIGKILL);
+            Err(SetupError::Network(Box::new(e)))
+        }
+    }
 }
 
 /// Move this process into each cgroup. On a v1 hierarchy a single-threaded process
