@@ -140,32 +140,7 @@ pub(super) fn build_root(spec: &SandboxSpec) -> Result<(), SetupError> {
     if matches!(spec.network, NetworkSpec::UserMode(_)) {
         override_file(root, Path::new("/etc/resolv.conf"), &crate::net::job_resolv_conf())?;
     }
-    // /dev: a tmpfs with the harmless device nodes bound in.
-    let dev = root.join("dev");
-    std::fs::create_dir_all(&dev).step(format!("creating {}", dev.display()))?;
-    mnt(None, &dev, Some("tmpfs"), MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC, Some("mode=0755,size=64k"))?;
-    for node in ["null", "zero", "full", "random", "urandom"] {
-        let target = dev.join(node);
-        std::fs::write(&target, b"").step(format!("creating {}", target.display()))?;
-        mnt(Some(&Path::new("/dev").join(node)), &target, None, MsFlags::MS_BIND, None)?;
-    }
-    for (link, dest) in [
-        ("fd", "/proc/self/fd"),
-        ("stdin", "/proc/self/fd/0"),
-        ("stdout", "/proc/self/fd/1"),
-        ("stderr", "/proc/self/fd/2"),
-    ] {
-        let _ = std::os::unix::fs::symlink(dest, dev.join(link));
-    }
-    let shm = dev.join("shm");
-    std::fs::create_dir_all(&shm).step(format!("creating {}", shm.display()))?;
-    mnt(
-        None,
-        &shm,
-        Some("tmpfs"),
-        MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
-        Some("mode=1777,size=64m"),
-    )?;
+    mount_dev(&root.join("dev"))?;
     // /proc of the new pid namespace: the runner's processes do not appear in it.
     let proc_dir = root.join("proc");
     std::fs::create_dir_all(&proc_dir).step(format!("creating {}", proc_dir.display()))?;
@@ -207,6 +182,36 @@ pub(super) fn build_root(spec: &SandboxSpec) -> Result<(), SetupError> {
         MsFlags::MS_REMOUNT | MsFlags::MS_RDONLY | MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
         None,
     )
+}
+
+/// /dev: a tmpfs with the harmless device nodes bound in, the usual links and a
+/// private /dev/shm.
+fn mount_dev(dev: &Path) -> Result<(), SetupError> {
+    std::fs::create_dir_all(dev).step(format!("creating {}", dev.display()))?;
+    mnt(None, dev, Some("tmpfs"), MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC, Some("mode=0755,size=64k"))?;
+    for node in ["null", "zero", "full", "random", "urandom"] {
+        let target = dev.join(node);
+        std::fs::write(&target, b"").step(format!("creating {}", target.display()))?;
+        mnt(Some(&Path::new("/dev").join(node)), &target, None, MsFlags::MS_BIND, None)?;
+    }
+    for (link, dest) in [
+        ("fd", "/proc/self/fd"),
+        ("stdin", "/proc/self/fd/0"),
+        ("stdout", "/proc/self/fd/1"),
+        ("stderr", "/proc/self/fd/2"),
+    ] {
+        let _ = std::os::unix::fs::symlink(dest, dev.join(link));
+    }
+    let shm = dev.join("shm");
+    std::fs::create_dir_all(&shm).step(format!("creating {}", shm.display()))?;
+    mnt(
+        None,
+        &shm,
+        Some("tmpfs"),
+        MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
+        Some("mode=1777,size=64m"),
+    )?;
+    Ok(())
 }
 
 /// Make `path` inside the new root read `content`: bind a file of the root's tmpfs
