@@ -113,6 +113,81 @@ pub struct Opened {
     pub cut_bytes: u64,
 }
 
+/// An I/O error of `op` on `path`.
+fn io(op: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> AuditError {
+    let path = path.to_path_buf();
+    move |e| AuditError::Io { op, path, source: e }
+}
+
+/// The keys an offline verifier needs beside the log. Control-plane keys accumulate:
+/// after a key rotation the old cosignatures must still verify.
+fn write_keys(dir: &Path, key: &SigningKey, control_plane_keys: &[String]) -> Result<(), AuditError> {
+    let pub_path = dir.join(RUNNER_PUB);
+    write_durably(&pub_path, &format!("{}\n", base64_key(key))).map_err(io("writing", &pub_path))?;
+    let cp_path = dir.join(CONTROL_PLANE_PUB);
+    let mut cp_keys: Vec<String> = std::fs::read_to_string(&cp_path)
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(str::to_string)
+        .collect();
+    for k in control_plane_keys {
+        if !cp_keys.contains(k) {
+            cp_keys.push(k.clone());
+        }
+    }
+    write_durably(&cp_path, &(cp_keys.join("\n") + "\n")).map_err(io("writing", &cp_path))?;
+    Ok(())
+}
+
+/// The log replayed into its tree (leaves before `acked` forgotten): the length of its
+/// good records; a torn last record is left for the caller to cut, any other bad record
+/// is corruption.
+fn replay(
+    log: &std::fs::File,
+    log_path: &Path,
+    acked: u64,
+) -> Result<(CompactTree, Frontier, u64), AuditError> {
+    let mut tree = CompactTree::default();
+    let mut frontier = Frontier::default();
+    let mut good = 0u64;
+    let mut torn: Option<(u64, String)> = None;
+    let mut reader = BufReader::new(log);
+    let mut buf = Vec::new();
+    loop {
+        buf.clear();
+        let n = reader.read_until(b'\n', &mut buf).map_err(io("reading", log_path))?;
+        if n == 0 {
+            break;
+        }
+        if let Some((line, reason)) = torn.take() {
+            return Err(AuditError::Corrupt { path: log_path.to_path_buf(), line, reason });
+        }
+        let line_no = tree.size() + 1;
+        let complete = buf.ends_with(b"\n");
+        let body = buf.strip_suffix(b"\n").unwrap_or(&buf);
+        match serde_json::from_slice::<Record>(body) {
+            Ok(r) if complete && r.seq == tree.size() => {
+                let h = merkle::leaf_hash(body);
+                tree.push(h);
+                tree.forget_before(acked);
+                frontier.push(h);
+                good += n as u64;
+            }
+            Ok(r) if complete => {
+                return Err(AuditError::Corrupt {
+                    path: log_path.to_path_buf(),
+                    line: line_no,
+                    reason: format!("sequence {} where {} was expected", r.seq, tree.size()),
+                });
+            }
+            Ok(_) => torn = Some((line_no, "last record has no newline".into())),
+            Err(e) => torn = Some((line_no, e.to_string())),
+        }
+    }
+    Ok((tree, frontier, good))
+}
+
 impl AuditWriter {
     /// Open (or create) the log in `dir`, replaying it; a torn tail is cut and the cut
     /// is itself recorded. `control_plane_keys` are written for offline verification.
@@ -123,28 +198,8 @@ impl AuditWriter {
         install: &str,
         control_plane_keys: &[String],
     ) -> Result<(AuditWriter, Opened), AuditError> {
-        let io = |op, path: &Path| {
-            let path = path.to_path_buf();
-            move |e| AuditError::Io { op, path, source: e }
-        };
         std::fs::create_dir_all(dir).map_err(io("creating", dir))?;
-        // Keys an offline verifier needs. Control-plane keys accumulate: after a key
-        // rotation the old cosignatures must still verify.
-        let pub_path = dir.join(RUNNER_PUB);
-        write_durably(&pub_path, &format!("{}\n", base64_key(&key))).map_err(io("writing", &pub_path))?;
-        let cp_path = dir.join(CONTROL_PLANE_PUB);
-        let mut cp_keys: Vec<String> = std::fs::read_to_string(&cp_path)
-            .unwrap_or_default()
-            .lines()
-            .filter(|l| !l.trim().is_empty())
-            .map(str::to_string)
-            .collect();
-        for k in control_plane_keys {
-            if !cp_keys.contains(k) {
-                cp_keys.push(k.clone());
-            }
-        }
-        write_durably(&cp_path, &(cp_keys.join("\n") + "\n")).map_err(io("writing", &cp_path))?;
+        write_keys(dir, &key, control_plane_keys)?;
         let log_path = dir.join(LOG);
         let mut log = OpenOptions::new()
             .read(true)
@@ -152,45 +207,7 @@ impl AuditWriter {
             .create(true)
             .open(&log_path)
             .map_err(io("opening", &log_path))?;
-        let acked = acknowledged_size(dir);
-        let mut tree = CompactTree::default();
-        let mut frontier = Frontier::default();
-        let mut good = 0u64;
-        let mut torn: Option<(u64, String)> = None;
-        let mut reader = BufReader::new(&log);
-        let mut buf = Vec::new();
-        loop {
-            buf.clear();
-            let n = reader.read_until(b'\n', &mut buf).map_err(io("reading", &log_path))?;
-            if n == 0 {
-                break;
-            }
-            if let Some((line, reason)) = torn.take() {
-                return Err(AuditError::Corrupt { path: log_path, line, reason });
-            }
-            let line_no = tree.size() + 1;
-            let complete = buf.ends_with(b"\n");
-            let body = buf.strip_suffix(b"\n").unwrap_or(&buf);
-            match serde_json::from_slice::<Record>(body) {
-                Ok(r) if complete && r.seq == tree.size() => {
-                    let h = merkle::leaf_hash(body);
-                    tree.push(h);
-                    tree.forget_before(acked);
-                    frontier.push(h);
-                    good += n as u64;
-                }
-                Ok(r) if complete => {
-                    return Err(AuditError::Corrupt {
-                        path: log_path,
-                        line: line_no,
-                        reason: format!("sequence {} where {} was expected", r.seq, tree.size()),
-                    });
-                }
-                Ok(_) => torn = Some((line_no, "last record has no newline".into())),
-                Err(e) => torn = Some((line_no, e.to_string())),
-            }
-        }
-        drop(reader);
+        let (tree, frontier, good) = replay(&log, &log_path, acknowledged_size(dir))?;
         let total = log.seek(SeekFrom::End(0)).map_err(io("reading", &log_path))?;
         let cut = total - good;
         if cut > 0 {
