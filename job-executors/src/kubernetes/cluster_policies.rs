@@ -36,7 +36,6 @@ pub(super) async fn sync_cluster_policies(
     policies: &[(String, String)],
     remove: bool,
 ) -> Result<serde_json::Value, (&'static str, String)> {
-    use sha2::Digest as _;
     let inv = cluster_inventory_ref();
     let cms: Api<DynamicObject> = api(client, &inv);
     let existing = cms
@@ -56,34 +55,9 @@ pub(super) async fn sync_cluster_policies(
         .as_ref()
         .and_then(|cm| cm.metadata.annotations.as_ref()?.get(DIGEST_ANNOTATION).cloned())
         .unwrap_or_default();
-    let mut objects: Vec<(ObjRef, serde_json::Value)> = Vec::new();
-    let mut digests = std::collections::BTreeMap::new();
-    let mut all = sha2::Sha256::new();
-    if !remove {
-        for (name, yaml) in policies {
-            let digest = format!("sha256:{}", hex::encode(sha2::Sha256::digest(yaml.as_bytes())));
-            all.update(name.as_bytes());
-            all.update(digest.as_bytes());
-            digests.insert(format!("policy:{name}"), digest);
-            for m in
-                crate::tool::parse_manifests(yaml).map_err(|e| ("invalid_spec", format!("{name}: {e}")))?
-            {
-                let get = |k: &str| m.get(k).and_then(|v| v.as_str()).map(str::to_string);
-                let (Some(api_version), Some(kind), Some(obj_name)) =
-                    (get("apiVersion"), get("kind"), m["metadata"]["name"].as_str().map(str::to_string))
-                else {
-                    return Err((
-                        "invalid_spec",
-                        format!("{name}: every object needs apiVersion, kind and metadata.name"),
-                    ));
-                };
-                let namespace = (!CLUSTER_SCOPED.contains(&kind.as_str()))
-                    .then(|| m["metadata"]["namespace"].as_str().unwrap_or("default").to_string());
-                objects.push((ObjRef { api_version, kind, namespace, name: obj_name }, m));
-            }
-        }
-    }
-    let digest = format!("sha256:{}", hex::encode(all.finalize()));
+    // Removing: nothing is declared any more.
+    let (objects, digests, digest) =
+        if remove { (Vec::new(), Default::default(), String::new()) } else { declared_objects(policies)? };
     let current: BTreeSet<&ObjRef> = objects.iter().map(|(r, _)| r).collect();
     if !remove && digest == stored_digest && previous.iter().collect::<BTreeSet<_>>() == current {
         return Ok(serde_json::json!({"unchanged": digest}));
@@ -137,4 +111,36 @@ pub(super) async fn sync_cluster_policies(
         }
     }
     Ok(serde_json::json!({"applied": applied, "pruned": pruned}))
+}
+
+type Declared = (Vec<(ObjRef, serde_json::Value)>, std::collections::BTreeMap<String, String>, String);
+
+/// The objects of the declared policies, each policy's digest, and the digest of them
+/// all (over names and digests, in order).
+fn declared_objects(policies: &[(String, String)]) -> Result<Declared, (&'static str, String)> {
+    use sha2::Digest as _;
+    let mut objects: Vec<(ObjRef, serde_json::Value)> = Vec::new();
+    let mut digests = std::collections::BTreeMap::new();
+    let mut all = sha2::Sha256::new();
+    for (name, yaml) in policies {
+        let digest = format!("sha256:{}", hex::encode(sha2::Sha256::digest(yaml.as_bytes())));
+        all.update(name.as_bytes());
+        all.update(digest.as_bytes());
+        digests.insert(format!("policy:{name}"), digest);
+        for m in crate::tool::parse_manifests(yaml).map_err(|e| ("invalid_spec", format!("{name}: {e}")))? {
+            let get = |k: &str| m.get(k).and_then(|v| v.as_str()).map(str::to_string);
+            let (Some(api_version), Some(kind), Some(obj_name)) =
+                (get("apiVersion"), get("kind"), m["metadata"]["name"].as_str().map(str::to_string))
+            else {
+                return Err((
+                    "invalid_spec",
+                    format!("{name}: every object needs apiVersion, kind and metadata.name"),
+                ));
+            };
+            let namespace = (!CLUSTER_SCOPED.contains(&kind.as_str()))
+                .then(|| m["metadata"]["namespace"].as_str().unwrap_or("default").to_string());
+            objects.push((ObjRef { api_version, kind, namespace, name: obj_name }, m));
+        }
+    }
+    Ok((objects, digests, format!("sha256:{}", hex::encode(all.finalize()))))
 }
