@@ -73,12 +73,17 @@ fn status_field(name: &str) -> String {
         .unwrap_or_default()
 }
 
-pub fn run(args: &ProbeArgs<'_>) -> Report {
+struct Checks(Vec<Check>);
+
+impl Checks {
+    fn add(&mut self, name: &str, (held, detail): (bool, String)) {
+        self.0.push(Check { name: name.into(), held, detail });
+    }
+}
+
+/// The runner's state, key, config and process are out of the job's reach.
+fn runner_out_of_reach(c: &mut Checks, args: &ProbeArgs<'_>) {
     use nix::unistd::Pid;
-    let mut checks = Vec::new();
-    let mut add = |name: &str, (held, detail): (bool, String)| {
-        checks.push(Check { name: name.into(), held, detail });
-    };
     // Hidden: absent, or masked (an empty, inaccessible directory).
     let hidden = |dir: &Path| match std::fs::read_dir(dir) {
         Ok(mut d) => match d.next() {
@@ -87,11 +92,11 @@ pub fn run(args: &ProbeArgs<'_>) -> Report {
         },
         Err(e) => (true, format!("not listable: {e}")),
     };
-    add("state_dir_hidden", hidden(args.state_dir));
-    add("identity_key_unreadable", refused(std::fs::read(args.identity_key)));
-    add("config_dir_hidden", hidden(args.config_dir));
+    c.add("state_dir_hidden", hidden(args.state_dir));
+    c.add("identity_key_unreadable", refused(std::fs::read(args.identity_key)));
+    c.add("config_dir_hidden", hidden(args.config_dir));
     let runner = Pid::from_raw(args.runner_pid);
-    add(
+    c.add(
         "runner_process_invisible",
         if Path::new(&format!("/proc/{}", args.runner_pid)).exists() {
             (false, "visible in /proc".into())
@@ -99,17 +104,21 @@ pub fn run(args: &ProbeArgs<'_>) -> Report {
             (true, "not in /proc".into())
         },
     );
-    add("runner_unsignalable", refused(nix::sys::signal::kill(runner, None)));
-    add("ptrace_attach_refused", refused(nix::sys::ptrace::attach(runner)));
-    add("ptrace_traceme_refused", refused(nix::sys::ptrace::traceme()));
+    c.add("runner_unsignalable", refused(nix::sys::signal::kill(runner, None)));
+    c.add("ptrace_attach_refused", refused(nix::sys::ptrace::attach(runner)));
+    c.add("ptrace_traceme_refused", refused(nix::sys::ptrace::traceme()));
+}
+
+/// Nothing to write outside the job's directories, no capability, no way to gain one.
+fn no_privilege(c: &mut Checks) {
     for p in ["/probe", "/usr/probe", "/etc/probe", "/bin/probe", "/var/probe", "/opt/probe"] {
-        add(&format!("write_refused:{p}"), refused(std::fs::write(p, b"x")));
+        c.add(&format!("write_refused:{p}"), refused(std::fs::write(p, b"x")));
     }
     for p in ["/work/probe", "/tmp/probe"] {
         let r = std::fs::write(p, b"x");
-        add(&format!("write_allowed:{p}"), (r.is_ok(), format!("{r:?}")));
+        c.add(&format!("write_allowed:{p}"), (r.is_ok(), format!("{r:?}")));
     }
-    add(
+    c.add(
         "mount_refused",
         refused(nix::mount::mount(
             None::<&str>,
@@ -119,21 +128,21 @@ pub fn run(args: &ProbeArgs<'_>) -> Report {
             None::<&str>,
         )),
     );
-    add("unshare_refused", refused(nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWUSER)));
-    add("setuid_refused", refused(nix::unistd::setuid(nix::unistd::Uid::from_raw(12345))));
-    add("module_load_refused", refused(nix::kmod::init_module(&[], c"")));
-    add("chroot_refused", refused(nix::unistd::chroot("/tmp")));
+    c.add("unshare_refused", refused(nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWUSER)));
+    c.add("setuid_refused", refused(nix::unistd::setuid(nix::unistd::Uid::from_raw(12345))));
+    c.add("module_load_refused", refused(nix::kmod::init_module(&[], c"")));
+    c.add("chroot_refused", refused(nix::unistd::chroot("/tmp")));
     let cap_eff = status_field("CapEff");
-    add(
+    c.add(
         "no_effective_capabilities",
         (cap_eff.trim_start_matches('0').is_empty(), format!("CapEff {cap_eff}")),
     );
     let cap_bnd = status_field("CapBnd");
-    add("empty_bounding_set", (cap_bnd.trim_start_matches('0').is_empty(), format!("CapBnd {cap_bnd}")));
+    c.add("empty_bounding_set", (cap_bnd.trim_start_matches('0').is_empty(), format!("CapBnd {cap_bnd}")));
     let nnp = status_field("NoNewPrivs");
-    add("no_new_privs", (nnp == "1", format!("NoNewPrivs {nnp}")));
+    c.add("no_new_privs", (nnp == "1", format!("NoNewPrivs {nnp}")));
     let seccomp = status_field("Seccomp");
-    add("seccomp_filter", (seccomp == "2", format!("Seccomp {seccomp}")));
+    c.add("seccomp_filter", (seccomp == "2", format!("Seccomp {seccomp}")));
     // EPERM (the job sandbox's filter) or a kill (Docker's profile) is a filter's
     // refusal; ENOSYS would be a kernel without x32 that no filter stopped, which the
     // check must not take for one.
@@ -143,11 +152,16 @@ pub fn run(args: &ProbeArgs<'_>) -> Report {
         Ok(crate::sys::X32Answer::Errno(libc::ENOSYS)) => !cfg!(target_arch = "x86_64"),
         _ => false,
     };
-    add("x32_abi_refused", (x32_held, format!("{x32:?}")));
+    c.add("x32_abi_refused", (x32_held, format!("{x32:?}")));
+}
+
+/// The blocked addresses are unreachable and the job cannot change its routes or
+/// craft packets.
+fn network_closed(c: &mut Checks, args: &ProbeArgs<'_>) {
     for target in UNREACHABLE.iter().map(|s| s.to_string()).chain(args.unreachable.iter().cloned()) {
-        add(&format!("unreachable:{target}"), unreachable(&target));
+        c.add(&format!("unreachable:{target}"), unreachable(&target));
     }
-    add(
+    c.add(
         "routes_unchangeable",
         refused(crate::netlink::Netlink::open().map_err(|e| e.to_string()).and_then(|mut nl| {
             nl.prohibit(
@@ -159,7 +173,7 @@ pub fn run(args: &ProbeArgs<'_>) -> Report {
             .map_err(|e| e.to_string())
         })),
     );
-    add(
+    c.add(
         "raw_socket_refused",
         refused(nix::sys::socket::socket(
             nix::sys::socket::AddressFamily::Inet,
@@ -168,6 +182,14 @@ pub fn run(args: &ProbeArgs<'_>) -> Report {
             nix::sys::socket::SockProtocol::Icmp,
         )),
     );
+}
+
+pub fn run(args: &ProbeArgs<'_>) -> Report {
+    let mut c = Checks(Vec::new());
+    runner_out_of_reach(&mut c, args);
+    no_privilege(&mut c);
+    network_closed(&mut c, args);
+    let checks = c.0;
     let mut env_names: Vec<String> =
         std::env::vars_os().map(|(k, _)| k.to_string_lossy().into_owned()).collect();
     env_names.sort();
