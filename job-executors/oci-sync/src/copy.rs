@@ -178,25 +178,7 @@ impl Copier {
         self.counters.bytes_total.store(total, Ordering::Relaxed);
         self.counters.blobs_total.store(plan.blobs.len() as u64, Ordering::Relaxed);
 
-        // Blobs, several at once; the first error stops the rest.
-        let mut outcomes = Vec::with_capacity(plan.blobs.len());
-        {
-            // Owned items: a closure over borrowed ones is not `Send` for every lifetime.
-            let blobs: Vec<(Digest, u64)> = plan.blobs.iter().map(|(d, s)| (d.clone(), *s)).collect();
-            let mut stream = futures_util::stream::iter(blobs)
-                .map(|(d, size)| async move {
-                    let r = self.copy_blob(src_repo, dst_repo, &d, size).await;
-                    (d, size, r)
-                })
-                .buffer_unordered(self.options.parallel.max(1));
-            while let Some((d, size, r)) = stream.next().await {
-                let outcome = r?;
-                tracing::debug!(digest = %d, size, ?outcome, "Blob copied.");
-                self.counters.blobs_done.fetch_add(1, Ordering::Relaxed);
-                self.counters.bytes_done.fetch_add(size, Ordering::Relaxed);
-                outcomes.push((size, outcome));
-            }
-        }
+        let outcomes = self.copy_blobs(&plan, src_repo, dst_repo).await?;
 
         // Manifests by digest, children first: nothing is tagged yet.
         let mut pushed = 0;
@@ -243,6 +225,33 @@ impl Copier {
             resumed: self.resumed.load(Ordering::Relaxed),
             restarted: self.restarted.load(Ordering::Relaxed),
         })
+    }
+
+    /// The plan's blobs, several at once; the first error stops the rest. Each blob's
+    /// size with how it arrived.
+    async fn copy_blobs(
+        &self,
+        plan: &Plan,
+        src_repo: &str,
+        dst_repo: &str,
+    ) -> Result<Vec<(u64, BlobOutcome)>, SyncError> {
+        let mut outcomes = Vec::with_capacity(plan.blobs.len());
+        // Owned items: a closure over borrowed ones is not `Send` for every lifetime.
+        let blobs: Vec<(Digest, u64)> = plan.blobs.iter().map(|(d, s)| (d.clone(), *s)).collect();
+        let mut stream = futures_util::stream::iter(blobs)
+            .map(|(d, size)| async move {
+                let r = self.copy_blob(src_repo, dst_repo, &d, size).await;
+                (d, size, r)
+            })
+            .buffer_unordered(self.options.parallel.max(1));
+        while let Some((d, size, r)) = stream.next().await {
+            let outcome = r?;
+            tracing::debug!(digest = %d, size, ?outcome, "Blob copied.");
+            self.counters.blobs_done.fetch_add(1, Ordering::Relaxed);
+            self.counters.bytes_done.fetch_add(size, Ordering::Relaxed);
+            outcomes.push((size, outcome));
+        }
+        Ok(outcomes)
     }
 
     /// Collect a manifest, its children and blobs, then its referrers.
