@@ -212,156 +212,26 @@ async fn main() -> anyhow::Result<()> {
     };
     println!("control plane  {} (admin {})", cp.runner_url(), cp.admin_url());
     let mut options = RunnerOptions::default();
-    let mut aws = None;
-    if let Some(install) = &plan.install {
-        let moto = byoc_control_plane::moto::MotoServer::start().await;
-        let path = base.join(&install.stack_template);
-        let template: serde_json::Value = serde_json::from_str(
-            &std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?,
-        )
-        .with_context(|| format!("parsing {}", path.display()))?;
-        let params: std::collections::BTreeMap<String, String> = [
-            ("InstallId".to_string(), cp.install_id()),
-            (
-                "RunnerInstanceRoleArn".to_string(),
-                format!("arn:aws:iam::{DEMO_ACCOUNT}:role/byoc-runner-instance"),
-            ),
-            ("ExternalId".to_string(), install.external_id.clone()),
-        ]
-        .into_iter()
-        .collect();
-        let list: Vec<(&str, &str)> = params.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
-        moto.put_stack("CreateStack", DEMO_STACK, &template, &list).await;
-        println!("aws (moto)     {} (install stack {DEMO_STACK})", moto.url());
-        for (name, value) in &install.secrets {
-            let id = format!("{}/secrets/{name}", cp.install_id());
-            moto.json_call(
-                "secretsmanager",
-                "secretsmanager.CreateSecret",
-                serde_json::json!({"Name": id, "SecretString": value}),
-            )
-            .await;
-            println!("secret         {id} (the customer's; jobs name it, the vendor never sees it)");
+    let mut aws = match &plan.install {
+        Some(install) => Some(aws_side(install, &base, &cp, &mut options).await?),
+        None => None,
+    };
+    let (registries, placeholders) = match &plan.registry {
+        Some(r) => {
+            if aws.is_none() {
+                bail!("[registry] needs an [install] section (ECR is reached under the job's role)");
+            }
+            let (registries, placeholders) =
+                start_registries(r, plan.component.as_ref(), &base, &mut options).await?;
+            (Some(registries), placeholders)
         }
-        options.extra = format!(
-            "\n[aws]\nregion = \"us-east-1\"\nendpoint_url = \"{}\"\n\n[roles]\nstack_name = \"{DEMO_STACK}\"\nexternal_id = \"{}\"\n",
-            moto.url(),
-            install.external_id
-        );
-        // The runner's own identity (its instance role on EC2).
-        options.env = vec![
-            ("AWS_ACCESS_KEY_ID".into(), "demo-runner-identity".into()),
-            ("AWS_SECRET_ACCESS_KEY".into(), "demo-runner-identity-secret".into()),
-            ("AWS_EC2_METADATA_DISABLED".into(), "true".into()),
-        ];
-        let app = byoc_control_plane::app_config::load(&base.join(&install.app_config))?;
-        aws = Some((moto, template, params, app));
-    }
-    let mut placeholders: Vec<(String, String)> = Vec::new();
-    let mut registries = None;
-    if let Some(r) = &plan.registry {
-        if aws.is_none() {
-            bail!("[registry] needs an [install] section (ECR is reached under the job's role)");
-        }
-        use rand::Rng as _;
-        let token: String = format!("otk-{:032x}", rand::rng().random::<u128>());
-        let vendor = byoc_control_plane::registry::LocalRegistry::start(Some((&r.vendor_user, &token))).await;
-        let ecr = byoc_control_plane::registry::LocalRegistry::start(None).await;
-        let image = vendor
-            .push_random_image(&r.image_repository, Some(&r.image_tag), r.layers, r.layer_bytes, 42)
-            .await;
-        vendor
-            .push_referrer(
-                &r.image_repository,
-                &image,
-                byoc_control_plane::registry::COSIGN_SIG,
-                b"demo-signature",
-            )
-            .await;
-        let ecr_host = format!("{DEMO_ACCOUNT}.dkr.ecr.us-east-1.amazonaws.com");
-        println!(
-            "vendor registry {} ({}:{} {}, signed)",
-            vendor.host(),
-            r.image_repository,
-            r.image_tag,
-            image.digest
-        );
-        println!("install ECR     {ecr_host} -> {}", ecr.url());
-        options.extra.push_str(&format!(
-            "\n[oci]\nregistry_endpoints = {{ \"{ecr_host}\" = \"{}\", \"{}\" = \"{}\" }}\n",
-            ecr.url(),
-            vendor.host(),
-            vendor.url()
-        ));
-        placeholders = vec![
-            ("${VENDOR_REGISTRY}".into(), vendor.host()),
-            ("${IMAGE_DIGEST}".into(), image.digest.clone()),
-            ("${SOURCE_USER}".into(), r.vendor_user.clone()),
-            ("${SOURCE_TOKEN}".into(), token),
-        ];
-        placeholders.push(("${INSTALL_REGISTRY}".into(), ecr_host.clone()));
-        if let Some(c) = &plan.component {
-            let files = module_files(&base.join(&c.module_dir))?;
-            let refs: Vec<(&str, &str)> = files.iter().map(|(p, t)| (p.as_str(), t.as_str())).collect();
-            let module = vendor
-                .push_tar_artifact(&c.repository, Some(&c.tag), "application/vnd.opentofu.modulepkg", &refs)
-                .await;
-            println!("component       {}:{} {} ({} files)", c.repository, c.tag, module.digest, files.len());
-            placeholders.push(("${MODULE_DIGEST}".into(), module.digest.clone()));
-        }
-        registries = Some((vendor, ecr));
-    }
+        None => (None, Vec::new()),
+    };
     // Copied out of the source tree: inside the sandbox the job's directory is /work.
     let tools = tempfile::tempdir()?;
     let policies = tempfile::tempdir()?;
     if let Some(t) = &plan.terraform {
-        use std::os::unix::fs::PermissionsExt as _;
-        std::fs::set_permissions(tools.path(), std::fs::Permissions::from_mode(0o755))?;
-        let stand_in = tools.path().join("terraform-stand-in");
-        std::fs::copy(base.join(&t.binary), &stand_in)
-            .with_context(|| format!("copying {}", t.binary.display()))?;
-        let bin = tools.path().join("terraform");
-        let real = match &t.real {
-            None => None,
-            Some(r) => Some(which(r).with_context(|| {
-                format!("the demo applies a real module with terraform ({r}), which is not on PATH")
-            })?),
-        };
-        // One binary for the runner: the real terraform, unless the module carries the
-        // stand-in's fixtures (its plan holds aws_* resources no provider can make here).
-        let script = match &real {
-            Some(real) => format!(
-                "#!/bin/sh\ndir=.\ncase \"${{1:-}}\" in -chdir=*) dir=\"${{1#-chdir=}}\" ;; esac\nif [ -f \"$dir/fake-plan.json\" ] || [ -f \"$dir/fake-destroy-plan.json\" ]; then exec {} \"$@\"; fi\nexec {} \"$@\"\n",
-                stand_in.display(),
-                real.display()
-            ),
-            None => format!("#!/bin/sh\nexec {} \"$@\"\n", stand_in.display()),
-        };
-        std::fs::write(&bin, script)?;
-        std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755))?;
-        options.extra.push_str(&format!(
-            "\n[terraform]\nbinary = \"{}\"\n\n[policy]\ndir = \"{}\"\n",
-            bin.display(),
-            policies.path().display()
-        ));
-        options.sandbox_ro_paths.push(tools.path().to_path_buf());
-        match &real {
-            Some(real) => {
-                let version = std::process::Command::new(real).arg("version").output().ok();
-                let version = version
-                    .map(|o| String::from_utf8_lossy(&o.stdout).lines().next().unwrap_or("").to_string())
-                    .unwrap_or_default();
-                println!(
-                    "terraform       {} ({version}); the tests' stand-in {} for the two aws_* plans",
-                    real.display(),
-                    t.binary.display()
-                );
-            }
-            None => println!(
-                "terraform       {} (the tests' stand-in: no terraform can be downloaded here)",
-                t.binary.display()
-            ),
-        }
+        terraform_tools(t, &base, tools.path(), policies.path(), &mut options)?;
     }
     if let Some(g) = &plan.guardrails {
         options.extra.push('\n');
@@ -376,9 +246,229 @@ async fn main() -> anyhow::Result<()> {
     println!("runner enrolled and polling; sending {} jobs\n", plan.job.len());
 
     let wait = Duration::from_secs(args.timeout_secs);
+    let started = Instant::now();
+    let (ids, names) = send_jobs(&plan, &base, &cp, &runner, aws.as_mut(), &placeholders, wait).await?;
+    let mut failures = report(&plan, &cp, &ids, &names, wait).await;
+    println!("\nall jobs settled in {:.1} s", started.elapsed().as_secs_f64());
+
+    // Stop the runner the way systemd does, and check it drains cleanly.
+    runner.signal(nix::sys::signal::Signal::SIGTERM);
+    match runner.wait_exit(Duration::from_secs(30)).await {
+        Some(s) if s.success() => println!("runner drained and stopped cleanly"),
+        other => {
+            failures += 1;
+            println!("runner did not stop cleanly: {other:?}");
+        }
+    }
+    customer_view(&plan, &cp, &runner_bin, &runner, &ids, aws.is_some())?;
+    drop(registries);
+    if !status_and_verify(&runner_bin, &runner.state_dir)? {
+        failures += 1;
+    }
+    if failures > 0 {
+        eprintln!(
+            "demo FAILED: {failures} job(s) did not end as expected; runner log: {}",
+            runner.log_path.display()
+        );
+        if args.keep.is_none() {
+            eprintln!("{}", runner.log());
+        }
+        std::process::exit(1);
+    }
+    println!("demo passed: every job ended as expected");
+    Ok(())
+}
+
+/// The install's AWS side, in moto: the install stack, the customer's secrets, and the
+/// runner's configuration for them.
+struct AwsSide {
+    moto: byoc_control_plane::moto::MotoServer,
+    template: serde_json::Value,
+    params: std::collections::BTreeMap<String, String>,
+    app: byoc_protocol::AppConfig,
+}
+
+async fn aws_side(
+    install: &Install,
+    base: &Path,
+    cp: &ControlPlane,
+    options: &mut RunnerOptions,
+) -> anyhow::Result<AwsSide> {
+    let moto = byoc_control_plane::moto::MotoServer::start().await;
+    let path = base.join(&install.stack_template);
+    let template: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?,
+    )
+    .with_context(|| format!("parsing {}", path.display()))?;
+    let params: std::collections::BTreeMap<String, String> = [
+        ("InstallId".to_string(), cp.install_id()),
+        (
+            "RunnerInstanceRoleArn".to_string(),
+            format!("arn:aws:iam::{DEMO_ACCOUNT}:role/byoc-runner-instance"),
+        ),
+        ("ExternalId".to_string(), install.external_id.clone()),
+    ]
+    .into_iter()
+    .collect();
+    let list: Vec<(&str, &str)> = params.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    moto.put_stack("CreateStack", DEMO_STACK, &template, &list).await;
+    println!("aws (moto)     {} (install stack {DEMO_STACK})", moto.url());
+    for (name, value) in &install.secrets {
+        let id = format!("{}/secrets/{name}", cp.install_id());
+        moto.json_call(
+            "secretsmanager",
+            "secretsmanager.CreateSecret",
+            serde_json::json!({"Name": id, "SecretString": value}),
+        )
+        .await;
+        println!("secret         {id} (the customer's; jobs name it, the vendor never sees it)");
+    }
+    options.extra = format!(
+        "\n[aws]\nregion = \"us-east-1\"\nendpoint_url = \"{}\"\n\n[roles]\nstack_name = \"{DEMO_STACK}\"\nexternal_id = \"{}\"\n",
+        moto.url(),
+        install.external_id
+    );
+    // The runner's own identity (its instance role on EC2).
+    options.env = vec![
+        ("AWS_ACCESS_KEY_ID".into(), "demo-runner-identity".into()),
+        ("AWS_SECRET_ACCESS_KEY".into(), "demo-runner-identity-secret".into()),
+        ("AWS_EC2_METADATA_DISABLED".into(), "true".into()),
+    ];
+    let app = byoc_control_plane::app_config::load(&base.join(&install.app_config))?;
+    Ok(AwsSide { moto, template, params, app })
+}
+
+type Registries = (byoc_control_plane::registry::LocalRegistry, byoc_control_plane::registry::LocalRegistry);
+
+/// The vendor's registry with a signed image (and the component's module) and the
+/// install's ECR; the job files' placeholders for them.
+async fn start_registries(
+    r: &RegistryDemo,
+    component: Option<&ComponentDemo>,
+    base: &Path,
+    options: &mut RunnerOptions,
+) -> anyhow::Result<(Registries, Vec<(String, String)>)> {
+    use rand::Rng as _;
+    let token: String = format!("otk-{:032x}", rand::rng().random::<u128>());
+    let vendor = byoc_control_plane::registry::LocalRegistry::start(Some((&r.vendor_user, &token))).await;
+    let ecr = byoc_control_plane::registry::LocalRegistry::start(None).await;
+    let image =
+        vendor.push_random_image(&r.image_repository, Some(&r.image_tag), r.layers, r.layer_bytes, 42).await;
+    vendor
+        .push_referrer(
+            &r.image_repository,
+            &image,
+            byoc_control_plane::registry::COSIGN_SIG,
+            b"demo-signature",
+        )
+        .await;
+    let ecr_host = format!("{DEMO_ACCOUNT}.dkr.ecr.us-east-1.amazonaws.com");
+    println!(
+        "vendor registry {} ({}:{} {}, signed)",
+        vendor.host(),
+        r.image_repository,
+        r.image_tag,
+        image.digest
+    );
+    println!("install ECR     {ecr_host} -> {}", ecr.url());
+    options.extra.push_str(&format!(
+        "\n[oci]\nregistry_endpoints = {{ \"{ecr_host}\" = \"{}\", \"{}\" = \"{}\" }}\n",
+        ecr.url(),
+        vendor.host(),
+        vendor.url()
+    ));
+    let mut placeholders: Vec<(String, String)> = vec![
+        ("${VENDOR_REGISTRY}".into(), vendor.host()),
+        ("${IMAGE_DIGEST}".into(), image.digest.clone()),
+        ("${SOURCE_USER}".into(), r.vendor_user.clone()),
+        ("${SOURCE_TOKEN}".into(), token),
+    ];
+    placeholders.push(("${INSTALL_REGISTRY}".into(), ecr_host.clone()));
+    if let Some(c) = component {
+        let files = module_files(&base.join(&c.module_dir))?;
+        let refs: Vec<(&str, &str)> = files.iter().map(|(p, t)| (p.as_str(), t.as_str())).collect();
+        let module = vendor
+            .push_tar_artifact(&c.repository, Some(&c.tag), "application/vnd.opentofu.modulepkg", &refs)
+            .await;
+        println!("component       {}:{} {} ({} files)", c.repository, c.tag, module.digest, files.len());
+        placeholders.push(("${MODULE_DIGEST}".into(), module.digest.clone()));
+    }
+    Ok(((vendor, ecr), placeholders))
+}
+
+/// The terraform the runner uses (the real one, or the tests' stand-in for modules
+/// whose plans only a provider could make), copied out of the source tree: inside the
+/// sandbox the job's directory is /work.
+fn terraform_tools(
+    t: &TerraformDemo,
+    base: &Path,
+    tools: &Path,
+    policies: &Path,
+    options: &mut RunnerOptions,
+) -> anyhow::Result<()> {
+    use std::os::unix::fs::PermissionsExt as _;
+    std::fs::set_permissions(tools, std::fs::Permissions::from_mode(0o755))?;
+    let stand_in = tools.join("terraform-stand-in");
+    std::fs::copy(base.join(&t.binary), &stand_in)
+        .with_context(|| format!("copying {}", t.binary.display()))?;
+    let bin = tools.join("terraform");
+    let real = match &t.real {
+        None => None,
+        Some(r) => Some(which(r).with_context(|| {
+            format!("the demo applies a real module with terraform ({r}), which is not on PATH")
+        })?),
+    };
+    // One binary for the runner: the real terraform, unless the module carries the
+    // stand-in's fixtures (its plan holds aws_* resources no provider can make here).
+    let script = match &real {
+        Some(real) => format!(
+            "#!/bin/sh\ndir=.\ncase \"${{1:-}}\" in -chdir=*) dir=\"${{1#-chdir=}}\" ;; esac\nif [ -f \"$dir/fake-plan.json\" ] || [ -f \"$dir/fake-destroy-plan.json\" ]; then exec {} \"$@\"; fi\nexec {} \"$@\"\n",
+            stand_in.display(),
+            real.display()
+        ),
+        None => format!("#!/bin/sh\nexec {} \"$@\"\n", stand_in.display()),
+    };
+    std::fs::write(&bin, script)?;
+    std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755))?;
+    options.extra.push_str(&format!(
+        "\n[terraform]\nbinary = \"{}\"\n\n[policy]\ndir = \"{}\"\n",
+        bin.display(),
+        policies.display()
+    ));
+    options.sandbox_ro_paths.push(tools.to_path_buf());
+    match &real {
+        Some(real) => {
+            let version = std::process::Command::new(real).arg("version").output().ok();
+            let version = version
+                .map(|o| String::from_utf8_lossy(&o.stdout).lines().next().unwrap_or("").to_string())
+                .unwrap_or_default();
+            println!(
+                "terraform       {} ({version}); the tests' stand-in {} for the two aws_* plans",
+                real.display(),
+                t.binary.display()
+            );
+        }
+        None => println!(
+            "terraform       {} (the tests' stand-in: no terraform can be downloaded here)",
+            t.binary.display()
+        ),
+    }
+    Ok(())
+}
+
+/// Send the plan's jobs in order, switching the install stack, replaying, cancelling,
+/// approving or denying where the plan says; the ids and the names to show.
+async fn send_jobs(
+    plan: &Plan,
+    base: &Path,
+    cp: &ControlPlane,
+    runner: &RunnerProcess,
+    mut aws: Option<&mut AwsSide>,
+    placeholders: &[(String, String)],
+    wait: Duration,
+) -> anyhow::Result<(Vec<String>, Vec<String>)> {
     let mut ids: Vec<String> = Vec::new();
     let mut names: Vec<String> = Vec::new();
-    let started = Instant::now();
     for (i, job) in plan.job.iter().enumerate() {
         let mut name = job.file.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
         if job.after_earlier {
@@ -389,7 +479,7 @@ async fn main() -> anyhow::Result<()> {
             }
         }
         if !job.stack.is_empty() {
-            let Some((moto, template, params, _)) = aws.as_mut() else {
+            let Some(AwsSide { moto, template, params, .. }) = aws.as_deref_mut() else {
                 bail!("job {i}: `stack` needs an [install] section");
             };
             // Every earlier job must have been decided under the old switches.
@@ -415,40 +505,7 @@ async fn main() -> anyhow::Result<()> {
             names.push(format!("{name} (replay)"));
             orig_id.clone()
         } else {
-            let path = base.join(&job.file);
-            let mut text =
-                std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
-            for (k, v) in &placeholders {
-                text = text.replace(k, v);
-            }
-            // "${FILE:path}": that file's content as a JSON string (paths relative to the plan).
-            while let Some(start) = text.find("\"${FILE:") {
-                let Some(len) = text[start..].find("}\"") else { break };
-                let rel = &text[start + 8..start + len];
-                let content =
-                    std::fs::read_to_string(base.join(rel)).with_context(|| format!("reading {rel}"))?;
-                text.replace_range(start..start + len + 2, &serde_json::to_string(&content)?);
-            }
-            let jf: JobFile =
-                serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
-            let mut req = EnqueueRequest::new(&jf.kind, jf.spec);
-            req.timeout_secs = jf.timeout_secs;
-            req.tamper = job.tamper.clone();
-            if let Some(role) = &job.role {
-                let Some((_, _, _, app)) = aws.as_ref() else {
-                    bail!("job {i}: `role` needs an [install] section");
-                };
-                req.entity = role.entity.clone();
-                req.operation = role.operation.clone();
-                req.requested_role = Some(role.requested.clone());
-                req.app_config = Some(app.clone());
-                req.role_request = Some(byoc_protocol::RoleRequest {
-                    entity_name: role.entity_name.clone(),
-                    runtime_override: role.runtime_override.clone(),
-                    break_glass_role: role.break_glass_role.clone(),
-                    entity_role: role.entity_role.clone(),
-                });
-            }
+            let req = job_request(job, i, base, placeholders, aws.as_deref())?;
             names.push(if job.tamper.unknown_key { format!("{name} (forged)") } else { name });
             cp.enqueue(req).map_err(|e| anyhow::anyhow!("{e}"))?
         };
@@ -458,29 +515,113 @@ async fn main() -> anyhow::Result<()> {
                 .context("job to cancel was never claimed")?;
             cp.cancel(&id).map_err(|e| anyhow::anyhow!("{e}"))?;
         }
-        let answer = match (&job.approve, &job.deny) {
-            (Some(reason), None) => Some(("approve", reason)),
-            (None, Some(reason)) => Some(("deny", reason)),
-            (None, None) => None,
-            (Some(_), Some(_)) => bail!("job {i}: approve and deny both given"),
-        };
-        if let Some((verb, reason)) = answer {
-            let held = cp
-                .wait_for(&id, wait, |v| v.waiting.as_ref().is_some_and(|w| w.state == "awaiting_approval"))
-                .await
-                .context("the job never awaited approval")?;
-            let detail = held.waiting.map(|w| w.detail).unwrap_or_default();
-            println!(
-                "job {id} awaits approval ({detail}); the customer runs: byoc-runner {verb} {id} --reason {reason:?}"
-            );
-            let out = runner.cli(&[verb, &id, "--reason", reason]);
-            if !out.status.success() {
-                bail!("byoc-runner {verb} failed: {}", String::from_utf8_lossy(&out.stderr));
-            }
-        }
+        answer_approval(job, i, &id, cp, runner, wait).await?;
         ids.push(id);
     }
+    Ok((ids, names))
+}
 
+/// A planned job's request: its file with the placeholders filled in (`${FILE:path}`: a
+/// file's content as a JSON string), tampered with or given a role as planned.
+fn job_request(
+    job: &PlannedJob,
+    i: usize,
+    base: &Path,
+    placeholders: &[(String, String)],
+    aws: Option<&AwsSide>,
+) -> anyhow::Result<EnqueueRequest> {
+    let path = base.join(&job.file);
+    let mut text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+    for (k, v) in placeholders {
+        text = text.replace(k, v);
+    }
+    // "${FILE:path}": that file's content as a JSON string (paths relative to the plan).
+    while let Some(start) = text.find("\"${FILE:") {
+        let Some(len) = text[start..].find("}\"") else { break };
+        let rel = &text[start + 8..start + len];
+        let content = std::fs::read_to_string(base.join(rel)).with_context(|| format!("reading {rel}"))?;
+        text.replace_range(start..start + len + 2, &serde_json::to_string(&content)?);
+    }
+    let jf: JobFile = serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+    let mut req = EnqueueRequest::new(&jf.kind, jf.spec);
+    req.timeout_secs = jf.timeout_secs;
+    req.tamper = job.tamper.clone();
+    if let Some(role) = &job.role {
+        let Some(AwsSide { app, .. }) = aws else {
+            bail!("job {i}: `role` needs an [install] section");
+        };
+        req.entity = role.entity.clone();
+        req.operation = role.operation.clone();
+        req.requested_role = Some(role.requested.clone());
+        req.app_config = Some(app.clone());
+        req.role_request = Some(byoc_protocol::RoleRequest {
+            entity_name: role.entity_name.clone(),
+            runtime_override: role.runtime_override.clone(),
+            break_glass_role: role.break_glass_role.clone(),
+            entity_role: role.entity_role.clone(),
+        });
+    }
+    Ok(req)
+}
+
+/// The customer's answer to a job held for approval, given with the CLI as planned.
+async fn answer_approval(
+    job: &PlannedJob,
+    i: usize,
+    id: &str,
+    cp: &ControlPlane,
+    runner: &RunnerProcess,
+    wait: Duration,
+) -> anyhow::Result<()> {
+    let answer = match (&job.approve, &job.deny) {
+        (Some(reason), None) => Some(("approve", reason)),
+        (None, Some(reason)) => Some(("deny", reason)),
+        (None, None) => None,
+        (Some(_), Some(_)) => bail!("job {i}: approve and deny both given"),
+    };
+    if let Some((verb, reason)) = answer {
+        let held = cp
+            .wait_for(id, wait, |v| v.waiting.as_ref().is_some_and(|w| w.state == "awaiting_approval"))
+            .await
+            .context("the job never awaited approval")?;
+        let detail = held.waiting.map(|w| w.detail).unwrap_or_default();
+        println!(
+            "job {id} awaits approval ({detail}); the customer runs: byoc-runner {verb} {id} --reason {reason:?}"
+        );
+        let out = runner.cli(&[verb, id, "--reason", reason]);
+        if !out.status.success() {
+            bail!("byoc-runner {verb} failed: {}", String::from_utf8_lossy(&out.stderr));
+        }
+    }
+    Ok(())
+}
+
+/// The customer's `status`, then `audit verify`: offline, from the files alone. Whether
+/// the audit log verifies.
+fn status_and_verify(runner_bin: &Path, state_dir: &Path) -> anyhow::Result<bool> {
+    let status =
+        std::process::Command::new(runner_bin).args(["status", "--state-dir"]).arg(state_dir).output()?;
+    println!(
+        "\n$ byoc-runner status --state-dir {}\n{}",
+        state_dir.display(),
+        String::from_utf8_lossy(&status.stdout)
+    );
+    let verify = std::process::Command::new(runner_bin)
+        .args(["audit", "verify", "--state-dir"])
+        .arg(state_dir)
+        .output()?;
+    println!(
+        "$ byoc-runner audit verify --state-dir {}\n{}{}",
+        state_dir.display(),
+        String::from_utf8_lossy(&verify.stdout),
+        String::from_utf8_lossy(&verify.stderr)
+    );
+    Ok(verify.status.success())
+}
+
+/// Wait for each job's end and print it against what the plan expects; how many did
+/// not end as expected.
+async fn report(plan: &Plan, cp: &ControlPlane, ids: &[String], names: &[String], wait: Duration) -> usize {
     println!(
         "{:<20} {:<32} {:<14} {:<26} {:<26} {:>9} {:>9}",
         "JOB", "EXAMPLE", "KIND", "EXPECTED", "GOT", "DURATION", "PICKUP"
@@ -525,20 +666,22 @@ async fn main() -> anyhow::Result<()> {
             if ok { "ok" } else { "UNEXPECTED" }
         );
     }
-    println!("\nall jobs settled in {:.1} s", started.elapsed().as_secs_f64());
+    failures
+}
 
-    // Stop the runner the way systemd does, and check it drains cleanly.
-    runner.signal(nix::sys::signal::Signal::SIGTERM);
-    match runner.wait_exit(Duration::from_secs(30)).await {
-        Some(s) if s.success() => println!("runner drained and stopped cleanly"),
-        other => {
-            failures += 1;
-            println!("runner did not stop cleanly: {other:?}");
-        }
-    }
-    if aws.is_some() {
+/// What the customer sees on the VM: the roles, a role job's masked log, what each
+/// terraform job and artifact sync did.
+fn customer_view(
+    plan: &Plan,
+    cp: &ControlPlane,
+    runner_bin: &Path,
+    runner: &RunnerProcess,
+    ids: &[String],
+    with_roles: bool,
+) -> anyhow::Result<()> {
+    if with_roles {
         // The customer's view of the roles: switches, ARNs, last use.
-        let roles = std::process::Command::new(&runner_bin)
+        let roles = std::process::Command::new(runner_bin)
             .args(["roles", "--state-dir"])
             .arg(&runner.state_dir)
             .output()?;
@@ -549,7 +692,7 @@ async fn main() -> anyhow::Result<()> {
         );
         // What a job with a role saw: its credentials, masked before they were logged.
         if let Some(i) = plan.job.iter().position(|j| j.role.is_some() && j.expect == "succeeded") {
-            let logs = std::process::Command::new(&runner_bin)
+            let logs = std::process::Command::new(runner_bin)
                 .args(["jobs", "logs", &ids[i], "--state-dir"])
                 .arg(&runner.state_dir)
                 .output()?;
@@ -618,41 +761,6 @@ async fn main() -> anyhow::Result<()> {
             );
         }
     }
-    drop(registries);
-    let status = std::process::Command::new(&runner_bin)
-        .args(["status", "--state-dir"])
-        .arg(&runner.state_dir)
-        .output()?;
-    println!(
-        "\n$ byoc-runner status --state-dir {}\n{}",
-        runner.state_dir.display(),
-        String::from_utf8_lossy(&status.stdout)
-    );
-    // The customer's check of what the vendor did: offline, from the files alone.
-    let verify = std::process::Command::new(&runner_bin)
-        .args(["audit", "verify", "--state-dir"])
-        .arg(&runner.state_dir)
-        .output()?;
-    println!(
-        "$ byoc-runner audit verify --state-dir {}\n{}{}",
-        runner.state_dir.display(),
-        String::from_utf8_lossy(&verify.stdout),
-        String::from_utf8_lossy(&verify.stderr)
-    );
-    if !verify.status.success() {
-        failures += 1;
-    }
-    if failures > 0 {
-        eprintln!(
-            "demo FAILED: {failures} job(s) did not end as expected; runner log: {}",
-            runner.log_path.display()
-        );
-        if args.keep.is_none() {
-            eprintln!("{}", runner.log());
-        }
-        std::process::exit(1);
-    }
-    println!("demo passed: every job ended as expected");
     Ok(())
 }
 
