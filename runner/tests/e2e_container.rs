@@ -543,6 +543,17 @@ async fn a_restart_removes_what_a_killed_runner_left_of_a_container_job() {
         assert!(running.contains(&name), "{name} (the job or its network holder) not running: {running:?}");
     }
     assert_eq!(job_networks(&id).len(), 1);
+    let work = e.runner.state_dir.join("work");
+    let pipes = move || -> Vec<String> {
+        let names = std::fs::read_dir(&work).map(|d| d.flatten().map(|e| e.file_name()).collect::<Vec<_>>());
+        names
+            .unwrap_or_default()
+            .into_iter()
+            .map(|n| n.to_string_lossy().into_owned())
+            .filter(|n| n.starts_with(".container-output-"))
+            .collect()
+    };
+    assert_eq!(pipes().len(), 1, "the job's output pipe");
     e.runner.kill9().await;
     e.runner.spawn(None).unwrap();
     // The start cleans up before it polls: once a job runs again, it is done.
@@ -550,4 +561,5 @@ async fn a_restart_removes_what_a_killed_runner_left_of_a_container_job() {
     e.finished(&next).await;
     assert!(job_containers(&id).is_empty(), "containers left behind");
     assert!(job_networks(&id).is_empty(), "network left behind");
+    assert!(pipes().is_empty(), "output pipe left behind: {:?}", pipes());
 }

@@ -461,6 +461,13 @@ pub async fn remove_leftovers(settings: &ContainerSettings) {
     }
 }
 
+/// Remove the output pipes' directories under `work_root` (each job's FIFO lives beside
+/// its working directory): at the runner's start no job runs, so they are what killed
+/// jobs left.
+pub fn remove_output_pipes(work_root: &std::path::Path) {
+    relay::remove_left(work_root);
+}
+
 /// Every container and network of a job carries its id and its runner's.
 fn labels(job_id: &str, owner: &str) -> HashMap<String, String> {
     HashMap::from([

@@ -87,9 +87,23 @@ impl Relay {
 /// A directory only the runner can enter, removed with what is in it when dropped.
 pub(super) struct PrivateDir(PathBuf);
 
+/// The prefix of the relays' directories beside the jobs' working directories.
+const DIR_PREFIX: &str = ".container-output-";
+
+/// Remove every relay directory under `parent` (none is in use: no job runs).
+pub(super) fn remove_left(parent: &Path) {
+    let Ok(entries) = std::fs::read_dir(parent) else { return };
+    for e in entries.flatten() {
+        if e.file_name().to_string_lossy().starts_with(DIR_PREFIX) {
+            tracing::warn!(path = %e.path().display(), "Removing a container output pipe left by an interrupted job.");
+            let _ = std::fs::remove_dir_all(e.path());
+        }
+    }
+}
+
 impl PrivateDir {
     fn create(parent: &Path) -> std::io::Result<PrivateDir> {
-        let path = parent.join(format!(".container-output-{}", byoc_protocol::random_hex(8)));
+        let path = parent.join(format!("{DIR_PREFIX}{}", byoc_protocol::random_hex(8)));
         std::fs::DirBuilder::new().mode(0o700).create(&path)?;
         Ok(PrivateDir(path))
     }
@@ -155,6 +169,29 @@ mod tests {
 
     fn v(s: &[&str]) -> Vec<String> {
         s.iter().map(|x| x.to_string()).collect()
+    }
+
+    #[tokio::test]
+    async fn a_relay_makes_a_private_fifo_and_left_ones_are_removed() {
+        let parent = tempfile::tempdir().unwrap();
+        let job = parent.path().join("job-1");
+        std::fs::create_dir(&job).unwrap();
+        let relay = Relay::open(parent.path(), 65534, 65534).unwrap();
+        let dir = relay.dir.0.clone();
+        use std::os::unix::fs::FileTypeExt as _;
+        assert!(std::fs::metadata(dir.join("log")).unwrap().file_type().is_fifo());
+        assert_eq!(std::fs::metadata(&dir).unwrap().permissions().mode() & 0o777, 0o700);
+        // A runner killed while the job ran leaves it; the next start removes it, and
+        // nothing else.
+        std::mem::forget(relay);
+        remove_left(parent.path());
+        assert!(!dir.exists());
+        assert!(job.exists());
+        // Dropped, it goes.
+        let relay = Relay::open(parent.path(), 65534, 65534).unwrap();
+        let dir = relay.dir.0.clone();
+        drop(relay);
+        assert!(!dir.exists());
     }
 
     #[test]

@@ -293,9 +293,10 @@ async fn isolation(
     if let Some(c) = &mut containers {
         c.owner = runner_id.to_string();
         c.prepare_networks = true;
-        // No job runs yet: containers and networks of jobs a killed runner left behind
-        // belong to interrupted jobs.
+        // No job runs yet: containers, networks and output pipes of jobs a killed
+        // runner left behind belong to interrupted jobs.
         byoc_job_executors::container::remove_leftovers(c).await;
+        byoc_job_executors::container::remove_output_pipes(&StateDir::of(state_dir).work());
     }
     Ok((sandbox, containers))
 }
