@@ -10,7 +10,7 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 use crate::{
-    ContainerSettings, JobAudit, JobCredentials, OciSettings, OutputSink, PolicyScope, SandboxSettings,
+    ContainerSettings, JobAudit, JobCredentials, JobPolicies, OciSettings, OutputSink, SandboxSettings,
     ToolSettings,
 };
 
@@ -45,7 +45,7 @@ pub struct ExecSettings {
     pub audit: Option<Arc<dyn JobAudit>>,
     pub tools: ToolSettings,
     /// `None`: jobs that need a policy decision are refused.
-    pub policy: Option<PolicyScope>,
+    pub policy: Option<JobPolicies>,
     /// The digest of the component artifact the job deploys, once fetched: its policy
     /// decisions are audited with it.
     pub artifact: Option<String>,
@@ -132,7 +132,7 @@ impl ExecSettings {
         self.tools = tools;
         self
     }
-    pub fn policy(mut self, policy: Option<PolicyScope>) -> Self {
+    pub fn policy(mut self, policy: Option<JobPolicies>) -> Self {
         self.policy = policy;
         self
     }

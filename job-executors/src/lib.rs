@@ -176,7 +176,7 @@ impl Default for ToolSettings {
 /// pack at the customer's levels, the vendor's from the signed app config, the
 /// customer's own) and the job's place in the lifecycle.
 #[derive(Debug, Clone)]
-pub struct PolicyScope {
+pub struct JobPolicies {
     pub policies: Vec<byoc_policy::Policy>,
     pub params: serde_json::Value,
     /// The role type the job runs under (provision, maintenance, …; `none` without one).
@@ -204,7 +204,7 @@ pub struct Evaluator {
     pub memory_mib: u64,
 }
 
-impl PolicyScope {
+impl JobPolicies {
     /// Decide about `input` (a plan's JSON). Whatever goes wrong denies, with the reason.
     pub async fn decide(&self, ctx: byoc_policy::Context, input: &[u8]) -> byoc_policy::Decision {
         let Ok(text) = std::str::from_utf8(input) else {

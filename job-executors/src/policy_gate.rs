@@ -88,15 +88,15 @@ pub async fn approve_apply(
     }
 }
 
-/// A job's decisions need a policy scope; without one nothing is decided (and so
+/// A job's decisions need its policies; without them nothing is decided (and so
 /// nothing proceeds): `policy_unavailable`.
 pub const UNAVAILABLE: &str = "policy_unavailable";
 
-/// The job has no policy scope (the customer's policy directory, or the app config's
+/// The job has no policies to decide with (the customer's policy directory, or the app config's
 /// policies, have problems; the job log says which), so nothing can be decided.
 #[derive(Debug, thiserror::Error)]
 #[error("no policy context: {subject} are decided by policy")]
-pub struct NoPolicyScope {
+pub struct NoJobPolicies {
     pub subject: String,
 }
 
@@ -105,9 +105,9 @@ pub async fn decide(
     ctx: &mut ExecContext<'_>,
     subject: Subject<'_>,
     input: &[u8],
-) -> Result<byoc_policy::Decision, NoPolicyScope> {
+) -> Result<byoc_policy::Decision, NoJobPolicies> {
     let Some(policy) = ctx.settings.policy.clone() else {
-        return Err(NoPolicyScope { subject: subject.name.to_string() });
+        return Err(NoJobPolicies { subject: subject.name.to_string() });
     };
     let pctx = byoc_policy::Context {
         source: subject.source,

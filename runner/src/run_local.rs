@@ -106,7 +106,7 @@ pub struct LocalOptions {
     /// Stop after the policy decision.
     pub decide_only: bool,
     /// The policies terraform, helm and kubernetes jobs are decided with.
-    pub policy: Option<byoc_job_executors::PolicyScope>,
+    pub policy: Option<byoc_job_executors::JobPolicies>,
     pub terraform: PathBuf,
     pub helm: PathBuf,
     /// terraform state, saved plans and fetched components, kept between local runs.

@@ -6,7 +6,7 @@ use super::*;
 
 const DRIFT_PLAN: &str = "drift.tfplan";
 /// What a drift check takes of a plan's JSON, at most: the policies' input limit (the
-/// decision would refuse more anyway), 64 MiB without a policy scope.
+/// decision would refuse more anyway), 64 MiB without the job's policies.
 fn policy_input_cap(run: &Run<'_, '_>) -> u64 {
     run.ctx.settings.policy.as_ref().map(|p| p.limits.max_input_bytes as u64).unwrap_or(64 << 20)
 }

@@ -26,7 +26,7 @@ impl Terraform {
     pub(super) async fn plan_decide_apply(
         &self,
         run: &mut Run<'_, '_>,
-        policy: &crate::PolicyScope,
+        policy: &crate::JobPolicies,
         module: &Path,
         state_beside_module: bool,
         sealed: &SealedDir,

@@ -473,7 +473,7 @@ impl Terraform {
     async fn steps(
         &self,
         run: &mut Run<'_, '_>,
-        policy: &crate::PolicyScope,
+        policy: &crate::JobPolicies,
         module: &Path,
         state_beside_module: bool,
     ) -> Step<ExecOutcome> {

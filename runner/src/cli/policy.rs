@@ -13,7 +13,7 @@ pub(super) enum PolicyCmd {
     /// the parameters.
     List {
         /// The customer's policy directory (`*.rego`, `policies.toml`).
-        #[arg(long, default_value = crate::policy::DEFAULT_POLICY_DIR)]
+        #[arg(long, default_value = crate::customer_policies::DEFAULT_POLICY_DIR)]
         policies: PathBuf,
         /// An app config directory: list its `policies.toml` declarations too.
         #[arg(long)]
@@ -44,7 +44,7 @@ pub(super) struct TestArgs {
     /// (upgrade, apply; the default) or DELETE (uninstall, teardown, prune).
     #[arg(long, default_value = "component.deploy")]
     operation: String,
-    #[arg(long, default_value = crate::policy::DEFAULT_POLICY_DIR)]
+    #[arg(long, default_value = crate::customer_policies::DEFAULT_POLICY_DIR)]
     policies: PathBuf,
     /// A vendor policy file to include (repeatable), as the app config would bring it.
     #[arg(long = "vendor-policy")]
@@ -78,8 +78,8 @@ pub(super) fn run(cmd: PolicyCmd) -> i32 {
     }
 }
 
-fn load_policies(dir: &Path) -> Result<crate::policy::CustomerPolicies, i32> {
-    crate::policy::load(dir).map_err(|problems| {
+fn load_policies(dir: &Path) -> Result<crate::customer_policies::CustomerPolicies, i32> {
+    crate::customer_policies::load(dir).map_err(|problems| {
         eprintln!("error: the policy directory {} has problems:", dir.display());
         for p in problems {
             eprintln!("  {p}");
@@ -113,7 +113,7 @@ fn list(dir: &Path, app_dir: Option<&Path>, output: Output) -> i32 {
         serde_json::json!({
             "name": p.name, "origin": p.origin, "enforcement": p.enforcement, "digest": p.digest(),
             "convention": crate::app_policies::convention_of(p),
-            "description": crate::policy::description(p),
+            "description": crate::customer_policies::description(p),
         })
     };
     match output {
@@ -142,7 +142,7 @@ fn vendor_entry(d: &crate::app_policies::Declared) -> serde_json::Value {
     })
 }
 
-fn print_list(c: &crate::policy::CustomerPolicies, declared: &[crate::app_policies::Declared]) {
+fn print_list(c: &crate::customer_policies::CustomerPolicies, declared: &[crate::app_policies::Declared]) {
     if !declared.is_empty() {
         println!(
             "{:<40} {:<8} {:<20} {:<20} {:<12} LEVEL",
@@ -173,7 +173,7 @@ fn print_list(c: &crate::policy::CustomerPolicies, declared: &[crate::app_polici
             p.name,
             "builtin",
             level(p.enforcement),
-            crate::policy::description(p)
+            crate::customer_policies::description(p)
         );
     }
     for id in &c.off {
@@ -182,7 +182,7 @@ fn print_list(c: &crate::policy::CustomerPolicies, declared: &[crate::app_polici
             format!("builtin/{id}"),
             "builtin",
             "off",
-            crate::policy::SETTINGS_FILE
+            crate::customer_policies::SETTINGS_FILE
         );
     }
     for p in &c.own {
@@ -209,10 +209,11 @@ fn test(t: TestArgs) -> i32 {
         Ok(c) => c,
         Err(code) => return code,
     };
-    let mut vendor = match crate::policy::load_files(&t.vendor_policies, byoc_policy::Origin::Vendor) {
-        Ok(v) => v,
-        Err(e) => return usage(e.to_string()),
-    };
+    let mut vendor =
+        match crate::customer_policies::load_files(&t.vendor_policies, byoc_policy::Origin::Vendor) {
+            Ok(v) => v,
+            Err(e) => return usage(e.to_string()),
+        };
     let app = match t.app.as_deref().map(crate::app_policies::load_dir).transpose() {
         Ok(a) => a,
         Err(e) => return usage(e.to_string()),
@@ -261,7 +262,7 @@ fn test(t: TestArgs) -> i32 {
         drift: false,
     };
     // The same evaluator process, under the same memory limit, as jobs use.
-    let about = crate::policy::Decision {
+    let about = crate::customer_policies::Decision {
         phase: ctx.phase.clone(),
         operation: ctx.operation.clone(),
         ..Default::default()

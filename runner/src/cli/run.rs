@@ -23,7 +23,7 @@ pub(super) struct LocalArgs {
     #[arg(long)]
     plan_only: bool,
     /// The customer's policy directory to decide with (`*.rego`, `policies.toml`).
-    #[arg(long, default_value = crate::policy::DEFAULT_POLICY_DIR)]
+    #[arg(long, default_value = crate::customer_policies::DEFAULT_POLICY_DIR)]
     policies: PathBuf,
     /// A vendor policy file to include (repeatable).
     #[arg(long = "vendor-policy")]
@@ -173,11 +173,12 @@ pub(super) fn local(args: LocalArgs) -> i32 {
 fn local_options(args: &LocalArgs, kind: &str) -> Result<crate::run_local::LocalOptions, String> {
     let decided = byoc_protocol::JobKind::parse(kind).is_some_and(byoc_protocol::JobKind::decided_by_policy);
     let policy = if decided {
-        let customer = crate::policy::load(&args.policies).map_err(|problems| {
+        let customer = crate::customer_policies::load(&args.policies).map_err(|problems| {
             format!("the policy directory {} has problems: {}", args.policies.display(), problems.join("; "))
         })?;
-        let mut vendor = crate::policy::load_files(&args.vendor_policies, byoc_policy::Origin::Vendor)
-            .map_err(|e| e.to_string())?;
+        let mut vendor =
+            crate::customer_policies::load_files(&args.vendor_policies, byoc_policy::Origin::Vendor)
+                .map_err(|e| e.to_string())?;
         let mut cluster_policies = vec![];
         if let Some(dir) = &args.app_config {
             let app = crate::app_policies::load_dir(dir).map_err(|e| e.to_string())?;
@@ -192,7 +193,7 @@ fn local_options(args: &LocalArgs, kind: &str) -> Result<crate::run_local::Local
                 .map(|d| (d.policy().name, d.text.clone()))
                 .collect();
         }
-        let about = crate::policy::Decision {
+        let about = crate::customer_policies::Decision {
             phase: args.phase.clone(),
             operation: args.operation.clone(),
             install: "local".into(),

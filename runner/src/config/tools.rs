@@ -164,7 +164,7 @@ impl PolicyConfig {
         let mut f = Fields::new("policy", table, problems);
         let policy = PolicyConfig {
             dir: PathBuf::from(
-                f.get::<String>("dir").unwrap_or_else(|| crate::policy::DEFAULT_POLICY_DIR.into()),
+                f.get::<String>("dir").unwrap_or_else(|| crate::customer_policies::DEFAULT_POLICY_DIR.into()),
             ),
             time_limit: Duration::from_millis(f.ranged("time_limit_ms", 10_000, 10..=600_000)),
             max_input_bytes: (f.ranged("max_input_mib", 64, 1..=1024) << 20) as usize,

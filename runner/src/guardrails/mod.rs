@@ -42,7 +42,7 @@ pub struct Guardrails {
 /// empty list matches anything).
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct Scope {
+pub struct JobSelector {
     /// Role names or lifecycle types (`maintenance`, `break_glass`, …).
     #[serde(default)]
     pub roles: Vec<String>,
@@ -66,7 +66,7 @@ pub struct Scope {
 #[derive(Debug, Clone)]
 pub struct ApprovalRule {
     pub name: String,
-    pub scope: Scope,
+    pub scope: JobSelector,
     /// How long a request stays open.
     pub expires_secs: u64,
     /// Before the job runs, or between its plan's decision and apply (terraform).
@@ -151,14 +151,14 @@ pub enum OnClose {
 pub struct WindowRule {
     pub name: String,
     pub windows: Vec<String>,
-    pub scope: Scope,
+    pub scope: JobSelector,
     pub outside: Outside,
     pub on_close: OnClose,
 }
 
 /// What a rule is matched against.
 #[derive(Debug, Clone, Copy)]
-pub struct JobScope<'a> {
+pub struct JobAttributes<'a> {
     /// The role's name and its lifecycle type (`maintenance`, `break_glass`, …): a
     /// rule's `roles` matches either.
     pub role: Option<&'a str>,
@@ -183,8 +183,8 @@ pub enum WindowCheck {
     Closed { rule: String, outside: Outside, next: Option<(String, i64)> },
 }
 
-impl Scope {
-    fn matches(&self, job: &JobScope) -> bool {
+impl JobSelector {
+    fn matches(&self, job: &JobAttributes) -> bool {
         let any =
             |set: &[String], v: Option<&str>| set.is_empty() || v.is_some_and(|v| set.iter().any(|s| s == v));
         (any(&self.roles, job.role) || any(&self.roles, job.role_type))
@@ -196,7 +196,7 @@ impl Scope {
 
     /// Whether some job could match both rules: every scope is open on one side or
     /// shares a value.
-    fn overlaps(&self, other: &Scope) -> bool {
+    fn overlaps(&self, other: &JobSelector) -> bool {
         let meet =
             |a: &[String], b: &[String]| a.is_empty() || b.is_empty() || a.iter().any(|x| b.contains(x));
         meet(&self.roles, &other.roles)
@@ -213,17 +213,17 @@ impl Guardrails {
         self.rules.is_empty() && self.approval_rules.is_empty()
     }
 
-    pub fn rule_for(&self, job: &JobScope) -> Option<&WindowRule> {
+    pub fn rule_for(&self, job: &JobAttributes) -> Option<&WindowRule> {
         self.rules.iter().find(|r| r.scope.matches(job))
     }
 
     /// The approval rule that holds `job` before it runs, if any.
-    pub fn approval_for(&self, job: &JobScope) -> Option<&ApprovalRule> {
+    pub fn approval_for(&self, job: &JobAttributes) -> Option<&ApprovalRule> {
         self.approval_rules.iter().find(|r| r.on == ApprovalPoint::Job && r.scope.matches(job))
     }
 
     /// The approval rule asked between `job`'s plan decision and apply, if any.
-    pub fn plan_approval_for(&self, job: &JobScope) -> Option<&ApprovalRule> {
+    pub fn plan_approval_for(&self, job: &JobAttributes) -> Option<&ApprovalRule> {
         self.approval_rules.iter().find(|r| r.on == ApprovalPoint::Plan && r.scope.matches(job))
     }
 
@@ -237,7 +237,7 @@ impl Guardrails {
     }
 
     /// The verdict for `job` at `now` (unix seconds).
-    pub fn check(&self, job: &JobScope, now: i64) -> WindowCheck {
+    pub fn check(&self, job: &JobAttributes, now: i64) -> WindowCheck {
         let Some(rule) = self.rule_for(job) else { return WindowCheck::Unbound };
         let now_ts = Timestamp::from_second(now).unwrap_or(Timestamp::UNIX_EPOCH);
         let windows = rule.windows.iter().filter_map(|w| self.windows.get(w));
@@ -330,8 +330,8 @@ mod tests {
         s.parse::<Timestamp>().expect("timestamp").as_second()
     }
 
-    fn deploy(role: &str) -> JobScope<'_> {
-        JobScope {
+    fn deploy(role: &str) -> JobAttributes<'_> {
+        JobAttributes {
             role: Some(role),
             role_type: None,
             operation: "component.deploy",
@@ -373,9 +373,9 @@ mod tests {
         .expect("valid");
         let now = at("2026-11-26T12:00:00Z");
         let relabelled =
-            JobScope { component: Some("not-db"), operation: "sandbox.provision", ..deploy("other") };
+            JobAttributes { component: Some("not-db"), operation: "sandbox.provision", ..deploy("other") };
         assert!(matches!(g.check(&relabelled, now), WindowCheck::Closed { .. }), "held by its effect");
-        let reading = JobScope { effect: "read", ..deploy("maintenance") };
+        let reading = JobAttributes { effect: "read", ..deploy("maintenance") };
         assert_eq!(g.check(&reading, now), WindowCheck::Unbound);
         let bad = guardrails(
             "[[window]]\nname = \"w\"\ntime_zone = \"UTC\"\nweekly = [\"sat 02:00-06:00\"]\n[[window_rule]]\nname = \"r\"\nwindows = [\"w\"]\neffects = [\"delete\"]\n",
@@ -407,7 +407,7 @@ mod tests {
             other => panic!("{other:?}"),
         }
         // Not bound: an action is not named by the rule.
-        let action = JobScope { operation: "action.trigger", ..deploy("maintenance") };
+        let action = JobAttributes { operation: "action.trigger", ..deploy("maintenance") };
         assert_eq!(g.check(&action, at("2026-11-25T12:00:00Z")), WindowCheck::Unbound);
     }
 
@@ -509,7 +509,7 @@ mod tests {
             WindowCheck::Closed { next: Some((_, t)), .. } if t == at("2026-12-11T01:00:00Z")
         ));
         assert_eq!(g.check(&deploy("provision"), at("2026-12-02T00:00:00Z")), WindowCheck::Unbound);
-        let other = JobScope { component: Some("web"), ..deploy("maintenance") };
+        let other = JobAttributes { component: Some("web"), ..deploy("maintenance") };
         assert_eq!(g.check(&other, at("2026-12-02T00:00:00Z")), WindowCheck::Unbound);
         // After the last one-off window there is no next opening.
         assert!(matches!(
@@ -583,7 +583,7 @@ mod tests {
         assert_eq!(rule("named").asks_for(&warned), None);
         assert!(rule("named").asks_for(&named).is_some());
         assert_eq!(rule("before-running").asks_for(&clean), None, "a job rule asks before the job runs");
-        let db = JobScope { component: Some("db"), ..deploy("maintenance") };
+        let db = JobAttributes { component: Some("db"), ..deploy("maintenance") };
         assert_eq!(g.plan_approval_for(&db).map(|r| r.name.as_str()), Some("every-plan"));
         assert_eq!(g.approval_for(&db).map(|r| r.name.as_str()), Some("before-running"));
 

@@ -20,14 +20,14 @@ struct RawWindow {
     once: Vec<String>,
 }
 
-const SCOPE_KEYS: &[&str] = &["roles", "operations", "components", "kinds", "effects"];
+const SELECTOR_KEYS: &[&str] = &["roles", "operations", "components", "kinds", "effects"];
 
 #[derive(Deserialize)]
 struct RawRule {
     name: String,
     windows: Vec<String>,
     #[serde(flatten)]
-    scope: Scope,
+    scope: JobSelector,
     outside: Option<String>,
     on_close: Option<String>,
 }
@@ -36,7 +36,7 @@ struct RawRule {
 struct RawApprovalRule {
     name: String,
     #[serde(flatten)]
-    scope: Scope,
+    scope: JobSelector,
     /// `30m`, `1h`, `2d`.
     expires: Option<String>,
     /// `job` (default) or `plan`.
@@ -74,7 +74,7 @@ pub fn parse(mut table: toml::Table, problems: &mut Vec<String>) -> Guardrails {
     for (i, raw) in entries::<RawRule>(
         rules,
         "guardrails.window_rule",
-        &[SCOPE_KEYS, &["name", "windows", "outside", "on_close"]].concat(),
+        &[SELECTOR_KEYS, &["name", "windows", "outside", "on_close"]].concat(),
         problems,
     )
     .into_iter()
@@ -97,7 +97,7 @@ pub fn parse(mut table: toml::Table, problems: &mut Vec<String>) -> Guardrails {
     for (i, raw) in entries::<RawApprovalRule>(
         approvals,
         "guardrails.approval_rule",
-        &[SCOPE_KEYS, &["name", "expires", "on", "when", "policies"]].concat(),
+        &[SELECTOR_KEYS, &["name", "expires", "on", "when", "policies"]].concat(),
         problems,
     )
     .into_iter()
@@ -120,7 +120,7 @@ fn parse_approval_rule(
     problems: &mut Vec<String>,
 ) -> Option<ApprovalRule> {
     let before = problems.len();
-    check_scope(&raw.scope, at, problems);
+    check_selector(&raw.scope, at, problems);
     let expires_secs = match raw.expires.as_deref().map(crate::clock::parse_duration) {
         None => APPROVAL_EXPIRES_SECS,
         Some(Ok(secs)) => secs,
@@ -177,7 +177,7 @@ fn parse_approval_rule(
 }
 
 /// Operations and kinds must be ones the runner knows; no value twice.
-fn check_scope(scope: &Scope, at: &str, problems: &mut Vec<String>) {
+fn check_selector(scope: &JobSelector, at: &str, problems: &mut Vec<String>) {
     for op in &scope.operations {
         let known = op.split_once('.').is_some_and(|(e, o)| byoc_protocol::known_operation(e, o));
         if !known {
@@ -208,7 +208,7 @@ fn check_scope(scope: &Scope, at: &str, problems: &mut Vec<String>) {
 }
 
 /// Each `[[what]]` table as a `T`; keys outside `allowed` are reported (serde's
-/// `deny_unknown_fields` does not see through the flattened `Scope`).
+/// `deny_unknown_fields` does not see through the flattened `JobSelector`).
 fn entries<T: serde::de::DeserializeOwned>(
     v: Option<toml::Value>,
     what: &str,
@@ -298,7 +298,7 @@ fn parse_rule(
     for w in raw.windows.iter().filter(|w| !windows.contains_key(*w)) {
         problems.push(format!("{at}: window {w:?} is not defined (or was refused above)"));
     }
-    check_scope(&raw.scope, at, problems);
+    check_selector(&raw.scope, at, problems);
     let outside = match raw.outside.as_deref() {
         None | Some("wait") => Outside::Wait,
         Some("refuse") => Outside::Refuse,

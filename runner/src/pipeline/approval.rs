@@ -14,7 +14,7 @@ use crate::runtime::Rt;
 
 /// The approval rule that holds `job` before it runs, if any.
 pub fn approval_rule(rt: &Rt, job: &VerifiedJob) -> Option<crate::guardrails::ApprovalRule> {
-    rt.config.guardrails.approval_for(&JobFacts::of(job).scope()).cloned()
+    rt.config.guardrails.approval_for(&JobFacts::of(job).attributes()).cloned()
 }
 
 /// Hold a claimed job until a local admin approves it (`byoc-runner approve`), under

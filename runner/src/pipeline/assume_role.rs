@@ -11,7 +11,7 @@ use byoc_job_executors::mask::SecretFeed;
 use byoc_job_executors::{ContainerCredentials, JobCredentials};
 
 use super::gate::ClearedJob;
-use super::resolve_role::ScopedRole;
+use super::resolve_role::ResolvedRole;
 use crate::clock::rfc3339;
 use crate::roles::creds::{
     CONTAINER_BUSYBOX, CONTAINER_CREDENTIALS_DIR, CredentialFile, JobEndpoint, JobSession,
@@ -72,7 +72,7 @@ pub async fn assume(rt: &Rt, cleared: ClearedJob) -> Result<AssumedJob, Box<NotA
 async fn assume_for_job(
     rt: &Rt,
     p: &byoc_protocol::JobPayload,
-    role: &ScopedRole,
+    role: &ResolvedRole,
 ) -> Result<(RoleSession, JobCredentials, String), String> {
     let roles = &rt.roles;
     let name = &role.derived.role.name;
@@ -202,7 +202,11 @@ fn endpoint_credentials(
 
 /// The job's session: named and tagged after the job, as long as its timeout (and no
 /// longer than a local allowance it runs under, whose end is returned too).
-fn session_params(rt: &Rt, p: &byoc_protocol::JobPayload, role: &ScopedRole) -> (SessionParams, Option<i64>) {
+fn session_params(
+    rt: &Rt,
+    p: &byoc_protocol::JobPayload,
+    role: &ResolvedRole,
+) -> (SessionParams, Option<i64>) {
     let roles = &rt.roles;
     let name = &role.derived.role.name;
     // A role under a local allowance: its session lasts no longer than the allowance
@@ -325,7 +329,7 @@ fn container_credentials(
 fn narrowed_params(
     rt: &Rt,
     p: &byoc_protocol::JobPayload,
-    role: &ScopedRole,
+    role: &ResolvedRole,
     params: &SessionParams,
 ) -> Result<Option<(SessionParams, String)>, String> {
     if p.kind != "terraform" {
@@ -370,7 +374,7 @@ mod tests {
 
     async fn cleared(f: &testing::Fakes, role: Option<&str>) -> ClearedJob {
         f.switches.set("maintenance", true);
-        let scoped = super::super::resolve_role::scope(&f.rt, testing::verified("job-1", role))
+        let scoped = super::super::resolve_role::resolve(&f.rt, testing::verified("job-1", role))
             .await
             .ok()
             .expect("scoped");

@@ -8,12 +8,12 @@
 //! denies (fail closed), and say why in the job's log.
 
 use super::VerifiedJob;
-use super::resolve_role::{ScopedJob, ScopedRole};
+use super::resolve_role::{ResolvedJob, ResolvedRole};
 use crate::runtime::Rt;
 
 pub struct AuthorizedJob {
     pub verified: VerifiedJob,
-    pub role: Option<ScopedRole>,
+    pub role: Option<ResolvedRole>,
     pub policy: PolicyChoice,
 }
 
@@ -22,7 +22,7 @@ pub struct AuthorizedJob {
 pub struct PolicyChoice {
     /// `None`: the job is not decided by policy, or its policies could not be loaded
     /// (then `note` says why and every decision denies).
-    pub scope: Option<byoc_job_executors::PolicyScope>,
+    pub scope: Option<byoc_job_executors::JobPolicies>,
     /// A line for the job's log.
     pub note: Option<String>,
 }
@@ -33,7 +33,7 @@ pub enum AuthorizeError {
     Audit(#[from] byoc_audit::log::AuditError),
 }
 
-pub fn authorize(rt: &Rt, job: ScopedJob) -> Result<AuthorizedJob, AuthorizeError> {
+pub fn authorize(rt: &Rt, job: ResolvedJob) -> Result<AuthorizedJob, AuthorizeError> {
     if let Some(role) = &job.role {
         rt.audit.record(role_resolved(&job.verified, role))?;
     }
@@ -43,7 +43,7 @@ pub fn authorize(rt: &Rt, job: ScopedJob) -> Result<AuthorizedJob, AuthorizeErro
     Ok(AuthorizedJob { verified: job.verified, role: job.role, policy })
 }
 
-fn role_resolved(job: &VerifiedJob, role: &ScopedRole) -> byoc_audit::log::Record {
+fn role_resolved(job: &VerifiedJob, role: &ResolvedRole) -> byoc_audit::log::Record {
     let p = &job.payload;
     let detail = format!(
         "{} by {} {:?}; {}",
@@ -65,9 +65,9 @@ fn role_resolved(job: &VerifiedJob, role: &ScopedRole) -> byoc_audit::log::Recor
 /// The policies this job's decisions are made with: the built-in pack at the customer's
 /// levels, the vendor's from the signed app config, the customer's own. No scope (and a
 /// line for the job log) when the customer's directory has problems: decisions then deny.
-fn policy_scope(rt: &Rt, job: &ScopedJob) -> PolicyChoice {
+fn policy_scope(rt: &Rt, job: &ResolvedJob) -> PolicyChoice {
     let p = &job.verified.payload;
-    let customer = match crate::policy::load(&rt.config.policy.dir) {
+    let customer = match crate::customer_policies::load(&rt.config.policy.dir) {
         Ok(c) => c,
         Err(problems) => {
             let line = format!(
@@ -96,7 +96,7 @@ fn policy_scope(rt: &Rt, job: &ScopedJob) -> PolicyChoice {
             }
         }
     };
-    let decision = crate::policy::Decision {
+    let decision = crate::customer_policies::Decision {
         phase: job
             .role
             .as_ref()
@@ -126,14 +126,14 @@ mod tests {
     use std::sync::atomic::Ordering;
 
     use super::*;
-    use crate::pipeline::resolve_role::ScopedJob;
+    use crate::pipeline::resolve_role::ResolvedJob;
     use crate::testing;
 
-    async fn scoped(f: &testing::Fakes, kind: &str, role: Option<&str>) -> ScopedJob {
+    async fn scoped(f: &testing::Fakes, kind: &str, role: Option<&str>) -> ResolvedJob {
         let mut verified = testing::verified("job-1", role);
         verified.payload.kind = kind.into();
         f.switches.set("maintenance", true);
-        super::super::resolve_role::scope(&f.rt, verified).await.ok().expect("scoped")
+        super::super::resolve_role::resolve(&f.rt, verified).await.ok().expect("scoped")
     }
 
     #[tokio::test]

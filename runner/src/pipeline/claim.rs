@@ -4,7 +4,7 @@
 
 use super::VerifiedJob;
 use super::authorize::{AuthorizedJob, PolicyChoice};
-use super::resolve_role::ScopedRole;
+use super::resolve_role::ResolvedRole;
 use crate::control_plane::ClientError;
 use crate::control_plane::retry::{Policy, Retried, retry};
 use crate::journal::{Event, RecordError};
@@ -12,7 +12,7 @@ use crate::runtime::Rt;
 
 pub struct ClaimedJob {
     pub verified: VerifiedJob,
-    pub role: Option<ScopedRole>,
+    pub role: Option<ResolvedRole>,
     pub policy: PolicyChoice,
     pub lease_secs: u64,
     /// When its maintenance window closes, for a rule that cancels the job then.

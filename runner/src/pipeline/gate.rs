@@ -20,7 +20,7 @@ use byoc_protocol::{JobStatus, JobWaiting, RejectReason};
 use super::authorize::PolicyChoice;
 use super::claim::ClaimedJob;
 use super::held::{forget_held, keep_held};
-use super::resolve_role::ScopedRole;
+use super::resolve_role::ResolvedRole;
 use super::window::{WindowClose, check, close_of, next_opening, policy_context};
 use super::{Rejection, VerifiedJob, approval, refuse, resolve_role};
 use crate::clock::rfc3339;
@@ -46,7 +46,7 @@ impl JobSlot for () {
 /// A job the customer's gates let through, about to run.
 pub struct ClearedJob {
     pub verified: VerifiedJob,
-    pub role: Option<ScopedRole>,
+    pub role: Option<ResolvedRole>,
     /// Its policy decision, with the context as of now.
     pub policy: PolicyChoice,
     /// When its maintenance window closes, for a rule that cancels the job then.
@@ -280,7 +280,7 @@ async fn recheck(rt: &Rt, job: ClaimedJob) -> Result<Waited, RecordError> {
         refuse::refuse_received(rt, &verified, rejection).await?;
         return Ok(Waited::Settled);
     }
-    match resolve_role::scope(rt, verified).await {
+    match resolve_role::resolve(rt, verified).await {
         Ok(scoped) => {
             let window_close = close_of(&check(rt, &scoped.verified));
             Ok(Waited::Run(Box::new(ClaimedJob {

@@ -5,8 +5,8 @@
 //! |----------------|--------------------|----------------------------------------|
 //! | receive        | `receive.rs`       | poll response → `PolledJob`            |
 //! | verify         | `verify.rs`        | `PolledJob` → `VerifiedJob` (journaled) |
-//! | resolve_role   | `resolve_role.rs`  | `VerifiedJob` → `ScopedJob`            |
-//! | authorize      | `authorize.rs`     | `ScopedJob` → `AuthorizedJob`          |
+//! | resolve_role   | `resolve_role.rs`  | `VerifiedJob` → `ResolvedJob`            |
+//! | authorize      | `authorize.rs`     | `ResolvedJob` → `AuthorizedJob`          |
 //! | window         | `window.rs`        | refuses a job outside a window whose rule refuses |
 //! | claim          | `claim.rs`         | `AuthorizedJob` → `ClaimedJob`         |
 //! | gate           | `gate.rs`          | `ClaimedJob` → `ClearedJob` (windows, `approval.rs`, policy context) |
@@ -50,7 +50,7 @@ pub use execute::RanJob;
 pub use gate::ClearedJob;
 pub use receive::PolledJob;
 pub use record::FinishedJob;
-pub use resolve_role::ScopedJob;
+pub use resolve_role::ResolvedJob;
 pub use verify::{Rejection, VerifiedJob};
 
 /// Where a job came from, which decides whom its path answers to.
@@ -186,7 +186,7 @@ pub async fn run_job<Slot: gate::JobSlot>(
     mut slot: Slot,
 ) -> Result<(), RecordError> {
     let job_id = job.payload.job_id.clone();
-    let scoped = match resolve_role::scope(&rt, job).await {
+    let scoped = match resolve_role::resolve(&rt, job).await {
         Ok(scoped) => scoped,
         Err(refused) => {
             let (job, rejection) = *refused;

@@ -38,7 +38,7 @@ impl PlanApprover {
     /// The approver for `job`, if an `on = "plan"` rule names it.
     pub fn for_job(rt: &Rt, job: &VerifiedJob, holding: Holding) -> Option<Arc<dyn ApplyApproval>> {
         let scoped = super::window::JobFacts::of(job);
-        let rule = rt.config.guardrails.plan_approval_for(&scoped.scope())?.clone();
+        let rule = rt.config.guardrails.plan_approval_for(&scoped.attributes())?.clone();
         let super::window::JobFacts { role, operation, component, .. } = scoped;
         Some(Arc::new(PlanApprover {
             rt: rt.clone(),

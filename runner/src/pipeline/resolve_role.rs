@@ -14,14 +14,14 @@ use crate::roles::chain::Derived;
 use crate::roles::model::AppRoles;
 use crate::runtime::Rt;
 
-pub struct ScopedJob {
+pub struct ResolvedJob {
     pub verified: VerifiedJob,
     /// `None`: the job asked for no role and gets no AWS credentials.
-    pub role: Option<ScopedRole>,
+    pub role: Option<ResolvedRole>,
 }
 
 #[derive(Debug, Clone)]
-pub struct ScopedRole {
+pub struct ResolvedRole {
     pub derived: Derived,
     pub arn: String,
     /// Where the switch said yes (`stack parameter EnableMaintenanceRole=true, …`).
@@ -30,9 +30,9 @@ pub struct ScopedRole {
 
 const SWITCH_READ_ATTEMPTS: u32 = 3;
 
-pub async fn scope(rt: &Rt, verified: VerifiedJob) -> Result<ScopedJob, Box<(VerifiedJob, Rejection)>> {
+pub async fn resolve(rt: &Rt, verified: VerifiedJob) -> Result<ResolvedJob, Box<(VerifiedJob, Rejection)>> {
     let Some(derived) = verified.role.clone() else {
-        return Ok(ScopedJob { verified, role: None });
+        return Ok(ResolvedJob { verified, role: None });
     };
     let refuse = |verified: VerifiedJob, reason, detail: String| {
         let rejection = super::gate::rejection_of(&verified, reason, detail);
@@ -107,7 +107,7 @@ pub async fn scope(rt: &Rt, verified: VerifiedJob) -> Result<ScopedJob, Box<(Ver
         );
     }
     let arn = switch.arn.clone().unwrap_or_default();
-    Ok(ScopedJob { verified, role: Some(ScopedRole { derived, arn, switch_source: switch.source }) })
+    Ok(ResolvedJob { verified, role: Some(ResolvedRole { derived, arn, switch_source: switch.source }) })
 }
 
 #[cfg(test)]
@@ -120,7 +120,7 @@ mod tests {
     #[tokio::test]
     async fn a_job_without_a_role_reads_no_switches() {
         let f = testing::runtime().await;
-        let scoped = scope(&f.rt, testing::verified("job-1", None)).await.ok().expect("scoped");
+        let scoped = resolve(&f.rt, testing::verified("job-1", None)).await.ok().expect("scoped");
         assert!(scoped.role.is_none());
         assert_eq!(f.switches.reads.load(Ordering::SeqCst), 0);
     }
@@ -130,7 +130,7 @@ mod tests {
         let f = testing::runtime().await;
         f.switches.set("maintenance", true);
         let scoped =
-            scope(&f.rt, testing::verified("job-1", Some("maintenance"))).await.ok().expect("scoped");
+            resolve(&f.rt, testing::verified("job-1", Some("maintenance"))).await.ok().expect("scoped");
         let role = scoped.role.expect("role");
         assert_eq!(role.arn, "arn:aws:iam::123456789012:role/maintenance");
         assert!(!role.switch_source.is_empty());
@@ -142,7 +142,7 @@ mod tests {
         let f = testing::runtime().await;
         f.switches.set("maintenance", false);
         let (_, r) =
-            *scope(&f.rt, testing::verified("job-1", Some("maintenance"))).await.err().expect("refused");
+            *resolve(&f.rt, testing::verified("job-1", Some("maintenance"))).await.err().expect("refused");
         assert_eq!(r.reason, RejectReason::RoleDisabled);
         assert!(r.detail.contains("switched off") && r.detail.contains("to allow it"), "{}", r.detail);
         assert_eq!(f.sts.calls.load(Ordering::SeqCst), 0);
@@ -160,7 +160,7 @@ mod tests {
             }
             v
         };
-        let (_, r) = *scope(&f.rt, break_glass()).await.err().expect("refused");
+        let (_, r) = *resolve(&f.rt, break_glass()).await.err().expect("refused");
         assert_eq!(r.reason, RejectReason::RoleDisabled);
         assert!(r.detail.contains("local allowance"), "{}", r.detail);
         let now = f.rt.clock.now_ms();
@@ -171,12 +171,12 @@ mod tests {
             reason: "t".into(),
         };
         allowance::grant(&f.rt.state_dir, "maintenance", grant(now + 60_000)).expect("grant");
-        assert!(scope(&f.rt, break_glass()).await.is_ok());
+        assert!(resolve(&f.rt, break_glass()).await.is_ok());
         allowance::grant(&f.rt.state_dir, "maintenance", grant(now)).expect("grant");
-        let (_, r) = *scope(&f.rt, break_glass()).await.err().expect("refused");
+        let (_, r) = *resolve(&f.rt, break_glass()).await.err().expect("refused");
         assert!(r.detail.contains("expired"), "{}", r.detail);
         // A maintenance role needs none (require_local_allow defaults to break_glass).
-        assert!(scope(&f.rt, testing::verified("job-2", Some("maintenance"))).await.is_ok());
+        assert!(resolve(&f.rt, testing::verified("job-2", Some("maintenance"))).await.is_ok());
         assert_eq!(f.sts.calls.load(Ordering::SeqCst), 0);
     }
 
@@ -185,7 +185,7 @@ mod tests {
         let f = testing::runtime().await;
         f.switches.set("provision", true);
         let (_, r) =
-            *scope(&f.rt, testing::verified("job-1", Some("maintenance"))).await.err().expect("refused");
+            *resolve(&f.rt, testing::verified("job-1", Some("maintenance"))).await.err().expect("refused");
         assert_eq!(r.reason, RejectReason::RoleUnknown);
     }
 
@@ -194,7 +194,7 @@ mod tests {
         let f = testing::runtime().await;
         f.switches.unreadable.store(true, Ordering::SeqCst);
         let (_, r) =
-            *scope(&f.rt, testing::verified("job-1", Some("maintenance"))).await.err().expect("refused");
+            *resolve(&f.rt, testing::verified("job-1", Some("maintenance"))).await.err().expect("refused");
         assert_eq!(r.reason, RejectReason::RoleDisabled);
         assert!(r.detail.contains("could not be read"), "{}", r.detail);
         assert_eq!(f.switches.reads.load(Ordering::SeqCst), SWITCH_READ_ATTEMPTS as usize);

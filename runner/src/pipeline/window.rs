@@ -8,7 +8,7 @@ use byoc_protocol::RejectReason;
 
 use super::{Rejection, VerifiedJob};
 use crate::clock::rfc3339;
-use crate::guardrails::{JobScope, OnClose, Outside, WindowCheck};
+use crate::guardrails::{JobAttributes, OnClose, Outside, WindowCheck};
 use crate::runtime::Rt;
 
 /// When the window the job runs in closes, if its rule cancels the job then.
@@ -20,7 +20,7 @@ pub struct WindowClose {
 }
 
 /// The facts about a job the guardrails' rules match it by, owned (`scope()` lends
-/// them as a `guardrails::JobScope`).
+/// them as a `guardrails::JobAttributes`).
 pub struct JobFacts {
     pub role: Option<String>,
     pub role_type: Option<String>,
@@ -45,8 +45,8 @@ impl JobFacts {
         }
     }
 
-    pub fn scope(&self) -> JobScope<'_> {
-        JobScope {
+    pub fn attributes(&self) -> JobAttributes<'_> {
+        JobAttributes {
             role: self.role.as_deref(),
             role_type: self.role_type.as_deref(),
             operation: &self.operation,
@@ -62,7 +62,7 @@ pub fn check(rt: &Rt, job: &VerifiedJob) -> WindowCheck {
     if rt.config.guardrails.is_empty() {
         return WindowCheck::Unbound;
     }
-    rt.config.guardrails.check(&JobFacts::of(job).scope(), rt.clock.unix_now())
+    rt.config.guardrails.check(&JobFacts::of(job).attributes(), rt.clock.unix_now())
 }
 
 /// The refusal of a job outside a window whose rule refuses.

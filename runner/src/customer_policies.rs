@@ -61,8 +61,8 @@ impl CustomerPolicies {
         decision: Decision,
         limits: byoc_policy::Limits,
         memory_mib: u64,
-    ) -> byoc_job_executors::PolicyScope {
-        byoc_job_executors::PolicyScope {
+    ) -> byoc_job_executors::JobPolicies {
+        byoc_job_executors::JobPolicies {
             policies: self.with_vendor(vendor),
             params: self.params.clone(),
             phase: decision.phase,
