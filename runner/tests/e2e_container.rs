@@ -229,6 +229,13 @@ async fn a_container_runs_its_images_entrypoint_and_command_as_the_engine_would(
     // What the refusal without a busybox is checked against.
     let events = engine_events(&id, since);
     assert!(events.iter().any(|a| a == "create") && events.iter().any(|a| a == "start"), "{events:?}");
+    // An image with nothing to run and a job that names nothing: failed, nothing created.
+    let bare = import_image("byoc-test/busybox:basic", &[]);
+    let id = e.cp.enqueue(container(serde_json::json!({"image": bare, "network": false}))).unwrap();
+    let r = e.finished(&id).await.result.unwrap();
+    assert_eq!(r.status, JobStatus::Failed);
+    assert!(r.error.as_deref().unwrap_or_default().contains("no entrypoint or command"), "{:?}", r.error);
+    assert_eq!(engine_events(&id, since), Vec::<String>::new());
 }
 
 /// Without a static busybox the runner cannot read a container's output, so it
