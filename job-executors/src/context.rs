@@ -55,6 +55,8 @@ pub struct ExecSettings {
     pub apply_approval: Option<Arc<dyn crate::policy_gate::ApplyApproval>>,
     /// The customer's secrets the job may name (`None`: a job naming one fails).
     pub secrets: Option<crate::secrets::SecretSettings>,
+    /// Verifies and stages a `runner.update`'s release (`None`: such a job fails).
+    pub update: Option<crate::runner_update::Stager>,
 }
 
 impl ExecContext<'_> {
@@ -77,6 +79,7 @@ impl ExecContext<'_> {
             decide_only: false,
             apply_approval: None,
             secrets: None,
+            update: None,
         }
     }
 }
@@ -142,6 +145,10 @@ impl ExecSettings {
     }
     pub fn secrets(mut self, secrets: Option<crate::secrets::SecretSettings>) -> Self {
         self.secrets = secrets;
+        self
+    }
+    pub fn update(mut self, stager: Option<crate::runner_update::Stager>) -> Self {
+        self.update = stager;
         self
     }
     pub fn decide_only(mut self, decide_only: bool) -> Self {

@@ -29,6 +29,7 @@ pub mod oci;
 pub mod outputs;
 pub mod policy_gate;
 pub mod process;
+pub mod runner_update;
 pub mod sandboxed;
 pub mod script;
 pub mod secrets;
@@ -544,6 +545,11 @@ pub trait Executor: Send + Sync {
     fn drift_spec(&self) -> Option<serde_json::Value> {
         None
     }
+
+    /// A `runner.update`: what it asks, for the customer's terms (checked before the claim).
+    fn runner_update(&self) -> Option<&runner_update::UpdateAsk> {
+        None
+    }
 }
 
 /// Something the runner connects to on a job's behalf.
@@ -737,5 +743,6 @@ pub fn build(kind: &str, spec: &serde_json::Value) -> Result<Box<dyn Executor>, 
         JobKind::Kubernetes => Box::new(kubernetes::Kubernetes::from_spec(spec).map_err(invalid)?),
         JobKind::OciSync => Box::new(oci::OciSync::from_spec(spec).map_err(invalid)?),
         JobKind::SecretsSync => Box::new(secrets::sync::SecretsSync::from_spec(spec).map_err(invalid)?),
+        JobKind::RunnerUpdate => Box::new(runner_update::RunnerUpdate::from_spec(spec).map_err(invalid)?),
     })
 }

@@ -38,6 +38,8 @@ pub const OPERATIONS: &[(&str, &[&str])] = &[
     ("artifact", &["sync"]),
     // `sync`: the customer's secrets written where the app config declares (docs/SECRETS.md).
     ("secret", &["sync"]),
+    // `update`: the runner's own package replaced by a signed release (docs/OPERATIONS.md).
+    ("runner", &["update"]),
 ];
 
 pub fn known_operation(entity: &str, operation: &str) -> bool {
@@ -61,11 +63,13 @@ pub enum Effect {
     /// Runs the vendor's code (a script, a container): what it does is not derived, and
     /// no plan is decided for it.
     Run,
+    /// Replaces the runner itself with a signed release.
+    Update,
 }
 
 impl Effect {
     pub const ALL: &'static [Effect] =
-        &[Effect::Read, Effect::Change, Effect::Destroy, Effect::Copy, Effect::Run];
+        &[Effect::Read, Effect::Change, Effect::Destroy, Effect::Copy, Effect::Run, Effect::Update];
 
     pub fn as_str(self) -> &'static str {
         match self {
@@ -74,6 +78,7 @@ impl Effect {
             Effect::Destroy => "destroy",
             Effect::Copy => "copy",
             Effect::Run => "run",
+            Effect::Update => "update",
         }
     }
 
@@ -103,6 +108,7 @@ impl Effect {
             }
             Effect::Destroy => &["sandbox.deprovision", "component.teardown"],
             Effect::Copy => &["artifact.sync"],
+            Effect::Update => &["runner.update"],
             Effect::Run => &[
                 "action.trigger",
                 "sandbox.provision",
@@ -139,10 +145,11 @@ pub enum JobKind {
     Kubernetes,
     OciSync,
     SecretsSync,
+    RunnerUpdate,
 }
 
 impl JobKind {
-    pub const ALL: [JobKind; 8] = [
+    pub const ALL: [JobKind; 9] = [
         JobKind::Noop,
         JobKind::ActionScript,
         JobKind::ActionContainer,
@@ -151,6 +158,7 @@ impl JobKind {
         JobKind::Kubernetes,
         JobKind::OciSync,
         JobKind::SecretsSync,
+        JobKind::RunnerUpdate,
     ];
 
     pub fn parse(kind: &str) -> Option<JobKind> {
@@ -168,6 +176,7 @@ impl JobKind {
             JobKind::Kubernetes => "kubernetes",
             JobKind::OciSync => "oci.sync",
             JobKind::SecretsSync => "secrets.sync",
+            JobKind::RunnerUpdate => "runner.update",
         }
     }
 
@@ -176,7 +185,7 @@ impl JobKind {
     pub fn group(self) -> &'static str {
         match self {
             JobKind::Terraform | JobKind::Helm | JobKind::Kubernetes => "deploys",
-            JobKind::OciSync | JobKind::SecretsSync => "syncs",
+            JobKind::OciSync | JobKind::SecretsSync | JobKind::RunnerUpdate => "syncs",
             JobKind::Noop | JobKind::ActionScript | JobKind::ActionContainer => "actions",
         }
     }
@@ -443,6 +452,13 @@ pub enum RejectReason {
     /// what its operation or the type of its role is for: a terraform apply labelled
     /// `action.trigger`, a deploy under a deprovision role, an unknown operation.
     OperationMismatch,
+    /// A `runner.update` while the customer has updates switched off (`[update] mode`).
+    UpdateDisabled,
+    /// A `runner.update` to a version outside the customer's pin or range.
+    UpdatePinned,
+    /// A `runner.update` to a version not newer than the running one, without a
+    /// downgrade the release signs.
+    UpdateNotNewer,
 }
 
 impl RejectReason {
@@ -473,6 +489,9 @@ impl RejectReason {
             Self::ApprovalExpired => "approval_expired",
             Self::SecretTargetNotDeclared => "secret_target_not_declared",
             Self::OperationMismatch => "operation_mismatch",
+            Self::UpdateDisabled => "update_disabled",
+            Self::UpdatePinned => "update_pinned",
+            Self::UpdateNotNewer => "update_not_newer",
         }
     }
 
@@ -502,6 +521,9 @@ impl RejectReason {
         Self::ApprovalExpired,
         Self::SecretTargetNotDeclared,
         Self::OperationMismatch,
+        Self::UpdateDisabled,
+        Self::UpdatePinned,
+        Self::UpdateNotNewer,
     ];
 }
 
@@ -561,6 +583,9 @@ pub struct PollRequest {
     pub running_jobs: Vec<String>,
     pub draining: bool,
     pub version: String,
+    /// A release staged for the updater and not yet applied or rolled back.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pending_update: Option<String>,
     /// The customer paused this runner on the VM (it refuses new jobs with `paused`).
     #[serde(default)]
     pub paused: bool,

@@ -40,3 +40,4 @@ pub mod spool;
 pub mod state_dir;
 #[cfg(test)]
 pub mod testing;
+pub mod update;

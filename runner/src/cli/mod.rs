@@ -11,6 +11,7 @@
 //! | `policy.rs` | `policy list/test`, and the hidden `policy-eval`   |
 //! | `sync.rs`   | `sync`                                             |
 //! | `tfstate.rs`| `state list/show` (terraform state on this runner) |
+//! | `update.rs` | `update status/pin/unpin/rollback`, the hidden `update apply` |
 
 mod approvals;
 mod audit;
@@ -23,6 +24,7 @@ mod secrets;
 mod state;
 mod sync;
 mod tfstate;
+mod update;
 
 use std::path::{Path, PathBuf};
 
@@ -230,6 +232,13 @@ enum Cmd {
         #[command(subcommand)]
         cmd: tfstate::TfStateCmd,
     },
+    /// The runner's own updates: status, pin, unpin, rollback (docs/OPERATIONS.md).
+    ///
+    /// Example: byoc-runner update pin ">= 0.2.0, < 0.3.0"
+    Update {
+        #[command(subcommand)]
+        cmd: update::UpdateCmd,
+    },
     /// Configuration commands.
     Config {
         #[command(subcommand)]
@@ -325,6 +334,7 @@ pub fn main() -> i32 {
         Cmd::Metrics(s) => edge(|| state::metrics(&s)),
         Cmd::Pause { state, reason } => edge(|| state::pause(&state, reason)),
         Cmd::Resume(s) => edge(|| state::resume(&s)),
+        Cmd::Update { cmd } => edge(|| update::run(cmd)),
         Cmd::Approvals { state, action: None } => edge(|| approvals::list(&state)),
         Cmd::Approvals { action: Some(action), .. } => edge(|| approvals::run(action)),
         Cmd::Secrets(s) => edge(|| secrets::list(&s)),

@@ -12,6 +12,7 @@ mod fields;
 mod runner;
 mod sandbox;
 mod tools;
+mod update;
 
 use std::path::{Path, PathBuf};
 
@@ -24,6 +25,7 @@ pub use tools::{
     ArtifactsConfig, HelmConfig, KubernetesConfig, OciConfig, PolicyConfig, TerraformConfig,
     TerraformStateConfig,
 };
+pub use update::{UpdateConfig, UpdateMode};
 
 pub const DEFAULT_CONFIG_PATH: &str = "/etc/byoc-runner/runner.toml";
 pub const DEFAULT_STATE_DIR: &str = "/var/lib/byoc-runner";
@@ -53,6 +55,8 @@ pub struct Config {
     pub guardrails: crate::guardrails::Guardrails,
     /// `[drift]`: the checks the runner starts itself.
     pub drift: DriftConfig,
+    /// `[update]`: the customer's terms for the runner's own updates.
+    pub update: UpdateConfig,
     /// `[metrics] textfile`: where the daemon writes its metrics for node_exporter.
     pub metrics_textfile: Option<PathBuf>,
     /// Where the configuration was read from (hidden from jobs).
@@ -109,6 +113,7 @@ impl Config {
         let guardrails_t = t("guardrails");
         let drift_t = t("drift");
         let kubernetes_t = t("kubernetes");
+        let update_t = t("update");
         top.finish();
 
         let control_plane = ControlPlaneConfig::parse(cp_t, &mut problems);
@@ -130,6 +135,7 @@ impl Config {
         let drift = DriftConfig::parse(drift_t, &mut problems);
         let disk = parse_disk(disk_t, &mut problems);
         let metrics_textfile = parse_metrics(metrics_t, &mut problems);
+        let update = UpdateConfig::parse(update_t, &mut problems);
         // Across sections.
         if terraform.state.bucket.is_some() && terraform.state.region.is_none() && aws.region.is_none() {
             problems.push("terraform.state.region: required (or aws.region) with a state bucket".into());
@@ -160,6 +166,7 @@ impl Config {
             disk,
             guardrails,
             drift,
+            update,
             metrics_textfile,
             source: PathBuf::from(source_name),
             digest,

@@ -501,6 +501,7 @@ async fn poll_loop(
 ) {
     let mut backoff = Backoff::new(rt.config.poll.backoff_initial, rt.config.poll.backoff_max);
     let mut local_drift = local_drift::LocalDrift::default();
+    let mut updates = UpdateWatch::default();
     if std::env::var_os(WEDGE_FAULT_ENV).is_some_and(|v| v == "1") {
         // Test fault (the VM suite's watchdog case): a loop that never comes round.
         tracing::error!("{WEDGE_FAULT_ENV}=1: the poll loop is wedged on purpose");
@@ -555,11 +556,13 @@ async fn poll_loop(
             Ok(None) => {
                 backoff.reset();
                 crate::contact::poll_answered(&rt.state_dir, answered_at);
+                updates.poll_answered(rt, answered_at);
             }
             Ok(Some(resp)) => {
                 backoff.reset();
                 handle_delivery(rt, slots, tasks, PolledJob::from(resp));
                 crate::contact::poll_answered(&rt.state_dir, answered_at);
+                updates.poll_answered(rt, answered_at);
             }
             Err(e) => {
                 crate::contact::poll_failed(&rt.state_dir, answered_at, &e.to_string());
@@ -571,6 +574,42 @@ async fn poll_loop(
                 }
             }
         }
+    }
+}
+
+/// The updater's side of the poll loop: the health it waits for (once, after the first
+/// answered poll), and its outcome audited (whichever version reads it).
+#[derive(Default)]
+struct UpdateWatch {
+    healthy: bool,
+    /// The pin file as last seen (`None` before the first look): a change is audited.
+    pin: Option<Option<Vec<u8>>>,
+}
+
+impl UpdateWatch {
+    fn poll_answered(&mut self, rt: &Rt, at_ms: u64) {
+        if !self.healthy {
+            self.healthy = true;
+            let key = crate::identity::load_or_create_key(&rt.state_dir)
+                .map(|(k, _)| byoc_protocol::sha256_hex(k.verifying_key().as_bytes()))
+                .unwrap_or_default();
+            crate::update::record_health(&rt.state_dir, &key, at_ms);
+        }
+        crate::update::record_outcome(&rt.state_dir, rt.audit.as_ref());
+        let pin = std::fs::read(crate::update::pin_path(&rt.state_dir)).ok();
+        if self.pin.as_ref().is_some_and(|seen| *seen != pin) {
+            let detail = match &pin {
+                Some(bytes) => format!(
+                    "pinned: {}",
+                    String::from_utf8_lossy(bytes).split_whitespace().collect::<Vec<_>>().join(" ")
+                ),
+                None => "unpinned".into(),
+            };
+            if let Err(e) = rt.audit.record(crate::audit_records::note("update_pin_changed", detail)) {
+                tracing::error!(error = %e, "Could not audit the update pin's change: {e}.");
+            }
+        }
+        self.pin = Some(pin);
     }
 }
 
@@ -594,7 +633,8 @@ fn poll_request(rt: &Rt, free_groups: Vec<String>, pause: Option<crate::roles::p
         free_groups,
         running_jobs,
         draining: false,
-        version: env!("CARGO_PKG_VERSION").to_string(),
+        version: crate::update::running_version().to_string(),
+        pending_update: crate::update::pending(&rt.state_dir),
         paused: pause.is_some(),
         pause_reason: pause.and_then(|p| p.reason),
     }

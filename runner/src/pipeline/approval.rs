@@ -13,8 +13,15 @@ use crate::journal::RecordError;
 use crate::runtime::Rt;
 
 /// The approval rule that holds `job` before it runs, if any.
+/// Under `[update] mode = "approve"`, an update no rule of the customer's names waits
+/// for a person all the same.
 pub fn approval_rule(rt: &Rt, job: &VerifiedJob) -> Option<crate::guardrails::ApprovalRule> {
-    rt.config.guardrails.approval_for(&JobFacts::of(job).attributes()).cloned()
+    let rule = rt.config.guardrails.approval_for(&JobFacts::of(job).attributes()).cloned();
+    let update = job.executor.runner_update().is_some();
+    rule.or_else(|| {
+        (update && rt.config.update.mode == crate::config::UpdateMode::Approve)
+            .then(crate::update::approval_rule)
+    })
 }
 
 /// Hold a claimed job until a local admin approves it (`byoc-runner approve`), under

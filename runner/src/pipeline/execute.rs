@@ -127,6 +127,7 @@ async fn run_spooled(
         .policy(job.policy.scope.take())
         .secrets(secrets)
         .apply_approval(apply_approval)
+        .update(update_stager(rt, job))
         .audit(Arc::new(ExecutorAudit {
             rt: rt.clone(),
             job_id: job_id.clone(),
@@ -161,6 +162,17 @@ async fn run_spooled(
 /// verified), the install's Secrets Manager, the digest key and the job's role. `None`
 /// for jobs that name no secret and declare none (and when the digest key cannot be
 /// had: a job naming secrets then fails with `secret_unavailable`).
+/// For a `runner.update`: the release is verified with the pinned key and staged.
+fn update_stager(rt: &Rt, job: &ClearedJob) -> Option<byoc_job_executors::runner_update::Stager> {
+    job.verified.executor.runner_update()?;
+    Some(Arc::new(crate::update::stage::Stager {
+        state_dir: rt.state_dir.clone(),
+        key: rt.config.update.release_key.clone(),
+        current: crate::update::running_version().to_string(),
+        audit: Some(rt.audit.clone()),
+    }))
+}
+
 fn secret_settings(rt: &Rt, job: &ClearedJob) -> Option<byoc_job_executors::secrets::SecretSettings> {
     let v = &job.verified;
     if v.secrets.is_empty() && v.executor.secret_uses().is_empty() {

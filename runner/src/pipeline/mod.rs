@@ -150,6 +150,7 @@ pub(crate) fn verifier<'a>(
         .reach(),
         clusters: rt.config.kubernetes.reach(),
         resume_held: false,
+        update: Some((&rt.config.update, &rt.state_dir)),
     }
 }
 

@@ -72,6 +72,9 @@ pub struct Verifier<'a> {
     /// Recovery only: accept the envelope of a job the journal shows held by the
     /// guardrails (its nonce is its own). Never set for a delivery.
     pub resume_held: bool,
+    /// The customer's `[update]` terms and the state dir (its pin), for `runner.update`
+    /// jobs; `None`: every update is refused.
+    pub update: Option<(&'a crate::config::UpdateConfig, &'a std::path::Path)>,
 }
 
 /// A job id names files and URL segments: keep it to a safe alphabet.
@@ -353,6 +356,13 @@ impl Verifier<'_> {
                 ),
             });
         }
+        if let Some(ask) = executor.runner_update() {
+            let Some((terms, state_dir)) = self.update else {
+                return Err((RejectReason::UpdateDisabled, "this runner takes no updates here".into()));
+            };
+            let asked = crate::update::Asked { version: &ask.version, downgrade: ask.downgrade };
+            crate::update::check_terms(terms, state_dir, &asked, crate::update::running_version())?;
+        }
         Ok(())
     }
 
@@ -501,6 +511,7 @@ mod tests {
             paused,
             disk_low,
             readiness: &|_| None,
+            update: None,
             registries: byoc_oci_sync::Reach::guarded(["registry.allowed.test:5000"]),
             clusters: byoc_oci_sync::Reach::guarded(Vec::<String>::new()),
             resume_held: false,

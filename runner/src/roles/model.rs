@@ -25,6 +25,7 @@ pub const BUILT_IN_DEFAULTS: &[(&str, &str)] = &[
     ("action.trigger", "maintenance"),
     ("artifact.sync", "maintenance"),
     ("secret.sync", "maintenance"),
+    ("runner.update", "maintenance"),
 ];
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

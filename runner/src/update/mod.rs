@@ -1,0 +1,456 @@
+//! The runner's own updates (docs/OPERATIONS.md, "Updates"): a signed release, on the
+//! customer's terms, applied by a separate updater that rolls back on its own.
+//!
+//! A `runner.update` job's path: its version is held to the customer's terms before the
+//! claim (`check_terms`: `[update] mode`, the pin, newer than the running version);
+//! `mode = "approve"` holds it for a local admin like an approval rule; windows apply as
+//! to any job. When it runs, the release artifact is fetched from the install's
+//! registry by digest, verified with the pinned release key (`release.rs`) and staged
+//! (`stage.rs`): the files in `<state dir>/update/staged/`, then `request.json`
+//! (fsynced), which starts `byoc-runner-update.service` through its path unit. The
+//! updater (`apply.rs`, root) verifies everything again itself, drains the daemon,
+//! keeps the current package, installs the new one, restarts and waits for health
+//! (`health.json`, written by the new daemon after its first answered poll); without
+//! it, it reinstalls the kept package. Its outcome (`outcome.json`) is audited by the
+//! daemon that runs afterwards (`record_outcome`), whichever version that is.
+
+pub mod apply;
+pub mod minisign;
+pub mod release;
+pub mod stage;
+pub mod version;
+
+use std::path::{Path, PathBuf};
+
+use byoc_protocol::RejectReason;
+use serde::{Deserialize, Serialize};
+
+use crate::config::{UpdateConfig, UpdateMode};
+use crate::state_dir::StateDir;
+
+pub const PIN_FILE: &str = "update-pin.json";
+/// Where the updater keeps installed releases (root's, outside the daemon's reach).
+pub const UPDATER_DIR: &str = "/var/lib/byoc-runner-update";
+/// The package's binary; a runner started from anywhere else is not a package's.
+pub const PACKAGED_BINARY: &str = "/usr/bin/byoc-runner";
+
+/// `<state dir>/update`.
+pub fn dir(state_dir: &Path) -> PathBuf {
+    state_dir.join("update")
+}
+
+pub fn request_path(state_dir: &Path) -> PathBuf {
+    dir(state_dir).join("request.json")
+}
+
+pub fn outcome_path(state_dir: &Path) -> PathBuf {
+    dir(state_dir).join("outcome.json")
+}
+
+pub fn health_path(state_dir: &Path) -> PathBuf {
+    dir(state_dir).join("health.json")
+}
+
+pub fn staged_dir(state_dir: &Path) -> PathBuf {
+    dir(state_dir).join("staged")
+}
+
+/// A verified release staged for the updater.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Request {
+    pub job_id: String,
+    pub version: String,
+    pub from_version: String,
+    pub package: String,
+    pub package_sha256: String,
+    pub sums_sha256: String,
+    /// The oldest version `byoc-runner update rollback` may go back to after this one.
+    #[serde(default)]
+    pub min_rollback_version: Option<String>,
+    /// A rollback the customer asked for (`byoc-runner update rollback`).
+    #[serde(default)]
+    pub rollback: bool,
+    pub staged_at_ms: u64,
+}
+
+/// What the updater did, for the daemon that runs next to audit and report.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Outcome {
+    /// `applied`, `rolled_back` or `refused` (nothing installed).
+    pub result: String,
+    pub job_id: String,
+    pub from_version: String,
+    pub to_version: String,
+    #[serde(default)]
+    pub from_package_sha256: Option<String>,
+    pub to_package_sha256: String,
+    #[serde(default)]
+    pub reason: Option<String>,
+    #[serde(default)]
+    pub code: Option<String>,
+    pub at_ms: u64,
+}
+
+/// What a daemon says of itself once its first poll was answered: the updater's
+/// evidence that a new version is healthy.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Health {
+    pub version: String,
+    pub pid: u32,
+    pub first_poll_ms: u64,
+    /// SHA-256 of the identity's public key: the audit chain continues with it.
+    pub key_sha256: String,
+}
+
+/// The customer's pin set on the VM (`byoc-runner update pin`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PinRecord {
+    pub pin: String,
+    pub by: String,
+    pub at_ms: u64,
+}
+
+pub fn pin_path(state_dir: &Path) -> PathBuf {
+    StateDir::of(state_dir).control().join(PIN_FILE)
+}
+
+/// The pin in force: the CLI's, else the config's. A pin file that cannot be read or
+/// parsed pins to nothing (the customer meant to hold updates back).
+pub fn effective_pin(config: &UpdateConfig, state_dir: &Path) -> Result<Option<version::Pin>, String> {
+    match std::fs::read(pin_path(state_dir)) {
+        Ok(bytes) => serde_json::from_slice::<PinRecord>(&bytes)
+            .map_err(|e| {
+                format!(
+                    "the pin file {} is damaged ({e}): no update is allowed",
+                    pin_path(state_dir).display()
+                )
+            })
+            .and_then(|r| version::Pin::parse(&r.pin).map(Some)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(config.pin.clone()),
+        Err(e) => Err(format!(
+            "the pin file {} is unreadable ({e}): no update is allowed",
+            pin_path(state_dir).display()
+        )),
+    }
+}
+
+/// The version this runner runs as: the installed package's when it is the package's
+/// binary (dpkg's status), else the version it was built as.
+pub fn running_version() -> &'static str {
+    static V: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    V.get_or_init(|| {
+        let packaged = std::env::current_exe().is_ok_and(|p| p == Path::new(PACKAGED_BINARY));
+        packaged
+            .then(|| installed_version(Path::new("/var/lib/dpkg/status")))
+            .flatten()
+            .unwrap_or_else(|| env!("CARGO_PKG_VERSION").to_string())
+    })
+}
+
+/// The installed byoc-runner package's version in a dpkg status file.
+pub fn installed_version(status_file: &Path) -> Option<String> {
+    let text = std::fs::read_to_string(status_file).ok()?;
+    text.split("\n\n").find_map(|stanza| {
+        let field = |name: &str| {
+            stanza.lines().find_map(|l| l.strip_prefix(name).and_then(|v| v.strip_prefix(':')).map(str::trim))
+        };
+        (field("Package") == Some("byoc-runner") && field("Status") == Some("install ok installed"))
+            .then(|| field("Version").map(str::to_string))
+            .flatten()
+    })
+}
+
+/// What a `runner.update` job asks, as its spec says.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Asked<'a> {
+    pub version: &'a str,
+    pub downgrade: bool,
+}
+
+/// Whether the customer's terms let `asked` in, before the job is claimed.
+pub fn check_terms(
+    config: &UpdateConfig,
+    state_dir: &Path,
+    asked: &Asked<'_>,
+    current: &str,
+) -> Result<(), (RejectReason, String)> {
+    if config.mode == UpdateMode::Off {
+        return Err((
+            RejectReason::UpdateDisabled,
+            "updates are switched off here ([update] mode = \"off\")".into(),
+        ));
+    }
+    if config.release_key.is_none() {
+        return Err((
+            RejectReason::UpdateDisabled,
+            "no release key is pinned ([update] release_public_key): a release cannot be verified".into(),
+        ));
+    }
+    match effective_pin(config, state_dir) {
+        Err(e) => return Err((RejectReason::UpdatePinned, e)),
+        Ok(Some(pin)) if !pin.allows(asked.version) => {
+            return Err((
+                RejectReason::UpdatePinned,
+                format!("{} is outside the customer's pin {:?}", asked.version, pin.as_str()),
+            ));
+        }
+        Ok(_) => {}
+    }
+    let newer = version::compare(asked.version, current) == std::cmp::Ordering::Greater;
+    if !newer && !asked.downgrade {
+        return Err((
+            RejectReason::UpdateNotNewer,
+            format!(
+                "{} is not newer than the running {current} (a downgrade must say so, and its release sign it)",
+                asked.version
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// The synthetic approval rule `mode = "approve"` puts on every update.
+pub fn approval_rule() -> crate::guardrails::ApprovalRule {
+    crate::guardrails::ApprovalRule {
+        name: "update.mode = \"approve\"".into(),
+        scope: crate::guardrails::JobSelector {
+            kinds: vec![byoc_protocol::JobKind::RunnerUpdate.as_str().into()],
+            ..Default::default()
+        },
+        expires_secs: crate::guardrails::APPROVAL_EXPIRES_SECS,
+        on: crate::guardrails::ApprovalPoint::Job,
+        when_warn: false,
+        policies: Vec::new(),
+    }
+}
+
+/// The version a staged update goes to, if one waits for the updater.
+pub fn pending(state_dir: &Path) -> Option<String> {
+    let bytes = std::fs::read(request_path(state_dir)).ok()?;
+    serde_json::from_slice::<Request>(&bytes).ok().map(|r| r.version)
+}
+
+/// Once, after the daemon's first answered poll: the updater's evidence of health.
+pub fn record_health(state_dir: &Path, key_sha256: &str, at_ms: u64) {
+    let health = Health {
+        version: running_version().to_string(),
+        pid: std::process::id(),
+        first_poll_ms: at_ms,
+        key_sha256: key_sha256.into(),
+    };
+    let dir = dir(state_dir);
+    let written = std::fs::create_dir_all(&dir).and_then(|()| {
+        crate::state_dir::write(
+            &health_path(state_dir),
+            &serde_json::to_vec(&health).unwrap_or_default(),
+            0o644,
+        )
+    });
+    if let Err(e) = written {
+        tracing::warn!(error = %e, "Could not record the runner's health for the updater: {e}.");
+    }
+}
+
+/// Audit what the updater did (once: the outcome file goes when it is recorded).
+pub fn record_outcome(state_dir: &Path, audit: &dyn crate::audit::AuditSink) {
+    let path = outcome_path(state_dir);
+    let Ok(bytes) = std::fs::read(&path) else { return };
+    let record = match serde_json::from_slice::<Outcome>(&bytes) {
+        Ok(o) => outcome_record(&o),
+        Err(e) => crate::audit_records::note(
+            "update_rolled_back",
+            format!("the updater's outcome is unreadable: {e}"),
+        ),
+    };
+    match audit.record(record) {
+        Ok(_) => {
+            let _ = std::fs::remove_file(&path);
+            let _ = std::fs::remove_dir_all(staged_dir(state_dir));
+        }
+        Err(e) => tracing::error!(error = %e, "Could not audit the update's outcome: {e}."),
+    }
+}
+
+fn outcome_record(o: &Outcome) -> byoc_audit::log::Record {
+    let event = match o.result.as_str() {
+        "applied" => "update_applied",
+        "refused" => "update_refused",
+        _ => "update_rolled_back",
+    };
+    let detail = format!(
+        "{} -> {}{}",
+        o.from_version,
+        o.to_version,
+        o.reason.as_deref().map(|r| format!(": {r}")).unwrap_or_default()
+    );
+    let mut r =
+        crate::audit_records::about_job(event, [&o.job_id, "runner.update", "runner.update"], None, detail);
+    if let Some(d) = &o.from_package_sha256 {
+        r.digests.insert("from_package_sha256".into(), d.clone());
+    }
+    r.digests.insert("to_package_sha256".into(), o.to_package_sha256.clone());
+    r
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(mode: UpdateMode, pin: Option<&str>) -> UpdateConfig {
+        UpdateConfig {
+            mode,
+            release_key: Some(release::fixture::public_key()),
+            pin: pin.map(|p| version::Pin::parse(p).unwrap()),
+            ..Default::default()
+        }
+    }
+
+    fn code(c: &UpdateConfig, dir: &Path, version: &str, downgrade: bool) -> Option<RejectReason> {
+        check_terms(c, dir, &Asked { version, downgrade }, "0.2.0").err().map(|(r, _)| r)
+    }
+
+    #[test]
+    fn the_customers_terms_decide_before_the_claim() {
+        let d = tempfile::tempdir().unwrap();
+        let auto = config(UpdateMode::Auto, None);
+        assert_eq!(code(&auto, d.path(), "0.3.0", false), None);
+        assert_eq!(
+            code(&config(UpdateMode::Off, None), d.path(), "0.3.0", false),
+            Some(RejectReason::UpdateDisabled)
+        );
+        let unkeyed = UpdateConfig { release_key: None, ..auto.clone() };
+        assert_eq!(code(&unkeyed, d.path(), "0.3.0", false), Some(RejectReason::UpdateDisabled));
+        assert_eq!(code(&auto, d.path(), "0.2.0", false), Some(RejectReason::UpdateNotNewer));
+        assert_eq!(code(&auto, d.path(), "0.1.0", true), None, "the release decides a downgrade");
+        let pinned = config(UpdateMode::Auto, Some(">= 0.2.0, < 0.3.0"));
+        assert_eq!(code(&pinned, d.path(), "0.3.0", false), Some(RejectReason::UpdatePinned));
+        assert_eq!(code(&pinned, d.path(), "0.2.5", false), None);
+    }
+
+    #[test]
+    fn the_pin_set_on_the_vm_wins_and_a_damaged_one_holds_everything() {
+        let d = tempfile::tempdir().unwrap();
+        let pinned = config(UpdateMode::Auto, Some(">= 0.2.0"));
+        let control = StateDir::of(d.path()).control();
+        std::fs::create_dir_all(&control).unwrap();
+        let rec = PinRecord { pin: "0.2.1".into(), by: "root".into(), at_ms: 1 };
+        std::fs::write(pin_path(d.path()), serde_json::to_vec(&rec).unwrap()).unwrap();
+        assert_eq!(code(&pinned, d.path(), "0.3.0", false), Some(RejectReason::UpdatePinned));
+        assert_eq!(code(&pinned, d.path(), "0.2.1", false), None);
+        std::fs::write(pin_path(d.path()), "{").unwrap();
+        assert_eq!(code(&pinned, d.path(), "0.2.1", false), Some(RejectReason::UpdatePinned));
+    }
+
+    #[test]
+    fn the_installed_version_is_read_from_dpkgs_status() {
+        let d = tempfile::tempdir().unwrap();
+        let status = d.path().join("status");
+        std::fs::write(
+            &status,
+            "Package: other\nStatus: install ok installed\nVersion: 9\n\nPackage: byoc-runner\nStatus: install ok installed\nVersion: 0.1.0-vm2\n\n",
+        )
+        .unwrap();
+        assert_eq!(installed_version(&status).as_deref(), Some("0.1.0-vm2"));
+        std::fs::write(&status, "Package: byoc-runner\nStatus: deinstall ok config-files\nVersion: 1\n")
+            .unwrap();
+        assert_eq!(installed_version(&status), None);
+    }
+}
+
+/// A `runner.update` delivery through the pipeline, against fakes.
+#[cfg(test)]
+mod pipeline_tests {
+    use super::*;
+    use crate::pipeline::{Accepted, JobsInHand, accept, run_job};
+    use crate::testing::{self, journaled};
+
+    fn update_job(job_id: &str, version: &str) -> byoc_protocol::JobPayload {
+        let mut p = testing::payload(job_id);
+        p.kind = "runner.update".into();
+        p.entity = "runner".into();
+        p.operation = "update".into();
+        p.spec = serde_json::json!({
+            "release": format!("123456789012.dkr.ecr.us-east-1.amazonaws.com/byoc-runner@sha256:{}", "a".repeat(64)),
+            "version": version,
+        });
+        p
+    }
+
+    fn terms(mode: &str) -> String {
+        let (line, _) = minisign::sign(&release::fixture::signing_key(), release::fixture::KEY_ID, b"", "");
+        format!("[update]\nmode = \"{mode}\"\nrelease_public_key = \"{line}\"\n")
+    }
+
+    fn refused(f: &testing::Fakes, payload: byoc_protocol::JobPayload) -> crate::pipeline::Rejection {
+        match accept(&f.rt, f.delivery(&payload), &JobsInHand::default()) {
+            Accepted::Rejected(r) => r,
+            _ => panic!("accepted"),
+        }
+    }
+
+    #[tokio::test]
+    async fn updates_switched_off_or_unkeyed_are_refused_before_the_claim() {
+        let f = testing::runtime_with(&terms("off")).await;
+        let r = refused(&f, update_job("job-1", "99.0.0"));
+        assert_eq!(r.reason, RejectReason::UpdateDisabled);
+        assert!(f.cp.calls().is_empty(), "nothing claimed: {:?}", f.cp.calls());
+        assert!(!request_path(&f.rt.state_dir).exists());
+        // The default terms pin no key: nothing can be verified, nothing is taken.
+        let f = testing::runtime().await;
+        let r = refused(&f, update_job("job-1", "99.0.0"));
+        assert_eq!(r.reason, RejectReason::UpdateDisabled);
+        assert!(r.detail.contains("release_public_key"), "{}", r.detail);
+    }
+
+    #[tokio::test]
+    async fn a_pin_set_on_the_vm_and_an_older_version_are_refused() {
+        let f = testing::runtime_with(&terms("auto")).await;
+        std::fs::create_dir_all(StateDir::of(&f.rt.state_dir).control()).unwrap();
+        let pin = PinRecord { pin: ">= 99.0.0, < 99.1.0".into(), by: "root".into(), at_ms: 0 };
+        std::fs::write(pin_path(&f.rt.state_dir), serde_json::to_vec(&pin).unwrap()).unwrap();
+        assert_eq!(refused(&f, update_job("job-1", "99.1.0")).reason, RejectReason::UpdatePinned);
+        assert_eq!(refused(&f, update_job("job-2", "0.0.1")).reason, RejectReason::UpdatePinned);
+        std::fs::remove_file(pin_path(&f.rt.state_dir)).unwrap();
+        assert_eq!(refused(&f, update_job("job-3", "0.0.1")).reason, RejectReason::UpdateNotNewer);
+        // An update's operation is only `runner.update`, and nothing else is one.
+        let mut mislabelled = update_job("job-4", "99.0.0");
+        mislabelled.entity = "component".into();
+        mislabelled.operation = "deploy".into();
+        assert_eq!(refused(&f, mislabelled).reason, RejectReason::OperationMismatch);
+    }
+
+    #[tokio::test]
+    async fn mode_approve_holds_an_update_for_a_person() {
+        let f = testing::runtime_with(&terms("approve")).await;
+        let Accepted::Job(job, _mark) = accept(&f.rt, f.delivery(&update_job("job-1", "99.0.0")), &JobsInHand::default())
+        else {
+            panic!("not accepted")
+        };
+        let rule = crate::pipeline::approval::approval_rule(&f.rt, &job).expect("an approval rule");
+        assert_eq!(rule.name, "update.mode = \"approve\"");
+        let task = tokio::spawn(run_job(f.rt.clone(), *job, ()));
+        let mut asked = None;
+        for _ in 0..500 {
+            asked = crate::approvals::requests(&f.rt.state_dir).into_iter().next();
+            if asked.is_some() {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        let (request, _) = asked.expect("an approval request");
+        assert_eq!((request.kind.as_str(), request.operation.as_str()), ("runner.update", "runner.update"));
+        let decision = crate::approvals::Decision {
+            approved: false,
+            by: "alice".into(),
+            uid: 0,
+            reason: None,
+            at_ms: 0,
+            plan_digest: None,
+        };
+        crate::approvals::decide(&f.rt.state_dir, "job-1", decision, 0).expect("decide");
+        task.await.expect("task").expect("journal");
+        assert_eq!(f.cp.calls().last().map(String::as_str), Some("reject dl-job-1 approval_denied"));
+        assert!(!journaled(&f).iter().any(|e| e == "started"), "{:?}", journaled(&f));
+        assert!(!request_path(&f.rt.state_dir).exists());
+    }
+}
