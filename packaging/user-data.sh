@@ -5,7 +5,8 @@
 #  1. find the release (the AMI's /opt/byoc-runner/release, or download it over https),
 #  2. verify SHA256SUMS's minisign signature with the pinned release key, then the
 #     package's SHA-256 (nothing unverified is ever installed),
-#  3. install the package (a re-run reinstalls: config and state are kept),
+#  3. install the package (a re-run reinstalls: config and state are kept) and keep
+#     the verified release for the updater to roll back to,
 #  4. write /etc/byoc-runner/runner.toml (control plane, pinned keys, install, stack),
 #  5. fetch the one-time bootstrap token from Secrets Manager under the instance role
 #     (only before the first enrollment; the runner deletes it once enrolled),
@@ -22,6 +23,7 @@
 #   BYOC_ADMIN_GROUP (a local group whose members may pause, approve and allow without
 #     root: created if missing, written as roles.admin_group, given control/; empty: root only)
 #   BYOC_BOOTSTRAP_SECRET (Secrets Manager ARN) BYOC_RELEASE_PUBKEY (minisign key line)
+#   BYOC_UPDATE_MODE (the runner's own updates: auto, approve or off; default approve)
 #   BYOC_RELEASE_URL (https base URL; empty: use BYOC_RELEASE_DIR)
 #   BYOC_RELEASE_DIR (default /opt/byoc-runner/release)
 #   BYOC_ROOT (install into this directory instead of /; for tests)
@@ -63,6 +65,8 @@ if [ -n "$BYOC_ADMIN_GROUP" ]; then
     printf '%s' "$BYOC_ADMIN_GROUP" | grep -Eqx '[a-z_][a-z0-9_-]{0,31}' \
         || fail "BYOC_ADMIN_GROUP is not a group name (lower-case letters, digits, _ and -)"
 fi
+[ -n "$BYOC_UPDATE_MODE" ] || BYOC_UPDATE_MODE=approve
+case "$BYOC_UPDATE_MODE" in auto|approve|off) ;; *) fail "BYOC_UPDATE_MODE must be auto, approve or off" ;; esac
 
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
@@ -102,6 +106,12 @@ if [ -n "$ROOT" ]; then
 else
     dpkg -i "$work/$deb" >/dev/null || fail "installing $deb"
 fi
+# The updater rolls back only to a release it keeps (root's, 0700): this one is the first.
+version="$(printf '%s' "$deb" | sed -e 's/^byoc-runner_//' -e 's/_[a-z0-9]*\.deb$//')"
+kept="$ROOT/var/lib/byoc-runner-update/releases/$version"
+install -d -m 0700 "$ROOT/var/lib/byoc-runner-update" "$ROOT/var/lib/byoc-runner-update/releases" "$kept" ||
+    fail "creating $kept"
+cp "$work/$deb" "$work/SHA256SUMS" "$work/SHA256SUMS.minisig" "$kept/" || fail "keeping the release in $kept"
 
 # 4. The configuration (written whole, then moved into place).
 gid="$(awk -F: '$1 == "byoc-runner" { print $3 }' "$ROOT/etc/group")"
@@ -129,6 +139,10 @@ conf="$ROOT/etc/byoc-runner/runner.toml"
     [ -z "$BYOC_STACK_NAME" ] || echo "stack_name = \"$BYOC_STACK_NAME\""
     [ -z "$BYOC_EXTERNAL_ID" ] || echo "external_id = \"$BYOC_EXTERNAL_ID\""
     [ -z "$BYOC_ADMIN_GROUP" ] || echo "admin_group = \"$BYOC_ADMIN_GROUP\""
+    echo
+    echo "[update]"
+    echo "mode = \"$BYOC_UPDATE_MODE\""
+    echo "release_public_key = \"$BYOC_RELEASE_PUBKEY\""
     if [ -n "$BYOC_STATE_BUCKET" ]; then
         echo
         echo "[terraform.state]"

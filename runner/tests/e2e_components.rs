@@ -603,3 +603,80 @@ async fn providers_come_from_a_mirror_by_digest_and_never_from_the_network() {
     assert_eq!(r.status, JobStatus::Failed);
     assert!(!log.contains("successfully initialized"), "{log}");
 }
+
+/// A release's files as the vendor publishes them, signed by `key` (`minisign -S`'s
+/// format): the package (text here: it is staged, not installed), SHA256SUMS, the
+/// signature.
+fn release_files(key: &ed25519_dalek::SigningKey, key_id: [u8; 8], version: &str) -> Vec<(String, String)> {
+    let arch = byoc_runner::update::release::host_arch();
+    let package = format!("byoc-runner_{version}_{arch}.deb");
+    let body = format!("the package of {version}");
+    let sums = format!("{}  {package}\n", byoc_protocol::sha256_hex(body.as_bytes()));
+    let (_, sig) = byoc_runner::update::minisign::sign(key, key_id, sums.as_bytes(), "byoc-runner release");
+    vec![(package, body), ("SHA256SUMS".into(), sums), ("SHA256SUMS.minisig".into(), sig)]
+}
+
+/// The control plane publishes a release (synced into the install's registry like any
+/// artifact) and sends it: the runner verifies it with its pinned key and stages it
+/// for the updater (which is systemd's, on the VM suite); the control plane sees the
+/// pending update in the next poll. A release signed by another key stages nothing.
+#[tokio::test]
+async fn a_signed_release_by_digest_is_verified_and_staged_for_the_updater() {
+    let (key, key_id) = (ed25519_dalek::SigningKey::from_bytes(&[5; 32]), [7; 8]);
+    let (line, _) = byoc_runner::update::minisign::sign(&key, key_id, b"", "");
+    let e = components_env(&format!("\n[update]\nmode = \"auto\"\nrelease_public_key = \"{line}\"\n")).await;
+    let runner_id = e.env.cp.runners()[0].runner_id.clone();
+    let send = |version: &str, digest: &str| {
+        e.env
+            .cp
+            .publish_release(byoc_control_plane::Release {
+                version: version.into(),
+                reference: format!("{ECR_HOST}/inst-demo/byoc-runner@{digest}"),
+                min_rollback_version: Some("0.0.1".into()),
+                downgrade: false,
+            })
+            .unwrap();
+        e.env
+            .cp
+            .update_runner(
+                &runner_id,
+                byoc_control_plane::UpdateRunner {
+                    version: version.into(),
+                    requested_role: Some("inst-demo-maintenance".into()),
+                    app_config: Some(app_config()),
+                },
+            )
+            .unwrap()
+    };
+    let state = &e.env.runner.state_dir;
+
+    // Signed by a key the runner does not pin: refused, nothing staged.
+    let foreign = ed25519_dalek::SigningKey::from_bytes(&[6; 32]);
+    let pushed = publish(&e, "byoc-runner", "application/vnd.byoc.runner.release", &release_files(&foreign, [8; 8], "99.0.1")).await;
+    let id = send("99.0.1", &pushed.digest);
+    let r = e.env.finished(&id).await.result.unwrap();
+    assert_eq!(r.status, JobStatus::Failed);
+    assert_eq!(r.outputs["reason"], "update_signature_invalid", "{}\n{}", r.outputs, e.env.output(&id));
+    assert!(!state.join("update/request.json").exists(), "nothing staged");
+
+    let pushed = publish(&e, "byoc-runner", "application/vnd.byoc.runner.release", &release_files(&key, key_id, "99.0.0")).await;
+    let id = send("99.0.0", &pushed.digest);
+    let r = e.env.finished(&id).await.result.unwrap();
+    assert_eq!(r.status, JobStatus::Succeeded, "{:?}\n{}", r.error, e.env.output(&id));
+    assert_eq!(r.outputs["version"], "99.0.0");
+    let request: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(state.join("update/request.json")).unwrap()).unwrap();
+    assert_eq!((request["version"].as_str(), request["job_id"].as_str()), (Some("99.0.0"), Some(id.as_str())));
+    assert_eq!(request["min_rollback_version"], "0.0.1");
+    let started = audit_events(state, "update_started");
+    assert_eq!(started.len(), 1, "{started:?}");
+    assert_eq!(started[0]["digests"]["to_package_sha256"], request["package_sha256"]);
+    let pending = e
+        .env
+        .cp
+        .wait_until(std::time::Duration::from_secs(30), |cp| {
+            cp.runners().iter().any(|r| r.pending_update.as_deref() == Some("99.0.0"))
+        })
+        .await;
+    assert!(pending, "the control plane sees the pending update: {:?}", e.env.cp.runners());
+}

@@ -22,4 +22,4 @@ pub mod tls;
 pub mod vm;
 
 pub use server::{ControlPlane, ControlPlaneConfig};
-pub use state::{EnqueueRequest, Faults, JobView, Tamper};
+pub use state::{EnqueueRequest, Faults, JobView, Release, Tamper, UpdateRunner};

@@ -169,6 +169,13 @@ impl ControlPlane {
     pub fn runners(&self) -> Vec<RunnerView> {
         self.shared.lock().runners()
     }
+    pub fn publish_release(&self, release: crate::state::Release) -> Result<(), CpError> {
+        self.shared.update(|s| s.publish_release(release))
+    }
+    /// Send a published release to a runner (`runner.update`); the job's id.
+    pub fn update_runner(&self, runner_id: &str, req: crate::state::UpdateRunner) -> Result<String, CpError> {
+        self.shared.update(|s| s.update_runner(runner_id, req))
+    }
     /// Audit records acknowledged for a runner.
     pub fn audit_size(&self, runner_id: &str) -> u64 {
         self.shared.lock().audit_size(runner_id)
@@ -509,6 +516,8 @@ fn admin_router(shared: Arc<Shared>) -> Router {
         .route("/admin/jobs/{job}/cancel", post(admin_cancel))
         .route("/admin/jobs/{job}/redeliver", post(admin_redeliver))
         .route("/admin/runners", get(admin_runners))
+        .route("/admin/runners/{runner}/update", post(admin_update_runner))
+        .route("/admin/releases", post(admin_publish_release).get(admin_releases))
         .route("/admin/faults", put(admin_faults))
         .route("/admin/requests", get(admin_requests))
         .layer(axum::middleware::from_fn_with_state(shared.clone(), admin_auth))
@@ -569,6 +578,27 @@ async fn admin_redeliver(AxState(sh): Sh, Path(job): Path<String>) -> Result<Sta
 
 async fn admin_runners(AxState(sh): Sh) -> Json<Vec<RunnerView>> {
     Json(sh.lock().runners())
+}
+
+async fn admin_publish_release(
+    AxState(sh): Sh,
+    Json(release): Json<crate::state::Release>,
+) -> Result<StatusCode, CpError> {
+    sh.update(|s| s.publish_release(release))?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+async fn admin_releases(AxState(sh): Sh) -> Json<Vec<crate::state::Release>> {
+    Json(sh.lock().releases())
+}
+
+async fn admin_update_runner(
+    AxState(sh): Sh,
+    Path(runner): Path<String>,
+    Json(req): Json<crate::state::UpdateRunner>,
+) -> Result<Json<serde_json::Value>, CpError> {
+    let job_id = sh.update(|s| s.update_runner(&runner, req))?;
+    Ok(Json(serde_json::json!({ "job_id": job_id })))
 }
 
 async fn admin_requests(AxState(sh): Sh) -> Json<std::collections::BTreeMap<String, u64>> {

@@ -199,8 +199,36 @@ pub struct JobView {
 pub struct RunnerView {
     pub runner_id: String,
     pub hostname: String,
+    /// The version the runner last said it runs, and a staged update it has not applied.
+    pub version: Option<String>,
+    pub pending_update: Option<String>,
     pub last_poll: Option<PollRequest>,
     pub polls: u64,
+}
+
+/// A release of the runner the vendor published: its artifact by digest in the install's
+/// registry (SHA256SUMS, its signature and the package as one layer), and its terms.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Release {
+    pub version: String,
+    /// `<install registry>/<repository>@sha256:…`.
+    pub reference: String,
+    #[serde(default)]
+    pub min_rollback_version: Option<String>,
+    /// Older than what runners run: applied only where the release signs the downgrade.
+    #[serde(default)]
+    pub downgrade: bool,
+}
+
+/// `POST /admin/runners/{runner}/update`: send a published release to a runner.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct UpdateRunner {
+    pub version: String,
+    /// The role the release is fetched from the install's registry under.
+    #[serde(default)]
+    pub requested_role: Option<String>,
+    #[serde(default)]
+    pub app_config: Option<byoc_protocol::AppConfig>,
 }
 
 struct Runner {
@@ -244,6 +272,8 @@ pub struct State {
     pub requests: BTreeMap<String, u64>,
     /// Acknowledged audit records per runner (leaf hashes and the record lines).
     audit: HashMap<String, AuditCopy>,
+    /// Published runner releases, by version.
+    releases: BTreeMap<String, Release>,
 }
 
 #[derive(Default)]
@@ -275,6 +305,7 @@ impl State {
             queue: VecDeque::new(),
             requests: BTreeMap::new(),
             audit: HashMap::new(),
+            releases: BTreeMap::new(),
         }
     }
 
@@ -747,12 +778,55 @@ impl State {
         self.job_order.iter().filter_map(|id| self.view(id)).collect()
     }
 
+    pub fn publish_release(&mut self, release: Release) -> Result<(), CpError> {
+        if release.version.is_empty() || !release.reference.contains("@sha256:") {
+            return Err(CpError::BadRequest("a release names its version and its artifact by digest".into()));
+        }
+        self.releases.insert(release.version.clone(), release);
+        Ok(())
+    }
+
+    pub fn releases(&self) -> Vec<Release> {
+        self.releases.values().cloned().collect()
+    }
+
+    /// Enqueue a `runner.update` of a published release for `runner_id`.
+    pub fn update_runner(&mut self, runner_id: &str, req: UpdateRunner) -> Result<String, CpError> {
+        let release = self
+            .releases
+            .get(&req.version)
+            .cloned()
+            .ok_or_else(|| CpError::NotFound(format!("release {}", req.version)))?;
+        let mut spec = serde_json::json!({"release": release.reference, "version": release.version});
+        if let Some(min) = &release.min_rollback_version {
+            spec["min_rollback_version"] = min.clone().into();
+        }
+        if release.downgrade {
+            spec["downgrade"] = true.into();
+        }
+        self.enqueue(EnqueueRequest {
+            kind: "runner.update".into(),
+            operation: "update".into(),
+            entity: "runner".into(),
+            spec,
+            timeout_secs: 600,
+            requested_role: req.requested_role,
+            app_config: req.app_config,
+            role_request: None,
+            runner_id: Some(runner_id.to_string()),
+            ttl_secs: default_ttl(),
+            tamper: Tamper::default(),
+        })
+    }
+
     pub fn runners(&self) -> Vec<RunnerView> {
         self.runners
             .iter()
             .map(|(id, r)| RunnerView {
                 runner_id: id.clone(),
                 hostname: r.hostname.clone(),
+                version: r.last_poll.as_ref().map(|p| p.version.clone()),
+                pending_update: r.last_poll.as_ref().and_then(|p| p.pending_update.clone()),
                 last_poll: r.last_poll.clone(),
                 polls: r.polls,
             })
