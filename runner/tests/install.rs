@@ -83,16 +83,23 @@ fn the_package_installs_its_files_user_and_modes_and_reinstalls_keeping_config()
     // A manual page per command, generated from the binary's own definitions.
     let (pages, files): (Vec<String>, Vec<String>) =
         files.into_iter().partition(|f| f.starts_with("./usr/share/man/man1/"));
-    for page in ["byoc-runner.1.gz", "byoc-runner-jobs-show.1.gz", "byoc-runner-approvals-show.1.gz"] {
+    for page in
+        ["byoc-runner.1.gz", "byoc-runner-jobs-show.1.gz", "byoc-runner-approvals-show.1.gz", "byoc-runner-update-pin.1.gz"]
+    {
         assert!(pages.contains(&format!("./usr/share/man/man1/{page}")), "{page} missing: {pages:?}");
     }
     assert!(pages.iter().all(|p| p.ends_with(".1.gz")), "{pages:?}");
-    assert!(!pages.iter().any(|p| p.contains("sandbox-exec") || p.contains("policy-eval")), "{pages:?}");
+    assert!(
+        !pages.iter().any(|p| p.contains("sandbox-exec") || p.contains("policy-eval") || p.contains("update-apply")),
+        "{pages:?}"
+    );
     assert_eq!(
         files,
         [
             "./etc/byoc-runner/runner.toml.example",
             "./lib/systemd/system/byoc-runner-imds.service",
+            "./lib/systemd/system/byoc-runner-update.path",
+            "./lib/systemd/system/byoc-runner-update.service",
             "./lib/systemd/system/byoc-runner.service",
             "./usr/bin/byoc-runner",
             "./usr/lib/byoc-runner/imds-firewall",
@@ -296,10 +303,22 @@ fn user_data_installs_configures_starts_and_then_signals_and_is_safe_to_rerun() 
         "external_id = \"ext-123\"",
         "region = \"eu-west-1\"",
         "[terraform.state]\nbucket = \"inst-demo-state-123456789012\"",
+        // The runner's own updates: approve by default, the key user-data verified with.
+        "[update]\nmode = \"approve\"",
     ] {
         assert!(text.contains(needle), "{needle} not in:\n{text}");
     }
+    assert!(text.contains(&format!("release_public_key = \"{}\"", release.pubkey)), "{text}");
     assert_eq!(mode(&conf), 0o640);
+    // The verified release is kept for the updater to roll back to (root's, 0700), and
+    // it verifies as the updater verifies it.
+    let updater = r.join("var/lib/byoc-runner-update");
+    assert_eq!(mode(&updater), 0o700);
+    let kept: Vec<_> = std::fs::read_dir(updater.join("releases")).unwrap().map(|e| e.unwrap().path()).collect();
+    assert_eq!(kept.len(), 1, "{kept:?}");
+    let version = kept[0].file_name().unwrap().to_string_lossy().into_owned();
+    let key = byoc_runner::update::minisign::PublicKey::parse(&release.pubkey).unwrap();
+    byoc_runner::update::release::verify_signed(&kept[0], &key, &version).expect("the kept release verifies");
     run(Command::new(BIN).args(["config", "validate", "--config"]).arg(&conf));
     let token = r.join("var/lib/byoc-runner/bootstrap-token");
     assert_eq!(std::fs::read_to_string(&token).unwrap().trim(), "bootstrap-token-from-secrets-manager");

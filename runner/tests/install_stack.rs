@@ -250,6 +250,7 @@ contents = """
         group,
         serde_json::json!([
             "AdminGroup",
+            "RunnerUpdates",
             "EnableOperateRole",
             "EnableDbAdminRole",
             "EnableRotateKeysRole",

@@ -261,6 +261,19 @@ impl LocalRegistry {
         self.push_image(repo, tag, config, &[layer], Some(artifact_type), None).await
     }
 
+    /// [`push_tar_artifact`] of any bytes (a release's package).
+    pub async fn push_tar_artifact_bytes(
+        &self,
+        repo: &str,
+        tag: Option<&str>,
+        artifact_type: &str,
+        files: &[(&str, &[u8])],
+    ) -> Pushed {
+        let layer = self.push_bytes(repo, OCI_LAYER, tar_gz_bytes(files)).await;
+        let config = self.push_bytes(repo, "application/vnd.oci.empty.v1+json", b"{}".to_vec()).await;
+        self.push_image(repo, tag, config, &[layer], Some(artifact_type), None).await
+    }
+
     /// A runnable-looking image: a config and `layers` random layers of `size` bytes.
     pub async fn push_random_image(
         &self,
@@ -366,6 +379,12 @@ impl LocalRegistry {
 /// A gzip-compressed tar of `files` (path → content; a path ending in `/` is a
 /// directory), with fixed times and owners so the same files give the same digest.
 pub fn tar_gz(files: &[(&str, &str)]) -> Vec<u8> {
+    let files: Vec<(&str, &[u8])> = files.iter().map(|(p, c)| (*p, c.as_bytes())).collect();
+    tar_gz_bytes(&files)
+}
+
+/// [`tar_gz`] of any bytes.
+pub fn tar_gz_bytes(files: &[(&str, &[u8])]) -> Vec<u8> {
     let mut b = tar::Builder::new(flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default()));
     for (path, content) in files {
         let mut h = tar::Header::new_gnu();
@@ -380,7 +399,7 @@ pub fn tar_gz(files: &[(&str, &str)]) -> Vec<u8> {
         h.set_mtime(1_700_000_000);
         h.set_path(path).expect("tar path");
         h.set_cksum();
-        b.append(&h, content.as_bytes()).expect("tar entry");
+        b.append(&h, *content).expect("tar entry");
     }
     b.into_inner().expect("tar").finish().expect("gzip")
 }
