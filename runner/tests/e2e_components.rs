@@ -652,21 +652,36 @@ async fn a_signed_release_by_digest_is_verified_and_staged_for_the_updater() {
 
     // Signed by a key the runner does not pin: refused, nothing staged.
     let foreign = ed25519_dalek::SigningKey::from_bytes(&[6; 32]);
-    let pushed = publish(&e, "byoc-runner", "application/vnd.byoc.runner.release", &release_files(&foreign, [8; 8], "99.0.1")).await;
+    let pushed = publish(
+        &e,
+        "byoc-runner",
+        "application/vnd.byoc.runner.release",
+        &release_files(&foreign, [8; 8], "99.0.1"),
+    )
+    .await;
     let id = send("99.0.1", &pushed.digest);
     let r = e.env.finished(&id).await.result.unwrap();
     assert_eq!(r.status, JobStatus::Failed);
     assert_eq!(r.outputs["reason"], "update_signature_invalid", "{}\n{}", r.outputs, e.env.output(&id));
     assert!(!state.join("update/request.json").exists(), "nothing staged");
 
-    let pushed = publish(&e, "byoc-runner", "application/vnd.byoc.runner.release", &release_files(&key, key_id, "99.0.0")).await;
+    let pushed = publish(
+        &e,
+        "byoc-runner",
+        "application/vnd.byoc.runner.release",
+        &release_files(&key, key_id, "99.0.0"),
+    )
+    .await;
     let id = send("99.0.0", &pushed.digest);
     let r = e.env.finished(&id).await.result.unwrap();
     assert_eq!(r.status, JobStatus::Succeeded, "{:?}\n{}", r.error, e.env.output(&id));
     assert_eq!(r.outputs["version"], "99.0.0");
     let request: serde_json::Value =
         serde_json::from_slice(&std::fs::read(state.join("update/request.json")).unwrap()).unwrap();
-    assert_eq!((request["version"].as_str(), request["job_id"].as_str()), (Some("99.0.0"), Some(id.as_str())));
+    assert_eq!(
+        (request["version"].as_str(), request["job_id"].as_str()),
+        (Some("99.0.0"), Some(id.as_str()))
+    );
     assert_eq!(request["min_rollback_version"], "0.0.1");
     let started = audit_events(state, "update_started");
     assert_eq!(started.len(), 1, "{started:?}");

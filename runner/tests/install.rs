@@ -83,14 +83,19 @@ fn the_package_installs_its_files_user_and_modes_and_reinstalls_keeping_config()
     // A manual page per command, generated from the binary's own definitions.
     let (pages, files): (Vec<String>, Vec<String>) =
         files.into_iter().partition(|f| f.starts_with("./usr/share/man/man1/"));
-    for page in
-        ["byoc-runner.1.gz", "byoc-runner-jobs-show.1.gz", "byoc-runner-approvals-show.1.gz", "byoc-runner-update-pin.1.gz"]
-    {
+    for page in [
+        "byoc-runner.1.gz",
+        "byoc-runner-jobs-show.1.gz",
+        "byoc-runner-approvals-show.1.gz",
+        "byoc-runner-update-pin.1.gz",
+    ] {
         assert!(pages.contains(&format!("./usr/share/man/man1/{page}")), "{page} missing: {pages:?}");
     }
     assert!(pages.iter().all(|p| p.ends_with(".1.gz")), "{pages:?}");
     assert!(
-        !pages.iter().any(|p| p.contains("sandbox-exec") || p.contains("policy-eval") || p.contains("update-apply")),
+        !pages
+            .iter()
+            .any(|p| p.contains("sandbox-exec") || p.contains("policy-eval") || p.contains("update-apply")),
         "{pages:?}"
     );
     assert_eq!(
@@ -314,7 +319,8 @@ fn user_data_installs_configures_starts_and_then_signals_and_is_safe_to_rerun() 
     // it verifies as the updater verifies it.
     let updater = r.join("var/lib/byoc-runner-update");
     assert_eq!(mode(&updater), 0o700);
-    let kept: Vec<_> = std::fs::read_dir(updater.join("releases")).unwrap().map(|e| e.unwrap().path()).collect();
+    let kept: Vec<_> =
+        std::fs::read_dir(updater.join("releases")).unwrap().map(|e| e.unwrap().path()).collect();
     assert_eq!(kept.len(), 1, "{kept:?}");
     let version = kept[0].file_name().unwrap().to_string_lossy().into_owned();
     let key = byoc_runner::update::minisign::PublicKey::parse(&release.pubkey).unwrap();

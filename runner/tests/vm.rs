@@ -29,6 +29,9 @@ use common::{BIN, repo, run};
 const RELEASE_ADDR: &str = "169.254.100.1";
 const CP_ADDR: &str = "169.254.100.2";
 const AWS_ADDR: &str = "169.254.100.3";
+/// The install's registry (ECR's host, as moto names it, mapped to a local registry).
+const REGISTRY_ADDR: &str = "169.254.100.4";
+const ECR_HOST: &str = "123456789012.dkr.ecr.us-east-1.amazonaws.com";
 const STACK: &str = "byoc-vm-install";
 const REGION: &str = "us-east-1";
 
@@ -41,6 +44,10 @@ struct World {
     image: VmImage,
     vm_options: VmOptions,
     bootstrap_secret: String,
+    /// The install's registry, where releases are published for `runner.update`.
+    registry: byoc_control_plane::registry::LocalRegistry,
+    /// Release directories by name (`vm2`, `vm3-exits`, `foreign-key`, …).
+    releases: PathBuf,
     _imds: FakeImds,
     _release: tokio::task::JoinHandle<()>,
     _dirs: Vec<tempfile::TempDir>,
@@ -94,6 +101,8 @@ fn tampered_releases(dir: &Path, keys: &Path) {
     let sign = |sums: &Path, key: &Path| {
         run(Command::new("minisign").arg("-S").arg("-s").arg(key).arg("-m").arg(sums));
     };
+    // The good one stays: the update cases send it.
+    sign(&good.join("SHA256SUMS"), &secret);
     let copy_set = |name: &str| -> PathBuf {
         let d = dir.join(name);
         std::fs::create_dir_all(&d).unwrap();
@@ -123,7 +132,22 @@ fn tampered_releases(dir: &Path, keys: &Path) {
     let (fp, fs) = (keys.join("foreign.pub"), keys.join("foreign.key"));
     run(Command::new("minisign").args(["-G", "-W", "-p"]).arg(&fp).arg("-s").arg(&fs));
     sign(&d.join("SHA256SUMS"), &fs);
-    std::fs::remove_dir_all(&good).unwrap();
+    // A release whose runner exits at start (`run`), as a broken build would; everything
+    // else it does as the real binary (build-deb runs it for completions and pages).
+    let d = dir.join("vm3-exits");
+    std::fs::create_dir_all(&d).unwrap();
+    let exits = d.join("byoc-runner");
+    let script =
+        format!("#!/bin/sh\n[ \"$1\" = run ] && {{ echo 'broken build' >&2; exit 1; }}\nexec {BIN} \"$@\"\n");
+    std::fs::write(&exits, script).unwrap();
+    std::fs::set_permissions(&exits, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    run(Command::new(repo().join("packaging/build-deb"))
+        .arg(&exits)
+        .arg(&d)
+        .arg("0.1.0-vm3")
+        .env("BYOC_DEB_COMPRESSION", "none"));
+    std::fs::remove_file(&exits).unwrap();
+    sign(&d.join("SHA256SUMS"), &secret);
 }
 
 /// The release: a .deb of the binary under test (debug info stripped: the guest unpacks
@@ -196,11 +220,12 @@ fn physical_id(resources: &str, logical: &str) -> String {
 /// before the user-data runs): trust for the test CA (the release and control plane
 /// certificates), and AWS's endpoints at moto for the aws CLI (a wrapper adding
 /// `--endpoint-url`: this Debian's aws CLI predates AWS_ENDPOINT_URL) and for the runner
-/// (a drop-in).
+/// (a drop-in, which also maps ECR's host to the suite's registry), and for the
+/// updater's `config check` (another drop-in).
 fn vendor_data(ca_pem: &str, aws_url: &str) -> String {
     let indent = |s: &str, n: usize| s.lines().map(|l| format!("{}{l}\n", " ".repeat(n))).collect::<String>();
     format!(
-        "#cloud-config\nlocale: false\nca_certs:\n  trusted:\n    - |\n{ca}write_files:\n  - path: /usr/local/bin/aws\n    permissions: '0755'\n    content: |\n      #!/bin/sh\n      exec /usr/bin/aws --endpoint-url {aws_url} \"$@\"\n  - path: /etc/systemd/system/byoc-runner.service.d/test-endpoints.conf\n    content: |\n      [Service]\n      Environment=AWS_ENDPOINT_URL={aws_url}\n",
+        "#cloud-config\nlocale: false\nca_certs:\n  trusted:\n    - |\n{ca}write_files:\n  - path: /usr/local/bin/aws\n    permissions: '0755'\n    content: |\n      #!/bin/sh\n      exec /usr/bin/aws --endpoint-url {aws_url} \"$@\"\n  - path: /etc/systemd/system/byoc-runner.service.d/test-endpoints.conf\n    content: |\n      [Service]\n      Environment=AWS_ENDPOINT_URL={aws_url}\n      Environment=\"BYOC_RUNNER__OCI__REGISTRY_ENDPOINTS={{ \\\"{ECR_HOST}\\\" = \\\"https://{REGISTRY_ADDR}\\\" }}\"\n  - path: /etc/systemd/system/byoc-runner-update.service.d/test-endpoints.conf\n    content: |\n      [Service]\n      Environment=AWS_ENDPOINT_URL={aws_url}\n",
         ca = indent(ca_pem, 6),
     )
 }
@@ -208,7 +233,7 @@ fn vendor_data(ca_pem: &str, aws_url: &str) -> String {
 fn setup() -> World {
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
     let image = VmImage::get().unwrap_or_else(|e| panic!("the VM image: {e}"));
-    let pki = byoc_control_plane::tls::test_pki_for(&[RELEASE_ADDR, CP_ADDR]).unwrap();
+    let pki = byoc_control_plane::tls::test_pki_for(&[RELEASE_ADDR, CP_ADDR, REGISTRY_ADDR]).unwrap();
     let (release_dir, keys) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     let release_key = signed_release(release_dir.path(), keys.path());
     tampered_releases(release_dir.path(), keys.path());
@@ -221,6 +246,10 @@ fn setup() -> World {
         .unwrap();
     let moto = rt.block_on(MotoServer::start());
     let imds = rt.block_on(FakeImds::start()).unwrap();
+    let registry = rt.block_on(byoc_control_plane::registry::LocalRegistry::start_tls(
+        &pki.server_cert_pem,
+        &pki.server_key_pem,
+    ));
     let (release_port, release_task) =
         rt.block_on(serve_files_tls(release_dir.path().to_path_buf(), pki.server.clone()));
     let port_of = |url: &str| url.rsplit(':').next().unwrap().trim_end_matches('/').parse::<u16>().unwrap();
@@ -284,6 +313,7 @@ fn setup() -> World {
             ("BootstrapSecret", secret_arn.clone()),
             ("StateBucket", physical_id(&resources, "StateBucket")),
             ("AdminGroup", ADMIN_GROUP.into()),
+            ("RunnerUpdates", "approve".into()),
             ("ReleaseUrl", format!("https://{RELEASE_ADDR}")),
             ("ReleasePublicKey", release_key),
         ],
@@ -294,6 +324,7 @@ fn setup() -> World {
         Forward { guest_addr: RELEASE_ADDR.into(), guest_port: 443, host_port: release_port },
         Forward { guest_addr: CP_ADDR.into(), guest_port: 443, host_port: port_of(&cp.runner_url()) },
         Forward { guest_addr: AWS_ADDR.into(), guest_port: 80, host_port: port_of(&moto.url()) },
+        Forward { guest_addr: REGISTRY_ADDR.into(), guest_port: 443, host_port: port_of(&registry.url()) },
     ];
     let vm_options = VmOptions {
         user_data,
@@ -310,6 +341,8 @@ fn setup() -> World {
         image,
         vm_options,
         bootstrap_secret: secret_arn_for_world,
+        registry,
+        releases: release_dir.path().to_path_buf(),
         _imds: imds,
         _release: release_task,
         _dirs: vec![release_dir, keys],
@@ -753,6 +786,217 @@ fn the_user_data_refuses_tampered_releases_and_tells_the_stack(w: &mut World) {
     }
 }
 
+// ---- the runner's own updates ------------------------------------------------------
+
+/// Publish the release in `releases/<name>` to the install's registry and send it to
+/// the runner as `runner.update` of `version`; the job's id.
+fn send_update(w: &mut World, name: &str, version: &str) -> String {
+    let dir = w.releases.join(name);
+    let files: Vec<(String, Vec<u8>)> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .map(|p| (p.file_name().unwrap().to_string_lossy().into_owned(), std::fs::read(&p).unwrap()))
+        .collect();
+    let files: Vec<(&str, &[u8])> = files.iter().map(|(n, b)| (n.as_str(), b.as_slice())).collect();
+    let pushed = w.rt.block_on(w.registry.push_tar_artifact_bytes(
+        "inst-demo/byoc-runner",
+        Some(name),
+        "application/vnd.byoc.runner.release",
+        &files,
+    ));
+    w.cp.publish_release(byoc_control_plane::Release {
+        version: version.into(),
+        reference: format!("{ECR_HOST}/inst-demo/byoc-runner@{}", pushed.digest),
+        min_rollback_version: Some("0.1.0-vm1".into()),
+        downgrade: false,
+    })
+    .unwrap();
+    let runner_id = w.cp.runners()[0].runner_id.clone();
+    w.cp.update_runner(
+        &runner_id,
+        byoc_control_plane::UpdateRunner {
+            version: version.into(),
+            requested_role: Some(format!("{}-maintenance", w.cp.install_id())),
+            app_config: Some(common::roles::app_config()),
+        },
+    )
+    .unwrap()
+}
+
+/// The stack's default `RunnerUpdates = approve`: the job waits for a local admin.
+fn approve(w: &mut World, id: &str) {
+    w.vm.wait_for(
+        &format!("test -e /var/lib/byoc-runner/control/approvals/{id}.request.json"),
+        Duration::from_secs(180),
+    )
+    .unwrap_or_else(|e| panic!("the update was never held for approval: {e}\n{}", w.journal_tail()));
+    let o =
+        w.vm.exec(&format!("byoc-runner approve {id} --reason vm-suite"), Duration::from_secs(60)).unwrap();
+    assert!(o.ok(), "approve: {} {}", o.stdout, o.stderr);
+}
+
+fn installed_version(w: &mut World) -> String {
+    w.vm.sh("dpkg-query -W -f '${Version}' byoc-runner")
+}
+
+fn audit_count(w: &mut World, event: &str) -> usize {
+    w.vm.sh(&format!(
+        "byoc-runner audit export --state-dir /var/lib/byoc-runner | grep -c '\"{event}\"' || true"
+    ))
+    .trim()
+    .parse()
+    .unwrap_or(0)
+}
+
+/// Wait until the control plane hears `version` from the runner with no update pending.
+fn wait_version(w: &mut World, version: &str, timeout: Duration) {
+    let seen = w.rt.block_on(w.cp.wait_until(timeout, |cp| {
+        cp.runners().iter().any(|r| r.version.as_deref() == Some(version) && r.pending_update.is_none())
+    }));
+    assert!(
+        seen,
+        "the runner never said it runs {version}: {:?}\n{}\n{}",
+        w.cp.runners(),
+        w.vm.sh("journalctl -u byoc-runner-update --no-pager -n 40"),
+        w.journal_tail()
+    );
+}
+
+/// Refused before anything is fetched or installed: a version outside the customer's
+/// pin (`update pin`), and updates switched off (`[update] mode = "off"`); and a release
+/// signed by another key is refused once fetched, with nothing staged or installed.
+fn an_update_outside_the_customers_terms_or_signed_by_another_key_is_refused(w: &mut World) {
+    let before = installed_version(w);
+    let o = w.vm.exec("byoc-runner update pin 0.1.0-vm1", Duration::from_secs(60)).unwrap();
+    assert!(o.ok(), "pin: {} {}", o.stdout, o.stderr);
+    let id = send_update(w, "vm2", "0.1.0-vm2");
+    let v = w.wait_job(&id, Duration::from_secs(180), |v| !v.rejections.is_empty());
+    assert_eq!(v.rejections[0].0, byoc_protocol::RejectReason::UpdatePinned, "{:?}", v.rejections);
+    w.vm.sh("byoc-runner update unpin");
+
+    w.vm.sh("cp /etc/byoc-runner/runner.toml /root/runner.toml.before-off && \
+             sed -i 's/^mode = \"approve\"/mode = \"off\"/' /etc/byoc-runner/runner.toml && systemctl restart byoc-runner");
+    let id = send_update(w, "vm2", "0.1.0-vm2");
+    let v = w.wait_job(&id, Duration::from_secs(180), |v| !v.rejections.is_empty());
+    assert_eq!(v.rejections[0].0, byoc_protocol::RejectReason::UpdateDisabled, "{:?}", v.rejections);
+    w.vm.sh("cp /root/runner.toml.before-off /etc/byoc-runner/runner.toml && systemctl restart byoc-runner");
+
+    let id = send_update(w, "foreign-key", "0.1.0-vm2");
+    approve(w, &id);
+    let r = w.finished(&id).result.unwrap();
+    assert_eq!(r.status, JobStatus::Failed);
+    assert_eq!(r.outputs["reason"], "update_signature_invalid", "{}\n{}", r.outputs, w.output(&id));
+    assert!(
+        !w.vm.exec("test -e /var/lib/byoc-runner/update/request.json", Duration::from_secs(30)).unwrap().ok()
+    );
+    assert_eq!(installed_version(w), before, "nothing was installed");
+}
+
+/// The whole path on the shipped units: the update is held for approval, fetched from
+/// the install's registry, verified, staged; the updater drains the runner, installs
+/// the release, starts it and sees it healthy; the runner reports the new version, jobs
+/// run after it, and the audit log verifies across the update with both records.
+fn a_good_update_is_approved_applied_and_the_audit_chain_continues(w: &mut World) {
+    let id = send_update(w, "vm2", "0.1.0-vm2");
+    approve(w, &id);
+    let r = w.finished(&id).result.unwrap();
+    assert_eq!(r.status, JobStatus::Succeeded, "{:?}\n{}", r.error, w.output(&id));
+    wait_version(w, "0.1.0-vm2", Duration::from_secs(600));
+    assert_eq!(installed_version(w), "0.1.0-vm2");
+    assert_eq!(w.vm.sh("systemctl is-active byoc-runner").trim(), "active");
+    let status: serde_json::Value =
+        serde_json::from_str(&w.vm.sh("byoc-runner update status --output json")).unwrap();
+    assert_eq!(status["running_version"], "0.1.0-vm2", "{status}");
+    assert_eq!(status["last"]["result"], "applied", "{status}");
+    assert_eq!(status["kept"], serde_json::json!(["0.1.0-vm2", "0.1.0-vm1"]), "{status}");
+    let recorded = w.vm.wait_for(
+        "byoc-runner audit export --state-dir /var/lib/byoc-runner | grep -q '\"update_applied\"'",
+        Duration::from_secs(120),
+    );
+    assert!(recorded.is_ok(), "update_applied was not audited: {recorded:?}");
+    assert_eq!(audit_count(w, "update_started"), 1);
+    let verify =
+        w.vm.exec(
+            "runuser -u byoc-runner -- byoc-runner audit verify --config /etc/byoc-runner/runner.toml",
+            Duration::from_secs(120),
+        )
+        .unwrap();
+    assert!(verify.ok(), "audit verify across the update: {}\n{}", verify.stdout, verify.stderr);
+    let id = w.cp.enqueue(script("echo after-update")).unwrap();
+    assert_eq!(w.finished(&id).result.unwrap().status, JobStatus::Succeeded);
+    assert!(w.output(&id).contains("after-update"));
+}
+
+/// A release whose runner exits at start: the updater reinstalls the kept package
+/// within its bound, the runner is back on the version before and says so, and the
+/// audit log has `update_rolled_back` with the reason.
+fn a_release_that_exits_at_start_is_rolled_back_automatically(w: &mut World) {
+    let id = send_update(w, "vm3-exits", "0.1.0-vm3");
+    approve(w, &id);
+    let r = w.finished(&id).result.unwrap();
+    assert_eq!(r.status, JobStatus::Succeeded, "staged: {:?}\n{}", r.error, w.output(&id));
+    let back = w.vm.wait_for(
+        "byoc-runner audit export --state-dir /var/lib/byoc-runner | grep '\"update_rolled_back\"'",
+        Duration::from_secs(900),
+    );
+    let record = back.unwrap_or_else(|e| {
+        panic!(
+            "no rollback was audited: {e}\n{}",
+            w.vm.sh("journalctl -u byoc-runner-update --no-pager -n 60")
+        )
+    });
+    assert!(
+        record.stdout.contains("0.1.0-vm2 -> 0.1.0-vm3") && record.stdout.contains("did not start"),
+        "{}",
+        record.stdout
+    );
+    assert_eq!(installed_version(w), "0.1.0-vm2");
+    assert_eq!(w.vm.sh("systemctl is-active byoc-runner").trim(), "active");
+    wait_version(w, "0.1.0-vm2", Duration::from_secs(120));
+    let id = w.cp.enqueue(script("echo after-rollback")).unwrap();
+    assert_eq!(w.finished(&id).result.unwrap().status, JobStatus::Succeeded);
+}
+
+/// The customer's rollback (`update rollback`), with the VM reset (a power loss) while
+/// the updater runs: at the next boot the updater resumes, and the runner comes back
+/// on a working version (the one before or the one asked for), its audit log intact.
+fn a_reset_during_a_rollback_comes_back_on_a_working_version(w: &mut World) {
+    let o = w.vm.exec("byoc-runner update rollback --output json", Duration::from_secs(120)).unwrap();
+    assert!(o.ok(), "rollback: {} {}", o.stdout, o.stderr);
+    assert!(o.stdout.contains("0.1.0-vm1"), "{}", o.stdout);
+    w.vm.wait_for("test -e /var/lib/byoc-runner-update/progress.json", Duration::from_secs(300))
+        .unwrap_or_else(|e| {
+            panic!(
+                "the updater never started: {e}\n{}",
+                w.vm.sh("journalctl -u byoc-runner-update --no-pager -n 40")
+            )
+        });
+    w.vm.reset(Duration::from_secs(600)).unwrap_or_else(|e| panic!("{e}\n{}", w.vm.serial_tail(60)));
+    let settled = w.vm.wait_for(
+        "! test -e /var/lib/byoc-runner/update/request.json && systemctl is-active byoc-runner",
+        Duration::from_secs(900),
+    );
+    assert!(
+        settled.is_ok(),
+        "not settled after the reset: {settled:?}\n{}\n{}",
+        w.vm.sh("journalctl -b -u byoc-runner-update --no-pager -n 60"),
+        w.journal_tail()
+    );
+    let version = installed_version(w);
+    assert!(["0.1.0-vm1", "0.1.0-vm2"].contains(&version.as_str()), "{version}");
+    assert_eq!(w.vm.sh("dpkg-query -W -f '${Status}' byoc-runner"), "install ok installed");
+    wait_version(w, &version, Duration::from_secs(300));
+    let verify =
+        w.vm.exec(
+            "runuser -u byoc-runner -- byoc-runner audit verify --config /etc/byoc-runner/runner.toml",
+            Duration::from_secs(120),
+        )
+        .unwrap();
+    assert!(verify.ok(), "audit verify after the reset: {}\n{}", verify.stdout, verify.stderr);
+    let id = w.cp.enqueue(script("echo after-reset")).unwrap();
+    assert_eq!(w.finished(&id).result.unwrap().status, JobStatus::Succeeded);
+}
+
 /// `systemctl stop` drains: a running job finishes within the grace period and the
 /// runner stops cleanly.
 fn systemctl_stop_drains_a_running_job(w: &mut World) {
@@ -912,6 +1156,22 @@ const CASES: &[Case] = &[
     (
         "the_user_data_refuses_tampered_releases_and_tells_the_stack",
         the_user_data_refuses_tampered_releases_and_tells_the_stack,
+    ),
+    (
+        "an_update_outside_the_customers_terms_or_signed_by_another_key_is_refused",
+        an_update_outside_the_customers_terms_or_signed_by_another_key_is_refused,
+    ),
+    (
+        "a_good_update_is_approved_applied_and_the_audit_chain_continues",
+        a_good_update_is_approved_applied_and_the_audit_chain_continues,
+    ),
+    (
+        "a_release_that_exits_at_start_is_rolled_back_automatically",
+        a_release_that_exits_at_start_is_rolled_back_automatically,
+    ),
+    (
+        "a_reset_during_a_rollback_comes_back_on_a_working_version",
+        a_reset_during_a_rollback_comes_back_on_a_working_version,
     ),
     ("systemctl_stop_drains_a_running_job", systemctl_stop_drains_a_running_job),
     ("a_second_stop_request_cancels_the_running_job", a_second_stop_request_cancels_the_running_job),

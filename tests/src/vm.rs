@@ -388,6 +388,29 @@ impl Vm {
         }
     }
 
+    /// A hard reset, as a power loss: qemu's `system_reset` (nothing is shut down or
+    /// flushed by the guest), then wait until its agent is back.
+    pub fn reset(&mut self, timeout: Duration) -> Result<(), VmError> {
+        let boot_id = self.sh("cat /proc/sys/kernel/random/boot_id");
+        let mut monitor = UnixStream::connect(self.dir.path().join("monitor.sock"))
+            .map_err(|e| VmError::Setup(format!("the qemu monitor: {e}")))?;
+        let _ = writeln!(monitor, "system_reset");
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Ok(o) = self.exec("cat /proc/sys/kernel/random/boot_id", Duration::from_secs(10))
+                && o.ok()
+                && o.stdout != boot_id
+            {
+                return Ok(());
+            }
+            self.running()?;
+            if Instant::now() > deadline {
+                return Err(VmError::Timeout(timeout, "the guest did not come back from a reset".into()));
+            }
+            std::thread::sleep(Duration::from_secs(1));
+        }
+    }
+
     /// A clean power-off (the guest agent asks systemd; ACPI through the monitor if the
     /// agent does not answer); qemu is killed if the guest has not stopped by `timeout`.
     pub fn power_off(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {

@@ -258,7 +258,8 @@ fn apply_staged(config_path: &Path, updater_dir: PathBuf) -> anyhow::Result<()> 
     let config = Config::load(config_path).map_err(|e| anyhow::anyhow!("{e}"))?;
     let paths = apply::Paths { state_dir: config.runner.state_dir.clone(), updater_dir };
     std::fs::create_dir_all(paths.releases())?;
-    match apply::run(&apply::SystemHost, &config, &paths) {
+    let host = apply::SystemHost { config: config_path.to_path_buf() };
+    match apply::run(&host, &config, &paths) {
         None => println!("no update is staged"),
         Some(o) => {
             // The outcome file is the runner's to remove once it is audited.

@@ -385,8 +385,11 @@ fn prune(paths: &Paths, current: &str, previous: &str, keep: usize) {
     }
 }
 
-/// The real machine: systemctl and dpkg.
-pub struct SystemHost;
+/// The real machine: systemctl and dpkg; `config check` as the runner's user, with
+/// this configuration.
+pub struct SystemHost {
+    pub config: PathBuf,
+}
 
 fn command(program: &str, args: &[&str]) -> Result<String, String> {
     let out =
@@ -426,7 +429,10 @@ impl Host for SystemHost {
         command("systemctl", &["start", "byoc-runner.service"]).map(drop)
     }
     fn config_check(&self) -> Result<(), String> {
-        command(super::PACKAGED_BINARY, &["config", "check", "--output", "json"]).map(drop)
+        let config = self.config.to_string_lossy();
+        let args =
+            ["-u", "byoc-runner", "--", super::PACKAGED_BINARY, "config", "check", "--config", &config];
+        command("runuser", &args).map(drop)
     }
     fn now_ms(&self) -> u64 {
         crate::clock::now_ms()

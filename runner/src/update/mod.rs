@@ -422,7 +422,8 @@ mod pipeline_tests {
     #[tokio::test]
     async fn mode_approve_holds_an_update_for_a_person() {
         let f = testing::runtime_with(&terms("approve")).await;
-        let Accepted::Job(job, _mark) = accept(&f.rt, f.delivery(&update_job("job-1", "99.0.0")), &JobsInHand::default())
+        let Accepted::Job(job, _mark) =
+            accept(&f.rt, f.delivery(&update_job("job-1", "99.0.0")), &JobsInHand::default())
         else {
             panic!("not accepted")
         };
