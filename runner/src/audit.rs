@@ -137,6 +137,26 @@ pub const EVENTS: &[(&str, &str)] = &[
     ("allowance_revoked", "A local admin revoked a role's allowance."),
     ("allowance_seen", "The runner found an allowance written by hand and honours it as audited."),
     ("allowance_expired", "A role's allowance ran out."),
+    (
+        "update_started",
+        "A signed runner release was verified with the pinned release key and staged for the updater (both versions, the package's digest).",
+    ),
+    (
+        "update_applied",
+        "The updater installed a release and the new version came up healthy (both versions and digests).",
+    ),
+    (
+        "update_rolled_back",
+        "A release did not come up healthy (or the customer rolled back): the kept package runs again; the reason is recorded.",
+    ),
+    (
+        "update_refused",
+        "The updater refused a staged release (its own checks, or the customer's terms); nothing was installed.",
+    ),
+    (
+        "update_pin_changed",
+        "A local admin pinned or unpinned the runner's version (`byoc-runner update pin`).",
+    ),
     ("artifact_synced", "An OCI artifact was copied into the install's registry, by digest."),
     ("artifact_sync_failed", "Copying an OCI artifact failed; nothing was tagged."),
     ("secret_read", "A job read one of the customer's secrets (its name and version, never its value)."),

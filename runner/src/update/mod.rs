@@ -454,4 +454,33 @@ mod pipeline_tests {
         assert!(!journaled(&f).iter().any(|e| e == "started"), "{:?}", journaled(&f));
         assert!(!request_path(&f.rt.state_dir).exists());
     }
+
+    #[tokio::test]
+    async fn an_update_outside_the_customers_window_waits_for_it() {
+        let opens = testing::NOW + 3600;
+        let window = format!(
+            "[[guardrails.window]]\nname = \"updates\"\nonce = [\"{}/1h\"]\n\
+             [[guardrails.window_rule]]\nname = \"updates\"\nwindows = [\"updates\"]\neffects = [\"update\"]\n",
+            crate::clock::rfc3339(opens)
+        );
+        let f = testing::runtime_with(&format!("{}{window}", terms("auto"))).await;
+        let mut payload = update_job("job-1", "99.0.0");
+        payload.expires_at = testing::NOW + 7200;
+        let Accepted::Job(job, _mark) = accept(&f.rt, f.delivery(&payload), &JobsInHand::default()) else {
+            panic!("not accepted")
+        };
+        let task = tokio::spawn(run_job(f.rt.clone(), *job, ()));
+        for _ in 0..500 {
+            if journaled(&f).iter().any(|e| e == "waiting") {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        assert_eq!(f.rt.journal.job("job-1").map(|j| j.phase), Some(crate::journal::Phase::WaitingWindow));
+        assert!(!journaled(&f).iter().any(|e| e == "started"));
+        f.clock.advance_secs(3600);
+        task.await.expect("task").expect("journal");
+        assert_eq!(journaled(&f), ["received", "claimed", "waiting", "started", "finished", "reported"]);
+        assert!(f.cp.calls().contains(&"heartbeat job-1 waiting_window".to_string()), "{:?}", f.cp.calls());
+    }
 }
