@@ -230,7 +230,14 @@ impl Roles {
             session_max_secs: config.roles.session_max.as_secs(),
             refresh_before: config.roles.refresh_before,
             region: config.aws.region.clone(),
-            endpoint_url: config.aws.endpoint_url.clone(),
+            // The SDK sends the runner's own calls to AWS_ENDPOINT_URL when the config
+            // names none; what the runner asks under a job's role (ECR's token, the state
+            // bucket) and the job's own clients go to the same place.
+            endpoint_url: config
+                .aws
+                .endpoint_url
+                .clone()
+                .or_else(|| std::env::var("AWS_ENDPOINT_URL").ok().filter(|u| !u.is_empty())),
             container_credentials_dir: config.roles.container_credentials_dir.clone(),
             busybox: config.roles.busybox.clone(),
             require_local_allow: config.roles.require_local_allow.clone(),
