@@ -193,7 +193,8 @@ fn rollback(s: &StateArgs, to: Option<&str>, updater_dir: &Path) -> anyhow::Resu
     anyhow::ensure!(target != current, "{current} is already running");
     let paths =
         apply::Paths { state_dir: config.runner.state_dir.clone(), updater_dir: updater_dir.to_path_buf() };
-    let found = release::verify_signed(&paths.releases().join(&target), key, &target)
+    let kept_key = apply::kept_key(&paths, &target, key);
+    let found = release::verify_signed(&paths.releases().join(&target), &kept_key, &target)
         .map_err(|e| anyhow::anyhow!("{target}: {e}"))?;
     if let Some(min) = apply::read_kept(&paths, &current).min_rollback_version
         && update::version::compare(&target, &min) == std::cmp::Ordering::Less
@@ -203,7 +204,7 @@ fn rollback(s: &StateArgs, to: Option<&str>, updater_dir: &Path) -> anyhow::Resu
     let staged = update::staged_dir(&paths.state_dir);
     let _ = std::fs::remove_dir_all(&staged);
     std::fs::create_dir_all(&staged)?;
-    for name in [release::SUMS, release::SUMS_SIG, found.package.as_str(), release::DOWNGRADE] {
+    for name in found.files() {
         let from = found.dir.join(name);
         if from.exists() {
             std::fs::copy(&from, staged.join(name))?;

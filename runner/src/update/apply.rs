@@ -62,6 +62,9 @@ struct Progress {
     previous_version: String,
     previous_sha256: String,
     key_sha256: Option<String>,
+    /// The release rotates the release key to this one (pinned once it is installed).
+    #[serde(default)]
+    rotated_key: Option<String>,
     started_ms: u64,
 }
 
@@ -71,6 +74,21 @@ struct Progress {
 pub struct Kept {
     #[serde(default)]
     pub min_rollback_version: Option<String>,
+    /// The key it was verified with when kept (a later rotation does not strand it).
+    #[serde(default)]
+    pub release_key: Option<String>,
+}
+
+/// The key a kept release verifies with: the one it was kept under, else the pinned one.
+pub fn kept_key(
+    paths: &Paths,
+    version: &str,
+    pinned: &super::minisign::PublicKey,
+) -> super::minisign::PublicKey {
+    read_kept(paths, version)
+        .release_key
+        .and_then(|k| super::minisign::PublicKey::parse(&k).ok())
+        .unwrap_or_else(|| pinned.clone())
 }
 
 /// Run the update `request.json` asks for, if any; its outcome is also written for the
@@ -138,8 +156,9 @@ fn check(
         .ok_or(("update_no_rollback_package", "byoc-runner is not installed by dpkg".to_string()))?;
     let staged = staged_dir(&paths.state_dir);
     let new = if request.rollback {
-        let new =
-            release::verify_signed(&staged, key, &request.version).map_err(|e| (e.code(), e.to_string()))?;
+        let kept = kept_key(paths, &request.version, key);
+        let new = release::verify_signed(&staged, &kept, &request.version)
+            .map_err(|e| (e.code(), e.to_string()))?;
         let min = read_kept(paths, &current).min_rollback_version;
         if min
             .as_deref()
@@ -184,12 +203,14 @@ fn check(
             ),
         ));
     }
-    let previous = release::verify_signed(&paths.releases().join(&current), key, &current).map_err(|e| {
-        (
-            "update_no_rollback_package",
-            format!("the running version {current} is not kept to roll back to ({e})"),
-        )
-    })?;
+    let previous_key = kept_key(paths, &current, key);
+    let previous = release::verify_signed(&paths.releases().join(&current), &previous_key, &current)
+        .map_err(|e| {
+            (
+                "update_no_rollback_package",
+                format!("the running version {current} is not kept to roll back to ({e})"),
+            )
+        })?;
     Ok((new, previous))
 }
 
@@ -202,7 +223,29 @@ fn start(
     new: &Release,
     previous: &Release,
 ) -> Outcome {
-    let kept = match keep(paths, new, request.min_rollback_version.clone()) {
+    let Some(pinned) = config.update.release_key.as_ref() else {
+        return refused(host, request, "update_disabled", "no release key is pinned".into());
+    };
+    let verified_with =
+        if request.rollback { kept_key(paths, &request.version, pinned) } else { pinned.clone() };
+    // The running version's package stays verifiable under the key it was verified
+    // with, even once this release rotates the pinned key away from it.
+    let mut note = read_kept(paths, &previous.version);
+    if note.release_key.is_none() {
+        note.release_key = Some(kept_key(paths, &previous.version, pinned).line());
+        let written = serde_json::to_vec(&note).map_err(std::io::Error::other).and_then(|b| {
+            crate::state_dir::write(&paths.releases().join(&previous.version).join("kept.json"), &b, 0o600)
+        });
+        if let Err(e) = written {
+            return refused(
+                host,
+                request,
+                "update_staging_failed",
+                format!("noting the kept release's key: {e}"),
+            );
+        }
+    }
+    let kept = match keep(paths, new, request.min_rollback_version.clone(), &verified_with) {
         Ok(k) => k,
         Err(e) => {
             return refused(host, request, "update_staging_failed", format!("keeping the release: {e}"));
@@ -214,6 +257,7 @@ fn start(
         previous_version: previous.version.clone(),
         previous_sha256: previous.package_sha256.clone(),
         key_sha256,
+        rotated_key: new.rotated_key.clone(),
         started_ms: host.now_ms(),
     };
     if let Err(e) =
@@ -247,9 +291,14 @@ fn install_and_watch(host: &dyn Host, config: &Config, paths: &Paths, progress: 
     if let Err(e) = host.stop_runner() {
         tracing::warn!(error = %e, "Stopping the runner: {e}; installing anyway.");
     }
+    let mut key_before = None;
     let applied = host
         .install(&new_deb)
         .map_err(|e| format!("installing {}: {e}", request.version))
+        .and_then(|()| match &progress.rotated_key {
+            Some(new) => set_release_key(&config.source, new).map(|old| key_before = Some(old)),
+            None => Ok(()),
+        })
         .and_then(|()| healthy(host, config, paths, &request.version, progress.key_sha256.as_deref()));
     match applied {
         Ok(()) => {
@@ -258,6 +307,11 @@ fn install_and_watch(host: &dyn Host, config: &Config, paths: &Paths, progress: 
         }
         Err(why) => {
             tracing::error!(version = %request.version, "Update failed ({why}); rolling back to {}.", progress.previous_version);
+            if let Some(old) = &key_before
+                && let Err(e) = set_release_key(&config.source, old)
+            {
+                tracing::error!(error = %e, "Could not pin the previous release key again: {e}.");
+            }
             let back = roll_back(host, config, paths, progress);
             let reason = match back {
                 Ok(()) => why,
@@ -268,6 +322,32 @@ fn install_and_watch(host: &dyn Host, config: &Config, paths: &Paths, progress: 
             outcome("rolled_back", Some(reason))
         }
     }
+}
+
+/// Pin `key` as the release key in the runner's config (the `release_public_key` line of
+/// `[update]`, rewritten in place, owner and mode kept); the key it replaces.
+fn set_release_key(config_path: &Path, key: &str) -> Result<String, String> {
+    use std::os::unix::fs::MetadataExt as _;
+    let fail = |e: String| format!("pinning the rotated release key in {}: {e}", config_path.display());
+    let text = std::fs::read_to_string(config_path).map_err(|e| fail(e.to_string()))?;
+    let meta = std::fs::metadata(config_path).map_err(|e| fail(e.to_string()))?;
+    let mut old = None;
+    let lines: Vec<String> = text
+        .lines()
+        .map(|l| match l.trim_start().strip_prefix("release_public_key") {
+            Some(rest) if old.is_none() && rest.trim_start().starts_with('=') => {
+                old = Some(rest.trim_start()[1..].trim().trim_matches('"').to_string());
+                format!("release_public_key = \"{key}\"")
+            }
+            _ => l.to_string(),
+        })
+        .collect();
+    let old = old.ok_or_else(|| fail("no release_public_key line".into()))?;
+    crate::state_dir::write(config_path, (lines.join("\n") + "\n").as_bytes(), meta.mode() & 0o7777)
+        .map_err(|e| fail(e.to_string()))?;
+    let (uid, gid) = (nix::unistd::Uid::from_raw(meta.uid()), nix::unistd::Gid::from_raw(meta.gid()));
+    nix::unistd::chown(config_path, Some(uid), Some(gid)).map_err(|e| fail(e.to_string()))?;
+    Ok(old)
 }
 
 fn roll_back(host: &dyn Host, config: &Config, paths: &Paths, progress: &Progress) -> Result<(), String> {
@@ -333,20 +413,22 @@ pub fn keep(
     paths: &Paths,
     release: &Release,
     min_rollback_version: Option<String>,
+    verified_with: &super::minisign::PublicKey,
 ) -> std::io::Result<Release> {
     let dir = paths.releases().join(&release.version);
     if dir != release.dir {
         let tmp = paths.releases().join(format!(".{}.tmp", release.version));
         let _ = std::fs::remove_dir_all(&tmp);
         std::fs::create_dir_all(&tmp)?;
-        for name in [release::SUMS, release::SUMS_SIG, release.package.as_str(), release::DOWNGRADE] {
+        for name in release.files() {
             let from = release.dir.join(name);
             if from.exists() {
                 std::fs::copy(&from, tmp.join(name))?;
                 std::fs::File::open(tmp.join(name))?.sync_all()?;
             }
         }
-        let note = serde_json::to_vec(&Kept { min_rollback_version }).unwrap_or_default();
+        let release_key = Some(release.rotated_key.clone().unwrap_or_else(|| verified_with.line()));
+        let note = serde_json::to_vec(&Kept { min_rollback_version, release_key }).unwrap_or_default();
         std::fs::write(tmp.join("kept.json"), note)?;
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::rename(&tmp, &dir)?;
@@ -552,7 +634,9 @@ mod tests {
             "[control_plane]\nurl = \"https://cp.example.com\"\npublic_keys = [\"{}\"]\n[runner]\ninstall_id = \"i\"\n[update]\nmode = \"{mode}\"\nrelease_public_key = \"{line}\"\nhealth_timeout_secs = 10\n",
             byoc_protocol::b64(byoc_protocol::generate_signing_key().verifying_key().as_bytes())
         );
-        let config = Config::parse(&text, "t", []).unwrap();
+        let config_path = paths.updater_dir.join("runner.toml");
+        std::fs::write(&config_path, &text).unwrap();
+        let config = Config::load(&config_path).unwrap();
         Setup { _dirs: (state, updater), paths, config }
     }
 
@@ -630,6 +714,80 @@ mod tests {
         assert!(host.calls.borrow().is_empty());
     }
 
+    /// A release whose key rotation the pinned key signed: installed, and the new key is
+    /// pinned in the config the new version starts with; rolled back, the old one again.
+    fn rotating(s: &Setup) -> String {
+        let (next, next_id) = (ed25519_dalek::SigningKey::from_bytes(&[8; 32]), [0x77; 8]);
+        let (next_line, _) = super::super::minisign::sign(&next, next_id, b"", "");
+        let tree = tempfile::tempdir().unwrap();
+        std::fs::write(tree.path().join(format!("byoc-runner_0.2.0_{}.deb", release::host_arch())), "p2")
+            .unwrap();
+        let statement = format!("{next_line}\n");
+        std::fs::write(tree.path().join(release::NEW_KEY), &statement).unwrap();
+        let (_, sig) =
+            super::super::minisign::sign(&fixture::signing_key(), fixture::KEY_ID, statement.as_bytes(), "r");
+        std::fs::write(tree.path().join(release::NEW_KEY_SIG), sig).unwrap();
+        fixture::sign_dir(tree.path(), &next, next_id);
+        let stager = super::super::stage::Stager {
+            state_dir: s.paths.state_dir.clone(),
+            key: Some(fixture::public_key()),
+            current: "0.1.0".into(),
+            audit: None,
+        };
+        let ask = byoc_job_executors::runner_update::UpdateAsk {
+            version: "0.2.0".into(),
+            downgrade: false,
+            min_rollback_version: None,
+        };
+        byoc_job_executors::runner_update::ReleaseStager::stage(&stager, "job-2", tree.path(), &ask).unwrap();
+        next_line
+    }
+
+    #[test]
+    fn a_rotated_release_key_is_pinned_with_the_release_and_unpinned_with_a_rollback() {
+        let s = setup("auto");
+        let next = rotating(&s);
+        let host = FakeHost::new(&s.paths.state_dir, "0.1.0");
+        assert_eq!(run(&host, &s.config, &s.paths).unwrap().result, "applied");
+        let text = std::fs::read_to_string(&s.config.source).unwrap();
+        assert!(text.contains(&format!("release_public_key = \"{next}\"")), "{text}");
+        // Back to the release from before the rotation: it verifies with the key it was
+        // kept under, not the one pinned now.
+        let rotated = Config::load(&s.config.source).unwrap();
+        // As `update rollback` stages it: a fresh directory with the kept files.
+        let staged = staged_dir(&s.paths.state_dir);
+        let _ = std::fs::remove_dir_all(&staged);
+        std::fs::create_dir_all(&staged).unwrap();
+        let kept = s.paths.releases().join("0.1.0");
+        for e in std::fs::read_dir(&kept).unwrap() {
+            let p = e.unwrap().path();
+            std::fs::copy(&p, staged.join(p.file_name().unwrap())).unwrap();
+        }
+        let found = release::verify_signed(&kept, &fixture::public_key(), "0.1.0").unwrap();
+        let request = Request {
+            job_id: "local-rollback-1".into(),
+            version: "0.1.0".into(),
+            from_version: "0.2.0".into(),
+            package: found.package.clone(),
+            package_sha256: found.package_sha256.clone(),
+            sums_sha256: found.sums_sha256.clone(),
+            min_rollback_version: None,
+            rollback: true,
+            staged_at_ms: 1,
+        };
+        std::fs::write(request_path(&s.paths.state_dir), serde_json::to_vec(&request).unwrap()).unwrap();
+        let out = run(&host, &rotated, &s.paths).unwrap();
+        assert_eq!((out.result.as_str(), out.to_version.as_str()), ("applied", "0.1.0"), "{out:?}");
+
+        let s = setup("auto");
+        let before = std::fs::read_to_string(&s.config.source).unwrap();
+        rotating(&s);
+        let mut host = FakeHost::new(&s.paths.state_dir, "0.1.0");
+        host.unhealthy = vec!["0.2.0".into()];
+        assert_eq!(run(&host, &s.config, &s.paths).unwrap().result, "rolled_back");
+        assert_eq!(std::fs::read_to_string(&s.config.source).unwrap(), before);
+    }
+
     #[test]
     fn without_a_kept_package_to_go_back_to_nothing_is_installed() {
         let s = setup("auto");
@@ -648,12 +806,13 @@ mod tests {
             serde_json::from_slice(&std::fs::read(request_path(&s.paths.state_dir)).unwrap()).unwrap();
         let (new, previous) = check(&host, &s.config, &s.paths, &request).unwrap();
         // As `start` does up to the moment of a reset: kept, progress written, then gone.
-        let kept = keep(&s.paths, &new, None).unwrap();
+        let kept = keep(&s.paths, &new, None, &fixture::public_key()).unwrap();
         let progress = Progress {
             request: Request { package: kept.package.clone(), ..request },
             previous_version: previous.version.clone(),
             previous_sha256: previous.package_sha256.clone(),
             key_sha256: None,
+            rotated_key: None,
             started_ms: 1,
         };
         std::fs::write(s.paths.progress(), serde_json::to_vec(&progress).unwrap()).unwrap();

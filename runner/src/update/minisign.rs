@@ -47,6 +47,14 @@ impl PublicKey {
         })
     }
 
+    /// The key line (`RW…`), as a `.pub` file's second line.
+    pub fn line(&self) -> String {
+        let mut raw = b"Ed".to_vec();
+        raw.extend_from_slice(&self.key_id);
+        raw.extend_from_slice(self.key.as_bytes());
+        B64.encode(raw)
+    }
+
     /// As minisign prints key ids: the 8 bytes little-endian, upper-case hex.
     pub fn id(&self) -> String {
         key_id_hex(&self.key_id)
@@ -140,6 +148,7 @@ mod tests {
     #[test]
     fn a_signature_made_by_the_minisign_tool_verifies() {
         let key = PublicKey::parse(CLI_PUB).unwrap();
+        assert_eq!(key.line(), CLI_PUB.lines().nth(1).unwrap());
         let v = verify(&key, CLI_MSG, CLI_SIG).unwrap();
         assert_eq!(v.trusted_comment, "byoc test");
         let mut changed = CLI_MSG.to_vec();

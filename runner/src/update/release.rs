@@ -18,6 +18,17 @@ use super::version;
 pub const SUMS: &str = "SHA256SUMS";
 pub const SUMS_SIG: &str = "SHA256SUMS.minisig";
 pub const DOWNGRADE: &str = "DOWNGRADE";
+/// A key rotation: the new release key (a minisign `.pub`), and its signature by the key
+/// pinned now. A release carrying them may be signed by the new key.
+pub const NEW_KEY: &str = "RELEASE-KEY";
+pub const NEW_KEY_SIG: &str = "RELEASE-KEY.minisig";
+
+impl Release {
+    /// The files of the release, by name: the signed ones, then those only some carry.
+    pub fn files(&self) -> [&str; 6] {
+        [SUMS, SUMS_SIG, self.package.as_str(), DOWNGRADE, NEW_KEY, NEW_KEY_SIG]
+    }
+}
 const MAX_SMALL_FILE: u64 = 64 << 10;
 
 /// A release whose signature and package digest verified.
@@ -31,6 +42,8 @@ pub struct Release {
     pub sums_sha256: String,
     /// Versions this (older) release may replace, as it signs them.
     pub replaces: Vec<String>,
+    /// The new release key (its key line) when the release rotates it.
+    pub rotated_key: Option<String>,
 }
 
 impl Release {
@@ -47,6 +60,8 @@ pub enum ReleaseError {
     Unreadable { file: String, why: String },
     #[error("SHA256SUMS: {0}")]
     Signature(minisign::MinisignError),
+    #[error("the key rotation (RELEASE-KEY): {0}")]
+    Rotation(String),
     #[error("SHA256SUMS: {0}")]
     Sums(String),
     #[error("the package is version {found}, the job names {expected}")]
@@ -67,6 +82,7 @@ impl ReleaseError {
         match self {
             ReleaseError::Incomplete(_) | ReleaseError::Unreadable { .. } => "update_release_incomplete",
             ReleaseError::Signature(_) => "update_signature_invalid",
+            ReleaseError::Rotation(_) => "update_key_rotation_invalid",
             ReleaseError::Sums(_) => "update_release_invalid",
             ReleaseError::WrongVersion { .. } => "update_wrong_version",
             ReleaseError::WrongArchitecture { .. } => "update_wrong_architecture",
@@ -106,7 +122,8 @@ pub fn verify_signed(dir: &Path, key: &PublicKey, version: &str) -> Result<Relea
     let sig = read_small(dir, SUMS_SIG)?;
     let sig = String::from_utf8(sig)
         .map_err(|_| ReleaseError::Signature(minisign::MinisignError::Malformed("not text")))?;
-    minisign::verify(key, &sums, &sig).map_err(ReleaseError::Signature)?;
+    let (signer, rotated_key) = key_of_release(dir, key)?;
+    minisign::verify(&signer, &sums, &sig).map_err(ReleaseError::Signature)?;
     let entries = parse_sums(&sums)?;
     let packages: Vec<&(String, String)> = entries.iter().filter(|(_, n)| n.ends_with(".deb")).collect();
     let [(package_sha256, package)] = packages.as_slice() else {
@@ -145,7 +162,33 @@ pub fn verify_signed(dir: &Path, key: &PublicKey, version: &str) -> Result<Relea
         package_sha256: package_sha256.clone(),
         sums_sha256: byoc_protocol::sha256_hex(&sums),
         replaces,
+        rotated_key,
     })
+}
+
+/// The key `SHA256SUMS` must be signed with: the pinned one, or the new key of a
+/// rotation statement the pinned key signed (its key line returned too).
+fn key_of_release(dir: &Path, pinned: &PublicKey) -> Result<(PublicKey, Option<String>), ReleaseError> {
+    let statement = match read_small(dir, NEW_KEY) {
+        Ok(text) => text,
+        Err(ReleaseError::Incomplete(_)) => return Ok((pinned.clone(), None)),
+        Err(e) => return Err(e),
+    };
+    let text = String::from_utf8(statement.clone())
+        .map_err(|_| ReleaseError::Rotation("RELEASE-KEY is not text".into()))?;
+    let new = PublicKey::parse(&text).map_err(|e| ReleaseError::Rotation(e.to_string()))?;
+    if new == *pinned {
+        // A release from after the rotation, checked under the key it rotated to.
+        return Ok((new, None));
+    }
+    let sig = read_small(dir, NEW_KEY_SIG).map_err(|_| {
+        ReleaseError::Rotation("RELEASE-KEY.minisig, its signature by the pinned key, is missing".into())
+    })?;
+    let sig = String::from_utf8(sig)
+        .map_err(|_| ReleaseError::Rotation("RELEASE-KEY.minisig is not text".into()))?;
+    minisign::verify(pinned, &statement, &sig).map_err(|e| ReleaseError::Rotation(e.to_string()))?;
+    let line = new.line();
+    Ok((new, Some(line)))
 }
 
 /// `byoc-runner_<version>_<arch>.deb` → version, arch (the name dpkg-deb gives; the
@@ -212,6 +255,8 @@ fn static_name(name: &str) -> &'static str {
         SUMS => SUMS,
         SUMS_SIG => SUMS_SIG,
         DOWNGRADE => DOWNGRADE,
+        NEW_KEY => NEW_KEY,
+        NEW_KEY_SIG => NEW_KEY_SIG,
         _ => "package",
     }
 }
@@ -356,6 +401,29 @@ mod tests {
         release(u.path(), "0.1.0", &[]);
         std::fs::write(u.path().join(DOWNGRADE), "replaces 0.2.0\n").unwrap();
         assert_eq!(code(u.path(), "0.1.0", "0.2.0"), "update_not_newer");
+    }
+
+    #[test]
+    fn a_rotation_the_pinned_key_signs_lets_the_new_key_sign_the_release() {
+        let d = tempfile::tempdir().unwrap();
+        let (next, next_id) = (ed25519_dalek::SigningKey::from_bytes(&[8; 32]), [0x77; 8]);
+        let (next_line, _) = minisign::sign(&next, next_id, b"", "");
+        let statement = format!("untrusted comment: the next release key\n{next_line}\n");
+        std::fs::write(d.path().join("byoc-runner_0.2.0_".to_string() + host_arch() + ".deb"), "p").unwrap();
+        sign_dir(d.path(), &next, next_id);
+        // Without the statement the new key's signature is another key's.
+        assert_eq!(code(d.path(), "0.2.0", "0.1.0"), "update_signature_invalid");
+        std::fs::write(d.path().join(NEW_KEY), &statement).unwrap();
+        let (_, by_pinned) = minisign::sign(&signing_key(), KEY_ID, statement.as_bytes(), "rotation");
+        std::fs::write(d.path().join(NEW_KEY_SIG), &by_pinned).unwrap();
+        sign_dir(d.path(), &next, next_id);
+        let r = verify(d.path(), &public_key(), "0.2.0", "0.1.0").unwrap();
+        assert_eq!(r.rotated_key.as_deref(), Some(next_line.as_str()));
+        // A statement the pinned key did not sign (here: the new key signed itself in).
+        let (_, by_itself) = minisign::sign(&next, next_id, statement.as_bytes(), "rotation");
+        std::fs::write(d.path().join(NEW_KEY_SIG), by_itself).unwrap();
+        sign_dir(d.path(), &next, next_id);
+        assert_eq!(code(d.path(), "0.2.0", "0.1.0"), "update_key_rotation_invalid");
     }
 
     #[test]

@@ -88,9 +88,9 @@ fn copy_release(found: &Release, state_dir: &Path) -> std::io::Result<PathBuf> {
     let tmp = dir.join("staged.tmp");
     let _ = std::fs::remove_dir_all(&tmp);
     std::fs::create_dir(&tmp)?;
-    for name in [release::SUMS, release::SUMS_SIG, found.package.as_str(), release::DOWNGRADE] {
+    for name in found.files() {
         let from = found.dir.join(name);
-        if name == release::DOWNGRADE && !from.exists() {
+        if !from.exists() {
             continue;
         }
         let to = tmp.join(name);
