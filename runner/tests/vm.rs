@@ -864,7 +864,8 @@ fn wait_version(w: &mut World, version: &str, timeout: Duration) {
 
 /// Refused before anything is fetched or installed: a version outside the customer's
 /// pin (`update pin`), and updates switched off (`[update] mode = "off"`); and a release
-/// signed by another key is refused once fetched, with nothing staged or installed.
+/// signed by another key, or whose package was changed after signing, is refused once
+/// fetched, with nothing staged or installed.
 fn an_update_outside_the_customers_terms_or_signed_by_another_key_is_refused(w: &mut World) {
     let before = installed_version(w);
     let o = w.vm.exec("byoc-runner update pin 0.1.0-vm1", Duration::from_secs(60)).unwrap();
@@ -881,11 +882,15 @@ fn an_update_outside_the_customers_terms_or_signed_by_another_key_is_refused(w: 
     assert_eq!(v.rejections[0].0, byoc_protocol::RejectReason::UpdateDisabled, "{:?}", v.rejections);
     w.vm.sh("cp /root/runner.toml.before-off /etc/byoc-runner/runner.toml && systemctl restart byoc-runner");
 
-    let id = send_update(w, "foreign-key", "0.1.0-vm2");
-    approve(w, &id);
-    let r = w.finished(&id).result.unwrap();
-    assert_eq!(r.status, JobStatus::Failed);
-    assert_eq!(r.outputs["reason"], "update_signature_invalid", "{}\n{}", r.outputs, w.output(&id));
+    for (set, reason) in
+        [("foreign-key", "update_signature_invalid"), ("tampered-package", "update_digest_mismatch")]
+    {
+        let id = send_update(w, set, "0.1.0-vm2");
+        approve(w, &id);
+        let r = w.finished(&id).result.unwrap();
+        assert_eq!(r.status, JobStatus::Failed);
+        assert_eq!(r.outputs["reason"], reason, "{set}: {}\n{}", r.outputs, w.output(&id));
+    }
     assert!(
         !w.vm.exec("test -e /var/lib/byoc-runner/update/request.json", Duration::from_secs(30)).unwrap().ok()
     );
