@@ -78,6 +78,7 @@ pub async fn run(config_path: &Path) -> Vec<Check> {
             out.push(imds(c).await);
             out.push(imds_firewall());
             out.extend(install_stack(c).await);
+            out.push(updates(&c.update, &c.runner.state_dir));
         }
         None => {
             for name in [
@@ -90,6 +91,7 @@ pub async fn run(config_path: &Path) -> Vec<Check> {
                 "imds",
                 "imds_firewall",
                 "install_stack",
+                "updates",
             ] {
                 out.push(check(name, Status::Skip, "needs a valid configuration", None));
             }
@@ -571,6 +573,42 @@ async fn install_stack(c: &Config) -> Vec<Check> {
     out
 }
 
+/// The customer's terms for the runner's own updates, as `runner.update` will meet them.
+fn updates(terms: &crate::config::UpdateConfig, state_dir: &Path) -> Check {
+    use crate::config::UpdateMode;
+    let pin = match crate::update::effective_pin(terms, state_dir) {
+        Ok(p) => p.map(|p| format!(", pinned to {:?}", p.as_str())).unwrap_or_default(),
+        Err(e) => return check("updates", Status::Warn, e, Some("byoc-runner update unpin, or pin again")),
+    };
+    match (terms.mode, &terms.release_key) {
+        (UpdateMode::Off, _) => check(
+            "updates",
+            Status::Ok,
+            "switched off ([update] mode = \"off\"): every update is refused",
+            None,
+        ),
+        (_, None) => check(
+            "updates",
+            Status::Warn,
+            "no release key is pinned: every update is refused (update_disabled)",
+            Some(
+                "set [update] release_public_key to the key the release is signed with (user-data writes it)",
+            ),
+        ),
+        (mode, Some(key)) => check(
+            "updates",
+            Status::Ok,
+            format!(
+                "mode {}, release key {}{pin}, running {}",
+                mode.as_str(),
+                key.id(),
+                crate::update::running_version()
+            ),
+            None,
+        ),
+    }
+}
+
 fn journald() -> Check {
     let socket = Path::new("/run/systemd/journal/socket");
     if socket.exists() {
@@ -795,4 +833,31 @@ async fn network_boundary(settings: &byoc_job_executors::SandboxSettings, scratc
         ),
     });
     out
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_update_terms_are_checked_as_a_job_would_meet_them() {
+        use crate::config::{UpdateConfig, UpdateMode};
+        let d = tempfile::tempdir().unwrap();
+        let keyed = UpdateConfig {
+            mode: UpdateMode::Auto,
+            release_key: Some(
+                crate::update::minisign::PublicKey::parse(
+                    "RWTpvzX1SCQie+b1b2ukH1NaNGEZZsjO1BHIJzyMHfMSjHTInVYVd1fe",
+                )
+                .unwrap(),
+            ),
+            ..Default::default()
+        };
+        let c = super::updates(&keyed, d.path());
+        assert_eq!(c.status, super::Status::Ok, "{}", c.detail);
+        assert!(c.detail.contains("mode auto, release key 7B222448F535BFE9"), "{}", c.detail);
+        let c = super::updates(&UpdateConfig { release_key: None, ..keyed.clone() }, d.path());
+        assert_eq!(c.status, super::Status::Warn);
+        assert!(c.fix.unwrap().contains("release_public_key"));
+        let c = super::updates(&UpdateConfig { mode: UpdateMode::Off, ..keyed }, d.path());
+        assert_eq!(c.status, super::Status::Ok);
+    }
 }
