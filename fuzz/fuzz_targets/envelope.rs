@@ -20,6 +20,9 @@ struct Fixture {
     keys: BTreeMap<String, ed25519_dalek::VerifyingKey>,
     install: InstallState,
     index: Index,
+    /// The customer's update terms, so `runner.update` specs reach their checks.
+    update: byoc_runner::config::UpdateConfig,
+    state_dir: std::path::PathBuf,
 }
 
 fn fixture() -> &'static Fixture {
@@ -35,6 +38,16 @@ fn fixture() -> &'static Fixture {
             keys,
             install: InstallState::new("inst-1", Some("acme"), Some("us-east-1"), None),
             index,
+            update: byoc_runner::config::UpdateConfig {
+                mode: byoc_runner::config::UpdateMode::Auto,
+                release_key: byoc_runner::update::minisign::PublicKey::parse(
+                    "RWTpvzX1SCQie+b1b2ukH1NaNGEZZsjO1BHIJzyMHfMSjHTInVYVd1fe",
+                )
+                .ok(),
+                ..Default::default()
+            },
+            // No pin file here: the config's terms decide.
+            state_dir: std::env::temp_dir().join("byoc-fuzz-no-state"),
         }
     })
 }
@@ -66,6 +79,7 @@ fuzz_target!(|data: &[u8]| {
         registries: byoc_oci_sync::Reach::guarded(["registry.allowed.test:5000"]),
         clusters: byoc_oci_sync::Reach::guarded(Vec::<String>::new()),
         resume_held: false,
+        update: Some((&f.update, &f.state_dir)),
     };
     let _ = verifier.verify(polled, &f.index);
 });

@@ -108,7 +108,8 @@ async fn every_envelope_rejection_has_its_reason_code() {
     // Role and pause refusals have their own suite (e2e_roles), the sandbox's theirs
     // (e2e_network, e2e_sandbox, e2e_container), the disk's (e2e_disk), the guardrails' theirs
     // (e2e_guardrails), the secrets' theirs (e2e_secrets), a job held to its effect
-    // (e2e_roles).
+    // (e2e_roles), the customer's update terms theirs (`update::pipeline_tests` and the
+    // VM suite, where the updater's unit runs).
     let not_here = [
         RejectReason::RoleMismatch,
         RejectReason::RoleDisabled,
@@ -123,6 +124,9 @@ async fn every_envelope_rejection_has_its_reason_code() {
         RejectReason::ApprovalExpired,
         RejectReason::SecretTargetNotDeclared,
         RejectReason::OperationMismatch,
+        RejectReason::UpdateDisabled,
+        RejectReason::UpdatePinned,
+        RejectReason::UpdateNotNewer,
     ];
     let mut want: Vec<String> =
         RejectReason::ALL.iter().filter(|r| !not_here.contains(r)).map(|r| r.code().to_string()).collect();
