@@ -372,20 +372,7 @@ impl Vm {
             serde_json::json!({"execute": "guest-exec", "arguments": {"path": "/bin/systemctl", "arg": ["reboot"]}}),
             Duration::from_secs(30),
         );
-        let deadline = Instant::now() + timeout;
-        loop {
-            if let Ok(o) = self.exec("cat /proc/sys/kernel/random/boot_id", Duration::from_secs(10))
-                && o.ok()
-                && o.stdout != boot_id
-            {
-                return Ok(());
-            }
-            self.running()?;
-            if Instant::now() > deadline {
-                return Err(VmError::Timeout(timeout, "the guest did not come back from a reboot".into()));
-            }
-            std::thread::sleep(Duration::from_secs(1));
-        }
+        self.wait_new_boot(&boot_id, timeout, "reboot")
     }
 
     /// A hard reset, as a power loss: qemu's `system_reset` (nothing is shut down or
@@ -395,6 +382,11 @@ impl Vm {
         let mut monitor = UnixStream::connect(self.dir.path().join("monitor.sock"))
             .map_err(|e| VmError::Setup(format!("the qemu monitor: {e}")))?;
         let _ = writeln!(monitor, "system_reset");
+        self.wait_new_boot(&boot_id, timeout, "reset")
+    }
+
+    /// Until the guest's agent answers from a boot other than `boot_id`.
+    fn wait_new_boot(&mut self, boot_id: &str, timeout: Duration, what: &str) -> Result<(), VmError> {
         let deadline = Instant::now() + timeout;
         loop {
             if let Ok(o) = self.exec("cat /proc/sys/kernel/random/boot_id", Duration::from_secs(10))
@@ -405,7 +397,7 @@ impl Vm {
             }
             self.running()?;
             if Instant::now() > deadline {
-                return Err(VmError::Timeout(timeout, "the guest did not come back from a reset".into()));
+                return Err(VmError::Timeout(timeout, format!("the guest did not come back from a {what}")));
             }
             std::thread::sleep(Duration::from_secs(1));
         }

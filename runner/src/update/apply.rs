@@ -98,9 +98,22 @@ pub fn run(host: &dyn Host, config: &Config, paths: &Paths) -> Option<Outcome> {
         Ok(bytes) => match serde_json::from_slice(&bytes) {
             Ok(r) => r,
             Err(e) => {
-                let _ = std::fs::remove_file(request_path(&paths.state_dir));
-                tracing::error!(error = %e, "The update request is unreadable; removed.");
-                return None;
+                // Nothing can be installed from it; the refusal is audited all the same.
+                let unreadable = Request {
+                    job_id: "unknown".into(),
+                    version: "unknown".into(),
+                    from_version: host.installed_version().unwrap_or_default(),
+                    package: String::new(),
+                    package_sha256: String::new(),
+                    sums_sha256: String::new(),
+                    min_rollback_version: None,
+                    rollback: false,
+                    staged_at_ms: 0,
+                };
+                let outcome =
+                    refused(host, &unreadable, "update_request_invalid", format!("request.json: {e}"));
+                finish(paths, &outcome, config.update.keep_releases);
+                return Some(outcome);
             }
         },
         Err(_) => return None,
@@ -608,15 +621,8 @@ mod tests {
         config: Config,
     }
 
-    /// Version 0.1.0 installed and kept; 0.2.0 staged by the daemon.
-    fn setup(mode: &str) -> Setup {
-        let (state, updater) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-        let paths = Paths { state_dir: state.path().into(), updater_dir: updater.path().into() };
-        let kept = paths.releases().join("0.1.0");
-        std::fs::create_dir_all(&kept).unwrap();
-        fixture::release(&kept, "0.1.0", &[]);
-        let tree = tempfile::tempdir().unwrap();
-        fixture::release(tree.path(), "0.2.0", &[]);
+    /// The release 0.2.0 in `tree`, staged as the daemon stages it under 0.1.0.
+    fn stage_0_2_0(paths: &Paths, tree: &Path, job_id: &str) {
         let stager = super::super::stage::Stager {
             state_dir: paths.state_dir.clone(),
             key: Some(fixture::public_key()),
@@ -628,7 +634,19 @@ mod tests {
             downgrade: false,
             min_rollback_version: None,
         };
-        byoc_job_executors::runner_update::ReleaseStager::stage(&stager, "job-1", tree.path(), &ask).unwrap();
+        byoc_job_executors::runner_update::ReleaseStager::stage(&stager, job_id, tree, &ask).unwrap();
+    }
+
+    /// Version 0.1.0 installed and kept; 0.2.0 staged by the daemon.
+    fn setup(mode: &str) -> Setup {
+        let (state, updater) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let paths = Paths { state_dir: state.path().into(), updater_dir: updater.path().into() };
+        let kept = paths.releases().join("0.1.0");
+        std::fs::create_dir_all(&kept).unwrap();
+        fixture::release(&kept, "0.1.0", &[]);
+        let tree = tempfile::tempdir().unwrap();
+        fixture::release(tree.path(), "0.2.0", &[]);
+        stage_0_2_0(&paths, tree.path(), "job-1");
         let (line, _) = minisign_line();
         let text = format!(
             "[control_plane]\nurl = \"https://cp.example.com\"\npublic_keys = [\"{}\"]\n[runner]\ninstall_id = \"i\"\n[update]\nmode = \"{mode}\"\nrelease_public_key = \"{line}\"\nhealth_timeout_secs = 10\n",
@@ -728,18 +746,7 @@ mod tests {
             super::super::minisign::sign(&fixture::signing_key(), fixture::KEY_ID, statement.as_bytes(), "r");
         std::fs::write(tree.path().join(release::NEW_KEY_SIG), sig).unwrap();
         fixture::sign_dir(tree.path(), &next, next_id);
-        let stager = super::super::stage::Stager {
-            state_dir: s.paths.state_dir.clone(),
-            key: Some(fixture::public_key()),
-            current: "0.1.0".into(),
-            audit: None,
-        };
-        let ask = byoc_job_executors::runner_update::UpdateAsk {
-            version: "0.2.0".into(),
-            downgrade: false,
-            min_rollback_version: None,
-        };
-        byoc_job_executors::runner_update::ReleaseStager::stage(&stager, "job-2", tree.path(), &ask).unwrap();
+        stage_0_2_0(&s.paths, tree.path(), "job-2");
         next_line
     }
 
@@ -786,6 +793,17 @@ mod tests {
         host.unhealthy = vec!["0.2.0".into()];
         assert_eq!(run(&host, &s.config, &s.paths).unwrap().result, "rolled_back");
         assert_eq!(std::fs::read_to_string(&s.config.source).unwrap(), before);
+    }
+
+    #[test]
+    fn a_damaged_request_is_refused_and_spent() {
+        let s = setup("auto");
+        std::fs::write(request_path(&s.paths.state_dir), "{").unwrap();
+        let host = FakeHost::new(&s.paths.state_dir, "0.1.0");
+        let out = run(&host, &s.config, &s.paths).unwrap();
+        assert_eq!((out.result.as_str(), out.code.as_deref()), ("refused", Some("update_request_invalid")));
+        assert!(host.calls.borrow().is_empty());
+        assert!(!request_path(&s.paths.state_dir).exists(), "the path unit would start the updater again");
     }
 
     #[test]

@@ -257,10 +257,7 @@ pub fn record_outcome(state_dir: &Path, audit: &dyn crate::audit::AuditSink) {
     let Ok(bytes) = std::fs::read(&path) else { return };
     let record = match serde_json::from_slice::<Outcome>(&bytes) {
         Ok(o) => outcome_record(&o),
-        Err(e) => crate::audit_records::note(
-            "update_rolled_back",
-            format!("the updater's outcome is unreadable: {e}"),
-        ),
+        Err(e) => crate::audit_records::note("update_outcome_unreadable", format!("{}: {e}", path.display())),
     };
     match audit.record(record) {
         Ok(_) => {
