@@ -662,6 +662,10 @@ impl ReferrersFront {
                 && path.contains("/blobs/uploads/")
                 && f.dropped.fetch_add(1, Ordering::SeqCst) < f.drop_chunks
             {
+                // The chunk is read first, as a registry reads it: answering before the
+                // client has sent it makes the client see a reset connection instead
+                // (and retry the chunk) when the machine is busy.
+                let _ = axum::body::to_bytes(req.into_body(), usize::MAX).await;
                 return Response::builder()
                     .status(404)
                     .header("Content-Type", "application/json")
