@@ -130,16 +130,26 @@ pub async fn decide(
         ),
     );
     audit(ctx, &d, subject.name, subject.digest.unwrap_or(&d.input_digest));
-    for v in &d.violations {
-        log(ctx, format!("[policy] DENY {} [{}] {}: {}\n", v.policy, v.rule, v.address, v.message));
-    }
-    for w in &d.warnings {
-        log(ctx, format!("[policy] WARN {} [{}] {}: {}\n", w.policy, w.rule, w.address, w.message));
+    let findings = d.violations.iter().map(|f| ("DENY", f)).chain(d.warnings.iter().map(|f| ("WARN", f)));
+    for (label, f) in findings.chain(d.passes.iter().map(|f| ("PASS", f))) {
+        let address = if f.address.is_empty() { "-" } else { &f.address };
+        log(ctx, format!("[policy] {label} {} [{}] {address}: {}\n", f.policy, f.rule, f.message));
     }
     for e in &d.errors {
         log(ctx, format!("[policy] ERROR {} [{}]: {}\n", e.policy, e.code, e.reason));
     }
     Ok(d)
+}
+
+/// ` passed [..]` for the audit detail, when any `pass` rule reported (at most 20 named).
+fn passed(d: &byoc_policy::Decision) -> String {
+    let all = d.passed();
+    if all.is_empty() {
+        return String::new();
+    }
+    let more = all.len().saturating_sub(20);
+    let named = all.into_iter().take(20).collect::<Vec<_>>().join(", ");
+    if more > 0 { format!(" passed [{named}, and {more} more]") } else { format!(" passed [{named}]") }
 }
 
 fn log(ctx: &mut ExecContext<'_>, line: String) {
@@ -164,11 +174,13 @@ fn audit(ctx: &ExecContext<'_>, d: &byoc_policy::Decision, subject: &str, digest
         byoc_policy::Verdict::Deny => "deny",
     };
     let detail = format!(
-        "{verdict}: {} violations, {} warnings, {} errors [{}]",
+        "{verdict}: {} violations, {} warnings, {} passed, {} errors [{}]{}",
         d.violations.len(),
         d.warnings.len(),
+        d.passes.len(),
         d.errors.len(),
-        d.denials().join(", ")
+        d.denials().join(", "),
+        passed(d)
     );
     if let Err(e) = audit.record("policy_decision", detail, digests) {
         tracing::error!(error = %e, "Could not audit a policy decision: {e}.");

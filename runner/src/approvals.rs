@@ -37,6 +37,9 @@ pub struct Request {
     pub summary: Option<serde_json::Value>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub findings: Vec<String>,
+    /// The plan's checks that passed (`pass` rules): shown beside why the rule asked.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub passed: Vec<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -251,6 +254,7 @@ mod tests {
             judged_digest: None,
             summary: None,
             findings: Vec::new(),
+            passed: Vec::new(),
         }
     }
 

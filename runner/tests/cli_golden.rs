@@ -117,6 +117,7 @@ fn fixed_state(dir: &Path, with_audit: bool) {
             judged_digest: None,
             summary: None,
             findings: vec![],
+            passed: vec![],
         },
     )
     .unwrap();

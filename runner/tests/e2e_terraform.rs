@@ -595,6 +595,41 @@ async fn a_plan_denied_by_a_nuon_vendor_policy_is_never_applied() {
     assert_eq!(decision["digests"]["policy:vendor/policies/buckets.rego"], digest.as_str());
 }
 
+/// Only `pass` rules: informational checks an app config may carry on their own.
+const NUON_PASS_ONLY: &str = r#"package nuon
+
+pass contains msg if {
+	some rc in input.plan.resource_changes
+	rc.type == "aws_s3_bucket"
+	msg := sprintf("%s is a bucket the app expects", [rc.address])
+}
+"#;
+
+#[tokio::test]
+async fn an_app_policy_of_pass_rules_only_is_recorded_and_lets_the_plan_apply() {
+    let e = tf_env().await;
+    let toml = "[[policy]]\ntype = \"terraform_module\"\nengine = \"opa\"\ncontents = \"./policies/checks.rego\"\ncomponents = [\"api\"]\n";
+    let req = with_app_policies(
+        job("apply", &example("plan-tags-only.json"), &[], serde_json::json!({})),
+        toml,
+        &[("policies/checks.rego", NUON_PASS_ONLY)],
+    );
+    let (id, r, log) = run(&e, req).await;
+    assert_eq!(r.status, JobStatus::Succeeded, "{log}");
+    assert!(
+        log.contains("[policy] PASS vendor/policies/checks.rego [checks] -: aws_s3_bucket.assets is a bucket the app expects"),
+        "{log}"
+    );
+    assert!(log.contains("fake-terraform: apply"), "{log}");
+    let decision = audit(&e, "policy_decision").into_iter().find(|d| d["job"] == id.as_str()).unwrap();
+    let detail = decision["detail"].as_str().unwrap();
+    assert!(detail.starts_with("allow: 0 violations, 0 warnings, 1 passed, 0 errors"), "{detail}");
+    assert!(
+        detail.contains("passed [checks (aws_s3_bucket.assets is a bucket the app expects)]"),
+        "{detail}"
+    );
+}
+
 #[tokio::test]
 async fn each_job_evaluates_exactly_the_app_policies_for_its_type_and_component() {
     let e = tf_env().await;

@@ -296,6 +296,57 @@ fn a_policy_in_a_package_no_convention_queries_denies_and_says_so() {
 }
 
 #[test]
+fn pass_rules_are_shown_and_a_network_call_is_refused_at_load() {
+    let empty = tempfile::tempdir().unwrap();
+    let d = tempfile::tempdir().unwrap();
+    let plan = examples().join("plan-tags-only.json");
+    let passing = d.path().join("checked.rego");
+    std::fs::write(
+        &passing,
+        "package nuon\nimport rego.v1\npass contains msg if {\n  some rc in input.plan.resource_changes\n  msg := sprintf(\"%s was checked\", [rc.address])\n}\n",
+    )
+    .unwrap();
+    let calling = d.path().join("calls-home.rego");
+    std::fs::write(
+        &calling,
+        "package nuon\nimport rego.v1\nok := http.send({\"method\": \"get\", \"url\": \"http://127.0.0.1:9/\"})\ndeny contains \"no\" if not ok\n",
+    )
+    .unwrap();
+    let test = |policy: &std::path::Path, json: bool| {
+        let mut args = vec![
+            "test",
+            "--input",
+            plan.to_str().unwrap(),
+            "--policies",
+            empty.path().to_str().unwrap(),
+            "--vendor-policy",
+            policy.to_str().unwrap(),
+        ];
+        if json {
+            args.extend(["--output", "json"]);
+        }
+        run(&args)
+    };
+    let (code, out, err) = test(&passing, false);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(
+        out.contains(
+            "PASS  vendor/checked.rego (nuon, informational) [checked] -: aws_s3_bucket.assets was checked"
+        ),
+        "{out}"
+    );
+    assert!(out.contains(", 0 violations, 0 warnings, 1 passed, 0 errors: ALLOW"), "{out}");
+    let (_, out, _) = test(&passing, true);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["passes"][0]["from_rule"], "pass", "{v}");
+    assert_eq!(v["verdict"], "allow");
+
+    let (code, out, err) = test(&calling, false);
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(out.contains("ERROR vendor/calls-home.rego [policy_load_error]: calls http.send"), "{out}");
+}
+
+#[test]
 fn manifests_are_reviewed_under_the_operation_given() {
     let empty = tempfile::tempdir().unwrap();
     let d = tempfile::tempdir().unwrap();

@@ -9,7 +9,7 @@ use sha2::Digest as _;
 use crate::input::Inputs;
 use crate::{
     Admission, Context, Convention, Decision, Document, Enforcement, Finding, Limits, Origin, Policy,
-    PolicyError, PolicyRef, Verdict, codes,
+    PolicyError, PolicyRef, RuleKind, Verdict, codes,
 };
 
 /// Evaluate every policy over the document. `params` become `data.byoc.params`.
@@ -31,6 +31,7 @@ pub fn evaluate(
         policies: policies.iter().map(PolicyRef::of).collect(),
         violations: vec![],
         warnings: vec![],
+        passes: vec![],
         errors: vec![],
         elapsed_ms: 0,
     };
@@ -73,14 +74,15 @@ pub fn evaluate(
     }
     for (p, result) in policies.iter().zip(results) {
         match result {
-            Ok((denials, warns)) => {
-                for f in denials {
+            Ok(found) => {
+                for f in found.denials {
                     match p.enforcement {
                         Enforcement::Mandatory => d.violations.push(f),
                         Enforcement::Advisory => d.warnings.push(f),
                     }
                 }
-                d.warnings.extend(warns);
+                d.warnings.extend(found.warnings);
+                d.passes.extend(found.passes);
             }
             Err(e) => d.errors.push(e),
         }
@@ -92,7 +94,13 @@ pub fn evaluate(
     d
 }
 
-type Findings = (Vec<Finding>, Vec<Finding>);
+/// One policy's findings, by what its rules do.
+#[derive(Default)]
+struct Findings {
+    denials: Vec<Finding>,
+    warnings: Vec<Finding>,
+    passes: Vec<Finding>,
+}
 
 /// Built-in rules that only look at resources of the types they name: they are given
 /// only those resource changes (most of a large plan is other types), which keeps a
@@ -149,8 +157,8 @@ pub struct Loaded {
     /// `data.<package>`.
     pub package: String,
     pub convention: Convention,
-    /// The rules queried, in order, and whether each denies.
-    pub rules: Vec<(String, bool)>,
+    /// The rules queried, in order, and what each one's findings do.
+    pub rules: Vec<(String, RuleKind)>,
 }
 
 fn policy_error(p: &Policy, code: &str, reason: String) -> PolicyError {
@@ -171,6 +179,16 @@ pub fn load(p: &Policy, limits: &Limits) -> Result<Loaded, PolicyError> {
         });
         e
     };
+    if let Some(call) = network_builtin_calls(&p.text).first() {
+        return Err(policy_error(
+            p,
+            codes::LOAD_ERROR,
+            format!(
+                "calls {call}: the runner gives policies no network (a decision must depend only on \
+                 what was judged), so a policy that reaches out is refused rather than run"
+            ),
+        ));
+    }
     let mut engine = new_engine(false);
     let package = match engine.add_policy(p.name.clone(), p.text.clone()) {
         Ok(pkg) => pkg,
@@ -198,15 +216,15 @@ pub fn load(p: &Policy, limits: &Limits) -> Result<Loaded, PolicyError> {
         }
     };
     let declared = |r: &str| engine.has_declared_rule_rooted_at(&p.name, r).unwrap_or(false);
-    let mut rules: Vec<(String, bool)> =
-        convention.rules().iter().filter(|(r, _)| declared(r)).map(|(r, d)| (r.to_string(), *d)).collect();
+    let mut rules: Vec<(String, RuleKind)> =
+        convention.rules().iter().filter(|(r, _)| declared(r)).map(|(r, k)| (r.to_string(), *k)).collect();
     if convention == Convention::Conftest {
         // conftest also queries rules named with a suffix: deny_public_bucket,
         // violation_x, warn_y. Candidates come from the text, the engine confirms each.
         for name in suffixed_rule_candidates(&p.text) {
             if !rules.iter().any(|(r, _)| *r == name) && declared(&name) {
-                let denying = !name.starts_with("warn_");
-                rules.push((name, denying));
+                let kind = if name.starts_with("warn_") { RuleKind::Warn } else { RuleKind::Deny };
+                rules.push((name, kind));
             }
         }
     }
@@ -238,7 +256,7 @@ fn eval_policy(
     // `input.review.operation`): the built-in pack and conftest's convention judge what
     // is deployed (limits, ingress, registries), which a deletion does not deploy.
     if !is_plan && admission == Admission::Delete && convention != Convention::Nuon {
-        return Ok((vec![], vec![]));
+        return Ok(Findings::default());
     }
     let eval_error = |reason: String| policy_error(p, codes::EVAL_ERROR, reason);
     engine.add_data_json(&data.to_string()).map_err(|e| eval_error(format!("parameters: {e}")))?;
@@ -254,12 +272,11 @@ fn eval_policy(
         Convention::Conftest => inputs.conftest.iter().map(|(v, id)| (v, id.as_str())).collect(),
         Convention::Nuon => inputs.nuon.iter().map(|(v, id)| (v, id.as_str())).collect(),
     };
-    let mut denials = Vec::new();
-    let mut warns = Vec::new();
+    let mut found = Findings::default();
     for (input, object) in items {
         engine.set_input(input.clone());
-        for (rule, denying) in &rules {
-            let (rule, denying) = (rule.as_str(), *denying);
+        for (rule, kind) in &rules {
+            let (rule, kind) = (rule.as_str(), *kind);
             let results = engine
                 .eval_query(format!("{package}.{rule}"), false)
                 .map_err(|e| eval_error(format!("evaluating {rule}{}: {e}", on(object))))?;
@@ -273,19 +290,85 @@ fn eval_policy(
                 v => serde_json::from_str(&v.to_json_str().map_err(|e| eval_error(format!("{rule}: {e}")))?)
                     .map_err(|e| eval_error(format!("{rule}: {e}")))?,
             };
-            let found = match convention {
+            let items = match convention {
                 Convention::Nuon => {
                     nuon_items(json).map_err(|why| eval_error(format!("{rule}{}: {why}", on(object))))?
                 }
                 _ => as_items(json),
             };
-            for item in found {
+            for item in items {
                 let f = finding(p, convention, rule, item, object);
-                if denying { denials.push(f) } else { warns.push(f) }
+                match kind {
+                    RuleKind::Deny => found.denials.push(f),
+                    RuleKind::Warn => found.warnings.push(f),
+                    RuleKind::Pass => found.passes.push(f),
+                }
             }
         }
     }
-    Ok((denials, warns))
+    Ok(found)
+}
+
+/// OPA builtins that reach the network: never available to a policy.
+const NETWORK_BUILTINS: [&str; 2] = ["http.send", "net.lookup_ip_addr"];
+
+/// The network builtins the Rego text calls (outside comments and string literals).
+/// A lexical check, so it cannot be hidden behind evaluation order or an unused rule.
+fn network_builtin_calls(text: &str) -> Vec<&'static str> {
+    let code = without_comments_and_strings(text);
+    let mut found = Vec::new();
+    for name in NETWORK_BUILTINS {
+        let called = code.match_indices(name).any(|(at, _)| {
+            let before = code[..at].chars().next_back();
+            let after = code[at + name.len()..].trim_start().chars().next();
+            !before.is_some_and(|c| c.is_alphanumeric() || c == '_' || c == '.') && after == Some('(')
+        });
+        if called {
+            found.push(name);
+        }
+    }
+    found
+}
+
+/// Rego source with comments removed and string literals ("…" with escapes, `…` raw)
+/// replaced by empty ones, so only code is searched.
+fn without_comments_and_strings(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut chars = text.chars();
+    while let Some(c) = chars.next() {
+        match c {
+            '#' => {
+                for c in chars.by_ref() {
+                    if c == '\n' {
+                        out.push('\n');
+                        break;
+                    }
+                }
+            }
+            '"' => {
+                out.push_str("\"\"");
+                while let Some(c) = chars.next() {
+                    match c {
+                        '\\' => {
+                            chars.next();
+                        }
+                        '"' => break,
+                        _ => {}
+                    }
+                }
+            }
+            '`' => {
+                out.push_str("``");
+                for c in chars.by_ref() {
+                    if c == '`' {
+                        break;
+                    }
+                }
+            }
+            c => out.push(c),
+        }
+    }
+    out
 }
 
 /// Names at the start of a line that look like conftest's suffixed rules
@@ -307,7 +390,7 @@ fn on(object: &str) -> String {
     if object.is_empty() { String::new() } else { format!(" on {object}") }
 }
 
-/// `deny`/`warn` of a nuon policy: a set or array of strings or of objects with a
+/// `deny`/`warn`/`pass` of a nuon policy: a set or array of strings or of objects with a
 /// non-empty string `msg`. Anything else is an error (which denies): a policy whose
 /// findings cannot be read must not pass for one that found nothing.
 fn nuon_items(v: serde_json::Value) -> Result<Vec<serde_json::Value>, String> {
@@ -391,6 +474,18 @@ fn finding(
 mod tests {
     use super::*;
     use crate::builtin_pack;
+
+    #[test]
+    fn network_builtins_are_found_in_code_only() {
+        let calls = |t: &str| network_builtin_calls(t);
+        assert_eq!(calls("r := http.send({\"url\": \"x\"})"), vec!["http.send"]);
+        assert_eq!(calls("r := http.send\n(\n{})"), vec!["http.send"]);
+        assert_eq!(calls("ips := net.lookup_ip_addr(\"example.com\")"), vec!["net.lookup_ip_addr"]);
+        // Mentions that call nothing.
+        assert!(calls("# r := http.send({})\nmsg := \"http.send( is refused\"").is_empty());
+        assert!(calls("msg := `http.send(` \nx := \"a\\\"http.send(\"").is_empty());
+        assert!(calls("my_http.send(x)\ndata.lib.http.send(x)\nhttp.sender(x)").is_empty());
+    }
 
     #[test]
     fn scoped_rules_name_their_types_and_others_see_everything() {

@@ -8,7 +8,8 @@
 //!   `terraform show -json` prints it; for helm and kubernetes each manifest is `input`
 //!   on its own (conftest's default).
 //! - **nuon** (`package nuon`, the convention of the system this product is modelled
-//!   on): `deny` (mandatory) and `warn` (advisory), sets or arrays of strings or of
+//!   on): `deny` (mandatory), `warn` (advisory) and `pass` (informational: a check
+//!   that passed, shown and audited, never deciding), sets or arrays of strings or of
 //!   objects with a non-empty string `msg`. A plan arrives as `input.plan`; each
 //!   kubernetes object as a Gatekeeper-style admission review, `input.review`
 //!   (`kind`, `operation`, `object`).
@@ -104,6 +105,16 @@ impl Admission {
     }
 }
 
+/// What a queried rule's findings do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RuleKind {
+    /// Denies (or, in an advisory policy, warns).
+    Deny,
+    Warn,
+    /// Informational: a check that passed (nuon's `pass`); never changes the verdict.
+    Pass,
+}
+
 /// Which rule-naming convention a policy module follows (from its package).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -117,12 +128,13 @@ pub enum Convention {
 }
 
 impl Convention {
-    /// The rules queried, and whether each denies.
-    fn rules(self) -> &'static [(&'static str, bool)] {
+    /// The rules queried, and what each one's findings do.
+    fn rules(self) -> &'static [(&'static str, RuleKind)] {
+        use RuleKind::*;
         match self {
-            Convention::Builtin => &[("deny", true)],
-            Convention::Conftest => &[("deny", true), ("violation", true), ("warn", false)],
-            Convention::Nuon => &[("deny", true), ("warn", false)],
+            Convention::Builtin => &[("deny", Deny)],
+            Convention::Conftest => &[("deny", Deny), ("violation", Deny), ("warn", Warn)],
+            Convention::Nuon => &[("deny", Deny), ("warn", Warn), ("pass", Pass)],
         }
     }
 
@@ -289,12 +301,24 @@ pub struct Finding {
     pub message: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub convention: Option<Convention>,
-    /// The rule that produced it (`deny`, `violation`, `warn`).
+    /// The rule that produced it (`deny`, `violation`, `warn`, `pass`).
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub from_rule: String,
     /// A finding object's fields other than `msg`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub details: Option<serde_json::Value>,
+}
+
+impl Finding {
+    /// `rule@address`, or `rule (message)` when the policy named no address.
+    pub fn label(&self) -> String {
+        if self.address.is_empty() {
+            // A conftest or nuon message about a plan names what it found.
+            format!("{} ({})", self.rule, self.message.chars().take(120).collect::<String>())
+        } else {
+            format!("{}@{}", self.rule, self.address)
+        }
+    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -331,6 +355,9 @@ pub struct Decision {
     pub violations: Vec<Finding>,
     /// `warn` rules, and denials of advisory policies.
     pub warnings: Vec<Finding>,
+    /// `pass` rules: checks that passed, for the record (they never decide).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub passes: Vec<Finding>,
     /// Policies that failed to load or evaluate, or ran out of time: each denies.
     pub errors: Vec<PolicyError>,
     pub elapsed_ms: u64,
@@ -342,16 +369,14 @@ impl Decision {
     pub fn denials(&self) -> Vec<String> {
         self.violations
             .iter()
-            .map(|v| {
-                if v.address.is_empty() {
-                    // A conftest or nuon message about a plan names what it found.
-                    format!("{} ({})", v.rule, v.message.chars().take(120).collect::<String>())
-                } else {
-                    format!("{}@{}", v.rule, v.address)
-                }
-            })
+            .map(Finding::label)
             .chain(self.errors.iter().map(|e| format!("{} failed ({})", e.policy, e.code)))
             .collect()
+    }
+
+    /// The checks that passed (`pass` rules), one item each as in [`Decision::denials`].
+    pub fn passed(&self) -> Vec<String> {
+        self.passes.iter().map(Finding::label).collect()
     }
 }
 
@@ -392,6 +417,7 @@ pub fn denied(policies: &[Policy], input: &[u8], what: &str, reason: String) -> 
         policies: policies.iter().map(PolicyRef::of).collect(),
         violations: vec![],
         warnings: vec![],
+        passes: vec![],
         errors: vec![PolicyError {
             policy: what.into(),
             origin: Origin::Builtin,

@@ -66,6 +66,7 @@ fn run(file: &str, source: Source, admission: Admission) -> (Verdict, Vec<String
         .iter()
         .map(|f| ("deny", f))
         .chain(d.warnings.iter().map(|f| ("warn", f)))
+        .chain(d.passes.iter().map(|f| ("pass", f)))
         .map(|(level, f)| format!("{level}|{}|{}|{}", f.from_rule, f.address, f.message))
         .collect();
     found.sort();
@@ -272,7 +273,8 @@ fn a_policy_that_would_not_be_evaluated_denies_with_its_reason() {
             codes::UNRECOGNISED,
             "package acme.guardrails is not one the runner queries",
         ),
-        ("no_queried_rule.rego", codes::UNRECOGNISED, "defines none of deny, warn"),
+        ("no_queried_rule.rego", codes::UNRECOGNISED, "defines none of deny, warn, pass"),
+        ("network_call.rego", codes::LOAD_ERROR, "calls http.send"),
         ("syntax_error.rego", codes::LOAD_ERROR, "does not load"),
         ("conflict_error.rego", codes::EVAL_ERROR, "conflicts"),
         ("bad_items.rego", codes::EVAL_ERROR, "an item is a number"),
@@ -284,6 +286,89 @@ fn a_policy_that_would_not_be_evaluated_denies_with_its_reason() {
         assert_eq!(errors[0].code, code, "{file}: {errors:?}");
         assert!(errors[0].reason.contains(says), "{file}: {}", errors[0].reason);
         assert_eq!(errors[0].policy, format!("vendor/{file}"));
+    }
+}
+
+#[test]
+fn pass_rules_are_recorded_and_never_decide() {
+    let (verdict, found, errors) = run("nuon_pass_only.rego", Source::Terraform, Admission::Update);
+    assert!(errors.is_empty(), "{errors:?}");
+    assert_eq!(verdict, Verdict::Allow);
+    assert_eq!(found, sorted(&["pass|pass||aws_s3_bucket.logs has an owner"]));
+    let (verdict, found, _) = run("nuon_pass_only.rego", Source::Kubernetes, Admission::Update);
+    assert_eq!(verdict, Verdict::Allow);
+    assert_eq!(found, sorted(&["pass|pass|api|deployment api was reviewed"]));
+    // Beside a denial, a pass changes nothing: the plan is still denied.
+    let (verdict, found, _) = run("nuon_review_cpu.rego", Source::Kubernetes, Admission::Update);
+    assert_eq!(verdict, Verdict::Deny);
+    assert_eq!(found, sorted(&["deny|deny|Deployment/shop/api|api asks for 2 cores"]));
+}
+
+#[test]
+fn some_in_over_a_string_or_null_is_false_as_in_opa() {
+    // plan_mixed's IAM document gives `Action` as the string "*", and resources
+    // without tags or CIDR lists: no evaluation error, the same findings OPA gives.
+    let (verdict, found, errors) = run("nuon_scalar_collections.rego", Source::Terraform, Admission::Update);
+    assert!(errors.is_empty(), "{errors:?}");
+    assert_eq!(verdict, Verdict::Deny);
+    assert!(found.contains(&"deny|deny||a statement allows every action".to_string()), "{found:?}");
+    assert!(!found.iter().any(|f| f.contains("(in a list)")), "{found:?}");
+    assert!(
+        found.contains(&"warn|warn||aws_security_group.web is open to the world".to_string()),
+        "{found:?}"
+    );
+}
+
+#[test]
+fn cpu_quantities_read_as_opa_reads_them() {
+    let policy = vendor("nuon_review_cpu.rego");
+    for (cpu, expect) in [
+        (".25", "pass|pass|Deployment/shop/w|w fits in one core"),
+        ("+1.", "pass|pass|Deployment/shop/w|w fits in one core"),
+        ("1_500m", "deny|deny|Deployment/shop/w|w asks for 1.5 cores"),
+        ("0x1p1", "deny|deny|Deployment/shop/w|w asks for 2 cores"),
+    ] {
+        let obj = serde_json::json!({"apiVersion": "apps/v1", "kind": "Deployment",
+            "metadata": {"name": "w", "namespace": "shop"},
+            "spec": {"template": {"spec": {"containers": [{"name": "w", "resources": {"limits": {"cpu": cpu}}}]}}}});
+        let bytes = serde_json::to_vec(&[obj]).unwrap();
+        let doc = parse_document(Source::Kubernetes, &bytes, &Limits::default()).unwrap();
+        let ctx = ctx(Source::Kubernetes, Admission::Update);
+        let d = evaluate(
+            std::slice::from_ref(&policy),
+            &serde_json::json!({}),
+            &ctx,
+            &doc,
+            &bytes,
+            &Limits::default(),
+        );
+        assert!(d.errors.is_empty(), "{cpu}: {:?}", d.errors);
+        let f = d
+            .violations
+            .iter()
+            .map(|f| ("deny", f))
+            .chain(d.passes.iter().map(|f| ("pass", f)))
+            .next()
+            .unwrap();
+        assert_eq!(format!("{}|{}|{}|{}", f.0, f.1.from_rule, f.1.address, f.1.message), expect, "{cpu}");
+    }
+    // What Go's ParseFloat refuses fails the policy (and so denies), as in OPA.
+    for cpu in ["Inf", "NaN", " 1", "1e400", "1__0", "0x10", "."] {
+        let obj = serde_json::json!({"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "w"},
+            "spec": {"template": {"spec": {"containers": [{"name": "w", "resources": {"limits": {"cpu": cpu}}}]}}}});
+        let bytes = serde_json::to_vec(&[obj]).unwrap();
+        let doc = parse_document(Source::Kubernetes, &bytes, &Limits::default()).unwrap();
+        let ctx = ctx(Source::Kubernetes, Admission::Update);
+        let d = evaluate(
+            std::slice::from_ref(&policy),
+            &serde_json::json!({}),
+            &ctx,
+            &doc,
+            &bytes,
+            &Limits::default(),
+        );
+        assert_eq!(d.verdict, Verdict::Deny, "{cpu}");
+        assert_eq!(d.errors.len(), 1, "{cpu}: {d:?}");
     }
 }
 

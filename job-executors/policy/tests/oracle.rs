@@ -63,7 +63,8 @@ fn generated_plan(seed: u64, n: usize) -> Value {
                 tags.insert(t.into(), json!(format!("{t}-{}", r.next() % 7)));
             }
         }
-        let mut after = json!({"tags": tags});
+        // Providers leave unset attributes null: `tags` among them.
+        let mut after = if r.chance(15) { json!({"tags": null}) } else { json!({"tags": tags}) };
         match ty {
             "aws_db_instance" => {
                 after["allocated_storage"] = json!(20 + (r.next() % 200));
@@ -78,10 +79,14 @@ fn generated_plan(seed: u64, n: usize) -> Value {
             }
             "aws_security_group" => {
                 let cidr = *r.pick(&["10.0.0.0/8", "0.0.0.0/0", "192.168.0.0/16"]);
-                after["ingress"] = json!([{"cidr_blocks": [cidr], "from_port": *r.pick(&[22, 443, 5432])}]);
+                let cidrs = if r.chance(20) { Value::Null } else { json!([cidr]) };
+                after["ingress"] = json!([{"cidr_blocks": cidrs, "from_port": *r.pick(&[22, 443, 5432])}]);
             }
             "aws_iam_policy" => {
-                let action = *r.pick(&["*", "s3:GetObject"]);
+                // IAM takes an action as a string or a list of strings.
+                let action = r
+                    .pick(&[json!("*"), json!("s3:GetObject"), json!(["s3:*", "*"]), json!(["s3:GetObject"])])
+                    .clone();
                 after["name"] = json!(format!("p{i}"));
                 after["policy"] = json!(
                     json!({"Statement": [{"Effect": "Allow", "Action": action, "Resource": "*"}]})
@@ -123,6 +128,11 @@ fn generated_objects(seed: u64, n: usize) -> Vec<Value> {
             let mut c = json!({"name": format!("c{}", r.next() % 9), "image": "registry.example/x:1"});
             if r.chance(60) {
                 c["resources"] = json!({"limits": {"memory": *r.pick(&["256Mi", "1024Mi", "2Gi"])}});
+                if r.chance(70) {
+                    // Every form a CPU quantity takes.
+                    c["resources"]["limits"]["cpu"] =
+                        json!(*r.pick(&["250m", ".25", "1", "0.5", "2", "1500m", "+1.", "3"]));
+                }
             }
             if r.chance(20) {
                 c["securityContext"] = json!({"privileged": true});
@@ -267,7 +277,7 @@ fn findings_equal_opas_for_every_policy_and_input() {
             let bytes = serde_json::to_vec(&c.doc).unwrap();
             let d = evaluate(std::slice::from_ref(&p), &json!({}), &ctx, &doc, &bytes, &limits);
             let mut by_rule: BTreeMap<String, Vec<String>> = BTreeMap::new();
-            for f in d.violations.iter().chain(&d.warnings) {
+            for f in d.violations.iter().chain(&d.warnings).chain(&d.passes) {
                 by_rule.entry(f.from_rule.clone()).or_default().push(f.message.clone());
             }
             ours.push(Ours { file: file.clone(), case: ci, verdict: d.verdict, by_rule, errors: d.errors });

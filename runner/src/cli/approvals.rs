@@ -322,6 +322,9 @@ fn show(s: &StateArgs, job_id: &str) -> anyhow::Result<()> {
         for f in &request.findings {
             println!("because:    {f}");
         }
+        for p in &request.passed {
+            println!("passed:     {p}");
+        }
     }
     match runs {
         Ok(v) => {

@@ -353,12 +353,14 @@ fn print_decision(decision: &byoc_policy::Decision, output: Output) {
                 .violations
                 .iter()
                 .map(|f| ("DENY ", f))
-                .chain(decision.warnings.iter().map(|f| ("WARN ", f)));
+                .chain(decision.warnings.iter().map(|f| ("WARN ", f)))
+                .chain(decision.passes.iter().map(|f| ("PASS ", f)));
             for (label, f) in findings {
                 let address = if f.address.is_empty() { "-" } else { &f.address };
                 let convention = f.convention.map(|c| c.as_str()).unwrap_or("builtin");
                 let level = match (f.from_rule.as_str(), f.enforcement) {
                     ("warn", _) => "warn",
+                    ("pass", _) => "informational",
                     (_, byoc_policy::Enforcement::Mandatory) => "mandatory",
                     (_, byoc_policy::Enforcement::Advisory) => "advisory",
                 };
@@ -371,10 +373,11 @@ fn print_decision(decision: &byoc_policy::Decision, output: Output) {
                 println!("ERROR {} [{}]: {}", e.policy, e.code, e.reason);
             }
             println!(
-                "{} policies, {} violations, {} warnings, {} errors: {} ({} ms; input {})",
+                "{} policies, {} violations, {} warnings, {} passed, {} errors: {} ({} ms; input {})",
                 decision.policies.len(),
                 decision.violations.len(),
                 decision.warnings.len(),
+                decision.passes.len(),
                 decision.errors.len(),
                 match decision.verdict {
                     Verdict::Allow => "ALLOW",

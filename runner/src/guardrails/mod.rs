@@ -569,6 +569,7 @@ mod tests {
             policies: vec![],
             violations: vec![],
             warnings: vec![],
+            passes: vec![],
             errors: vec![],
             elapsed_ms: 0,
         };

@@ -51,6 +51,7 @@ pub(super) async fn await_approval(
         judged_digest: None,
         summary: None,
         findings: Vec::new(),
+        passed: Vec::new(),
     });
     // A resumed job's request stands as it was (with any answer given meanwhile).
     if let Err(e) = if resumed { Ok(()) } else { approvals::write_request(&rt.state_dir, &request) } {

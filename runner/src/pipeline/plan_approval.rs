@@ -72,6 +72,7 @@ impl PlanApprover {
             judged_digest: Some(req.decision.input_digest.clone()),
             summary: Some(req.summary.clone()),
             findings,
+            passed: req.decision.passed(),
         }
     }
 
@@ -199,6 +200,18 @@ mod tests {
             policies: Vec::new(),
             violations: Vec::new(),
             warnings: Vec::new(),
+            // A check that passed: shown to the approver beside the plan.
+            passes: vec![byoc_policy::Finding {
+                policy: "vendor/tags.rego".into(),
+                origin: byoc_policy::Origin::Vendor,
+                enforcement: byoc_policy::Enforcement::Mandatory,
+                rule: "tags".into(),
+                address: "aws_s3_bucket.a".into(),
+                message: "aws_s3_bucket.a is tagged".into(),
+                convention: Some(byoc_policy::Convention::Nuon),
+                from_rule: "pass".into(),
+                details: None,
+            }],
             errors: Vec::new(),
             elapsed_ms: 0,
         }
@@ -245,6 +258,7 @@ mod tests {
             }
             let Some((r, None)) = approvals::requests(&f.rt.state_dir).into_iter().next() else { continue };
             assert_eq!(r.plan_digest.as_deref(), Some(digest));
+            assert_eq!(r.passed, ["tags@aws_s3_bucket.a"]);
             assert_eq!(holding.lock().unwrap().as_ref().map(|w| w.state.as_str()), Some("awaiting_approval"));
             match answer {
                 Some((approved, shown)) => {

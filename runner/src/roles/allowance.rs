@@ -405,6 +405,7 @@ mod tests {
             judged_digest: None,
             summary: None,
             findings: vec![],
+            passed: vec![],
         };
         crate::approvals::write_request(dir.path(), &request).unwrap();
         assert_eq!(std::fs::read(&victim).unwrap(), b"untouched");
