@@ -352,7 +352,7 @@ async fn the_apps_secrets_become_noecho_parameters_and_per_role_read_access() {
             ("permissions/db.toml", "type = \"custom\"\nname = \"{{.install.id}}-db-admin\"\n"),
             (
                 "secrets.toml",
-                "[[secret]]\nname = \"api_key\"\ndisplay_name = \"API key\"\ndescription = \"Of the billing provider\"\nrequired = true\nread_by = [\"{{ .nuon.install.id }}-db-admin\"]\n\n[[secret]]\nname = \"signing\"\nauto_generate = true\nformat = \"base64\"\n",
+                "[[secret]]\nname = \"api_key\"\ndisplay_name = \"API key\"\ndescription = \"Of the billing provider\"\nrequired = true\nuser_configurable = true\nread_by = [\"{{ .nuon.install.id }}-db-admin\"]\n\n[[secret]]\nname = \"signing\"\nauto_generate = true\nformat = \"base64\"\n\n[[secret]]\nname = \"session\"\nauto_generate = true\nuser_configurable = false\n",
             ),
             ("secrets/ops/pager.toml", "name = \"pager\"\ndefault = \"none-configured\"\n"),
         ],
@@ -380,6 +380,11 @@ async fn the_apps_secrets_become_noecho_parameters_and_per_role_read_access() {
     let signing = &r["AppSecretSigning"]["Properties"];
     assert_eq!(signing["GenerateSecretString"]["Fn::If"][2]["PasswordLength"], 32);
     assert!(r["AppSecretPager"]["Condition"].is_null(), "a default is always stored");
+    // user_configurable = false: the stack asks nothing and always generates it.
+    assert!(p["SecretSession"].is_null(), "not asked of the customer: {}", p["SecretSession"]);
+    let session = &r["AppSecretSession"]["Properties"];
+    assert_eq!(session["GenerateSecretString"]["PasswordLength"], 32);
+    assert!(session["SecretString"].is_null() && r["AppSecretSession"]["Condition"].is_null());
     // Read access: db-admin reads api_key only (read_by names it); the maintenance role
     // the two with the default read_by; the runner's own role none.
     let readable = |role: &str| -> Vec<String> {
@@ -397,7 +402,7 @@ async fn the_apps_secrets_become_noecho_parameters_and_per_role_read_access() {
             .unwrap_or_default()
     };
     assert_eq!(readable("DbAdminRole"), ["api_key-*"]);
-    assert_eq!(readable("OperateRole"), ["signing-*", "pager-*"]);
+    assert_eq!(readable("OperateRole"), ["signing-*", "session-*", "pager-*"]);
     assert!(
         !r["RunnerInstanceRole"].to_string().contains("/secrets/"),
         "the runner's own identity reads none"
@@ -419,7 +424,7 @@ fn secret_declarations_the_stack_cannot_honour_are_refused_with_every_problem() 
             ("permissions/operate.toml", "type = \"maintenance\"\nname = \"{{.install.id}}-operate\"\n"),
             (
                 "secrets.toml",
-                "[[secret]]\nname = \"db_password\"\nrequired = true\nauto_generate = true\nvalue = \"inline!\"\n\n[[secret]]\nname = \"db-password\"\nformat = \"hex\"\nkubernetes_sync = true\nread_by = [\"operator\"]\n",
+                "[[secret]]\nname = \"db_password\"\nrequired = true\nauto_generate = true\nvalue = \"inline!\"\n\n[[secret]]\nname = \"db-password\"\nformat = \"hex\"\nkubernetes_sync = true\nread_by = [\"operator\"]\n\n[[secret]]\nname = \"license\"\nrequired = true\nuser_configurable = false\n\n[[secret]]\nname = \"token\"\nuser_configurable = false\n\n[[kubernetes_sync_targets]]\nnamespaces = [\"app\"]\nname = \"x\"\nkey = \"y\"\n",
             ),
         ],
     );
@@ -433,6 +438,9 @@ fn secret_declarations_the_stack_cannot_honour_are_refused_with_every_problem() 
             "kubernetes_secret_name and kubernetes_secret_namespace must be set",
             "parameter SecretDbPassword is also the parameter of",
             "read_by 'operator' is neither a role type",
+            "required with user_configurable = false",
+            "user_configurable = false needs auto_generate or a default",
+            "[[kubernetes_sync_targets]] at the top level belongs to no secret",
         ],
     );
 }

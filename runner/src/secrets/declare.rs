@@ -1,8 +1,8 @@
 //! The app config's secrets, as the modelled system's app configs declare them:
 //! `[[secret]]` tables in `secrets.toml`, or one secret per file under
 //! `secrets/<group>/<name>.toml`. Its fields are loaded unchanged (`name`,
-//! `display_name`, `description`, `required`, `auto_generate`, `format`, `default`,
-//! `kubernetes_sync`, `kubernetes_secret_namespace`, `kubernetes_secret_name`,
+//! `display_name`, `description`, `required`, `auto_generate`, `user_configurable`,
+//! `format`, `default`, `kubernetes_sync`, `kubernetes_secret_namespace`, `kubernetes_secret_name`,
 //! `kubernetes_sync_targets`); ours are `terraform_variable`, `helm_value` and
 //! `read_by` (docs/SECRETS.md). Every problem is reported at once.
 
@@ -20,6 +20,7 @@ const FIELDS: &[&str] = &[
     "description",
     "required",
     "auto_generate",
+    "user_configurable",
     "format",
     "default",
     "kubernetes_sync",
@@ -42,7 +43,14 @@ pub fn declared(app: &AppConfig, install: &InstallState) -> Result<Vec<Declared>
             Ok(mut t) => {
                 let entries = t.remove("secret");
                 for k in t.keys() {
-                    problems.push(format!("secrets.toml: unknown key {k:?} (secrets are [[secret]] tables)"));
+                    problems.push(if k == "kubernetes_sync_targets" {
+                        // The per-file form's top-level targets, written in secrets.toml.
+                        "secrets.toml: [[kubernetes_sync_targets]] at the top level belongs to no secret: \
+                         write [[secret.kubernetes_sync_targets]] after its [[secret]]"
+                            .to_string()
+                    } else {
+                        format!("secrets.toml: unknown key {k:?} (secrets are [[secret]] tables)")
+                    });
                 }
                 match entries {
                     None => {}
@@ -145,6 +153,8 @@ fn one(at: &str, mut t: toml::Table, install: &InstallState, problems: &mut Vec<
     };
     let required = flag("required", problems).unwrap_or(false);
     let auto_generate = flag("auto_generate", problems).unwrap_or(false);
+    // Whether the install stack asks the customer for the value (the default).
+    let user_configurable = flag("user_configurable", problems).unwrap_or(true);
     let kubernetes_sync = flag("kubernetes_sync", problems);
     let at = if name.is_empty() { at.to_string() } else { format!("{at} ({name})") };
     if name.is_empty() {
@@ -161,6 +171,16 @@ fn one(at: &str, mut t: toml::Table, install: &InstallState, problems: &mut Vec<
     }
     if !default.is_empty() && auto_generate {
         problems.push(format!("{at}: auto_generate and default cannot both be set"));
+    }
+    if !user_configurable && required {
+        problems.push(format!(
+            "{at}: required with user_configurable = false: the customer must give a value the stack does not ask for"
+        ));
+    }
+    if !user_configurable && !auto_generate && default.is_empty() {
+        problems.push(format!(
+            "{at}: user_configurable = false needs auto_generate or a default, or the secret never has a value"
+        ));
     }
     let format = match format.as_str() {
         "" => Format::Plain,
@@ -355,6 +375,7 @@ name = "db_password"
 display_name = "Database password"
 description = "Master password of the app's database"
 required = true
+user_configurable = true
 kubernetes_sync = true
 kubernetes_secret_namespace = "{{.nuon.install.id}}-app"
 kubernetes_secret_name = "db"
@@ -364,6 +385,7 @@ terraform_variable = "db_password"
 name = "signing_key"
 description = "generated"
 auto_generate = true
+user_configurable = false
 format = "base64"
 helm_value = "auth.signingKey"
 read_by = ["maintenance"]
@@ -424,6 +446,24 @@ read_by = []
 [[secret.kubernetes_sync_targets]]
 namespaces = ["Bad_NS"]
 name = "s"
+
+[[secret]]
+name = "e"
+required = true
+user_configurable = false
+
+[[secret]]
+name = "f"
+user_configurable = false
+
+[[secret]]
+name = "g"
+user_configurable = "yes"
+
+[[kubernetes_sync_targets]]
+namespaces = ["app"]
+name = "x"
+key = "y"
 "#,
             &[("secrets/x.toml", "name = \"d\"")],
         );
@@ -443,6 +483,10 @@ name = "s"
             "read_by must list",
             "key must be set",
             "secrets/x.toml: secret files are secrets/<group>/<name>.toml",
+            "(e): required with user_configurable = false",
+            "(f): user_configurable = false needs auto_generate or a default",
+            "secret[6]: user_configurable must be true or false",
+            "[[kubernetes_sync_targets]] at the top level belongs to no secret",
         ] {
             assert!(all.contains(needle), "missing {needle:?} in:\n{all}");
         }
