@@ -18,7 +18,9 @@
 #
 # Inputs (environment):
 #   BYOC_INSTALL_ID BYOC_CONTROL_PLANE_URL BYOC_CONTROL_PLANE_KEYS (comma-separated)
-#   BYOC_REGION BYOC_STACK_NAME BYOC_SIGNAL_RESOURCE BYOC_EXTERNAL_ID
+#   BYOC_REGION BYOC_ACCOUNT_ID BYOC_STACK_NAME BYOC_SIGNAL_RESOURCE BYOC_EXTERNAL_ID
+#   BYOC_INSTALL_NAME BYOC_ORG_ID BYOC_APP_ID (only when the app's role names use
+#     {{.install.name}}, {{.org.id}}, {{.app.id}}: written into [roles])
 #   BYOC_STATE_BUCKET (the stack's terraform state bucket; empty: local state)
 #   BYOC_ADMIN_GROUP (a local group whose members may pause, approve and allow without
 #     root: created if missing, written as roles.admin_group, given control/; empty: root only)
@@ -65,6 +67,11 @@ if [ -n "$BYOC_ADMIN_GROUP" ]; then
     printf '%s' "$BYOC_ADMIN_GROUP" | grep -Eqx '[a-z_][a-z0-9_-]{0,31}' \
         || fail "BYOC_ADMIN_GROUP is not a group name (lower-case letters, digits, _ and -)"
 fi
+for v in BYOC_ACCOUNT_ID BYOC_INSTALL_NAME BYOC_ORG_ID BYOC_APP_ID; do
+    value="$(eval echo "\$$v")"
+    [ -z "$value" ] || printf '%s' "$value" | grep -Eqx '[A-Za-z0-9_.-]{1,128}' \
+        || fail "$v is not 1-128 of letters, digits, '_', '.' and '-'"
+done
 [ -n "$BYOC_UPDATE_MODE" ] || BYOC_UPDATE_MODE=approve
 case "$BYOC_UPDATE_MODE" in auto|approve|off) ;; *) fail "BYOC_UPDATE_MODE must be auto, approve or off" ;; esac
 
@@ -134,11 +141,16 @@ conf="$ROOT/etc/byoc-runner/runner.toml"
     echo
     echo "[aws]"
     echo "region = \"$BYOC_REGION\""
+    [ -z "$BYOC_ACCOUNT_ID" ] || echo "account_id = \"$BYOC_ACCOUNT_ID\""
     echo
     echo "[roles]"
     [ -z "$BYOC_STACK_NAME" ] || echo "stack_name = \"$BYOC_STACK_NAME\""
     [ -z "$BYOC_EXTERNAL_ID" ] || echo "external_id = \"$BYOC_EXTERNAL_ID\""
     [ -z "$BYOC_ADMIN_GROUP" ] || echo "admin_group = \"$BYOC_ADMIN_GROUP\""
+    # Values the app's role names may use ({{.install.name}}, {{.org.id}}, {{.app.id}}).
+    [ -z "$BYOC_INSTALL_NAME" ] || echo "install_name = \"$BYOC_INSTALL_NAME\""
+    [ -z "$BYOC_ORG_ID" ] || echo "org_id = \"$BYOC_ORG_ID\""
+    [ -z "$BYOC_APP_ID" ] || echo "app_id = \"$BYOC_APP_ID\""
     echo
     echo "[update]"
     echo "mode = \"$BYOC_UPDATE_MODE\""

@@ -3,6 +3,7 @@
 //! Both ends link this crate so the signing rules (domain-separated messages, key ids,
 //! the exact bytes that are signed) cannot drift apart. See `docs/PROTOCOL.md`.
 
+pub mod app_dir;
 pub mod backoff;
 
 use base64::Engine as _;
@@ -301,6 +302,11 @@ pub struct AppConfig {
     /// by file name.
     #[serde(default)]
     pub permissions: BTreeMap<String, String>,
+    /// The single-file layout, `permissions.toml`: `[provision_role]`,
+    /// `[maintenance_role]`, `[deprovision_role]`, `[[custom_roles]]` (or `[[roles]]`
+    /// with a `type` each). An app uses it or `permissions/`, not both.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub permissions_toml: Option<String>,
     /// `break_glass.toml` (`[[role]]` entries).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub break_glass: Option<String>,
@@ -316,7 +322,8 @@ pub struct AppConfig {
     /// `type`, `engine`, `contents` (a path among `files`) and `components`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub policies_toml: Option<String>,
-    /// Files of the app config that declarations refer to by path (policy contents).
+    /// Files of the app config that declarations refer to by path (policy contents,
+    /// role policies' `contents`, permissions boundaries), by path from the app's root.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub files: BTreeMap<String, String>,
     /// `secrets.toml` (`[[secret]]` tables): the customer's secrets the install uses

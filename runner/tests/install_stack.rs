@@ -301,7 +301,10 @@ fn role_files_the_stack_cannot_honour_are_refused_with_every_problem() {
                 "permissions/a.toml",
                 "type = \"maintenance\"\nname = \"shared-maintenance\"\npermissions_boundary = \"./missing.json\"\n",
             ),
-            ("permissions/b.toml", "type = \"custom\"\nname = \"{{.install.id}}-{{.install.name}}-ops\"\n"),
+            (
+                "permissions/b.toml",
+                "type = \"custom\"\nname = \"{{.install.id}}-{{.install.public_domain}}-ops\"\n",
+            ),
             (
                 "permissions/c.toml",
                 "type = \"custom\"\nname = \"{{.install.id}}-tools\"\n[[policies]]\nmanaged_policy_name = \"X\"\ncontents = \"{}\"\n",
@@ -309,21 +312,125 @@ fn role_files_the_stack_cannot_honour_are_refused_with_every_problem() {
             ("permissions/d.toml", "type = \"custom\"\nname = \"{{.install.id}}-ops-role\"\n"),
             ("permissions/e.toml", "type = \"owner\"\nname = \"{{.install.id}}-owner\"\n"),
             ("permissions/f.toml", "type = \"custom\"\nname = \"{{.install.id}}-{{ .x | upper }}-f\"\n"),
+            (
+                "permissions/g.toml",
+                "type = \"custom\"\nname = \"g\"\n[[policies]]\nname = \"p\"\ncontents = \"../outside.json\"\n[[policies]]\nname = \"q\"\ncontents = \"./policies/missing.json\"\n",
+            ),
+            ("permissions.toml", "[maintenance_role]\nname = \"m\"\n"),
         ],
     );
     assert_refused(
         dir.path(),
         &app,
         &[
-            "a.toml: name 'shared-maintenance' must start with {{.install.id}}-",
             "a.toml: permissions_boundary ./missing.json not found",
-            "b.toml: name: template field .install.name is not known to the stack",
+            "b.toml: name: template field .install.public_domain is not known to the stack",
             "c.toml: policies[0]: needs managed_policy_name, or name and contents",
             "d.toml: switch key Ops (parameter EnableOpsRole) is also used by",
             "e.toml: type must be one of",
             "f.toml: name: unsupported template in '{{.install.id}}-{{ .x | upper }}-f' (only field references)",
+            "g.toml: policies[0].contents: '../outside.json' leaves the app's directory",
+            "g.toml: policies[1].contents: './policies/missing.json' is not a file of the app",
+            "permissions.toml and permissions/*.toml: use one layout, not both",
         ],
     );
+}
+
+/// The modelled system's single-file layout, policy documents kept in files, role names
+/// without the install id and template fields the install link gives: the stack takes
+/// them all, and the runner's identity may assume exactly the roles it defines.
+#[tokio::test]
+async fn a_single_file_app_with_free_role_names_makes_a_stack_that_creates() {
+    let dir = tempfile::tempdir().unwrap();
+    let app = dir.path().join("app");
+    write_app(
+        &app,
+        &[
+            (
+                "permissions.toml",
+                "[provision_role]\nname = \"{{.nuon.install.id}}-provision\"\n\n[maintenance_role]\nname = \"acme-{{.nuon.org.id}}-{{.nuon.install.name}}-ops\"\n[[maintenance_role.policies]]\nname = \"buckets\"\ncontents = \"./policies/buckets.json\"\n\n[deprovision_role]\nname = \"{{.install.id}}-teardown\"\n\n[[custom_roles]]\nname = \"db-admin-{{.app.id}}\"\n",
+            ),
+            (
+                "policies/buckets.json",
+                r#"{"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "s3:ListBucket", "Resource": "arn:aws:s3:::{{.install.id}}-*"}]}"#,
+            ),
+        ],
+    );
+    let out = dir.path().join("stack.yaml");
+    let rendered = render_stack(&app, &out);
+    assert!(rendered.status.success(), "{}", String::from_utf8_lossy(&rendered.stderr));
+    let lint = Command::new(venv_bin("cfn-lint")).arg(&out).output().unwrap();
+    assert!(lint.status.success(), "cfn-lint: {}", String::from_utf8_lossy(&lint.stdout));
+    let t = template_at(&out);
+    let p = &t["Parameters"];
+    for name in ["InstallName", "OrgId", "AppId"] {
+        assert_eq!(p[name]["AllowedPattern"], "[A-Za-z0-9_.-]{1,128}", "{name}");
+    }
+    let r = &t["Resources"];
+    let ops = &r["AcmeOpsRole"]["Properties"];
+    assert_eq!(ops["RoleName"]["Fn::Sub"], "acme-${OrgId}-${InstallName}-ops");
+    assert_eq!(
+        ops["Policies"][0]["PolicyDocument"]["Statement"][0]["Resource"]["Fn::Sub"],
+        "arn:aws:s3:::${InstallId}-*"
+    );
+    // The runner's identity: exactly these roles' ARNs, no name prefix.
+    let runner =
+        r["RunnerInstanceRole"]["Properties"]["Policies"][0]["PolicyDocument"]["Statement"][0].clone();
+    assert_eq!(runner["Sid"], "AssumeLifecycleRoles");
+    let arns: Vec<String> = runner["Resource"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a["Fn::Sub"].as_str().unwrap().rsplit(":role/").next().unwrap().to_string())
+        .collect();
+    assert_eq!(
+        arns,
+        [
+            "${InstallId}-provision",
+            "acme-${OrgId}-${InstallName}-ops",
+            "${InstallId}-teardown",
+            "db-admin-${AppId}"
+        ]
+    );
+    let user_data = r["RunnerLaunchTemplate"]["Properties"]["LaunchTemplateData"]["UserData"].to_string();
+    for export in ["BYOC_INSTALL_NAME='${InstallName}'", "BYOC_ORG_ID='${OrgId}'", "BYOC_APP_ID='${AppId}'"] {
+        assert!(user_data.contains(export), "{export}");
+    }
+    let moto = MotoServer::start().await;
+    let described = create_stack(
+        &moto,
+        "byoc-single",
+        &t,
+        "inst-one",
+        &[("InstallName", "prod"), ("OrgId", "org7"), ("AppId", "app3")],
+    )
+    .await;
+    assert!(described.contains("CREATE_COMPLETE"), "{described}");
+    assert!(described.contains(":role/acme-org7-prod-ops<"), "{described}");
+}
+
+/// An app for another cloud is refused in one sentence that says what is supported.
+#[test]
+fn an_app_for_another_cloud_is_refused_in_one_sentence() {
+    for (file, text, cloud) in [
+        ("stack.toml", "type = \"azure-bicep\"\nname = \"x\"\n", "Azure (stack.toml type = 'azure-bicep')"),
+        ("runner.toml", "runner_type = \"gcp\"\n", "Google Cloud (runner.toml runner_type = 'gcp')"),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let app = dir.path().join("app");
+        write_app(&app, &[(file, text), ("permissions/m.toml", "type = \"maintenance\"\nname = \"m\"\n")]);
+        let out = dir.path().join("stack.yaml");
+        let rendered = render_stack(&app, &out);
+        let stderr = String::from_utf8_lossy(&rendered.stderr);
+        assert!(!rendered.status.success());
+        assert_eq!(
+            stderr.trim(),
+            format!(
+                "render-install-stack: this app targets {cloud}; byoc-runner installs only into AWS accounts (a CloudFormation stack, IAM roles, Secrets Manager, ECR)"
+            )
+        );
+        assert!(!out.exists());
+    }
 }
 
 /// The generator refuses `app`: every one of `problems` is named, nothing is written.

@@ -53,6 +53,10 @@ pub struct RolesConfig {
     pub admin_group: Option<String>,
     /// Install name for role-name templates (`{{.install.name}}`).
     pub install_name: Option<String>,
+    /// The vendor's organization and app ids for role-name templates (`{{.org.id}}`,
+    /// `{{.app.id}}`), as the install stack was given them.
+    pub org_id: Option<String>,
+    pub app_id: Option<String>,
     /// Where container jobs' renewable credential files live (a tmpfs: the keys never
     /// reach the state dir's disk), one directory per job, mounted into its container.
     pub container_credentials_dir: PathBuf,
@@ -78,6 +82,8 @@ impl RolesConfig {
             refresh_before: f.secs("refresh_before_secs", 300, 0..=3600),
             admin_group: f.get("admin_group"),
             install_name: f.get("install_name"),
+            org_id: f.get("org_id"),
+            app_id: f.get("app_id"),
             container_credentials_dir: f
                 .absolute_path("container_credentials_dir", "/run/byoc-runner/credentials"),
             busybox: f.absolute_path("busybox", "/bin/busybox"),

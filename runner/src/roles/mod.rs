@@ -209,6 +209,8 @@ pub fn install_state(config: &Config, install_id: &str) -> InstallState {
         config.aws.region.as_deref(),
         config.aws.account_id.as_deref(),
     )
+    .with("org.id", config.roles.org_id.as_deref())
+    .with("app.id", config.roles.app_id.as_deref())
 }
 
 impl Roles {

@@ -219,9 +219,15 @@ fn check_policies(policies: &[PolicyDef], at: &str, problems: &mut Vec<String>) 
         match (&p.managed_policy_name, &p.name, &p.contents) {
             (Some(_), None, None) => {}
             (None, Some(_), Some(contents)) => {
-                if serde_json::from_str::<serde_json::Value>(contents).is_err() {
-                    // Contents may hold templates inside strings, which stay valid JSON.
-                    problems.push(format!("{at}: policies[{i}].contents is not JSON"));
+                // The document, or a file of the app config by its path (`app check` and
+                // the stack read it). Templates inside strings stay valid JSON.
+                let path = byoc_protocol::app_dir::is_path(contents);
+                if path && byoc_protocol::app_dir::normalize(contents).is_none() {
+                    problems.push(format!(
+                        "{at}: policies[{i}].contents {contents:?} leaves the app's directory"
+                    ));
+                } else if !path && serde_json::from_str::<serde_json::Value>(contents).is_err() {
+                    problems.push(format!("{at}: policies[{i}].contents is neither JSON nor a file's path"));
                 }
             }
             _ => problems
@@ -249,13 +255,75 @@ fn add_role(roles: &mut Vec<RoleDef>, def: RoleDef, problems: &mut Vec<String>) 
 
 /// One `permissions/*.toml` role.
 fn role_file(at: &str, text: &str, install: &InstallState, problems: &mut Vec<String>) -> Option<RoleDef> {
-    let parsed: RoleFile = match toml::from_str(text) {
-        Ok(p) => p,
+    match toml::from_str(text) {
+        Ok(parsed) => role_def(at, parsed, install, problems),
         Err(e) => {
             problems.push(format!("{at}: {}", e.message()));
-            return None;
+            None
+        }
+    }
+}
+
+/// The single-file layout, `permissions.toml`: `[provision_role]`,
+/// `[maintenance_role]`, `[deprovision_role]` (their type given by the key),
+/// `[[custom_roles]]` and `[[roles]]` (a `type` each).
+fn permissions_toml(text: &str, install: &InstallState, problems: &mut Vec<String>) -> Vec<RoleDef> {
+    let doc = match toml::from_str::<toml::Table>(text) {
+        Ok(d) => d,
+        Err(e) => {
+            problems.push(format!("permissions.toml: {}", e.message()));
+            return Vec::new();
         }
     };
+    let mut entries: Vec<(String, Option<&str>, &toml::Value)> = Vec::new();
+    for (key, value) in &doc {
+        match key.as_str() {
+            "provision_role" | "maintenance_role" | "deprovision_role" => {
+                entries.push((key.clone(), key.strip_suffix("_role"), value));
+            }
+            "custom_roles" | "roles" => match value.as_array() {
+                Some(a) => entries.extend(a.iter().enumerate().map(|(i, v)| {
+                    (format!("{key}[{i}]"), (key == "custom_roles").then_some("custom"), v)
+                })),
+                None => problems.push(format!("permissions.toml: {key} must be an array of tables ([[{key}]])")),
+            },
+            other => problems.push(format!(
+                "permissions.toml: unknown key {other:?} (provision_role, maintenance_role, deprovision_role, custom_roles, roles)"
+            )),
+        }
+    }
+    let mut roles = Vec::new();
+    for (key, implied, value) in entries {
+        let at = format!("permissions.toml {key}");
+        let Some(table) = value.as_table() else {
+            problems.push(format!("{at}: not a table"));
+            continue;
+        };
+        let mut table = table.clone();
+        match (implied, table.get("type").and_then(|t| t.as_str())) {
+            (Some(t), Some(given)) if t != given => {
+                problems.push(format!("{at}: type {given:?} contradicts its key ({t})"));
+                continue;
+            }
+            (Some(t), None) => {
+                table.insert("type".into(), toml::Value::String(t.into()));
+            }
+            _ => {}
+        }
+        match toml::Value::Table(table).try_into::<RoleFile>() {
+            Ok(parsed) => roles.extend(role_def(&at, parsed, install, problems)),
+            Err(e) => problems.push(format!("{at}: {}", e.message())),
+        }
+    }
+    roles
+}
+
+fn role_def(
+    at: &str,
+    parsed: RoleFile,
+    install: &InstallState,
+    problems: &mut Vec<String>,
+) -> Option<RoleDef> {
     let role_type = match parsed.role_type.as_str() {
         "provision" => RoleType::Provision,
         "maintenance" => RoleType::Maintenance,
@@ -387,6 +455,14 @@ impl AppRoles {
         let mut roles: Vec<RoleDef> = Vec::new();
         for (file, text) in &app.permissions {
             if let Some(def) = role_file(&format!("permissions/{file}"), text, install, &mut problems) {
+                add_role(&mut roles, def, &mut problems);
+            }
+        }
+        if let Some(text) = &app.permissions_toml {
+            if !app.permissions.is_empty() {
+                problems.push("permissions.toml and permissions/*.toml: use one layout, not both".into());
+            }
+            for def in permissions_toml(text, install, &mut problems) {
                 add_role(&mut roles, def, &mut problems);
             }
         }
@@ -557,6 +633,50 @@ pub(crate) mod tests {
             "component.explode",
             "no role named \"nope\"",
             "is a break-glass role",
+        ] {
+            assert!(all.contains(needle), "missing {needle:?} in:\n{all}");
+        }
+    }
+
+    #[test]
+    fn the_single_file_layout_defines_the_same_roles() {
+        let single = AppConfig {
+            permissions_toml: Some(
+                "[provision_role]\nname = \"{{.install.id}}-provision\"\n\n[maintenance_role]\nname = \"{{.install.id}}-maintenance\"\n\n[[maintenance_role.policies]]\nname = \"s3\"\ncontents = \"./policies/s3.json\"\n\n[deprovision_role]\ntype = \"deprovision\"\nname = \"{{.install.id}}-deprovision\"\n\n[[custom_roles]]\nname = \"{{.install.id}}-eks-upgrade-role\"\n\n[[roles]]\ntype = \"custom\"\nname = \"ops-{{.install.id}}\"\n"
+                    .into(),
+            ),
+            ..Default::default()
+        };
+        let a = AppRoles::parse(&single, &install()).unwrap();
+        let mut names: Vec<(&str, RoleType)> =
+            a.roles.iter().map(|r| (r.name.as_str(), r.role_type)).collect();
+        names.sort_by_key(|(n, _)| *n);
+        assert_eq!(
+            names,
+            [
+                ("inst-1-deprovision", RoleType::Deprovision),
+                ("inst-1-eks-upgrade-role", RoleType::Custom),
+                ("inst-1-maintenance", RoleType::Maintenance),
+                ("inst-1-provision", RoleType::Provision),
+                ("ops-inst-1", RoleType::Custom),
+            ]
+        );
+        assert_eq!(a.lookup("maintenance", &install()).unwrap().policies, 1);
+
+        let bad = AppConfig {
+            permissions_toml: Some(
+                "[maintenance_role]\ntype = \"custom\"\nname = \"m\"\n\n[[roles]]\nname = \"no-type\"\n\n[admin_role]\nname = \"a\"\n\n[[custom_roles]]\nname = \"c\"\n[[custom_roles.policies]]\nname = \"p\"\ncontents = \"../../etc/x.json\"\n"
+                    .into(),
+            ),
+            ..app()
+        };
+        let all = AppRoles::parse(&bad, &install()).unwrap_err().problems.join("\n");
+        for needle in [
+            "use one layout, not both",
+            "maintenance_role: type \"custom\" contradicts its key (maintenance)",
+            "roles[0]: missing field `type`",
+            "unknown key \"admin_role\"",
+            "contents \"../../etc/x.json\" leaves the app's directory",
         ] {
             assert!(all.contains(needle), "missing {needle:?} in:\n{all}");
         }

@@ -45,6 +45,14 @@ impl InstallState {
         InstallState { values }
     }
 
+    /// Another value templates may read (`org.id`, `app.id`), when it is known.
+    pub fn with(mut self, path: &str, value: Option<&str>) -> Self {
+        if let Some(v) = value {
+            self.values.insert(path.into(), v.into());
+        }
+        self
+    }
+
     pub fn render(&self, template: &str) -> Result<String, TemplateError> {
         let mut out = String::with_capacity(template.len());
         let mut rest = template;
@@ -100,6 +108,9 @@ mod tests {
             "acme-eu-west-1"
         );
         assert_eq!(s.render("plain-name").unwrap(), "plain-name");
+        let s = state().with("org.id", Some("org-9")).with("app.id", Some("app-3")).with("x", None);
+        assert_eq!(s.render("{{.nuon.org.id}}-{{ .nuon.app.id }}-ops").unwrap(), "org-9-app-3-ops");
+        assert!(s.render("{{.x}}").is_err(), "a value not given stays unknown");
     }
 
     #[test]
