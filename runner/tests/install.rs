@@ -284,6 +284,45 @@ fn user_data_gives_control_to_the_admin_group() {
     assert!(!other.path().join("etc/byoc-runner/runner.toml").exists());
 }
 
+/// The account id and the template values an app's role names use reach runner.toml
+/// (the runner renders the same role names as the stack); a value that could break out
+/// of its TOML string stops the install before anything is written.
+#[test]
+fn user_data_writes_the_values_role_names_use() {
+    let release = signed_release();
+    let work = tempfile::tempdir().unwrap();
+    let bin = stubs(work.path());
+    let root = throwaway_root();
+    let r = root.path();
+    let values = [
+        ("BYOC_ACCOUNT_ID", "123456789012"),
+        ("BYOC_INSTALL_NAME", "prod-eu"),
+        ("BYOC_ORG_ID", "org7"),
+        ("BYOC_APP_ID", "app.3"),
+    ];
+    let o = user_data_with(r, &release, &bin, &values);
+    assert!(o.status.success(), "user-data failed: {}", String::from_utf8_lossy(&o.stderr));
+    let text = std::fs::read_to_string(r.join("etc/byoc-runner/runner.toml")).unwrap();
+    for line in [
+        "account_id = \"123456789012\"",
+        "install_name = \"prod-eu\"",
+        "org_id = \"org7\"",
+        "app_id = \"app.3\"",
+    ] {
+        assert!(text.contains(line), "{line} in {text}");
+    }
+    let other = throwaway_root();
+    let o = user_data_with(
+        other.path(),
+        &release,
+        &bin,
+        &[("BYOC_ORG_ID", "x\"\n[control_plane]\nurl = \"http://evil")],
+    );
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("BYOC_ORG_ID is not 1-128 of letters"));
+    assert!(!other.path().join("etc/byoc-runner/runner.toml").exists());
+}
+
 fn calls(dir: &Path) -> String {
     std::fs::read_to_string(dir.join("calls.log")).unwrap_or_default()
 }
