@@ -10,6 +10,7 @@
 //! `clock::Clock`, `roles::sts::Assumer`, `roles::switches::SwitchSource`) with fakes
 //! in `testing`.
 
+pub mod app_check;
 pub mod app_policies;
 pub mod approvals;
 pub mod audit;

@@ -692,3 +692,84 @@ fn the_packer_template_parses_pins_versions_and_verifies_all_it_installs() {
     assert!(steps.iter().any(|l| l.contains("user.max_user_namespaces")), "the sandbox's sysctl");
     assert!(steps.iter().any(|l| l.contains("mask ssh.service")), "no SSH in the image");
 }
+
+/// The compatibility corpus (`examples/compat/`): app configs in the modelled system's
+/// formats. `byoc-runner app check` and the stack generator each conclude what the app's
+/// `expect.toml` says, and where both accept it they agree on the stack's parameters.
+#[test]
+fn the_compatibility_corpus_is_judged_alike_by_app_check_and_the_stack() {
+    let corpus = repo().join("examples/compat");
+    let mut apps: Vec<PathBuf> = std::fs::read_dir(&corpus)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.join("expect.toml").is_file())
+        .collect();
+    apps.sort();
+    assert!(apps.len() >= 4, "{apps:?}");
+    for app in apps {
+        let name = app.file_name().unwrap().to_string_lossy().into_owned();
+        let expect: toml::Table =
+            toml::from_str(&std::fs::read_to_string(app.join("expect.toml")).unwrap()).unwrap();
+        let checked = Command::new(env!("CARGO_BIN_EXE_byoc-runner"))
+            .args(["app", "check", "-o", "json"])
+            .arg(&app)
+            .output()
+            .unwrap();
+        let report: serde_json::Value = serde_json::from_slice(&checked.stdout).unwrap();
+        let problems: Vec<&str> =
+            report["problems"].as_array().unwrap().iter().map(|p| p.as_str().unwrap()).collect();
+        match &expect["app_check"] {
+            toml::Value::String(s) if s == "ok" => {
+                assert!(checked.status.success() && problems.is_empty(), "{name}: {problems:?}")
+            }
+            toml::Value::Array(wanted) => {
+                assert_eq!(checked.status.code(), Some(1), "{name}");
+                for w in wanted {
+                    let w = w.as_str().unwrap();
+                    assert!(problems.iter().any(|p| p.contains(w)), "{name}: {w:?} not in {problems:?}");
+                }
+            }
+            other => panic!("{name}: app_check = {other}"),
+        }
+
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("stack.yaml");
+        let rendered = render_stack(&app, &out);
+        let stderr = String::from_utf8_lossy(&rendered.stderr);
+        match expect["stack"].as_str().unwrap() {
+            "ok" => {
+                assert!(rendered.status.success(), "{name}: {stderr}");
+                let lint = Command::new(venv_bin("cfn-lint")).arg(&out).output().unwrap();
+                assert!(lint.status.success(), "{name}: cfn-lint: {}", String::from_utf8_lossy(&lint.stdout));
+                let t = template_at(&out);
+                for p in report["stack_parameters"].as_array().unwrap() {
+                    let p = p.as_str().unwrap();
+                    assert!(
+                        t["Parameters"].get(p).is_some(),
+                        "{name}: app check names {p}, the stack has none"
+                    );
+                }
+                // And the other way: every parameter the app adds, app check names.
+                let named: Vec<&str> = report["stack_parameters"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|p| p.as_str().unwrap())
+                    .collect();
+                for key in t["Parameters"].as_object().unwrap().keys() {
+                    let from_app = (key.starts_with("Enable") && key.ends_with("Role"))
+                        || key.starts_with("Secret")
+                        || ["InstallName", "OrgId", "AppId"].contains(&key.as_str());
+                    assert!(
+                        !from_app || named.contains(&key.as_str()),
+                        "{name}: the stack has {key}, app check does not"
+                    );
+                }
+            }
+            refusal => {
+                assert!(!rendered.status.success() && stderr.contains(refusal), "{name}: {stderr}");
+                assert!(!out.exists());
+            }
+        }
+    }
+}

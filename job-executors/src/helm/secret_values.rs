@@ -44,6 +44,7 @@ mod tests {
             declared: crate::secrets::Declared {
                 name: name.into(),
                 required: false,
+                user_configurable: true,
                 format: crate::secrets::Format::Plain,
                 kubernetes: vec![],
                 terraform_variable: None,

@@ -54,6 +54,9 @@ impl std::fmt::Display for KubeTarget {
 pub struct Declared {
     pub name: String,
     pub required: bool,
+    /// Whether the install stack asks the customer for it (else generated or defaulted).
+    #[serde(default = "asked_of_the_customer")]
+    pub user_configurable: bool,
     pub format: Format,
     /// `kubernetes_sync` targets (the single legacy one with key `value`, or
     /// `kubernetes_sync_targets` fanned out over their namespaces).
@@ -65,6 +68,10 @@ pub struct Declared {
     /// Our addition: role types or names that may read it (default provision and
     /// maintenance); the install stack grants read to these roles only.
     pub read_by: Vec<String>,
+}
+
+fn asked_of_the_customer() -> bool {
+    true
 }
 
 /// Where a job would put a secret.
@@ -457,6 +464,7 @@ mod tests {
         Declared {
             name: "db_password".into(),
             required: true,
+            user_configurable: true,
             format: Format::Plain,
             kubernetes: vec![KubeTarget {
                 namespace: "app".into(),

@@ -13,6 +13,7 @@
 //! | `tfstate.rs`| `state list/show` (terraform state on this runner) |
 //! | `update.rs` | `update status/pin/unpin/rollback`, the hidden `update apply` |
 
+mod app;
 mod approvals;
 mod audit;
 mod config;
@@ -221,6 +222,13 @@ enum Cmd {
     /// two registries with the engine `oci.sync` jobs use. Loopback registries are
     /// plain HTTP; others HTTPS. Secrets come from the environment or files, never argv.
     Sync(sync::SyncArgs),
+    /// Check an app config directory as the runner and the install stack would load it.
+    ///
+    /// Example: byoc-runner app check ./my-app
+    App {
+        #[command(subcommand)]
+        cmd: app::AppCmd,
+    },
     /// The policies that decide plans and manifests: list them, or test an input.
     Policy {
         #[command(subcommand)]
@@ -353,6 +361,7 @@ pub fn main() -> i32 {
         Cmd::Config { cmd } => config::run(cmd),
         Cmd::Sync(args) => sync::run(args),
         Cmd::Policy { cmd } => policy::run(cmd),
+        Cmd::App { cmd } => app::run(cmd),
         Cmd::State { cmd } => tfstate::run(cmd),
     }
 }

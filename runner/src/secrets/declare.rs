@@ -197,7 +197,16 @@ fn one(at: &str, mut t: toml::Table, install: &InstallState, problems: &mut Vec<
     if problems.len() > before {
         return None;
     }
-    Some(Declared { name, required, format, kubernetes, terraform_variable, helm_value, read_by })
+    Some(Declared {
+        name,
+        required,
+        user_configurable,
+        format,
+        kubernetes,
+        terraform_variable,
+        helm_value,
+        read_by,
+    })
 }
 
 /// A template rendered for the install; a failure is a problem and leaves it as written.
