@@ -621,6 +621,10 @@ async fn an_app_policy_of_pass_rules_only_is_recorded_and_lets_the_plan_apply() 
         "{log}"
     );
     assert!(log.contains("fake-terraform: apply"), "{log}");
+    assert_eq!(
+        r.outputs["passed"],
+        serde_json::json!([{"rule": "checks", "address": "", "policy": "vendor/policies/checks.rego"}])
+    );
     let decision = audit(&e, "policy_decision").into_iter().find(|d| d["job"] == id.as_str()).unwrap();
     let detail = decision["detail"].as_str().unwrap();
     assert!(detail.starts_with("allow: 0 violations, 0 warnings, 1 passed, 0 errors"), "{detail}");

@@ -310,6 +310,11 @@ pub struct Finding {
 }
 
 impl Finding {
+    /// What a job's result names of it: rule, address, policy (never the message).
+    pub fn reference(&self) -> serde_json::Value {
+        serde_json::json!({"rule": self.rule, "address": self.address, "policy": self.policy})
+    }
+
     /// `rule@address`, or `rule (message)` when the policy named no address.
     pub fn label(&self) -> String {
         if self.address.is_empty() {

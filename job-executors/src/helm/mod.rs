@@ -547,7 +547,8 @@ impl Helm {
             .await
             .map_err(|e| failed(crate::policy_gate::UNAVAILABLE, e.to_string(), serde_json::Value::Null))?;
         let base = serde_json::json!({"release": s.release, "manifests_digest": decision.input_digest, "diff": diff, "verdict": decision.verdict,
-            "violations": decision.violations.iter().map(|v| serde_json::json!({"rule": v.rule, "address": v.address, "policy": v.policy})).collect::<Vec<_>>()});
+            "violations": decision.violations.iter().map(byoc_policy::Finding::reference).collect::<Vec<_>>(),
+            "passed": decision.passes.iter().map(byoc_policy::Finding::reference).collect::<Vec<_>>()});
         if decision.verdict == byoc_policy::Verdict::Deny {
             return Err(failed(
                 "policy_denied",

@@ -224,7 +224,7 @@ pub(crate) async fn judge(
             },
             "verdict": decision.verdict,
             "input_digest": decision.input_digest,
-            "violations": decision.violations.iter().map(|v| serde_json::json!({"rule": v.rule, "address": v.address, "policy": v.policy})).collect::<Vec<_>>(),
+            "violations": decision.violations.iter().map(byoc_policy::Finding::reference).collect::<Vec<_>>(),
         }),
     }
 }

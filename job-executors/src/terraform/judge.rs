@@ -71,7 +71,8 @@ impl Terraform {
             "input_digest": decision.input_digest,
             "summary": summary,
             "verdict": decision.verdict,
-            "violations": decision.violations.iter().map(|v| serde_json::json!({"rule": v.rule, "address": v.address, "policy": v.policy})).collect::<Vec<_>>(),
+            "violations": decision.violations.iter().map(byoc_policy::Finding::reference).collect::<Vec<_>>(),
+            "passed": decision.passes.iter().map(byoc_policy::Finding::reference).collect::<Vec<_>>(),
         });
         if decision.verdict == byoc_policy::Verdict::Deny {
             return Err(failed(
