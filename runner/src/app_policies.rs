@@ -27,15 +27,21 @@ pub enum PolicyType {
     KubernetesManifest,
     Sandbox,
     KubernetesCluster,
+    /// Build-time policies (the vendor's image builds): accepted, never evaluated by
+    /// the runner, which builds nothing.
+    DockerBuild,
+    ContainerImage,
 }
 
 impl PolicyType {
-    const ALL: [(&'static str, PolicyType); 5] = [
+    const ALL: [(&'static str, PolicyType); 7] = [
         ("terraform_module", PolicyType::TerraformModule),
         ("helm_chart", PolicyType::HelmChart),
         ("kubernetes_manifest", PolicyType::KubernetesManifest),
         ("sandbox", PolicyType::Sandbox),
         ("kubernetes_cluster", PolicyType::KubernetesCluster),
+        ("docker_build", PolicyType::DockerBuild),
+        ("container_image", PolicyType::ContainerImage),
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -45,6 +51,11 @@ impl PolicyType {
     /// Whether its policies are scoped to components.
     fn per_component(self) -> bool {
         matches!(self, PolicyType::TerraformModule | PolicyType::HelmChart | PolicyType::KubernetesManifest)
+    }
+
+    /// Whether the runner evaluates policies of this type (build-time ones it never sees).
+    pub fn evaluated_here(self) -> bool {
+        !matches!(self, PolicyType::DockerBuild | PolicyType::ContainerImage)
     }
 }
 
@@ -109,14 +120,43 @@ pub fn parse(app: &AppConfig) -> Result<Vec<Declared>, Vec<String>> {
             problems.push(at(e));
             None
         });
+        // `sandbox = true`: a terraform policy evaluated only for the sandbox's runs.
+        let sandbox = match t.remove("sandbox") {
+            None => false,
+            Some(toml::Value::Boolean(b)) => b,
+            Some(other) => {
+                problems.push(at(format!("sandbox must be true or false, not {}", other.type_str())));
+                false
+            }
+        };
         for key in t.keys() {
-            problems.push(at(format!("unknown field {key:?} (known: type, engine, contents, components)")));
+            problems.push(at(format!(
+                "unknown field {key:?} (known: type, engine, contents, components, sandbox)"
+            )));
         }
         let kind = kind_of(kind_s.as_deref()).map_err(|e| problems.push(at(e))).ok();
+        let kind = match kind {
+            Some(PolicyType::TerraformModule | PolicyType::Sandbox) if sandbox => Some(PolicyType::Sandbox),
+            Some(k) if sandbox => {
+                problems.push(at(format!(
+                    "sandbox = true applies to the sandbox's terraform runs, not to {} policies",
+                    k.as_str()
+                )));
+                None
+            }
+            k => k,
+        };
         let engine = engine_of(engine_s.as_deref()).map_err(|e| problems.push(at(e))).ok();
         let text = match &contents {
             None => {
                 problems.push(at("contents (the policy file's path in the app config) is required".into()));
+                None
+            }
+            Some(p) if p.contains("://") || p.starts_with("git::") => {
+                problems.push(at(format!(
+                    "contents {p:?} is fetched from elsewhere: the runner judges only what the signed job \
+                     carries, so the policy must be a file of the app config"
+                )));
                 None
             }
             Some(p) => match files.get(&normalize(p)) {
@@ -130,6 +170,13 @@ pub fn parse(app: &AppConfig) -> Result<Vec<Declared>, Vec<String>> {
         let (Some(kind), Some(engine), Some(path), Some(text)) = (kind, engine, contents, text) else {
             continue;
         };
+        // The modelled system: no components (or an empty list) means every component.
+        let components = match components {
+            None | Some(Components::Named(_)) if kind.per_component() && components_empty(&components) => {
+                Some(Components::All)
+            }
+            c => c,
+        };
         if let Err(e) = applies(kind, engine, components.is_some()) {
             problems.push(at(e));
             continue;
@@ -137,6 +184,14 @@ pub fn parse(app: &AppConfig) -> Result<Vec<Declared>, Vec<String>> {
         out.push(Declared { kind, engine, path, text, components });
     }
     if problems.is_empty() { Ok(out) } else { Err(problems) }
+}
+
+fn components_empty(c: &Option<Components>) -> bool {
+    match c {
+        None => true,
+        Some(Components::Named(n)) => n.is_empty(),
+        Some(Components::All) => false,
+    }
 }
 
 /// `components`: component names, or `"*"` (alone, or as the only name) for all.
@@ -190,6 +245,8 @@ fn applies(kind: PolicyType, engine: Engine, names_components: bool) -> Result<(
             );
         }
         (PolicyType::KubernetesCluster, Engine::Kyverno) | (_, Engine::Opa) => {}
+        // Build-time policies run where images are built, whatever their engine.
+        (k, Engine::Kyverno) if !k.evaluated_here() => {}
         (k, Engine::Kyverno) => {
             return Err(format!(
                 "a {} policy is Rego evaluated by the runner: set engine = \"opa\" (kyverno, the default, \
@@ -204,7 +261,7 @@ fn applies(kind: PolicyType, engine: Engine, names_components: bool) -> Result<(
             kind.as_str()
         ));
     }
-    if !kind.per_component() && names_components {
+    if !kind.per_component() && kind.evaluated_here() && names_components {
         return Err(format!("components has no meaning for {} policies", kind.as_str()));
     }
     Ok(())
@@ -420,12 +477,45 @@ contents = "./policies/kyverno.yaml"
     }
 
     #[test]
-    fn declarations_that_cannot_apply_are_reported_all_at_once() {
-        let bad = r#"
+    fn the_modelled_systems_defaults_and_build_time_types_load() {
+        let toml = r#"
 [[policy]]
 type = "terraform_module"
 engine = "opa"
 contents = "./policies/tf-api.rego"
+
+[[policy]]
+type = "terraform_module"
+engine = "opa"
+contents = "./policies/sandbox.rego"
+sandbox = true
+
+[[policy]]
+type = "container_image"
+contents = "./policies/helm.rego"
+components = ["api"]
+"#;
+        let a = app(toml, &files());
+        let d = parse(&a).unwrap();
+        assert_eq!(d[0].components_str(), "*", "no components: every component");
+        assert_eq!(d[1].kind, PolicyType::Sandbox);
+        assert!(!d[2].kind.evaluated_here());
+        let names = |kind, entity, component| -> Vec<String> {
+            for_job(&a, kind, entity, component).unwrap().into_iter().map(|p| p.name).collect()
+        };
+        assert_eq!(names("terraform", "component", "anything"), ["vendor/policies/tf-api.rego"]);
+        assert_eq!(names("terraform", "sandbox", "sandbox"), ["vendor/policies/sandbox.rego"]);
+        assert!(names("helm", "component", "api").is_empty(), "build-time policies never decide a job");
+    }
+
+    #[test]
+    fn declarations_that_cannot_apply_are_reported_all_at_once() {
+        let bad = r#"
+[[policy]]
+type = "helm_chart"
+engine = "opa"
+contents = "https://policies.example.com/tf.rego"
+sandbox = true
 
 [[policy]]
 type = "helm_chart"
@@ -452,7 +542,8 @@ contents = "./policies/sandbox.rego"
         let problems = parse(&app(bad, &files())).unwrap_err();
         let all = problems.join("\n");
         for needle in [
-            "#1: a terraform_module policy applies to the components it names",
+            "#1: contents \"https://policies.example.com/tf.rego\" is fetched from elsewhere",
+            "#1: sandbox = true applies to the sandbox's terraform runs, not to helm_chart policies",
             "#2: a helm_chart policy is Rego evaluated by the runner: set engine = \"opa\"",
             "#3: kubernetes_cluster policies are admission policies",
             "#4: unknown field \"severity\"",

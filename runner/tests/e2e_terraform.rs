@@ -719,9 +719,8 @@ contents = "./policies/cluster.yaml"
 #[tokio::test]
 async fn an_app_policy_that_cannot_apply_to_anything_refuses_the_job() {
     let e = tf_env().await;
-    // An opa policy for components that names none: it would never be evaluated.
-    let toml =
-        "[[policy]]\ntype = \"terraform_module\"\nengine = \"opa\"\ncontents = \"./policies/buckets.rego\"\n";
+    // A helm policy marked for the sandbox's terraform runs: it would never be evaluated.
+    let toml = "[[policy]]\ntype = \"helm_chart\"\nengine = \"opa\"\ncontents = \"./policies/buckets.rego\"\nsandbox = true\n";
     let req = with_app_policies(
         job("apply", &example("plan-tags-only.json"), &[], serde_json::json!({})),
         toml,
@@ -730,6 +729,10 @@ async fn an_app_policy_that_cannot_apply_to_anything_refuses_the_job() {
     let id = e.env.cp.enqueue(req).unwrap();
     let v = e.env.rejected(&id).await;
     assert_eq!(v.rejections[0].0, byoc_protocol::RejectReason::InvalidSpec);
-    assert!(v.rejections[0].1.contains("applies to the components it names"), "{:?}", v.rejections);
+    assert!(
+        v.rejections[0].1.contains("sandbox = true applies to the sandbox's terraform runs"),
+        "{:?}",
+        v.rejections
+    );
     assert_eq!(started_count(&e.env.runner.state_dir, &id), 0);
 }
