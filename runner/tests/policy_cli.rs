@@ -494,3 +494,48 @@ fn a_policy_on_the_guardrails_context_decides_by_the_window() {
     assert_eq!(code, 64, "a usage error (EX_USAGE): {err}");
     assert!(err.contains("must be a JSON object"), "{err}");
 }
+
+/// `byoc-runner app check DIR`: ok (exit 0) with what the app holds, every problem at
+/// once (exit 1), JSON for tools, and a usage error for what is not a directory.
+#[test]
+fn app_check_prints_ok_or_every_problem() {
+    let app = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_byoc-runner")).arg("app").args(args).output().unwrap();
+        (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stdout).into_owned())
+    };
+    let example = examples().join("../app");
+    let (code, out) = app(&["check", example.to_str().unwrap()]);
+    assert_eq!(code, 0, "{out}");
+    assert!(out.starts_with("ok: 5 roles, 0 policies, 3 secrets; stack parameters: "), "{out}");
+
+    let bad = tempfile::tempdir().unwrap();
+    std::fs::write(
+        bad.path().join("permissions.toml"),
+        "[maintenance_role]\nname = \"m\"\n[[maintenance_role.policies]]\nname = \"p\"\ncontents = \"./nowhere.json\"\n",
+    )
+    .unwrap();
+    std::fs::write(
+        bad.path().join("secrets.toml"),
+        "[[secret]]\nname = \"s\"\nrequired = true\nauto_generate = true\n",
+    )
+    .unwrap();
+    let (code, out) = app(&["check", bad.path().to_str().unwrap()]);
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains(
+            "problem: permissions.toml (m): policies[0].contents: \"./nowhere.json\" is not a file of the app"
+        ),
+        "{out}"
+    );
+    assert!(
+        out.contains("problem: secrets.toml secret[0] (s): auto_generate and required cannot both be set"),
+        "{out}"
+    );
+    assert!(out.trim_end().ends_with(&format!("2 problem(s) in {}", bad.path().display())), "{out}");
+    let (code, out) = app(&["check", "-o", "json", bad.path().to_str().unwrap()]);
+    assert_eq!(code, 1);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!((v["ok"].as_bool(), v["problems"].as_array().map(Vec::len)), (Some(false), Some(2)), "{v}");
+    let (code, _) = app(&["check", "/nonexistent/app"]);
+    assert_eq!(code, 64);
+}
