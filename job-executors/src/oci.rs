@@ -266,6 +266,15 @@ impl OciSync {
         let o = &outcome.outputs;
         let mut digests = std::collections::BTreeMap::new();
         digests.insert("artifact".to_string(), self.digest.to_string());
+        // The one-time grant (or token) by its digest, never its value: the vendor's
+        // token service can show which grant this was.
+        if let Some((c, _)) = &self.credential {
+            use sha2::Digest as _;
+            digests.insert(
+                "source_credential".to_string(),
+                format!("sha256:{}", hex::encode(sha2::Sha256::digest(c.secret().as_bytes()))),
+            );
+        }
         let (event, detail) = if outcome.status == JobStatus::Succeeded {
             (
                 "artifact_synced",

@@ -200,3 +200,170 @@ async fn a_sync_without_a_role_or_with_a_bad_spec_is_refused() {
     let v = e.env.rejected(&id).await;
     assert!(v.rejections[0].1.contains("digest"), "{:?}", v.rejections);
 }
+
+/// The vendor's registry in token mode (docker-registry verifying the control plane's
+/// signed tokens), the control plane's token service honouring one-time grants.
+struct GrantEnv {
+    env: Env,
+    _moto: MotoServer,
+    tokens: std::sync::Arc<byoc_control_plane::grants::RegistryTokens>,
+    src: LocalRegistry,
+    ecr: LocalRegistry,
+}
+
+async fn grant_env() -> GrantEnv {
+    let params = base_params();
+    let (moto, ecr) = tokio::join!(moto_with_stack(&params), LocalRegistry::start(None));
+    let tokens = byoc_control_plane::grants::RegistryTokens::start("vendor-registry").await;
+    let src = LocalRegistry::start_token(&tokens).await;
+    let mut opts = role_options(&moto, "");
+    // The vendor's registry and its token realm stand on loopback: reached only because
+    // the runner's configuration names them.
+    let realm = tokens.addr.to_string();
+    opts.extra.push_str(&format!(
+        "\n[oci]\nregistry_endpoints = {{ \"{ECR_HOST}\" = \"{}\", \"{}\" = \"{}\", \"{realm}\" = \"http://{realm}\" }}\n",
+        ecr.url(),
+        src.host(),
+        src.url()
+    ));
+    let env = env_with(opts).await;
+    // The control plane mints grants with the jobs that ask for one.
+    env.cp.use_registry_tokens(tokens.clone());
+    GrantEnv { env, _moto: moto, tokens, src, ecr }
+}
+
+/// A sync job whose source credential is `credential` (a grant's value), or, with
+/// `None`, one the control plane mints for it.
+fn grant_job(src: &LocalRegistry, repo: &str, artifact: &Pushed, credential: Option<&str>) -> EnqueueRequest {
+    let mut spec = serde_json::json!({
+        "source": format!("{}/{repo}:1.4.0@{}", src.host(), artifact.digest),
+        "destination": {"repository": "inst-demo/api", "tags": ["1.4.0"]},
+    });
+    match credential {
+        Some(grant) => {
+            spec["source_credential"] =
+                serde_json::json!({"username": byoc_control_plane::grants::GRANT_USER, "token": grant});
+        }
+        None => spec["source_grant"] = serde_json::json!({"ttl_secs": 300}),
+    }
+    EnqueueRequest {
+        entity: "artifact".into(),
+        operation: "sync".into(),
+        requested_role: Some("inst-demo-maintenance".into()),
+        app_config: Some(app_config()),
+        role_request: Some(named("api-image")),
+        ..EnqueueRequest::new("oci.sync", spec)
+    }
+}
+
+/// Neither a grant nor a registry token (a JWT: `eyJ…`) in any file the runner wrote,
+/// its log, the job's output or result.
+fn assert_no_grant_or_token(e: &GrantEnv, job: &str, grant: &str) {
+    let v = e.env.cp.job(job).unwrap();
+    let result = serde_json::to_string(&v.result).unwrap();
+    let output = e.env.output(job);
+    for secret in [grant, "eyJ"] {
+        assert!(!result.contains(secret), "{secret} in the result: {result}");
+        assert!(!output.contains(secret), "{secret} in the job's output");
+        for (path, bytes) in every_file_under(&e.env.runner.dir) {
+            assert!(!String::from_utf8_lossy(&bytes).contains(secret), "{secret} is in {path}");
+        }
+    }
+}
+
+/// Pull once, with a grant minted for the job; the grant is spent by that exchange, and
+/// a copy of it (a replayed job, or one copied out of a captured request) is refused at
+/// the token service: the sync fails `source_grant_refused` and nothing is tagged.
+#[tokio::test]
+async fn a_one_time_grant_pulls_once_and_is_refused_after() {
+    let e = grant_env().await;
+    let img = e.src.push_random_image("acme/api", Some("1.4.0"), 2, 200_000, 31).await;
+
+    // The control plane mints this job's grant with the job.
+    let id = e.env.cp.enqueue(grant_job(&e.src, "acme/api", &img, None)).unwrap();
+    let r = e.env.finished(&id).await.result.unwrap();
+    let grant = e.tokens.grant_of_job(&id).expect("a grant minted for the job");
+    assert_eq!(r.status, JobStatus::Succeeded, "{:?}\n{}", r.error, e.env.output(&id));
+    let (d, _) = e.ecr.manifest("inst-demo/api", "1.4.0").await.unwrap();
+    assert_eq!(d, img.digest);
+    // The audit record names the grant by digest, with the repository and the artifact.
+    let grant_digest = format!("sha256:{}", byoc_protocol::sha256_hex(grant.as_bytes()));
+    let synced: Vec<_> = audit_records(&e.env.runner.state_dir)
+        .into_iter()
+        .filter(|r| r["event"] == "artifact_synced" && r["job"] == id.as_str())
+        .collect();
+    assert_eq!(synced[0]["digests"]["source_credential"], grant_digest.as_str());
+    assert_eq!(synced[0]["digests"]["artifact"], img.digest.as_str());
+    assert!(synced[0]["detail"].as_str().unwrap().contains("/acme/api"));
+    // The token service's evidence: which grant, when, from where; one exchange.
+    let used: Vec<_> = e.tokens.exchanges().into_iter().filter(|x| x.refused.is_none()).collect();
+    assert_eq!(used.len(), 1);
+    assert_eq!(format!("sha256:{}", used[0].grant_sha256), grant_digest);
+    assert_eq!(used[0].scopes, ["repository:acme/api:pull"]);
+    assert_no_grant_or_token(&e, &id, &grant);
+
+    // The same grant again: refused at the token service, before any byte moves.
+    let again = e.env.cp.enqueue(grant_job(&e.src, "acme/api", &img, Some(&grant))).unwrap();
+    let r = e.env.finished(&again).await.result.unwrap();
+    assert_eq!(r.status, JobStatus::Failed);
+    assert_eq!(r.outputs["reason"], "source_grant_refused", "{:?}", r.error);
+    assert!(r.error.unwrap().contains("grant already used"));
+    let refused: Vec<_> = e.tokens.exchanges().into_iter().filter(|x| x.refused.is_some()).collect();
+    assert_eq!(refused.len(), 1);
+    let failed: Vec<_> = audit_records(&e.env.runner.state_dir)
+        .into_iter()
+        .filter(|r| r["event"] == "artifact_sync_failed" && r["job"] == again.as_str())
+        .collect();
+    assert!(failed[0]["detail"].as_str().unwrap().contains("source_grant_refused"));
+    assert_no_grant_or_token(&e, &again, &grant);
+}
+
+/// A grant opens one repository for pull, within its time: another repository, an
+/// expired grant and a push scope are refused.
+#[tokio::test]
+async fn a_grant_opens_one_repository_for_pull_within_its_time() {
+    let e = grant_env().await;
+    let api = e.src.push_random_image("acme/api", Some("1.4.0"), 1, 1000, 32).await;
+    let billing = e.src.push_random_image("acme/billing", Some("1.4.0"), 1, 1000, 33).await;
+
+    // A grant for acme/api used for acme/billing.
+    let for_api = e.tokens.mint("job-b", "inst-demo", "acme/api", &api.digest, 300);
+    let id = e.env.cp.enqueue(grant_job(&e.src, "acme/billing", &billing, Some(&for_api))).unwrap();
+    let r = e.env.finished(&id).await.result.unwrap();
+    assert_eq!(r.outputs["reason"], "source_grant_refused", "{:?}", r.error);
+    assert!(r.error.unwrap().contains("grant allows only \"repository:acme/api:pull\""));
+
+    // Expired at the token service (the job itself names no expiry).
+    let expired = e.tokens.mint("job-c", "inst-demo", "acme/api", &api.digest, -1);
+    let id = e.env.cp.enqueue(grant_job(&e.src, "acme/api", &api, Some(&expired))).unwrap();
+    let r = e.env.finished(&id).await.result.unwrap();
+    assert_eq!(r.outputs["reason"], "source_grant_refused", "{:?}", r.error);
+    assert!(r.error.unwrap().contains("grant expired"));
+    assert!(e.ecr.tags("inst-demo/api").await.is_empty(), "nothing was tagged");
+
+    // A push scope, asked of the token service directly: refused, the grant unspent.
+    let grant = e.tokens.mint("job-d", "inst-demo", "acme/api", &api.digest, 300);
+    let http = reqwest::Client::new();
+    let ask = |scope: &str| {
+        let url = url::Url::parse_with_params(
+            &e.tokens.realm(),
+            [("service", "vendor-registry"), ("scope", scope)],
+        )
+        .unwrap();
+        http.get(url).basic_auth(byoc_control_plane::grants::GRANT_USER, Some(&grant)).send()
+    };
+    let push = ask("repository:acme/api:pull,push").await.unwrap();
+    assert_eq!(push.status(), 403);
+    assert!(push.text().await.unwrap().contains("GRANT_REFUSED"));
+    let pull = ask("repository:acme/api:pull").await.unwrap();
+    assert_eq!(pull.status(), 200, "the refused push left the grant unspent");
+    // The registry itself refuses a pull token's push.
+    let token: serde_json::Value = pull.json().await.unwrap();
+    let up = http
+        .post(format!("{}/v2/acme/api/blobs/uploads/", e.src.url()))
+        .bearer_auth(token["token"].as_str().unwrap())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(up.status(), 401, "a pull-only token cannot push");
+}

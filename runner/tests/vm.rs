@@ -308,6 +308,7 @@ fn setup() -> World {
             ("ControlPlaneUrl", control_plane_url),
             ("ControlPlanePublicKeys", cp.public_key_b64()),
             ("AWS::Region", REGION.into()),
+            ("AWS::AccountId", "123456789012".into()),
             ("AWS::StackName", STACK.into()),
             ("ExternalId", "vm-suite-external-id".into()),
             ("BootstrapSecret", secret_arn.clone()),

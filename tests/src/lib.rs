@@ -8,6 +8,7 @@
 
 pub mod admin;
 pub mod app_config;
+pub mod grants;
 pub mod harness;
 pub mod imds;
 pub mod kube_api;

@@ -46,6 +46,8 @@ pub struct LocalRegistry {
     pub port: u16,
     pub dir: tempfile::TempDir,
     pub auth: Option<(String, String)>,
+    /// Token mode: the registry trusts these tokens; the harness pushes with its own.
+    tokens: Option<Arc<crate::grants::RegistryTokens>>,
     child: Child,
     http: reqwest::Client,
     scheme: &'static str,
@@ -84,12 +86,19 @@ impl LocalRegistry {
     }
 
     async fn start_with(auth: Option<(&str, &str)>, tls: Option<(&str, &str)>) -> LocalRegistry {
-        Self::start_on(auth, tls, free_port).await
+        Self::start_on(auth, tls, None, free_port).await
+    }
+
+    /// In token mode: it accepts only registry tokens `tokens` signed (the OCI
+    /// distribution token flow, its realm the control plane's token endpoint).
+    pub async fn start_token(tokens: &Arc<crate::grants::RegistryTokens>) -> LocalRegistry {
+        Self::start_on(None, None, Some(tokens.clone()), free_port).await
     }
 
     async fn start_on(
         auth: Option<(&str, &str)>,
         tls: Option<(&str, &str)>,
+        tokens: Option<Arc<crate::grants::RegistryTokens>>,
         next_port: impl FnMut() -> u16,
     ) -> LocalRegistry {
         let bin = registry_binary();
@@ -116,6 +125,11 @@ impl LocalRegistry {
                 "auth:\n  htpasswd:\n    realm: byoc-test\n    path: {}\n",
                 dir.path().join("htpasswd").display()
             ));
+        }
+        if let Some(t) = &tokens {
+            let cert = dir.path().join("token.crt");
+            std::fs::write(&cert, &t.cert_pem).expect("token certificate");
+            tail.push_str(&t.registry_auth_config(&cert));
         }
         let http = match tls {
             // The harness pushes test content; the runner's side is what checks certificates.
@@ -147,7 +161,7 @@ impl LocalRegistry {
         let (port, child) =
             start_child("docker-registry", &log_path, patience, next_port, spawn, answers).await;
         let auth = auth.map(|(u, p)| (u.to_string(), p.to_string()));
-        LocalRegistry { port, dir, auth, child, http, scheme }
+        LocalRegistry { port, dir, auth, tokens, child, http, scheme }
     }
 
     pub fn url(&self) -> String {
@@ -166,7 +180,17 @@ impl LocalRegistry {
 
     fn req(&self, m: reqwest::Method, path: &str) -> reqwest::RequestBuilder {
         let url = if path.starts_with("http") { path.to_string() } else { format!("{}{path}", self.url()) };
-        let r = self.http.request(m, url);
+        let r = self.http.request(m, url.clone());
+        if let Some(t) = &self.tokens {
+            // /v2/<repository>/(blobs|manifests|tags|referrers)/…
+            let path = url.split("/v2/").nth(1).unwrap_or("");
+            let end = ["/blobs/", "/manifests/", "/tags/", "/referrers/"]
+                .iter()
+                .filter_map(|m| path.find(m))
+                .min()
+                .unwrap_or(path.len());
+            return r.bearer_auth(t.admin_token(&path[..end], &["pull", "push"]));
+        }
         match &self.auth {
             Some((u, p)) => r.basic_auth(u, Some(p)),
             None => r,
@@ -887,7 +911,8 @@ mod tests {
         let squatter = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let taken = squatter.local_addr().unwrap().port();
         let mut ports = [taken, free_port()].into_iter();
-        let registry = LocalRegistry::start_on(None, None, move || ports.next().expect("two ports")).await;
+        let registry =
+            LocalRegistry::start_on(None, None, None, move || ports.next().expect("two ports")).await;
         assert_ne!(registry.port, taken);
         assert_eq!(registry.tags("nothing").await, Vec::<String>::new());
     }

@@ -148,6 +148,11 @@ impl ControlPlane {
     pub fn enqueue(&self, req: EnqueueRequest) -> Result<String, CpError> {
         self.shared.update(|s| s.enqueue(req))
     }
+    /// Mint jobs' one-time source grants with this token service (`"source_grant"` in
+    /// an `oci.sync` spec asks for one): the one the vendor's registry trusts.
+    pub fn use_registry_tokens(&self, tokens: std::sync::Arc<crate::grants::RegistryTokens>) {
+        self.shared.update(|s| s.registry_tokens = Some(tokens));
+    }
     pub fn redeliver(&self, job_id: &str) -> Result<(), CpError> {
         self.shared.update(|s| s.redeliver(job_id))
     }

@@ -274,6 +274,8 @@ pub struct State {
     audit: HashMap<String, AuditCopy>,
     /// Published runner releases, by version.
     releases: BTreeMap<String, Release>,
+    /// The token service that honours the one-time source grants jobs carry.
+    pub registry_tokens: Option<std::sync::Arc<crate::grants::RegistryTokens>>,
 }
 
 #[derive(Default)]
@@ -306,7 +308,34 @@ impl State {
             requests: BTreeMap::new(),
             audit: HashMap::new(),
             releases: BTreeMap::new(),
+            registry_tokens: None,
         }
+    }
+
+    /// `"source_grant": {"ttl_secs": N}` in a job's spec: a one-time grant minted for
+    /// this job, bound to its source's repository and digest, in its place as the
+    /// source credential.
+    fn mint_source_grant(&self, job_id: &str, spec: &mut serde_json::Value) -> Result<(), CpError> {
+        let Some(asked) = spec.as_object_mut().and_then(|o| o.remove("source_grant")) else { return Ok(()) };
+        let tokens = self.registry_tokens.as_ref().ok_or_else(|| {
+            CpError::BadRequest("source_grant: this control plane runs no registry token service".into())
+        })?;
+        let source = spec["source"].as_str().unwrap_or_default().to_string();
+        let (name, digest) = source
+            .split_once('@')
+            .ok_or_else(|| CpError::BadRequest(format!("source_grant: source {source:?} names no digest")))?;
+        let path = name.split_once('/').map(|(_, p)| p).unwrap_or_default();
+        // `repo[:tag]`: a tag's colon comes after the last slash.
+        let repository = match path.rsplit_once(':') {
+            Some((repo, tag)) if !tag.contains('/') => repo,
+            _ => path,
+        };
+        let ttl = asked["ttl_secs"].as_i64().unwrap_or(300);
+        let grant = tokens.mint(job_id, &self.install_id, repository, digest, ttl);
+        spec["source_credential"] = serde_json::json!({
+            "username": crate::grants::GRANT_USER, "token": grant, "expires_at": unix_now() + ttl,
+        });
+        Ok(())
     }
 
     pub fn new_bootstrap_token(&mut self) -> String {
@@ -388,6 +417,7 @@ impl State {
         let nonce = t.nonce.clone().unwrap_or_else(|| random_hex(16));
         let now = unix_now();
         let mut spec = req.spec.clone();
+        self.mint_source_grant(&job_id, &mut spec)?;
         if t.oversize {
             spec = serde_json::json!({ "padding": "x".repeat(byoc_protocol::MAX_PAYLOAD_BYTES + 1) });
         }

@@ -368,7 +368,15 @@ impl Registry {
             .map_err(|e| self.err_transport(what, format!("token endpoint: {}", error_chain(&e))))?;
         match resp.status() {
             s if s.is_success() => {}
-            StatusCode::UNAUTHORIZED | StatusCode::FORBIDDEN => return Err(self.unauthorized(what)),
+            StatusCode::UNAUTHORIZED | StatusCode::FORBIDDEN => {
+                let body = body_excerpt(resp).await;
+                return Err(match grant_refusal(&body) {
+                    Some(reason) => {
+                        SyncError::GrantRefused { side: self.side, registry: self.name.clone(), reason }
+                    }
+                    None => self.unauthorized(what),
+                });
+            }
             s => {
                 return Err(SyncError::Status {
                     side: self.side,
@@ -706,6 +714,16 @@ pub fn error_chain(e: &dyn std::error::Error) -> String {
     s
 }
 
+/// A token service's refusal of a one-time grant (`{"errors":[{"code":"GRANT_REFUSED",
+/// "message":…}]}`): its message, printable characters only and bounded.
+fn grant_refusal(body: &str) -> Option<String> {
+    let v: serde_json::Value = serde_json::from_str(body).ok()?;
+    let e = v["errors"].as_array()?.iter().find(|e| e["code"] == "GRANT_REFUSED")?;
+    let message: String =
+        e["message"].as_str().unwrap_or("refused").chars().filter(|c| !c.is_control()).take(200).collect();
+    Some(message)
+}
+
 async fn body_excerpt(resp: Response) -> String {
     let b = read_bounded(resp, 64 << 10).await.unwrap_or_default();
     let s = String::from_utf8_lossy(&b);
@@ -722,4 +740,19 @@ async fn read_bounded(mut resp: Response, max: usize) -> Result<Bytes, String> {
         out.extend_from_slice(&chunk);
     }
     Ok(out.freeze())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_grant_refusal_is_told_from_other_refusals() {
+        let refused = r#"{"errors":[{"code":"GRANT_REFUSED","message":"grant already used\n(at 5)"}]}"#;
+        assert_eq!(grant_refusal(refused).as_deref(), Some("grant already used(at 5)"));
+        assert_eq!(grant_refusal(r#"{"errors":[{"code":"UNAUTHORIZED"}]}"#), None);
+        assert_eq!(grant_refusal("not json"), None);
+        let long = format!(r#"{{"errors":[{{"code":"GRANT_REFUSED","message":"{}"}}]}}"#, "x".repeat(500));
+        assert_eq!(grant_refusal(&long).map(|m| m.len()), Some(200));
+    }
 }

@@ -44,6 +44,10 @@ pub enum SyncError {
     Refused { side: Side, registry: String, reason: crate::reach::Refused },
     #[error("the sync was cancelled")]
     Cancelled,
+    /// The source's token service refused the job's one-time grant (used before,
+    /// expired, for another repository or scope): `GRANT_REFUSED` in its answer.
+    #[error("{side} registry {registry}: its token service refused the job's grant: {reason}")]
+    GrantRefused { side: Side, registry: String, reason: String },
 }
 
 impl SyncError {
@@ -62,6 +66,7 @@ impl SyncError {
             SyncError::Aws { .. } => "ecr_error".into(),
             SyncError::Refused { .. } => "endpoint_refused".into(),
             SyncError::Cancelled => "cancelled".into(),
+            SyncError::GrantRefused { side, .. } => sided(side, "grant_refused"),
         }
     }
 }
