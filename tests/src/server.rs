@@ -153,6 +153,9 @@ impl ControlPlane {
     pub fn use_registry_tokens(&self, tokens: std::sync::Arc<crate::grants::RegistryTokens>) {
         self.shared.update(|s| s.registry_tokens = Some(tokens));
     }
+    pub fn registry_tokens(&self) -> Option<std::sync::Arc<crate::grants::RegistryTokens>> {
+        self.shared.lock().registry_tokens.clone()
+    }
     pub fn redeliver(&self, job_id: &str) -> Result<(), CpError> {
         self.shared.update(|s| s.redeliver(job_id))
     }

@@ -72,10 +72,11 @@ struct ComponentDemo {
     tag: String,
 }
 
-/// Two local registries: the vendor's (basic auth, reached with a one-time token) and
-/// one standing in for the install's ECR (moto's registry host mapped to it). An image
-/// with a signature is pushed to the vendor's; job files name it with placeholders:
-/// `${VENDOR_REGISTRY}`, `${IMAGE_DIGEST}`, `${SOURCE_USER}`, `${SOURCE_TOKEN}`.
+/// Two local registries: the vendor's (in token mode: it trusts the control plane's
+/// token service, where a job's one-time grant is exchanged once) and one standing in
+/// for the install's ECR (moto's registry host mapped to it). An image with a signature
+/// is pushed to the vendor's; job files name it with placeholders: `${VENDOR_REGISTRY}`,
+/// `${IMAGE_DIGEST}`, and ask the control plane for a grant (`source_grant`).
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct TerraformDemo {
@@ -90,7 +91,6 @@ struct TerraformDemo {
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RegistryDemo {
-    vendor_user: String,
     image_repository: String,
     image_tag: String,
     layers: usize,
@@ -142,6 +142,10 @@ struct PlannedJob {
     tamper: Tamper,
     #[serde(default)]
     replay_of: Option<usize>,
+    /// Sent with the source grant minted for this earlier job (a copy of it, as from a
+    /// captured request) instead of a grant of its own.
+    #[serde(default)]
+    grant_of: Option<usize>,
     #[serde(default)]
     role: Option<PlannedRole>,
     /// Install stack parameters to change (a stack update) before this job is sent.
@@ -222,7 +226,7 @@ async fn main() -> anyhow::Result<()> {
                 bail!("[registry] needs an [install] section (ECR is reached under the job's role)");
             }
             let (registries, placeholders) =
-                start_registries(r, plan.component.as_ref(), &base, &mut options).await?;
+                start_registries(r, plan.component.as_ref(), &base, &cp, &mut options).await?;
             (Some(registries), placeholders)
         }
         None => (None, Vec::new()),
@@ -346,11 +350,12 @@ async fn start_registries(
     r: &RegistryDemo,
     component: Option<&ComponentDemo>,
     base: &Path,
+    cp: &ControlPlane,
     options: &mut RunnerOptions,
 ) -> anyhow::Result<(Registries, Vec<(String, String)>)> {
-    use rand::Rng as _;
-    let token: String = format!("otk-{:032x}", rand::rng().random::<u128>());
-    let vendor = byoc_control_plane::registry::LocalRegistry::start(Some((&r.vendor_user, &token))).await;
+    let tokens = byoc_control_plane::grants::RegistryTokens::start("vendor-registry").await;
+    cp.use_registry_tokens(tokens.clone());
+    let vendor = byoc_control_plane::registry::LocalRegistry::start_token(&tokens).await;
     let ecr = byoc_control_plane::registry::LocalRegistry::start(None).await;
     let image =
         vendor.push_random_image(&r.image_repository, Some(&r.image_tag), r.layers, r.layer_bytes, 42).await;
@@ -371,18 +376,16 @@ async fn start_registries(
         image.digest
     );
     println!("install ECR     {ecr_host} -> {}", ecr.url());
+    println!("grant tokens    {} (one-time grants, minted with each sync)", tokens.realm());
+    let realm = tokens.addr.to_string();
     options.extra.push_str(&format!(
-        "\n[oci]\nregistry_endpoints = {{ \"{ecr_host}\" = \"{}\", \"{}\" = \"{}\" }}\n",
+        "\n[oci]\nregistry_endpoints = {{ \"{ecr_host}\" = \"{}\", \"{}\" = \"{}\", \"{realm}\" = \"http://{realm}\" }}\n",
         ecr.url(),
         vendor.host(),
         vendor.url()
     ));
-    let mut placeholders: Vec<(String, String)> = vec![
-        ("${VENDOR_REGISTRY}".into(), vendor.host()),
-        ("${IMAGE_DIGEST}".into(), image.digest.clone()),
-        ("${SOURCE_USER}".into(), r.vendor_user.clone()),
-        ("${SOURCE_TOKEN}".into(), token),
-    ];
+    let mut placeholders: Vec<(String, String)> =
+        vec![("${VENDOR_REGISTRY}".into(), vendor.host()), ("${IMAGE_DIGEST}".into(), image.digest.clone())];
     placeholders.push(("${INSTALL_REGISTRY}".into(), ecr_host.clone()));
     if let Some(c) = component {
         let files = module_files(&base.join(&c.module_dir))?;
@@ -505,7 +508,20 @@ async fn send_jobs(
             names.push(format!("{name} (replay)"));
             orig_id.clone()
         } else {
-            let req = job_request(job, i, base, placeholders, aws.as_deref())?;
+            let mut req = job_request(job, i, base, placeholders, aws.as_deref())?;
+            if let Some(orig) = job.grant_of {
+                let orig_id = ids
+                    .get(orig)
+                    .with_context(|| format!("job {i}: grant_of {orig} is not an earlier job"))?;
+                let grant = cp
+                    .registry_tokens()
+                    .and_then(|t| t.grant_of_job(orig_id))
+                    .with_context(|| format!("job {i}: job {orig} was given no grant"))?;
+                req.spec.as_object_mut().map(|o| o.remove("source_grant"));
+                req.spec["source_credential"] =
+                    serde_json::json!({"username": byoc_control_plane::grants::GRANT_USER, "token": grant});
+                name = format!("{name} (spent grant)");
+            }
             names.push(if job.tamper.unknown_key { format!("{name} (forged)") } else { name });
             cp.enqueue(req).map_err(|e| anyhow::anyhow!("{e}"))?
         };
@@ -645,6 +661,14 @@ async fn report(plan: &Plan, cp: &ControlPlane, ids: &[String], names: &[String]
             }
             (Some(v), false) => outcome(v).unwrap_or_default(),
             (None, _) => "no outcome (timed out)".into(),
+        };
+        // "failed:<reason>" when the plan names why the job must fail.
+        let got = match &view {
+            Some(v) if got == "failed" && job.expect.starts_with("failed:") => format!(
+                "failed:{}",
+                v.result.as_ref().and_then(|r| r.outputs["reason"].as_str()).unwrap_or("?")
+            ),
+            _ => got,
         };
         let ok = got == job.expect;
         failures += usize::from(!ok);
