@@ -639,7 +639,7 @@ fn status_and_verify(runner_bin: &Path, state_dir: &Path) -> anyhow::Result<bool
 /// not end as expected.
 async fn report(plan: &Plan, cp: &ControlPlane, ids: &[String], names: &[String], wait: Duration) -> usize {
     println!(
-        "{:<20} {:<32} {:<14} {:<26} {:<26} {:>9} {:>9}",
+        "{:<20} {:<32} {:<14} {:<28} {:<28} {:>9} {:>9}",
         "JOB", "EXAMPLE", "KIND", "EXPECTED", "GOT", "DURATION", "PICKUP"
     );
     let mut failures = 0;
@@ -679,7 +679,7 @@ async fn report(plan: &Plan, cp: &ControlPlane, ids: &[String], names: &[String]
             None => ("-".into(), "-".into(), "-".into()),
         };
         println!(
-            "{:<20} {:<32} {:<14} {:<26} {:<26} {:>9} {:>9} {}",
+            "{:<20} {:<32} {:<14} {:<28} {:<28} {:>9} {:>9} {}",
             id,
             names[i],
             kind,
@@ -772,6 +772,10 @@ fn customer_view(
         }
         if let Some(r) = &v.result {
             let o = &r.outputs;
+            if let Some(e) = &r.error {
+                println!("{} oci.sync {}: {}: {e}", ids[i], job.expect, o["source"].as_str().unwrap_or("-"));
+                continue;
+            }
             println!(
                 "{} oci.sync {}: {} -> {}, {} bytes moved, {} bytes skipped, {} referrers{}",
                 ids[i],
