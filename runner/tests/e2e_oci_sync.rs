@@ -301,6 +301,24 @@ async fn a_one_time_grant_pulls_once_and_is_refused_after() {
     assert_eq!(format!("sha256:{}", used[0].grant_sha256), grant_digest);
     assert_eq!(used[0].scopes, ["repository:acme/api:pull"]);
     assert_no_grant_or_token(&e, &id, &grant);
+    // The control plane shows which grant was used by which runner, and when.
+    let report: serde_json::Value = reqwest::Client::new()
+        .get(format!("{}/admin/grants", e.env.cp.admin_url()))
+        .bearer_auth(e.env.cp.admin_token())
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let minted = &report["grants"][0];
+    assert_eq!(format!("sha256:{}", minted["grant_sha256"].as_str().unwrap()), grant_digest);
+    assert_eq!(minted["grant"]["job_id"], id.as_str());
+    assert_eq!(minted["grant"]["repository"], "acme/api");
+    assert_eq!(minted["grant"]["digest"], img.digest.as_str());
+    assert!(minted["runner"].as_str().is_some_and(|r| !r.is_empty()), "{report}");
+    assert!(minted["grant"]["spent"]["at"].as_i64().is_some(), "{report}");
+    assert!(!report.to_string().contains(&grant), "the report names grants by digest only");
 
     // The same grant again: refused at the token service, before any byte moves.
     let again = e.env.cp.enqueue(grant_job(&e.src, "acme/api", &img, Some(&grant))).unwrap();

@@ -25,7 +25,7 @@ pub const GRANT_REFUSED: &str = "GRANT_REFUSED";
 /// The user name a grant is presented with (Basic auth at the token realm).
 pub const GRANT_USER: &str = "byoc-grant";
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize)]
 pub struct Grant {
     pub job_id: String,
     pub install: String,
@@ -36,7 +36,7 @@ pub struct Grant {
 }
 
 /// When and by whom a grant was exchanged.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize)]
 pub struct Spent {
     pub at: i64,
     /// The client's address at the token endpoint.
@@ -44,7 +44,7 @@ pub struct Spent {
 }
 
 /// One exchange attempt, for the vendor's evidence: the grant by digest, never its value.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize)]
 pub struct Exchange {
     pub grant_sha256: String,
     pub job_id: Option<String>,

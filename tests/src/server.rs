@@ -526,6 +526,7 @@ fn admin_router(shared: Arc<Shared>) -> Router {
         .route("/admin/runners", get(admin_runners))
         .route("/admin/runners/{runner}/update", post(admin_update_runner))
         .route("/admin/releases", post(admin_publish_release).get(admin_releases))
+        .route("/admin/grants", get(admin_grants))
         .route("/admin/faults", put(admin_faults))
         .route("/admin/requests", get(admin_requests))
         .layer(axum::middleware::from_fn_with_state(shared.clone(), admin_auth))
@@ -594,6 +595,12 @@ async fn admin_publish_release(
 ) -> Result<StatusCode, CpError> {
     sh.update(|s| s.publish_release(release))?;
     Ok(StatusCode::NO_CONTENT)
+}
+
+/// The one-time source grants: each by digest with the job it was minted for, the
+/// runner that claimed that job, and every exchange at the token service.
+async fn admin_grants(AxState(sh): Sh) -> Json<serde_json::Value> {
+    Json(sh.lock().grant_report())
 }
 
 async fn admin_releases(AxState(sh): Sh) -> Json<Vec<crate::state::Release>> {

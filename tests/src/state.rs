@@ -312,6 +312,22 @@ impl State {
         }
     }
 
+    /// `GET /admin/grants`: which grant was used by which runner, and when.
+    pub fn grant_report(&self) -> serde_json::Value {
+        let Some(tokens) = &self.registry_tokens else {
+            return serde_json::json!({"grants": [], "exchanges": []});
+        };
+        let grants: Vec<serde_json::Value> = tokens
+            .grants()
+            .into_iter()
+            .map(|(sha256, g)| {
+                let runner = self.jobs.get(&g.job_id).and_then(|j| j.claimed_by.clone());
+                serde_json::json!({"grant_sha256": sha256, "runner": runner, "grant": g})
+            })
+            .collect();
+        serde_json::json!({"grants": grants, "exchanges": tokens.exchanges()})
+    }
+
     /// `"source_grant": {"ttl_secs": N}` in a job's spec: a one-time grant minted for
     /// this job, bound to its source's repository and digest, in its place as the
     /// source credential.
