@@ -501,7 +501,7 @@ fn json_match_schema(
 // rather than a hard error -- this builtin never errors on a malformed patch,
 // regardless of the `strict-builtin-errors` setting.
 #[cfg(feature = "jsonpatch")]
-fn json_patch(span: &Span, params: &[Ref<Expr>], args: &[Value], _strict: bool) -> Result<Value> {
+fn json_patch(span: &Span, params: &[Ref<Expr>], args: &[Value], strict: bool) -> Result<Value> {
     let name = "json.patch";
     ensure_args_count(span, name, params, args, 2)?;
     ensure_array(name, &params[1], args[1].clone())?;
@@ -520,6 +520,9 @@ fn json_patch(span: &Span, params: &[Ref<Expr>], args: &[Value], _strict: bool) 
         {
             Err(err)
         }
+        // byoc patch: as OPA, a patch that cannot be applied is a builtin error under
+        // strict builtin errors (undefined otherwise); upstream was always undefined.
+        Err(err) if strict => Err(err),
         Err(_) => Ok(Value::Undefined),
     }
 }
