@@ -225,7 +225,8 @@ impl AuditWriter {
             tree,
             frontier,
             origin: format!("byoc-runner/{install}/{runner_id}"),
-            key_name: format!("byoc-runner/{runner_id}"),
+            // C2SP: a log's key name matches its origin.
+            key_name: format!("byoc-runner/{install}/{runner_id}"),
             key,
             install: install.to_string(),
             last_checkpoint_ms: 0,
@@ -327,7 +328,7 @@ impl AuditWriter {
                 origin: self.origin.clone(),
                 size: self.size(),
                 root: self.frontier.root(),
-                time: now_ms() / 1000,
+                time: Some(now_ms() / 1000),
             },
             &self.key_name,
             &self.key,
@@ -366,7 +367,7 @@ impl AuditWriter {
     /// up to the current one (`None` outside that).
     pub fn sign_at(&self, size: u64) -> Option<String> {
         let root = if size == self.size() { self.frontier.root() } else { self.tree.root_at(size)? };
-        let cp = Checkpoint { origin: self.origin.clone(), size, root, time: now_ms() / 1000 };
+        let cp = Checkpoint { origin: self.origin.clone(), size, root, time: Some(now_ms() / 1000) };
         Some(note::sign(&cp, &self.key_name, &self.key))
     }
 

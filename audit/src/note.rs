@@ -6,12 +6,15 @@
 //! <base64 root hash>
 //! t=1795000000                 ← extension line: when it was signed (idle-gap checks)
 //!
-//! — byoc-runner/rn-1 <base64(key hash[4] || Ed25519 signature)>
+//! — byoc-runner/inst-1/rn-1 <base64(key hash[4] || Ed25519 signature)>
 //! — byoc-control-plane <…>     ← the control plane's cosignature, once acknowledged
 //! ```
 //!
 //! Key hash: the first 4 bytes of SHA-256(name || "\n" || 0x01 || public key), 0x01
-//! being the Ed25519 algorithm byte of the signed-note spec.
+//! being the Ed25519 algorithm byte of the signed-note spec. The runner's key is named
+//! as the checkpoint's origin (C2SP: a log's key name should match its origin; logs
+//! written before were signed as `byoc-runner/<runner>`, which verifiers still accept).
+//! Extension lines are optional: a checkpoint without `t=` (or with others) is read.
 
 use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD as B64;
@@ -27,8 +30,9 @@ pub struct Checkpoint {
     pub origin: String,
     pub size: u64,
     pub root: Hash,
-    /// Unix seconds when signed.
-    pub time: u64,
+    /// Unix seconds when signed (the `t=` extension line; absent in checkpoints that
+    /// carry none).
+    pub time: Option<u64>,
 }
 
 #[derive(Debug, thiserror::Error, PartialEq)]
@@ -41,7 +45,8 @@ pub enum NoteError {
 
 impl Checkpoint {
     pub fn body(&self) -> String {
-        format!("{}\n{}\n{}\nt={}\n", self.origin, self.size, B64.encode(self.root), self.time)
+        let t = self.time.map(|t| format!("t={t}\n")).unwrap_or_default();
+        format!("{}\n{}\n{}\n{t}", self.origin, self.size, B64.encode(self.root))
     }
 
     pub fn parse_body(body: &str) -> Result<Checkpoint, NoteError> {
@@ -54,16 +59,26 @@ impl Checkpoint {
             .and_then(|r| B64.decode(r).ok())
             .and_then(|r| r.try_into().ok())
             .ok_or_else(|| bad("bad root hash"))?;
-        let time = lines
-            .next()
-            .and_then(|t| t.strip_prefix("t="))
-            .and_then(|t| t.parse().ok())
-            .ok_or_else(|| bad("missing t= line"))?;
-        if lines.next().is_some() {
-            return Err(bad("unexpected extra lines"));
+        // Extension lines (C2SP): optional, each non-empty; `t=` is ours.
+        let mut time = None;
+        for line in lines {
+            if line.is_empty() {
+                return Err(bad("empty extension line"));
+            }
+            if let Some(t) = line.strip_prefix("t=") {
+                time = Some(t.parse().map_err(|_| bad("bad t= line"))?);
+            }
         }
         Ok(Checkpoint { origin, size, root, time })
     }
+}
+
+/// The signed-note verifier key a third party needs (Go's `golang.org/x/mod/sumdb/note`
+/// format): `name+hash+base64(0x01 || public key)`.
+pub fn verifier_key(name: &str, key: &VerifyingKey) -> String {
+    let mut alg_key = vec![0x01];
+    alg_key.extend_from_slice(key.as_bytes());
+    format!("{name}+{}+{}", hex::encode(key_hash(name, key)), B64.encode(alg_key))
 }
 
 pub fn key_hash(name: &str, key: &VerifyingKey) -> [u8; 4] {
@@ -129,10 +144,28 @@ mod tests {
     use super::*;
 
     #[test]
+    fn checkpoints_with_other_or_no_extension_lines_are_read() {
+        let key = byoc_protocol::generate_signing_key();
+        let name = "byoc-runner/i/r";
+        let root = B64.encode([3u8; 32]);
+        for (body, time) in
+            [(format!("{name}\n5\n{root}\n"), None), (format!("{name}\n5\n{root}\nx=other\nt=9\n"), Some(9))]
+        {
+            let note = format!("{body}\n{}", sign_line(&body, name, &key));
+            let cp = open(&note, &[(name, &key.verifying_key())]).unwrap();
+            assert_eq!((cp.size, cp.time), (5, time));
+        }
+        let empty_ext = format!("{name}\n5\n{root}\n\nt=9\n");
+        assert!(Checkpoint::parse_body(&empty_ext).is_err());
+        let vkey = verifier_key(name, &key.verifying_key());
+        assert!(vkey.starts_with(&format!("{name}+{}+", hex::encode(key_hash(name, &key.verifying_key())))));
+    }
+
+    #[test]
     fn sign_cosign_open_and_tamper() {
         let runner = byoc_protocol::generate_signing_key();
         let cp_key = byoc_protocol::generate_signing_key();
-        let cp = Checkpoint { origin: "byoc-runner/i/r".into(), size: 7, root: [9; 32], time: 100 };
+        let cp = Checkpoint { origin: "byoc-runner/i/r".into(), size: 7, root: [9; 32], time: Some(100) };
         let note = sign(&cp, "byoc-runner/r", &runner);
         assert_eq!(open(&note, &[("byoc-runner/r", &runner.verifying_key())]).unwrap(), cp);
         let both = cosign(&note, "byoc-control-plane", &cp_key).unwrap();

@@ -122,9 +122,10 @@ struct Signed {
     cp: Checkpoint,
 }
 
-fn key_name(origin: &str) -> String {
-    // origin = byoc-runner/<install>/<runner>; the runner signs as byoc-runner/<runner>.
-    format!("byoc-runner/{}", origin.rsplit('/').next().unwrap_or(""))
+/// The names the runner's key may sign a checkpoint of `origin` under: the origin
+/// itself (C2SP), and `byoc-runner/<runner>`, as logs written before were signed.
+pub fn key_names(origin: &str) -> [String; 2] {
+    [origin.to_string(), format!("byoc-runner/{}", origin.rsplit('/').next().unwrap_or(""))]
 }
 
 fn read_signed(
@@ -149,17 +150,19 @@ fn read_signed(
             stored.note.split("\n\n").next().map(|b| format!("{b}\n")).as_deref().unwrap_or(""),
         )
         .map_err(|e| bad(e.to_string()))?;
-        let name = key_name(&body.origin);
+        let names = key_names(&body.origin);
         let cp = if cosigned {
             let mut last = None;
             let mut found = None;
-            for k in &trust.control_plane {
-                match note::open(&stored.note, &[(&name, &trust.runner), (CONTROL_PLANE_KEY_NAME, k)]) {
-                    Ok(cp) => {
-                        found = Some(cp);
-                        break;
+            'keys: for k in &trust.control_plane {
+                for name in &names {
+                    match note::open(&stored.note, &[(name, &trust.runner), (CONTROL_PLANE_KEY_NAME, k)]) {
+                        Ok(cp) => {
+                            found = Some(cp);
+                            break 'keys;
+                        }
+                        Err(e) => last = Some(e),
                     }
-                    Err(e) => last = Some(e),
                 }
             }
             found.ok_or_else(|| {
@@ -168,7 +171,9 @@ fn read_signed(
                     .unwrap_or_else(|| "no control-plane key to check the cosignature".into()))
             })?
         } else {
-            note::open(&stored.note, &[(&name, &trust.runner)]).map_err(|e| bad(e.to_string()))?
+            note::open(&stored.note, &[(&names[0], &trust.runner)])
+                .or_else(|_| note::open(&stored.note, &[(&names[1], &trust.runner)]))
+                .map_err(|e| bad(e.to_string()))?
         };
         if cp.size != stored.size {
             return Err(bad(format!("stored size {} but the signed size is {}", stored.size, cp.size)));
@@ -322,7 +327,9 @@ pub fn verify_dir(dir: &Path, trust: &Trust) -> Result<Report, VerifyError> {
 
     // Idle gaps: checkpoints at least every 60 s while running.
     for w in checkpoints.windows(2) {
-        let secs = w[1].cp.time.saturating_sub(w[0].cp.time);
+        // Checkpoints that carry no time (no `t=` line) cannot show a gap.
+        let (Some(t0), Some(t1)) = (w[0].cp.time, w[1].cp.time) else { continue };
+        let secs = t1.saturating_sub(t0);
         let restarted =
             restarts.iter().any(|r| *r >= w[0].cp.size && *r < w[1].cp.size.max(w[0].cp.size + 1));
         if secs > 2 * IDLE_CHECKPOINT_SECS && !restarted {
@@ -470,6 +477,35 @@ mod tests {
     }
 
     #[test]
+    fn a_log_signed_under_the_former_key_name_still_verifies_and_no_other_name_does() {
+        let dir = tempfile::tempdir().unwrap();
+        let key = byoc_protocol::generate_signing_key();
+        let (mut w, _) = AuditWriter::open(dir.path(), key.clone(), "rn-1", "inst-1", &[]).unwrap();
+        w.append(Record { event: "job_started".into(), ..Default::default() }).unwrap();
+        drop(w);
+        let trust = Trust { runner: key.verifying_key(), control_plane: vec![] };
+        let path = dir.path().join(crate::log::CHECKPOINTS);
+        let resign = |name: &str| {
+            let text = std::fs::read_to_string(&path).unwrap();
+            let lines: Vec<String> = text
+                .lines()
+                .map(|l| {
+                    let mut c: crate::log::StoredCheckpoint = serde_json::from_str(l).unwrap();
+                    let body = format!("{}\n", c.note.split("\n\n").next().unwrap());
+                    c.note = format!("{body}\n{}", note::sign_line(&body, name, &key));
+                    serde_json::to_string(&c).unwrap()
+                })
+                .collect();
+            std::fs::write(&path, lines.join("\n") + "\n").unwrap();
+        };
+        // As logs were signed before the key was named as the origin.
+        resign("byoc-runner/rn-1");
+        assert_eq!(verify_dir(dir.path(), &trust).unwrap().records, 1);
+        resign("byoc-runner/someone-else");
+        assert!(verify_dir(dir.path(), &trust).is_err());
+    }
+
+    #[test]
     fn a_long_silence_between_checkpoints_is_a_gap_unless_the_runner_restarted() {
         let dir = tempfile::tempdir().unwrap();
         let key = byoc_protocol::generate_signing_key();
@@ -480,7 +516,7 @@ mod tests {
         let later = |size: u64, w: &AuditWriter| {
             let body = w.sign_at(size).unwrap().split("\n\n").next().unwrap().to_string() + "\n";
             let mut cp = Checkpoint::parse_body(&body).unwrap();
-            cp.time += 600;
+            cp.time = cp.time.map(|t| t + 600);
             serde_json::to_string(&StoredCheckpoint { size, note: note::sign(&cp, "byoc-runner/rn-1", &key) })
                 .unwrap()
         };
@@ -585,7 +621,7 @@ mod tests {
                         origin: "byoc-runner/inst-1/rn-1".into(),
                         size: 40,
                         root: [7; 32],
-                        time: 1,
+                        time: Some(1),
                     };
                     let n = note::cosign(
                         &note::sign(&cp, "byoc-runner/rn-1", &f.runner),

@@ -243,3 +243,67 @@ async fn kill_9_during_heavy_appends_then_restart_and_verify() {
     let lines = byoc_audit::log::read_lines(&e.runner.state_dir.join("audit"), 0, u64::MAX).unwrap();
     assert_eq!(lines.iter().filter(|l| l.contains("\"runner_started\"")).count(), 2);
 }
+
+/// `audit key` publishes the verifier keys a third party needs, in the signed-note
+/// format (`name+hash+base64(0x01||key)`), named as the checkpoints' origin; checked here
+/// as Go's `sumdb/note` would, without the runner's own code: the key hash, then every
+/// acknowledged checkpoint's runner and control-plane signatures.
+#[tokio::test]
+async fn the_published_verifier_keys_open_every_acknowledged_checkpoint() {
+    use base64::Engine as _;
+    use ed25519_dalek::Verifier as _;
+    use sha2::Digest as _;
+    let e = env().await;
+    let ok = e.cp.enqueue(script("echo keyed")).unwrap();
+    assert_eq!(e.finished(&ok).await.result.unwrap().status, JobStatus::Succeeded);
+    local_has(&e, "\"job_reported\"").await;
+    all_acknowledged(&e).await;
+
+    let out = audit_cli(&e, &["key", "-o", "json"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let keys: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let origin = keys["origin"].as_str().unwrap().to_string();
+    assert_eq!(origin, format!("byoc-runner/{}/{}", e.cp.install_id(), runner_id(&e)));
+    let b64 = base64::engine::general_purpose::STANDARD;
+    let parse = |vkey: &str| {
+        let mut parts = vkey.splitn(3, '+');
+        let (name, hash, key) = (parts.next().unwrap(), parts.next().unwrap(), parts.next().unwrap());
+        let alg_key = b64.decode(key).unwrap();
+        assert_eq!((alg_key.len(), alg_key[0]), (33, 1), "Ed25519");
+        let mut h = sha2::Sha256::new();
+        h.update(name.as_bytes());
+        h.update(b"\n");
+        h.update(&alg_key);
+        assert_eq!(hash, hex::encode(&h.finalize()[..4]), "the key hash of {vkey}");
+        let key = ed25519_dalek::VerifyingKey::from_bytes(alg_key[1..].try_into().unwrap()).unwrap();
+        (name.to_string(), hex::decode(hash).unwrap(), key)
+    };
+    let runner = parse(keys["runner"].as_str().unwrap());
+    assert_eq!(runner.0, origin, "the key is named as the origin (C2SP)");
+    let cp = parse(keys["control_plane"][0].as_str().unwrap());
+    let text = std::fs::read_to_string(e.runner.state_dir.join("audit/cosigned.jsonl")).unwrap();
+    let mut opened = 0;
+    for line in text.lines() {
+        let note =
+            serde_json::from_str::<serde_json::Value>(line).unwrap()["note"].as_str().unwrap().to_string();
+        let (body, sigs) = note.split_once("\n\n").unwrap();
+        let body = format!("{body}\n");
+        assert!(body.starts_with(&format!("{origin}\n")));
+        for (name, hash, key) in [&runner, &cp] {
+            let verified = sigs.lines().any(|l| {
+                let Some((n, sig)) = l.strip_prefix("\u{2014} ").and_then(|r| r.rsplit_once(' ')) else {
+                    return false;
+                };
+                let blob = b64.decode(sig).unwrap();
+                n == name
+                    && blob[..4] == hash[..]
+                    && key
+                        .verify(body.as_bytes(), &ed25519_dalek::Signature::from_slice(&blob[4..]).unwrap())
+                        .is_ok()
+            });
+            assert!(verified, "{name} did not sign {note}");
+        }
+        opened += 1;
+    }
+    assert!(opened > 0);
+}

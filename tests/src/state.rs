@@ -758,8 +758,11 @@ impl State {
                 fresh.push(h);
             }
         }
-        let name = format!("byoc-runner/{runner_id}");
-        let cp = note::open(&req.checkpoint, &[(&name, &key)])
+        // Signed under its origin's name, or as logs written before were.
+        let names =
+            [format!("byoc-runner/{}/{runner_id}", self.install_id), format!("byoc-runner/{runner_id}")];
+        let cp = note::open(&req.checkpoint, &[(&names[0], &key)])
+            .or_else(|_| note::open(&req.checkpoint, &[(&names[1], &key)]))
             .map_err(|e| CpError::BadRequest(format!("checkpoint: {e}")))?;
         if cp.size != frontier.size() || cp.root != frontier.root() {
             return Err(CpError::BadRequest("checkpoint does not match the records".into()));

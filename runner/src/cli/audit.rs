@@ -95,6 +95,15 @@ pub(super) enum AuditCmd {
         #[command(flatten)]
         filter: RecordFilter,
     },
+    /// The signed-note verifier key of this log's checkpoints, for third-party
+    /// verifiers (Go's golang.org/x/mod/sumdb/note: `name+hash+base64(0x01||key)`; the
+    /// name is the checkpoints' origin), and the control plane's if stored.
+    ///
+    /// Example: byoc-runner audit key > runner.vkey
+    Key {
+        #[command(flatten)]
+        a: AuditArgs,
+    },
     /// An inclusion proof for a record that a third party can check (`-o json`: the
     /// proof alone, for a verifier).
     Prove {
@@ -107,8 +116,41 @@ pub(super) enum AuditCmd {
 pub(super) fn run(cmd: AuditCmd) -> i32 {
     match cmd {
         AuditCmd::Verify { a, trust } => verify(&a, trust.as_deref()),
+        AuditCmd::Key { a } => super::edge(|| key(&a)),
         cmd => super::edge(|| inspect(cmd)),
     }
+}
+
+/// `audit key`: the verifier keys, named as the checkpoints are signed.
+fn key(a: &AuditArgs) -> anyhow::Result<()> {
+    let dir = audit_dir(a);
+    let (trust, _) = crate::audit::load_trust(&dir, None)?;
+    let last = std::fs::read_to_string(dir.join(byoc_audit::log::CHECKPOINTS))
+        .map_err(|e| anyhow::anyhow!("{}: {e}", dir.join(byoc_audit::log::CHECKPOINTS).display()))?;
+    let origin = last
+        .lines()
+        .next_back()
+        .and_then(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .and_then(|v| v["note"].as_str().and_then(|n| n.lines().next()).map(str::to_string))
+        .ok_or_else(|| anyhow::anyhow!("no checkpoint in {} to take the origin from", dir.display()))?;
+    let runner = byoc_audit::note::verifier_key(&origin, &trust.runner);
+    let control_plane: Vec<String> = trust
+        .control_plane
+        .iter()
+        .map(|k| byoc_audit::note::verifier_key(byoc_audit::log::CONTROL_PLANE_KEY_NAME, k))
+        .collect();
+    if a.state.output == Output::Json {
+        println!(
+            "{}",
+            serde_json::json!({"origin": origin, "runner": runner, "control_plane": control_plane})
+        );
+    } else {
+        println!("{runner}");
+        for k in control_plane {
+            println!("{k}");
+        }
+    }
+    Ok(())
 }
 
 fn audit_dir(a: &AuditArgs) -> PathBuf {
@@ -157,7 +199,7 @@ fn verify(a: &AuditArgs, trust: Option<&Path>) -> i32 {
 fn inspect(cmd: AuditCmd) -> anyhow::Result<()> {
     use anyhow::Context as _;
     match cmd {
-        AuditCmd::Verify { .. } => unreachable!("handled before"),
+        AuditCmd::Verify { .. } | AuditCmd::Key { .. } => unreachable!("handled before"),
         AuditCmd::Tail { a, lines, follow, filter } => {
             let dir = audit_dir(&a);
             let json = a.state.output == Output::Json;
