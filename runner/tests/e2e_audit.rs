@@ -306,4 +306,23 @@ async fn the_published_verifier_keys_open_every_acknowledged_checkpoint() {
         opened += 1;
     }
     assert!(opened > 0);
+
+    // And with the Go team's transparency-log packages (Debian's golang-golang-x-mod-dev):
+    // the published keys open every checkpoint, roots, consistency and inclusion hold.
+    let cache = tempfile::tempdir().unwrap();
+    let go = std::process::Command::new("go")
+        .arg("run")
+        .arg(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/go/verify_audit.go"))
+        .arg(e.runner.state_dir.join("audit"))
+        .arg(keys["runner"].as_str().unwrap())
+        .arg(keys["control_plane"][0].as_str().unwrap())
+        .env("GO111MODULE", "off")
+        .env("GOPATH", "/usr/share/gocode")
+        .env("GOCACHE", cache.path())
+        .env("GOFLAGS", "")
+        .output()
+        .expect("go is required (scripts/setup installs golang-go and golang-golang-x-mod-dev)");
+    let said = String::from_utf8_lossy(&go.stdout);
+    assert!(go.status.success(), "{said}{}", String::from_utf8_lossy(&go.stderr));
+    assert!(said.starts_with("ok: "), "{said}");
 }
