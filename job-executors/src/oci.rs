@@ -133,7 +133,10 @@ impl OciSync {
             settings.registry_endpoints.get(&self.source.registry).map(String::as_str),
             self.credential.as_ref().map(|(c, _)| c.clone()),
             http.clone(),
-        )?;
+        )?
+        // The artifact a one-time grant is for: a token service binding grants to
+        // digests refuses another's.
+        .with_token_param("digest", self.digest.as_str());
         let dst = Registry::new(
             Side::Destination,
             &dest.registry_host,

@@ -336,8 +336,8 @@ async fn a_one_time_grant_pulls_once_and_is_refused_after() {
     assert_no_grant_or_token(&e, &again, &grant);
 }
 
-/// A grant opens one repository for pull, within its time: another repository, an
-/// expired grant and a push scope are refused.
+/// A grant opens one artifact for pull, within its time: another repository, another
+/// digest of the same repository, an expired grant and a push scope are refused.
 #[tokio::test]
 async fn a_grant_opens_one_repository_for_pull_within_its_time() {
     let e = grant_env().await;
@@ -350,6 +350,14 @@ async fn a_grant_opens_one_repository_for_pull_within_its_time() {
     let r = e.env.finished(&id).await.result.unwrap();
     assert_eq!(r.outputs["reason"], "source_grant_refused", "{:?}", r.error);
     assert!(r.error.unwrap().contains("grant allows only \"repository:acme/api:pull\""));
+
+    // A grant for one digest of acme/api used for another of its digests.
+    let newer = e.src.push_random_image("acme/api", Some("1.5.0"), 1, 1000, 34).await;
+    let for_old = e.tokens.mint("job-b2", "inst-demo", "acme/api", &api.digest, 300);
+    let id = e.env.cp.enqueue(grant_job(&e.src, "acme/api", &newer, Some(&for_old))).unwrap();
+    let r = e.env.finished(&id).await.result.unwrap();
+    assert_eq!(r.outputs["reason"], "source_grant_refused", "{:?}", r.error);
+    assert!(r.error.unwrap().contains(&format!("grant is for digest {}", api.digest)));
 
     // Expired at the token service (the job itself names no expiry).
     let expired = e.tokens.mint("job-c", "inst-demo", "acme/api", &api.digest, -1);
@@ -365,7 +373,7 @@ async fn a_grant_opens_one_repository_for_pull_within_its_time() {
     let ask = |scope: &str| {
         let url = url::Url::parse_with_params(
             &e.tokens.realm(),
-            [("service", "vendor-registry"), ("scope", scope)],
+            [("service", "vendor-registry"), ("scope", scope), ("digest", api.digest.as_str())],
         )
         .unwrap();
         http.get(url).basic_auth(byoc_control_plane::grants::GRANT_USER, Some(&grant)).send()

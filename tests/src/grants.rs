@@ -224,7 +224,14 @@ impl RegistryTokens {
     }
 
     /// The exchange: a registry token for the grant's one repository, pull only, once.
-    fn exchange(&self, grant: &str, service: &str, scopes: &[String], from: &str) -> Result<String, String> {
+    fn exchange(
+        &self,
+        grant: &str,
+        service: &str,
+        scopes: &[String],
+        digest: Option<&str>,
+        from: &str,
+    ) -> Result<String, String> {
         let mut grants = self.grants.lock().map_err(|_| "grants unavailable".to_string())?;
         let Some(g) = grants.get_mut(grant) else { return Err("unknown grant".into()) };
         if let Some(s) = &g.spent {
@@ -242,6 +249,12 @@ impl RegistryTokens {
         }
         if let Some(other) = scopes.iter().find(|s| **s != wanted) {
             return Err(format!("grant allows only {wanted:?}, not {other:?}"));
+        }
+        // The runner names the artifact it pulls; a grant opens only its own.
+        match digest {
+            Some(d) if d == g.digest => {}
+            Some(d) => return Err(format!("grant is for digest {}, not {d}", g.digest)),
+            None => return Err("the request names no digest; a grant opens one artifact".into()),
         }
         g.spent = Some(Spent { at: now(), by: from.into() });
         let subject = format!("grant:{}:{}", g.job_id, &sha256_hex(grant)[..16]);
@@ -289,7 +302,8 @@ async fn token_endpoint(
         return refuse(axum::http::StatusCode::UNAUTHORIZED, "a grant is required");
     };
     let job_id = tokens.grants.lock().ok().and_then(|g| g.get(&grant).map(|g| g.job_id.clone()));
-    let result = tokens.exchange(&grant, &service, &scopes, &peer.to_string());
+    let digest = pairs.iter().find(|(k, _)| k == "digest").map(|(_, v)| v.as_str());
+    let result = tokens.exchange(&grant, &service, &scopes, digest, &peer.to_string());
     if let Ok(mut e) = tokens.exchanges.lock() {
         e.push(Exchange {
             grant_sha256: sha256_hex(&grant),

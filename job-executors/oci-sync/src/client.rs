@@ -66,6 +66,9 @@ pub struct Registry {
     credential: Option<Credential>,
     challenge: Mutex<Option<Challenge>>,
     tokens: Mutex<HashMap<String, String>>,
+    /// Extra parameters of token requests (`digest`: the artifact a one-time grant is
+    /// for, so a token service that binds grants to digests can check it).
+    token_params: Vec<(String, String)>,
     pub retry: Retry,
 }
 
@@ -129,8 +132,16 @@ impl Registry {
             credential,
             challenge: Mutex::new(None),
             tokens: Mutex::new(HashMap::new()),
+            token_params: Vec::new(),
             retry: Retry::default(),
         })
+    }
+
+    /// Send `key=value` with every token request (token services ignore what they do
+    /// not know).
+    pub fn with_token_param(mut self, key: &str, value: &str) -> Registry {
+        self.token_params.push((key.into(), value.into()));
+        self
     }
 
     /// The HTTP client both sides share: rustls, the system's roots, no overall timeout
@@ -357,6 +368,9 @@ impl Registry {
             }
             for s in scope.0.split(' ') {
                 q.append_pair("scope", s);
+            }
+            for (k, v) in &self.token_params {
+                q.append_pair(k, v);
             }
         }
         let resp = self
