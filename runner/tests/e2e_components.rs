@@ -1,6 +1,7 @@
 //! Components by digest from the install's own registry, on the real terraform (1.11
 //! on these machines; `terraform_data` needs no provider, so it all runs offline): a
-//! module is published as an OCI artifact to the vendor's registry, synced into the
+//! module is published as an OCI artifact to the vendor's registry (in token mode: each
+//! sync exchanges a one-time grant the control plane mints), synced into the
 //! install's ECR (moto, its registry host mapped to a second local registry) by an
 //! `oci.sync` job, then applied by digest under the job's role, with its state kept
 //! by the runner between jobs. Helm charts and kubernetes bundles by digest too.
@@ -47,17 +48,21 @@ async fn components_env_with(
     with_moto: impl FnOnce(&MotoServer) -> String,
 ) -> CEnv {
     let params = base_params();
+    // The vendor's registry in token mode: each sync's one-time grant, minted by the
+    // control plane, is exchanged once at its token service.
+    let tokens = byoc_control_plane::grants::RegistryTokens::start("vendor-registry").await;
     let (moto, vendor, ecr) = tokio::join!(
         moto_with_stack(&params),
-        LocalRegistry::start(Some((USER, TOKEN))),
+        LocalRegistry::start_token(&tokens),
         LocalRegistry::start(None)
     );
+    let realm = tokens.addr.to_string();
     let extra = format!("{extra}\n{}", with_moto(&moto));
     let policies = tempfile::tempdir().unwrap();
     let (tools, helm) = stand_in("helm");
     let mut opts = role_options(&moto, "");
     opts.extra.push_str(&format!(
-        "\n[oci]\nregistry_endpoints = {{ \"{ECR_HOST}\" = \"{}\", \"{}\" = \"{}\" }}\n\n[terraform]\nbinary = \"{}\"\n\n[helm]\nbinary = \"{}\"\n\n[policy]\ndir = \"{}\"\n{extra}\n",
+        "\n[oci]\nregistry_endpoints = {{ \"{ECR_HOST}\" = \"{}\", \"{}\" = \"{}\", \"{realm}\" = \"http://{realm}\" }}\n\n[terraform]\nbinary = \"{}\"\n\n[helm]\nbinary = \"{}\"\n\n[policy]\ndir = \"{}\"\n{extra}\n",
         ecr.url(),
         vendor.host(),
         vendor.url(),
@@ -68,6 +73,7 @@ async fn components_env_with(
     opts.sandbox_ro_paths.push(tools.path().to_path_buf());
     opts.sandbox_extra = sandbox_extra.into();
     let env = env_with(opts).await;
+    env.cp.use_registry_tokens(tokens);
     CEnv { env, moto, vendor, ecr, _policies: policies, _tools: Some(tools) }
 }
 
@@ -103,7 +109,7 @@ async fn publish(e: &CEnv, repo: &str, artifact_type: &str, files: &[(String, St
             "oci.sync",
             serde_json::json!({
                 "source": format!("{}/{repo}:1.0.0@{}", e.vendor.host(), pushed.digest),
-                "source_credential": {"username": USER, "token": TOKEN},
+                "source_grant": {"ttl_secs": 300},
                 "destination": {"repository": format!("inst-demo/{repo}"), "tags": ["1.0.0"]},
             }),
         )
