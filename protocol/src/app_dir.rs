@@ -83,8 +83,14 @@ pub fn load(dir: &Path) -> Result<AppConfig, Vec<String>> {
         }
     }
     // The customer's secrets: `secrets.toml`, and one file per secret under
-    // `secrets/<group>/<name>.toml`.
+    // `secrets/<name>.toml` or `secrets/<group>/<name>.toml`.
     let mut secret_files = BTreeMap::new();
+    for path in files_in(&dir.join("secrets"), "toml") {
+        let rel = path.strip_prefix(dir).unwrap_or(&path).to_string_lossy().into_owned();
+        if let Some(t) = read(&path, &mut problems) {
+            secret_files.insert(rel, t);
+        }
+    }
     if let Ok(groups) = std::fs::read_dir(dir.join("secrets")) {
         let mut groups: Vec<PathBuf> = groups.flatten().map(|g| g.path()).filter(|g| g.is_dir()).collect();
         groups.sort();

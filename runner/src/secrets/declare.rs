@@ -1,6 +1,6 @@
 //! The app config's secrets, as the modelled system's app configs declare them:
 //! `[[secret]]` tables in `secrets.toml`, or one secret per file under
-//! `secrets/<group>/<name>.toml`. Its fields are loaded unchanged (`name`,
+//! `secrets/<name>.toml` or `secrets/<group>/<name>.toml`. Its fields are loaded unchanged (`name`,
 //! `display_name`, `description`, `required`, `auto_generate`, `user_configurable`,
 //! `format`, `default`, `kubernetes_sync`, `kubernetes_secret_namespace`, `kubernetes_secret_name`,
 //! `kubernetes_sync_targets`); ours are `terraform_variable`, `helm_value` and
@@ -73,10 +73,15 @@ pub fn declared(app: &AppConfig, install: &InstallState) -> Result<Vec<Declared>
     }
     for (path, text) in &app.secret_files {
         let parts: Vec<&str> = path.split('/').collect();
-        let shaped = matches!(parts.as_slice(), ["secrets", group, file]
-            if !group.is_empty() && file.len() > ".toml".len() && file.ends_with(".toml"));
+        let toml_file = |f: &str| f.len() > ".toml".len() && f.ends_with(".toml");
+        let shaped = match parts.as_slice() {
+            ["secrets", file] => toml_file(file),
+            ["secrets", group, file] => !group.is_empty() && toml_file(file),
+            _ => false,
+        };
         if !shaped {
-            problems.push(format!("{path}: secret files are secrets/<group>/<name>.toml"));
+            problems
+                .push(format!("{path}: secret files are secrets/<name>.toml or secrets/<group>/<name>.toml"));
             continue;
         }
         match toml::from_str::<toml::Table>(text) {
@@ -409,10 +414,12 @@ key = "key"
                     "name = \"api_key\"\ndescription = \"x\"\ndefault = \"none-given\"\n",
                 ),
                 ("secrets/vendor/more.toml", "[[secret]]\nname = \"webhook\"\n"),
+                ("secrets/zz_license.toml", "name = \"license\"\ndescription = \"flat\"\nrequired = true\n"),
             ],
         );
         let d = declared(&a, &install()).unwrap();
-        assert_eq!(d.len(), 4);
+        assert_eq!(d.len(), 5);
+        assert!(d.iter().any(|s| s.name == "license" && s.required), "a file directly under secrets/");
         assert_eq!(
             d[0].kubernetes,
             vec![KubeTarget { namespace: "inst-1-app".into(), name: "db".into(), key: "value".into() }]
@@ -474,7 +481,7 @@ namespaces = ["app"]
 name = "x"
 key = "y"
 "#,
-            &[("secrets/x.toml", "name = \"d\"")],
+            &[("secrets/a/b/x.toml", "name = \"d\"")],
         );
         let problems = declared(&a, &install()).unwrap_err();
         let all = problems.join("\n");
@@ -491,7 +498,7 @@ key = "y"
             "helm_value \"a..b\"",
             "read_by must list",
             "key must be set",
-            "secrets/x.toml: secret files are secrets/<group>/<name>.toml",
+            "secrets/a/b/x.toml: secret files are secrets/<name>.toml or secrets/<group>/<name>.toml",
             "(e): required with user_configurable = false",
             "(f): user_configurable = false needs auto_generate or a default",
             "secret[6]: user_configurable must be true or false",
