@@ -270,7 +270,7 @@ impl Registry {
                 {
                     let wait = retry_after(resp.headers());
                     let status = resp.status().as_u16();
-                    let body = body_excerpt(resp).await;
+                    let body = self.scrub(body_excerpt(resp).await);
                     (format!("HTTP {status}: {body}"), wait, Some((status, body)))
                 }
                 Ok(resp) => return Ok(resp),
@@ -383,7 +383,7 @@ impl Registry {
         match resp.status() {
             s if s.is_success() => {}
             StatusCode::UNAUTHORIZED | StatusCode::FORBIDDEN => {
-                let body = body_excerpt(resp).await;
+                let body = self.scrub(body_excerpt(resp).await);
                 return Err(match grant_refusal(&body) {
                     Some(reason) => {
                         SyncError::GrantRefused { side: self.side, registry: self.name.clone(), reason }
@@ -397,7 +397,7 @@ impl Registry {
                     registry: self.name.clone(),
                     what: format!("{what} (token endpoint)"),
                     status: s.as_u16(),
-                    body: body_excerpt(resp).await,
+                    body: self.scrub(body_excerpt(resp).await),
                 });
             }
         }
@@ -421,9 +421,26 @@ impl Registry {
             StatusCode::FORBIDDEN => SyncError::Forbidden { side, registry, what },
             StatusCode::NOT_FOUND => SyncError::NotFound { side, registry, what },
             s => {
-                SyncError::Status { side, registry, what, status: s.as_u16(), body: body_excerpt(resp).await }
+                let body = self.scrub(body_excerpt(resp).await);
+                SyncError::Status { side, registry, what, status: s.as_u16(), body }
             }
         }
+    }
+
+    /// `text` (a registry's answer, bound for an error) without the credential or any
+    /// registry token this client holds: a registry that echoes them puts them nowhere.
+    fn scrub(&self, mut text: String) -> String {
+        let held: Vec<String> = self
+            .credential
+            .iter()
+            .map(|c| c.secret().to_string())
+            .chain(self.tokens.lock().map(|t| t.values().cloned().collect::<Vec<_>>()).unwrap_or_default())
+            .filter(|s| s.len() >= 4)
+            .collect();
+        for secret in held {
+            text = text.replace(&secret, "***");
+        }
+        text
     }
 
     /// GET a manifest by tag or digest; `None` if the registry does not have it. The
@@ -759,6 +776,24 @@ async fn read_bounded(mut resp: Response, max: usize) -> Result<Bytes, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn answers_that_echo_a_held_secret_are_scrubbed() {
+        let http = Http { client: reqwest::Client::new(), reach: Reach::open() };
+        let r = Registry::new(
+            Side::Source,
+            "127.0.0.1:5000",
+            None,
+            Some(Credential::Basic { username: "u".into(), secret: "grant-s3cr3t".into() }),
+            http,
+        )
+        .unwrap();
+        if let Ok(mut t) = r.tokens.lock() {
+            t.insert("repository:a:pull".into(), "eyJ-registry-token".into());
+        }
+        let scrubbed = r.scrub("bad grant-s3cr3t and eyJ-registry-token here".into());
+        assert_eq!(scrubbed, "bad *** and *** here");
+    }
 
     #[test]
     fn a_grant_refusal_is_told_from_other_refusals() {
