@@ -53,21 +53,23 @@ fn sync_job(
     token: &str,
     expires_at: Option<i64>,
 ) -> EnqueueRequest {
+    sync_request(serde_json::json!({
+        "source": format!("{}/{repo}:1.4.0@{}", src.host(), artifact.digest),
+        "source_credential": {"username": USER, "token": token, "expires_at": expires_at},
+        "destination": {"repository": "inst-demo/api", "tags": ["1.4.0"]},
+        "repository": {"immutable": true, "scan_on_push": true, "encryption": "AES256"},
+    }))
+}
+
+/// An `oci.sync` job with `spec`, under the maintenance role.
+fn sync_request(spec: serde_json::Value) -> EnqueueRequest {
     EnqueueRequest {
         entity: "artifact".into(),
         operation: "sync".into(),
         requested_role: Some("inst-demo-maintenance".into()),
         app_config: Some(app_config()),
         role_request: Some(named("api-image")),
-        ..EnqueueRequest::new(
-            "oci.sync",
-            serde_json::json!({
-                "source": format!("{}/{repo}:1.4.0@{}", src.host(), artifact.digest),
-                "source_credential": {"username": USER, "token": token, "expires_at": expires_at},
-                "destination": {"repository": "inst-demo/api", "tags": ["1.4.0"]},
-                "repository": {"immutable": true, "scan_on_push": true, "encryption": "AES256"},
-            }),
-        )
+        ..EnqueueRequest::new("oci.sync", spec)
     }
 }
 
@@ -246,14 +248,7 @@ fn grant_job(src: &LocalRegistry, repo: &str, artifact: &Pushed, credential: Opt
         }
         None => spec["source_grant"] = serde_json::json!({"ttl_secs": 300}),
     }
-    EnqueueRequest {
-        entity: "artifact".into(),
-        operation: "sync".into(),
-        requested_role: Some("inst-demo-maintenance".into()),
-        app_config: Some(app_config()),
-        role_request: Some(named("api-image")),
-        ..EnqueueRequest::new("oci.sync", spec)
-    }
+    sync_request(spec)
 }
 
 /// Neither a grant nor a registry token (a JWT: `eyJ…`) in any file the runner wrote,

@@ -322,26 +322,30 @@ fn some_in_over_a_string_or_null_is_false_as_in_opa() {
 #[test]
 fn cpu_quantities_read_as_opa_reads_them() {
     let policy = vendor("nuon_review_cpu.rego");
-    for (cpu, expect) in [
-        (".25", "pass|pass|Deployment/shop/w|w fits in one core"),
-        ("+1.", "pass|pass|Deployment/shop/w|w fits in one core"),
-        ("1_500m", "deny|deny|Deployment/shop/w|w asks for 1.5 cores"),
-        ("0x1p1", "deny|deny|Deployment/shop/w|w asks for 2 cores"),
-    ] {
+    // One Deployment whose container's CPU limit is `cpu`, decided by the policy.
+    let decide = |cpu: &str| {
         let obj = serde_json::json!({"apiVersion": "apps/v1", "kind": "Deployment",
             "metadata": {"name": "w", "namespace": "shop"},
             "spec": {"template": {"spec": {"containers": [{"name": "w", "resources": {"limits": {"cpu": cpu}}}]}}}});
         let bytes = serde_json::to_vec(&[obj]).unwrap();
         let doc = parse_document(Source::Kubernetes, &bytes, &Limits::default()).unwrap();
         let ctx = ctx(Source::Kubernetes, Admission::Update);
-        let d = evaluate(
+        evaluate(
             std::slice::from_ref(&policy),
             &serde_json::json!({}),
             &ctx,
             &doc,
             &bytes,
             &Limits::default(),
-        );
+        )
+    };
+    for (cpu, expect) in [
+        (".25", "pass|pass|Deployment/shop/w|w fits in one core"),
+        ("+1.", "pass|pass|Deployment/shop/w|w fits in one core"),
+        ("1_500m", "deny|deny|Deployment/shop/w|w asks for 1.5 cores"),
+        ("0x1p1", "deny|deny|Deployment/shop/w|w asks for 2 cores"),
+    ] {
+        let d = decide(cpu);
         assert!(d.errors.is_empty(), "{cpu}: {:?}", d.errors);
         let f = d
             .violations
@@ -354,19 +358,7 @@ fn cpu_quantities_read_as_opa_reads_them() {
     }
     // What Go's ParseFloat refuses fails the policy (and so denies), as in OPA.
     for cpu in ["Inf", "NaN", " 1", "1e400", "1__0", "0x10", "."] {
-        let obj = serde_json::json!({"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "w"},
-            "spec": {"template": {"spec": {"containers": [{"name": "w", "resources": {"limits": {"cpu": cpu}}}]}}}});
-        let bytes = serde_json::to_vec(&[obj]).unwrap();
-        let doc = parse_document(Source::Kubernetes, &bytes, &Limits::default()).unwrap();
-        let ctx = ctx(Source::Kubernetes, Admission::Update);
-        let d = evaluate(
-            std::slice::from_ref(&policy),
-            &serde_json::json!({}),
-            &ctx,
-            &doc,
-            &bytes,
-            &Limits::default(),
-        );
+        let d = decide(cpu);
         assert_eq!(d.verdict, Verdict::Deny, "{cpu}");
         assert_eq!(d.errors.len(), 1, "{cpu}: {d:?}");
     }
