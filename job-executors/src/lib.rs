@@ -13,7 +13,7 @@ pub use byoc_protocol::JobStatus;
 pub use context::{ExecContext, ExecSettings};
 
 pub mod artifact;
-mod aws_sign;
+pub mod aws_sign;
 mod cluster;
 pub mod container;
 pub mod context;

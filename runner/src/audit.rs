@@ -175,6 +175,22 @@ pub const EVENTS: &[(&str, &str)] = &[
     ("journal_compacted", "The runner's job journal was compacted."),
     ("journal_archives_removed", "Job journal archives past their retention were removed."),
     (
+        "audit_export_started",
+        "A copy of the audit log began to a sink of the customer's (S3, CloudWatch Logs, OTLP): from the first record, also when its target changed.",
+    ),
+    (
+        "audit_export_failed",
+        "A sink stopped taking the copy (its error); jobs go on, the copy catches up when it is back. Once per outage.",
+    ),
+    (
+        "audit_export_resumed",
+        "A failing sink took the copy again: how long it was out, how far it now holds.",
+    ),
+    (
+        "audit_export_stopped",
+        "A sink was removed from the configuration: the copy there stops at the record named.",
+    ),
+    (
         "customer_record_invalid",
         "A record a local admin left for the audit log could not be read; it was set aside.",
     ),

@@ -72,6 +72,8 @@ pub struct Status {
     pub paused: Option<crate::roles::pause::Pause>,
     /// Bytes on disk of each part of the state dir.
     pub disk_use: std::collections::BTreeMap<&'static str, u64>,
+    /// The customer's copies of the audit log, each sink's delivery and health.
+    pub audit_export: Vec<crate::audit_export::ExportStatus>,
 }
 
 /// Bytes of each part of the state dir the runner grows: job logs, the journal, the
@@ -131,6 +133,7 @@ pub fn status_of(state_dir: &Path, index: &Index) -> Result<Status, InspectError
         last_rejection: index.rejections.last().cloned(),
         paused: crate::roles::pause::read(state_dir),
         disk_use: disk_use(state_dir),
+        audit_export: crate::audit_export::status(state_dir),
     })
 }
 

@@ -14,6 +14,7 @@ pub mod app_check;
 pub mod app_policies;
 pub mod approvals;
 pub mod audit;
+pub mod audit_export;
 pub mod audit_records;
 pub mod cli;
 pub mod clock;

@@ -8,6 +8,7 @@
 //! | `enrollment.json` | runner and install ids | `identity` |
 //! | `journal.jsonl`, `journal-archive/` | the job journal and its compacted past | `journal` |
 //! | `audit/` | the signed audit log | `audit` |
+//! | `audit-export/` | each export sink's cursor and state | `audit_export` |
 //! | `spool/` | job logs | `spool` |
 //! | `work/` | jobs' working directories | `pipeline::execute` |
 //! | `plans/`, `tfstate/`, `artifacts/` | saved plans, local terraform state, fetched components | `pipeline::execute` |
@@ -26,6 +27,7 @@ pub const ENROLLMENT_FILE: &str = "enrollment.json";
 pub const JOURNAL_FILE: &str = "journal.jsonl";
 pub const ARCHIVE_DIR: &str = "journal-archive";
 pub const AUDIT_DIR: &str = "audit";
+pub const EXPORT_DIR: &str = "audit-export";
 pub const SPOOL_DIR: &str = "spool";
 pub const WORK_DIR: &str = "work";
 pub const PLANS_DIR: &str = "plans";
@@ -73,6 +75,10 @@ impl<'a> StateDir<'a> {
 
     pub fn audit(self) -> PathBuf {
         self.0.join(AUDIT_DIR)
+    }
+
+    pub fn audit_export(self) -> PathBuf {
+        self.0.join(EXPORT_DIR)
     }
 
     pub fn spool(self) -> PathBuf {
@@ -157,6 +163,7 @@ mod tests {
             JOURNAL_FILE,
             ARCHIVE_DIR,
             AUDIT_DIR,
+            EXPORT_DIR,
             SPOOL_DIR,
             WORK_DIR,
             PLANS_DIR,

@@ -4,9 +4,6 @@
 
 use std::time::{Duration, SystemTime};
 
-use aws_sigv4::http_request::{SignableBody, SignableRequest, SigningSettings, sign};
-use aws_sigv4::sign::v4;
-
 use super::SessionKeys;
 use byoc_oci_sync::client::error_chain;
 
@@ -124,38 +121,28 @@ fn sign_request(
     body: &[u8],
     now: SystemTime,
 ) -> Result<Vec<(String, String)>, ReadError> {
-    let signing = |e: String| ReadError::Store(format!("signing: {e}"));
-    let identity = aws_credential_types::Credentials::new(
-        &keys.access_key_id,
-        &keys.secret_access_key,
-        keys.session_token.clone(),
-        None,
-        "byoc-job-role",
+    let identity = crate::aws_sign::Identity {
+        access_key_id: &keys.access_key_id,
+        secret_access_key: &keys.secret_access_key,
+        session_token: keys.session_token.as_deref(),
+    };
+    crate::aws_sign::signed_headers(
+        &identity,
+        &crate::aws_sign::Request {
+            region: &keys.region,
+            service: "secretsmanager",
+            method: "POST",
+            url,
+            headers: &[
+                ("content-type", "application/x-amz-json-1.1"),
+                ("x-amz-target", "secretsmanager.GetSecretValue"),
+            ],
+            body,
+            payload_hash_header: false,
+            time: now,
+        },
     )
-    .into();
-    let params = v4::SigningParams::builder()
-        .identity(&identity)
-        .region(&keys.region)
-        .name("secretsmanager")
-        .time(now)
-        .settings(SigningSettings::default())
-        .build()
-        .map_err(|e| signing(e.to_string()))?
-        .into();
-    let host = crate::aws_sign::host_header(url).ok_or_else(|| signing("no host in the URL".into()))?;
-    let fixed = [
-        ("host", host.as_str()),
-        ("content-type", "application/x-amz-json-1.1"),
-        ("x-amz-target", "secretsmanager.GetSecretValue"),
-    ];
-    let request = SignableRequest::new("POST", url, fixed.into_iter(), SignableBody::Bytes(body))
-        .map_err(|e| signing(e.to_string()))?;
-    let (instructions, _) = sign(request, &params).map_err(|e| signing(e.to_string()))?.into_parts();
-    let (signed, _) = instructions.into_parts();
-    let mut headers: Vec<(String, String)> =
-        fixed[1..].iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
-    headers.extend(signed.into_iter().map(|h| (h.name().to_string(), h.value().to_string())));
-    Ok(headers)
+    .map_err(|e| ReadError::Store(format!("signing: {e}")))
 }
 
 #[cfg(test)]

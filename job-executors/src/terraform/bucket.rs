@@ -8,9 +8,6 @@
 
 use std::time::{Duration, SystemTime};
 
-use aws_sigv4::http_request::{PayloadChecksumKind, SignableBody, SignableRequest, SigningSettings, sign};
-use aws_sigv4::sign::v4;
-
 use super::state::{Summary, summarize};
 use byoc_oci_sync::client::error_chain;
 
@@ -280,36 +277,24 @@ impl StateBucket {
     }
 
     fn sign(&self, method: &str, url: &str, now: SystemTime) -> Result<Vec<(String, String)>, String> {
-        let identity = aws_credential_types::Credentials::new(
-            &self.keys.access_key_id,
-            &self.keys.secret_access_key,
-            self.keys.session_token.clone(),
-            None,
-            "byoc-state-bucket",
+        let identity = crate::aws_sign::Identity {
+            access_key_id: &self.keys.access_key_id,
+            secret_access_key: &self.keys.secret_access_key,
+            session_token: self.keys.session_token.as_deref(),
+        };
+        crate::aws_sign::signed_headers(
+            &identity,
+            &crate::aws_sign::Request {
+                region: &self.region,
+                service: "s3",
+                method,
+                url,
+                headers: &[],
+                body: &[],
+                payload_hash_header: true,
+                time: now,
+            },
         )
-        .into();
-        let mut settings = SigningSettings::default();
-        settings.payload_checksum_kind = PayloadChecksumKind::XAmzSha256;
-        let params = v4::SigningParams::builder()
-            .identity(&identity)
-            .region(&self.region)
-            .name("s3")
-            .time(now)
-            .settings(settings)
-            .build()
-            .map_err(|e| format!("signing parameters: {e}"))?
-            .into();
-        let host = crate::aws_sign::host_header(url).ok_or("no host in the bucket URL")?;
-        let request = SignableRequest::new(
-            method,
-            url,
-            [("host", host.as_str())].into_iter(),
-            SignableBody::Bytes(&[]),
-        )
-        .map_err(|e| format!("signing: {e}"))?;
-        let (instructions, _) = sign(request, &params).map_err(|e| format!("signing: {e}"))?.into_parts();
-        let (headers, _) = instructions.into_parts();
-        Ok(headers.into_iter().map(|h| (h.name().to_string(), h.value().to_string())).collect())
     }
 }
 
@@ -323,7 +308,7 @@ fn check_workspace(workspace: &str) -> Result<(), BucketError> {
 
 /// The text of every `<tag>…</tag>` in an S3 XML answer, entities decoded. S3's
 /// answers here are flat lists; a full XML parser buys nothing.
-fn xml_values(xml: &str, tag: &str) -> Vec<String> {
+pub fn xml_values(xml: &str, tag: &str) -> Vec<String> {
     let (open, close) = (format!("<{tag}>"), format!("</{tag}>"));
     let mut out = Vec::new();
     let mut rest = xml;

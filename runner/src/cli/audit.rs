@@ -64,6 +64,17 @@ pub(super) enum AuditCmd {
         /// the keys stored beside the log).
         #[arg(long)]
         trust: Option<PathBuf>,
+        /// Verify an exported copy instead: `s3://BUCKET/PREFIX/<runner>` (read with your
+        /// AWS credentials) or a directory holding the same objects. Gaps, altered and
+        /// conflicting objects are named.
+        #[arg(long, value_name = "SOURCE", conflicts_with = "dir")]
+        from: Option<String>,
+        /// The bucket's region (default: AWS_REGION or your AWS profile's).
+        #[arg(long, requires = "from")]
+        region: Option<String>,
+        /// Another S3 endpoint (default: AWS_ENDPOINT_URL).
+        #[arg(long, requires = "from")]
+        endpoint_url: Option<String>,
     },
     /// Print the last records, one line each with its time in ISO 8601 (follow with -f;
     /// `-o json`: the records as stored, one JSON object a line).
@@ -115,7 +126,10 @@ pub(super) enum AuditCmd {
 
 pub(super) fn run(cmd: AuditCmd) -> i32 {
     match cmd {
-        AuditCmd::Verify { a, trust } => verify(&a, trust.as_deref()),
+        AuditCmd::Verify { a, trust, from: Some(from), region, endpoint_url } => {
+            verify_copy(&a, &from, trust.as_deref(), region, endpoint_url)
+        }
+        AuditCmd::Verify { a, trust, .. } => verify(&a, trust.as_deref()),
         AuditCmd::Key { a } => super::edge(|| key(&a)),
         cmd => super::edge(|| inspect(cmd)),
     }
@@ -190,6 +204,95 @@ fn verify(a: &AuditArgs, trust: Option<&Path>) -> i32 {
                 println!("{}", serde_json::json!({"ok": false, "error": e.to_string(), "detail": e}));
             } else {
                 eprintln!("FAILED: {e}");
+            }
+            1
+        }
+    }
+}
+
+/// `audit verify --from`: the exported copy alone, reassembled in a temporary directory.
+fn verify_copy(
+    a: &AuditArgs,
+    from: &str,
+    trust: Option<&Path>,
+    region: Option<String>,
+    endpoint_url: Option<String>,
+) -> i32 {
+    use crate::audit_export::copy;
+    let json = a.state.output == Output::Json;
+    let source = match copy::Source::parse(from) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("error: --from {e}");
+            return EX_USAGE;
+        }
+    };
+    let fetched = (|| -> Result<_, String> {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| format!("starting the runtime: {e}"))?;
+        rt.block_on(async {
+            let aws = match &source {
+                copy::Source::S3 { .. } => Some(copy::S3Access::from_env(region, endpoint_url).await?),
+                copy::Source::Dir(_) => None,
+            };
+            copy::fetch(&source, aws.as_ref()).await.map_err(|e| e.to_string())
+        })
+    })();
+    let objects = match fetched {
+        Ok(o) => o,
+        Err(e) => {
+            eprintln!("error: {source}: {e}");
+            return 2;
+        }
+    };
+    let work = match tempfile::tempdir() {
+        Ok(w) => w,
+        Err(e) => {
+            eprintln!("error: a temporary directory: {e}");
+            return 2;
+        }
+    };
+    match copy::verify(&source, &objects, work.path(), trust) {
+        Ok((report, assembled, pinned)) => {
+            if json {
+                println!(
+                    "{}",
+                    serde_json::json!({"ok": true, "source": source.to_string(), "keys_pinned": pinned, "objects": objects.len(), "ignored": assembled.ignored, "report": report})
+                );
+            } else {
+                println!(
+                    "ok: {source}: {} records, {} checkpoints, {} acknowledged by the control plane (up to {}), root {}",
+                    report.records,
+                    report.checkpoints,
+                    report.cosigned,
+                    report.acknowledged_size,
+                    report.root
+                );
+                if !assembled.ignored.is_empty() {
+                    println!("note: {} objects outside the layout were ignored", assembled.ignored.len());
+                }
+                if !pinned {
+                    println!(
+                        "note: keys taken from the copy itself (pin the runner's key with --trust FILE)"
+                    );
+                }
+            }
+            0
+        }
+        Err(copy::CopyError::Trust(e)) => {
+            eprintln!("error: {e}");
+            EX_USAGE
+        }
+        Err(e) => {
+            if json {
+                println!(
+                    "{}",
+                    serde_json::json!({"ok": false, "source": source.to_string(), "error": e.to_string()})
+                );
+            } else {
+                eprintln!("FAILED: {source}: {e}");
             }
             1
         }

@@ -111,6 +111,18 @@ fn print_work(st: &inspect::Status, drift: &[crate::drift::DriftRecord], disk: &
     let used: Vec<String> =
         st.disk_use.iter().map(|(k, v)| format!("{k} {:.1} MiB", *v as f64 / 1048576.0)).collect();
     println!("disk use:       {}", used.join(", "));
+    for e in &st.audit_export {
+        let health = match (&e.failing_since_ms, &e.last_error) {
+            (Some(since), error) => format!(
+                "FAILING since {} ({}); jobs go on, the copy catches up",
+                crate::clock::rfc3339_ms(*since),
+                error.as_deref().unwrap_or("?")
+            ),
+            (None, _) if e.lag_records == 0 => "up to date".into(),
+            (None, _) => format!("{} records behind", e.lag_records),
+        };
+        println!("audit copy:     {} {} records, {health}", e.target, e.delivered_records);
+    }
     match &st.last_rejection {
         Some(r) => {
             println!(

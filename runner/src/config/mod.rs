@@ -5,6 +5,7 @@
 //! One file per section, each parsing its own table over the shared collector
 //! (`fields.rs`); checks that span sections live here, in `Config::parse`.
 
+mod audit;
 mod aws;
 mod control_plane;
 mod drift;
@@ -16,6 +17,7 @@ mod update;
 
 use std::path::{Path, PathBuf};
 
+pub use audit::{AuditConfig, AuditExportConfig, CloudWatchSinkConfig, OtlpSinkConfig, S3SinkConfig};
 pub use aws::{AwsConfig, RolesConfig};
 pub use control_plane::ControlPlaneConfig;
 pub use drift::{DRIFT_KINDS, DriftConfig, DriftSchedule};
@@ -57,6 +59,8 @@ pub struct Config {
     pub drift: DriftConfig,
     /// `[update]`: the customer's terms for the runner's own updates.
     pub update: UpdateConfig,
+    /// `[audit.export]`: the customer's own copies of the audit log.
+    pub audit: AuditConfig,
     /// `[metrics] textfile`: where the daemon writes its metrics for node_exporter.
     pub metrics_textfile: Option<PathBuf>,
     /// Where the configuration was read from (hidden from jobs).
@@ -114,6 +118,7 @@ impl Config {
         let drift_t = t("drift");
         let kubernetes_t = t("kubernetes");
         let update_t = t("update");
+        let audit_t = t("audit");
         top.finish();
 
         let control_plane = ControlPlaneConfig::parse(cp_t, &mut problems);
@@ -136,9 +141,20 @@ impl Config {
         let disk = parse_disk(disk_t, &mut problems);
         let metrics_textfile = parse_metrics(metrics_t, &mut problems);
         let update = UpdateConfig::parse(update_t, &mut problems);
+        let audit = AuditConfig::parse(audit_t, &mut problems);
         // Across sections.
         if terraform.state.bucket.is_some() && terraform.state.region.is_none() && aws.region.is_none() {
             problems.push("terraform.state.region: required (or aws.region) with a state bucket".into());
+        }
+        let export = &audit.export;
+        let export_regions = [
+            ("audit.export.s3.region", export.s3.as_ref().map(|s| s.region.is_some())),
+            ("audit.export.cloudwatch.region", export.cloudwatch.as_ref().map(|c| c.region.is_some())),
+        ];
+        for (name, has_region) in export_regions {
+            if has_region == Some(false) && aws.region.is_none() {
+                problems.push(format!("{name}: required (or aws.region) with this sink"));
+            }
         }
         if roles.stack_name.is_some() && aws.region.is_none() {
             problems.push("aws.region: required when roles.stack_name is set".into());
@@ -167,6 +183,7 @@ impl Config {
             guardrails,
             drift,
             update,
+            audit,
             metrics_textfile,
             source: PathBuf::from(source_name),
             digest,

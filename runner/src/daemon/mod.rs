@@ -75,6 +75,10 @@ pub enum DaemonError {
     InstallMismatch { enrolled: String, configured: String },
     #[error("opening or writing the audit log: {0}")]
     Audit(#[from] byoc_audit::log::AuditError),
+    #[error(
+        "the audit export cannot start: {0}. Fix [audit.export] in the configuration (`byoc-runner config check`)"
+    )]
+    AuditExport(String),
     #[error("installing signal handlers: {0}")]
     Signals(std::io::Error),
     #[error(
@@ -137,7 +141,13 @@ pub async fn run(config: Config) -> Result<(), DaemonError> {
     settle_and_resume(&rt, &slots, &mut tasks)?;
     rt.check_customer_controls();
     compact_journal(&rt);
-    let background = Background::spawn(&rt, &audit, client, &slots);
+    // The customer's copies of the audit log: a sink that cannot be built stops the
+    // start (the customer asked for the copy), one that fails later never stops jobs.
+    let export_stop = CancellationToken::new();
+    let export_tasks = crate::audit_export::start(&rt.config, &rt.runner_id, &audit, &export_stop)
+        .await
+        .map_err(DaemonError::AuditExport)?;
+    let background = Background::spawn(&rt, &audit, client, &slots, export_tasks, export_stop);
 
     let health = Arc::new(AtomicU64::new(now_ms()));
     // READY=1 goes first: the watchdog's first ping fires at once on another worker.
@@ -321,6 +331,9 @@ fn settle_and_resume(rt: &Rt, slots: &Arc<Slots>, tasks: &mut JoinSet<()>) -> Re
 /// controls, journal compaction, checkpoints, the heap), retention, metrics.
 struct Background {
     audit_task: tokio::task::JoinHandle<()>,
+    /// One per audit export sink (`[audit.export]`), stopped by `export_stop`.
+    export_tasks: Vec<tokio::task::JoinHandle<()>>,
+    export_stop: CancellationToken,
     idle_task: tokio::task::JoinHandle<()>,
     retention_task: tokio::task::JoinHandle<()>,
     metrics_task: Option<tokio::task::JoinHandle<()>>,
@@ -332,6 +345,8 @@ impl Background {
         audit: &Arc<crate::audit::Audit>,
         client: Arc<dyn ControlPlane>,
         slots: &Arc<Slots>,
+        export_tasks: Vec<tokio::task::JoinHandle<()>>,
+        export_stop: CancellationToken,
     ) -> Background {
         let audit_task =
             tokio::spawn(crate::audit::upload_loop(audit.clone(), client, rt.stop_reporting.clone()));
@@ -385,7 +400,7 @@ impl Background {
                 }
             })
         });
-        Background { audit_task, idle_task, retention_task, metrics_task }
+        Background { audit_task, export_tasks, export_stop, idle_task, retention_task, metrics_task }
     }
 }
 
@@ -445,6 +460,18 @@ async fn stop(rt: &Rt, audit: &Arc<crate::audit::Audit>, background: Background)
         }
     })
     .await;
+    // And the customer's copies a moment to take the last records (the rest at the next start).
+    let _ = tokio::time::timeout(Duration::from_secs(3), async {
+        while !crate::audit_export::caught_up(&rt.state_dir, audit.size()) {
+            audit.changed.notify_waiters();
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    background.export_stop.cancel();
+    for t in background.export_tasks {
+        let _ = t.await;
+    }
     rt.stop_reporting.cancel();
     background.idle_task.abort();
     background.retention_task.abort();
