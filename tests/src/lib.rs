@@ -8,12 +8,14 @@
 
 pub mod admin;
 pub mod app_config;
+pub mod gate;
 pub mod grants;
 pub mod harness;
 pub mod imds;
 pub mod kube_api;
 pub mod moto;
 pub mod netlab;
+pub mod otlp;
 pub mod ports;
 pub mod proxy;
 pub mod registry;

@@ -182,6 +182,68 @@ impl MotoServer {
         assert!(r.status().is_success(), "CreateBucket {bucket}: {}", r.text().await.unwrap_or_default());
     }
 
+    /// An S3 bucket with Object Lock on and a default retention in compliance mode (as
+    /// the install stack creates the audit bucket): every object must carry a checksum.
+    pub async fn create_locked_bucket(&self, bucket: &str) {
+        let r = self
+            .http
+            .put(format!("{}/{bucket}", self.url()))
+            .header("Authorization", Self::auth("s3"))
+            .header("x-amz-bucket-object-lock-enabled", "true")
+            .send()
+            .await
+            .expect("moto answers");
+        assert!(r.status().is_success(), "CreateBucket {bucket}: {}", r.text().await.unwrap_or_default());
+        let config = "<ObjectLockConfiguration><ObjectLockEnabled>Enabled</ObjectLockEnabled><Rule><DefaultRetention>\
+                      <Mode>COMPLIANCE</Mode><Days>1</Days></DefaultRetention></Rule></ObjectLockConfiguration>";
+        let r = self
+            .http
+            .put(format!("{}/{bucket}?object-lock", self.url()))
+            .header("Authorization", Self::auth("s3"))
+            .body(config)
+            .send()
+            .await
+            .expect("moto answers");
+        assert!(
+            r.status().is_success(),
+            "PutObjectLockConfiguration: {}",
+            r.text().await.unwrap_or_default()
+        );
+    }
+
+    /// Delete an S3 object (as the test itself); the status.
+    pub async fn s3_delete(&self, bucket: &str, key: &str) -> u16 {
+        self.http
+            .delete(format!("{}/{bucket}/{key}", self.url()))
+            .header("Authorization", Self::auth("s3"))
+            .send()
+            .await
+            .expect("moto answers")
+            .status()
+            .as_u16()
+    }
+
+    /// Every message in a CloudWatch Logs stream, oldest first.
+    pub async fn log_messages(&self, group: &str, stream: &str) -> Vec<String> {
+        let mut out = Vec::new();
+        let mut token: Option<String> = None;
+        loop {
+            let mut body =
+                serde_json::json!({"logGroupName": group, "logStreamName": stream, "startFromHead": true});
+            if let Some(t) = &token {
+                body["nextToken"] = t.clone().into();
+            }
+            let v = self.json_call("logs", "Logs_20140328.GetLogEvents", body).await;
+            let events = v["events"].as_array().cloned().unwrap_or_default();
+            out.extend(events.iter().filter_map(|e| e["message"].as_str().map(str::to_string)));
+            let next = v["nextForwardToken"].as_str().map(str::to_string);
+            if events.is_empty() || next == token {
+                return out;
+            }
+            token = next;
+        }
+    }
+
     /// Whether an S3 bucket exists, and whether versioning is on in it.
     pub async fn bucket_versioning(&self, bucket: &str) -> Option<bool> {
         let r = self

@@ -272,7 +272,7 @@ impl Exporter {
         if state.failing_since_ms.is_none() {
             state.failing_since_ms = Some(now_ms());
             tracing::warn!(sink = self.sink.kind(), target = %state.target, error, "Audit export failing; jobs go on, the copy catches up when the sink is back: {error}.");
-            self.record("audit_export_failed", format!("{}: {error}", state.target));
+            self.record("audit_export_failed", error.to_string());
         } else {
             tracing::debug!(sink = self.sink.kind(), error, "Audit export still failing.");
         }

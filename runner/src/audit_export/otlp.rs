@@ -78,9 +78,8 @@ impl OtlpSink {
             for (k, v) in &self.headers {
                 req = req.header(k, v);
             }
-            let resp = req.send().await.map_err(|e| {
-                SinkError(format!("{}: {}", self.url, byoc_oci_sync::client::error_chain(&e)))
-            })?;
+            // The chain names the URL.
+            let resp = req.send().await.map_err(|e| SinkError(byoc_oci_sync::client::error_chain(&e)))?;
             let status = resp.status().as_u16();
             let answer = resp.bytes().await.unwrap_or_default();
             if !(200..300).contains(&status) {
