@@ -26,6 +26,10 @@
 #     root: created if missing, written as roles.admin_group, given control/; empty: root only)
 #   BYOC_BOOTSTRAP_SECRET (Secrets Manager ARN) BYOC_RELEASE_PUBKEY (minisign key line)
 #   BYOC_UPDATE_MODE (the runner's own updates: auto, approve or off; default approve)
+#   BYOC_AUDIT_BUCKET BYOC_AUDIT_LOG_GROUP (the customer's copies of the audit log: a
+#     name, `create` for the one the stack made, or empty for none)
+#   BYOC_AUDIT_OTLP_ENDPOINT BYOC_AUDIT_OTLP_CA (an https OTLP collector and, base64,
+#     the PEM of the CA its certificate chains to; empty: none)
 #   BYOC_RELEASE_URL (https base URL; empty: use BYOC_RELEASE_DIR)
 #   BYOC_RELEASE_DIR (default /opt/byoc-runner/release)
 #   BYOC_ROOT (install into this directory instead of /; for tests)
@@ -72,11 +76,25 @@ for v in BYOC_ACCOUNT_ID BYOC_INSTALL_NAME BYOC_ORG_ID BYOC_APP_ID; do
     [ -z "$value" ] || printf '%s' "$value" | grep -Eqx '[A-Za-z0-9_.-]{1,128}' \
         || fail "$v is not 1-128 of letters, digits, '_', '.' and '-'"
 done
+# The audit copies: the stack's own bucket and log group have fixed names.
+[ "$BYOC_AUDIT_BUCKET" != create ] || BYOC_AUDIT_BUCKET="$BYOC_INSTALL_ID-audit-$BYOC_ACCOUNT_ID"
+[ "$BYOC_AUDIT_LOG_GROUP" != create ] || BYOC_AUDIT_LOG_GROUP="/byoc-runner/$BYOC_INSTALL_ID/audit"
+[ -z "$BYOC_AUDIT_BUCKET" ] || printf '%s' "$BYOC_AUDIT_BUCKET" | grep -Eqx '[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]' \
+    || fail "BYOC_AUDIT_BUCKET is not an S3 bucket name"
+[ -z "$BYOC_AUDIT_LOG_GROUP" ] || printf '%s' "$BYOC_AUDIT_LOG_GROUP" | grep -Eqx '[A-Za-z0-9._/#-]{1,512}' \
+    || fail "BYOC_AUDIT_LOG_GROUP is not a log group name"
+[ -z "$BYOC_AUDIT_OTLP_ENDPOINT" ] || printf '%s' "$BYOC_AUDIT_OTLP_ENDPOINT" | grep -Eqx 'https://[A-Za-z0-9.:/_-]+' \
+    || fail "BYOC_AUDIT_OTLP_ENDPOINT must be an https:// URL"
 [ -n "$BYOC_UPDATE_MODE" ] || BYOC_UPDATE_MODE=approve
 case "$BYOC_UPDATE_MODE" in auto|approve|off) ;; *) fail "BYOC_UPDATE_MODE must be auto, approve or off" ;; esac
 
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
+
+if [ -n "$BYOC_AUDIT_OTLP_ENDPOINT" ] && [ -n "$BYOC_AUDIT_OTLP_CA" ]; then
+    printf '%s' "$BYOC_AUDIT_OTLP_CA" | base64 -d > "$work/otlp-ca.pem" 2>/dev/null || fail "BYOC_AUDIT_OTLP_CA is not base64"
+    grep -q 'BEGIN CERTIFICATE' "$work/otlp-ca.pem" || fail "BYOC_AUDIT_OTLP_CA holds no PEM certificate"
+fi
 
 # 1. The release: SHA256SUMS, its signature, and the package it names.
 if [ -n "$BYOC_RELEASE_URL" ]; then
@@ -160,7 +178,26 @@ conf="$ROOT/etc/byoc-runner/runner.toml"
         echo "[terraform.state]"
         echo "bucket = \"$BYOC_STATE_BUCKET\""
     fi
+    if [ -n "$BYOC_AUDIT_BUCKET" ]; then
+        echo
+        echo "[audit.export.s3]"
+        echo "bucket = \"$BYOC_AUDIT_BUCKET\""
+    fi
+    if [ -n "$BYOC_AUDIT_LOG_GROUP" ]; then
+        echo
+        echo "[audit.export.cloudwatch]"
+        echo "log_group = \"$BYOC_AUDIT_LOG_GROUP\""
+    fi
+    if [ -n "$BYOC_AUDIT_OTLP_ENDPOINT" ]; then
+        echo
+        echo "[audit.export.otlp]"
+        echo "endpoint = \"$BYOC_AUDIT_OTLP_ENDPOINT\""
+        [ -z "$BYOC_AUDIT_OTLP_CA" ] || echo "ca_file = \"/etc/byoc-runner/otlp-ca.pem\""
+    fi
 } > "$conf.new"
+if [ -n "$BYOC_AUDIT_OTLP_ENDPOINT" ] && [ -n "$BYOC_AUDIT_OTLP_CA" ]; then
+    install -m 0644 "$work/otlp-ca.pem" "$ROOT/etc/byoc-runner/otlp-ca.pem" || fail "writing the collector's CA"
+fi
 chown "0:$gid" "$conf.new"
 chmod 0640 "$conf.new"
 mv "$conf.new" "$conf"

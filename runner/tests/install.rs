@@ -323,6 +323,63 @@ fn user_data_writes_the_values_role_names_use() {
     assert!(!other.path().join("etc/byoc-runner/runner.toml").exists());
 }
 
+#[test]
+fn user_data_writes_the_customers_audit_copies() {
+    let release = signed_release();
+    let work = tempfile::tempdir().unwrap();
+    let bin = stubs(work.path());
+    let root = throwaway_root();
+    let r = root.path();
+    let pki = byoc_control_plane::tls::test_pki().unwrap();
+    use base64::Engine as _;
+    let ca = base64::engine::general_purpose::STANDARD.encode(&pki.ca_pem);
+    let values = [
+        ("BYOC_ACCOUNT_ID", "123456789012"),
+        ("BYOC_AUDIT_BUCKET", "create"),
+        ("BYOC_AUDIT_LOG_GROUP", "/acme/audit"),
+        ("BYOC_AUDIT_OTLP_ENDPOINT", "https://otel.acme.example"),
+        ("BYOC_AUDIT_OTLP_CA", ca.as_str()),
+    ];
+    let o = user_data_with(r, &release, &bin, &values);
+    assert!(o.status.success(), "user-data failed: {}", String::from_utf8_lossy(&o.stderr));
+    let text = std::fs::read_to_string(r.join("etc/byoc-runner/runner.toml")).unwrap();
+    for section in [
+        // The bucket the stack created has a fixed name.
+        "[audit.export.s3]\nbucket = \"inst-demo-audit-123456789012\"",
+        "[audit.export.cloudwatch]\nlog_group = \"/acme/audit\"",
+        "[audit.export.otlp]\nendpoint = \"https://otel.acme.example\"\nca_file = \"/etc/byoc-runner/otlp-ca.pem\"",
+    ] {
+        assert!(text.contains(section), "{section} in {text}");
+    }
+    assert_eq!(std::fs::read_to_string(r.join("etc/byoc-runner/otlp-ca.pem")).unwrap(), pki.ca_pem);
+
+    // Without them: no copy.
+    let plain = throwaway_root();
+    assert!(user_data(plain.path(), &release, &bin).status.success());
+    assert!(
+        !std::fs::read_to_string(plain.path().join("etc/byoc-runner/runner.toml")).unwrap().contains("audit")
+    );
+
+    for (var, value, why) in [
+        (
+            "BYOC_AUDIT_BUCKET",
+            "x\"\n[control_plane]\nurl = \"http://evil",
+            "BYOC_AUDIT_BUCKET is not an S3 bucket name",
+        ),
+        ("BYOC_AUDIT_OTLP_ENDPOINT", "http://otel.acme.example", "must be an https:// URL"),
+        ("BYOC_AUDIT_OTLP_CA", "bm90IGEgY2VydA==", "holds no PEM certificate"),
+    ] {
+        let other = throwaway_root();
+        let mut values = vec![(var, value)];
+        if var == "BYOC_AUDIT_OTLP_CA" {
+            values.push(("BYOC_AUDIT_OTLP_ENDPOINT", "https://otel.acme.example"));
+        }
+        let o = user_data_with(other.path(), &release, &bin, &values);
+        assert!(!o.status.success(), "{var}={value} was accepted");
+        assert!(String::from_utf8_lossy(&o.stderr).contains(why), "{}", String::from_utf8_lossy(&o.stderr));
+    }
+}
+
 fn calls(dir: &Path) -> String {
     std::fs::read_to_string(dir.join("calls.log")).unwrap_or_default()
 }

@@ -74,10 +74,13 @@ fn the_template_is_hardened_as_promised() {
         .as_array()
         .unwrap()
         .clone();
-    let actions: Vec<String> = statements
-        .iter()
-        .flat_map(|s| s["Action"].as_array().unwrap().iter().map(|a| a.as_str().unwrap().to_string()))
-        .collect();
+    // The audit copy's statements exist only with a copy configured (Fn::If).
+    let (conditional, statements): (Vec<_>, Vec<_>) =
+        statements.into_iter().partition(|s| s.get("Fn::If").is_some());
+    let actions_of = |s: &serde_json::Value| -> Vec<String> {
+        s["Action"].as_array().unwrap().iter().map(|a| a.as_str().unwrap().to_string()).collect()
+    };
+    let actions: Vec<String> = statements.iter().flat_map(actions_of).collect();
     assert_eq!(
         actions,
         [
@@ -90,6 +93,46 @@ fn the_template_is_hardened_as_promised() {
         ]
     );
     assert_eq!(statements[1]["Resource"]["Ref"], "AWS::StackId");
+    let audit: Vec<(String, Vec<String>)> = conditional
+        .iter()
+        .map(|s| {
+            let branches = s["Fn::If"].as_array().unwrap();
+            assert_eq!(branches[2]["Ref"], "AWS::NoValue", "nothing without the condition");
+            (branches[0].as_str().unwrap().to_string(), actions_of(&branches[1]))
+        })
+        .collect();
+    assert_eq!(
+        audit,
+        [
+            ("AuditToS3".to_string(), vec!["s3:PutObject".to_string(), "s3:GetObject".to_string()]),
+            (
+                "CreateAuditBucket".to_string(),
+                vec!["kms:GenerateDataKey".to_string(), "kms:Decrypt".to_string()]
+            ),
+            (
+                "AuditToLogs".to_string(),
+                vec!["logs:CreateLogStream".to_string(), "logs:PutLogEvents".to_string()]
+            ),
+        ],
+        "the copy is written, never deleted"
+    );
+    // The bucket the stack creates keeps every object for the retention, whoever asks.
+    let bucket = &r["AuditBucketStore"];
+    assert_eq!(bucket["Condition"], "CreateAuditBucket");
+    assert_eq!(bucket["Properties"]["ObjectLockEnabled"], true);
+    assert_eq!(
+        bucket["Properties"]["ObjectLockConfiguration"]["Rule"]["DefaultRetention"]["Mode"],
+        "COMPLIANCE"
+    );
+    assert_eq!(bucket["Properties"]["VersioningConfiguration"]["Status"], "Enabled");
+    assert_eq!(
+        bucket["Properties"]["BucketEncryption"]["ServerSideEncryptionConfiguration"][0]["ServerSideEncryptionByDefault"]
+            ["KMSMasterKeyID"]["Fn::GetAtt"][0],
+        "AuditKey"
+    );
+    assert_eq!(bucket["DeletionPolicy"], "Retain");
+    assert!(user_data.contains("BYOC_AUDIT_BUCKET='${AuditBucket}'"));
+    assert_eq!(t["Parameters"]["AuditBucket"]["Default"], "", "no copy unless the customer asks");
     // Every lifecycle role: created only when switched on, trusting only the runner's
     // role with the ExternalId, its ARN an output under the same condition.
     for (key, default) in [
@@ -245,7 +288,7 @@ contents = """
         assert_eq!(t["Outputs"][format!("{key}RoleArn")]["Condition"], format!("{key}On"));
     }
     assert!(t["Parameters"].get("EnableProvisionRole").is_none(), "this app has no provision role");
-    let group = t["Metadata"]["AWS::CloudFormation::Interface"]["ParameterGroups"][3]["Parameters"].clone();
+    let group = t["Metadata"]["AWS::CloudFormation::Interface"]["ParameterGroups"][4]["Parameters"].clone();
     assert_eq!(
         group,
         serde_json::json!([
