@@ -103,15 +103,6 @@ fn sink_status(e: &Env) -> BTreeMap<String, serde_json::Value> {
         .collect()
 }
 
-/// Poll (the copy is written by another process) until `done`, or fail with `what`.
-async fn eventually(what: &str, mut done: impl AsyncFnMut() -> bool) {
-    let deadline = tokio::time::Instant::now() + WAIT;
-    while !done().await {
-        assert!(tokio::time::Instant::now() < deadline, "timed out waiting until {what}");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-}
-
 /// Until every configured sink holds every record the log's last checkpoint covers and
 /// no sink is failing.
 async fn all_delivered(e: &Env, sinks: &[&str]) {

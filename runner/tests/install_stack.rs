@@ -596,6 +596,35 @@ fn secret_declarations_the_stack_cannot_honour_are_refused_with_every_problem() 
 }
 
 #[tokio::test]
+async fn the_stacks_audit_bucket_and_log_group_take_the_runners_copy() {
+    let moto = MotoServer::start().await;
+    let described = create_stack(
+        &moto,
+        STACK,
+        &template(),
+        "inst-demo",
+        &[("SecretDbPassword", "example-db-pw"), ("AuditBucket", "create"), ("AuditLogGroup", "create")],
+    )
+    .await;
+    assert!(described.contains("CREATE_COMPLETE"), "{described}");
+    assert!(described.contains("<OutputValue>inst-demo-audit-123456789012</OutputValue>"), "{described}");
+    // The runner configured as user-data configures it for these parameters.
+    let mut opts = role_options(&moto, "");
+    opts.extra += "\n[audit.export.s3]\nbucket = \"inst-demo-audit-123456789012\"\n\
+                   \n[audit.export.cloudwatch]\nlog_group = \"/byoc-runner/inst-demo/audit\"\n";
+    let e = env_with(opts).await;
+    let runner_id = e.cp.runners()[0].runner_id.clone();
+    eventually("both sinks took the copy", async || {
+        let st = byoc_runner::audit_export::status(&e.runner.state_dir);
+        st.len() == 2 && st.iter().all(|s| s.delivered_records > 0 && s.failing_since_ms.is_none())
+    })
+    .await;
+    let keys = moto.s3_keys("inst-demo-audit-123456789012").await;
+    assert!(keys.contains(&format!("byoc-audit/{runner_id}/runner.pub")), "{keys:?}");
+    assert!(!moto.log_messages("/byoc-runner/inst-demo/audit", &runner_id).await.is_empty());
+}
+
+#[tokio::test]
 async fn the_stack_creates_and_the_runner_reads_its_switches_and_arns() {
     let moto = MotoServer::start().await;
     let described = create_stack(

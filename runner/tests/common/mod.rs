@@ -79,6 +79,16 @@ pub async fn gone(needle: &str) -> Vec<i32> {
     }
 }
 
+/// Poll until `done` (for what another process writes without telling the test), or
+/// fail naming `what` after `WAIT`.
+pub async fn eventually(what: &str, mut done: impl AsyncFnMut() -> bool) {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while !done().await {
+        assert!(tokio::time::Instant::now() < deadline, "timed out waiting until {what}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
 pub async fn env_with(opts: RunnerOptions) -> Env {
     env_in(tempfile::tempdir().expect("tempdir"), opts).await
 }
