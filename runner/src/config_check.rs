@@ -79,6 +79,7 @@ pub async fn run(config_path: &Path) -> Vec<Check> {
             out.push(imds_firewall());
             out.extend(install_stack(c).await);
             out.push(updates(&c.update, &c.runner.state_dir));
+            out.push(audit_export(c).await);
         }
         None => {
             for name in [
@@ -92,6 +93,7 @@ pub async fn run(config_path: &Path) -> Vec<Check> {
                 "imds_firewall",
                 "install_stack",
                 "updates",
+                "audit_export",
             ] {
                 out.push(check(name, Status::Skip, "needs a valid configuration", None));
             }
@@ -100,6 +102,33 @@ pub async fn run(config_path: &Path) -> Vec<Check> {
     out.push(journald());
     out.extend(sandbox(config.as_ref()).await);
     out
+}
+
+/// The customer's audit copies: each sink can be set up (its CA and header files read,
+/// the runner's AWS identity found) as the daemon will at start.
+async fn audit_export(c: &Config) -> Check {
+    if c.audit.export.is_empty() {
+        return check(
+            "audit_export",
+            Status::Skip,
+            "no copy of the audit log configured ([audit.export])",
+            None,
+        );
+    }
+    match crate::audit_export::sinks(c, "<runner>").await {
+        Ok(sinks) => check(
+            "audit_export",
+            Status::Ok,
+            sinks.iter().map(|s| s.target()).collect::<Vec<_>>().join(", "),
+            None,
+        ),
+        Err(e) => check(
+            "audit_export",
+            Status::Fail,
+            e,
+            Some("fix [audit.export]: the daemon will not start with a copy it cannot make"),
+        ),
+    }
 }
 
 fn state_dir(dir: &Path, disk: &crate::disk::DiskSettings) -> Check {
