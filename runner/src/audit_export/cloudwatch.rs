@@ -169,26 +169,33 @@ impl CloudWatchSink {
 }
 
 /// The events of a batch, in order, with timestamps the service accepts.
-pub fn events(batch: &Batch, now_ms: u64) -> Result<Vec<Event>, SinkError> {
+pub fn events(batch: &Batch, now_ms: u64) -> Vec<Event> {
     let oldest = now_ms.saturating_sub(14 * DAY_MS - 3600 * 1000);
     let newest = now_ms + 3600 * 1000;
     let mut last = oldest;
     let mut out = Vec::new();
-    let mut push = |time: Option<u64>, message: String| -> Result<(), SinkError> {
-        if message.len() > MAX_EVENT {
-            return Err(SinkError(format!(
-                "an audit line of {} bytes is larger than a CloudWatch Logs event may be ({MAX_EVENT})",
-                message.len()
-            )));
-        }
+    let mut push = |time: Option<u64>, message: String| {
         let t = time.unwrap_or(last).clamp(last, newest);
         last = t;
         out.push(Event { timestamp: t, message });
-        Ok(())
     };
-    for line in &batch.records {
+    for (i, line) in batch.records.iter().enumerate() {
         let time = super::parse_record(line).map(|r| r.time_ms);
-        push(time, line.clone())?;
+        if line.len() <= MAX_EVENT {
+            push(time, line.clone());
+            continue;
+        }
+        // A record larger than an event may be goes in parts, in order: the copy stays
+        // whole (join the `text` of the parts of one `seq`).
+        let seq = batch.records_from + i as u64;
+        let pieces = split_at_chars(line, MAX_EVENT / 2);
+        let parts = pieces.len();
+        for (part, text) in pieces.into_iter().enumerate() {
+            let message =
+                serde_json::json!({ "stream": "records", "seq": seq, "part": part, "parts": parts, "text": text })
+                    .to_string();
+            push(time, message);
+        }
     }
     for (stream, from, lines) in [
         ("checkpoints", batch.checkpoints_from, &batch.checkpoints),
@@ -197,10 +204,26 @@ pub fn events(batch: &Batch, now_ms: u64) -> Result<Vec<Event>, SinkError> {
         for (i, line) in lines.iter().enumerate() {
             let message =
                 serde_json::json!({ "stream": stream, "index": from + i as u64, "line": line }).to_string();
-            push(None, message)?;
+            push(None, message);
         }
     }
-    Ok(out)
+    out
+}
+
+/// `text` in pieces of at most `max` bytes, cut between characters. (JSON escaping can
+/// at most double a piece's length, so half an event's size is the piece size.)
+fn split_at_chars(text: &str, max: usize) -> Vec<&str> {
+    let mut out = Vec::new();
+    let mut rest = text;
+    while !rest.is_empty() {
+        let mut end = rest.len().min(max);
+        while !rest.is_char_boundary(end) {
+            end -= 1;
+        }
+        out.push(&rest[..end]);
+        rest = &rest[end..];
+    }
+    out
 }
 
 /// Calls within the service's limits: events, bytes, and a 24-hour span.
@@ -247,7 +270,7 @@ impl Sink for CloudWatchSink {
     }
 
     fn put<'a>(&'a self, batch: &'a Batch) -> SinkFuture<'a> {
-        Box::pin(async move { self.put_events(&events(batch, byoc_audit::log::now_ms())?).await })
+        Box::pin(async move { self.put_events(&events(batch, byoc_audit::log::now_ms())).await })
     }
 }
 
@@ -270,7 +293,7 @@ mod tests {
             checkpoints: vec![r#"{"size":10,"note":"n"}"#.into()],
             ..Default::default()
         };
-        let e = events(&batch, now).unwrap();
+        let e = events(&batch, now);
         assert_eq!(e.len(), 4);
         assert!(e.windows(2).all(|w| w[0].timestamp <= w[1].timestamp));
         assert!(e[0].timestamp >= now - 14 * DAY_MS);
@@ -280,8 +303,18 @@ mod tests {
         assert_eq!((cp["stream"].as_str(), cp["index"].as_u64()), (Some("checkpoints"), Some(3)));
         assert_eq!(cp["line"].as_str(), Some(batch.checkpoints[0].as_str()));
 
-        let huge = Batch { records: vec!["x".repeat(MAX_EVENT + 1)], ..Default::default() };
-        assert!(events(&huge, now).is_err());
+        // A record larger than an event: in parts that fit and join back.
+        let line = format!(r#"{{"seq":5,"time_ms":{now},"detail":"{}"}}"#, "é\\\"".repeat(MAX_EVENT / 2));
+        let huge = Batch { records_from: 5, records: vec![line.clone()], ..Default::default() };
+        let e = events(&huge, now);
+        assert!(e.len() > 1 && e.iter().all(|e| e.message.len() <= MAX_EVENT), "{}", e.len());
+        let joined: String = e
+            .iter()
+            .map(|e| serde_json::from_str::<serde_json::Value>(&e.message).unwrap())
+            .inspect(|v| assert_eq!(v["seq"], 5))
+            .map(|v| v["text"].as_str().unwrap().to_string())
+            .collect();
+        assert_eq!(joined, line);
     }
 
     #[test]

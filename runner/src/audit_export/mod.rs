@@ -32,6 +32,10 @@ use tokio_util::sync::CancellationToken;
 use crate::config::{AuditExportConfig, Config};
 use crate::state_dir::StateDir;
 
+/// How long checkpoints signed while nothing happens wait for company before they go
+/// (records, and checkpoints with them, go at once).
+const IDLE_BATCH_MS: u64 = 5 * 60 * 1000;
+
 /// What one round delivers: lines as they are in the audit directory (no newline).
 #[derive(Debug, Default, Clone, PartialEq)]
 pub struct Batch {
@@ -348,9 +352,13 @@ impl Exporter {
             self.sink.put_keys(&keys).await?;
             *keys_published = true;
         }
-        let Some((batch, next)) = next_batch(audit_dir, state, self.batch_records)
-            .map_err(|e| SinkError(format!("reading the audit log: {e}")))?
-        else {
+        let next = next_batch(audit_dir, state, self.batch_records)
+            .map_err(|e| SinkError(format!("reading the audit log: {e}")))?;
+        // Idle checkpoints alone (one a minute) wait to go several at a time.
+        let idle_only = next.as_ref().is_some_and(|(b, _)| b.records.is_empty() && b.cosigned.is_empty());
+        let recently = state.last_success_ms.is_some_and(|t| now_ms().saturating_sub(t) < IDLE_BATCH_MS);
+        let next = if idle_only && recently && state.failing_since_ms.is_none() { None } else { next };
+        let Some((batch, next)) = next else {
             if state.failing_since_ms.is_some() || state.last_success_ms.is_none() {
                 self.succeeded(state).map_err(|e| SinkError(format!("storing the export cursor: {e}")))?;
             }
