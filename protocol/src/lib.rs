@@ -23,6 +23,13 @@ pub const AUTH_SIGNING_CONTEXT: &[u8] = b"byoc-runner/auth/v1\n";
 pub const MAX_PAYLOAD_BYTES: usize = 256 * 1024;
 /// Header carrying the byte offset of a log chunk (and the server's offset on a 416).
 pub const LOG_OFFSET_HEADER: &str = "x-log-offset";
+/// The fencing epoch of the runner's lease on a job (from its claim), on every
+/// heartbeat, log upload and result: a control plane that gave the job to another runner
+/// since refuses them as `fenced`.
+pub const LEASE_EPOCH_HEADER: &str = "x-lease-epoch";
+/// The error code (`{"error": "fenced", …}`, HTTP 409) of a request under a lease the
+/// control plane has given to another runner.
+pub const FENCED: &str = "fenced";
 
 /// Job ids of the runner's own checks (drift checks it starts on the customer's
 /// schedule or command). A control plane never issues them; a delivery using one is
@@ -616,6 +623,10 @@ pub struct ClaimRequest {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ClaimResponse {
     pub lease_secs: u64,
+    /// The lease's fencing epoch: higher each time the job is leased anew (to another
+    /// runner after this one's lease expired). 0: a control plane without fencing.
+    #[serde(default)]
+    pub epoch: u64,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

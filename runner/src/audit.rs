@@ -118,6 +118,10 @@ pub const EVENTS: &[(&str, &str)] = &[
     ("job_interrupted", "The job was cut short by a restart of the runner; it is reported, not run again."),
     ("job_reported", "The control plane acknowledged the job's result."),
     (
+        "job_fenced",
+        "The control plane gave the job's lease to another runner of the install (this one stopped answering): the job was stopped here and its result is not reported.",
+    ),
+    (
         "policy_decision",
         "Policies decided a plan or manifests: the verdict, the counts, the digests of what was judged and of every policy.",
     ),
@@ -227,9 +231,17 @@ pub fn record_for(event: &Event) -> Record {
             r.reason = Some(reason.code().into());
             r.detail = Some(detail.chars().take(300).collect());
         }
-        Event::Claimed { job_id, .. } => {
+        Event::Claimed { job_id, epoch, .. } => {
             r.event = "job_claimed".into();
             r.job = Some(job_id.clone());
+            if *epoch > 0 {
+                r.detail = Some(format!("lease epoch {epoch}"));
+            }
+        }
+        Event::Fenced { job_id, detail } => {
+            r.event = "job_fenced".into();
+            r.job = Some(job_id.clone());
+            r.detail = Some(detail.chars().take(300).collect());
         }
         Event::ClaimRefused { job_id, detail } => {
             r.event = "job_claim_refused".into();

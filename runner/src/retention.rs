@@ -103,7 +103,7 @@ mod tests {
     fn finish(f: &testing::Fakes, job_id: &str, finished_at_ms: u64, reported: bool) {
         testing::receive(f, &testing::verified(job_id, None));
         let mut events = vec![
-            Event::Claimed { job_id: job_id.into(), lease_secs: 60 },
+            Event::Claimed { job_id: job_id.into(), lease_secs: 60, epoch: 0 },
             Event::Started {
                 job_id: job_id.into(),
                 started_at_ms: finished_at_ms - 1,

@@ -92,7 +92,7 @@ impl ControlPlane for FakeControlPlane {
     }
     fn claim<'a>(&'a self, job_id: &'a str, _delivery_id: &'a str) -> CpFuture<'a, ClaimResponse> {
         self.call(format!("claim {job_id}"));
-        let answer = lock(&self.claims).pop_front().unwrap_or(Ok(ClaimResponse { lease_secs: 60 }));
+        let answer = lock(&self.claims).pop_front().unwrap_or(Ok(ClaimResponse { lease_secs: 60, epoch: 0 }));
         Box::pin(async move { answer })
     }
     fn heartbeat<'a>(

@@ -41,7 +41,10 @@ fn fixed_state(dir: &Path, with_audit: bool) {
     let log = b"hello from the job\n";
     let lines = vec![
         received("job-0000000000000001", "action.script", "trigger", T0, "run"),
-        Line { ts: T0 + 20, event: Event::Claimed { job_id: "job-0000000000000001".into(), lease_secs: 60 } },
+        Line {
+            ts: T0 + 20,
+            event: Event::Claimed { job_id: "job-0000000000000001".into(), lease_secs: 60, epoch: 0 },
+        },
         Line {
             ts: T0 + 30,
             event: Event::Started {
@@ -70,7 +73,7 @@ fn fixed_state(dir: &Path, with_audit: bool) {
         received("job-0000000000000002", "action.script", "trigger", T0 + 60_000, "run"),
         Line {
             ts: T0 + 60_020,
-            event: Event::Claimed { job_id: "job-0000000000000002".into(), lease_secs: 60 },
+            event: Event::Claimed { job_id: "job-0000000000000002".into(), lease_secs: 60, epoch: 0 },
         },
         Line {
             ts: T0 + 60_030,

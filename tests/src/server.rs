@@ -165,6 +165,10 @@ impl ControlPlane {
     pub fn cancel(&self, job_id: &str) -> Result<(), CpError> {
         self.shared.update(|s| s.cancel(job_id))
     }
+    /// The vendor says the runner holding the job stopped (see `State::release_lease`).
+    pub fn release_lease(&self, job_id: &str) -> Result<(), CpError> {
+        self.shared.update(|s| s.release_lease(job_id))
+    }
     pub fn job(&self, job_id: &str) -> Option<JobView> {
         self.shared.lock().view(job_id)
     }
@@ -295,6 +299,13 @@ impl IntoResponse for CpError {
             CpError::NotFound(_) => StatusCode::NOT_FOUND,
             CpError::Conflict(_) => StatusCode::CONFLICT,
             CpError::BadRequest(_) => StatusCode::BAD_REQUEST,
+            CpError::Fenced(detail) => {
+                return (
+                    StatusCode::CONFLICT,
+                    Json(serde_json::json!({"error": byoc_protocol::FENCED, "detail": detail})),
+                )
+                    .into_response();
+            }
             CpError::LogOffset { server_offset } => {
                 let mut r = (
                     StatusCode::RANGE_NOT_SATISFIABLE,
@@ -444,8 +455,20 @@ async fn claim(
     if fail {
         return Ok((StatusCode::SERVICE_UNAVAILABLE, "injected fault: claim failed").into_response());
     }
-    let lease_secs = sh.update(|s| s.claim(&runner, &job, &req.delivery_id))?;
-    Ok(Json(ClaimResponse { lease_secs }).into_response())
+    let (lease_secs, epoch) = sh.update(|s| s.claim(&runner, &job, &req.delivery_id))?;
+    Ok(Json(ClaimResponse { lease_secs, epoch }).into_response())
+}
+
+/// The fencing epoch a request is made under (absent from runners that predate it).
+fn lease_epoch(headers: &HeaderMap) -> Result<Option<u64>, CpError> {
+    headers
+        .get(byoc_protocol::LEASE_EPOCH_HEADER)
+        .map(|v| {
+            v.to_str().ok().and_then(|v| v.parse::<u64>().ok()).ok_or_else(|| {
+                CpError::BadRequest(format!("bad {} header", byoc_protocol::LEASE_EPOCH_HEADER))
+            })
+        })
+        .transpose()
 }
 
 async fn heartbeat(
@@ -461,7 +484,8 @@ async fn heartbeat(
     } else {
         serde_json::from_slice(&body).map_err(|e| CpError::BadRequest(format!("heartbeat body: {e}")))?
     };
-    let (lease_secs, cancel) = sh.update(|s| s.heartbeat(&runner, &job, req.waiting))?;
+    let epoch = lease_epoch(&headers)?;
+    let (lease_secs, cancel) = sh.update(|s| s.heartbeat(&runner, &job, epoch, req.waiting))?;
     Ok(Json(JobHeartbeatResponse { lease_secs, cancel }))
 }
 
@@ -477,8 +501,9 @@ async fn append_log(
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok())
         .ok_or_else(|| CpError::BadRequest(format!("missing or bad {LOG_OFFSET_HEADER} header")))?;
+    let epoch = lease_epoch(&headers)?;
     let (offset, lose_ack) = sh.update(|s| {
-        let r = s.append_log(&runner, &job, offset, &body);
+        let r = s.append_log(&runner, &job, epoch, offset, &body);
         let lose = r.is_ok() && !body.is_empty() && s.faults.lose_log_acks > 0;
         if lose {
             s.faults.lose_log_acks -= 1;
@@ -499,7 +524,8 @@ async fn result(
     Json(res): Json<JobResult>,
 ) -> Result<Json<serde_json::Value>, CpError> {
     let runner = runner_id(&sh, &headers)?;
-    let duplicate = sh.update(|s| s.result(&runner, &job, res))?;
+    let epoch = lease_epoch(&headers)?;
+    let duplicate = sh.update(|s| s.result(&runner, &job, epoch, res))?;
     Ok(Json(serde_json::json!({ "duplicate": duplicate })))
 }
 
@@ -523,6 +549,7 @@ fn admin_router(shared: Arc<Shared>) -> Router {
         .route("/admin/jobs/{job}/log", get(admin_log))
         .route("/admin/jobs/{job}/cancel", post(admin_cancel))
         .route("/admin/jobs/{job}/redeliver", post(admin_redeliver))
+        .route("/admin/jobs/{job}/release-lease", post(admin_release_lease))
         .route("/admin/runners", get(admin_runners))
         .route("/admin/runners/{runner}/update", post(admin_update_runner))
         .route("/admin/releases", post(admin_publish_release).get(admin_releases))
@@ -577,6 +604,12 @@ async fn admin_log(AxState(sh): Sh, Path(job): Path<String>) -> Result<Vec<u8>, 
 
 async fn admin_cancel(AxState(sh): Sh, Path(job): Path<String>) -> Result<StatusCode, CpError> {
     sh.update(|s| s.cancel(&job))?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// The vendor says the runner holding the job stopped: it may go to another runner.
+async fn admin_release_lease(AxState(sh): Sh, Path(job): Path<String>) -> Result<StatusCode, CpError> {
+    sh.update(|s| s.release_lease(&job))?;
     Ok(StatusCode::NO_CONTENT)
 }
 

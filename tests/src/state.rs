@@ -160,6 +160,33 @@ struct Job {
     waiting: Option<byoc_protocol::JobWaiting>,
     /// Every distinct waiting report, in order.
     waited: Vec<byoc_protocol::JobWaiting>,
+    /// What was signed for the first delivery (re-signed for another runner when the
+    /// job is leased anew); `None` for a tampered envelope.
+    payload: Option<JobPayload>,
+    group: &'static str,
+    /// The current lease's fencing epoch (1 for the first).
+    epoch: u64,
+    /// When the current lease runs out without a heartbeat.
+    lease_until: Option<Instant>,
+    /// Every lease given: runner and epoch, in order.
+    leases: Vec<(String, u64)>,
+    /// Requests refused as fenced: runner, epoch, what.
+    fenced: Vec<(String, u64, String)>,
+    /// The vendor says the runner holding the job stopped: it may be leased anew even
+    /// if it changes or destroys.
+    released: bool,
+}
+
+impl Job {
+    /// A script, a container, a noop or an artifact copy may run again elsewhere once
+    /// its lease expired (a copy by digest is idempotent; the vendor's own code must be
+    /// written to be re-run). Terraform, helm, kubernetes, secrets and updates can change
+    /// or destroy: they wait for the vendor to say the first runner stopped
+    /// (`release_lease`), and terraform's state lock keeps two applies apart even then.
+    fn reofferable(&self) -> bool {
+        self.released
+            || matches!(self.kind.as_str(), "action.script" | "action.container" | "runner.noop" | "oci.sync")
+    }
 }
 
 struct Delivery {
@@ -190,6 +217,13 @@ pub struct JobView {
     /// Every distinct waiting report the runner sent for this job.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub waited: Vec<byoc_protocol::JobWaiting>,
+    /// The runner holding the current lease, and its fencing epoch.
+    pub claimed_by: Option<String>,
+    pub epoch: u64,
+    /// Every lease given (runner, epoch), in order.
+    pub leases: Vec<(String, u64)>,
+    /// Requests refused as fenced: runner, epoch, what.
+    pub fenced: Vec<(String, u64, String)>,
     /// Enqueue → the runner started the job (from the result's `started_at_ms`).
     pub pickup_ms: Option<u64>,
     pub duration_ms: Option<u64>,
@@ -250,6 +284,9 @@ pub enum CpError {
     BadRequest(String),
     #[error("log offset mismatch")]
     LogOffset { server_offset: u64 },
+    /// A request under a lease the job has since been given away from.
+    #[error("fenced: {0}")]
+    Fenced(String),
 }
 
 pub struct State {
@@ -493,6 +530,13 @@ impl State {
                     log_416s: 0,
                     waiting: None,
                     waited: Vec::new(),
+                    payload: (!t.malformed && !t.bad_signature && !t.unknown_key).then(|| payload.clone()),
+                    group,
+                    epoch: 1,
+                    lease_until: None,
+                    leases: Vec::new(),
+                    fenced: Vec::new(),
+                    released: false,
                 },
             );
             self.job_order.push(job_id.clone());
@@ -557,6 +601,7 @@ impl State {
         free_groups: &[String],
     ) -> Option<(String, JobEnvelope)> {
         let now = Instant::now();
+        self.lease_anew_to(runner_id, now);
         for job in self.jobs.values_mut() {
             if job.state == JobState::Offered
                 && job.offered_at.is_some_and(|t| now.duration_since(t) > self.offer_timeout)
@@ -588,6 +633,57 @@ impl State {
             job.offered_at = Some(now);
         }
         Some((id, d.envelope.clone()))
+    }
+
+    /// Jobs whose lease ran out on another runner of the install (no heartbeat for
+    /// `lease_secs`) are offered to `runner_id` under a new epoch: a new envelope, signed
+    /// for it, with a new nonce. The first runner's requests are fenced from now on.
+    fn lease_anew_to(&mut self, runner_id: &str, now: Instant) {
+        let mut fresh = Vec::new();
+        for job in self.jobs.values_mut() {
+            let expired = job.state == JobState::Claimed
+                && job.result.is_none()
+                && !job.cancel_requested
+                && job.claimed_by.as_deref().is_some_and(|r| r != runner_id)
+                && job.lease_until.is_some_and(|t| now >= t)
+                && job.reofferable();
+            let Some(payload) = job.payload.as_ref().filter(|_| expired) else { continue };
+            let ttl = payload.expires_at - payload.issued_at;
+            let issued = unix_now();
+            let payload = JobPayload {
+                runner_id: runner_id.to_string(),
+                nonce: random_hex(16),
+                attempt: payload.attempt + 1,
+                issued_at: issued,
+                expires_at: issued + ttl,
+                ..payload.clone()
+            };
+            let Ok(bytes) = serde_json::to_vec(&payload) else { continue };
+            job.epoch += 1;
+            job.claimed_by = None;
+            job.lease_until = None;
+            job.state = JobState::Offered;
+            job.offered_at = Some(now);
+            job.nonce = payload.nonce.clone();
+            fresh.push((job.job_id.clone(), job.group, JobEnvelope::sign_bytes(&bytes, &self.signing_key)));
+        }
+        for (job_id, group, envelope) in fresh {
+            let id = format!("dl-{}", random_hex(8));
+            self.deliveries.insert(
+                id.clone(),
+                Delivery { job_id, target_runner: runner_id.to_string(), group, envelope },
+            );
+            self.queue.push_front(id);
+        }
+    }
+
+    /// The vendor says the runner holding the job has stopped: its lease ends now and
+    /// the job may go to another runner of the install, whatever it does.
+    pub fn release_lease(&mut self, job_id: &str) -> Result<(), CpError> {
+        let job = self.jobs.get_mut(job_id).ok_or_else(|| CpError::NotFound(job_id.into()))?;
+        job.released = true;
+        job.lease_until = Some(Instant::now());
+        Ok(())
     }
 
     fn delivery_job(&self, delivery_id: &str, runner_id: &str) -> Result<String, CpError> {
@@ -623,7 +719,8 @@ impl State {
         Ok(())
     }
 
-    pub fn claim(&mut self, runner_id: &str, job_id: &str, delivery_id: &str) -> Result<u64, CpError> {
+    /// The lease's seconds and fencing epoch.
+    pub fn claim(&mut self, runner_id: &str, job_id: &str, delivery_id: &str) -> Result<(u64, u64), CpError> {
         if self.delivery_job(delivery_id, runner_id)? != job_id {
             return Err(CpError::BadRequest("delivery is for another job".into()));
         }
@@ -635,20 +732,44 @@ impl State {
                 job.state = JobState::Finished;
                 Err(CpError::Conflict("job was cancelled before it was claimed".into()))
             }
+            // An old delivery to a runner whose lease was given away.
+            JobState::Offered | JobState::Pending if job.leases.iter().any(|(r, _)| r == runner_id) => Err(
+                CpError::Fenced(format!("job {job_id} was leased to another runner (epoch {})", job.epoch)),
+            ),
             JobState::Offered | JobState::Pending => {
                 job.state = JobState::Claimed;
                 job.claimed_by = Some(runner_id.to_string());
-                Ok(lease)
+                job.lease_until = Some(Instant::now() + Duration::from_secs(lease));
+                job.leases.push((runner_id.to_string(), job.epoch));
+                Ok((lease, job.epoch))
             }
             // A retried claim whose first answer was lost.
-            JobState::Claimed if job.claimed_by.as_deref() == Some(runner_id) => Ok(lease),
+            JobState::Claimed if job.claimed_by.as_deref() == Some(runner_id) => Ok((lease, job.epoch)),
             s => Err(CpError::Conflict(format!("job is {s:?}"))),
         }
     }
 
-    fn claimed_job(&mut self, runner_id: &str, job_id: &str) -> Result<&mut Job, CpError> {
+    /// The job under this runner's lease. `epoch`: the one the runner claims under
+    /// (`None` from a runner that predates fencing); a lease given away since is fenced.
+    fn claimed_job(
+        &mut self,
+        runner_id: &str,
+        job_id: &str,
+        epoch: Option<u64>,
+        what: &str,
+    ) -> Result<&mut Job, CpError> {
         let job = self.jobs.get_mut(job_id).ok_or_else(|| CpError::NotFound(job_id.into()))?;
-        if job.claimed_by.as_deref() != Some(runner_id) {
+        let held = job.claimed_by.as_deref() == Some(runner_id) && epoch.is_none_or(|e| e == job.epoch);
+        if !held {
+            let had = job.leases.iter().find(|(r, e)| r == runner_id && epoch.is_none_or(|x| x == *e));
+            if let Some((_, old)) = had {
+                let old = *old;
+                job.fenced.push((runner_id.to_string(), old, what.to_string()));
+                return Err(CpError::Fenced(format!(
+                    "job {job_id}: the lease of epoch {old} was given to another runner (epoch {})",
+                    job.epoch
+                )));
+            }
             return Err(CpError::Conflict("job is not claimed by this runner".into()));
         }
         Ok(job)
@@ -658,11 +779,13 @@ impl State {
         &mut self,
         runner_id: &str,
         job_id: &str,
+        epoch: Option<u64>,
         waiting: Option<byoc_protocol::JobWaiting>,
     ) -> Result<(u64, bool), CpError> {
         let lease = self.lease_secs;
-        let job = self.claimed_job(runner_id, job_id)?;
+        let job = self.claimed_job(runner_id, job_id, epoch, "heartbeat")?;
         job.heartbeats += 1;
+        job.lease_until = Some(Instant::now() + Duration::from_secs(lease));
         if let Some(w) = &waiting
             && job.waited.last() != Some(w)
         {
@@ -676,10 +799,11 @@ impl State {
         &mut self,
         runner_id: &str,
         job_id: &str,
+        epoch: Option<u64>,
         offset: u64,
         bytes: &[u8],
     ) -> Result<u64, CpError> {
-        let job = self.claimed_job(runner_id, job_id)?;
+        let job = self.claimed_job(runner_id, job_id, epoch, "log")?;
         let have = job.log.len() as u64;
         if offset != have {
             job.log_416s += 1;
@@ -694,8 +818,14 @@ impl State {
     }
 
     /// Returns true when this exact result was already recorded (an idempotent retry).
-    pub fn result(&mut self, runner_id: &str, job_id: &str, result: JobResult) -> Result<bool, CpError> {
-        let job = self.claimed_job(runner_id, job_id)?;
+    pub fn result(
+        &mut self,
+        runner_id: &str,
+        job_id: &str,
+        epoch: Option<u64>,
+        result: JobResult,
+    ) -> Result<bool, CpError> {
+        let job = self.claimed_job(runner_id, job_id, epoch, "result")?;
         job.result_posts += 1;
         if let Some(existing) = &job.result {
             if *existing == result {
@@ -814,6 +944,10 @@ impl State {
             log_416s: j.log_416s,
             waiting: j.waiting.clone(),
             waited: j.waited.clone(),
+            claimed_by: j.claimed_by.clone(),
+            epoch: j.epoch,
+            leases: j.leases.clone(),
+            fenced: j.fenced.clone(),
             pickup_ms: started_ms.map(|s| s.saturating_sub(j.enqueued_ms)),
             duration_ms: started_ms.zip(finished_ms).map(|(s, f)| f.saturating_sub(s)),
         })
@@ -944,5 +1078,97 @@ mod audit_tests {
         assert!(matches!(state.audit_upload(&runner, gap), Err(CpError::Conflict(_))));
         state.audit_upload(&runner, request(&w, second, third)).unwrap();
         assert_eq!(state.audit_size(&runner), third);
+    }
+}
+
+#[cfg(test)]
+mod lease_tests {
+    use super::*;
+
+    fn two_runners(lease_secs: u64) -> (State, String, String) {
+        let mut state = State::new("inst".into(), lease_secs, Duration::from_secs(5));
+        let mut enroll = |s: &mut State| {
+            let token = s.new_bootstrap_token();
+            s.enroll(&token, generate_signing_key().verifying_key(), "host".into()).unwrap()
+        };
+        let a = enroll(&mut state);
+        let b = enroll(&mut state);
+        (state, a, b)
+    }
+
+    fn claimed_by(state: &mut State, runner: &str, kind: &str) -> String {
+        let job = state
+            .enqueue(EnqueueRequest {
+                runner_id: Some(runner.into()),
+                ..EnqueueRequest::new(kind, serde_json::json!({}))
+            })
+            .unwrap();
+        let groups: Vec<String> = GROUPS.iter().map(|g| g.to_string()).collect();
+        let (delivery, _) = state.next_delivery(runner, &groups).unwrap();
+        assert_eq!(state.claim(runner, &job, &delivery).unwrap().1, 1, "the first lease's epoch");
+        job
+    }
+
+    const GROUPS: [&str; 3] = ["actions", "deploys", "syncs"];
+
+    fn offer_to(state: &mut State, runner: &str) -> Option<JobEnvelope> {
+        let groups: Vec<String> = GROUPS.iter().map(|g| g.to_string()).collect();
+        state.next_delivery(runner, &groups).map(|(_, e)| e)
+    }
+
+    #[test]
+    fn an_expired_lease_goes_to_another_runner_under_a_higher_epoch_and_fences_the_first() {
+        let (mut state, a, b) = two_runners(0);
+        let job = claimed_by(&mut state, &a, "action.script");
+        // The lease of 0 s has run out: B polls and is offered the job, signed for B.
+        let envelope = offer_to(&mut state, &b).expect("offered to B");
+        let bytes = byoc_protocol::unb64("payload", &envelope.payload).unwrap();
+        let payload: JobPayload = serde_json::from_slice(&bytes).unwrap();
+        assert_eq!(
+            (payload.job_id.as_str(), payload.runner_id.as_str(), payload.attempt),
+            (job.as_str(), b.as_str(), 2)
+        );
+        // A's requests under epoch 1 are fenced from now on, before B even claims.
+        assert!(matches!(state.heartbeat(&a, &job, Some(1), None), Err(CpError::Fenced(_))));
+        let delivery =
+            state.deliveries.iter().find(|(_, d)| d.target_runner == b).map(|(id, _)| id.clone()).unwrap();
+        assert_eq!(state.claim(&b, &job, &delivery).unwrap(), (0, 2));
+        assert!(matches!(state.append_log(&a, &job, Some(1), 0, b"late"), Err(CpError::Fenced(_))));
+        let result = JobResult {
+            status: byoc_protocol::JobStatus::Succeeded,
+            exit_code: Some(0),
+            log_size: 0,
+            log_sha256: hex::encode(sha2::Digest::finalize(sha2::Sha256::default())),
+            log_omitted_bytes: 0,
+            error: None,
+            started_at_ms: None,
+            finished_at_ms: None,
+            outputs: serde_json::Value::Null,
+        };
+        assert!(matches!(state.result(&a, &job, Some(1), result.clone()), Err(CpError::Fenced(_))));
+        // Without an epoch (a runner before fencing) A is refused too: it no longer holds it.
+        assert!(matches!(state.result(&a, &job, None, result.clone()), Err(CpError::Fenced(_))));
+        assert!(!state.result(&b, &job, Some(2), result).unwrap());
+        let view = state.view(&job).unwrap();
+        assert_eq!(view.leases, [(a.clone(), 1), (b.clone(), 2)]);
+        assert_eq!(view.fenced.len(), 4);
+    }
+
+    #[test]
+    fn a_live_lease_stays_and_a_change_waits_for_the_vendors_release() {
+        let (mut state, a, b) = two_runners(60);
+        let job = claimed_by(&mut state, &a, "action.script");
+        assert!(offer_to(&mut state, &b).is_none(), "the lease has not run out");
+        assert_eq!(state.heartbeat(&a, &job, Some(1), None).unwrap(), (60, false));
+
+        let (mut state, a, b) = two_runners(0);
+        let job = claimed_by(&mut state, &a, "terraform");
+        assert!(offer_to(&mut state, &b).is_none(), "an apply is not leased anew on a timeout alone");
+        state.release_lease(&job).unwrap();
+        assert!(offer_to(&mut state, &b).is_some(), "the vendor said A stopped");
+        // And never back to the runner whose lease it was, nor to it again on its poll.
+        let (mut state, a, _) = two_runners(0);
+        let _ = claimed_by(&mut state, &a, "action.script");
+        assert!(offer_to(&mut state, &a).is_none());
     }
 }

@@ -68,6 +68,8 @@ pub struct CpClient {
     request_timeout: Duration,
     identity: Option<(String, SigningKey)>,
     token: Mutex<Option<(String, Instant)>>,
+    /// Each claimed job's fencing epoch, sent with its heartbeats, logs and result.
+    leases: Mutex<std::collections::HashMap<String, u64>>,
 }
 
 impl CpClient {
@@ -90,6 +92,7 @@ impl CpClient {
             request_timeout: cfg.request_timeout,
             identity: None,
             token: Mutex::new(None),
+            leases: Mutex::new(std::collections::HashMap::new()),
         })
     }
 
@@ -203,6 +206,7 @@ impl CpClient {
         path: &str,
         body: Option<&B>,
         raw: Option<(&[u8], u64)>,
+        lease_job: Option<&str>,
         timeout: Duration,
     ) -> Result<reqwest::Response, ClientError> {
         for attempt in 0..2 {
@@ -213,6 +217,9 @@ impl CpClient {
             }
             if let Some((bytes, offset)) = raw {
                 req = req.header(LOG_OFFSET_HEADER, offset).body(bytes.to_vec());
+            }
+            if let Some(epoch) = lease_job.and_then(|job| self.lease_epoch(job)) {
+                req = req.header(byoc_protocol::LEASE_EPOCH_HEADER, epoch);
             }
             match self.send(op, req, timeout).await {
                 Err(ClientError::Unauthorized { .. }) if attempt == 0 => {
@@ -227,7 +234,7 @@ impl CpClient {
     /// Long poll. `Ok(None)` when the server held the request and had nothing.
     pub async fn poll(&self, req: &PollRequest) -> Result<Option<PollResponse>, ClientError> {
         let timeout = Duration::from_secs(req.wait_secs) + self.request_timeout;
-        let r = self.authed("poll", Method::POST, "/v1/jobs/poll", Some(req), None, timeout).await?;
+        let r = self.authed("poll", Method::POST, "/v1/jobs/poll", Some(req), None, None, timeout).await?;
         if r.status() == StatusCode::NO_CONTENT {
             return Ok(None);
         }
@@ -242,15 +249,30 @@ impl CpClient {
     ) -> Result<(), ClientError> {
         let body = RejectRequest { reason, detail: detail.to_string() };
         let path = format!("/v1/deliveries/{}/reject", path_segment(delivery_id));
-        self.authed("reject", Method::POST, &path, Some(&body), None, self.request_timeout).await?;
+        self.authed("reject", Method::POST, &path, Some(&body), None, None, self.request_timeout).await?;
         Ok(())
     }
 
     pub async fn claim(&self, job_id: &str, delivery_id: &str) -> Result<ClaimResponse, ClientError> {
         let body = ClaimRequest { delivery_id: delivery_id.to_string() };
         let path = format!("/v1/jobs/{}/claim", path_segment(job_id));
-        let r = self.authed("claim", Method::POST, &path, Some(&body), None, self.request_timeout).await?;
-        Self::json("claim", r).await
+        let r =
+            self.authed("claim", Method::POST, &path, Some(&body), None, None, self.request_timeout).await?;
+        let claimed: ClaimResponse = Self::json("claim", r).await?;
+        if claimed.epoch > 0 {
+            self.remember_lease(job_id, claimed.epoch);
+        }
+        Ok(claimed)
+    }
+
+    /// The fencing epoch to send for `job_id` (set by its claim, or from the journal
+    /// after a restart).
+    pub fn remember_lease(&self, job_id: &str, epoch: u64) {
+        self.leases.lock().unwrap_or_else(|e| e.into_inner()).insert(job_id.to_string(), epoch);
+    }
+
+    fn lease_epoch(&self, job_id: &str) -> Option<u64> {
+        self.leases.lock().unwrap_or_else(|e| e.into_inner()).get(job_id).copied()
     }
 
     pub async fn heartbeat(
@@ -260,8 +282,9 @@ impl CpClient {
     ) -> Result<JobHeartbeatResponse, ClientError> {
         let path = format!("/v1/jobs/{}/heartbeat", path_segment(job_id));
         let body = byoc_protocol::JobHeartbeatRequest { waiting: waiting.cloned() };
-        let r =
-            self.authed("heartbeat", Method::POST, &path, Some(&body), None, self.request_timeout).await?;
+        let r = self
+            .authed("heartbeat", Method::POST, &path, Some(&body), None, Some(job_id), self.request_timeout)
+            .await?;
         Self::json("heartbeat", r).await
     }
 
@@ -269,7 +292,15 @@ impl CpClient {
     pub async fn append_log(&self, job_id: &str, offset: u64, bytes: &[u8]) -> Result<u64, ClientError> {
         let path = format!("/v1/jobs/{}/log", path_segment(job_id));
         let r = self
-            .authed::<()>("log upload", Method::PUT, &path, None, Some((bytes, offset)), self.request_timeout)
+            .authed::<()>(
+                "log upload",
+                Method::PUT,
+                &path,
+                None,
+                Some((bytes, offset)),
+                Some(job_id),
+                self.request_timeout,
+            )
             .await?;
         let resp: LogAppendResponse = Self::json("log upload", r).await?;
         Ok(resp.offset)
@@ -280,14 +311,15 @@ impl CpClient {
         req: &byoc_protocol::AuditUploadRequest,
     ) -> Result<byoc_protocol::AuditUploadResponse, ClientError> {
         let r = self
-            .authed("audit upload", Method::POST, "/v1/audit", Some(req), None, self.request_timeout)
+            .authed("audit upload", Method::POST, "/v1/audit", Some(req), None, None, self.request_timeout)
             .await?;
         Self::json("audit upload", r).await
     }
 
     pub async fn result(&self, job_id: &str, result: &JobResult) -> Result<(), ClientError> {
         let path = format!("/v1/jobs/{}/result", path_segment(job_id));
-        self.authed("result", Method::POST, &path, Some(result), None, self.request_timeout).await?;
+        self.authed("result", Method::POST, &path, Some(result), None, Some(job_id), self.request_timeout)
+            .await?;
         Ok(())
     }
 }

@@ -29,7 +29,7 @@ impl ControlPlane for LocalChecks {
         Box::pin(async { Ok(()) })
     }
     fn claim<'a>(&'a self, _job_id: &'a str, _delivery_id: &'a str) -> CpFuture<'a, ClaimResponse> {
-        Box::pin(async { Ok(ClaimResponse { lease_secs: LOCAL_LEASE_SECS }) })
+        Box::pin(async { Ok(ClaimResponse { lease_secs: LOCAL_LEASE_SECS, epoch: 0 }) })
     }
     fn heartbeat<'a>(
         &'a self,

@@ -39,6 +39,20 @@ pub trait ControlPlane: Send + Sync {
     fn audit<'a>(&'a self, req: &'a AuditUploadRequest) -> CpFuture<'a, AuditUploadResponse>;
     /// Idempotent: the same result twice is a no-op on the server.
     fn result<'a>(&'a self, job_id: &'a str, result: &'a JobResult) -> CpFuture<'a, ()>;
+    /// After a restart: the fencing epoch the journal holds for a claimed job.
+    fn remember_lease(&self, _job_id: &str, _epoch: u64) {}
+}
+
+/// Whether the control plane refused a request because the job's lease was given to
+/// another runner (`{"error": "fenced"}`): this runner must stop the job and never
+/// report it.
+pub fn is_fenced(e: &ClientError) -> bool {
+    match e {
+        ClientError::Conflict { body, .. } => {
+            serde_json::from_str::<serde_json::Value>(body).is_ok_and(|v| v["error"] == byoc_protocol::FENCED)
+        }
+        _ => false,
+    }
 }
 
 impl ControlPlane for CpClient {
@@ -66,5 +80,8 @@ impl ControlPlane for CpClient {
     }
     fn result<'a>(&'a self, job_id: &'a str, result: &'a JobResult) -> CpFuture<'a, ()> {
         Box::pin(CpClient::result(self, job_id, result))
+    }
+    fn remember_lease(&self, job_id: &str, epoch: u64) {
+        CpClient::remember_lease(self, job_id, epoch);
     }
 }

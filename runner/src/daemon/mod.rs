@@ -313,6 +313,12 @@ async fn isolation(
 
 /// Jobs the journal shows unfinished are settled (`recover`); held jobs resume.
 fn settle_and_resume(rt: &Rt, slots: &Arc<Slots>, tasks: &mut JoinSet<()>) -> Result<(), DaemonError> {
+    // Jobs claimed before the restart speak under the epoch of their lease.
+    rt.journal.with_index(|index| {
+        for j in index.jobs.values().filter(|j| j.lease_epoch > 0) {
+            rt.client.remember_lease(&j.job_id, j.lease_epoch);
+        }
+    });
     let resumed = pipeline::recover::resume_held(rt);
     let resumed_ids = resumed.iter().map(|j| j.payload.job_id.clone()).collect();
     for settle in pipeline::recover::recover(rt, &slots.in_hand, &resumed_ids)? {

@@ -106,7 +106,9 @@ impl ArchivePlan {
             .order
             .iter()
             .filter_map(|id| index.jobs.get(id))
-            .filter(|j| matches!(j.phase, Phase::Reported | Phase::ClaimRefused | Phase::Refused))
+            .filter(|j| {
+                matches!(j.phase, Phase::Reported | Phase::ClaimRefused | Phase::Refused | Phase::Fenced)
+            })
             .collect();
         let jobs: std::collections::HashSet<String> = if settled.len() > threshold {
             settled[..settled.len() - keep]
@@ -143,6 +145,7 @@ fn event_job(e: &Event) -> Option<&str> {
         Event::Received { job_id, .. }
         | Event::Refused { job_id, .. }
         | Event::Claimed { job_id, .. }
+        | Event::Fenced { job_id, .. }
         | Event::ClaimRefused { job_id, .. }
         | Event::Started { job_id, .. }
         | Event::Finished { job_id, .. }
@@ -246,7 +249,7 @@ mod tests {
 
     fn settle(j: &Journal, id: &str) {
         j.append(received(id, &format!("n-{id}"))).unwrap();
-        j.append(Event::Claimed { job_id: id.into(), lease_secs: 60 }).unwrap();
+        j.append(Event::Claimed { job_id: id.into(), lease_secs: 60, epoch: 0 }).unwrap();
         j.append(Event::Reported { job_id: id.into() }).unwrap();
     }
 

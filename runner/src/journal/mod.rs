@@ -76,12 +76,15 @@ pub enum Event {
     Claimed {
         job_id: String,
         lease_secs: u64,
+        /// The lease's fencing epoch (0: a control plane without fencing).
+        #[serde(default, skip_serializing_if = "is_zero")]
+        epoch: u64,
     },
+    /// The control plane gave the job's lease to another runner of the install: this
+    /// runner stopped it and never reports a result for it.
+    Fenced { job_id: String, detail: String },
     /// The control plane refused the claim (cancelled or taken); the job never ran.
-    ClaimRefused {
-        job_id: String,
-        detail: String,
-    },
+    ClaimRefused { job_id: String, detail: String },
     Started {
         job_id: String,
         started_at_ms: u64,
@@ -119,9 +122,7 @@ pub enum Event {
         detail: String,
     },
     /// The control plane acknowledged the result.
-    Reported {
-        job_id: String,
-    },
+    Reported { job_id: String },
 }
 
 fn is_zero(n: &u64) -> bool {
@@ -152,6 +153,8 @@ pub enum Phase {
     Started,
     Finished,
     Reported,
+    /// Leased anew to another runner; settled here without a report.
+    Fenced,
 }
 
 impl Phase {
@@ -163,7 +166,7 @@ impl Phase {
             Phase::AwaitingApproval => 3,
             Phase::Started => 4,
             Phase::ClaimRefused | Phase::Refused | Phase::Finished => 5,
-            Phase::Reported => 6,
+            Phase::Reported | Phase::Fenced => 6,
         }
     }
 
@@ -178,6 +181,7 @@ impl Phase {
             Phase::Started => "started",
             Phase::Finished => "finished",
             Phase::Reported => "reported",
+            Phase::Fenced => "fenced",
         }
     }
 }
@@ -208,6 +212,9 @@ pub struct JobRecord {
     /// `received`'s `local`: one of the runner's own checks.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub local: bool,
+    /// `claimed`'s fencing epoch (0: none).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub lease_epoch: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -280,6 +287,7 @@ impl JobRecord {
             effect: effect.clone(),
             component: component.clone(),
             local: *local,
+            lease_epoch: 0,
         })
     }
 }
@@ -358,7 +366,18 @@ impl Index {
                     detail: detail.clone(),
                 });
             }
-            Event::Claimed { job_id, .. } => self.set_phase(job_id, Phase::Claimed),
+            Event::Claimed { job_id, epoch, .. } => {
+                self.set_phase(job_id, Phase::Claimed);
+                if let Some(j) = self.jobs.get_mut(job_id) {
+                    j.lease_epoch = *epoch;
+                }
+            }
+            Event::Fenced { job_id, detail } => {
+                self.set_phase(job_id, Phase::Fenced);
+                if let Some(j) = self.jobs.get_mut(job_id) {
+                    j.detail = Some(detail.clone());
+                }
+            }
             Event::ClaimRefused { job_id, detail } => {
                 self.set_phase(job_id, Phase::ClaimRefused);
                 if let Some(j) = self.jobs.get_mut(job_id)
@@ -621,7 +640,7 @@ mod tests {
             let (j, cut) = Journal::open(dir.path()).unwrap();
             assert_eq!(cut, 0);
             j.append(received("a", "n1")).unwrap();
-            j.append(Event::Claimed { job_id: "a".into(), lease_secs: 60 }).unwrap();
+            j.append(Event::Claimed { job_id: "a".into(), lease_secs: 60, epoch: 0 }).unwrap();
             j.append(Event::Started {
                 job_id: "a".into(),
                 started_at_ms: 5,
@@ -660,7 +679,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let (j, _) = Journal::open(dir.path()).unwrap();
         j.append(received("a", "n1")).unwrap();
-        j.append(Event::Claimed { job_id: "a".into(), lease_secs: 1 }).unwrap();
+        j.append(Event::Claimed { job_id: "a".into(), lease_secs: 1, epoch: 0 }).unwrap();
         j.append(Event::Reported { job_id: "a".into() }).unwrap();
         j.append(Event::ClaimRefused { job_id: "a".into(), detail: "late".into() }).unwrap();
         j.append(received("a", "n1")).unwrap();
@@ -683,7 +702,7 @@ mod tests {
         let (j, cut) = Journal::open(dir.path()).unwrap();
         assert_eq!(cut, tail.len() as u64);
         assert_eq!(std::fs::read(&path).unwrap(), good);
-        j.append(Event::Claimed { job_id: "a".into(), lease_secs: 1 }).unwrap();
+        j.append(Event::Claimed { job_id: "a".into(), lease_secs: 1, epoch: 0 }).unwrap();
         drop(j);
 
         // Garbage in the middle is not a torn tail.

@@ -37,7 +37,7 @@ pub async fn claim(rt: &Rt, job: AuthorizedJob) -> Result<ClaimOutcome, RecordEr
     // Ok(Ok(lease)): claimed; Ok(Err(why)): refused for good; Err: transient.
     let claimed = retry(retry_policy, &rt.abort, |_| async {
         match rt.plane(verified.origin).claim(&job_id, &verified.delivery_id).await {
-            Ok(c) => Ok(Ok(c.lease_secs)),
+            Ok(c) => Ok(Ok((c.lease_secs, c.epoch))),
             Err(e) if e.is_transient() => {
                 if rt.clock.unix_now() > expires_at {
                     Ok(Err(format!("envelope expired before the claim went through: {e}")))
@@ -56,8 +56,8 @@ pub async fn claim(rt: &Rt, job: AuthorizedJob) -> Result<ClaimOutcome, RecordEr
     })
     .await;
     let refused = match claimed {
-        Retried::Done(Ok(lease_secs)) => {
-            rt.transition(Event::Claimed { job_id: job_id.clone(), lease_secs })?;
+        Retried::Done(Ok((lease_secs, epoch))) => {
+            rt.transition(Event::Claimed { job_id: job_id.clone(), lease_secs, epoch })?;
             return Ok(ClaimOutcome::Claimed(Box::new(ClaimedJob {
                 verified,
                 role,
@@ -89,7 +89,7 @@ mod tests {
     #[tokio::test]
     async fn a_claim_the_control_plane_grants_is_journaled_with_its_lease() {
         let f = testing::runtime().await;
-        f.cp.script_claims([Ok(byoc_protocol::ClaimResponse { lease_secs: 90 })]);
+        f.cp.script_claims([Ok(byoc_protocol::ClaimResponse { lease_secs: 90, epoch: 0 })]);
         let outcome = claim(&f.rt, authorized(&f, "job-1")).await.expect("journal");
         let ClaimOutcome::Claimed(c) = outcome else { panic!("not claimed") };
         assert_eq!(c.lease_secs, 90);
@@ -103,7 +103,7 @@ mod tests {
         f.cp.script_claims([
             Err(unavailable("claim")),
             Err(unavailable("claim")),
-            Ok(byoc_protocol::ClaimResponse { lease_secs: 60 }),
+            Ok(byoc_protocol::ClaimResponse { lease_secs: 60, epoch: 0 }),
         ]);
         let outcome = claim(&f.rt, authorized(&f, "job-1")).await.expect("journal");
         assert!(matches!(outcome, ClaimOutcome::Claimed(_)));

@@ -362,6 +362,15 @@ async fn heartbeat_and_upload(
                 cancel.cancel();
             }
             Ok(_) => {}
+            Err(e) if crate::control_plane::is_fenced(&e) => {
+                // The control plane gave the job to another runner (this one stopped
+                // answering for longer than the lease): stop it now; its result will
+                // be refused and is journaled as fenced, never reported.
+                if !cancel.is_cancelled() {
+                    tracing::warn!(error = %e, "The job's lease was given to another runner: stopping it here.");
+                    cancel.cancel();
+                }
+            }
             Err(e) => tracing::warn!(error = %e, "Job heartbeat failed: {e}."),
         }
         if let Err(e) = uploader.upload_available(rt.plane(origin)).await {
@@ -379,7 +388,7 @@ mod tests {
 
     fn cleared(f: &Fakes, verified: VerifiedJob) -> ClearedJob {
         testing::receive(f, &verified);
-        f.rt.transition(Event::Claimed { job_id: verified.payload.job_id.clone(), lease_secs: 60 })
+        f.rt.transition(Event::Claimed { job_id: verified.payload.job_id.clone(), lease_secs: 60, epoch: 0 })
             .expect("journal");
         ClearedJob { verified, role: None, policy: PolicyChoice::default(), window_close: None }
     }

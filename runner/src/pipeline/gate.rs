@@ -241,6 +241,12 @@ where
                     return Ok(Waited::Settled);
                 }
                 Ok(_) => {}
+                Err(e) if crate::control_plane::is_fenced(&e) => {
+                    // Another runner holds the job now: it never runs here.
+                    tracing::warn!(error = %e, "The job's lease was given to another runner while it was held.");
+                    rt.transition(Event::Fenced { job_id: job_id.clone(), detail: e.to_string() })?;
+                    return Ok(Waited::Settled);
+                }
                 Err(e) => tracing::warn!(error = %e, "Heartbeat of a held job failed: {e}."),
             }
         }

@@ -213,7 +213,7 @@ async fn settle_unclaimed(
     let policy = Policy::new(rt.config.poll.backoff_initial, rt.config.poll.backoff_max);
     let claimed = retry(policy, &rt.stop_reporting, |_| async {
         match rt.plane(origin).claim(job_id, delivery_id).await {
-            Ok(c) => Ok(Ok(c.lease_secs)),
+            Ok(c) => Ok(Ok((c.lease_secs, c.epoch))),
             Err(e) if e.is_transient() => Err(e),
             Err(e) => Ok(Err(e.to_string())),
         }
@@ -222,11 +222,11 @@ async fn settle_unclaimed(
     match claimed {
         Retried::Stopped | Retried::Exhausted(_) => Ok(()),
         Retried::Done(Err(detail)) => rt.transition(Event::ClaimRefused { job_id: job_id.into(), detail }),
-        Retried::Done(Ok(lease_secs)) => {
+        Retried::Done(Ok((lease_secs, epoch))) => {
             tracing::warn!(
                 "Job was received but not started before a runner restart; reporting it, not running it."
             );
-            rt.transition(Event::Claimed { job_id: job_id.into(), lease_secs })?;
+            rt.transition(Event::Claimed { job_id: job_id.into(), lease_secs, epoch })?;
             rt.transition(Event::Finished {
                 job_id: job_id.into(),
                 status: byoc_protocol::JobStatus::Interrupted,
@@ -271,7 +271,8 @@ mod tests {
     async fn a_started_job_is_reported_interrupted_never_rerun() {
         let f = testing::runtime().await;
         testing::receive(&f, &testing::verified("job-1", None));
-        f.rt.transition(Event::Claimed { job_id: "job-1".into(), lease_secs: 60 }).expect("journal");
+        f.rt.transition(Event::Claimed { job_id: "job-1".into(), lease_secs: 60, epoch: 0 })
+            .expect("journal");
         f.rt.transition(Event::Started {
             job_id: "job-1".into(),
             started_at_ms: 5,
@@ -316,7 +317,7 @@ mod tests {
         let f = testing::runtime().await;
         testing::receive(&f, &testing::verified("job-1", None));
         for event in [
-            Event::Claimed { job_id: "job-1".into(), lease_secs: 60 },
+            Event::Claimed { job_id: "job-1".into(), lease_secs: 60, epoch: 0 },
             Event::Finished {
                 job_id: "job-1".into(),
                 status: byoc_protocol::JobStatus::Failed,
@@ -350,7 +351,8 @@ mod tests {
     async fn an_interruption_that_cannot_be_journaled_stops_the_start() {
         let f = testing::runtime().await;
         testing::receive(&f, &testing::verified("job-1", None));
-        f.rt.transition(Event::Claimed { job_id: "job-1".into(), lease_secs: 60 }).expect("journal");
+        f.rt.transition(Event::Claimed { job_id: "job-1".into(), lease_secs: 60, epoch: 0 })
+            .expect("journal");
         f.journal.fail_appends.store(true, Ordering::SeqCst);
         assert!(recover(&f.rt, &JobsInHand::default(), &Default::default()).is_err());
     }

@@ -41,20 +41,28 @@ pub async fn report(rt: &Rt, finished: FinishedJob) -> Result<Reported, RecordEr
     // Shared by the attempts (a retry resumes the upload where the last one stopped).
     let uploader = tokio::sync::Mutex::new(Uploader::new(&rt.state_dir, job_id));
     let policy = Policy::new(rt.config.poll.backoff_initial, rt.config.poll.backoff_max);
-    // Ok(None): acknowledged; Ok(Some(why)): refused for good; Err: try again.
+    // Ok(None): acknowledged; Ok(Some(Ok(why))): refused for good; Ok(Some(Err(why))):
+    // fenced (the job was leased to another runner); Err: try again.
     let reported = retry(policy, &rt.stop_reporting, |_| async {
         let attempt = async {
             let mut uploader = uploader.lock().await;
-            uploader.upload_available(plane).await.map_err(|e| e.to_string())?;
+            match uploader.upload_available(plane).await {
+                Ok(()) => {}
+                Err(crate::spool::UploadError::Client(e)) if crate::control_plane::is_fenced(&e) => {
+                    return Ok(Some(Err(e.to_string())));
+                }
+                Err(e) => return Err(e.to_string()),
+            }
             match plane.result(job_id, &result).await {
                 Ok(()) => Ok(None),
+                Err(e) if crate::control_plane::is_fenced(&e) => Ok(Some(Err(e.to_string()))),
                 Err(e) if e.is_transient() => Err(e.to_string()),
                 Err(ClientError::Conflict { body, .. }) if body.contains("log mismatch") => {
                     // The server's log differs from what we uploaded: resend from its offset.
                     uploader.uploaded = 0;
                     Err(format!("control plane log out of step: {body}"))
                 }
-                Err(e) => Ok(Some(e.to_string())),
+                Err(e) => Ok(Some(Ok(e.to_string()))),
             }
         };
         tokio::select! {
@@ -71,9 +79,14 @@ pub async fn report(rt: &Rt, finished: FinishedJob) -> Result<Reported, RecordEr
             tracing::info!(status = result.status.as_str(), "Result acknowledged.");
             Ok(Reported::Acknowledged)
         }
-        Retried::Done(Some(refusal)) => {
+        Retried::Done(Some(Ok(refusal))) => {
             tracing::error!(error = %refusal, "Control plane refused the job result: {refusal}.");
             Ok(Reported::Refused(refusal))
+        }
+        Retried::Done(Some(Err(fenced))) => {
+            tracing::warn!(error = %fenced, "The job's lease was given to another runner: its result is not reported.");
+            rt.transition(Event::Fenced { job_id: job_id.to_string(), detail: fenced.clone() })?;
+            Ok(Reported::Refused(fenced))
         }
         Retried::Stopped | Retried::Exhausted(_) => Ok(Reported::Deferred),
     }
@@ -94,7 +107,7 @@ mod tests {
         std::fs::create_dir_all(spool.parent().expect("spool dir")).expect("spool dir");
         std::fs::write(&spool, log).expect("spool");
         for event in [
-            Event::Claimed { job_id: job_id.into(), lease_secs: 60 },
+            Event::Claimed { job_id: job_id.into(), lease_secs: 60, epoch: 0 },
             Event::Started { job_id: job_id.into(), started_at_ms: 1, network: None, state_workspace: None },
             Event::Finished {
                 job_id: job_id.into(),

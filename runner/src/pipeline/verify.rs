@@ -242,7 +242,7 @@ impl Verifier<'_> {
     ) -> Result<(), Refused> {
         if let Some(job) = journal.jobs.get(&payload.job_id) {
             match job.phase {
-                Phase::Finished | Phase::Reported | Phase::ClaimRefused | Phase::Refused => {
+                Phase::Finished | Phase::Reported | Phase::ClaimRefused | Phase::Refused | Phase::Fenced => {
                     return Err((
                         RejectReason::AlreadyFinished,
                         format!("job {} already ended here ({})", payload.job_id, job.phase.as_str()),
@@ -759,6 +759,7 @@ mod tests {
             effect: None,
             component: None,
             local: false,
+            lease_epoch: 0,
         };
         for (phase, expect) in [
             (Phase::Finished, Some(RejectReason::AlreadyFinished)),
@@ -859,7 +860,7 @@ mod tests {
                     component: None,
                     local: false,
                 },
-                Event::Claimed { job_id: id.into(), lease_secs: 60 },
+                Event::Claimed { job_id: id.into(), lease_secs: 60, epoch: 0 },
                 Event::Reported { job_id: id.into() },
             ] {
                 journal.append(e).expect("append");
