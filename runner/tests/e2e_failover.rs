@@ -114,3 +114,34 @@ async fn a_frozen_runner_loses_its_lease_and_is_fenced_when_it_wakes() {
     // A's job process is gone (stopped when fenced, or ended on its own).
     assert!(gone(&job).await.is_empty());
 }
+
+#[tokio::test]
+async fn a_runner_killed_while_frozen_comes_back_fenced_under_its_journaled_epoch() {
+    let mut p = pair().await;
+    let job =
+        p.cp.enqueue(EnqueueRequest {
+            runner_id: Some(p.a_id.clone()),
+            ..EnqueueRequest::new(
+                "action.script",
+                serde_json::json!({"script": "echo begun; sleep 3; echo ended"}),
+            )
+        })
+        .unwrap();
+    eventually("A started the job", async || started_count(&p.a.state_dir, &job) == 1).await;
+    p.a.signal(Signal::SIGSTOP);
+    let view = p.cp.wait_for(&job, WAIT, |v| v.result.is_some()).await.unwrap();
+    assert_eq!(view.epoch, 2);
+    // A dies frozen (a reset VM); at its next start it settles the interrupted job and
+    // reports it under the epoch its journal holds: fenced, journaled, not reported.
+    p.a.kill9().await;
+    p.a.spawn(None).unwrap();
+    eventually("A journaled the job as fenced after its restart", async || {
+        journal_events(&p.a.state_dir, &job).last().map(String::as_str) == Some("fenced")
+    })
+    .await;
+    let after = p.cp.job(&job).unwrap();
+    assert_eq!(after.result, view.result, "B's result stands");
+    // Its log upload (before the result) is the first thing refused.
+    assert!(after.fenced.iter().all(|(r, e, _)| *r == p.a_id && *e == 1), "{:?}", after.fenced);
+    assert!(!after.fenced.is_empty());
+}

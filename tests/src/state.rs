@@ -170,7 +170,7 @@ struct Job {
     lease_until: Option<Instant>,
     /// Every lease given: runner and epoch, in order.
     leases: Vec<(String, u64)>,
-    /// Requests refused as fenced: runner, epoch, what.
+    /// Requests refused as fenced: runner, the epoch it sent (0: none), what.
     fenced: Vec<(String, u64, String)>,
     /// The vendor says the runner holding the job stopped: it may be leased anew even
     /// if it changes or destroys.
@@ -764,7 +764,8 @@ impl State {
             let had = job.leases.iter().find(|(r, e)| r == runner_id && epoch.is_none_or(|x| x == *e));
             if let Some((_, old)) = had {
                 let old = *old;
-                job.fenced.push((runner_id.to_string(), old, what.to_string()));
+                // The epoch the request carried (0: none), as evidence of what it claimed.
+                job.fenced.push((runner_id.to_string(), epoch.unwrap_or(0), what.to_string()));
                 return Err(CpError::Fenced(format!(
                     "job {job_id}: the lease of epoch {old} was given to another runner (epoch {})",
                     job.epoch
@@ -1151,7 +1152,8 @@ mod lease_tests {
         assert!(!state.result(&b, &job, Some(2), result).unwrap());
         let view = state.view(&job).unwrap();
         assert_eq!(view.leases, [(a.clone(), 1), (b.clone(), 2)]);
-        assert_eq!(view.fenced.len(), 4);
+        let sent: Vec<u64> = view.fenced.iter().map(|(_, e, _)| *e).collect();
+        assert_eq!(sent, [1, 1, 1, 0]);
     }
 
     #[test]
