@@ -195,6 +195,15 @@ pub const EVENTS: &[(&str, &str)] = &[
         "A sink was removed from the configuration: the copy there stops at the record named.",
     ),
     (
+        "lifecycle_notice",
+        "The metadata service announced the instance's end (a Spot interruption or an Auto Scaling termination): the runner takes no new job and hands over what cannot finish.",
+    ),
+    ("lifecycle_action_completed", "Drained: the runner told Auto Scaling the instance may terminate."),
+    (
+        "lifecycle_action_failed",
+        "Completing the Auto Scaling lifecycle action failed (the hook's timeout ends it).",
+    ),
+    (
         "customer_record_invalid",
         "A record a local admin left for the audit log could not be read; it was set aside.",
     ),

@@ -5,6 +5,9 @@
 //! `fenced`, and the control plane keeps the second runner's result. A job that changes
 //! infrastructure is not leased anew until the vendor says the first runner stopped
 //! (the reference control plane's rule, tested in `byoc_control_plane::state`).
+//! A Spot interruption or an Auto Scaling termination, announced by the metadata
+//! service, makes a runner drain: it hands over what cannot finish in time and
+//! completes the lifecycle action once drained.
 
 #![allow(clippy::unwrap_used)] // a failed unwrap is a failed test
 
@@ -15,6 +18,7 @@ use std::time::Duration;
 
 use byoc_control_plane::EnqueueRequest;
 use byoc_control_plane::harness::{RunnerOptions, RunnerProcess, wait_polling};
+use byoc_control_plane::imds::FakeImds;
 use byoc_control_plane::server::{ControlPlane, ControlPlaneConfig};
 use byoc_protocol::JobStatus;
 use common::*;
@@ -33,6 +37,11 @@ struct Pair {
 }
 
 async fn pair() -> Pair {
+    pair_with(|_| RunnerOptions::default()).await
+}
+
+/// Two runners; A gets `a_opts` besides the suite's own.
+async fn pair_with(a_opts: impl Fn(&Path) -> RunnerOptions) -> Pair {
     let cp = ControlPlane::start(ControlPlaneConfig {
         lease_secs: LEASE_SECS,
         offer_timeout: Duration::from_secs(3),
@@ -42,7 +51,9 @@ async fn pair() -> Pair {
     .unwrap();
     let opts = |dir: &Path| RunnerOptions { poll_wait_secs: 2, ..test_options(dir) };
     let (da, db) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    let a = RunnerProcess::start(Path::new(BIN), da.path(), &cp, &opts(da.path())).unwrap();
+    let extra = a_opts(da.path());
+    let a_opts = RunnerOptions { extra: extra.extra, env: extra.env, ..opts(da.path()) };
+    let a = RunnerProcess::start(Path::new(BIN), da.path(), &cp, &a_opts).unwrap();
     assert!(wait_polling(&cp, WAIT).await, "{}", a.log());
     let a_id = cp.runners()[0].runner_id.clone();
     let b = RunnerProcess::start(Path::new(BIN), db.path(), &cp, &opts(db.path())).unwrap();
@@ -144,4 +155,118 @@ async fn a_runner_killed_while_frozen_comes_back_fenced_under_its_journaled_epoc
     // Its log upload (before the result) is the first thing refused.
     assert!(after.fenced.iter().all(|(r, e, _)| *r == p.a_id && *e == 1), "{:?}", after.fenced);
     assert!(!after.fenced.is_empty());
+}
+
+/// A runner that watches the fake metadata service (and names its Auto Scaling group).
+fn watching(imds: &FakeImds, aws: Option<&str>) -> impl Fn(&Path) -> RunnerOptions {
+    let imds = imds.url.clone();
+    let aws = aws.map(str::to_string);
+    move |_| {
+        let mut extra = "\n[lifecycle]\nwatch = true\npoll_secs = 1\nmargin_secs = 2\n".to_string();
+        if let Some(url) = &aws {
+            extra += &format!(
+                "autoscaling_group = \"byoc-runners\"\nlifecycle_hook = \"drain\"\n\n[aws]\nregion = \"us-east-1\"\nendpoint_url = \"{url}\"\n"
+            );
+        }
+        RunnerOptions {
+            extra,
+            env: vec![
+                ("AWS_EC2_METADATA_SERVICE_ENDPOINT".into(), imds.clone()),
+                ("AWS_ACCESS_KEY_ID".into(), "runner-instance-identity".into()),
+                ("AWS_SECRET_ACCESS_KEY".into(), "runner-instance-secret".into()),
+            ],
+            ..Default::default()
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_spot_interruption_hands_the_running_job_over_to_the_other_runner() {
+    let imds = FakeImds::start().await.unwrap();
+    let mut p = pair_with(watching(&imds, None)).await;
+    let job =
+        p.cp.enqueue(EnqueueRequest {
+            runner_id: Some(p.a_id.clone()),
+            ..EnqueueRequest::new(
+                "action.script",
+                serde_json::json!({"script": "echo begun; sleep 8; echo ended"}),
+            )
+        })
+        .unwrap();
+    eventually("A started the job", async || started_count(&p.a.state_dir, &job) == 1).await;
+    // Two minutes in real life; here 5 s, of which A keeps 2 s for the stop.
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
+    imds.spot_notice("terminate", now + 5);
+
+    // A takes nothing new, stops the job it cannot finish, reports nothing for it and
+    // exits cleanly; B gets the job when A's lease runs out and runs it to the end.
+    let status = p.a.wait_exit(WAIT).await.expect("A stops");
+    assert!(status.success(), "{}", p.a.log());
+    let view = p.cp.wait_for(&job, WAIT, |v| v.result.is_some()).await.unwrap();
+    assert_eq!(view.result.as_ref().unwrap().status, JobStatus::Succeeded, "{}", p.b.log());
+    assert_eq!(view.leases, [(p.a_id.clone(), 1), (p.b_id.clone(), 2)]);
+    assert!(String::from_utf8_lossy(&p.cp.log(&job).unwrap()).contains("ended"));
+    let notice = audit_events(&p.a.state_dir, "lifecycle_notice");
+    assert_eq!(notice.len(), 1);
+    assert!(notice[0]["detail"].as_str().unwrap().starts_with("spot terminate at "), "{notice:?}");
+    assert!(!journal_events(&p.a.state_dir, &job).contains(&"reported".to_string()));
+    assert!(gone(&job).await.is_empty());
+}
+
+/// What Auto Scaling was told: each call's form and whether it was signed.
+#[derive(Clone, Default)]
+struct Calls(std::sync::Arc<std::sync::Mutex<Vec<(String, bool)>>>);
+
+async fn autoscaling(
+    axum::extract::State(calls): axum::extract::State<Calls>,
+    headers: axum::http::HeaderMap,
+    body: String,
+) -> &'static str {
+    let signed = headers.get("authorization").and_then(|v| v.to_str().ok()).is_some_and(|a| {
+        a.starts_with("AWS4-HMAC-SHA256") && a.contains("/us-east-1/autoscaling/aws4_request")
+    });
+    calls.0.lock().unwrap().push((body, signed));
+    "<CompleteLifecycleActionResponse><ResponseMetadata><RequestId>1</RequestId></ResponseMetadata></CompleteLifecycleActionResponse>"
+}
+
+#[tokio::test]
+async fn an_autoscaling_termination_drains_then_completes_the_lifecycle_action() {
+    let calls = Calls::default();
+    let app = axum::Router::new().route("/", axum::routing::post(autoscaling)).with_state(calls.clone());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let aws = format!("http://{}", listener.local_addr().unwrap());
+    let server = tokio::spawn(async move { axum::serve(listener, app).await });
+    let imds = FakeImds::start().await.unwrap();
+    let mut p = pair_with(watching(&imds, Some(&aws))).await;
+    let job =
+        p.cp.enqueue(EnqueueRequest {
+            runner_id: Some(p.a_id.clone()),
+            ..EnqueueRequest::new(
+                "action.script",
+                serde_json::json!({"script": "sleep 2; echo finished here"}),
+            )
+        })
+        .unwrap();
+    eventually("A started the job", async || started_count(&p.a.state_dir, &job) == 1).await;
+    imds.target_lifecycle_state("Terminated");
+    // The job fits in the hook's time: A finishes and reports it, then lets the
+    // instance go, and exits.
+    let status = p.a.wait_exit(WAIT).await.expect("A stops");
+    assert!(status.success(), "{}", p.a.log());
+    let view = p.cp.job(&job).unwrap();
+    assert_eq!(view.result.as_ref().map(|r| r.status), Some(JobStatus::Succeeded));
+    assert_eq!(view.leases, [(p.a_id.clone(), 1)], "A finished it itself");
+    let calls = calls.0.lock().unwrap().clone();
+    assert_eq!(calls.len(), 1, "{calls:?}");
+    let (form, signed) = &calls[0];
+    assert!(signed, "signed under the runner's identity");
+    let form: std::collections::BTreeMap<String, String> =
+        url::form_urlencoded::parse(form.as_bytes()).into_owned().collect();
+    assert_eq!(form["Action"], "CompleteLifecycleAction");
+    assert_eq!(form["AutoScalingGroupName"], "byoc-runners");
+    assert_eq!(form["LifecycleHookName"], "drain");
+    assert_eq!(form["InstanceId"], byoc_control_plane::imds::INSTANCE_ID);
+    assert_eq!(form["LifecycleActionResult"], "CONTINUE");
+    assert_eq!(audit_events(&p.a.state_dir, "lifecycle_action_completed").len(), 1);
+    server.abort();
 }

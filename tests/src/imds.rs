@@ -14,7 +14,29 @@ const TOKEN: &str = "fake-imds-session-token";
 
 pub struct FakeImds {
     pub url: String,
+    lifecycle: Lifecycle,
     task: tokio::task::JoinHandle<()>,
+}
+
+/// What the instance's lifecycle paths answer: a Spot interruption notice (none: 404)
+/// and Auto Scaling's target lifecycle state.
+#[derive(Clone, Default)]
+struct Lifecycle(std::sync::Arc<std::sync::Mutex<(Option<String>, Option<String>)>>);
+
+async fn spot_action(
+    axum::extract::State(l): axum::extract::State<Lifecycle>,
+    headers: HeaderMap,
+) -> Result<String, StatusCode> {
+    authorized(&headers)?;
+    l.0.lock().unwrap_or_else(|e| e.into_inner()).0.clone().ok_or(StatusCode::NOT_FOUND)
+}
+
+async fn target_lifecycle_state(
+    axum::extract::State(l): axum::extract::State<Lifecycle>,
+    headers: HeaderMap,
+) -> Result<String, StatusCode> {
+    authorized(&headers)?;
+    Ok(l.0.lock().unwrap_or_else(|e| e.into_inner()).1.clone().unwrap_or_else(|| "InService".into()))
 }
 
 async fn token(headers: HeaderMap) -> Result<([(&'static str, String); 1], &'static str), StatusCode> {
@@ -86,11 +108,26 @@ impl FakeImds {
             .route("/latest/api/token", put(token))
             .route("/latest/meta-data/instance-id", get(instance_id))
             .route("/latest/meta-data/iam/security-credentials/", get(role_name))
-            .route("/latest/meta-data/iam/security-credentials/{role}", get(role_credentials));
+            .route("/latest/meta-data/iam/security-credentials/{role}", get(role_credentials))
+            .route("/latest/meta-data/spot/instance-action", get(spot_action))
+            .route("/latest/meta-data/autoscaling/target-lifecycle-state", get(target_lifecycle_state));
+        let lifecycle = Lifecycle::default();
+        let app = app.with_state(lifecycle.clone());
         let task = tokio::spawn(async move {
             let _ = axum::serve(listener, app).await;
         });
-        Ok(FakeImds { url, task })
+        Ok(FakeImds { url, lifecycle, task })
+    }
+
+    /// A Spot interruption notice: `action` at `at` (unix seconds), as EC2 words it.
+    pub fn spot_notice(&self, action: &str, at: u64) {
+        let notice = serde_json::json!({ "action": action, "time": rfc3339(at) }).to_string();
+        self.lifecycle.0.lock().unwrap_or_else(|e| e.into_inner()).0 = Some(notice);
+    }
+
+    /// Auto Scaling's target lifecycle state (`InService` until set; `Terminated`).
+    pub fn target_lifecycle_state(&self, state: &str) {
+        self.lifecycle.0.lock().unwrap_or_else(|e| e.into_inner()).1 = Some(state.to_string());
     }
 }
 

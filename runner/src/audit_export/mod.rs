@@ -448,10 +448,10 @@ pub struct AwsIdentity {
 }
 
 impl AwsIdentity {
-    async fn from_config(config: &Config) -> Result<AwsIdentity, String> {
+    pub async fn from_config(config: &Config) -> Result<AwsIdentity, String> {
         let sdk = crate::roles::sdk_config(config)
             .await
-            .ok_or("aws.region is needed for the S3 and CloudWatch Logs sinks")?;
+            .ok_or("aws.region is needed for the runner's own AWS calls")?;
         Ok(AwsIdentity { provider: sdk.credentials_provider() })
     }
 

@@ -10,6 +10,7 @@ mod aws;
 mod control_plane;
 mod drift;
 mod fields;
+mod lifecycle;
 mod runner;
 mod sandbox;
 mod tools;
@@ -21,6 +22,7 @@ pub use audit::{AuditConfig, AuditExportConfig, CloudWatchSinkConfig, OtlpSinkCo
 pub use aws::{AwsConfig, RolesConfig};
 pub use control_plane::ControlPlaneConfig;
 pub use drift::{DRIFT_KINDS, DriftConfig, DriftSchedule};
+pub use lifecycle::LifecycleConfig;
 pub use runner::{JobsConfig, LogTarget, LoggingConfig, PollConfig, RunnerConfig};
 pub use sandbox::{ContainersConfig, SandboxConfig};
 pub use tools::{
@@ -61,6 +63,8 @@ pub struct Config {
     pub update: UpdateConfig,
     /// `[audit.export]`: the customer's own copies of the audit log.
     pub audit: AuditConfig,
+    /// `[lifecycle]`: hand over when the instance is being replaced.
+    pub lifecycle: LifecycleConfig,
     /// `[metrics] textfile`: where the daemon writes its metrics for node_exporter.
     pub metrics_textfile: Option<PathBuf>,
     /// Where the configuration was read from (hidden from jobs).
@@ -119,6 +123,7 @@ impl Config {
         let kubernetes_t = t("kubernetes");
         let update_t = t("update");
         let audit_t = t("audit");
+        let lifecycle_t = t("lifecycle");
         top.finish();
 
         let control_plane = ControlPlaneConfig::parse(cp_t, &mut problems);
@@ -142,6 +147,7 @@ impl Config {
         let metrics_textfile = parse_metrics(metrics_t, &mut problems);
         let update = UpdateConfig::parse(update_t, &mut problems);
         let audit = AuditConfig::parse(audit_t, &mut problems);
+        let lifecycle = LifecycleConfig::parse(lifecycle_t, &mut problems);
         // Across sections.
         if terraform.state.bucket.is_some() && terraform.state.region.is_none() && aws.region.is_none() {
             problems.push("terraform.state.region: required (or aws.region) with a state bucket".into());
@@ -184,6 +190,7 @@ impl Config {
             drift,
             update,
             audit,
+            lifecycle,
             metrics_textfile,
             source: PathBuf::from(source_name),
             digest,

@@ -130,6 +130,8 @@ pub async fn run(config: Config) -> Result<(), DaemonError> {
     let (rt, audit, client) = start_up(config).await?;
     let drain = CancellationToken::new();
     spawn_signal_handler(rt.clone(), drain.clone())?;
+    let notice = Arc::new(std::sync::OnceLock::new());
+    crate::lifecycle::spawn_watch(&rt, drain.clone(), notice.clone());
 
     let slots = Arc::new(Slots {
         limits: rt.config.jobs.groups.clone(),
@@ -158,6 +160,7 @@ pub async fn run(config: Config) -> Result<(), DaemonError> {
     poll_loop(&rt, &slots, &mut tasks, &drain, &health).await;
 
     drain_jobs(&rt, &slots, &mut tasks).await;
+    complete_lifecycle(&rt, notice.get()).await;
     stop(&rt, &audit, background).await;
     Ok(())
 }
@@ -407,6 +410,27 @@ impl Background {
             })
         });
         Background { audit_task, export_tasks, export_stop, idle_task, retention_task, metrics_task }
+    }
+}
+
+/// Drained for an Auto Scaling termination: the group may now terminate the instance.
+async fn complete_lifecycle(rt: &Rt, notice: Option<&crate::lifecycle::Notice>) {
+    if !notice.is_some_and(|n| n.kind == "autoscaling") || rt.config.lifecycle.autoscaling_group.is_none() {
+        return;
+    }
+    match crate::lifecycle::complete_lifecycle_action(&rt.config).await {
+        Ok(detail) => {
+            tracing::info!(%detail, "Lifecycle action completed: the instance may go.");
+            rt.audit_or_log(
+                crate::audit_records::note("lifecycle_action_completed", detail),
+                "the lifecycle action",
+            );
+        }
+        Err(e) => {
+            // The hook's timeout ends it anyway (its default result).
+            tracing::error!(error = %e, "Completing the lifecycle action failed: {e}.");
+            rt.audit_or_log(crate::audit_records::note("lifecycle_action_failed", e), "the lifecycle action");
+        }
     }
 }
 
