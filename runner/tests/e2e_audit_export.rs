@@ -210,8 +210,27 @@ async fn a_jobs_whole_trail_reaches_every_sink_and_verifies_from_the_copy_alone(
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
     assert!(stdout.starts_with(&format!("ok: s3://{BUCKET}/{prefix}: {} records", local.len())), "{stdout}");
-    // The bucket's top: the runners' copies are named.
+    // The install's prefix: every runner's copy under it is verified, each named.
     let out = verify_from(&e, &s, &format!("s3://{BUCKET}/byoc-audit"));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.starts_with(&format!("ok: s3://{BUCKET}/byoc-audit/{id}: ")), "{stdout}");
+    // With a pinned key, one runner's copy must be named (the key is that runner's).
+    let trust = s.files.path().join("trust");
+    std::fs::write(&trust, format!("runner {}", String::from_utf8_lossy(&copy["runner.pub"]).trim()))
+        .unwrap();
+    let out = e.runner.cli(&[
+        "audit",
+        "verify",
+        "--from",
+        &format!("s3://{BUCKET}/byoc-audit"),
+        "--trust",
+        trust.to_str().unwrap(),
+        "--region",
+        "us-east-1",
+        "--endpoint-url",
+        &s.moto.url(),
+    ]);
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains(&format!("it holds the copies of: {id}")));
 

@@ -19,6 +19,7 @@ use std::time::Duration;
 use byoc_control_plane::EnqueueRequest;
 use byoc_control_plane::harness::{RunnerOptions, RunnerProcess, wait_polling};
 use byoc_control_plane::imds::FakeImds;
+use byoc_control_plane::moto::MotoServer;
 use byoc_control_plane::server::{ControlPlane, ControlPlaneConfig};
 use byoc_protocol::JobStatus;
 use common::*;
@@ -29,6 +30,8 @@ const LEASE_SECS: u64 = 3;
 
 struct Pair {
     cp: ControlPlane,
+    /// The install's bucket both runners copy their audit logs into.
+    moto: MotoServer,
     a: RunnerProcess,
     b: RunnerProcess,
     a_id: String,
@@ -49,10 +52,35 @@ async fn pair_with(a_opts: impl Fn(&Path) -> RunnerOptions) -> Pair {
     })
     .await
     .unwrap();
-    let opts = |dir: &Path| RunnerOptions { poll_wait_secs: 2, ..test_options(dir) };
+    let moto = MotoServer::start().await;
+    moto.create_bucket("acme-audit").await;
+    let export = format!(
+        "\n[aws]\nregion = \"us-east-1\"\nendpoint_url = \"{}\"\n\n[audit.export.s3]\nbucket = \"acme-audit\"\n",
+        moto.url()
+    );
+    let aws_env: Vec<(String, String)> = vec![
+        ("AWS_ACCESS_KEY_ID".into(), "runner-instance-identity".into()),
+        ("AWS_SECRET_ACCESS_KEY".into(), "runner-instance-secret".into()),
+        ("AWS_EC2_METADATA_DISABLED".into(), "true".into()),
+    ];
+    let opts = |dir: &Path| RunnerOptions {
+        poll_wait_secs: 2,
+        extra: export.clone(),
+        env: aws_env.clone(),
+        ..test_options(dir)
+    };
     let (da, db) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    let extra = a_opts(da.path());
-    let a_opts = RunnerOptions { extra: extra.extra, env: extra.env, ..opts(da.path()) };
+    // A's own settings come after the shared ones (its [aws] replaces theirs).
+    let own = a_opts(da.path());
+    let base = opts(da.path());
+    let a_opts = if own.extra.contains("[aws]") {
+        RunnerOptions { extra: own.extra, env: own.env, ..base }
+    } else {
+        let mut env = base.env.clone();
+        env.retain(|(k, _)| !own.env.iter().any(|(o, _)| o == k));
+        env.extend(own.env);
+        RunnerOptions { extra: base.extra.clone() + &own.extra, env, ..base }
+    };
     let a = RunnerProcess::start(Path::new(BIN), da.path(), &cp, &a_opts).unwrap();
     assert!(wait_polling(&cp, WAIT).await, "{}", a.log());
     let a_id = cp.runners()[0].runner_id.clone();
@@ -63,7 +91,7 @@ async fn pair_with(a_opts: impl Fn(&Path) -> RunnerOptions) -> Pair {
         b.log()
     );
     let b_id = cp.runners().into_iter().find(|r| r.runner_id != a_id).unwrap().runner_id;
-    Pair { cp, a, b, a_id, b_id, _dirs: (da, db) }
+    Pair { cp, moto, a, b, a_id, b_id, _dirs: (da, db) }
 }
 
 fn journal_events(state_dir: &Path, job_id: &str) -> Vec<String> {
@@ -124,6 +152,38 @@ async fn a_frozen_runner_loses_its_lease_and_is_fenced_when_it_wakes() {
     assert_eq!(shown["phase"], "fenced", "{shown}");
     // A's job process is gone (stopped when fenced, or ended on its own).
     assert!(gone(&job).await.is_empty());
+
+    // The install's whole trail, both runners' copies in the customer's bucket, checks
+    // from the copy alone: A's says it was fenced, B's that it ran the job.
+    eventually("both runners' copies hold their whole logs", async || {
+        [&p.a.state_dir, &p.b.state_dir].iter().all(|d| {
+            let st = byoc_runner::audit_export::status(d);
+            let signed = byoc_runner::audit_export::latest_checkpoint_size(&d.join("audit"));
+            st.len() == 1 && Some(st[0].delivered_records) == signed
+        })
+    })
+    .await;
+    let out = p.a.cli(&[
+        "audit",
+        "verify",
+        "--from",
+        "s3://acme-audit/byoc-audit",
+        "--region",
+        "us-east-1",
+        "--endpoint-url",
+        &p.moto.url(),
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    for id in [&p.a_id, &p.b_id] {
+        assert!(stdout.contains(&format!("ok: s3://acme-audit/byoc-audit/{id}: ")), "{stdout}");
+    }
+    let keys = p.moto.s3_keys("acme-audit").await;
+    let mut a_copy = String::new();
+    for k in keys.iter().filter(|k| k.starts_with(&format!("byoc-audit/{}/records/", p.a_id))) {
+        a_copy += &String::from_utf8(p.moto.s3_object("acme-audit", k).await.unwrap()).unwrap();
+    }
+    assert!(a_copy.contains("\"job_fenced\""), "{a_copy}");
 }
 
 #[tokio::test]

@@ -96,6 +96,25 @@ fn read_dir(root: &Path) -> Result<BTreeMap<String, Vec<u8>>, String> {
     Ok(out)
 }
 
+/// The runners whose copies lie one level under the source (`<runner>/runner.pub`).
+pub fn runners_in(objects: &BTreeMap<String, Vec<u8>>) -> Vec<String> {
+    let suffix = format!("/{}", byoc_audit::log::RUNNER_PUB);
+    let mut runners: Vec<String> = objects
+        .keys()
+        .filter_map(|k| k.strip_suffix(&suffix))
+        .filter(|r| !r.contains('/'))
+        .map(str::to_string)
+        .collect();
+    runners.sort();
+    runners
+}
+
+/// One runner's objects, named relative to its prefix.
+pub fn copy_of(objects: &BTreeMap<String, Vec<u8>>, runner: &str) -> BTreeMap<String, Vec<u8>> {
+    let prefix = format!("{runner}/");
+    objects.iter().filter_map(|(k, v)| k.strip_prefix(&prefix).map(|n| (n.to_string(), v.clone()))).collect()
+}
+
 /// Reassemble into `work` and verify; the trust is `pinned` (the customer's keys) or
 /// the keys published in the copy.
 pub fn verify(
@@ -105,12 +124,7 @@ pub fn verify(
     pinned: Option<&Path>,
 ) -> Result<(Report, Assembled, bool), CopyError> {
     if !objects.contains_key(byoc_audit::log::RUNNER_PUB) {
-        let mut runners: Vec<String> = objects
-            .keys()
-            .filter_map(|k| k.strip_suffix(&format!("/{}", byoc_audit::log::RUNNER_PUB)))
-            .map(str::to_string)
-            .collect();
-        runners.sort();
+        let runners = runners_in(objects);
         return Err(CopyError::NoCopy {
             source_name: source.to_string().trim_end_matches('/').into(),
             runners,
@@ -254,15 +268,17 @@ impl S3Access {
         let mut out = BTreeMap::new();
         for key in keys {
             let Some(name) = key.strip_prefix(&list_prefix) else { continue };
-            // Only the layout's names are fetched; another runner's copy under the same
-            // prefix is listed (to name it), not read.
-            let wanted = byoc_audit::export::parse_object_name(name).is_some()
-                || [
-                    byoc_audit::log::RUNNER_PUB,
-                    byoc_audit::log::CONTROL_PLANE_PUB,
-                    byoc_audit::export::RUNNER_VKEY,
-                ]
-                .contains(&name);
+            // Only the layout's names are fetched, at the top or one runner down.
+            let in_layout = |n: &str| {
+                byoc_audit::export::parse_object_name(n).is_some()
+                    || [
+                        byoc_audit::log::RUNNER_PUB,
+                        byoc_audit::log::CONTROL_PLANE_PUB,
+                        byoc_audit::export::RUNNER_VKEY,
+                    ]
+                    .contains(&n)
+            };
+            let wanted = in_layout(name) || name.split_once('/').is_some_and(|(_, rest)| in_layout(rest));
             let body = if wanted { self.get(&http, bucket, &key, &[]).await? } else { Vec::new() };
             out.insert(name.to_string(), body);
         }

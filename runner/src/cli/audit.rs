@@ -254,16 +254,50 @@ fn verify_copy(
             return 2;
         }
     };
-    match copy::verify(&source, &objects, work.path(), trust) {
+    // The copy at the source's top, or (no key there, none pinned) each runner's copy
+    // beneath it: the install's whole trail.
+    let runners = copy::runners_in(&objects);
+    if trust.is_some() || objects.contains_key(byoc_audit::log::RUNNER_PUB) || runners.is_empty() {
+        let (code, value) =
+            verify_one(&source.to_string(), copy::verify(&source, &objects, work.path(), trust), json);
+        if json {
+            println!("{value}");
+        }
+        return code;
+    }
+    let mut code = 0;
+    let mut all = Vec::new();
+    for runner in &runners {
+        let label = format!("{}/{runner}", source.to_string().trim_end_matches('/'));
+        let dir = work.path().join(runner);
+        let result = std::fs::create_dir(&dir)
+            .map_err(|e| copy::CopyError::Fetch(format!("{}: {e}", dir.display())))
+            .and_then(|()| copy::verify(&source, &copy::copy_of(&objects, runner), &dir, None));
+        let (c, value) = verify_one(&label, result, json);
+        code = code.max(c);
+        all.push(value);
+    }
+    if json {
+        println!("{}", serde_json::json!({"ok": code == 0, "source": source.to_string(), "runners": all}));
+    }
+    code
+}
+
+/// One copy's verdict: printed (text) or returned (JSON), with the exit code.
+fn verify_one(
+    label: &str,
+    result: Result<
+        (byoc_audit::verify::Report, byoc_audit::export::Assembled, bool),
+        crate::audit_export::copy::CopyError,
+    >,
+    json: bool,
+) -> (i32, serde_json::Value) {
+    use crate::audit_export::copy::CopyError;
+    match result {
         Ok((report, assembled, pinned)) => {
-            if json {
+            if !json {
                 println!(
-                    "{}",
-                    serde_json::json!({"ok": true, "source": source.to_string(), "keys_pinned": pinned, "objects": objects.len(), "ignored": assembled.ignored, "report": report})
-                );
-            } else {
-                println!(
-                    "ok: {source}: {} records, {} checkpoints, {} acknowledged by the control plane (up to {}), root {}",
+                    "ok: {label}: {} records, {} checkpoints, {} acknowledged by the control plane (up to {}), root {}",
                     report.records,
                     report.checkpoints,
                     report.cosigned,
@@ -279,22 +313,18 @@ fn verify_copy(
                     );
                 }
             }
-            0
+            let value = serde_json::json!({"ok": true, "source": label, "keys_pinned": pinned, "ignored": assembled.ignored, "report": report});
+            (0, value)
         }
-        Err(copy::CopyError::Trust(e)) => {
+        Err(CopyError::Trust(e)) => {
             eprintln!("error: {e}");
-            EX_USAGE
+            (EX_USAGE, serde_json::json!({"ok": false, "source": label, "error": e}))
         }
         Err(e) => {
-            if json {
-                println!(
-                    "{}",
-                    serde_json::json!({"ok": false, "source": source.to_string(), "error": e.to_string()})
-                );
-            } else {
-                eprintln!("FAILED: {source}: {e}");
+            if !json {
+                eprintln!("FAILED: {label}: {e}");
             }
-            1
+            (1, serde_json::json!({"ok": false, "source": label, "error": e.to_string()}))
         }
     }
 }
