@@ -47,3 +47,31 @@ impl LifecycleConfig {
         LifecycleConfig { watch, poll, margin, autoscaling_group, lifecycle_hook, hook_timeout }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> (LifecycleConfig, Vec<String>) {
+        let mut problems = Vec::new();
+        let table: toml::Table = text.parse().unwrap_or_default();
+        (LifecycleConfig::parse(table, &mut problems), problems)
+    }
+
+    #[test]
+    fn off_by_default_and_the_group_and_hook_go_together() {
+        let (c, problems) = parse("");
+        assert!(!c.watch && problems.is_empty());
+        assert_eq!(
+            (c.poll, c.margin, c.hook_timeout),
+            (Duration::from_secs(5), Duration::from_secs(15), Duration::from_secs(300))
+        );
+        let (_, problems) = parse("watch = true\nautoscaling_group = \"g\"");
+        assert!(problems.iter().any(|p| p.contains("both or neither")), "{problems:?}");
+        let (_, problems) = parse("autoscaling_group = \"g\\n\"\nlifecycle_hook = \"h\"");
+        assert!(problems.iter().any(|p| p.contains("lifecycle.autoscaling_group")), "{problems:?}");
+        let (c, problems) =
+            parse("watch = true\nautoscaling_group = \"g\"\nlifecycle_hook = \"h\"\nmargin_secs = 5");
+        assert!(problems.is_empty() && c.watch && c.margin == Duration::from_secs(5), "{problems:?}");
+    }
+}

@@ -164,6 +164,21 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_fenced_result_is_journaled_as_fenced_and_never_sent_again() {
+        let f = testing::runtime().await;
+        let job = finished(&f, "job-1", b"");
+        let fenced = r#"{"error":"fenced","detail":"job job-1: the lease of epoch 1 was given to another runner (epoch 2)"}"#;
+        f.cp.script_results([Err(conflict("result", fenced))]);
+        let r = report(&f.rt, job).await.expect("journal");
+        assert!(matches!(r, Reported::Refused(_)), "{r:?}");
+        assert_eq!(journaled(&f).last().map(String::as_str), Some("fenced"));
+        // Settled (not finished-unreported): a restart does not report it.
+        assert_eq!(f.rt.journal.job("job-1").map(|j| j.phase), Some(crate::journal::Phase::Fenced));
+        // A plain 409 mentioning the word is not a fence.
+        assert!(!crate::control_plane::is_fenced(&conflict("result", "fenced off by a proxy")));
+    }
+
+    #[tokio::test]
     async fn a_stopping_runner_defers_the_report_to_the_next_start() {
         let f = testing::runtime().await;
         let job = finished(&f, "job-1", b"x\n");
