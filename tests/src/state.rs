@@ -1088,7 +1088,7 @@ mod lease_tests {
 
     fn two_runners(lease_secs: u64) -> (State, String, String) {
         let mut state = State::new("inst".into(), lease_secs, Duration::from_secs(5));
-        let mut enroll = |s: &mut State| {
+        let enroll = |s: &mut State| {
             let token = s.new_bootstrap_token();
             s.enroll(&token, generate_signing_key().verifying_key(), "host".into()).unwrap()
         };

@@ -62,6 +62,20 @@ fn transport(op: &'static str, e: reqwest::Error) -> ClientError {
     ClientError::Transport { op, detail }
 }
 
+/// What a request about a job carries besides its body: log bytes at an offset, and
+/// the job whose lease (fencing epoch) it is made under.
+#[derive(Default, Clone, Copy)]
+struct JobRequest<'a> {
+    log: Option<(&'a [u8], u64)>,
+    lease_of: Option<&'a str>,
+}
+
+impl<'a> JobRequest<'a> {
+    fn leased(job_id: &'a str) -> Self {
+        JobRequest { log: None, lease_of: Some(job_id) }
+    }
+}
+
 pub struct CpClient {
     http: reqwest::Client,
     base: Url,
@@ -205,8 +219,7 @@ impl CpClient {
         method: Method,
         path: &str,
         body: Option<&B>,
-        raw: Option<(&[u8], u64)>,
-        lease_job: Option<&str>,
+        job: JobRequest<'_>,
         timeout: Duration,
     ) -> Result<reqwest::Response, ClientError> {
         for attempt in 0..2 {
@@ -215,10 +228,10 @@ impl CpClient {
             if let Some(b) = body {
                 req = req.json(b);
             }
-            if let Some((bytes, offset)) = raw {
+            if let Some((bytes, offset)) = job.log {
                 req = req.header(LOG_OFFSET_HEADER, offset).body(bytes.to_vec());
             }
-            if let Some(epoch) = lease_job.and_then(|job| self.lease_epoch(job)) {
+            if let Some(epoch) = job.lease_of.and_then(|id| self.lease_epoch(id)) {
                 req = req.header(byoc_protocol::LEASE_EPOCH_HEADER, epoch);
             }
             match self.send(op, req, timeout).await {
@@ -234,7 +247,9 @@ impl CpClient {
     /// Long poll. `Ok(None)` when the server held the request and had nothing.
     pub async fn poll(&self, req: &PollRequest) -> Result<Option<PollResponse>, ClientError> {
         let timeout = Duration::from_secs(req.wait_secs) + self.request_timeout;
-        let r = self.authed("poll", Method::POST, "/v1/jobs/poll", Some(req), None, None, timeout).await?;
+        let r = self
+            .authed("poll", Method::POST, "/v1/jobs/poll", Some(req), JobRequest::default(), timeout)
+            .await?;
         if r.status() == StatusCode::NO_CONTENT {
             return Ok(None);
         }
@@ -249,15 +264,17 @@ impl CpClient {
     ) -> Result<(), ClientError> {
         let body = RejectRequest { reason, detail: detail.to_string() };
         let path = format!("/v1/deliveries/{}/reject", path_segment(delivery_id));
-        self.authed("reject", Method::POST, &path, Some(&body), None, None, self.request_timeout).await?;
+        self.authed("reject", Method::POST, &path, Some(&body), JobRequest::default(), self.request_timeout)
+            .await?;
         Ok(())
     }
 
     pub async fn claim(&self, job_id: &str, delivery_id: &str) -> Result<ClaimResponse, ClientError> {
         let body = ClaimRequest { delivery_id: delivery_id.to_string() };
         let path = format!("/v1/jobs/{}/claim", path_segment(job_id));
-        let r =
-            self.authed("claim", Method::POST, &path, Some(&body), None, None, self.request_timeout).await?;
+        let r = self
+            .authed("claim", Method::POST, &path, Some(&body), JobRequest::default(), self.request_timeout)
+            .await?;
         let claimed: ClaimResponse = Self::json("claim", r).await?;
         if claimed.epoch > 0 {
             self.remember_lease(job_id, claimed.epoch);
@@ -283,7 +300,14 @@ impl CpClient {
         let path = format!("/v1/jobs/{}/heartbeat", path_segment(job_id));
         let body = byoc_protocol::JobHeartbeatRequest { waiting: waiting.cloned() };
         let r = self
-            .authed("heartbeat", Method::POST, &path, Some(&body), None, Some(job_id), self.request_timeout)
+            .authed(
+                "heartbeat",
+                Method::POST,
+                &path,
+                Some(&body),
+                JobRequest::leased(job_id),
+                self.request_timeout,
+            )
             .await?;
         Self::json("heartbeat", r).await
     }
@@ -297,8 +321,7 @@ impl CpClient {
                 Method::PUT,
                 &path,
                 None,
-                Some((bytes, offset)),
-                Some(job_id),
+                JobRequest { log: Some((bytes, offset)), lease_of: Some(job_id) },
                 self.request_timeout,
             )
             .await?;
@@ -311,15 +334,29 @@ impl CpClient {
         req: &byoc_protocol::AuditUploadRequest,
     ) -> Result<byoc_protocol::AuditUploadResponse, ClientError> {
         let r = self
-            .authed("audit upload", Method::POST, "/v1/audit", Some(req), None, None, self.request_timeout)
+            .authed(
+                "audit upload",
+                Method::POST,
+                "/v1/audit",
+                Some(req),
+                JobRequest::default(),
+                self.request_timeout,
+            )
             .await?;
         Self::json("audit upload", r).await
     }
 
     pub async fn result(&self, job_id: &str, result: &JobResult) -> Result<(), ClientError> {
         let path = format!("/v1/jobs/{}/result", path_segment(job_id));
-        self.authed("result", Method::POST, &path, Some(result), None, Some(job_id), self.request_timeout)
-            .await?;
+        self.authed(
+            "result",
+            Method::POST,
+            &path,
+            Some(result),
+            JobRequest::leased(job_id),
+            self.request_timeout,
+        )
+        .await?;
         Ok(())
     }
 }

@@ -415,7 +415,7 @@ impl Background {
 
 /// Drained for an Auto Scaling termination: the group may now terminate the instance.
 async fn complete_lifecycle(rt: &Rt, notice: Option<&crate::lifecycle::Notice>) {
-    if !notice.is_some_and(|n| n.kind == "autoscaling") || rt.config.lifecycle.autoscaling_group.is_none() {
+    if notice.is_none_or(|n| n.kind != "autoscaling") || rt.config.lifecycle.autoscaling_group.is_none() {
         return;
     }
     match crate::lifecycle::complete_lifecycle_action(&rt.config).await {
