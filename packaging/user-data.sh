@@ -170,6 +170,10 @@ conf="$ROOT/etc/byoc-runner/runner.toml"
     [ -z "$BYOC_ORG_ID" ] || echo "org_id = \"$BYOC_ORG_ID\""
     [ -z "$BYOC_APP_ID" ] || echo "app_id = \"$BYOC_APP_ID\""
     echo
+    echo "[lifecycle]"
+    echo "# A Spot interruption or an Auto Scaling termination drains the runner."
+    echo "watch = true"
+    echo
     echo "[update]"
     echo "mode = \"$BYOC_UPDATE_MODE\""
     echo "release_public_key = \"$BYOC_RELEASE_PUBKEY\""

@@ -404,6 +404,8 @@ fn user_data_installs_configures_starts_and_then_signals_and_is_safe_to_rerun() 
         "external_id = \"ext-123\"",
         "region = \"eu-west-1\"",
         "[terraform.state]\nbucket = \"inst-demo-state-123456789012\"",
+        // On EC2 the runner hands over when the instance is being replaced.
+        "[lifecycle]\n# A Spot interruption or an Auto Scaling termination drains the runner.\nwatch = true",
         // The runner's own updates: approve by default, the key user-data verified with.
         "[update]\nmode = \"approve\"",
     ] {
