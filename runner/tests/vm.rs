@@ -315,6 +315,11 @@ fn setup() -> World {
             ("StateBucket", physical_id(&resources, "StateBucket")),
             ("AdminGroup", ADMIN_GROUP.into()),
             ("RunnerUpdates", "approve".into()),
+            // No copy of the audit log of the customer's own (the stack's defaults).
+            ("AuditBucket", String::new()),
+            ("AuditLogGroup", String::new()),
+            ("AuditOtlpEndpoint", String::new()),
+            ("AuditOtlpCaBundle", String::new()),
             ("ReleaseUrl", format!("https://{RELEASE_ADDR}")),
             ("ReleasePublicKey", release_key),
         ],
