@@ -645,6 +645,8 @@ impl State {
                 && job.result.is_none()
                 && !job.cancel_requested
                 && job.claimed_by.as_deref().is_some_and(|r| r != runner_id)
+                // Never back to a runner that held it: it was fenced and has settled it.
+                && !job.leases.iter().any(|(r, _)| r == runner_id)
                 && job.lease_until.is_some_and(|t| now >= t)
                 && job.reofferable();
             let Some(payload) = job.payload.as_ref().filter(|_| expired) else { continue };
@@ -1134,6 +1136,8 @@ mod lease_tests {
         let delivery =
             state.deliveries.iter().find(|(_, d)| d.target_runner == b).map(|(id, _)| id.clone()).unwrap();
         assert_eq!(state.claim(&b, &job, &delivery).unwrap(), (0, 2));
+        // B's lease runs out too: it never goes back to A, which was fenced.
+        assert!(offer_to(&mut state, &a).is_none());
         assert!(matches!(state.append_log(&a, &job, Some(1), 0, b"late"), Err(CpError::Fenced(_))));
         let result = JobResult {
             status: byoc_protocol::JobStatus::Succeeded,
