@@ -229,45 +229,44 @@ fn audit_families(state_dir: &Path, tally: &AuditTally, now_ms: u64, out: &mut V
     );
     f.add(&[], byoc_audit::log::acknowledged_size(&audit_dir) as f64);
     out.push(f);
+    // The customer's audit copies: one sample per sink and figure.
     let exports = crate::audit_export::status(state_dir);
-    let mut f = family(
-        "byoc_runner_audit_export_lag_records",
-        "gauge",
-        "Signed audit records a customer's sink (s3, cloudwatch, otlp) does not hold yet.",
-    );
-    for e in &exports {
-        f.add(&[("sink", e.sink.clone())], e.lag_records as f64);
-    }
-    out.push(f);
-    let mut f = family(
-        "byoc_runner_audit_export_failing",
-        "gauge",
-        "1 while a customer's audit sink refuses the copy (jobs go on; it catches up).",
-    );
-    for e in &exports {
-        f.add(&[("sink", e.sink.clone())], if e.failing_since_ms.is_some() { 1.0 } else { 0.0 });
-    }
-    out.push(f);
-    let mut f = family(
-        "byoc_runner_audit_export_errors_total",
-        "counter",
-        "Failed deliveries to a customer's audit sink.",
-    );
-    for e in &exports {
-        f.add(&[("sink", e.sink.clone())], e.errors_total as f64);
-    }
-    out.push(f);
-    let mut f = family(
-        "byoc_runner_audit_export_last_success_age_seconds",
-        "gauge",
-        "Seconds since a customer's audit sink last took the copy (absent: never).",
-    );
-    for e in &exports {
-        if let Some(at) = e.last_success_ms {
-            f.add(&[("sink", e.sink.clone())], now_ms.saturating_sub(at) as f64 / 1000.0);
+    type Figure = fn(&crate::audit_export::ExportStatus, u64) -> Option<f64>;
+    let figures: [(&'static str, &'static str, &'static str, Figure); 4] = [
+        (
+            "byoc_runner_audit_export_lag_records",
+            "gauge",
+            "Signed audit records a customer's sink (s3, cloudwatch, otlp) does not hold yet.",
+            |e, _| Some(e.lag_records as f64),
+        ),
+        (
+            "byoc_runner_audit_export_failing",
+            "gauge",
+            "1 while a customer's audit sink refuses the copy (jobs go on; it catches up).",
+            |e, _| Some(if e.failing_since_ms.is_some() { 1.0 } else { 0.0 }),
+        ),
+        (
+            "byoc_runner_audit_export_errors_total",
+            "counter",
+            "Failed deliveries to a customer's audit sink.",
+            |e, _| Some(e.errors_total as f64),
+        ),
+        (
+            "byoc_runner_audit_export_last_success_age_seconds",
+            "gauge",
+            "Seconds since a customer's audit sink last took the copy (absent: never).",
+            |e, now| e.last_success_ms.map(|at| now.saturating_sub(at) as f64 / 1000.0),
+        ),
+    ];
+    for (name, kind, help, figure) in figures {
+        let mut f = family(name, kind, help);
+        for e in &exports {
+            if let Some(v) = figure(e, now_ms) {
+                f.add(&[("sink", e.sink.clone())], v);
+            }
         }
+        out.push(f);
     }
-    out.push(f);
     let mut f = family(
         "byoc_runner_audit_last_acknowledgement_age_seconds",
         "gauge",
