@@ -149,6 +149,8 @@ fn ids_in(index: &Index, phases: &[Phase]) -> Vec<String> {
 /// The one-word state a person wants: the final status if there is one, else the phase.
 pub fn status_label(j: &JobRecord) -> String {
     match &j.finished {
+        // Another runner of the install has the job now: what ended here is not its end.
+        _ if j.phase == Phase::Fenced => "fenced".into(),
         Some(f) => f.status.as_str().to_string(),
         None => match j.phase {
             Phase::Claimed | Phase::Started => "running".into(),

@@ -150,6 +150,12 @@ async fn a_frozen_runner_loses_its_lease_and_is_fenced_when_it_wakes() {
     let shown = p.a.cli(&["jobs", "show", &job, "-o", "json"]);
     let shown: serde_json::Value = serde_json::from_slice(&shown.stdout).unwrap();
     assert_eq!(shown["phase"], "fenced", "{shown}");
+    // `status` counts it as fenced on A and as succeeded on B: which runner ran it.
+    let status = |r: &RunnerProcess| -> serde_json::Value {
+        serde_json::from_slice(&r.cli(&["status", "-o", "json"]).stdout).unwrap()
+    };
+    assert_eq!(status(&p.a)["jobs_by_status"]["fenced"], 1);
+    assert_eq!(status(&p.b)["jobs_by_status"]["succeeded"], 1);
     // A's job process is gone (stopped when fenced, or ended on its own).
     assert!(gone(&job).await.is_empty());
 
