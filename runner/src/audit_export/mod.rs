@@ -386,7 +386,12 @@ pub async fn sinks(config: &Config, runner_id: &str) -> Result<Vec<Box<dyn Sink>
             .or_else(|| std::env::var("AWS_ENDPOINT_URL").ok().filter(|u| !u.is_empty()))
     };
     let needs_aws = export.s3.is_some() || export.cloudwatch.is_some();
-    let credentials = if needs_aws { Some(AwsIdentity::from_config(config).await?) } else { None };
+    let sink_region = export
+        .s3
+        .as_ref()
+        .and_then(|s| s.region.as_deref())
+        .or_else(|| export.cloudwatch.as_ref().and_then(|c| c.region.as_deref()));
+    let credentials = if needs_aws { Some(AwsIdentity::for_sink(config, sink_region).await?) } else { None };
     if let (Some(s3), Some(creds)) = (&export.s3, &credentials) {
         let region = s3.region.clone().or_else(|| config.aws.region.clone()).unwrap_or_default();
         out.push(Box::new(s3::S3Sink::new(
@@ -452,6 +457,21 @@ impl AwsIdentity {
         let sdk = crate::roles::sdk_config(config)
             .await
             .ok_or("aws.region is needed for the runner's own AWS calls")?;
+        Ok(AwsIdentity { provider: sdk.credentials_provider() })
+    }
+
+    /// The same identity where only a sink names its region (`aws.region` unset): the
+    /// credential chain does not depend on the region.
+    async fn for_sink(config: &Config, sink_region: Option<&str>) -> Result<AwsIdentity, String> {
+        if config.aws.region.is_some() {
+            return Self::from_config(config).await;
+        }
+        let region = sink_region
+            .ok_or("aws.region (or the sink's region) is needed for the S3 and CloudWatch Logs sinks")?;
+        let sdk = aws_config::defaults(aws_config::BehaviorVersion::latest())
+            .region(aws_config::Region::new(region.to_string()))
+            .load()
+            .await;
         Ok(AwsIdentity { provider: sdk.credentials_provider() })
     }
 

@@ -247,3 +247,19 @@ async fn a_new_target_starts_a_new_copy_and_a_removed_sink_stops_with_a_record()
     let lines = byoc_audit::log::read_lines(s.audit.dir(), 0, u64::MAX).unwrap();
     assert!(lines.iter().any(|l| l.contains("\"audit_export_stopped\"") && l.contains("s3://other/p/rn-1")));
 }
+
+#[tokio::test]
+async fn a_sink_that_names_its_own_region_needs_no_aws_region() {
+    let key = byoc_protocol::b64(byoc_protocol::generate_signing_key().verifying_key().as_bytes());
+    let text = format!(
+        "[control_plane]\nurl = \"https://cp.example.com\"\npublic_keys = [\"{key}\"]\n[runner]\ninstall_id = \"inst-1\"\n\
+         [audit.export.s3]\nbucket = \"acme-audit\"\nregion = \"eu-west-1\"\n"
+    );
+    let config = Config::parse(&text, "test", Vec::new()).unwrap();
+    let sinks = sinks(&config, "rn-1").await.unwrap();
+    assert_eq!(sinks.iter().map(|s| s.target()).collect::<Vec<_>>(), ["s3://acme-audit/byoc-audit/rn-1"]);
+    // Without any region the configuration is refused before anything starts.
+    let text = text.replace("region = \"eu-west-1\"\n", "");
+    let err = Config::parse(&text, "test", Vec::new()).err().unwrap();
+    assert!(err.problems.iter().any(|p| p.contains("audit.export.s3.region")), "{:?}", err.problems);
+}

@@ -140,15 +140,16 @@ pub async fn run(config: Config) -> Result<(), DaemonError> {
         in_hand: JobsInHand::default(),
     });
     let mut tasks: JoinSet<()> = JoinSet::new();
-    settle_and_resume(&rt, &slots, &mut tasks)?;
-    rt.check_customer_controls();
-    compact_journal(&rt);
-    // The customer's copies of the audit log: a sink that cannot be built stops the
-    // start (the customer asked for the copy), one that fails later never stops jobs.
+    // The customer's copies of the audit log, before any job is touched: a sink that
+    // cannot be built stops the start (the customer asked for the copy), one that
+    // fails later never stops jobs.
     let export_stop = CancellationToken::new();
     let export_tasks = crate::audit_export::start(&rt.config, &rt.runner_id, &audit, &export_stop)
         .await
         .map_err(DaemonError::AuditExport)?;
+    settle_and_resume(&rt, &slots, &mut tasks)?;
+    rt.check_customer_controls();
+    compact_journal(&rt);
     let background = Background::spawn(&rt, &audit, client, &slots, export_tasks, export_stop);
 
     let health = Arc::new(AtomicU64::new(now_ms()));
