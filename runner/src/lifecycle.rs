@@ -38,10 +38,14 @@ pub struct Imds {
 
 impl Imds {
     pub fn from_env() -> Result<Imds, String> {
-        let base = std::env::var("AWS_EC2_METADATA_SERVICE_ENDPOINT")
-            .unwrap_or_else(|_| "http://169.254.169.254".into())
-            .trim_end_matches('/')
-            .to_string();
+        Imds::at(
+            &std::env::var("AWS_EC2_METADATA_SERVICE_ENDPOINT")
+                .unwrap_or_else(|_| "http://169.254.169.254".into()),
+        )
+    }
+
+    pub fn at(base: &str) -> Result<Imds, String> {
+        let base = base.trim_end_matches('/').to_string();
         let http = reqwest::Client::builder()
             .timeout(Duration::from_secs(2))
             .no_proxy()
@@ -75,9 +79,9 @@ impl Imds {
             return Ok(None);
         }
         let r = r.error_for_status().map_err(|e| format!("{path}: {}", e.without_url()))?;
-        let mut text = r.text().await.map_err(|e| e.to_string())?;
-        text.truncate(4096);
-        Ok(Some(text))
+        let text = r.text().await.map_err(|e| e.to_string())?;
+        // Bounded, and cut between characters (`truncate` would panic inside one).
+        Ok(Some(text.chars().take(4096).collect()))
     }
 }
 
@@ -237,4 +241,33 @@ pub async fn complete_lifecycle_action(config: &Config) -> Result<String, String
         ));
     }
     Ok(format!("{group}/{hook}: {} may terminate (CONTINUE)", instance.trim()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use byoc_control_plane::imds::FakeImds;
+
+    #[tokio::test]
+    async fn notices_are_read_as_ec2_words_them() {
+        let fake = FakeImds::start().await.unwrap();
+        let imds = Imds::at(&fake.url).unwrap();
+        let c = LifecycleConfig { hook_timeout: Duration::from_secs(300), ..Default::default() };
+        let now = 1_800_000_000_000;
+        assert_eq!(check(&imds, &c, now).await.unwrap(), None, "in service, no Spot notice");
+        fake.target_lifecycle_state("Terminated");
+        assert_eq!(
+            check(&imds, &c, now).await.unwrap(),
+            Some(Notice { kind: "autoscaling", action: "terminate".into(), deadline_ms: now + 300_000 })
+        );
+        // A Spot notice wins, with the deadline it names.
+        fake.spot_notice("stop", 1_800_000_120);
+        assert_eq!(
+            check(&imds, &c, now).await.unwrap(),
+            Some(Notice { kind: "spot", action: "stop".into(), deadline_ms: 1_800_000_120_000 })
+        );
+        // Nothing listens: an error, never a notice.
+        drop(fake);
+        assert!(check(&Imds::at("http://127.0.0.1:9").unwrap(), &c, now).await.is_err());
+    }
 }
