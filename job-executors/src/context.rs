@@ -57,6 +57,9 @@ pub struct ExecSettings {
     pub secrets: Option<crate::secrets::SecretSettings>,
     /// Verifies and stages a `runner.update`'s release (`None`: such a job fails).
     pub update: Option<crate::runner_update::Stager>,
+    /// The job is held to its lease: each sandbox it runs stops when the lease runs
+    /// out unrenewed (`None`: the lease cannot pass to another runner).
+    pub lease: Option<Arc<byoc_sandbox::lease::LeaseBinding>>,
 }
 
 impl ExecContext<'_> {
@@ -80,6 +83,7 @@ impl ExecContext<'_> {
             apply_approval: None,
             secrets: None,
             update: None,
+            lease: None,
         }
     }
 }
@@ -108,6 +112,10 @@ impl ExecSettings {
     }
     pub fn cancel(mut self, cancel: CancellationToken) -> Self {
         self.cancel = cancel;
+        self
+    }
+    pub fn lease(mut self, lease: Option<Arc<byoc_sandbox::lease::LeaseBinding>>) -> Self {
+        self.lease = lease;
         self
     }
     pub fn isolation(

@@ -5,7 +5,7 @@ use std::os::unix::fs::DirBuilderExt as _;
 use std::path::PathBuf;
 
 use byoc_sandbox::cgroup::JobCgroup;
-use byoc_sandbox::helper::{EXIT_EXEC_FAILED, EXIT_NETWORK_FAILED, EXIT_SANDBOX_FAILED};
+use byoc_sandbox::helper::{EXIT_EXEC_FAILED, EXIT_LEASE_EXPIRED, EXIT_NETWORK_FAILED, EXIT_SANDBOX_FAILED};
 use byoc_sandbox::spec::SANDBOX_WORK_DIR;
 use tokio::process::Command;
 
@@ -30,6 +30,8 @@ pub struct Job {
 /// Reason codes (in the result's `outputs.reason`) for a job the sandbox refused.
 pub const NETWORK_UNAVAILABLE: &str = "sandbox_network_unavailable";
 pub const LIMITS_UNAVAILABLE: &str = "sandbox_limits_unavailable";
+/// The job's lease ran out unrenewed and the sandbox stopped it.
+pub const LEASE_EXPIRED: &str = "lease_expired";
 
 /// A job refused before anything of it ran, with the reason code and what to fix.
 pub fn refused(reason: &str, error: String) -> ExecOutcome {
@@ -90,6 +92,16 @@ pub async fn run_capturing(
     };
     let credentials = ctx.settings.credentials.as_ref().and_then(|c| c.endpoint.clone());
     let network = jobnet::spec(use_, &settings.network, credentials.is_some());
+    let lease = ctx.settings.lease.clone();
+    let lease_pipe = match lease.as_deref().map(|l| l.attach()).transpose() {
+        Ok(pipe) => pipe,
+        Err(e) => {
+            if let Some(cg) = cgroup {
+                let _ = tokio::task::spawn_blocking(move || cg.kill_all_and_remove()).await;
+            }
+            return ExecOutcome::failed(format!("holding the job to its lease (a pipe): {e}"));
+        }
+    };
     let spec = byoc_sandbox::SandboxSpec {
         argv: job.argv,
         env: job.env,
@@ -107,12 +119,15 @@ pub async fn run_capturing(
         hostname: "byoc-job".into(),
         then: job.then,
         sealed_dir: job.sealed_dir,
+        lease: lease
+            .as_deref()
+            .map(|l| byoc_sandbox::spec::LeaseSpec { grace_ms: l.grace().as_millis() as u64 }),
     };
     let spec_bytes = serde_json::to_vec(&spec).expect("sandbox spec serialises");
     let mut cmd = Command::new(&settings.helper);
     cmd.args(&settings.helper_args).env_clear().current_dir("/");
     let services = if use_ == NetworkUse::UserMode {
-        match start_services(&mut cmd, job.gate, &settings, &mut ctx, credentials) {
+        match start_services(&mut cmd, job.gate, lease_pipe, &settings, &mut ctx, credentials) {
             Ok(services) => Some(services),
             Err(why) => {
                 if let Some(cg) = cgroup {
@@ -123,7 +138,7 @@ pub async fn run_capturing(
             }
         }
     } else {
-        byoc_sandbox::pass_channels(cmd.as_std_mut(), None, job.gate);
+        byoc_sandbox::pass_channels(cmd.as_std_mut(), None, job.gate, lease_pipe);
         None
     };
     ctx.settings.sandbox = None;
@@ -145,6 +160,15 @@ pub async fn run_capturing(
         retire(cg);
     }
     name_a_sandbox_failure(&mut outcome, matches!(network_up, Some(Ok(()))));
+    if outcome.exit_code == Some(EXIT_LEASE_EXPIRED) && lease.as_deref().is_some_and(|l| l.expired()) {
+        outcome.status = JobStatus::Failed;
+        outcome.error = Some(
+            "stopped: the job's lease ran out before this runner could renew it (the control plane unreachable, \
+             or this runner stopped), so it may run on another runner of the install"
+                .into(),
+        );
+        outcome.outputs = serde_json::json!({ "reason": LEASE_EXPIRED });
+    }
     let _ = std::fs::remove_dir(&new_root);
     outcome
 }
@@ -155,6 +179,7 @@ pub async fn run_capturing(
 fn start_services(
     cmd: &mut Command,
     gate: Option<std::os::fd::OwnedFd>,
+    lease: Option<std::os::fd::OwnedFd>,
     settings: &SandboxSettings,
     ctx: &mut ExecContext<'_>,
     credentials: Option<std::sync::Arc<dyn jobnet::CredentialEndpoint>>,
@@ -163,7 +188,7 @@ fn start_services(
     let (ours, theirs) = socketpair(AddressFamily::Unix, SockType::SeqPacket, None, SockFlag::SOCK_CLOEXEC)
         .map_err(|e| format!("creating the hand-over channel: {e}"))?;
     let follower = jobnet::HostFollower::open().map_err(|e| e.0)?;
-    byoc_sandbox::pass_channels(cmd.as_std_mut(), Some(theirs), gate);
+    byoc_sandbox::pass_channels(cmd.as_std_mut(), Some(theirs), gate, lease);
     let stop = ctx.settings.cancel.child_token();
     ctx.settings.cancel = stop.clone();
     Ok(jobnet::Services::start(ours, &settings.network, credentials, follower, stop))
@@ -311,6 +336,7 @@ fn check_spec(
         hostname: "byoc-selftest".into(),
         then: vec![],
         sealed_dir: None,
+        lease: None,
     }
 }
 
@@ -361,7 +387,7 @@ pub async fn probe_boundary(
     use nix::sys::socket::{AddressFamily, SockFlag, SockType, socketpair};
     let (ours, theirs) = socketpair(AddressFamily::Unix, SockType::SeqPacket, None, SockFlag::SOCK_CLOEXEC)
         .map_err(|e| format!("creating the hand-over channel: {e}"))?;
-    byoc_sandbox::pass_channels(cmd.as_std_mut(), Some(theirs), None);
+    byoc_sandbox::pass_channels(cmd.as_std_mut(), Some(theirs), None, None);
     let follower = jobnet::HostFollower::open()?;
     let services = jobnet::Services::start(
         ours,

@@ -618,6 +618,11 @@ pub struct PollResponse {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ClaimRequest {
     pub delivery_id: String,
+    /// The runner can hold the job to its lease: its processes are stopped, whatever
+    /// becomes of the runner, before the lease ends unrenewed (a sandboxed process job
+    /// on a runner whose sandbox is on).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub lease_bound: bool,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -627,6 +632,10 @@ pub struct ClaimResponse {
     /// runner after this one's lease expired). 0: a control plane without fencing.
     #[serde(default)]
     pub epoch: u64,
+    /// Hold the job to its lease (only when the claim offered it): the lease may pass to
+    /// another runner of the install once it runs out, whatever the job changes.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub lease_bound: bool,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

@@ -30,6 +30,7 @@ pub mod guardrails;
 pub mod identity;
 pub mod inspect;
 pub mod journal;
+pub mod leases;
 pub mod lifecycle;
 pub mod logging;
 pub mod metrics;

@@ -41,6 +41,8 @@ pub struct Runtime {
     pub stop_reporting: CancellationToken,
     /// The clock decisions are made by (envelope validity, claim expiry).
     pub clock: Arc<dyn crate::clock::Clock>,
+    /// Jobs held to their leases (their sandboxes stop when a lease runs out).
+    pub leases: crate::leases::LeaseBook,
 }
 
 pub type Rt = Arc<Runtime>;

@@ -90,9 +90,19 @@ impl ControlPlane for FakeControlPlane {
         let answer = lock(&self.rejects).pop_front().unwrap_or(Ok(()));
         Box::pin(async move { answer })
     }
-    fn claim<'a>(&'a self, job_id: &'a str, _delivery_id: &'a str) -> CpFuture<'a, ClaimResponse> {
-        self.call(format!("claim {job_id}"));
-        let answer = lock(&self.claims).pop_front().unwrap_or(Ok(ClaimResponse { lease_secs: 60, epoch: 0 }));
+    fn claim<'a>(
+        &'a self,
+        job_id: &'a str,
+        _delivery_id: &'a str,
+        lease_bound: bool,
+    ) -> CpFuture<'a, ClaimResponse> {
+        // The offer to hold the job to its lease shows only when made.
+        self.call(format!("claim {job_id}{}", if lease_bound { " lease_bound" } else { "" }));
+        let answer = lock(&self.claims).pop_front().unwrap_or(Ok(ClaimResponse {
+            lease_secs: 60,
+            epoch: 0,
+            lease_bound: false,
+        }));
         Box::pin(async move { answer })
     }
     fn heartbeat<'a>(
@@ -344,6 +354,7 @@ pub async fn runtime_with(extra: &str) -> Fakes {
         allowances_sync: Mutex::new(()),
         stop_reporting: CancellationToken::new(),
         clock: clock.clone(),
+        leases: Default::default(),
         config,
     });
     Fakes { rt, cp, journal, audit, clock, sts, switches, dir, signing_key }

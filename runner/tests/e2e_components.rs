@@ -26,6 +26,8 @@ struct CEnv {
     moto: MotoServer,
     vendor: LocalRegistry,
     ecr: LocalRegistry,
+    /// The runner's options, for a second runner of the same install.
+    opts: byoc_control_plane::harness::RunnerOptions,
     _policies: tempfile::TempDir,
     _tools: Option<tempfile::TempDir>,
 }
@@ -72,9 +74,9 @@ async fn components_env_with(
     ));
     opts.sandbox_ro_paths.push(tools.path().to_path_buf());
     opts.sandbox_extra = sandbox_extra.into();
-    let env = env_with(opts).await;
+    let env = env_with(opts.clone()).await;
     env.cp.use_registry_tokens(tokens);
-    CEnv { env, moto, vendor, ecr, _policies: policies, _tools: Some(tools) }
+    CEnv { env, moto, vendor, ecr, opts, _policies: policies, _tools: Some(tools) }
 }
 
 fn module(resources: usize, sleep: Option<u32>) -> Vec<(String, String)> {
@@ -700,4 +702,122 @@ async fn a_signed_release_by_digest_is_verified_and_staged_for_the_updater() {
         })
         .await;
     assert!(pending, "the control plane sees the pending update: {:?}", e.env.cp.runners());
+}
+
+/// The workspace's state object in the install's bucket: (serial, lineage, resources).
+async fn bucket_state(e: &CEnv) -> (u64, String, usize) {
+    let bytes = e.moto.s3_object("inst-demo-state", "inst-demo/network/terraform.tfstate").await.unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
+    (
+        v["serial"].as_u64().unwrap(),
+        v["lineage"].as_str().unwrap().to_string(),
+        v["resources"].as_array().unwrap().len(),
+    )
+}
+
+#[tokio::test]
+async fn two_runners_of_one_install_never_apply_one_workspace_at_once() {
+    // Unsandboxed, as above: the jobs reach moto's S3 on loopback. Unsandboxed jobs are
+    // not held to their leases either, which is the case the state lock is for: the
+    // first runner's apply goes on while it is frozen.
+    let e = components_env_with("", "enabled = false", |moto| {
+        format!("\n[terraform.state]\nbucket = \"inst-demo-state\"\nendpoint = \"{}\"\n", moto.url())
+    })
+    .await;
+    e.moto.create_bucket("inst-demo-state").await;
+    // The modules, synced into the install's registry while A is its only runner.
+    let one = publish(&e, "tf-one", MODULE_TYPE, &module(1, None)).await;
+    // Two resources, the second (new after the first apply) made slowly.
+    let mut slow_module = module(2, None);
+    slow_module[1].1 = slow_module[1].1.replace(
+        "input = \"${var.label}-1\"\n",
+        "input = \"${var.label}-1\"\n  provisioner \"local-exec\" {\n    command = \"echo slow-create-started; sleep 8\"\n  }\n",
+    );
+    assert!(slow_module[1].1.contains("sleep 8"));
+    let slow = publish(&e, "tf-slow2", MODULE_TYPE, &slow_module).await;
+    let three = publish(&e, "tf-three", MODULE_TYPE, &module(3, None)).await;
+    let a = &e.env.runner;
+    let a_id = e.env.cp.runners()[0].runner_id.clone();
+    let b_dir = tempfile::tempdir().unwrap();
+    let b_opts = byoc_control_plane::harness::RunnerOptions {
+        poll_wait_secs: 2,
+        sandbox_ro_paths: [test_options(b_dir.path()).sandbox_ro_paths, e.opts.sandbox_ro_paths.clone()]
+            .concat(),
+        ..e.opts.clone()
+    };
+    let b = byoc_control_plane::harness::RunnerProcess::start(
+        std::path::Path::new(BIN),
+        b_dir.path(),
+        &e.env.cp,
+        &b_opts,
+    )
+    .unwrap();
+    assert!(
+        e.env.cp.wait_until(WAIT, |cp| cp.runners().iter().filter(|r| r.polls > 0).count() == 2).await,
+        "{}",
+        b.log()
+    );
+    let b_id = e.env.cp.runners().into_iter().find(|r| r.runner_id != a_id).unwrap().runner_id;
+    let on =
+        |runner: &str, req: EnqueueRequest| EnqueueRequest { runner_id: Some(runner.to_string()), ..req };
+    let finished = async |id: &str| {
+        let Some(view) = e.env.cp.wait_for(id, WAIT, |v| v.result.is_some()).await else {
+            panic!("job {id} did not finish: {:?}\nA:\n{}\nB:\n{}", e.env.cp.job(id), a.log(), b.log())
+        };
+        (view.result.clone().unwrap(), String::from_utf8_lossy(&e.env.cp.log(id).unwrap()).into_owned())
+    };
+    let reference = |p: &Pushed, repo: &str| format!("{ECR_HOST}/inst-demo/{repo}@{}", p.digest);
+
+    // B makes the workspace.
+    let id = e.env.cp.enqueue(on(&b_id, tf("apply", &reference(&one, "tf-one")))).unwrap();
+    let (r, log) = finished(&id).await;
+    assert_eq!(r.status, JobStatus::Succeeded, "{:?}\n{log}", r.error);
+    let (first, lineage, _) = bucket_state(&e).await;
+
+    // A applies more of it, slowly, and freezes mid-apply; the vendor wrongly says A
+    // stopped, so B is leased the same apply. A's terraform still holds the lock: B's
+    // fails `state_locked` before it changes anything.
+    let id = e.env.cp.enqueue(on(&a_id, tf("apply", &reference(&slow, "tf-slow2")))).unwrap();
+    let started = e
+        .env
+        .cp
+        .wait_until(WAIT, |cp| {
+            cp.log(&id).is_some_and(|l| String::from_utf8_lossy(&l).contains("slow-create-started"))
+        })
+        .await;
+    assert!(started, "{:?}\nA:\n{}\nB:\n{}", e.env.cp.job(&id), a.log(), b.log());
+    a.signal(nix::sys::signal::Signal::SIGSTOP);
+    e.env.cp.release_lease(&id).unwrap();
+    let (r, log) = finished(&id).await;
+    assert_eq!(r.outputs["reason"], "state_locked", "{:?}\n{log}", r.error);
+    assert!(log.contains("Error acquiring the state lock"), "{log}");
+    assert!(!log.contains("Apply complete"), "B applied beside A: {log}");
+    let view = e.env.cp.job(&id).unwrap();
+    assert_eq!(view.leases, [(a_id.clone(), 1), (b_id.clone(), 2)]);
+    assert!(e.moto.s3_keys("inst-demo-state").await.iter().any(|k| k.ends_with(".tflock")));
+
+    // A's apply ends (its lock released, its state written); A wakes fenced.
+    eventually("A's apply released the lock", async || {
+        !e.moto.s3_keys("inst-demo-state").await.iter().any(|k| k.ends_with(".tflock"))
+    })
+    .await;
+    let (second, same, resources) = bucket_state(&e).await;
+    assert_eq!((same.as_str(), resources), (lineage.as_str(), 2));
+    assert!(second > first, "{first} -> {second}");
+    a.signal(nix::sys::signal::Signal::SIGCONT);
+    eventually("A journaled the apply as fenced", async || {
+        std::fs::read_to_string(a.state_dir.join("journal.jsonl"))
+            .unwrap_or_default()
+            .lines()
+            .any(|l| l.contains("\"fenced\"") && l.contains(&id))
+    })
+    .await;
+
+    // B's next apply goes on from A's state: one more serial, the same lineage.
+    let id = e.env.cp.enqueue(on(&b_id, tf("apply", &reference(&three, "tf-three")))).unwrap();
+    let (r, log) = finished(&id).await;
+    assert_eq!(r.status, JobStatus::Succeeded, "{:?}\n{log}", r.error);
+    assert!(log.contains("1 added"), "{log}");
+    let (third, same, resources) = bucket_state(&e).await;
+    assert_eq!((third, same.as_str(), resources), (second + 1, lineage.as_str(), 3));
 }

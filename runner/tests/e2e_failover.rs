@@ -94,6 +94,31 @@ async fn pair_with(a_opts: impl Fn(&Path) -> RunnerOptions) -> Pair {
     Pair { cp, moto, a, b, a_id, b_id, _dirs: (da, db) }
 }
 
+/// Live (not zombie) processes descended from `pid`, with their command lines.
+fn descendants(pid: u32) -> Vec<(i32, String)> {
+    let parent_of = |p: i32| -> Option<i32> {
+        let stat = std::fs::read_to_string(format!("/proc/{p}/stat")).ok()?;
+        stat.rsplit(')').next()?.split_whitespace().nth(1)?.parse().ok()
+    };
+    processes_matching("")
+        .into_iter()
+        .filter(|&p| {
+            let mut at = p;
+            while let Some(up) = parent_of(at).filter(|&up| up > 1) {
+                if up == pid as i32 {
+                    return true;
+                }
+                at = up;
+            }
+            false
+        })
+        .map(|p| {
+            let cmd = std::fs::read(format!("/proc/{p}/cmdline")).unwrap_or_default();
+            (p, String::from_utf8_lossy(&cmd).replace('\0', " "))
+        })
+        .collect()
+}
+
 fn journal_events(state_dir: &Path, job_id: &str) -> Vec<String> {
     std::fs::read_to_string(state_dir.join("journal.jsonl"))
         .unwrap_or_default()
@@ -112,22 +137,38 @@ async fn a_frozen_runner_loses_its_lease_and_is_fenced_when_it_wakes() {
             runner_id: Some(p.a_id.clone()),
             ..EnqueueRequest::new(
                 "action.script",
-                serde_json::json!({"script": "echo begun; sleep 4; echo ended"}),
+                serde_json::json!({"script": "echo begun; sleep 6; echo ended"}),
             )
         })
         .unwrap();
     // Running on A: then A freezes (a hung VM, a stalled disk).
-    eventually("A started the job", async || started_count(&p.a.state_dir, &job) == 1).await;
+    let a_pid = p.a.pid().unwrap();
+    eventually("A's job is running and its first line uploaded", async || {
+        descendants(a_pid).iter().any(|(_, cmd)| cmd.starts_with("sleep 6"))
+            && p.cp.log(&job).is_some_and(|l| String::from_utf8_lossy(&l).contains("begun"))
+    })
+    .await;
     p.a.signal(Signal::SIGSTOP);
 
-    // The lease runs out; B gets the job under epoch 2 and runs it to the end.
+    // The lease runs out; B gets the job under epoch 2. A's job was held to its lease
+    // (two runners, a sandboxed job): it stopped by itself before B could have it, with
+    // A still frozen. Nothing of it runs beside B's.
+    let handed = p.cp.wait_for(&job, WAIT, |v| v.leases.len() == 2).await.unwrap();
+    let left = descendants(a_pid);
+    assert!(left.is_empty(), "A's job outlived its lease: {left:?}");
+    assert!(handed.lease_bound, "B holds it to its lease too");
     let view = p.cp.wait_for(&job, WAIT, |v| v.result.is_some()).await.unwrap();
     assert_eq!(view.result.as_ref().unwrap().status, JobStatus::Succeeded, "{}", p.b.log());
     assert_eq!(view.leases, [(p.a_id.clone(), 1), (p.b_id.clone(), 2)]);
     assert_eq!((view.claimed_by.as_deref(), view.epoch), (Some(p.b_id.as_str()), 2));
     assert_eq!(started_count(&p.b.state_dir, &job), 1, "the job ran once on B");
     let b_log = p.cp.log(&job).unwrap();
-    assert!(String::from_utf8_lossy(&b_log).contains("ended"));
+    let text = String::from_utf8_lossy(&b_log);
+    // The log of the new lease is B's run alone; A's part stays with its epoch.
+    assert!(text.contains("ended") && text.matches("begun").count() == 1, "{text}");
+    let earlier = p.cp.earlier_logs(&job);
+    assert_eq!(earlier.len(), 1);
+    assert!(earlier[0].0 == 1 && String::from_utf8_lossy(&earlier[0].1).contains("begun"), "{earlier:?}");
 
     // A wakes: its next heartbeat or result is fenced; it stops and journals it.
     p.a.signal(Signal::SIGCONT);
@@ -138,6 +179,10 @@ async fn a_frozen_runner_loses_its_lease_and_is_fenced_when_it_wakes() {
     let after = p.cp.job(&job).unwrap();
     assert!(after.fenced.iter().all(|(r, e, _)| *r == p.a_id && *e == 1), "{:?}", after.fenced);
     assert!(!after.fenced.is_empty());
+    // A's own log of its attempt: begun, stopped by the lease, never ended.
+    let a_log = std::fs::read_to_string(p.a.state_dir.join(format!("spool/{job}.log"))).unwrap();
+    assert!(a_log.contains("begun") && a_log.contains("lease ran out"), "{a_log}");
+    assert!(!a_log.contains("ended"), "{a_log}");
     // B's result and log stand; A reported nothing.
     assert_eq!(after.result, view.result);
     assert_eq!(p.cp.log(&job).unwrap(), b_log);

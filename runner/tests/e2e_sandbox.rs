@@ -154,6 +154,7 @@ fn on_cgroup_v2_the_job_is_born_in_its_cgroup() {
         hostname: "byoc-job".into(),
         then: vec![],
         sealed_dir: None,
+        lease: None,
     };
     let mut child = std::process::Command::new(BIN)
         .arg("sandbox-exec")
@@ -172,6 +173,72 @@ fn on_cgroup_v2_the_job_is_born_in_its_cgroup() {
     // The test process itself was never moved.
     let own = std::fs::read_to_string("/proc/self/cgroup").unwrap();
     assert!(!own.contains(&name), "{own}");
+}
+
+/// A job held to its lease runs while the lease is renewed and stops by itself, with
+/// every process of it, once a deadline passes unrenewed, even when the runner that
+/// held it does nothing more (here: the test stops renewing) and the job ignores SIGTERM.
+#[test]
+fn a_job_held_to_its_lease_stops_by_itself_when_the_lease_runs_out() {
+    use byoc_sandbox::lease::{LeaseBinding, monotonic_now_ns};
+    use std::io::Write as _;
+    use std::os::unix::fs::PermissionsExt as _;
+    let dir = tempfile::tempdir().unwrap();
+    let (work, root) = (dir.path().join("work"), dir.path().join("root"));
+    std::fs::create_dir_all(&work).unwrap();
+    std::fs::create_dir_all(&root).unwrap();
+    std::fs::set_permissions(&work, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let ms = |n: u64| n * 1_000_000;
+    let binding = LeaseBinding::new(monotonic_now_ns() + ms(800), std::time::Duration::from_millis(300));
+    let spec = byoc_sandbox::SandboxSpec {
+        argv: vec![
+            "/bin/sh".into(),
+            "-c".into(),
+            "trap '' TERM; echo started; sleep 3501; echo ended".into(),
+        ],
+        env: vec![("PATH".into(), "/usr/bin:/bin".into())],
+        work_dir: work,
+        new_root: root,
+        ro_paths: vec![],
+        hidden_paths: vec![],
+        network: byoc_sandbox::spec::NetworkSpec::Off,
+        tmp_size_mib: 16,
+        nofile: 1024,
+        host_uid: 65534,
+        host_gid: 65534,
+        cgroup_procs: vec![],
+        cgroup_born_in: None,
+        hostname: "byoc-job".into(),
+        then: vec![],
+        sealed_dir: None,
+        lease: Some(byoc_sandbox::spec::LeaseSpec { grace_ms: 300 }),
+    };
+    let mut cmd = std::process::Command::new(BIN);
+    cmd.arg("sandbox-exec")
+        .env_clear()
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    byoc_sandbox::pass_channels(&mut cmd, None, None, Some(binding.attach().unwrap()));
+    let mut child = cmd.spawn().unwrap();
+    child.stdin.take().unwrap().write_all(&serde_json::to_vec(&spec).unwrap()).unwrap();
+    // Renewed past its first deadline twice over, it keeps running.
+    let first = binding.deadline_ns();
+    while monotonic_now_ns() < first + ms(1600) {
+        binding.renew(monotonic_now_ns() + ms(800));
+        assert!(child.try_wait().unwrap().is_none(), "stopped while its lease was renewed");
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    assert!(!processes_matching("sleep 3501").is_empty());
+    // No renewal from now on: it stops by itself, SIGTERM ignored, killed after the grace.
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(byoc_sandbox::helper::EXIT_LEASE_EXPIRED), "{stderr}");
+    assert!(stderr.contains("lease ran out"), "{stderr}");
+    assert!(monotonic_now_ns() >= binding.deadline_ns() + ms(300), "killed before the grace");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("started") && !stdout.contains("ended"), "{stdout}");
+    assert!(processes_matching("sleep 3501").is_empty(), "the job outlived its lease");
 }
 
 #[tokio::test]

@@ -178,6 +178,11 @@ impl ControlPlane {
     pub fn log(&self, job_id: &str) -> Option<Vec<u8>> {
         self.shared.lock().log(job_id)
     }
+    /// The logs of the job's earlier leases (epoch, bytes): a job leased anew starts
+    /// its log again.
+    pub fn earlier_logs(&self, job_id: &str) -> Vec<(u64, Vec<u8>)> {
+        self.shared.lock().earlier_logs(job_id)
+    }
     pub fn runners(&self) -> Vec<RunnerView> {
         self.shared.lock().runners()
     }
@@ -455,8 +460,9 @@ async fn claim(
     if fail {
         return Ok((StatusCode::SERVICE_UNAVAILABLE, "injected fault: claim failed").into_response());
     }
-    let (lease_secs, epoch) = sh.update(|s| s.claim(&runner, &job, &req.delivery_id))?;
-    Ok(Json(ClaimResponse { lease_secs, epoch }).into_response())
+    let (lease_secs, epoch, lease_bound) =
+        sh.update(|s| s.claim(&runner, &job, &req.delivery_id, req.lease_bound))?;
+    Ok(Json(ClaimResponse { lease_secs, epoch, lease_bound }).into_response())
 }
 
 /// The fencing epoch a request is made under (absent from runners that predate it).

@@ -146,6 +146,9 @@ struct Job {
     claimed_by: Option<String>,
     cancel_requested: bool,
     log: Vec<u8>,
+    /// The logs of earlier leases (epoch, bytes): a job leased anew starts its log
+    /// again, since the new runner's log is a new run's.
+    earlier_logs: Vec<(u64, Vec<u8>)>,
     /// Running digest of `log`: views are taken on every change, and hashing a large log
     /// each time (under the state lock) would make the server, not the runner, the
     /// bottleneck of every log-heavy test and benchmark.
@@ -175,16 +178,21 @@ struct Job {
     /// The vendor says the runner holding the job stopped: it may be leased anew even
     /// if it changes or destroys.
     released: bool,
+    /// The current lease holds the job to it (the runner offered, another runner of
+    /// the install could take it): its processes are gone once the lease runs out.
+    lease_bound: bool,
 }
 
 impl Job {
     /// A script, a container, a noop or an artifact copy may run again elsewhere once
     /// its lease expired (a copy by digest is idempotent; the vendor's own code must be
     /// written to be re-run). Terraform, helm, kubernetes, secrets and updates can change
-    /// or destroy: they wait for the vendor to say the first runner stopped
-    /// (`release_lease`), and terraform's state lock keeps two applies apart even then.
+    /// or destroy: they wait until the first runner is known to have stopped: the lease
+    /// held the job (its processes ended with it), or the vendor says so
+    /// (`release_lease`); terraform's state lock keeps two applies apart even then.
     fn reofferable(&self) -> bool {
         self.released
+            || self.lease_bound
             || matches!(self.kind.as_str(), "action.script" | "action.container" | "runner.noop" | "oci.sync")
     }
 }
@@ -222,6 +230,9 @@ pub struct JobView {
     pub epoch: u64,
     /// Every lease given (runner, epoch), in order.
     pub leases: Vec<(String, u64)>,
+    /// The current lease holds the job to it (see `Job::lease_bound`).
+    #[serde(default)]
+    pub lease_bound: bool,
     /// Requests refused as fenced: runner, epoch, what.
     pub fenced: Vec<(String, u64, String)>,
     /// Enqueue → the runner started the job (from the result's `started_at_ms`).
@@ -521,6 +532,7 @@ impl State {
                     claimed_by: None,
                     cancel_requested: false,
                     log: Vec::new(),
+                    earlier_logs: Vec::new(),
                     log_hasher: sha2::Sha256::default(),
                     result: None,
                     rejections: Vec::new(),
@@ -537,6 +549,7 @@ impl State {
                     leases: Vec::new(),
                     fenced: Vec::new(),
                     released: false,
+                    lease_bound: false,
                 },
             );
             self.job_order.push(job_id.clone());
@@ -661,7 +674,10 @@ impl State {
                 ..payload.clone()
             };
             let Ok(bytes) = serde_json::to_vec(&payload) else { continue };
+            job.earlier_logs.push((job.epoch, std::mem::take(&mut job.log)));
+            job.log_hasher = sha2::Sha256::default();
             job.epoch += 1;
+            job.lease_bound = false;
             job.claimed_by = None;
             job.lease_until = None;
             job.state = JobState::Offered;
@@ -722,11 +738,20 @@ impl State {
     }
 
     /// The lease's seconds and fencing epoch.
-    pub fn claim(&mut self, runner_id: &str, job_id: &str, delivery_id: &str) -> Result<(u64, u64), CpError> {
+    /// `offer`: the runner can hold the job to its lease; taken when another runner of
+    /// the install could take the job over. Answers (lease secs, epoch, bound).
+    pub fn claim(
+        &mut self,
+        runner_id: &str,
+        job_id: &str,
+        delivery_id: &str,
+        offer: bool,
+    ) -> Result<(u64, u64, bool), CpError> {
         if self.delivery_job(delivery_id, runner_id)? != job_id {
             return Err(CpError::BadRequest("delivery is for another job".into()));
         }
         let lease = self.lease_secs;
+        let bound = offer && self.runners.len() > 1;
         let job = self.jobs.get_mut(job_id).ok_or_else(|| CpError::NotFound(job_id.into()))?;
         job.claims += 1;
         match job.state {
@@ -743,10 +768,13 @@ impl State {
                 job.claimed_by = Some(runner_id.to_string());
                 job.lease_until = Some(Instant::now() + Duration::from_secs(lease));
                 job.leases.push((runner_id.to_string(), job.epoch));
-                Ok((lease, job.epoch))
+                job.lease_bound = bound;
+                Ok((lease, job.epoch, bound))
             }
             // A retried claim whose first answer was lost.
-            JobState::Claimed if job.claimed_by.as_deref() == Some(runner_id) => Ok((lease, job.epoch)),
+            JobState::Claimed if job.claimed_by.as_deref() == Some(runner_id) => {
+                Ok((lease, job.epoch, job.lease_bound))
+            }
             s => Err(CpError::Conflict(format!("job is {s:?}"))),
         }
     }
@@ -950,6 +978,7 @@ impl State {
             claimed_by: j.claimed_by.clone(),
             epoch: j.epoch,
             leases: j.leases.clone(),
+            lease_bound: j.lease_bound,
             fenced: j.fenced.clone(),
             pickup_ms: started_ms.map(|s| s.saturating_sub(j.enqueued_ms)),
             duration_ms: started_ms.zip(finished_ms).map(|(s, f)| f.saturating_sub(s)),
@@ -958,6 +987,11 @@ impl State {
 
     pub fn log(&self, job_id: &str) -> Option<Vec<u8>> {
         self.jobs.get(job_id).map(|j| j.log.clone())
+    }
+
+    /// The logs of the job's earlier leases, (epoch, bytes), oldest first.
+    pub fn earlier_logs(&self, job_id: &str) -> Vec<(u64, Vec<u8>)> {
+        self.jobs.get(job_id).map(|j| j.earlier_logs.clone()).unwrap_or_default()
     }
 
     pub fn jobs(&self) -> Vec<JobView> {
@@ -1108,7 +1142,7 @@ mod lease_tests {
             .unwrap();
         let groups: Vec<String> = GROUPS.iter().map(|g| g.to_string()).collect();
         let (delivery, _) = state.next_delivery(runner, &groups).unwrap();
-        assert_eq!(state.claim(runner, &job, &delivery).unwrap().1, 1, "the first lease's epoch");
+        assert_eq!(state.claim(runner, &job, &delivery, false).unwrap().1, 1, "the first lease's epoch");
         job
     }
 
@@ -1135,7 +1169,7 @@ mod lease_tests {
         assert!(matches!(state.heartbeat(&a, &job, Some(1), None), Err(CpError::Fenced(_))));
         let delivery =
             state.deliveries.iter().find(|(_, d)| d.target_runner == b).map(|(id, _)| id.clone()).unwrap();
-        assert_eq!(state.claim(&b, &job, &delivery).unwrap(), (0, 2));
+        assert_eq!(state.claim(&b, &job, &delivery, false).unwrap(), (0, 2, false));
         // B's lease runs out too: it never goes back to A, which was fenced.
         assert!(offer_to(&mut state, &a).is_none());
         assert!(matches!(state.append_log(&a, &job, Some(1), 0, b"late"), Err(CpError::Fenced(_))));
@@ -1172,6 +1206,25 @@ mod lease_tests {
         assert!(offer_to(&mut state, &b).is_none(), "an apply is not leased anew on a timeout alone");
         state.release_lease(&job).unwrap();
         assert!(offer_to(&mut state, &b).is_some(), "the vendor said A stopped");
+        // A lease that held the apply (A offered it, B exists) ends with A's processes.
+        let (mut state, a, b) = two_runners(0);
+        let job = state
+            .enqueue(EnqueueRequest {
+                runner_id: Some(a.clone()),
+                ..EnqueueRequest::new("terraform", serde_json::json!({}))
+            })
+            .unwrap();
+        let groups: Vec<String> = GROUPS.iter().map(|g| g.to_string()).collect();
+        let (delivery, _) = state.next_delivery(&a, &groups).unwrap();
+        assert_eq!(state.claim(&a, &job, &delivery, true).unwrap(), (0, 1, true));
+        assert!(offer_to(&mut state, &b).is_some(), "its processes ended with the lease");
+        // A lone runner's offer is not taken: nothing could take the job over.
+        let mut lone = State::new("inst".into(), 0, Duration::from_secs(5));
+        let token = lone.new_bootstrap_token();
+        let only = lone.enroll(&token, generate_signing_key().verifying_key(), "host".into()).unwrap();
+        let job = lone.enqueue(EnqueueRequest::new("terraform", serde_json::json!({}))).unwrap();
+        let (delivery, _) = lone.next_delivery(&only, &groups).unwrap();
+        assert_eq!(lone.claim(&only, &job, &delivery, true).unwrap(), (0, 1, false));
         // And never back to the runner whose lease it was, nor to it again on its poll.
         let (mut state, a, _) = two_runners(0);
         let _ = claimed_by(&mut state, &a, "action.script");

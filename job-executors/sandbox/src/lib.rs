@@ -9,6 +9,7 @@
 
 pub mod cgroup;
 pub mod helper;
+pub mod lease;
 pub mod net;
 pub mod netlink;
 pub mod probe;
@@ -20,13 +21,15 @@ pub use sys::default_sigpipe;
 pub use spec::SandboxSpec;
 
 /// Give the helper `cmd` starts the runner's ends of its channels: the hand-over
-/// channel at [`spec::HANDOVER_FD`], the gate channel at [`spec::GATE_FD`].
+/// channel at [`spec::HANDOVER_FD`], the gate channel at [`spec::GATE_FD`], the lease
+/// pipe at [`spec::LEASE_FD`].
 pub fn pass_channels(
     cmd: &mut std::process::Command,
     handover: Option<std::os::fd::OwnedFd>,
     gate: Option<std::os::fd::OwnedFd>,
+    lease: Option<std::os::fd::OwnedFd>,
 ) {
-    let fds: Vec<_> = [(handover, spec::HANDOVER_FD), (gate, spec::GATE_FD)]
+    let fds: Vec<_> = [(handover, spec::HANDOVER_FD), (gate, spec::GATE_FD), (lease, spec::LEASE_FD)]
         .into_iter()
         .filter_map(|(fd, target)| Some((fd?, target)))
         .collect();

@@ -60,6 +60,16 @@ pub struct SandboxSpec {
     /// [`SANDBOX_SEALED_DIR`], where a [`Stage::seal`] puts its copies.
     #[serde(default)]
     pub sealed_dir: Option<PathBuf>,
+    /// The job is held to its lease (see [`crate::lease`]): deadlines arrive on
+    /// [`LEASE_FD`]; when one passes, the job is stopped, and killed `grace_ms` later.
+    #[serde(default)]
+    pub lease: Option<LeaseSpec>,
+}
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LeaseSpec {
+    pub grace_ms: u64,
 }
 
 /// A later program of the same sandbox. Before it starts, init kills whatever the
@@ -88,6 +98,10 @@ pub const GATE_FD: i32 = 4;
 /// The descriptor on which the helper (and the sandbox's init) finds the runner's end
 /// of the hand-over channel, when [`UserModeNet::handover`] is set.
 pub const HANDOVER_FD: i32 = 3;
+
+/// The descriptor on which the helper finds the read end of the lease pipe, when
+/// [`SandboxSpec::lease`] is set.
+pub const LEASE_FD: i32 = 5;
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case", deny_unknown_fields)]

@@ -170,6 +170,15 @@ pub fn close_raw(fd: std::os::fd::RawFd) {
 /// it is a socket, and mark it close-on-exec (init sends on it; nothing exec'd may
 /// inherit it).
 pub fn take_handover_fd(fd: std::os::fd::RawFd) -> std::io::Result<std::os::fd::OwnedFd> {
+    take_fd(fd, libc::S_IFSOCK, "a socket")
+}
+
+/// The lease pipe's read end the runner placed at `fd` (see [`take_handover_fd`]).
+pub fn take_pipe_fd(fd: std::os::fd::RawFd) -> std::io::Result<std::os::fd::OwnedFd> {
+    take_fd(fd, libc::S_IFIFO, "a pipe")
+}
+
+fn take_fd(fd: std::os::fd::RawFd, kind: libc::mode_t, what: &str) -> std::io::Result<std::os::fd::OwnedFd> {
     use std::os::fd::FromRawFd as _;
     let mut st = std::mem::MaybeUninit::<libc::stat>::uninit();
     // SAFETY: fstat writes a `struct stat` into the buffer we own and touches nothing else.
@@ -178,10 +187,10 @@ pub fn take_handover_fd(fd: std::os::fd::RawFd) -> std::io::Result<std::os::fd::
     }
     // SAFETY: fstat succeeded, so it initialised the buffer.
     let st = unsafe { st.assume_init() };
-    if st.st_mode & libc::S_IFMT != libc::S_IFSOCK {
+    if st.st_mode & libc::S_IFMT != kind {
         return Err(std::io::Error::new(
             std::io::ErrorKind::InvalidInput,
-            format!("descriptor {fd} is not a socket"),
+            format!("descriptor {fd} is not {what}"),
         ));
     }
     // SAFETY: the descriptor is open (fstat succeeded) and, by the helper's contract

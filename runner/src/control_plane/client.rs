@@ -269,8 +269,13 @@ impl CpClient {
         Ok(())
     }
 
-    pub async fn claim(&self, job_id: &str, delivery_id: &str) -> Result<ClaimResponse, ClientError> {
-        let body = ClaimRequest { delivery_id: delivery_id.to_string() };
+    pub async fn claim(
+        &self,
+        job_id: &str,
+        delivery_id: &str,
+        lease_bound: bool,
+    ) -> Result<ClaimResponse, ClientError> {
+        let body = ClaimRequest { delivery_id: delivery_id.to_string(), lease_bound };
         let path = format!("/v1/jobs/{}/claim", path_segment(job_id));
         let r = self
             .authed("claim", Method::POST, &path, Some(&body), JobRequest::default(), self.request_timeout)

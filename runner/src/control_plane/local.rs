@@ -28,8 +28,13 @@ impl ControlPlane for LocalChecks {
     ) -> CpFuture<'a, ()> {
         Box::pin(async { Ok(()) })
     }
-    fn claim<'a>(&'a self, _job_id: &'a str, _delivery_id: &'a str) -> CpFuture<'a, ClaimResponse> {
-        Box::pin(async { Ok(ClaimResponse { lease_secs: LOCAL_LEASE_SECS, epoch: 0 }) })
+    fn claim<'a>(
+        &'a self,
+        _job_id: &'a str,
+        _delivery_id: &'a str,
+        _lease_bound: bool,
+    ) -> CpFuture<'a, ClaimResponse> {
+        Box::pin(async { Ok(ClaimResponse { lease_secs: LOCAL_LEASE_SECS, epoch: 0, lease_bound: false }) })
     }
     fn heartbeat<'a>(
         &'a self,

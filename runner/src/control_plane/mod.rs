@@ -27,7 +27,13 @@ pub trait ControlPlane: Send + Sync {
     fn poll<'a>(&'a self, req: &'a PollRequest) -> CpFuture<'a, Option<PollResponse>>;
     /// Tell the control plane why a delivery was refused.
     fn reject<'a>(&'a self, delivery_id: &'a str, reason: RejectReason, detail: &'a str) -> CpFuture<'a, ()>;
-    fn claim<'a>(&'a self, job_id: &'a str, delivery_id: &'a str) -> CpFuture<'a, ClaimResponse>;
+    /// `lease_bound`: the runner offers to hold the job to its lease.
+    fn claim<'a>(
+        &'a self,
+        job_id: &'a str,
+        delivery_id: &'a str,
+        lease_bound: bool,
+    ) -> CpFuture<'a, ClaimResponse>;
     /// Renew the lease; `waiting` says the job is held back by the customer's guardrails.
     fn heartbeat<'a>(
         &'a self,
@@ -62,8 +68,13 @@ impl ControlPlane for CpClient {
     fn reject<'a>(&'a self, delivery_id: &'a str, reason: RejectReason, detail: &'a str) -> CpFuture<'a, ()> {
         Box::pin(CpClient::reject(self, delivery_id, reason, detail))
     }
-    fn claim<'a>(&'a self, job_id: &'a str, delivery_id: &'a str) -> CpFuture<'a, ClaimResponse> {
-        Box::pin(CpClient::claim(self, job_id, delivery_id))
+    fn claim<'a>(
+        &'a self,
+        job_id: &'a str,
+        delivery_id: &'a str,
+        lease_bound: bool,
+    ) -> CpFuture<'a, ClaimResponse> {
+        Box::pin(CpClient::claim(self, job_id, delivery_id, lease_bound))
     }
     fn heartbeat<'a>(
         &'a self,

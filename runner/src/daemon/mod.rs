@@ -195,6 +195,7 @@ async fn start_up(
         abort: CancellationToken::new(),
         stop_reporting: CancellationToken::new(),
         clock: Arc::new(crate::clock::SystemClock),
+        leases: Default::default(),
         config,
     });
     let _ = std::fs::write(StateDir::of(&state_dir).pid(), std::process::id().to_string());

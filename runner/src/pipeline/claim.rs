@@ -34,10 +34,17 @@ pub async fn claim(rt: &Rt, job: AuthorizedJob) -> Result<ClaimOutcome, RecordEr
     let job_id = verified.payload.job_id.clone();
     let expires_at = verified.payload.expires_at;
     let retry_policy = Policy::new(rt.config.poll.backoff_initial, rt.config.poll.backoff_max);
+    let offer = crate::leases::can_bind(verified.executor.placement(), rt.sandbox.is_some());
     // Ok(Ok(lease)): claimed; Ok(Err(why)): refused for good; Err: transient.
     let claimed = retry(retry_policy, &rt.abort, |_| async {
-        match rt.plane(verified.origin).claim(&job_id, &verified.delivery_id).await {
-            Ok(c) => Ok(Ok((c.lease_secs, c.epoch))),
+        let sent = crate::leases::now_ns();
+        match rt.plane(verified.origin).claim(&job_id, &verified.delivery_id, offer).await {
+            Ok(c) => {
+                if c.lease_bound && offer {
+                    rt.leases.bind(&job_id, sent, c.lease_secs);
+                }
+                Ok(Ok((c.lease_secs, c.epoch)))
+            }
             Err(e) if e.is_transient() => {
                 if rt.clock.unix_now() > expires_at {
                     Ok(Err(format!("envelope expired before the claim went through: {e}")))
@@ -89,7 +96,11 @@ mod tests {
     #[tokio::test]
     async fn a_claim_the_control_plane_grants_is_journaled_with_its_lease() {
         let f = testing::runtime().await;
-        f.cp.script_claims([Ok(byoc_protocol::ClaimResponse { lease_secs: 90, epoch: 0 })]);
+        f.cp.script_claims([Ok(byoc_protocol::ClaimResponse {
+            lease_secs: 90,
+            epoch: 0,
+            lease_bound: false,
+        })]);
         let outcome = claim(&f.rt, authorized(&f, "job-1")).await.expect("journal");
         let ClaimOutcome::Claimed(c) = outcome else { panic!("not claimed") };
         assert_eq!(c.lease_secs, 90);
@@ -103,7 +114,7 @@ mod tests {
         f.cp.script_claims([
             Err(unavailable("claim")),
             Err(unavailable("claim")),
-            Ok(byoc_protocol::ClaimResponse { lease_secs: 60, epoch: 0 }),
+            Ok(byoc_protocol::ClaimResponse { lease_secs: 60, epoch: 0, lease_bound: false }),
         ]);
         let outcome = claim(&f.rt, authorized(&f, "job-1")).await.expect("journal");
         assert!(matches!(outcome, ClaimOutcome::Claimed(_)));

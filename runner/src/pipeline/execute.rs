@@ -119,6 +119,7 @@ async fn run_spooled(
     let ctx = ExecContext::builder(job_id.clone(), work_dir.to_path_buf())
         .timeout(job.verified.timeout, rt.config.jobs.kill_grace)
         .cancel(cancel)
+        .lease(rt.leases.get(&job_id))
         .isolation(rt.sandbox.clone(), rt.containers.clone())
         .credentials(session.credentials)
         .oci(oci_settings(rt))
@@ -148,6 +149,7 @@ async fn run_spooled(
     drop(session.keep_alive);
     done.cancel();
     let _ = companion.await;
+    rt.leases.release(&job_id);
     let log = match spool.finish() {
         Ok(d) => d,
         Err(e) => {
@@ -348,7 +350,8 @@ async fn heartbeat_and_upload(
     holding: super::plan_approval::Holding,
 ) {
     let mut uploader = Uploader::new(&rt.state_dir, &job_id);
-    let mut tick = tokio::time::interval(rt.config.jobs.heartbeat_interval);
+    let mut tick =
+        tokio::time::interval(rt.leases.heartbeat_every(&job_id, rt.config.jobs.heartbeat_interval));
     tick.tick().await;
     loop {
         tokio::select! {
@@ -356,12 +359,13 @@ async fn heartbeat_and_upload(
             _ = tick.tick() => {}
         }
         let waiting = holding.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let sent = crate::leases::now_ns();
         match rt.plane(origin).heartbeat(&job_id, waiting.as_ref()).await {
             Ok(hb) if hb.cancel && !cancel.is_cancelled() => {
                 tracing::warn!("Control plane cancelled the job.");
                 cancel.cancel();
             }
-            Ok(_) => {}
+            Ok(hb) => rt.leases.renewed(&job_id, sent, hb.lease_secs),
             Err(e) if crate::control_plane::is_fenced(&e) => {
                 // The control plane gave the job to another runner (this one stopped
                 // answering for longer than the lease): stop it now; its result will

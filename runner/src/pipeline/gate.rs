@@ -234,13 +234,14 @@ where
         }
         if changed || last_heartbeat.is_none_or(|t| t.elapsed() >= rt.config.jobs.heartbeat_interval) {
             last_heartbeat = Some(std::time::Instant::now());
+            let sent = crate::leases::now_ns();
             match rt.plane(job.verified.origin).heartbeat(&job_id, Some(&waiting)).await {
                 Ok(hb) if hb.cancel => {
                     tracing::warn!("Control plane cancelled the job while it was held.");
                     settle_cancelled(rt, &job_id, &waiting.state)?;
                     return Ok(Waited::Settled);
                 }
-                Ok(_) => {}
+                Ok(hb) => rt.leases.renewed(&job_id, sent, hb.lease_secs),
                 Err(e) if crate::control_plane::is_fenced(&e) => {
                     // Another runner holds the job now: it never runs here.
                     tracing::warn!(error = %e, "The job's lease was given to another runner while it was held.");

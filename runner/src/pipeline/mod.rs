@@ -212,7 +212,10 @@ pub async fn run_job<Slot: gate::JobSlot>(
     };
     let cleared = match gate::clear(&rt, claimed, &mut slot, window).await? {
         gate::Gated::Cleared(cleared) => *cleared,
-        gate::Gated::Settled => return report_if_finished(&rt, &job_id).await,
+        gate::Gated::Settled => {
+            rt.leases.release(&job_id);
+            return report_if_finished(&rt, &job_id).await;
+        }
     };
     let ran = match assume_role::assume(&rt, cleared).await {
         Ok(assumed) => execute::execute(&rt, assumed).await?,

@@ -212,7 +212,8 @@ async fn settle_unclaimed(
 ) -> Result<(), RecordError> {
     let policy = Policy::new(rt.config.poll.backoff_initial, rt.config.poll.backoff_max);
     let claimed = retry(policy, &rt.stop_reporting, |_| async {
-        match rt.plane(origin).claim(job_id, delivery_id).await {
+        // Claimed only to be reported, never run: nothing to hold to the lease.
+        match rt.plane(origin).claim(job_id, delivery_id, false).await {
             Ok(c) => Ok(Ok((c.lease_secs, c.epoch))),
             Err(e) if e.is_transient() => Err(e),
             Err(e) => Ok(Err(e.to_string())),

@@ -524,6 +524,7 @@ async fn sandboxed_spawn_us(
         hostname: "byoc-job".into(),
         then: vec![],
         sealed_dir: None,
+        lease: None,
     };
     let mut cmd = tokio::process::Command::new(runner_bin);
     cmd.arg("sandbox-exec")
@@ -536,7 +537,7 @@ async fn sandboxed_spawn_us(
         use nix::sys::socket::{AddressFamily, SockFlag, SockType, socketpair};
         let (ours, theirs) =
             socketpair(AddressFamily::Unix, SockType::SeqPacket, None, SockFlag::SOCK_CLOEXEC)?;
-        byoc_sandbox::pass_channels(cmd.as_std_mut(), Some(theirs), None);
+        byoc_sandbox::pass_channels(cmd.as_std_mut(), Some(theirs), None, None);
         let follower = byoc_job_executors::jobnet::HostFollower::open().map_err(|e| anyhow::anyhow!(e.0))?;
         let stop = tokio_util::sync::CancellationToken::new();
         Some(byoc_job_executors::jobnet::Services::start(ours, &Default::default(), None, follower, stop))

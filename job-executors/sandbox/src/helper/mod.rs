@@ -40,7 +40,7 @@ use self::root::build_root;
 use crate::net::Cidr;
 use crate::netlink::Netlink;
 use crate::spec::{
-    GATE_FD, HANDOVER_FD, MAX_SPEC_BYTES, NetworkSpec, SANDBOX_INNER_ID, SANDBOX_SEALED_DIR,
+    GATE_FD, HANDOVER_FD, LEASE_FD, MAX_SPEC_BYTES, NetworkSpec, SANDBOX_INNER_ID, SANDBOX_SEALED_DIR,
     SANDBOX_WORK_DIR, SandboxSpec,
 };
 use crate::sys;
@@ -55,6 +55,9 @@ pub const EXIT_NETWORK_FAILED: i32 = 122;
 pub const EXIT_GATE_CLOSED: i32 = 123;
 /// Exit code when a file a stage seals is not a regular file (that stage never ran).
 pub const EXIT_SEAL_REFUSED: i32 = 124;
+/// Exit code when the job's lease ran out and the helper stopped it (see
+/// [`crate::lease`]).
+pub const EXIT_LEASE_EXPIRED: i32 = 121;
 
 const RELAYED: &[Signal] = &[Signal::SIGINT, Signal::SIGTERM, Signal::SIGHUP, Signal::SIGQUIT];
 
@@ -83,8 +86,14 @@ fn helper() -> Result<i32, SetupError> {
         NetworkSpec::UserMode(net) => Some(net.clone()),
         _ => None,
     };
-    let (gate, mut channel) =
-        keep_only_channels(spec.then.iter().any(|s| s.gate), user_mode.as_ref().is_some_and(|n| n.handover))?;
+    let (gate, mut channel, lease) = keep_only_channels(
+        spec.then.iter().any(|s| s.gate),
+        user_mode.as_ref().is_some_and(|n| n.handover),
+        spec.lease.is_some(),
+    )?;
+    let mut lease = lease
+        .zip(spec.lease)
+        .map(|(pipe, l)| crate::lease::LeaseWatch::new(pipe, std::time::Duration::from_millis(l.grace_ms)));
     // 4. Every process of the job is counted and limited. On cgroup v2 init and the
     //    network stack are born in the job's cgroup (6, 7b) and the helper stays out;
     //    otherwise the helper joins first and they follow.
@@ -110,8 +119,13 @@ fn helper() -> Result<i32, SetupError> {
     let flags = namespaces(&spec.network);
     let root_mode = nix::unistd::geteuid().is_root();
     let write_end = ready_w.as_raw_fd();
+    let lease_pipe = lease.as_ref().and_then(|l| l.pipe()).map(|p| p.as_raw_fd());
     let mut run_init = || {
         sys::close_raw(write_end);
+        // The lease is the helper's to keep; init runs the job.
+        if let Some(fd) = lease_pipe {
+            sys::close_raw(fd);
+        }
         match init(&spec, &ready_r, root_mode, blocked.as_deref(), channel.take(), gate.as_ref()) {
             Ok(code) => code as isize,
             Err(e) => {
@@ -161,10 +175,14 @@ fn helper() -> Result<i32, SetupError> {
         None => None,
     };
     drop(ready_w);
-    // 8. Relay stop signals to init and exit with its status.
-    supervise(child, &mask, |sig| {
-        let _ = kill(child, sig);
-    })
+    // 8. Relay stop signals to init and exit with its status; with a lease, stop the
+    //    job when it runs out.
+    match lease.as_mut() {
+        Some(lease) => supervise_leased(child, &mask, lease),
+        None => supervise(child, &mask, |sig| {
+            let _ = kill(child, sig);
+        }),
+    }
 }
 
 /// The job's new namespaces: user, mount, pid, IPC, UTS, and network unless it shares
@@ -181,23 +199,17 @@ fn namespaces(network: &NetworkSpec) -> CloneFlags {
     flags
 }
 
+type Channels = (Option<OwnedFd>, Option<OwnedFd>, Option<OwnedFd>);
+
 /// Close every descriptor the runner left open but the channels this sandbox uses:
-/// the gate (a gated stage) and the hand-over (the runner's services in the job's
-/// namespace), returned.
-fn keep_only_channels(
-    gated: bool,
-    wants_handover: bool,
-) -> Result<(Option<OwnedFd>, Option<OwnedFd>), SetupError> {
-    let keep_up_to = if gated {
-        GATE_FD
-    } else if wants_handover {
-        HANDOVER_FD
-    } else {
-        HANDOVER_FD - 1
-    };
+/// the gate (a gated stage), the hand-over (the runner's services in the job's
+/// namespace) and the lease pipe, returned in that order.
+fn keep_only_channels(gated: bool, wants_handover: bool, leased: bool) -> Result<Channels, SetupError> {
+    let wanted = [(HANDOVER_FD, wants_handover), (GATE_FD, gated), (LEASE_FD, leased)];
+    let keep_up_to = wanted.iter().filter(|(_, w)| *w).map(|(fd, _)| *fd).max().unwrap_or(HANDOVER_FD - 1);
     sys::close_fds_from(keep_up_to as u32 + 1).step("closing inherited descriptors")?;
-    if gated && !wants_handover {
-        sys::close_raw(HANDOVER_FD);
+    for (fd, _) in wanted.iter().filter(|(fd, w)| !w && *fd < keep_up_to) {
+        sys::close_raw(*fd);
     }
     let gate = if gated { Some(sys::take_handover_fd(GATE_FD).step("the gate channel")?) } else { None };
     let channel = if wants_handover {
@@ -205,7 +217,8 @@ fn keep_only_channels(
     } else {
         None
     };
-    Ok((gate, channel))
+    let lease = if leased { Some(sys::take_pipe_fd(LEASE_FD).step("the lease pipe")?) } else { None };
+    Ok((gate, channel, lease))
 }
 
 /// The stop signals and SIGCHLD, blocked: the helper and init take them with sigwait.
@@ -341,6 +354,75 @@ fn supervise(child: Pid, mask: &SigSet, mut relay: impl FnMut(Signal)) -> Result
                 Ok(WaitStatus::Signaled(pid, sig, _)) if pid == child => return Ok(128 + sig as i32),
                 Ok(WaitStatus::StillAlive) | Err(_) => break,
                 Ok(_) => continue,
+            }
+        }
+    }
+}
+
+/// [`supervise`] for a job held to its lease: signals and renewed deadlines are
+/// waited for together; when the deadline passes the job is asked to stop (SIGTERM,
+/// relayed by init), and the grace later init is killed, which ends every process of
+/// the pid namespace. Exits [`EXIT_LEASE_EXPIRED`] then, whatever the job's status.
+fn supervise_leased(
+    child: Pid,
+    mask: &SigSet,
+    lease: &mut crate::lease::LeaseWatch,
+) -> Result<i32, SetupError> {
+    use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+    use nix::sys::signalfd::{SfdFlags, SignalFd};
+    let signals =
+        SignalFd::with_flags(mask, SfdFlags::SFD_CLOEXEC | SfdFlags::SFD_NONBLOCK).step("signalfd")?;
+    // Set once the deadline passed: when init is killed if still there.
+    let mut kill_at: Option<u64> = None;
+    let mut killed = false;
+    loop {
+        let now = crate::lease::monotonic_now_ns();
+        if kill_at.is_none() && now >= lease.deadline_ns {
+            eprintln!(
+                "sandbox: the job's lease ran out (the runner did not renew it): stopping the job so that \
+                 another runner may take it"
+            );
+            let _ = kill(child, Signal::SIGTERM);
+            kill_at = Some(now.saturating_add(lease.grace.as_nanos() as u64));
+        }
+        if !killed && kill_at.is_some_and(|at| now >= at) {
+            let _ = kill(child, Signal::SIGKILL);
+            killed = true;
+        }
+        let next = match kill_at {
+            Some(_) if killed => now.saturating_add(60_000_000_000),
+            Some(at) => at,
+            None => lease.deadline_ns,
+        };
+        // At most a minute at a time: a deadline far off needs no exact sleep.
+        let wait_ms = (next.saturating_sub(now) / 1_000_000 + 1).min(60_000) as i32;
+        let timeout = PollTimeout::try_from(wait_ms).unwrap_or(PollTimeout::MAX);
+        let mut fds = vec![PollFd::new(signals.as_fd(), PollFlags::POLLIN)];
+        if let Some(pipe) = lease.pipe() {
+            fds.push(PollFd::new(pipe, PollFlags::POLLIN));
+        }
+        match poll(&mut fds, timeout) {
+            Ok(_) | Err(nix::errno::Errno::EINTR) => {}
+            Err(e) => return Err(e).step("waiting for the job"),
+        }
+        let pipe_ready = fds.get(1).and_then(|f| f.revents()).is_some_and(|r| !r.is_empty());
+        if pipe_ready {
+            lease.read();
+        }
+        while let Ok(Some(info)) = signals.read_signal() {
+            let Ok(sig) = Signal::try_from(info.ssi_signo as i32) else { continue };
+            if sig != Signal::SIGCHLD {
+                let _ = kill(child, sig);
+                continue;
+            }
+            loop {
+                let code = match waitpid(Pid::from_raw(-1), Some(WaitPidFlag::WNOHANG)) {
+                    Ok(WaitStatus::Exited(pid, code)) if pid == child => code,
+                    Ok(WaitStatus::Signaled(pid, sig, _)) if pid == child => 128 + sig as i32,
+                    Ok(WaitStatus::StillAlive) | Err(_) => break,
+                    Ok(_) => continue,
+                };
+                return Ok(if kill_at.is_some() { crate::helper::EXIT_LEASE_EXPIRED } else { code });
             }
         }
     }
@@ -589,6 +671,7 @@ mod tests {
             hostname: "t".into(),
             then,
             sealed_dir: sealed.then(|| "/tmp/s".into()),
+            lease: None,
         }
     }
 
