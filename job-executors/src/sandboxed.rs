@@ -280,10 +280,11 @@ fn name_a_sandbox_failure(outcome: &mut ExecOutcome, network_built: bool) {
 
 /// Each sandbox gets a cgroup and a root directory of its own (a job may run several,
 /// one after another while the previous one's cgroup is still being removed, or one
-/// beside another): `<job id>-s<n>`.
+/// beside another; two runners sharing a cgroup may run the same job when one hands it
+/// over to the other): `<job id>-<runner pid>-s<n>`.
 fn sandbox_name(job_id: &str) -> String {
     static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
-    format!("{job_id}-s{}", SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed))
+    format!("{job_id}-{}-s{}", std::process::id(), SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed))
 }
 
 /// Removals of finished sandboxes' cgroups still under way.

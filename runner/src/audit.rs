@@ -198,6 +198,10 @@ pub const EVENTS: &[(&str, &str)] = &[
         "lifecycle_notice",
         "The metadata service announced the instance's end (a Spot interruption or an Auto Scaling termination): the runner takes no new job and hands over what cannot finish.",
     ),
+    (
+        "runner_retired",
+        "Drained before its instance's termination, the runner left the install: the control plane refuses it from now on and a replacement takes its place.",
+    ),
     ("lifecycle_action_completed", "Drained: the runner told Auto Scaling the instance may terminate."),
     (
         "lifecycle_action_failed",

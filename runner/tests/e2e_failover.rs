@@ -30,6 +30,8 @@ const LEASE_SECS: u64 = 3;
 
 struct Pair {
     cp: ControlPlane,
+    /// The install's bootstrap token: it enrolls two serving runners.
+    token: String,
     /// The install's bucket both runners copy their audit logs into.
     moto: MotoServer,
     a: RunnerProcess,
@@ -81,17 +83,24 @@ async fn pair_with(a_opts: impl Fn(&Path) -> RunnerOptions) -> Pair {
         env.extend(own.env);
         RunnerOptions { extra: base.extra.clone() + &own.extra, env, ..base }
     };
-    let a = RunnerProcess::start(Path::new(BIN), da.path(), &cp, &a_opts).unwrap();
+    // Both enroll with the install's token (as the instances of its Auto Scaling group do).
+    let token = cp.install_token(2);
+    let start = |dir: &Path, opts: &RunnerOptions| {
+        let mut r = RunnerProcess::prepare(Path::new(BIN), dir, &cp, opts).unwrap();
+        r.spawn(Some(token.clone())).unwrap();
+        r
+    };
+    let a = start(da.path(), &a_opts);
     assert!(wait_polling(&cp, WAIT).await, "{}", a.log());
     let a_id = cp.runners()[0].runner_id.clone();
-    let b = RunnerProcess::start(Path::new(BIN), db.path(), &cp, &opts(db.path())).unwrap();
+    let b = start(db.path(), &opts(db.path()));
     assert!(
         cp.wait_until(WAIT, |cp| cp.runners().iter().filter(|r| r.polls > 0).count() == 2).await,
         "{}",
         b.log()
     );
     let b_id = cp.runners().into_iter().find(|r| r.runner_id != a_id).unwrap().runner_id;
-    Pair { cp, moto, a, b, a_id, b_id, _dirs: (da, db) }
+    Pair { cp, token, moto, a, b, a_id, b_id, _dirs: (da, db) }
 }
 
 /// Live (not zombie) processes descended from `pid`, with their command lines.
@@ -310,15 +319,24 @@ async fn a_spot_interruption_hands_the_running_job_over_to_the_other_runner() {
     imds.spot_notice("terminate", now + 5);
 
     // A takes nothing new, stops the job it cannot finish, reports nothing for it and
-    // exits cleanly; B gets the job when A's lease runs out and runs it to the end.
+    // exits cleanly, retiring from the install on the way, which hands B the job at
+    // once; B runs it to the end.
     let status = p.a.wait_exit(WAIT).await.expect("A stops");
     assert!(status.success(), "{}", p.a.log());
     let view = p.cp.wait_for(&job, WAIT, |v| v.result.is_some()).await.unwrap();
-    assert_eq!(view.result.as_ref().unwrap().status, JobStatus::Succeeded, "{}", p.b.log());
+    assert_eq!(
+        view.result.as_ref().unwrap().status,
+        JobStatus::Succeeded,
+        "{view:?}\n{}",
+        String::from_utf8_lossy(&p.cp.log(&job).unwrap())
+    );
     assert_eq!(view.leases, [(p.a_id.clone(), 1), (p.b_id.clone(), 2)]);
     assert!(String::from_utf8_lossy(&p.cp.log(&job).unwrap()).contains("ended"));
     let notice = audit_events(&p.a.state_dir, "lifecycle_notice");
     assert_eq!(notice.len(), 1);
+    // A left the install: its place is free for the instance that replaces it.
+    assert_eq!(audit_events(&p.a.state_dir, "runner_retired").len(), 1);
+    assert!(p.cp.runners().iter().any(|r| r.runner_id == p.a_id && r.retired));
     assert!(notice[0]["detail"].as_str().unwrap().starts_with("spot terminate at "), "{notice:?}");
     assert!(!journal_events(&p.a.state_dir, &job).contains(&"reported".to_string()));
     assert!(gone(&job).await.is_empty());
@@ -359,6 +377,13 @@ async fn an_autoscaling_termination_drains_then_completes_the_lifecycle_action()
         })
         .unwrap();
     eventually("A started the job", async || started_count(&p.a.state_dir, &job) == 1).await;
+    // Both of the install's places are taken: a third instance's runner is refused.
+    let dx = tempfile::tempdir().unwrap();
+    let mut x = RunnerProcess::prepare(Path::new(BIN), dx.path(), &p.cp, &test_options(dx.path())).unwrap();
+    x.spawn(Some(p.token.clone())).unwrap();
+    let refused = x.wait_exit(WAIT).await.expect("a third runner stops");
+    assert!(!refused.success());
+    assert!(x.log().contains("runners are serving"), "{}", x.log());
     imds.target_lifecycle_state("Terminated");
     // The job fits in the hook's time: A finishes and reports it, then lets the
     // instance go, and exits.
@@ -379,5 +404,17 @@ async fn an_autoscaling_termination_drains_then_completes_the_lifecycle_action()
     assert_eq!(form["InstanceId"], byoc_control_plane::imds::INSTANCE_ID);
     assert_eq!(form["LifecycleActionResult"], "CONTINUE");
     assert_eq!(audit_events(&p.a.state_dir, "lifecycle_action_completed").len(), 1);
+    // A retired before letting the instance go: the instance that replaces it enrolls
+    // with the same token.
+    assert_eq!(audit_events(&p.a.state_dir, "runner_retired").len(), 1);
+    let dc = tempfile::tempdir().unwrap();
+    let mut c = RunnerProcess::prepare(Path::new(BIN), dc.path(), &p.cp, &test_options(dc.path())).unwrap();
+    c.spawn(Some(p.token.clone())).unwrap();
+    assert!(
+        p.cp.wait_until(WAIT, |cp| cp.runners().iter().filter(|r| !r.retired && r.polls > 0).count() == 2)
+            .await,
+        "{}",
+        c.log()
+    );
     server.abort();
 }

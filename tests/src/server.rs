@@ -145,6 +145,14 @@ impl ControlPlane {
     pub fn bootstrap_token(&self) -> String {
         self.shared.update(|s| s.new_bootstrap_token())
     }
+    /// A token enrolling up to `runners` serving runners, replacements included.
+    pub fn install_token(&self, runners: usize) -> String {
+        self.shared.update(|s| s.new_install_token(runners))
+    }
+    /// The vendor says the runner is gone (see `State::retire`).
+    pub fn retire_runner(&self, runner_id: &str) -> Result<(), CpError> {
+        self.shared.update(|s| s.retire(runner_id))
+    }
     pub fn enqueue(&self, req: EnqueueRequest) -> Result<String, CpError> {
         self.shared.update(|s| s.enqueue(req))
     }
@@ -337,6 +345,7 @@ fn runner_router(shared: Arc<Shared>) -> Router {
         .route("/v1/jobs/{job}/log", put(append_log))
         .route("/v1/jobs/{job}/result", post(result))
         .route("/v1/audit", post(audit_upload))
+        .route("/v1/runner/retire", post(retire))
         .layer(axum::middleware::from_fn_with_state(shared.clone(), faults_layer))
         .with_state(shared)
 }
@@ -557,6 +566,8 @@ fn admin_router(shared: Arc<Shared>) -> Router {
         .route("/admin/jobs/{job}/redeliver", post(admin_redeliver))
         .route("/admin/jobs/{job}/release-lease", post(admin_release_lease))
         .route("/admin/runners", get(admin_runners))
+        .route("/admin/runners/{runner}/retire", post(admin_retire))
+        .route("/admin/install-tokens", post(admin_install_token))
         .route("/admin/runners/{runner}/update", post(admin_update_runner))
         .route("/admin/releases", post(admin_publish_release).get(admin_releases))
         .route("/admin/grants", get(admin_grants))
@@ -581,6 +592,34 @@ async fn admin_info(AxState(sh): Sh) -> Json<serde_json::Value> {
         "key_id": byoc_protocol::key_id(&st.signing_key.verifying_key()),
         "faults": st.faults,
     }))
+}
+
+/// The runner leaves the install (drained before its instance goes).
+async fn retire(AxState(sh): Sh, headers: HeaderMap) -> Result<StatusCode, CpError> {
+    let runner = runner_id(&sh, &headers)?;
+    sh.update(|s| s.retire(&runner))?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// The vendor says the runner is gone for good (an instance that died without draining).
+async fn admin_retire(AxState(sh): Sh, Path(runner): Path<String>) -> Result<StatusCode, CpError> {
+    sh.update(|s| s.retire(&runner))?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[derive(serde::Deserialize)]
+struct InstallTokenRequest {
+    runners: usize,
+}
+
+/// A bootstrap token for an install stack of `runners` instances (see
+/// `State::new_install_token`).
+async fn admin_install_token(
+    AxState(sh): Sh,
+    Json(req): Json<InstallTokenRequest>,
+) -> Json<serde_json::Value> {
+    let token = sh.update(|s| s.new_install_token(req.runners));
+    Json(serde_json::json!({ "bootstrap_token": token }))
 }
 
 async fn admin_bootstrap(AxState(sh): Sh) -> Json<serde_json::Value> {

@@ -249,6 +249,7 @@ pub struct RunnerView {
     pub pending_update: Option<String>,
     pub last_poll: Option<PollRequest>,
     pub polls: u64,
+    pub retired: bool,
 }
 
 /// A release of the runner the vendor published: its artifact by digest in the install's
@@ -281,6 +282,11 @@ struct Runner {
     hostname: String,
     last_poll: Option<PollRequest>,
     polls: u64,
+    /// The install token it enrolled with (none: a one-time token).
+    install_token: Option<String>,
+    /// It left the install (its instance went away after draining, or the vendor said
+    /// so): it is refused from now on, and its place is free for a replacement.
+    retired: bool,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -310,6 +316,8 @@ pub struct State {
     pub token_ttl: Duration,
     pub faults: Faults,
     bootstrap_tokens: HashSet<String>,
+    /// Install tokens: each enrolls up to this many runners not retired at once.
+    install_tokens: HashMap<String, usize>,
     runners: BTreeMap<String, Runner>,
     challenges: HashMap<String, (String, Instant)>,
     tokens: HashMap<String, (String, Instant)>,
@@ -346,6 +354,7 @@ impl State {
             token_ttl: Duration::from_secs(3600),
             faults: Faults::default(),
             bootstrap_tokens: HashSet::new(),
+            install_tokens: HashMap::new(),
             runners: BTreeMap::new(),
             challenges: HashMap::new(),
             tokens: HashMap::new(),
@@ -408,23 +417,69 @@ impl State {
         t
     }
 
+    /// A token for an install stack of `runners` instances (an Auto Scaling group): it
+    /// enrolls each new instance, replacements included, as long as fewer than
+    /// `runners` of the runners it enrolled are still serving (not retired).
+    pub fn new_install_token(&mut self, runners: usize) -> String {
+        let t = format!("bt-{}", random_hex(24));
+        self.install_tokens.insert(t.clone(), runners.max(1));
+        t
+    }
+
     pub fn enroll(
         &mut self,
         token: &str,
         public_key: VerifyingKey,
         hostname: String,
     ) -> Result<String, CpError> {
-        if !self.bootstrap_tokens.remove(token) {
+        let install_token = if self.bootstrap_tokens.remove(token) {
+            None
+        } else if let Some(&places) = self.install_tokens.get(token) {
+            let serving = self
+                .runners
+                .values()
+                .filter(|r| !r.retired && r.install_token.as_deref() == Some(token))
+                .count();
+            if serving >= places {
+                return Err(CpError::Unauthorized(
+                    "bootstrap token: all the install's runners are serving (a replacement enrolls once one is retired)",
+                ));
+            }
+            Some(token.to_string())
+        } else {
             return Err(CpError::Unauthorized("bootstrap token unknown or already used"));
-        }
+        };
         let runner_id = format!("rn-{}", random_hex(8));
-        self.runners.insert(runner_id.clone(), Runner { public_key, hostname, last_poll: None, polls: 0 });
+        self.runners.insert(
+            runner_id.clone(),
+            Runner { public_key, hostname, last_poll: None, polls: 0, install_token, retired: false },
+        );
         Ok(runner_id)
     }
 
+    /// The runner leaves the install: refused from now on, its place free. What it
+    /// still held may go to another runner at once: a runner retires itself only once
+    /// drained (what it could not finish stopped), and the vendor only for one that is
+    /// gone.
+    pub fn retire(&mut self, runner_id: &str) -> Result<(), CpError> {
+        let runner = self.runners.get_mut(runner_id).ok_or_else(|| CpError::NotFound(runner_id.into()))?;
+        runner.retired = true;
+        self.tokens.retain(|_, (owner, _)| owner != runner_id);
+        let now = Instant::now();
+        for job in self.jobs.values_mut() {
+            if job.claimed_by.as_deref() == Some(runner_id) && job.result.is_none() {
+                job.released = true;
+                job.lease_until = Some(now);
+            }
+        }
+        Ok(())
+    }
+
     pub fn challenge(&mut self, runner_id: &str) -> Result<String, CpError> {
-        if !self.runners.contains_key(runner_id) {
-            return Err(CpError::Unauthorized("unknown runner"));
+        match self.runners.get(runner_id) {
+            None => return Err(CpError::Unauthorized("unknown runner")),
+            Some(r) if r.retired => return Err(CpError::Unauthorized("runner retired")),
+            Some(_) => {}
         }
         let now = Instant::now();
         self.challenges.retain(|_, (_, exp)| *exp > now);
@@ -463,7 +518,7 @@ impl State {
     }
 
     fn only_runner(&self) -> Result<String, CpError> {
-        let mut ids = self.runners.keys();
+        let mut ids = self.runners.iter().filter(|(_, r)| !r.retired).map(|(id, _)| id);
         match (ids.next(), ids.next()) {
             (Some(id), None) => Ok(id.clone()),
             (None, _) => Err(CpError::BadRequest("no runner enrolled yet".into())),
@@ -1049,6 +1104,7 @@ impl State {
                 pending_update: r.last_poll.as_ref().and_then(|p| p.pending_update.clone()),
                 last_poll: r.last_poll.clone(),
                 polls: r.polls,
+                retired: r.retired,
             })
             .collect()
     }
@@ -1229,5 +1285,31 @@ mod lease_tests {
         let (mut state, a, _) = two_runners(0);
         let _ = claimed_by(&mut state, &a, "action.script");
         assert!(offer_to(&mut state, &a).is_none());
+    }
+
+    #[test]
+    fn an_install_token_enrolls_its_runners_and_each_replacement_once_one_retires() {
+        let mut state = State::new("inst".into(), 60, Duration::from_secs(5));
+        let token = state.new_install_token(2);
+        let mut enroll =
+            |s: &mut State| s.enroll(&token, generate_signing_key().verifying_key(), "host".into());
+        let a = enroll(&mut state).unwrap();
+        let _b = enroll(&mut state).unwrap();
+        assert!(matches!(enroll(&mut state), Err(CpError::Unauthorized(_))), "both places are taken");
+        // A holds a job when its instance goes: drained, it retires.
+        let job = claimed_by(&mut state, &a, "terraform");
+        state.retire(&a).unwrap();
+        assert!(matches!(state.challenge(&a), Err(CpError::Unauthorized("runner retired"))));
+        let c = enroll(&mut state).expect("the replacement takes A's place");
+        // What A held goes to the replacement at once, an apply included.
+        let envelope = offer_to(&mut state, &c).expect("offered to the replacement");
+        let payload: JobPayload =
+            serde_json::from_slice(&byoc_protocol::unb64("payload", &envelope.payload).unwrap()).unwrap();
+        assert_eq!((payload.job_id, payload.runner_id), (job, c));
+        assert!(state.runners().iter().any(|r| r.runner_id == a && r.retired));
+        // A one-time token still enrolls once.
+        let once = state.new_bootstrap_token();
+        assert!(state.enroll(&once, generate_signing_key().verifying_key(), "h".into()).is_ok());
+        assert!(state.enroll(&once, generate_signing_key().verifying_key(), "h".into()).is_err());
     }
 }

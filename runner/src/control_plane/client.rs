@@ -334,6 +334,22 @@ impl CpClient {
         Ok(resp.offset)
     }
 
+    /// This runner leaves the install (its instance is going away, drained): the
+    /// control plane refuses it from now on and gives its place to a replacement.
+    pub async fn retire(&self) -> Result<(), ClientError> {
+        let body = serde_json::json!({});
+        self.authed(
+            "retire",
+            Method::POST,
+            "/v1/runner/retire",
+            Some(&body),
+            JobRequest::default(),
+            self.request_timeout,
+        )
+        .await?;
+        Ok(())
+    }
+
     pub async fn audit(
         &self,
         req: &byoc_protocol::AuditUploadRequest,

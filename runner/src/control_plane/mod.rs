@@ -47,6 +47,10 @@ pub trait ControlPlane: Send + Sync {
     fn result<'a>(&'a self, job_id: &'a str, result: &'a JobResult) -> CpFuture<'a, ()>;
     /// After a restart: the fencing epoch the journal holds for a claimed job.
     fn remember_lease(&self, _job_id: &str, _epoch: u64) {}
+    /// This runner leaves the install for good (see [`CpClient::retire`]).
+    fn retire(&self) -> CpFuture<'_, ()> {
+        Box::pin(async { Ok(()) })
+    }
 }
 
 /// Whether the control plane refused a request because the job's lease was given to
@@ -88,6 +92,9 @@ impl ControlPlane for CpClient {
     }
     fn audit<'a>(&'a self, req: &'a AuditUploadRequest) -> CpFuture<'a, AuditUploadResponse> {
         Box::pin(CpClient::audit(self, req))
+    }
+    fn retire(&self) -> CpFuture<'_, ()> {
+        Box::pin(CpClient::retire(self))
     }
     fn result<'a>(&'a self, job_id: &'a str, result: &'a JobResult) -> CpFuture<'a, ()> {
         Box::pin(CpClient::result(self, job_id, result))

@@ -415,9 +415,30 @@ impl Background {
     }
 }
 
-/// Drained for an Auto Scaling termination: the group may now terminate the instance.
+/// Drained for the instance's termination: the runner leaves the install (its place
+/// goes to a replacement; what it held, to another runner at once), then an Auto
+/// Scaling group may terminate the instance.
 async fn complete_lifecycle(rt: &Rt, notice: Option<&crate::lifecycle::Notice>) {
-    if notice.is_none_or(|n| n.kind != "autoscaling") || rt.config.lifecycle.autoscaling_group.is_none() {
+    let Some(notice) = notice.filter(|n| n.action == "terminate") else { return };
+    match rt.client.retire().await {
+        Ok(()) => {
+            tracing::info!("Retired from the install: a replacement may take this runner's place.");
+            rt.audit_or_log(
+                crate::audit_records::note(
+                    "runner_retired",
+                    format!(
+                        "the instance is being terminated ({}): this runner left the install",
+                        notice.kind
+                    ),
+                ),
+                "the retirement",
+            );
+        }
+        // What it held goes to another runner when its lease runs out; its place waits
+        // for the vendor to retire it.
+        Err(e) => tracing::warn!(error = %e, "Could not retire from the install: {e}."),
+    }
+    if notice.kind != "autoscaling" || rt.config.lifecycle.autoscaling_group.is_none() {
         return;
     }
     match crate::lifecycle::complete_lifecycle_action(&rt.config).await {
