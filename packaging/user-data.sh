@@ -30,6 +30,8 @@
 #     name, `create` for the one the stack made, or empty for none)
 #   BYOC_AUDIT_OTLP_ENDPOINT BYOC_AUDIT_OTLP_CA (an https OTLP collector and, base64,
 #     the PEM of the CA its certificate chains to; empty: none)
+#   BYOC_AUTOSCALING_GROUP BYOC_LIFECYCLE_HOOK (the instance's Auto Scaling group and its
+#     termination hook, completed once the runner drained; empty: none)
 #   BYOC_RELEASE_URL (https base URL; empty: use BYOC_RELEASE_DIR)
 #   BYOC_RELEASE_DIR (default /opt/byoc-runner/release)
 #   BYOC_ROOT (install into this directory instead of /; for tests)
@@ -85,6 +87,10 @@ done
     || fail "BYOC_AUDIT_LOG_GROUP is not a log group name"
 [ -z "$BYOC_AUDIT_OTLP_ENDPOINT" ] || printf '%s' "$BYOC_AUDIT_OTLP_ENDPOINT" | grep -Eqx 'https://[A-Za-z0-9.:/_-]+' \
     || fail "BYOC_AUDIT_OTLP_ENDPOINT must be an https:// URL"
+[ -z "$BYOC_AUTOSCALING_GROUP" ] || printf '%s' "$BYOC_AUTOSCALING_GROUP" | grep -Eqx '[A-Za-z0-9._-]{1,255}' \
+    || fail "BYOC_AUTOSCALING_GROUP is not an Auto Scaling group name"
+[ -z "$BYOC_LIFECYCLE_HOOK" ] || printf '%s' "$BYOC_LIFECYCLE_HOOK" | grep -Eqx '[A-Za-z0-9_-]{1,255}' \
+    || fail "BYOC_LIFECYCLE_HOOK is not a lifecycle hook name"
 [ -n "$BYOC_UPDATE_MODE" ] || BYOC_UPDATE_MODE=approve
 case "$BYOC_UPDATE_MODE" in auto|approve|off) ;; *) fail "BYOC_UPDATE_MODE must be auto, approve or off" ;; esac
 
@@ -173,6 +179,10 @@ conf="$ROOT/etc/byoc-runner/runner.toml"
     echo "[lifecycle]"
     echo "# A Spot interruption or an Auto Scaling termination drains the runner."
     echo "watch = true"
+    if [ -n "$BYOC_AUTOSCALING_GROUP" ] && [ -n "$BYOC_LIFECYCLE_HOOK" ]; then
+        echo "autoscaling_group = \"$BYOC_AUTOSCALING_GROUP\""
+        echo "lifecycle_hook = \"$BYOC_LIFECYCLE_HOOK\""
+    fi
     echo
     echo "[update]"
     echo "mode = \"$BYOC_UPDATE_MODE\""

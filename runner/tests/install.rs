@@ -242,7 +242,9 @@ fn user_data_with(
         .env("BYOC_CONTROL_PLANE_KEYS", "11qYAYKxCrfVS/7TyWQHOg7hcvPapiMlrwIaaPcHURo=")
         .env("BYOC_REGION", "eu-west-1")
         .env("BYOC_STACK_NAME", "byoc-install-demo")
-        .env("BYOC_SIGNAL_RESOURCE", "RunnerInstance")
+        .env("BYOC_SIGNAL_RESOURCE", "RunnerGroup")
+        .env("BYOC_AUTOSCALING_GROUP", "inst-demo-byoc-runners")
+        .env("BYOC_LIFECYCLE_HOOK", "byoc-drain")
         .env("BYOC_EXTERNAL_ID", "ext-123")
         .env("BYOC_STATE_BUCKET", "inst-demo-state-123456789012")
         .env("BYOC_BOOTSTRAP_SECRET", "arn:aws:secretsmanager:eu-west-1:123456789012:secret:bootstrap")
@@ -367,6 +369,12 @@ fn user_data_writes_the_customers_audit_copies() {
             "BYOC_AUDIT_BUCKET is not an S3 bucket name",
         ),
         ("BYOC_AUDIT_OTLP_ENDPOINT", "http://otel.acme.example", "must be an https:// URL"),
+        (
+            "BYOC_AUTOSCALING_GROUP",
+            "g\"\n[control_plane]\nurl = \"http://evil",
+            "not an Auto Scaling group name",
+        ),
+        ("BYOC_LIFECYCLE_HOOK", "hook\"\nwatch = false", "not a lifecycle hook name"),
         ("BYOC_AUDIT_OTLP_CA", "bm90IGEgY2VydA==", "holds no PEM certificate"),
     ] {
         let other = throwaway_root();
@@ -405,7 +413,8 @@ fn user_data_installs_configures_starts_and_then_signals_and_is_safe_to_rerun() 
         "region = \"eu-west-1\"",
         "[terraform.state]\nbucket = \"inst-demo-state-123456789012\"",
         // On EC2 the runner hands over when the instance is being replaced.
-        "[lifecycle]\n# A Spot interruption or an Auto Scaling termination drains the runner.\nwatch = true",
+        "[lifecycle]\n# A Spot interruption or an Auto Scaling termination drains the runner.\nwatch = true\n\
+         autoscaling_group = \"inst-demo-byoc-runners\"\nlifecycle_hook = \"byoc-drain\"\n",
         // The runner's own updates: approve by default, the key user-data verified with.
         "[update]\nmode = \"approve\"",
     ] {
@@ -434,7 +443,7 @@ fn user_data_installs_configures_starts_and_then_signals_and_is_safe_to_rerun() 
     let start = log.find("systemctl restart byoc-runner").expect("the unit was started");
     let signal = log.find("cfn-signal -e 0").expect("the stack was signalled");
     assert!(start < signal, "{log}");
-    assert!(log.contains("--stack byoc-install-demo --resource RunnerInstance --region eu-west-1"), "{log}");
+    assert!(log.contains("--stack byoc-install-demo --resource RunnerGroup --region eu-west-1"), "{log}");
     assert!(log.contains(
         "aws secretsmanager get-secret-value --region eu-west-1 --secret-id arn:aws:secretsmanager"
     ));

@@ -67,8 +67,31 @@ fn the_template_is_hardened_as_promised() {
     // The admin group is the customer's choice, root only by default, a plain name.
     assert_eq!(t["Parameters"]["AdminGroup"]["Default"], "");
     assert!(t["Parameters"]["AdminGroup"]["AllowedPattern"].as_str().is_some_and(|p| p.contains("a-z")));
-    // The instance waits for the runner's signal.
-    assert_eq!(r["RunnerInstance"]["CreationPolicy"]["ResourceSignal"]["Count"], 1);
+    // One or two runners in an Auto Scaling group, each instance waited for (its
+    // runner's signal) and held on termination until its runner has drained.
+    assert_eq!(t["Parameters"]["RunnerCount"]["AllowedValues"], serde_json::json!([1, 2]));
+    assert_eq!(t["Parameters"]["RunnerCount"]["Default"], 1);
+    let group = &r["RunnerGroup"];
+    assert_eq!(group["Type"], "AWS::AutoScaling::AutoScalingGroup");
+    assert_eq!(group["CreationPolicy"]["ResourceSignal"]["Count"]["Ref"], "RunnerCount");
+    assert_eq!(group["UpdatePolicy"]["AutoScalingRollingUpdate"]["WaitOnResourceSignals"], true);
+    for size in ["MinSize", "MaxSize", "DesiredCapacity"] {
+        assert_eq!(group["Properties"][size]["Ref"], "RunnerCount", "{size}");
+    }
+    let hook = &group["Properties"]["LifecycleHookSpecificationList"][0];
+    assert_eq!(hook["LifecycleTransition"], "autoscaling:EC2_INSTANCE_TERMINATING");
+    assert_eq!(hook["DefaultResult"], "CONTINUE");
+    // The runner drains within the hook's wait (its own default, which user-data keeps).
+    assert_eq!(hook["HeartbeatTimeout"], 300);
+    assert!(
+        user_data.contains(&format!("BYOC_LIFECYCLE_HOOK='{}'", hook["LifecycleHookName"].as_str().unwrap()))
+    );
+    assert!(user_data.contains("BYOC_AUTOSCALING_GROUP='${InstallId}-byoc-runners'"));
+    assert_eq!(group["Properties"]["AutoScalingGroupName"]["Fn::Sub"], "${InstallId}-byoc-runners");
+    assert!(user_data.contains("BYOC_SIGNAL_RESOURCE='RunnerGroup'"));
+    // The subnet is the group's: a launch template's would conflict with it.
+    assert!(lt["NetworkInterfaces"][0].get("SubnetId").is_none());
+    assert!(group["Properties"]["VPCZoneIdentifier"][0].get("Fn::If").is_some());
     // The runner's identity: assume the install's roles, read its own stack and secret.
     let statements = r["RunnerInstanceRole"]["Properties"]["Policies"][0]["PolicyDocument"]["Statement"]
         .as_array()
@@ -89,10 +112,19 @@ fn the_template_is_hardened_as_promised() {
             "sts:SetSourceIdentity",
             "cloudformation:DescribeStacks",
             "cloudformation:SignalResource",
-            "secretsmanager:GetSecretValue"
+            "secretsmanager:GetSecretValue",
+            "autoscaling:CompleteLifecycleAction"
         ]
     );
     assert_eq!(statements[1]["Resource"]["Ref"], "AWS::StackId");
+    // Only its own group's lifecycle actions.
+    assert!(
+        statements[4]["Resource"]["Fn::Sub"]
+            .as_str()
+            .is_some_and(|arn| arn.ends_with(":autoScalingGroupName/${InstallId}-byoc-runners")),
+        "{}",
+        statements[4]
+    );
     let audit: Vec<(String, Vec<String>)> = conditional
         .iter()
         .map(|s| {
@@ -637,12 +669,27 @@ async fn the_stack_creates_and_the_runner_reads_its_switches_and_arns() {
             ("EnableMaintenanceRole", "true"),
             ("EnableDeprovisionRole", "false"),
             ("SecretDbPassword", "example-db-pw"),
+            ("RunnerCount", "2"),
         ],
     )
     .await;
     assert!(described.contains("CREATE_COMPLETE"), "{described}");
     assert!(described.contains(":role/inst-demo-maintenance<"), "{described}");
     assert!(described.contains("<OutputKey>StateBucketName</OutputKey>"), "{described}");
+    // Two runners: the group has two instances (moto does not model the lifecycle
+    // hook, asserted on the template above).
+    assert!(described.contains("<OutputValue>inst-demo-byoc-runners</OutputValue>"), "{described}");
+    let groups = moto
+        .query(
+            "autoscaling",
+            &[
+                ("Action".into(), "DescribeAutoScalingGroups".into()),
+                ("Version".into(), "2011-01-01".into()),
+                ("AutoScalingGroupNames.member.1".into(), "inst-demo-byoc-runners".into()),
+            ],
+        )
+        .await;
+    assert_eq!(groups.matches("<InstanceId>").count(), 2, "{groups}");
     // The bucket exists (moto's CloudFormation does not model its versioning setting:
     // that is asserted on the template, above).
     assert!(moto.bucket_versioning("inst-demo-state-123456789012").await.is_some(), "no state bucket");

@@ -390,11 +390,7 @@ fn the_stacks_user_data_installs_and_the_unit_becomes_ready(w: &mut World) {
     assert!(!signals.is_empty(), "the stack was never signalled");
     for call in &signals {
         assert_eq!(call.params.get("Status").map(String::as_str), Some("SUCCESS"), "{call:?}");
-        assert_eq!(
-            call.params.get("LogicalResourceId").map(String::as_str),
-            Some("RunnerInstance"),
-            "{call:?}"
-        );
+        assert_eq!(call.params.get("LogicalResourceId").map(String::as_str), Some("RunnerGroup"), "{call:?}");
     }
     // The unit runs the runner as its own user.
     let user = w.vm.sh("stat -c %U /proc/$(systemctl show -p MainPID --value byoc-runner)");

@@ -1291,8 +1291,7 @@ mod lease_tests {
     fn an_install_token_enrolls_its_runners_and_each_replacement_once_one_retires() {
         let mut state = State::new("inst".into(), 60, Duration::from_secs(5));
         let token = state.new_install_token(2);
-        let enroll =
-            |s: &mut State| s.enroll(&token, generate_signing_key().verifying_key(), "host".into());
+        let enroll = |s: &mut State| s.enroll(&token, generate_signing_key().verifying_key(), "host".into());
         let a = enroll(&mut state).unwrap();
         let _b = enroll(&mut state).unwrap();
         assert!(matches!(enroll(&mut state), Err(CpError::Unauthorized(_))), "both places are taken");
