@@ -1128,6 +1128,61 @@ fn a_first_boot_with_the_control_plane_down_becomes_ready_when_it_returns(w: &mu
     assert!(successes(w) > signalled_before, "the stack was not signalled after the outage");
 }
 
+/// A second instance of the install takes over the job of one that loses power
+/// mid-job: its lease runs out, the control plane leases the job anew to the other
+/// guest, which runs it to the end.
+fn a_second_instance_takes_over_when_the_first_loses_power(w: &mut World) {
+    let runner_of = |vm: &mut Vm| -> String {
+        let enrollment = vm.sh("cat /var/lib/byoc-runner/enrollment.json");
+        let v: serde_json::Value =
+            serde_json::from_str(&enrollment).unwrap_or_else(|e| panic!("{e}: {enrollment}"));
+        v["runner_id"].as_str().unwrap().to_string()
+    };
+    let first_id = runner_of(&mut w.vm);
+    w.rt.block_on(async {
+        let token = w.cp.bootstrap_token();
+        w.moto
+            .json_call(
+                "secretsmanager",
+                "secretsmanager.PutSecretValue",
+                serde_json::json!({"SecretId": w.bootstrap_secret, "SecretString": token}),
+            )
+            .await;
+    });
+    // The group's other instance, from the same user-data.
+    let mut second = Vm::boot(&w.image, &w.vm_options).unwrap_or_else(|e| panic!("booting another VM: {e}"));
+    second.wait_agent(Duration::from_secs(300)).unwrap_or_else(|e| panic!("{e}\n{}", second.serial_tail(80)));
+    let status = second.exec("cloud-init status --wait", Duration::from_secs(600)).unwrap();
+    assert!(status.ok(), "cloud-init: {}", status.stdout);
+    let second_id = runner_of(&mut second);
+    assert_ne!(first_id, second_id);
+    // A job on the first instance, which loses power mid-job.
+    let job =
+        w.cp.enqueue(EnqueueRequest {
+            runner_id: Some(first_id.clone()),
+            ..common::script("echo begun; sleep 40; echo ended")
+        })
+        .unwrap();
+    let begun = w.rt.block_on(w.cp.wait_until(Duration::from_secs(120), |cp| {
+        cp.log(&job).is_some_and(|l| l.windows(5).any(|b| b == b"begun"))
+    }));
+    assert!(begun, "{:?}\n{}", w.cp.job(&job), w.journal_tail());
+    w.vm.kill();
+    // Its lease runs out; the second instance gets the job under epoch 2.
+    let view = match w.rt.block_on(w.cp.wait_for(&job, Duration::from_secs(300), |v| v.result.is_some())) {
+        Some(v) => v,
+        None => panic!("{:?}\n{}", w.cp.job(&job), second.sh("journalctl -u byoc-runner --no-pager -n 60")),
+    };
+    assert_eq!(view.result.as_ref().unwrap().status, JobStatus::Succeeded, "{view:?}");
+    assert_eq!(view.leases, [(first_id.clone(), 1), (second_id.clone(), 2)]);
+    let log = w.output(&job);
+    assert!(log.contains("begun") && log.contains("ended"), "{log}");
+    let earlier = w.cp.earlier_logs(&job);
+    assert!(earlier[0].1.windows(5).any(|b| b == b"begun"), "the first instance's part is kept: {earlier:?}");
+    let journal = second.sh("journalctl -u byoc-runner -o cat --no-pager");
+    assert!(journal.contains("lease epoch 2"), "{journal}");
+}
+
 type Case = (&'static str, fn(&mut World));
 
 const CASES: &[Case] = &[
@@ -1193,6 +1248,11 @@ const CASES: &[Case] = &[
     (
         "a_first_boot_with_the_control_plane_down_becomes_ready_when_it_returns",
         a_first_boot_with_the_control_plane_down_becomes_ready_when_it_returns,
+    ),
+    // Last: the guest the cases run on loses power.
+    (
+        "a_second_instance_takes_over_when_the_first_loses_power",
+        a_second_instance_takes_over_when_the_first_loses_power,
     ),
 ];
 

@@ -403,6 +403,14 @@ impl Vm {
         }
     }
 
+    /// Pull the plug: qemu is killed, nothing in the guest gets to stop or report.
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
     /// A clean power-off (the guest agent asks systemd; ACPI through the monitor if the
     /// agent does not answer); qemu is killed if the guest has not stopped by `timeout`.
     pub fn power_off(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
