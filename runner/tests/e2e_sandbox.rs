@@ -92,10 +92,13 @@ async fn every_process_of_a_job_sits_in_the_jobs_cgroup_in_every_hierarchy() {
                         .is_some_and(|c| c.split(',').any(|c| c == controller))
                 })
                 .unwrap_or_else(|| panic!("no {controller} line for {who}:\n{out}"));
-            // One cgroup per sandbox: `byoc-job-<id>-s<n>`.
+            // One cgroup per sandbox: `byoc-job-<id>-<runner pid>-s<n>`.
             let cgroup = line.rsplit('/').next().unwrap();
+            let runner_pid = e.runner.pid().unwrap();
             assert!(
-                cgroup.strip_prefix(&format!("byoc-job-{id}-s")).is_some_and(|n| n.parse::<u64>().is_ok()),
+                cgroup
+                    .strip_prefix(&format!("byoc-job-{id}-{runner_pid}-s"))
+                    .is_some_and(|n| n.parse::<u64>().is_ok()),
                 "{who} not in the job's {controller} cgroup: {line}"
             );
         }
@@ -116,29 +119,16 @@ async fn every_process_of_a_job_sits_in_the_jobs_cgroup_in_every_hierarchy() {
     }
 }
 
-/// On a cgroup v2 hierarchy the job's init is born in its cgroup (`clone3` with
-/// `CLONE_INTO_CGROUP`): given the directory and no `cgroup.procs` to write, the job
-/// still runs inside it, so nothing moved it there. The helper runs directly, on this
-/// machine's v2 hierarchy (`/sys/fs/cgroup/unified` beside v1, or `/sys/fs/cgroup`).
-#[test]
-fn on_cgroup_v2_the_job_is_born_in_its_cgroup() {
-    use std::io::Write as _;
+/// A sandbox for `sh -c script` in a fresh directory of `dir`, offline, no limits: for
+/// the tests that start the helper directly.
+fn bare_spec(dir: &std::path::Path, script: &str) -> byoc_sandbox::SandboxSpec {
     use std::os::unix::fs::PermissionsExt as _;
-    let v2 = ["/sys/fs/cgroup/unified", "/sys/fs/cgroup"]
-        .into_iter()
-        .map(std::path::Path::new)
-        .find(|p| p.join("cgroup.procs").exists() && !p.join("tasks").exists())
-        .expect("a cgroup v2 hierarchy (these machines mount one at /sys/fs/cgroup/unified)");
-    let name = format!("byoc-test-born-{}", std::process::id());
-    let cgroup = v2.join(&name);
-    std::fs::create_dir(&cgroup).unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let (work, root) = (dir.path().join("work"), dir.path().join("root"));
+    let (work, root) = (dir.join("work"), dir.join("root"));
     std::fs::create_dir_all(&work).unwrap();
     std::fs::create_dir_all(&root).unwrap();
     std::fs::set_permissions(&work, std::fs::Permissions::from_mode(0o777)).unwrap();
-    let spec = byoc_sandbox::SandboxSpec {
-        argv: vec!["/bin/sh".into(), "-c".into(), "grep '^0::' /proc/self/cgroup".into()],
+    byoc_sandbox::SandboxSpec {
+        argv: vec!["/bin/sh".into(), "-c".into(), script.into()],
         env: vec![("PATH".into(), "/usr/bin:/bin".into())],
         work_dir: work,
         new_root: root,
@@ -150,11 +140,33 @@ fn on_cgroup_v2_the_job_is_born_in_its_cgroup() {
         host_uid: 65534,
         host_gid: 65534,
         cgroup_procs: vec![],
-        cgroup_born_in: Some(cgroup.clone()),
+        cgroup_born_in: None,
         hostname: "byoc-job".into(),
         then: vec![],
         sealed_dir: None,
         lease: None,
+    }
+}
+
+/// On a cgroup v2 hierarchy the job's init is born in its cgroup (`clone3` with
+/// `CLONE_INTO_CGROUP`): given the directory and no `cgroup.procs` to write, the job
+/// still runs inside it, so nothing moved it there. The helper runs directly, on this
+/// machine's v2 hierarchy (`/sys/fs/cgroup/unified` beside v1, or `/sys/fs/cgroup`).
+#[test]
+fn on_cgroup_v2_the_job_is_born_in_its_cgroup() {
+    use std::io::Write as _;
+    let v2 = ["/sys/fs/cgroup/unified", "/sys/fs/cgroup"]
+        .into_iter()
+        .map(std::path::Path::new)
+        .find(|p| p.join("cgroup.procs").exists() && !p.join("tasks").exists())
+        .expect("a cgroup v2 hierarchy (these machines mount one at /sys/fs/cgroup/unified)");
+    let name = format!("byoc-test-born-{}", std::process::id());
+    let cgroup = v2.join(&name);
+    std::fs::create_dir(&cgroup).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let spec = byoc_sandbox::SandboxSpec {
+        cgroup_born_in: Some(cgroup.clone()),
+        ..bare_spec(dir.path(), "grep '^0::' /proc/self/cgroup")
     };
     let mut child = std::process::Command::new(BIN)
         .arg("sandbox-exec")
@@ -182,36 +194,12 @@ fn on_cgroup_v2_the_job_is_born_in_its_cgroup() {
 fn a_job_held_to_its_lease_stops_by_itself_when_the_lease_runs_out() {
     use byoc_sandbox::lease::{LeaseBinding, monotonic_now_ns};
     use std::io::Write as _;
-    use std::os::unix::fs::PermissionsExt as _;
     let dir = tempfile::tempdir().unwrap();
-    let (work, root) = (dir.path().join("work"), dir.path().join("root"));
-    std::fs::create_dir_all(&work).unwrap();
-    std::fs::create_dir_all(&root).unwrap();
-    std::fs::set_permissions(&work, std::fs::Permissions::from_mode(0o777)).unwrap();
     let ms = |n: u64| n * 1_000_000;
     let binding = LeaseBinding::new(monotonic_now_ns() + ms(800), std::time::Duration::from_millis(300));
     let spec = byoc_sandbox::SandboxSpec {
-        argv: vec![
-            "/bin/sh".into(),
-            "-c".into(),
-            "trap '' TERM; echo started; sleep 3501; echo ended".into(),
-        ],
-        env: vec![("PATH".into(), "/usr/bin:/bin".into())],
-        work_dir: work,
-        new_root: root,
-        ro_paths: vec![],
-        hidden_paths: vec![],
-        network: byoc_sandbox::spec::NetworkSpec::Off,
-        tmp_size_mib: 16,
-        nofile: 1024,
-        host_uid: 65534,
-        host_gid: 65534,
-        cgroup_procs: vec![],
-        cgroup_born_in: None,
-        hostname: "byoc-job".into(),
-        then: vec![],
-        sealed_dir: None,
         lease: Some(byoc_sandbox::spec::LeaseSpec { grace_ms: 300 }),
+        ..bare_spec(dir.path(), "trap '' TERM; echo started; sleep 3501; echo ended")
     };
     let mut cmd = std::process::Command::new(BIN);
     cmd.arg("sandbox-exec")

@@ -806,7 +806,7 @@ impl State {
             return Err(CpError::BadRequest("delivery is for another job".into()));
         }
         let lease = self.lease_secs;
-        let bound = offer && self.runners.len() > 1;
+        let bound = offer && self.runners.values().filter(|r| !r.retired).count() > 1;
         let job = self.jobs.get_mut(job_id).ok_or_else(|| CpError::NotFound(job_id.into()))?;
         job.claims += 1;
         match job.state {
