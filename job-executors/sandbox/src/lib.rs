@@ -51,6 +51,12 @@ pub fn return_free_heap() -> bool {
     sys::return_free_heap()
 }
 
+/// Hand back the idle runner's code and read-only data pages (see
+/// `sys::page_out_read_only_mappings`): bytes of the mappings advised.
+pub fn page_out_read_only_mappings() -> u64 {
+    sys::page_out_read_only_mappings()
+}
+
 /// Receive one message of the hand-over channel and its descriptors (non-blocking
 /// when the socket is).
 pub fn receive_with_fds(

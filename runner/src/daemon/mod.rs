@@ -367,6 +367,9 @@ impl Background {
         let idle_task = tokio::spawn(async move {
             // Idle heartbeat checkpoints make a silently cut tail visible as a gap.
             let mut tick = tokio::time::interval(Duration::from_secs(10));
+            // The audit log's size when the runner last went quiet, and at the last tick:
+            // every job adds records, an idle runner none.
+            let (mut paged_out_at, mut last_size) = (idle_audit.size(), idle_audit.size());
             loop {
                 tick.tick().await;
                 // A pause written by the CLI is audited within one tick even when no job comes.
@@ -379,6 +382,16 @@ impl Background {
                 // while no job runs (the runner idles most of its life; the walk is cheap).
                 if idle_slots.total() == 0 {
                     byoc_sandbox::return_free_heap();
+                    // Quiet for a whole tick after jobs ran: the code they ran goes back to
+                    // the page cache, once per quiet spell (the idle loop's own pages come
+                    // back at once and stay).
+                    let size = idle_audit.size();
+                    if size == last_size && size != paged_out_at {
+                        let bytes = byoc_sandbox::page_out_read_only_mappings();
+                        tracing::debug!(bytes, "Idle: read-only mappings paged out.");
+                        paged_out_at = size;
+                    }
+                    last_size = size;
                 }
             }
         });
