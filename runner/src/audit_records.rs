@@ -38,7 +38,7 @@ pub fn about_job(
 }
 
 pub fn runner_started() -> Record {
-    note("runner_started", format!("byoc-runner {}", env!("CARGO_PKG_VERSION")))
+    note("runner_started", format!("byoc-runner {}", crate::update::running_version()))
 }
 
 pub fn runner_stopped() -> Record {

@@ -899,6 +899,37 @@ fn an_update_outside_the_customers_terms_or_signed_by_another_key_is_refused(w: 
     assert_eq!(installed_version(w), before, "nothing was installed");
 }
 
+/// A window rule for updates whose window opens hours from now (the guest's clock): the
+/// update is claimed and held, waiting for the window, with nothing fetched, staged or
+/// installed; the vendor's cancel then settles it without it ever running.
+fn an_update_outside_the_maintenance_window_waits_for_it(w: &mut World) {
+    let before = installed_version(w);
+    w.vm.sh(concat!(
+        "cp /etc/byoc-runner/runner.toml /root/runner.toml.before-window && ",
+        r#"printf '\n[[guardrails.window]]\nname = "updates"\nonce = ["%s/1h"]\n'"#,
+        r#" "$(date -u -d '+6 hours' +%Y-%m-%dT%H:%MZ)" >> /etc/byoc-runner/runner.toml && "#,
+        r#"printf '\n[[guardrails.window_rule]]\nname = "updates"\nwindows = ["updates"]\neffects = ["update"]\n'"#,
+        " >> /etc/byoc-runner/runner.toml && systemctl restart byoc-runner",
+    ));
+    let id = send_update(w, "vm2", "0.1.0-vm2");
+    let held = w.wait_job(&id, Duration::from_secs(180), |v| {
+        v.waiting.as_ref().is_some_and(|h| h.state == "waiting_window")
+    });
+    assert!(held.result.is_none(), "{held:?}");
+    assert!(
+        !w.vm.exec("test -e /var/lib/byoc-runner/update/request.json", Duration::from_secs(30)).unwrap().ok(),
+        "staged while waiting for its window"
+    );
+    w.cp.cancel(&id).unwrap();
+    let r = w.finished(&id).result.unwrap();
+    assert_eq!(r.status, JobStatus::Cancelled, "{r:?}");
+    assert_eq!(installed_version(w), before, "nothing was installed");
+    assert_eq!(audit_count(w, "update_started"), 0);
+    w.vm.sh(
+        "cp /root/runner.toml.before-window /etc/byoc-runner/runner.toml && systemctl restart byoc-runner",
+    );
+}
+
 /// The whole path on the shipped units: the update is held for approval, fetched from
 /// the install's registry, verified, staged; the updater drains the runner, installs
 /// the release, starts it and sees it healthy; the runner reports the new version, jobs
@@ -1222,6 +1253,10 @@ const CASES: &[Case] = &[
     (
         "an_update_outside_the_customers_terms_or_signed_by_another_key_is_refused",
         an_update_outside_the_customers_terms_or_signed_by_another_key_is_refused,
+    ),
+    (
+        "an_update_outside_the_maintenance_window_waits_for_it",
+        an_update_outside_the_maintenance_window_waits_for_it,
     ),
     (
         "a_good_update_is_approved_applied_and_the_audit_chain_continues",

@@ -192,6 +192,11 @@ level = "info"
         Ok(())
     }
 
+    /// The environment the runner is started with (also its CLI's and updater's).
+    pub fn env(&self) -> &[(String, String)] {
+        &self.env
+    }
+
     pub fn pid(&self) -> Option<u32> {
         self.child.as_ref().and_then(|c| c.id())
     }

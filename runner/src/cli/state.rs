@@ -19,7 +19,7 @@ pub(super) fn status(s: &StateArgs) -> anyhow::Result<i32> {
     let contact = crate::contact::read(&dir);
     if s.output == Output::Json {
         let mut v = serde_json::to_value(&st)?;
-        v["version"] = env!("CARGO_PKG_VERSION").into();
+        v["version"] = crate::update::running_version().into();
         v["contact"] = serde_json::to_value(&contact)?;
         v["disk"] = serde_json::to_value(&disk)?;
         v["drift"] = serde_json::to_value(crate::drift::list(&dir))?;
@@ -34,7 +34,7 @@ pub(super) fn status(s: &StateArgs) -> anyhow::Result<i32> {
 /// Who the runner is and when it last heard from the control plane.
 fn print_identity(st: &inspect::Status, contact: &crate::contact::Contact) {
     let or_dash = |o: &Option<String>| o.clone().unwrap_or_else(|| "-".into());
-    println!("version:        {}", env!("CARGO_PKG_VERSION"));
+    println!("version:        {}", crate::update::running_version());
     println!("state dir:      {}", st.state_dir);
     println!("enrolled:       {}", if st.enrolled { "yes" } else { "no" });
     println!("runner id:      {}", or_dash(&st.runner_id));

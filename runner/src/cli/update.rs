@@ -13,7 +13,12 @@ use crate::update::{self, apply, release};
 pub enum UpdateCmd {
     /// The running version, the customer's terms (mode, pin, release key), a pending
     /// update, the last outcome and the releases kept for rollback.
-    Status(StateArgs),
+    Status {
+        #[command(flatten)]
+        state: StateArgs,
+        #[command(flatten)]
+        root: RootArg,
+    },
     /// Let in only VERSION, or a range (">= 0.2.0, < 0.3.0"); takes precedence over
     /// [update] pin. Needs root or roles.admin_group.
     ///
@@ -34,28 +39,47 @@ pub enum UpdateCmd {
         /// A kept version (`update status` lists them); default: the newest older one.
         #[arg(long)]
         to: Option<String>,
+        #[command(flatten)]
+        root: RootArg,
     },
     /// The updater: apply the staged update, if any (byoc-runner-update.service).
     #[command(hide = true)]
     Apply {
         #[arg(long, env = "BYOC_RUNNER_CONFIG", default_value = DEFAULT_CONFIG_PATH)]
         config: PathBuf,
-        #[arg(long, default_value = update::UPDATER_DIR)]
-        updater_dir: PathBuf,
+        /// Default: var/lib/byoc-runner-update under --root.
+        #[arg(long)]
+        updater_dir: Option<PathBuf>,
+        #[command(flatten)]
+        root: RootArg,
+        /// The systemctl that stops and starts byoc-runner.service.
+        #[arg(long, default_value = "systemctl")]
+        systemctl: PathBuf,
     },
+}
+
+#[derive(clap::Args)]
+pub struct RootArg {
+    /// The root the package is installed under (`dpkg --root`).
+    #[arg(long, default_value = "/")]
+    root: PathBuf,
 }
 
 pub(super) fn run(cmd: UpdateCmd) -> anyhow::Result<()> {
     match cmd {
-        UpdateCmd::Status(s) => status(&s),
+        UpdateCmd::Status { state, root } => status(&state, &root.root),
         UpdateCmd::Pin { state, version } => pin(&state, &version),
         UpdateCmd::Unpin(s) => unpin(&s),
-        UpdateCmd::Rollback { state, to } => rollback(&state, to.as_deref(), Path::new(update::UPDATER_DIR)),
-        UpdateCmd::Apply { config, updater_dir } => apply_staged(&config, updater_dir),
+        UpdateCmd::Rollback { state, to, root } => rollback(&state, to.as_deref(), &root.root),
+        UpdateCmd::Apply { config, updater_dir, root, systemctl } => {
+            let updater_dir = updater_dir.unwrap_or_else(|| update::updater_dir(&root.root));
+            apply_staged(&config, updater_dir, root.root, systemctl)
+        }
     }
 }
 
-fn status(s: &StateArgs) -> anyhow::Result<()> {
+fn status(s: &StateArgs, root: &Path) -> anyhow::Result<()> {
+    let updater_dir = update::updater_dir(root);
     let dir = state_dir(s);
     let config = Config::load(&s.config).ok();
     let terms = config.as_ref().map(|c| &c.update);
@@ -67,12 +91,11 @@ fn status(s: &StateArgs) -> anyhow::Result<()> {
         .or_else(|| terms.and_then(|t| t.pin.as_ref()).map(|p| format!("{} ([update] pin)", p.as_str())));
     let pending: Option<update::Request> =
         std::fs::read(update::request_path(&dir)).ok().and_then(|b| serde_json::from_slice(&b).ok());
-    let last: Option<update::Outcome> =
-        [PathBuf::from(update::UPDATER_DIR).join("last.json"), update::outcome_path(&dir)]
-            .iter()
-            .find_map(|p| std::fs::read(p).ok().and_then(|b| serde_json::from_slice(&b).ok()));
-    let kept = kept_versions(Path::new(update::UPDATER_DIR));
-    let installed = update::installed_version(Path::new("/var/lib/dpkg/status"));
+    let last: Option<update::Outcome> = [updater_dir.join("last.json"), update::outcome_path(&dir)]
+        .iter()
+        .find_map(|p| std::fs::read(p).ok().and_then(|b| serde_json::from_slice(&b).ok()));
+    let kept = kept_versions(&updater_dir);
+    let installed = update::installed_version(&update::dpkg_status(root));
     let view = serde_json::json!({
         "running_version": installed.clone().unwrap_or_else(|| update::running_version().to_string()),
         "installed_by_dpkg": installed.is_some(),
@@ -165,7 +188,8 @@ fn unpin(s: &StateArgs) -> anyhow::Result<()> {
 }
 
 /// Stage a kept release as a rollback request; the updater's path unit applies it.
-fn rollback(s: &StateArgs, to: Option<&str>, updater_dir: &Path) -> anyhow::Result<()> {
+fn rollback(s: &StateArgs, to: Option<&str>, root: &Path) -> anyhow::Result<()> {
+    let updater_dir = &update::updater_dir(root);
     anyhow::ensure!(nix::unistd::geteuid().is_root(), "rolling back installs a package: run it as root");
     let config = Config::load(&s.config).map_err(|e| anyhow::anyhow!("{e}"))?;
     let key = config
@@ -173,7 +197,7 @@ fn rollback(s: &StateArgs, to: Option<&str>, updater_dir: &Path) -> anyhow::Resu
         .release_key
         .as_ref()
         .ok_or_else(|| anyhow::anyhow!("no release key is pinned ([update] release_public_key)"))?;
-    let current = update::installed_version(Path::new("/var/lib/dpkg/status"))
+    let current = update::installed_version(&update::dpkg_status(root))
         .ok_or_else(|| anyhow::anyhow!("byoc-runner is not installed by dpkg here"))?;
     let kept = kept_versions(updater_dir);
     let target = match to {
@@ -249,17 +273,26 @@ fn give_to_state_owner(state_dir: &Path) -> anyhow::Result<()> {
         paths.extend(entries.filter_map(Result::ok).map(|e| e.path()));
     }
     for p in paths {
-        nix::unistd::chown(&p, uid, gid).map_err(|e| anyhow::anyhow!("chown {}: {e}", p.display()))?;
+        match nix::unistd::chown(&p, uid, gid) {
+            // The updater removes the request once it has an outcome.
+            Ok(()) | Err(nix::errno::Errno::ENOENT) => {}
+            Err(e) => anyhow::bail!("chown {}: {e}", p.display()),
+        }
     }
     Ok(())
 }
 
-fn apply_staged(config_path: &Path, updater_dir: PathBuf) -> anyhow::Result<()> {
+fn apply_staged(
+    config_path: &Path,
+    updater_dir: PathBuf,
+    root: PathBuf,
+    systemctl: PathBuf,
+) -> anyhow::Result<()> {
     anyhow::ensure!(nix::unistd::geteuid().is_root(), "the updater installs packages: it runs as root");
     let config = Config::load(config_path).map_err(|e| anyhow::anyhow!("{e}"))?;
     let paths = apply::Paths { state_dir: config.runner.state_dir.clone(), updater_dir };
     std::fs::create_dir_all(paths.releases())?;
-    let host = apply::SystemHost { config: config_path.to_path_buf() };
+    let host = apply::SystemHost { config: config_path.to_path_buf(), root, systemctl };
     match apply::run(&host, &config, &paths) {
         None => println!("no update is staged"),
         Some(o) => {

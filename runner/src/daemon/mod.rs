@@ -706,6 +706,9 @@ impl UpdateWatch {
     }
 }
 
+/// A poll's wait while an update is staged or being applied.
+const UPDATE_POLL_WAIT_SECS: u64 = 1;
+
 /// What a poll tells the control plane: the free groups, the jobs this runner holds,
 /// whether the customer paused it.
 fn poll_request(rt: &Rt, free_groups: Vec<String>, pause: Option<crate::roles::pause::Pause>) -> PollRequest {
@@ -721,13 +724,17 @@ fn poll_request(rt: &Rt, free_groups: Vec<String>, pause: Option<crate::roles::p
             .map(|j| j.job_id.clone())
             .collect()
     });
+    let pending_update = crate::update::pending(&rt.state_dir);
+    // While an update is in flight the updater waits on this daemon's answered polls
+    // (its health, then its outcome audited): short polls keep that to seconds.
+    let wait = rt.config.poll.wait.as_secs();
     PollRequest {
-        wait_secs: rt.config.poll.wait.as_secs(),
+        wait_secs: if pending_update.is_some() { wait.min(UPDATE_POLL_WAIT_SECS) } else { wait },
         free_groups,
         running_jobs,
         draining: false,
         version: crate::update::running_version().to_string(),
-        pending_update: crate::update::pending(&rt.state_dir),
+        pending_update,
         paused: pause.is_some(),
         pause_reason: pause.and_then(|p| p.reason),
     }
@@ -845,5 +852,32 @@ mod tests {
         assert_eq!(open_files_target(100_000, 200_000).ok(), Some(100_000), "never lowered");
         let e = open_files_target(1024, 1024).err().map(|e| e.to_string()).unwrap_or_default();
         assert!(e.contains("LimitNOFILE") && e.contains("1024"), "{e}");
+    }
+
+    #[tokio::test]
+    async fn polls_are_short_while_an_update_is_staged_so_the_updater_hears_back_in_seconds() {
+        let f = crate::testing::runtime().await;
+        let idle = poll_request(&f.rt, Vec::new(), None);
+        assert_eq!((idle.wait_secs, idle.pending_update), (f.rt.config.poll.wait.as_secs(), None));
+        assert!(idle.wait_secs > UPDATE_POLL_WAIT_SECS);
+        let request = crate::update::Request {
+            job_id: "job-1".into(),
+            version: "9.9.9".into(),
+            from_version: "1.0.0".into(),
+            package: "byoc-runner_9.9.9_amd64.deb".into(),
+            package_sha256: "00".repeat(32),
+            sums_sha256: "11".repeat(32),
+            min_rollback_version: None,
+            rollback: false,
+            staged_at_ms: 1,
+        };
+        std::fs::create_dir_all(crate::update::dir(&f.rt.state_dir)).unwrap();
+        std::fs::write(crate::update::request_path(&f.rt.state_dir), serde_json::to_vec(&request).unwrap())
+            .unwrap();
+        let updating = poll_request(&f.rt, Vec::new(), None);
+        assert_eq!(
+            (updating.wait_secs, updating.pending_update.as_deref()),
+            (UPDATE_POLL_WAIT_SECS, Some("9.9.9"))
+        );
     }
 }

@@ -481,9 +481,25 @@ fn prune(paths: &Paths, current: &str, previous: &str, keep: usize) {
 }
 
 /// The real machine: systemctl and dpkg; `config check` as the runner's user, with
-/// this configuration.
+/// this configuration. With a `root` other than `/`, the package lives under it
+/// (`dpkg --root`, the way a throwaway or demo install is made) and `config check` runs
+/// that root's binary as the updater's own user.
 pub struct SystemHost {
     pub config: PathBuf,
+    pub root: PathBuf,
+    /// The `systemctl` to stop and start `byoc-runner.service` with: the real one on a
+    /// VM; the demo's stand-in, which supervises the runner process itself.
+    pub systemctl: PathBuf,
+}
+
+impl SystemHost {
+    fn is_system_root(&self) -> bool {
+        self.root == Path::new("/")
+    }
+
+    fn systemctl(&self, args: &[&str]) -> Result<(), String> {
+        command(&self.systemctl.to_string_lossy(), args).map(drop)
+    }
 }
 
 fn command(program: &str, args: &[&str]) -> Result<String, String> {
@@ -499,7 +515,7 @@ fn command(program: &str, args: &[&str]) -> Result<String, String> {
 
 impl Host for SystemHost {
     fn installed_version(&self) -> Option<String> {
-        super::installed_version(Path::new("/var/lib/dpkg/status"))
+        super::installed_version(&super::dpkg_status(&self.root))
     }
     fn package_fields(&self, deb: &Path) -> Result<[String; 3], String> {
         let path = deb.to_string_lossy();
@@ -513,18 +529,31 @@ impl Host for SystemHost {
         Ok([field("Package"), field("Version"), field("Architecture")])
     }
     fn stop_runner(&self) -> Result<(), String> {
-        command("systemctl", &["stop", "byoc-runner.service"]).map(drop)
+        self.systemctl(&["stop", "byoc-runner.service"])
     }
     fn install(&self, deb: &Path) -> Result<(), String> {
-        // A reset mid-install leaves dpkg's database half-done: finish it first.
-        let _ = command("dpkg", &["--configure", "-a"]);
-        command("dpkg", &["--force-confold", "-i", &deb.to_string_lossy()]).map(drop)
+        let deb = deb.to_string_lossy();
+        if self.is_system_root() {
+            // A reset mid-install leaves dpkg's database half-done: finish it first.
+            let _ = command("dpkg", &["--configure", "-a"]);
+            return command("dpkg", &["--force-confold", "-i", &deb]).map(drop);
+        }
+        // As user-data installs into a root: the maintainer scripts run outside it with
+        // DPKG_ROOT set, and the root's database has no libc to depend on.
+        let root = format!("--root={}", self.root.display());
+        let flags = ["--force-script-chrootless", "--force-not-root", "--force-depends", "--force-confold"];
+        let _ = command("dpkg", &[&root, flags[0], flags[1], flags[2], "--configure", "-a"]);
+        command("dpkg", &[&root, flags[0], flags[1], flags[2], flags[3], "-i", &deb]).map(drop)
     }
     fn start_runner(&self) -> Result<(), String> {
-        command("systemctl", &["start", "byoc-runner.service"]).map(drop)
+        self.systemctl(&["start", "byoc-runner.service"])
     }
     fn config_check(&self) -> Result<(), String> {
         let config = self.config.to_string_lossy();
+        if !self.is_system_root() {
+            let binary = self.root.join(super::PACKAGED_BINARY.trim_start_matches('/'));
+            return command(&binary.to_string_lossy(), &["config", "check", "--config", &config]).map(drop);
+        }
         let args =
             ["-u", "byoc-runner", "--", super::PACKAGED_BINARY, "config", "check", "--config", &config];
         command("runuser", &args).map(drop)

@@ -139,12 +139,30 @@ pub fn effective_pin(config: &UpdateConfig, state_dir: &Path) -> Result<Option<v
 pub fn running_version() -> &'static str {
     static V: std::sync::OnceLock<String> = std::sync::OnceLock::new();
     V.get_or_init(|| {
-        let packaged = std::env::current_exe().is_ok_and(|p| p == Path::new(PACKAGED_BINARY));
-        packaged
-            .then(|| installed_version(Path::new("/var/lib/dpkg/status")))
-            .flatten()
+        std::env::current_exe()
+            .ok()
+            .and_then(|exe| package_root(&exe).and_then(|root| installed_version(&dpkg_status(root))))
             .unwrap_or_else(|| env!("CARGO_PKG_VERSION").to_string())
     })
+}
+
+/// The root a packaged binary was installed under: `/` for `/usr/bin/byoc-runner`,
+/// `DIR` for `DIR/usr/bin/byoc-runner` (installed with `dpkg --root=DIR`, as the demo
+/// and throwaway installs do). Anywhere else the binary is no package's.
+pub fn package_root(exe: &Path) -> Option<&Path> {
+    (exe.is_absolute() && exe.ends_with(PACKAGED_BINARY.trim_start_matches('/')))
+        .then(|| exe.ancestors().nth(3))
+        .flatten()
+}
+
+/// dpkg's status file for packages installed under `root`.
+pub fn dpkg_status(root: &Path) -> PathBuf {
+    root.join("var/lib/dpkg/status")
+}
+
+/// The updater's directory for a package installed under `root`.
+pub fn updater_dir(root: &Path) -> PathBuf {
+    root.join(UPDATER_DIR.trim_start_matches('/'))
 }
 
 /// The installed byoc-runner package's version in a dpkg status file.
@@ -351,6 +369,22 @@ mod tests {
         std::fs::write(&status, "Package: byoc-runner\nStatus: deinstall ok config-files\nVersion: 1\n")
             .unwrap();
         assert_eq!(installed_version(&status), None);
+    }
+
+    #[test]
+    fn a_packaged_binary_names_its_install_root() {
+        assert_eq!(package_root(Path::new("/usr/bin/byoc-runner")), Some(Path::new("/")));
+        assert_eq!(
+            package_root(Path::new("/tmp/demo/root/usr/bin/byoc-runner")),
+            Some(Path::new("/tmp/demo/root"))
+        );
+        assert_eq!(dpkg_status(Path::new("/tmp/r")), Path::new("/tmp/r/var/lib/dpkg/status"));
+        assert_eq!(updater_dir(Path::new("/")), Path::new(UPDATER_DIR));
+        for not_packaged in
+            ["/work/target/debug/byoc-runner", "usr/bin/byoc-runner", "/usr/local/bin/byoc-runner"]
+        {
+            assert_eq!(package_root(Path::new(not_packaged)), None, "{not_packaged}");
+        }
     }
 }
 

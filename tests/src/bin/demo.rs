@@ -31,6 +31,12 @@ struct Args {
     /// Seconds to wait for each job.
     #[arg(long, default_value_t = 120)]
     timeout_secs: u64,
+    /// The demo's stand-in for `systemctl` (the demo plays systemd for its runner): ask
+    /// the demo at SOCKET to stop or start byoc-runner.service.
+    #[arg(long, hide = true, value_name = "SOCKET")]
+    service_ctl: Option<PathBuf>,
+    #[arg(hide = true, trailing_var_arg = true, allow_hyphen_values = true)]
+    service_args: Vec<String>,
 }
 
 #[derive(Deserialize)]
@@ -53,7 +59,31 @@ struct Plan {
     /// (`[[guardrails.window]]`, `[[guardrails.approval_rule]]`, docs/GUARDRAILS.md).
     #[serde(default)]
     guardrails: Option<GuardrailsDemo>,
+    /// The runner updates itself once the jobs have settled, and goes back.
+    #[serde(default)]
+    runner_update: Option<RunnerUpdateDemo>,
     job: Vec<PlannedJob>,
+}
+
+/// The runner's own update, played through on loopback: the runner is installed from a
+/// signed package into a throwaway root (`dpkg --root`), the vendor publishes the next
+/// release to the install's registry and sends `runner.update`, the customer approves
+/// it, the updater applies it, and the customer rolls back with `update rollback`. The
+/// demo plays systemd: the updater's path unit, and the runner's service that the
+/// updater stops and starts.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RunnerUpdateDemo {
+    /// `packaging/build-deb`, relative to the plan.
+    packager: PathBuf,
+    /// The version the runner is installed at, and the vendor's next release: the
+    /// runner under demonstration packaged twice.
+    from_version: String,
+    to_version: String,
+    /// Install stack parameters the customer changes first (the update is fetched under
+    /// the maintenance role).
+    #[serde(default)]
+    stack: std::collections::BTreeMap<String, String>,
 }
 
 #[derive(Deserialize)]
@@ -191,17 +221,28 @@ fn outcome(v: &JobView) -> Option<String> {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    if let Some(socket) = &args.service_ctl {
+        return service_ctl(socket, &args.service_args);
+    }
     let plan_text =
         std::fs::read_to_string(&args.plan).with_context(|| format!("reading {}", args.plan.display()))?;
     let plan: Plan =
         toml::from_str(&plan_text).with_context(|| format!("parsing {}", args.plan.display()))?;
     let base = args.plan.parent().unwrap_or(Path::new(".")).to_path_buf();
-    let runner_bin = match args.runner_bin {
+    if plan.runner_update.is_some() && (plan.install.is_none() || plan.registry.is_none()) {
+        bail!(
+            "[runner_update] needs [install] and [registry]: the release is fetched from the install's registry"
+        );
+    }
+    let built_runner = match args.runner_bin {
         Some(p) => p,
         None => std::env::current_exe()?.with_file_name("byoc-runner"),
     };
-    if !runner_bin.exists() {
-        bail!("runner binary {} not found: build it with `cargo build -p byoc-runner`", runner_bin.display());
+    if !built_runner.exists() {
+        bail!(
+            "runner binary {} not found: build it with `cargo build -p byoc-runner`",
+            built_runner.display()
+        );
     }
 
     let cp =
@@ -242,6 +283,11 @@ async fn main() -> anyhow::Result<()> {
         options.extra.push_str(&g.runner_config);
         println!("guardrails     the customer's approval rules and windows (docs/GUARDRAILS.md)");
     }
+    let installed = match &plan.runner_update {
+        Some(u) => Some(install_from_package(u, &base, &built_runner, &dir, &mut options)?),
+        None => None,
+    };
+    let runner_bin = installed.as_ref().map(|i| i.binary()).unwrap_or(built_runner);
     let mut runner = RunnerProcess::start(&runner_bin, &dir, &cp, &options)?;
     println!("runner         {} (state {})", runner_bin.display(), runner.state_dir.display());
     if !wait_polling(&cp, Duration::from_secs(30)).await {
@@ -254,6 +300,21 @@ async fn main() -> anyhow::Result<()> {
     let (ids, names) = send_jobs(&plan, &base, &cp, &runner, aws.as_mut(), &placeholders, wait).await?;
     let mut failures = report(&plan, &cp, &ids, &names, wait).await;
     println!("\nall jobs settled in {:.1} s", started.elapsed().as_secs_f64());
+    if let (Some(u), Some(aws)) = (&plan.runner_update, aws.as_mut())
+        && !u.stack.is_empty()
+    {
+        aws.params.extend(u.stack.clone());
+        let list: Vec<(&str, &str)> = aws.params.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+        aws.moto.put_stack("UpdateStack", DEMO_STACK, &aws.template, &list).await;
+        let change: Vec<String> = u.stack.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        println!("customer updated the install stack: {}", change.join(", "));
+    }
+    if let (Some(installed), Some(aws), Some((_, ecr))) = (&installed, &aws, &registries)
+        && let Err(e) = update_and_back(installed, &cp, &mut runner, &aws.app, ecr, wait).await
+    {
+        failures += 1;
+        println!("the runner's update FAILED: {e:#}");
+    }
 
     // Stop the runner the way systemd does, and check it drains cleanly.
     runner.signal(nix::sys::signal::Signal::SIGTERM);
@@ -816,4 +877,389 @@ fn module_files(dir: &std::path::Path) -> anyhow::Result<Vec<(String, String)>> 
         }
     }
     Ok(out)
+}
+
+// ---- the runner's own update ---------------------------------------------------------
+
+/// A runner installed from its signed package into a throwaway root, as the install
+/// stack's user-data installs it on a VM.
+struct Installed {
+    root: PathBuf,
+    /// `<version>/`: the package, SHA256SUMS and its signature, for each release.
+    releases: PathBuf,
+    /// The demo's `systemctl` (this program with `--service-ctl`) and its socket.
+    systemctl: PathBuf,
+    socket: PathBuf,
+    from_version: String,
+    to_version: String,
+}
+
+impl Installed {
+    fn binary(&self) -> PathBuf {
+        self.root.join("usr/bin/byoc-runner")
+    }
+}
+
+fn run_tool(cmd: &mut std::process::Command) -> anyhow::Result<String> {
+    let out = cmd.output().with_context(|| format!("running {cmd:?}"))?;
+    if !out.status.success() {
+        bail!("{cmd:?}: {}\n{}", out.status, String::from_utf8_lossy(&out.stderr));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// Package the runner twice (the installed version and the vendor's next release),
+/// sign both with a release key made here, install the first into `<dir>/root` with
+/// dpkg and keep it for rollback, and pin the key in the runner's `[update]`.
+fn install_from_package(
+    u: &RunnerUpdateDemo,
+    base: &Path,
+    built: &Path,
+    dir: &Path,
+    options: &mut RunnerOptions,
+) -> anyhow::Result<Installed> {
+    let packager = base.join(&u.packager);
+    let (releases, keys, root) = (dir.join("releases"), dir.join("release-keys"), dir.join("root"));
+    for d in [&releases, &keys, &root] {
+        if d.exists() {
+            std::fs::remove_dir_all(d)?;
+        }
+        std::fs::create_dir_all(d)?;
+    }
+    let (public, secret) = (keys.join("release.pub"), keys.join("release.key"));
+    run_tool(
+        std::process::Command::new("minisign").args(["-G", "-W", "-p"]).arg(&public).arg("-s").arg(&secret),
+    )
+    .context("making the demo's release key (minisign; scripts/setup installs it)")?;
+    // Debug info stripped: the demo's build is unoptimised and large.
+    let stripped = keys.join("byoc-runner");
+    run_tool(std::process::Command::new("objcopy").arg("--strip-debug").arg(built).arg(&stripped))?;
+    for version in [&u.from_version, &u.to_version] {
+        let out = releases.join(version);
+        run_tool(
+            std::process::Command::new(&packager)
+                .arg(&stripped)
+                .arg(&out)
+                .arg(version)
+                .env("BYOC_DEB_COMPRESSION", "none"),
+        )?;
+        run_tool(
+            std::process::Command::new("minisign")
+                .arg("-S")
+                .arg("-s")
+                .arg(&secret)
+                .arg("-m")
+                .arg(out.join("SHA256SUMS")),
+        )?;
+    }
+    std::fs::remove_file(&stripped)?;
+
+    // An empty dpkg database and user files in the root; the package's scripts honour
+    // DPKG_ROOT (its user and group are made in the root's files, nothing on the host).
+    for d in ["var/lib/dpkg/info", "var/lib/dpkg/updates", "etc"] {
+        std::fs::create_dir_all(root.join(d))?;
+    }
+    std::fs::write(root.join("var/lib/dpkg/status"), "")?;
+    std::fs::write(root.join("etc/passwd"), "root:x:0:0:root:/root:/bin/sh\n")?;
+    std::fs::write(root.join("etc/group"), "root:x:0:\n")?;
+    std::fs::write(root.join("etc/shadow"), "root:*::0:99999:7:::\n")?;
+    std::fs::write(root.join("etc/gshadow"), "root:*::\n")?;
+    let first = releases.join(&u.from_version);
+    let deb = std::fs::read_dir(&first)?
+        .filter_map(Result::ok)
+        .map(|e| e.path())
+        .find(|p| p.extension().is_some_and(|e| e == "deb"))
+        .context("the packager made no .deb")?;
+    run_tool(
+        std::process::Command::new("dpkg")
+            .arg(format!("--root={}", root.display()))
+            .args(["--force-script-chrootless", "--force-not-root", "--force-depends", "-i"])
+            .arg(&deb),
+    )?;
+    // The updater goes back only to a release it keeps: the installed one is the first.
+    let kept = root.join("var/lib/byoc-runner-update/releases").join(&u.from_version);
+    std::fs::create_dir_all(&kept)?;
+    for d in
+        [kept.as_path(), kept.parent().unwrap_or(&kept), root.join("var/lib/byoc-runner-update").as_path()]
+    {
+        std::fs::set_permissions(d, std::os::unix::fs::PermissionsExt::from_mode(0o700))?;
+    }
+    for entry in std::fs::read_dir(&first)? {
+        let path = entry?.path();
+        std::fs::copy(&path, kept.join(path.file_name().unwrap_or_default()))?;
+    }
+
+    let socket = dir.join("systemctl.sock");
+    let systemctl = dir.join("systemctl");
+    let me = std::env::current_exe()?;
+    std::fs::write(
+        &systemctl,
+        format!("#!/bin/sh\nexec '{}' --service-ctl '{}' \"$@\"\n", me.display(), socket.display()),
+    )?;
+    std::fs::set_permissions(&systemctl, std::os::unix::fs::PermissionsExt::from_mode(0o755))?;
+    let key_line =
+        std::fs::read_to_string(&public)?.lines().nth(1).context("minisign wrote no key line")?.to_string();
+    options.extra.push_str(&format!("\n[update]\nmode = \"approve\"\nrelease_public_key = \"{key_line}\"\n"));
+    println!(
+        "runner package  byoc-runner {} installed from its signed .deb into {} (next release: {})",
+        u.from_version,
+        root.display(),
+        u.to_version
+    );
+    Ok(Installed {
+        root,
+        releases,
+        systemctl,
+        socket,
+        from_version: u.from_version.clone(),
+        to_version: u.to_version.clone(),
+    })
+}
+
+/// `byoc-demo --service-ctl SOCKET stop|start byoc-runner.service`: the updater's
+/// systemctl in the demo.
+fn service_ctl(socket: &Path, args: &[String]) -> anyhow::Result<()> {
+    use std::io::{BufRead as _, Write as _};
+    let mut stream = std::os::unix::net::UnixStream::connect(socket)
+        .with_context(|| format!("the demo is not listening at {}", socket.display()))?;
+    writeln!(stream, "{}", args.join(" "))?;
+    let mut line = String::new();
+    std::io::BufReader::new(stream).read_line(&mut line)?;
+    match line.trim_end() {
+        "ok" => Ok(()),
+        other => bail!("{}", other.strip_prefix("error: ").unwrap_or(other)),
+    }
+}
+
+/// The vendor's update to the next release, approved by the customer; a job on it;
+/// the customer's rollback; a job on the version before; both updates in the audit log.
+async fn update_and_back(
+    installed: &Installed,
+    cp: &ControlPlane,
+    runner: &mut RunnerProcess,
+    app: &byoc_protocol::AppConfig,
+    ecr: &byoc_control_plane::registry::LocalRegistry,
+    wait: Duration,
+) -> anyhow::Result<()> {
+    let (from, to) = (&installed.from_version, &installed.to_version);
+    let _ = std::fs::remove_file(&installed.socket);
+    let listener = tokio::net::UnixListener::bind(&installed.socket)?;
+    let install = cp.install_id();
+    let ecr_host = format!("{DEMO_ACCOUNT}.dkr.ecr.us-east-1.amazonaws.com");
+    println!("\nthe runner updates itself: {from} -> {to}, then the customer rolls back");
+
+    // The vendor publishes the release (package, SHA256SUMS, signature) to the
+    // install's registry and sends it to the runner.
+    let dir = installed.releases.join(to);
+    let mut files = Vec::new();
+    for entry in std::fs::read_dir(&dir)? {
+        let path = entry?.path();
+        files.push((
+            path.file_name().unwrap_or_default().to_string_lossy().into_owned(),
+            std::fs::read(&path)?,
+        ));
+    }
+    let refs: Vec<(&str, &[u8])> = files.iter().map(|(n, b)| (n.as_str(), b.as_slice())).collect();
+    let repository = format!("{install}/byoc-runner");
+    let pushed = ecr
+        .push_tar_artifact_bytes(&repository, Some(to), "application/vnd.byoc.runner.release", &refs)
+        .await;
+    cp.publish_release(byoc_control_plane::Release {
+        version: to.clone(),
+        reference: format!("{ecr_host}/{repository}@{}", pushed.digest),
+        min_rollback_version: Some(from.clone()),
+        downgrade: false,
+    })
+    .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let runner_id = cp.runners().first().context("no runner enrolled")?.runner_id.clone();
+    let id = cp
+        .update_runner(
+            &runner_id,
+            byoc_control_plane::UpdateRunner {
+                version: to.clone(),
+                requested_role: Some(format!("{install}-maintenance")),
+                app_config: Some(app.clone()),
+            },
+        )
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    println!("vendor published {to} ({}) and sent runner.update as job {id}", pushed.digest);
+
+    // [update] mode = "approve": the update waits for someone on the customer's side.
+    let held = cp
+        .wait_for(&id, wait, |v| {
+            outcome(v).is_some() || v.waiting.as_ref().is_some_and(|w| w.state == "awaiting_approval")
+        })
+        .await
+        .context("the update never awaited the customer's approval")?;
+    if let Some(ended) = outcome(&held) {
+        bail!("the update ended {ended} before it awaited approval: {:?}", held.rejections);
+    }
+    println!(
+        "job {id} awaits approval; the customer runs: byoc-runner approve {id} --reason \"runner {to}\""
+    );
+    let out = runner.cli(&["approve", &id, "--reason", &format!("runner {to}")]);
+    if !out.status.success() {
+        bail!("byoc-runner approve: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    let staged =
+        cp.wait_for(&id, wait, |v| v.result.is_some()).await.context("the update job never ended")?;
+    let result = staged.result.context("no result")?;
+    if result.status.as_str() != "succeeded" {
+        bail!("the update job ended {}: {:?} {}", result.status.as_str(), result.error, result.outputs);
+    }
+    println!("job {id} verified the release with the pinned key and staged it");
+    let applying = Instant::now();
+    play_systemd(installed, cp, runner, &listener, to, wait * 3).await?;
+    println!(
+        "the updater drained the runner, installed {to}, started it and saw it healthy ({:.1} s)",
+        applying.elapsed().as_secs_f64()
+    );
+    let job = cp
+        .enqueue(EnqueueRequest::new(
+            "runner.noop",
+            serde_json::json!({ "message": format!("hello from {to}") }),
+        ))
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    expect_succeeded(cp, &job, wait).await?;
+    println!("job {job} succeeded on {to}");
+    print_cli(runner, &["update", "status", "--root", &installed.root.to_string_lossy()]);
+
+    // The customer goes back to the version before.
+    println!("$ byoc-runner update rollback --root {}", installed.root.display());
+    let out = runner.cli(&["update", "rollback", "--root", &installed.root.to_string_lossy()]);
+    print!("{}", String::from_utf8_lossy(&out.stdout));
+    if !out.status.success() {
+        bail!("byoc-runner update rollback: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    let applying = Instant::now();
+    play_systemd(installed, cp, runner, &listener, from, wait * 3).await?;
+    println!("the runner is back on {from} ({:.1} s)", applying.elapsed().as_secs_f64());
+    let job = cp
+        .enqueue(EnqueueRequest::new(
+            "runner.noop",
+            serde_json::json!({ "message": format!("hello from {from}") }),
+        ))
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    expect_succeeded(cp, &job, wait).await?;
+    println!("job {job} succeeded on {from}");
+
+    let export = run_tool(
+        std::process::Command::new(installed.binary())
+            .args(["audit", "export", "--state-dir"])
+            .arg(&runner.state_dir),
+    )?;
+    let count = |event: &str| export.matches(&format!("\"{event}\"")).count();
+    let (started, applied) = (count("update_started"), count("update_applied"));
+    println!("audit log: update_started {started}, update_applied {applied}");
+    if applied != 2 {
+        bail!("the audit log holds {applied} update_applied records, not 2 (the update and the rollback)");
+    }
+    Ok(())
+}
+
+async fn expect_succeeded(cp: &ControlPlane, id: &str, wait: Duration) -> anyhow::Result<()> {
+    let v = cp
+        .wait_for(id, wait, |v| v.result.is_some())
+        .await
+        .with_context(|| format!("job {id} never ended"))?;
+    match v.result {
+        Some(r) if r.status.as_str() == "succeeded" => Ok(()),
+        other => bail!("job {id} did not succeed: {other:?}"),
+    }
+}
+
+fn print_cli(runner: &RunnerProcess, args: &[&str]) {
+    let out = runner.cli(args);
+    println!("$ byoc-runner {}\n{}", args.join(" "), String::from_utf8_lossy(&out.stdout));
+}
+
+/// Play systemd until the control plane hears `version` from the runner with no update
+/// pending: the updater's path unit (start `update apply` when a request is staged) and
+/// the runner's service (the updater stops and starts it through the demo's systemctl).
+async fn play_systemd(
+    installed: &Installed,
+    cp: &ControlPlane,
+    runner: &mut RunnerProcess,
+    listener: &tokio::net::UnixListener,
+    version: &str,
+    wait: Duration,
+) -> anyhow::Result<()> {
+    let request = runner.state_dir.join("update/request.json");
+    let updater_log = runner.dir.join("updater.log");
+    let deadline = tokio::time::Instant::now() + wait;
+    let mut updater: Option<tokio::process::Child> = None;
+    loop {
+        if updater.is_none() && request.exists() {
+            let log = std::fs::OpenOptions::new().create(true).append(true).open(&updater_log)?;
+            // The updater is the installed binary, run by itself as root, as the
+            // updater's unit runs it.
+            let child = tokio::process::Command::new(installed.binary())
+                .args(["update", "apply", "--config"])
+                .arg(&runner.config_path)
+                .arg("--root")
+                .arg(&installed.root)
+                .arg("--systemctl")
+                .arg(&installed.systemctl)
+                .envs(runner.env().iter().cloned())
+                .stdin(std::process::Stdio::null())
+                .stdout(log.try_clone()?)
+                .stderr(log)
+                .kill_on_drop(true)
+                .spawn()?;
+            updater = Some(child);
+        }
+        let heard =
+            cp.runners().iter().any(|r| r.version.as_deref() == Some(version) && r.pending_update.is_none());
+        if updater.is_none() && !request.exists() && heard {
+            return Ok(());
+        }
+        tokio::select! {
+            conn = listener.accept() => serve_systemctl(conn?.0, runner).await,
+            status = async { updater.as_mut().expect("guarded").wait().await }, if updater.is_some() => {
+                updater = None;
+                let status = status?;
+                let log = std::fs::read_to_string(&updater_log).unwrap_or_default();
+                if !status.success() {
+                    bail!("the updater failed ({status}):\n{log}");
+                }
+                if let Some(last) = log.lines().last() {
+                    println!("updater: {last}");
+                }
+            }
+            // The path unit notices a staged request within this tick.
+            _ = tokio::time::sleep(Duration::from_millis(200)) => {}
+            _ = tokio::time::sleep_until(deadline) => {
+                bail!("the runner did not come up on {version} within {wait:?}; updater log:\n{}\nrunner log:\n{}",
+                    std::fs::read_to_string(&updater_log).unwrap_or_default(), runner.log());
+            }
+        }
+    }
+}
+
+/// One request from the demo's systemctl: `stop` drains the runner (SIGTERM, as the
+/// unit's KillMode=mixed does), `start` starts it on the same config and state.
+async fn serve_systemctl(conn: tokio::net::UnixStream, runner: &mut RunnerProcess) {
+    use tokio::io::{AsyncBufReadExt as _, AsyncWriteExt as _};
+    let (read, mut write) = conn.into_split();
+    let mut line = String::new();
+    if tokio::io::BufReader::new(read).read_line(&mut line).await.is_err() {
+        return;
+    }
+    let words: Vec<&str> = line.split_whitespace().collect();
+    let reply = match words.as_slice() {
+        ["stop", "byoc-runner.service"] if runner.pid().is_none() => "ok".to_string(),
+        ["stop", "byoc-runner.service"] => {
+            runner.signal(nix::sys::signal::Signal::SIGTERM);
+            match runner.wait_exit(Duration::from_secs(300)).await {
+                Some(_) => "ok".into(),
+                None => "error: byoc-runner.service did not stop within 300 s".into(),
+            }
+        }
+        ["start", "byoc-runner.service"] => match runner.spawn(None) {
+            Ok(()) => "ok".into(),
+            Err(e) => format!("error: starting byoc-runner.service: {e}"),
+        },
+        other => format!("error: the demo's systemctl does not {other:?}"),
+    };
+    let _ = write.write_all(format!("{reply}\n").as_bytes()).await;
 }
