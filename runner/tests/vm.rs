@@ -947,6 +947,8 @@ fn a_good_update_is_approved_applied_and_the_audit_chain_continues(w: &mut World
     assert_eq!(status["running_version"], "0.1.0-vm2", "{status}");
     assert_eq!(status["last"]["result"], "applied", "{status}");
     assert_eq!(status["kept"], serde_json::json!(["0.1.0-vm2", "0.1.0-vm1"]), "{status}");
+    let unit = w.vm.sh("systemctl show byoc-runner-update -p Result -p ExecMainStatus");
+    assert!(unit.contains("Result=success") && unit.contains("ExecMainStatus=0"), "the updater unit: {unit}");
     let recorded = w.vm.wait_for(
         "byoc-runner audit export --state-dir /var/lib/byoc-runner | grep -q '\"update_applied\"'",
         Duration::from_secs(120),

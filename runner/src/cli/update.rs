@@ -309,3 +309,19 @@ fn apply_staged(
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn handing_the_update_dir_back_skips_what_the_updater_already_removed() {
+        let d = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(update::staged_dir(d.path())).unwrap();
+        std::fs::write(update::staged_dir(d.path()).join("SHA256SUMS"), b"x").unwrap();
+        assert!(!update::request_path(d.path()).exists());
+        give_to_state_owner(d.path()).expect("a removed request is not an error");
+        std::fs::write(update::request_path(d.path()), b"{}").unwrap();
+        give_to_state_owner(d.path()).expect("with the request");
+    }
+}
