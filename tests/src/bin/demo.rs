@@ -224,6 +224,9 @@ async fn main() -> anyhow::Result<()> {
     if let Some(socket) = &args.service_ctl {
         return service_ctl(socket, &args.service_args);
     }
+    if !args.service_args.is_empty() {
+        bail!("unexpected arguments: {} (see --help)", args.service_args.join(" "));
+    }
     let plan_text =
         std::fs::read_to_string(&args.plan).with_context(|| format!("reading {}", args.plan.display()))?;
     let plan: Plan =
@@ -1114,14 +1117,7 @@ async fn update_and_back(
         "the updater drained the runner, installed {to}, started it and saw it healthy ({:.1} s)",
         applying.elapsed().as_secs_f64()
     );
-    let job = cp
-        .enqueue(EnqueueRequest::new(
-            "runner.noop",
-            serde_json::json!({ "message": format!("hello from {to}") }),
-        ))
-        .map_err(|e| anyhow::anyhow!("{e}"))?;
-    expect_succeeded(cp, &job, wait).await?;
-    println!("job {job} succeeded on {to}");
+    job_runs_on(cp, to, wait).await?;
     print_cli(runner, &["update", "status", "--root", &installed.root.to_string_lossy()]);
 
     // The customer goes back to the version before.
@@ -1134,14 +1130,7 @@ async fn update_and_back(
     let applying = Instant::now();
     play_systemd(installed, cp, runner, &listener, from, wait * 3).await?;
     println!("the runner is back on {from} ({:.1} s)", applying.elapsed().as_secs_f64());
-    let job = cp
-        .enqueue(EnqueueRequest::new(
-            "runner.noop",
-            serde_json::json!({ "message": format!("hello from {from}") }),
-        ))
-        .map_err(|e| anyhow::anyhow!("{e}"))?;
-    expect_succeeded(cp, &job, wait).await?;
-    println!("job {job} succeeded on {from}");
+    job_runs_on(cp, from, wait).await?;
 
     let export = run_tool(
         std::process::Command::new(installed.binary())
@@ -1154,6 +1143,15 @@ async fn update_and_back(
     if applied != 2 {
         bail!("the audit log holds {applied} update_applied records, not 2 (the update and the rollback)");
     }
+    Ok(())
+}
+
+/// A job on the version the runner now runs: it must succeed.
+async fn job_runs_on(cp: &ControlPlane, version: &str, wait: Duration) -> anyhow::Result<()> {
+    let message = serde_json::json!({ "message": format!("hello from {version}") });
+    let job = cp.enqueue(EnqueueRequest::new("runner.noop", message)).map_err(|e| anyhow::anyhow!("{e}"))?;
+    expect_succeeded(cp, &job, wait).await?;
+    println!("job {job} succeeded on {version}");
     Ok(())
 }
 
