@@ -137,6 +137,18 @@ impl Default for OciSettings {
 
 /// Where `terraform` and `helm` jobs find their tools (absolute paths, visible inside
 /// the sandbox: under /usr or a `sandbox.extra_ro_paths` directory) and keep saved plans.
+/// The runner's own directories beside a job's working directory (never inside it,
+/// where the job's processes write): the sealed plan, the terraform tree and data
+/// directory, an artifact unpacked without a cache. Removed with the working directory.
+pub const BESIDE_WORK: &[&str] = &[".sealed", ".tf", ".tfdata", ".artifact"];
+
+/// `<work><suffix>`: a runner directory beside the job's working directory.
+pub fn beside_work(work: &std::path::Path, suffix: &str) -> PathBuf {
+    let mut p = work.as_os_str().to_owned();
+    p.push(suffix);
+    PathBuf::from(p)
+}
+
 #[derive(Debug, Clone)]
 pub struct ToolSettings {
     pub terraform: PathBuf,
@@ -145,9 +157,14 @@ pub struct ToolSettings {
     pub plans_dir: PathBuf,
     /// A saved plan older than this is stale and refused.
     pub plan_max_age: Duration,
-    /// `TF_CLI_CONFIG_FILE`: provider mirror settings for air-gapped installs.
+    /// The customer's terraform CLI configuration (provider installation): read by the
+    /// runner, a read-only copy given to every terraform step.
     pub cli_config_file: Option<PathBuf>,
-    /// `TF_PLUGIN_CACHE_DIR`.
+    /// Jobs may name their own provider mirror (`providers`), which replaces the
+    /// customer's CLI configuration for that job.
+    pub job_provider_mirrors: bool,
+    /// The customer's `terraform.plugin_cache_dir`: no longer used (a cache every job's
+    /// init writes), said so in the job's log.
     pub plugin_cache_dir: Option<PathBuf>,
     /// Components fetched by digest: where they are cached, and the unpacking limits.
     pub artifacts: artifact::CacheSettings,
@@ -165,6 +182,7 @@ impl Default for ToolSettings {
             plans_dir: PathBuf::from("/var/lib/byoc-runner/plans"),
             plan_max_age: Duration::from_secs(3600),
             cli_config_file: None,
+            job_provider_mirrors: true,
             plugin_cache_dir: None,
             artifacts: artifact::CacheSettings::default(),
             artifact_source: artifact::ArtifactSource::default(),
@@ -544,6 +562,12 @@ pub trait Executor: Send + Sync {
     /// the component on its own schedule. `None` for anything else.
     fn drift_spec(&self) -> Option<serde_json::Value> {
         None
+    }
+
+    /// A terraform job that brings its own provider mirror (the customer's
+    /// `job_provider_mirrors` decides, before the claim).
+    fn names_provider_mirror(&self) -> bool {
+        false
     }
 
     /// A `runner.update`: what it asks, for the customer's terms (checked before the claim).

@@ -25,6 +25,10 @@ pub struct Job {
     pub sealed_dir: Option<PathBuf>,
     /// The sandbox's end of the gate channel, when a stage is gated.
     pub gate: Option<std::os::fd::OwnedFd>,
+    /// The runner's directories the job sees (see [`byoc_sandbox::spec::Bind`]).
+    pub binds: Vec<byoc_sandbox::spec::Bind>,
+    /// Mount /proc (see [`byoc_sandbox::SandboxSpec::proc`]).
+    pub proc: bool,
 }
 
 /// Reason codes (in the result's `outputs.reason`) for a job the sandbox refused.
@@ -122,6 +126,8 @@ pub async fn run_capturing(
         lease: lease
             .as_deref()
             .map(|l| byoc_sandbox::spec::LeaseSpec { grace_ms: l.grace().as_millis() as u64 }),
+        binds: job.binds,
+        proc: job.proc,
     };
     let spec_bytes = serde_json::to_vec(&spec).expect("sandbox spec serialises");
     let mut cmd = Command::new(&settings.helper);
@@ -338,6 +344,8 @@ fn check_spec(
         then: vec![],
         sealed_dir: None,
         lease: None,
+        binds: vec![],
+        proc: true,
     }
 }
 

@@ -102,6 +102,8 @@ impl Executor for Script {
                         then: vec![],
                         sealed_dir: None,
                         gate: None,
+                        binds: vec![],
+                        proc: true,
                     };
                     crate::sandboxed::run(job, settings, ctx).await
                 }

@@ -53,6 +53,9 @@ pub(crate) struct Run<'c, 'a> {
     /// (terraform's "Error acquiring the state lock"), and whether a step printed it.
     pub(crate) watch: Option<&'static str>,
     pub(crate) seen: bool,
+    /// The runner's directories every step of the tool sees (see
+    /// [`byoc_sandbox::spec::Bind`]).
+    pub(crate) binds: Vec<byoc_sandbox::spec::Bind>,
 }
 
 /// Passes output through, noting whether `needle` went by (across chunk boundaries).
@@ -136,6 +139,7 @@ impl Run<'_, '_> {
             env: &self.env,
             watch: self.watch,
             job_timeout: self.ctx.settings.timeout,
+            binds: &self.binds,
         };
         let base = self.ctx.settings().timeout(self.remaining(), self.ctx.settings.kill_grace);
         let (result, seen) =
@@ -155,6 +159,7 @@ pub(crate) struct StepSpec<'s> {
     pub(crate) watch: Option<&'static str>,
     /// The job's whole timeout (for the message when none of it is left).
     pub(crate) job_timeout: Duration,
+    pub(crate) binds: &'s [byoc_sandbox::spec::Bind],
 }
 
 /// Run one step: `argv`, then each of `then` (see [`Run::staged`]). A gated stage asks
@@ -198,6 +203,7 @@ pub(crate) async fn run_step(
                     argv: s.argv,
                     seal: s.seal.iter().map(|f| work.join(f)).collect(),
                     gate: s.gate,
+                    freeze: s.freeze,
                 })
                 .collect();
             let job = crate::sandboxed::Job {
@@ -207,6 +213,8 @@ pub(crate) async fn run_step(
                 then,
                 sealed_dir: sealed.map(|s| s.path.clone()),
                 gate: gate.map(std::os::fd::OwnedFd::from),
+                binds: step.binds.to_vec(),
+                proc: true,
             };
             crate::sandboxed::run_capturing(job, settings, sub, capture).await
         }
@@ -253,7 +261,9 @@ async fn stages_without_sandbox(
     let mut gate = gate
         .and_then(|g| g.set_nonblocking(true).ok().and_then(|()| tokio::net::UnixStream::from_std(g).ok()));
     let mut outcome = ExecOutcome::failed("no command");
-    for (i, stage) in std::iter::once(Stage { argv, seal: vec![], gate: false }).chain(then).enumerate() {
+    for (i, stage) in
+        std::iter::once(Stage { argv, seal: vec![], gate: false, freeze: vec![] }).chain(then).enumerate()
+    {
         if i > 0 && outcome.status != JobStatus::Succeeded {
             break;
         }
@@ -355,6 +365,9 @@ pub(crate) struct Stage {
     pub(crate) seal: Vec<PathBuf>,
     /// Ask the runner before starting it (see [`byoc_sandbox::spec::Stage::gate`]).
     pub(crate) gate: bool,
+    /// Writable binds made read-only before it starts (see
+    /// [`byoc_sandbox::spec::Stage::freeze`]); without the sandbox nothing is frozen.
+    pub(crate) freeze: Vec<PathBuf>,
 }
 
 /// The runner's directory of sealed copies for one job, beside its working directory
@@ -368,9 +381,7 @@ pub(crate) struct SealedDir {
 impl SealedDir {
     pub(crate) fn create(ctx: &ExecContext<'_>) -> std::io::Result<SealedDir> {
         use std::os::unix::fs::DirBuilderExt as _;
-        let mut path = ctx.settings.work_dir.clone().into_os_string();
-        path.push(".sealed");
-        let path = PathBuf::from(path);
+        let path = crate::beside_work(&ctx.settings.work_dir, ".sealed");
         // Not create_dir_all: a directory already there is someone else's.
         std::fs::DirBuilder::new().mode(0o755).create(&path)?;
         let inside = match ctx.settings.sandbox {

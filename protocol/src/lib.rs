@@ -473,6 +473,9 @@ pub enum RejectReason {
     /// A `runner.update` to a version not newer than the running one, without a
     /// downgrade the release signs.
     UpdateNotNewer,
+    /// A terraform job names its own provider mirror where the customer's
+    /// configuration does not allow one (`[terraform] job_provider_mirrors`).
+    ProviderMirrorNotAllowed,
 }
 
 impl RejectReason {
@@ -506,6 +509,7 @@ impl RejectReason {
             Self::UpdateDisabled => "update_disabled",
             Self::UpdatePinned => "update_pinned",
             Self::UpdateNotNewer => "update_not_newer",
+            Self::ProviderMirrorNotAllowed => "provider_mirror_not_allowed",
         }
     }
 
@@ -538,6 +542,7 @@ impl RejectReason {
         Self::UpdateDisabled,
         Self::UpdatePinned,
         Self::UpdateNotNewer,
+        Self::ProviderMirrorNotAllowed,
     ];
 }
 

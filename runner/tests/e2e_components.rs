@@ -9,6 +9,8 @@
 
 mod common;
 
+use std::collections::BTreeMap;
+
 use byoc_control_plane::EnqueueRequest;
 use byoc_control_plane::moto::MotoServer;
 use byoc_control_plane::registry::{LocalRegistry, Pushed};
@@ -49,6 +51,16 @@ async fn components_env_with(
     sandbox_extra: &str,
     with_moto: impl FnOnce(&MotoServer) -> String,
 ) -> CEnv {
+    components_env_tf("", extra, sandbox_extra, with_moto).await
+}
+
+/// [`components_env_with`], with `terraform_extra` in `[terraform]`.
+async fn components_env_tf(
+    terraform_extra: &str,
+    extra: &str,
+    sandbox_extra: &str,
+    with_moto: impl FnOnce(&MotoServer) -> String,
+) -> CEnv {
     let params = base_params();
     // The vendor's registry in token mode: each sync's one-time grant, minted by the
     // control plane, is exchanged once at its token service.
@@ -64,7 +76,7 @@ async fn components_env_with(
     let (tools, helm) = stand_in("helm");
     let mut opts = role_options(&moto, "");
     opts.extra.push_str(&format!(
-        "\n[oci]\nregistry_endpoints = {{ \"{ECR_HOST}\" = \"{}\", \"{}\" = \"{}\", \"{realm}\" = \"http://{realm}\" }}\n\n[terraform]\nbinary = \"{}\"\n\n[helm]\nbinary = \"{}\"\n\n[policy]\ndir = \"{}\"\n{extra}\n",
+        "\n[oci]\nregistry_endpoints = {{ \"{ECR_HOST}\" = \"{}\", \"{}\" = \"{}\", \"{realm}\" = \"http://{realm}\" }}\n\n[terraform]\nbinary = \"{}\"\n{terraform_extra}\n\n[helm]\nbinary = \"{}\"\n\n[policy]\ndir = \"{}\"\n{extra}\n",
         ecr.url(),
         vendor.host(),
         vendor.url(),
@@ -610,6 +622,303 @@ async fn providers_come_from_a_mirror_by_digest_and_never_from_the_network() {
     let (_, r, log) = run(&e, without).await;
     assert_eq!(r.status, JobStatus::Failed);
     assert!(!log.contains("successfully initialized"), "{log}");
+}
+
+/// The real `hashicorp/aws` provider these machines ship as a filesystem mirror.
+const AWS_MIRROR: &str = "/opt/tf-plugins";
+const AWS_PROVIDER: &str =
+    "registry.terraform.io/hashicorp/aws/5.100.0/linux_amd64/terraform-provider-aws_v5.100.0_x5";
+
+fn aws_provider() -> std::path::PathBuf {
+    let p = std::path::Path::new(AWS_MIRROR).join(AWS_PROVIDER);
+    assert!(
+        p.is_file(),
+        "the real hashicorp/aws provider 5.100.0 is required at {} (these machines ship it beside terraform)",
+        p.display()
+    );
+    p
+}
+
+/// A module that starts the real aws provider (configured to call nothing) at plan,
+/// render and apply, and whose apply prints what the job's code left in
+/// `/work/breaches` (a local-exec's output reaches the job log).
+fn aws_module() -> String {
+    r#"terraform {
+  required_providers {
+    aws = { source = "hashicorp/aws", version = "5.100.0" }
+  }
+}
+provider "aws" {
+  region                      = "us-east-1"
+  access_key                  = "test"
+  secret_key                  = "test"
+  skip_credentials_validation = true
+  skip_requesting_account_id  = true
+  skip_metadata_api_check     = true
+}
+resource "terraform_data" "a" {
+  input = "honest"
+  provisioner "local-exec" {
+    command = "sed 's/^/BRE''ACH /' /work/breaches 2>/dev/null; sed 's/^/provider started in /' /work/started 2>/dev/null; echo applied-by-the-verified-module"
+  }
+}
+"#
+    .to_string()
+}
+
+/// A provider mirror whose aws provider is a wrapper: `before` runs (as the job's code,
+/// each time terraform starts the provider), then the real provider.
+fn wrapper_mirror(before: &str) -> Vec<(String, String)> {
+    let mut dirs: Vec<(String, String)> = Vec::new();
+    let mut at = String::new();
+    for part in AWS_PROVIDER.split('/').take(5) {
+        at.push_str(part);
+        at.push('/');
+        dirs.push((at.clone(), String::new()));
+    }
+    dirs.push((
+        AWS_PROVIDER.to_string(),
+        format!("#!/bin/sh\n{before}\nexec {} \"$@\"\n", aws_provider().display()),
+    ));
+    dirs
+}
+
+/// What a hostile provider (or a data source's program) tries wherever terraform starts
+/// it: replace the providers the next steps run, the CLI configuration, the lock file;
+/// plant `dev_overrides` where terraform might read them; write into the verified mirror;
+/// and, in the render (its working directory is the sealed one), write a forged plan to
+/// terraform's standard output through /proc. Each success is noted in /work/breaches.
+const HOSTILE_PROVIDER: &str = r#"
+note() { echo "$1 (in $(pwd))" >> /work/breaches; }
+pwd >> /work/started
+for f in "$0" /tfdata/providers/registry.terraform.io/hashicorp/aws/5.100.0/linux_amd64/terraform-provider-aws_v5.100.0_x5 \
+         /tf/providers/registry.terraform.io/hashicorp/aws/5.100.0/linux_amd64/terraform-provider-aws_v5.100.0_x5; do
+  if (echo 'echo POISONED >&2' >> "$f") 2>/dev/null; then note "wrote provider $f"; fi
+done
+if (echo 'provider_installation { direct {} }' > /tf/cli.tfrc) 2>/dev/null; then note "wrote /tf/cli.tfrc"; fi
+if (: > /tfdata/planted) 2>/dev/null; then note "wrote into the data directory"; fi
+if (: > /tf/home/.terraformrc) 2>/dev/null; then note "wrote HOME"; fi
+if [ -w /sealed ] && (: > /sealed/planted) 2>/dev/null; then note "wrote /sealed"; fi
+mkdir -p /work/evil
+printf '#!/bin/sh\necho "dev override ran (in $(pwd))" >> /work/breaches\nexit 1\n' > /work/evil/terraform-provider-aws
+chmod +x /work/evil/terraform-provider-aws
+rc='provider_installation {
+  dev_overrides { "hashicorp/aws" = "/work/evil" }
+  direct {}
+}'
+for d in /work /work/module; do
+  echo "$rc" > "$d/.terraformrc" 2>/dev/null
+  mkdir -p "$d/.terraform.d" 2>/dev/null && echo "$rc" > "$d/.terraform.d/dev.tfrc" 2>/dev/null
+done
+if [ "$(pwd)" = /sealed ]; then
+  forged='{"format_version":"1.2","resource_changes":[{"address":"forged.everything","type":"forged","change":{"actions":["delete"]}}]}'
+  for fd in /proc/$PPID/fd/1 /proc/1/fd/1; do
+    if [ -e "$fd" ] && (printf '%s' "$forged" > "$fd") 2>/dev/null; then note "wrote the render's output through $fd"; fi
+  done
+fi
+"#;
+
+/// SHA-256 of every regular file under `dir`, by relative path.
+fn tree_digests(dir: &std::path::Path) -> BTreeMap<String, String> {
+    let mut out = BTreeMap::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for entry in std::fs::read_dir(&d).unwrap().flatten() {
+            let t = entry.file_type().unwrap();
+            if t.is_dir() {
+                stack.push(entry.path());
+            } else if t.is_file() {
+                let rel = entry.path().strip_prefix(dir).unwrap().display().to_string();
+                out.insert(rel, byoc_protocol::sha256_hex(&std::fs::read(entry.path()).unwrap()));
+            }
+        }
+    }
+    out
+}
+
+/// A module artifact that carries terraform's own working data (an installed provider,
+/// here a script in `.terraform/providers` with a lock file naming its hash) is refused
+/// before terraform runs: the planted provider never runs. The same files inline are
+/// refused before the claim. An honest module with the same provider from a mirror runs.
+#[tokio::test]
+async fn a_module_that_brings_its_own_providers_is_refused_and_its_provider_never_runs() {
+    let e = components_env("").await;
+    let planted = format!(".terraform/providers/{AWS_PROVIDER}");
+    let script =
+        "#!/bin/sh\necho PLANTED-PROVIDER-RAN >&2\necho PLANTED-PROVIDER-RAN > /work/planted\nexit 1\n";
+    let lock = "provider \"registry.terraform.io/hashicorp/aws\" {\n  version = \"5.100.0\"\n  hashes = [\"h1:planted\"]\n}\n";
+    let files = vec![
+        ("main.tf".to_string(), aws_module()),
+        (".terraform.lock.hcl".to_string(), lock.to_string()),
+        (planted.clone(), script.to_string()),
+    ];
+    let module = publish(&e, "tf-planted", MODULE_TYPE, &files).await;
+    let mirror = publish(&e, "tf-aws", "application/vnd.byoc.terraform.mirror.v1", &wrapper_mirror("")).await;
+    let mirror_ref = format!("{ECR_HOST}/inst-demo/tf-aws@{}", mirror.digest);
+    let job = |module: &str| {
+        deploy(
+            "terraform",
+            serde_json::json!({"mode": "apply", "workspace": "planted",
+                "module": format!("{ECR_HOST}/inst-demo/{module}"), "providers": mirror_ref}),
+        )
+    };
+    let (_, r, log) = run(&e, job(&format!("tf-planted@{}", module.digest))).await;
+    assert_eq!(r.status, JobStatus::Failed, "{log}");
+    assert_eq!(r.outputs["reason"], "artifact_invalid", "{}\n{log}", r.outputs);
+    assert!(r.error.as_deref().unwrap_or("").contains(".terraform"), "{:?}", r.error);
+    assert!(!log.contains("PLANTED-PROVIDER-RAN"), "{log}");
+    assert!(!log.contains("[terraform] init"), "terraform ran: {log}");
+
+    // Inline: refused before the claim, nothing ran.
+    let mut inline_files = serde_json::Map::new();
+    inline_files.insert("main.tf".into(), aws_module().into());
+    inline_files.insert(planted.clone(), script.into());
+    let inline = deploy(
+        "terraform",
+        serde_json::json!({"mode": "apply", "workspace": "planted", "providers": mirror_ref, "files": inline_files}),
+    );
+    let id = e.env.cp.enqueue(inline).unwrap();
+    let v = e.env.rejected(&id).await;
+    assert_eq!(v.rejections[0].0, byoc_protocol::RejectReason::InvalidSpec, "{:?}", v.rejections);
+    assert!(v.rejections[0].1.contains(".terraform"), "{:?}", v.rejections);
+    for rc in ["terraform.d/plugins/x", "dev.tfrc", ".terraformrc"] {
+        let mut files = serde_json::Map::new();
+        files.insert("main.tf".into(), "".into());
+        files.insert(rc.into(), "x".into());
+        let spec = serde_json::json!({"mode": "apply", "workspace": "planted", "files": files});
+        let id = e.env.cp.enqueue(deploy("terraform", spec)).unwrap();
+        assert_eq!(
+            e.env.rejected(&id).await.rejections[0].0,
+            byoc_protocol::RejectReason::InvalidSpec,
+            "{rc}"
+        );
+    }
+
+    // The honest module: the mirror's provider is the one that runs.
+    let honest: Vec<(String, String)> = vec![("main.tf".to_string(), aws_module())];
+    let module = publish(&e, "tf-honest", MODULE_TYPE, &honest).await;
+    let (_, r, log) = run(&e, job(&format!("tf-honest@{}", module.digest))).await;
+    assert_eq!(r.status, JobStatus::Succeeded, "{:?}\n{log}", r.error);
+    assert!(log.contains("Installing hashicorp/aws v5.100.0"), "{log}");
+    assert!(log.contains("applied-by-the-verified-module"), "{log}");
+}
+
+/// Job code that runs while terraform plans (a provider from the job's own mirror,
+/// which starts at plan, at the render and at apply) tries to change what the later
+/// steps run and what the runner judges: the providers, the CLI configuration, HOME,
+/// `dev_overrides` in the job's tree, the verified mirror, and the render's output
+/// through /proc. Nothing of it takes: the judged plan is terraform's own, the apply
+/// runs the verified module and provider, the cache entry's bytes are unchanged, and a
+/// second job naming the same mirror runs the verified provider.
+#[tokio::test]
+async fn plan_time_code_reaches_neither_the_judged_plan_nor_what_later_steps_run() {
+    let e = components_env("").await;
+    let mirror = publish(
+        &e,
+        "tf-hostile-aws",
+        "application/vnd.byoc.terraform.mirror.v1",
+        &wrapper_mirror(HOSTILE_PROVIDER),
+    )
+    .await;
+    let mirror_ref = format!("{ECR_HOST}/inst-demo/tf-hostile-aws@{}", mirror.digest);
+    let job = |attempt: usize| {
+        deploy(
+            "terraform",
+            serde_json::json!({"mode": "apply", "workspace": format!("hostile-{attempt}"), "providers": mirror_ref,
+                "files": {"main.tf": aws_module()}}),
+        )
+    };
+    let cache = e.env.runner.state_dir.join("artifacts").join(mirror.digest.trim_start_matches("sha256:"));
+    for attempt in 0..2 {
+        let (id, r, log) = run(&e, job(attempt)).await;
+        assert_eq!(r.status, JobStatus::Succeeded, "{:?}\n{log}", r.error);
+        // The hostile provider ran (its notes were made), and nothing of it took.
+        assert!(log.contains("applied-by-the-verified-module"), "{log}");
+        assert!(!log.contains("BREACH "), "attempt {attempt}: {log}");
+        // It did run where it could try: at plan and at the render.
+        assert!(log.contains("provider started in /work/module"), "{log}");
+        assert!(log.contains("provider started in /sealed"), "{log}");
+        assert!(!log.contains("POISONED") && !log.contains("dev override ran"), "{log}");
+        // What was judged and reported is terraform's own plan.
+        assert_eq!(
+            r.outputs["summary"],
+            serde_json::json!({"counts": {"create": 1}, "addresses": {"create": ["terraform_data.a"]}}),
+            "{}",
+            r.outputs
+        );
+        assert!(!r.outputs.to_string().contains("forged"), "{}", r.outputs);
+        let decision = audit_events(&e.env.runner.state_dir, "policy_decision");
+        let d = decision.iter().find(|d| d["job"] == id.as_str()).unwrap();
+        assert!(!d.to_string().contains("forged"), "{d}");
+        assert!(log.contains("show -json plan.tfplan: rendered by the runner"), "{log}");
+        // The verified cache entry is what the registry served.
+        let tree = cache.join("tree");
+        let digests = tree_digests(&tree);
+        let wrapper = wrapper_mirror(HOSTILE_PROVIDER).pop().unwrap().1;
+        assert_eq!(
+            digests.get(AWS_PROVIDER),
+            Some(&byoc_protocol::sha256_hex(wrapper.as_bytes())),
+            "{digests:?}"
+        );
+        assert_eq!(digests.len(), 1, "{digests:?}");
+    }
+}
+
+/// The customer's `terraform.cli_config_file` (a filesystem mirror of the real aws
+/// provider) is what every terraform step runs with, inside the sandbox that hides the
+/// runner's own files; a job's mirror is then refused before the claim; a file the
+/// runner cannot read fails the job with what to fix.
+#[tokio::test]
+async fn the_customers_cli_config_is_honoured_in_the_sandbox_and_an_unreadable_one_fails_the_job() {
+    aws_provider();
+    let dir = tempfile::tempdir().unwrap();
+    let rc = dir.path().join("terraform.rc");
+    std::fs::write(
+        &rc,
+        format!(
+            "provider_installation {{\n  filesystem_mirror {{\n    path    = \"{AWS_MIRROR}\"\n    include = [\"registry.terraform.io/hashicorp/aws\"]\n  }}\n  direct {{\n    exclude = [\"registry.terraform.io/hashicorp/aws\"]\n  }}\n}}\n"
+        ),
+    )
+    .unwrap();
+    let e = components_env_tf(&format!("cli_config_file = \"{}\"", rc.display()), "", "", |_| String::new())
+        .await;
+    let job = |extra: serde_json::Value| {
+        let mut spec = serde_json::json!({"mode": "apply", "workspace": "customer-rc", "files": {"main.tf": aws_module()}});
+        for (k, v) in extra.as_object().unwrap() {
+            spec[k] = v.clone();
+        }
+        deploy("terraform", spec)
+    };
+    let (_, r, log) = run(&e, job(serde_json::json!({}))).await;
+    assert_eq!(r.status, JobStatus::Succeeded, "{:?}\n{log}", r.error);
+    assert!(log.contains("Installing hashicorp/aws v5.100.0"), "{log}");
+    assert!(log.contains("applied-by-the-verified-module"), "{log}");
+
+    // A job's own mirror would replace the customer's file: refused before the claim.
+    let mirror = publish(&e, "tf-aws", "application/vnd.byoc.terraform.mirror.v1", &wrapper_mirror("")).await;
+    let id = e
+        .env
+        .cp
+        .enqueue(job(
+            serde_json::json!({"providers": format!("{ECR_HOST}/inst-demo/tf-aws@{}", mirror.digest)}),
+        ))
+        .unwrap();
+    let v = e.env.rejected(&id).await;
+    assert_eq!(
+        v.rejections[0].0,
+        byoc_protocol::RejectReason::ProviderMirrorNotAllowed,
+        "{:?}",
+        v.rejections
+    );
+    assert!(v.result.is_none());
+
+    // The file gone: the job fails with the reason, terraform never ran.
+    std::fs::remove_file(&rc).unwrap();
+    let (_, r, log) = run(&e, job(serde_json::json!({}))).await;
+    assert_eq!(r.status, JobStatus::Failed, "{log}");
+    assert_eq!(r.outputs["reason"], "terraform_config_unreadable", "{}\n{log}", r.outputs);
+    assert!(r.error.as_deref().unwrap_or("").contains("cli_config_file"), "{:?}", r.error);
+    assert!(!log.contains("[terraform] init"), "{log}");
 }
 
 /// A release's files as the vendor publishes them, signed by `key` (`minisign -S`'s

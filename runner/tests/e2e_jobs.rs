@@ -109,7 +109,7 @@ async fn every_envelope_rejection_has_its_reason_code() {
     // (e2e_network, e2e_sandbox, e2e_container), the disk's (e2e_disk), the guardrails' theirs
     // (e2e_guardrails), the secrets' theirs (e2e_secrets), a job held to its effect
     // (e2e_roles), the customer's update terms theirs (`update::pipeline_tests` and the
-    // VM suite, where the updater's unit runs).
+    // VM suite, where the updater's unit runs), a job's provider mirror (e2e_components).
     let not_here = [
         RejectReason::RoleMismatch,
         RejectReason::RoleDisabled,
@@ -127,6 +127,7 @@ async fn every_envelope_rejection_has_its_reason_code() {
         RejectReason::UpdateDisabled,
         RejectReason::UpdatePinned,
         RejectReason::UpdateNotNewer,
+        RejectReason::ProviderMirrorNotAllowed,
     ];
     let mut want: Vec<String> =
         RejectReason::ALL.iter().filter(|r| !not_here.contains(r)).map(|r| r.code().to_string()).collect();

@@ -145,6 +145,8 @@ fn bare_spec(dir: &std::path::Path, script: &str) -> byoc_sandbox::SandboxSpec {
         then: vec![],
         sealed_dir: None,
         lease: None,
+        binds: vec![],
+        proc: true,
     }
 }
 
@@ -185,6 +187,109 @@ fn on_cgroup_v2_the_job_is_born_in_its_cgroup() {
     // The test process itself was never moved.
     let own = std::fs::read_to_string("/proc/self/cgroup").unwrap();
     assert!(!own.contains(&name), "{own}");
+}
+
+/// The runner's binds: a read-only one stays unwritable (its host files unchanged), a
+/// writable one takes writes until a later stage freezes it, and then none, not even
+/// from the stage that froze it; without /proc no process reaches another's
+/// descriptors. As root the job runs as an unprivileged uid, so the host files are
+/// handed to it (as the runner hands a job its data directory).
+#[test]
+fn binds_are_read_only_or_frozen_for_good_and_no_proc_means_no_other_descriptors() {
+    use std::io::Write as _;
+    use std::os::unix::fs::PermissionsExt as _;
+    let dir = tempfile::tempdir().unwrap();
+    let (ro, rw) = (dir.path().join("ro"), dir.path().join("rw"));
+    for d in [&ro, &rw] {
+        std::fs::create_dir_all(d).unwrap();
+        std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o777)).unwrap();
+    }
+    std::fs::write(ro.join("provider"), "verified").unwrap();
+    std::fs::set_permissions(ro.join("provider"), std::fs::Permissions::from_mode(0o666)).unwrap();
+    let try_write = |path: &str, what: &str| {
+        format!(
+            "if (echo changed >> {path}) 2>/dev/null; then echo '{what}: written'; else echo '{what}: refused'; fi; "
+        )
+    };
+    let first =
+        format!("{}{}", try_write("/r/provider", "stage 1 ro"), try_write("/d/installed", "stage 1 rw"));
+    let mut spec = byoc_sandbox::SandboxSpec {
+        binds: vec![
+            byoc_sandbox::spec::Bind { host: ro.clone(), inside: "/r".into(), writable: false },
+            byoc_sandbox::spec::Bind { host: rw.clone(), inside: "/d".into(), writable: true },
+        ],
+        proc: false,
+        ..bare_spec(dir.path(), &first)
+    };
+    let second = format!(
+        "{}{}ls -A /proc | wc -l | sed 's/^/proc entries: /'; [ -e /proc/1/fd/1 ] && echo 'init stdout: reachable'; true",
+        try_write("/d/installed", "stage 2 rw"),
+        try_write("/r/provider", "stage 2 ro")
+    );
+    spec.then = vec![byoc_sandbox::spec::Stage {
+        argv: vec!["/bin/sh".into(), "-c".into(), second],
+        seal: vec![],
+        gate: false,
+        freeze: vec!["/d".into()],
+    }];
+    let mut child = std::process::Command::new(BIN)
+        .arg("sandbox-exec")
+        .env_clear()
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(&serde_json::to_vec(&spec).unwrap()).unwrap();
+    let out = child.wait_with_output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    for line in [
+        "stage 1 ro: refused",
+        "stage 1 rw: written",
+        "stage 2 rw: refused",
+        "stage 2 ro: refused",
+        "proc entries: 0",
+    ] {
+        assert!(stdout.lines().any(|l| l == line), "no {line:?} in:\n{stdout}");
+    }
+    assert!(!stdout.contains("init stdout: reachable"), "{stdout}");
+    assert_eq!(std::fs::read_to_string(ro.join("provider")).unwrap(), "verified");
+    assert_eq!(std::fs::read_to_string(rw.join("installed")).unwrap(), "changed\n");
+
+    // A bind over the sandbox's own places, or a frozen path that is no writable bind,
+    // is refused before anything is built.
+    for (binds, freeze) in [
+        (
+            vec![byoc_sandbox::spec::Bind { host: rw.clone(), inside: "/work/x".into(), writable: true }],
+            vec![],
+        ),
+        (
+            vec![byoc_sandbox::spec::Bind { host: ro.clone(), inside: "/r".into(), writable: false }],
+            vec!["/r".into()],
+        ),
+    ] {
+        let mut bad = bare_spec(dir.path(), "echo ran");
+        bad.binds = binds;
+        bad.then = vec![byoc_sandbox::spec::Stage {
+            argv: vec!["/bin/true".into()],
+            seal: vec![],
+            gate: false,
+            freeze,
+        }];
+        let mut child = std::process::Command::new(BIN)
+            .arg("sandbox-exec")
+            .env_clear()
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        child.stdin.take().unwrap().write_all(&serde_json::to_vec(&bad).unwrap()).unwrap();
+        let out = child.wait_with_output().unwrap();
+        assert_eq!(out.status.code(), Some(byoc_sandbox::helper::EXIT_SANDBOX_FAILED));
+        assert!(!String::from_utf8_lossy(&out.stdout).contains("ran"));
+    }
 }
 
 /// A job held to its lease runs while the lease is renewed and stops by itself, with

@@ -417,13 +417,13 @@ pub fn tar_gz_bytes(files: &[(&str, &[u8])]) -> Vec<u8> {
             h.set_mode(0o755);
             h.set_size(0);
         } else {
-            h.set_mode(0o644);
+            // A script is a program (a provider in a mirror, say).
+            h.set_mode(if content.starts_with(b"#!") { 0o755 } else { 0o644 });
             h.set_size(content.len() as u64);
         }
         h.set_mtime(1_700_000_000);
-        h.set_path(path).expect("tar path");
-        h.set_cksum();
-        b.append(&h, *content).expect("tar entry");
+        // GNU long names for paths over 100 bytes (a provider in a mirror's layout).
+        b.append_data(&mut h, path, *content).expect("tar entry");
     }
     b.into_inner().expect("tar").finish().expect("gzip")
 }

@@ -64,6 +64,30 @@ pub struct SandboxSpec {
     /// [`LEASE_FD`]; when one passes, the job is stopped, and killed `grace_ms` later.
     #[serde(default)]
     pub lease: Option<LeaseSpec>,
+    /// The runner's directories mounted at fixed places inside, in this order (a later
+    /// one may sit on a mount point inside an earlier one, made by the runner).
+    #[serde(default)]
+    pub binds: Vec<Bind>,
+    /// Mount the pid namespace's /proc. Off where no process inside may reach another's
+    /// descriptors (a step whose standard output the runner believes): without /proc a
+    /// process can open only what it was handed.
+    #[serde(default = "mount_proc_by_default")]
+    pub proc: bool,
+}
+
+fn mount_proc_by_default() -> bool {
+    true
+}
+
+/// A runner directory seen inside the sandbox at `inside`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct Bind {
+    pub host: PathBuf,
+    pub inside: PathBuf,
+    /// Writable by the job (until a stage freezes it, see [`Stage::freeze`]); read-only
+    /// otherwise.
+    pub writable: bool,
 }
 
 #[derive(Debug, Clone, Copy, Serialize, Deserialize)]
@@ -89,6 +113,11 @@ pub struct Stage {
     /// `EXIT_GATE_CLOSED` (123) and the stage never runs.
     #[serde(default)]
     pub gate: bool,
+    /// Writable [`Bind`]s (by `inside` path) that init makes read-only before this
+    /// stage starts, for good: what the earlier stages wrote there stays as they left
+    /// it, and no later process of the job can change it.
+    #[serde(default)]
+    pub freeze: Vec<PathBuf>,
 }
 
 /// The descriptor on which the helper finds the runner's end of the gate channel, when

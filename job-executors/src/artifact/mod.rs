@@ -134,7 +134,8 @@ pub async fn fetch(settings: &ExecSettings, reference: &Reference) -> Result<Fet
         ArtifactSource::AnyRegistry { credential } => credential.clone(),
     };
     let cache = &settings.tools.artifacts;
-    let scratch = settings.work_dir.join(".artifact");
+    // Without a cache, beside the job's directory: never where its processes write.
+    let scratch = crate::beside_work(&settings.work_dir, ".artifact");
     let home = match &cache.dir {
         Some(dir) => dir.join(digest.hex()),
         None => scratch.clone(),

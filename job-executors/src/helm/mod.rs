@@ -242,7 +242,8 @@ impl Helm {
         }
         crate::add_role_env(ctx, &mut env, true);
         let helm = ctx.settings.tools.helm.display().to_string();
-        let mut run = Run { tool: "helm", ctx, started: Instant::now(), env, watch: None, seen: false };
+        let mut run =
+            Run { tool: "helm", ctx, started: Instant::now(), env, watch: None, seen: false, binds: vec![] };
         let mut outcome = match self.steps(&mut run, &helm).await {
             Ok(o) | Err(o) => o,
         };

@@ -64,16 +64,17 @@ impl Terraform {
         &self,
         run: &mut Run<'_, '_>,
         module: &Path,
-        backend: &[String],
+        tree: &RunnerTree,
+        init: Vec<String>,
     ) -> Step<ExecOutcome> {
-        let steps = [
-            ("init", "init -input=false -no-color".to_string()),
+        let plans = [
             ("plan -refresh-only", format!("plan -refresh-only -input=false -no-color -out={DRIFT_PLAN}")),
             ("plan", format!("plan -input=false -no-color -out={PLAN_FILE}")),
         ];
         run.log("[terraform] drift check: refresh-only and contract plans; nothing is applied\n");
-        run.cmd("init, plan -refresh-only, plan", run.tf_script(&steps, backend)).await?;
-        let mut rendered = render_plans(run, module).await?;
+        let plans = after_init(run.tf_script(&plans, &[]));
+        run.staged("init, plan -refresh-only, plan", init, vec![plans], None).await?;
+        let mut rendered = render_plans(run, module, tree).await?;
         let (contract, plan_digest) = rendered.pop().unwrap_or_default();
         let (refresh, refresh_digest) = rendered.pop().unwrap_or_default();
         // No state yet: the component was never deployed here; nothing can have drifted.
@@ -180,18 +181,23 @@ impl Terraform {
 
 /// Both plans sealed as they are and rendered by the runner (offline, no
 /// credentials), with their digests: the refresh-only plan, then the contract plan.
-async fn render_plans(run: &mut Run<'_, '_>, module: &Path) -> Step<Vec<(serde_json::Value, String)>> {
+async fn render_plans(
+    run: &mut Run<'_, '_>,
+    module: &Path,
+    tree: &RunnerTree,
+) -> Step<Vec<(serde_json::Value, String)>> {
     // The sandbox has ended, and every process of the job with it: both plans are
     // sealed as they are and rendered by the runner (offline, no credentials).
     let sealed = SealedDir::create(run.ctx)
         .map_err(|e| ExecOutcome::failed(format!("creating the sealed plan directory: {e}")))?;
     let cap = policy_input_cap(run);
     let mut rendered = Vec::new();
+    seal(module, LOCK_FILE, &sealed)?;
     for plan in [DRIFT_PLAN, PLAN_FILE] {
         seal(module, plan, &sealed)?;
         let digest = sha256_file(&sealed.path.join(plan))
             .map_err(|e| ExecOutcome::failed(format!("hashing the plan {plan}: {e}")))?;
-        let bytes = render_in(run, &sealed, plan, cap).await?;
+        let bytes = render_in(run, &sealed, tree, plan, cap).await?;
         let value: serde_json::Value = serde_json::from_slice(&bytes).map_err(|e| {
             failed(
                 "plan_unreadable",

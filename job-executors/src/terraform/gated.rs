@@ -1,14 +1,17 @@
-//! init, plan and apply in one sandbox: the sandbox's init ends every process of the
-//! plan, seals the plan and stops at a gate before apply; meanwhile the runner renders
-//! the sealed plan in a sandbox of its own (offline, no credentials), decides, and opens
-//! the gate only for a plan the policies allowed (one sandbox set-up fewer than plan and
-//! apply apart). Used when nothing can hold the plan between decision and apply (no
-//! customer approval, not plan-only, not decide-only).
+//! init, plan and apply in one sandbox: init alone, then plan with the data directory
+//! frozen; the sandbox's init ends every process of the plan, seals the plan and its
+//! lock file and stops at a gate before apply; meanwhile the runner renders the sealed
+//! plan in a sandbox of its own (offline, no credentials), decides, puts a fresh copy
+//! of the verified module where the job's was, and opens the gate only for a plan the
+//! policies allowed (one sandbox set-up fewer than plan and apply apart). Used when
+//! nothing can hold the plan between decision and apply (no customer approval, not
+//! plan-only, not decide-only).
 
 use std::path::Path;
 
 use super::judge::{read_outputs, still_the_plan};
-use super::{MODULE_DIR, OUTPUTS_JSON, PLAN_FILE, Terraform};
+use super::tree::LOCK_FILE;
+use super::{MODULE_DIR, OUTPUTS_JSON, PLAN_FILE, Restage, Terraform};
 use crate::tool::{Run, SealedDir, SharedSink, Stage, Step, StepSpec, gate_answer, gate_asked, run_step};
 use crate::{ExecOutcome, JobStatus};
 
@@ -18,7 +21,9 @@ const WANT_OUTPUTS: &str = "want-outputs";
 
 /// The terraform commands of each stage.
 pub(super) struct Commands {
-    pub(super) init_plan: Vec<String>,
+    pub(super) init: Vec<String>,
+    /// The plan's stage (it freezes the data directory, see `after_init`).
+    pub(super) plan: Stage,
     pub(super) apply: Vec<String>,
 }
 
@@ -28,10 +33,11 @@ impl Terraform {
         run: &mut Run<'_, '_>,
         policy: &crate::JobPolicies,
         module: &Path,
-        state_beside_module: bool,
+        restage: Restage<'_>,
         sealed: &SealedDir,
         commands: Commands,
     ) -> Step<ExecOutcome> {
+        let state_beside_module = restage.local_state.is_some();
         let plan_path = sealed.path.join(PLAN_FILE);
         let (mut ours, theirs) = crate::tool::gate_channel()
             .map_err(|e| ExecOutcome::failed(format!("creating the apply gate: {e}")))?;
@@ -43,14 +49,20 @@ impl Terraform {
                 "if [ -e {want} ]; then echo '[terraform] output -json'; \"$0\" -chdir={MODULE_DIR} output -json > {MODULE_DIR}/{OUTPUTS_JSON} || exit $?; fi\n"
             ));
         }
-        let stages =
-            vec![Stage { argv: apply, seal: vec![Path::new(MODULE_DIR).join(PLAN_FILE)], gate: true }];
+        let apply = Stage {
+            argv: apply,
+            seal: vec![Path::new(MODULE_DIR).join(PLAN_FILE), Path::new(MODULE_DIR).join(LOCK_FILE)],
+            gate: true,
+            freeze: vec![],
+        };
+        let stages = vec![commands.plan, apply];
         let step = StepSpec {
             tool: run.tool,
             what: "init, plan, apply",
             env: &run.env,
             watch: run.watch,
             job_timeout: run.ctx.settings.timeout,
+            binds: &run.binds,
         };
         let remaining = run.remaining();
         let decision_started = std::time::Instant::now();
@@ -62,7 +74,7 @@ impl Terraform {
             step,
             settings.clone(),
             &mut step_out,
-            commands.init_plan,
+            commands.init,
             stages,
             Some(sealed),
             Some(theirs),
@@ -77,11 +89,16 @@ impl Terraform {
                 let max = policy.limits.max_input_bytes as u64;
                 let left = settings.timeout.saturating_sub(decision_started.elapsed());
                 let render = settings.clone().timeout(left, settings.kill_grace);
-                let plan_json = super::render::render(render, &mut out, env, sealed, PLAN_FILE, max).await?;
+                let plan_json =
+                    super::render::render(render, &mut out, env, sealed, restage.tree, PLAN_FILE, max)
+                        .await?;
                 let mut ctx = settings.clone().build(&mut out);
                 let judged = self.judge(&mut ctx, &plan_path, plan_json).await?;
                 still_the_plan(&ctx, &plan_path, &judged.plan_digest, &judged.base)?;
                 crate::open_full_session(&mut ctx, &judged.plan_digest)?;
+                // Nothing of the job is alive at the gate: apply starts from the verified
+                // module, not from what plan's processes left of it.
+                super::restage(&ctx, restage.tree, module, restage.local_state, Some(sealed))?;
                 let declares_outputs = declares_outputs(&judged.plan_value);
                 if declares_outputs && !state_beside_module {
                     std::fs::write(sealed.path.join(WANT_OUTPUTS), b"")

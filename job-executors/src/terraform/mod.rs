@@ -14,7 +14,7 @@ use std::time::Instant;
 use serde::Deserialize;
 use sha2::Digest as _;
 
-use crate::tool::{DEFAULT_PATH, Run, SealedDir, Step, failed, hand_over, safe_relative};
+use crate::tool::{DEFAULT_PATH, Run, SealedDir, Stage, Step, failed, hand_over, safe_relative};
 use crate::{ExecContext, ExecFuture, ExecOutcome, Executor, JobStatus};
 use judge::{Judged, read_outputs, still_the_plan};
 use summary::summary;
@@ -29,6 +29,10 @@ mod render;
 mod saved_plan;
 pub mod state;
 mod summary;
+mod tree;
+
+pub use tree::refused_module_path;
+use tree::{LOCK_FILE, RunnerTree};
 
 /// The root module, in the job's working directory.
 pub const MODULE_DIR: &str = "module";
@@ -141,6 +145,13 @@ impl Terraform {
                 "files: {bad:?} is not a relative path inside the module"
             )));
         }
+        if let Some((bad, why)) =
+            s.files.keys().find_map(|p| refused_module_path(Path::new(p)).map(|why| (p, why)))
+        {
+            return Err(crate::InvalidSpec::from(format!(
+                "files: {bad:?} is {why}; a module carries configuration only"
+            )));
+        }
         if !valid_name(&s.workspace) {
             return Err(crate::InvalidSpec::from(format!("workspace {:?}: 1-64 of [a-z0-9_-]", s.workspace)));
         }
@@ -227,9 +238,15 @@ fn seal(module: &Path, name: &str, sealed: &SealedDir) -> Step<()> {
 }
 
 /// [`render::render`] with the job's remaining time and log.
-async fn render_in(run: &mut Run<'_, '_>, sealed: &SealedDir, name: &str, max: u64) -> Step<Vec<u8>> {
+async fn render_in(
+    run: &mut Run<'_, '_>,
+    sealed: &SealedDir,
+    tree: &RunnerTree,
+    name: &str,
+    max: u64,
+) -> Step<Vec<u8>> {
     let settings = run.ctx.settings().timeout(run.remaining(), run.ctx.settings.kill_grace);
-    render::render(settings, &mut *run.ctx.output, &run.env, sealed, name, max).await
+    render::render(settings, &mut *run.ctx.output, &run.env, sealed, tree, name, max).await
 }
 
 /// terraform's own command lines.
@@ -275,22 +292,24 @@ impl Terraform {
                 serde_json::Value::Null,
             );
         };
-        let module = ctx.settings.work_dir.join(MODULE_DIR);
-        if let Err(outcome) = self.stage_module(ctx, &module).await {
+        let mut tree = match RunnerTree::create(ctx) {
+            Ok(t) => t,
+            Err(e) => {
+                return ExecOutcome::failed(format!("creating the runner's terraform directories: {e}"));
+            }
+        };
+        if let Err(outcome) = self.stage_module(ctx, &tree.module()).await {
             return outcome;
         }
-        let dir = match &ctx.settings.sandbox {
-            Some(_) => crate::sandboxed::work_dir_inside(),
-            None => ctx.settings.work_dir.clone(),
-        };
-        let local_state = match self.stage_state(ctx, &module) {
+        let local_state = match self.stage_state(ctx, &tree.module()) {
             Ok(held) => held,
             Err(outcome) => return outcome,
         };
-        if let Err(e) = hand_over(ctx, &module) {
-            return ExecOutcome::failed(format!("handing the module to the job's uid: {e}"));
+        let module = ctx.settings.work_dir.join(MODULE_DIR);
+        if let Err(outcome) = restage(ctx, &tree, &module, local_state.as_ref(), None) {
+            return outcome;
         }
-        let (env, customer_secrets) = match self.environment(ctx, &dir).await {
+        let (env, customer_secrets) = match self.environment(ctx, &mut tree).await {
             Ok(e) => e,
             Err(outcome) => return outcome,
         };
@@ -301,8 +320,9 @@ impl Terraform {
             env,
             watch: Some("Error acquiring the state lock"),
             seen: false,
+            binds: tree.binds(true),
         };
-        let mut outcome = match self.steps(&mut run, &policy, &module, local_state.is_some()).await {
+        let mut outcome = match self.steps(&mut run, &policy, &module, &tree, local_state.as_ref()).await {
             Ok(o) | Err(o) => o,
         };
         if let (Some(report), Some(o)) = (&customer_secrets.report, outcome.outputs.as_object_mut()) {
@@ -339,8 +359,10 @@ impl Terraform {
         outcome
     }
 
-    /// The module in the job's directory: the fetched artifact (by digest), then the
-    /// spec's files over it.
+    /// The verified module, in the runner's tree: the fetched artifact (by digest), then
+    /// the spec's files over it; refused if it carries terraform's own files (see
+    /// [`refused_module_path`]). Its lock file is always there (empty when the module
+    /// has none), so that it can be sealed with the plan.
     async fn stage_module(&self, ctx: &mut ExecContext<'_>, module: &Path) -> Result<(), ExecOutcome> {
         if let Some(reference) = &self.module {
             match crate::artifact::fetch(&ctx.settings, reference).await {
@@ -354,10 +376,31 @@ impl Terraform {
                         )
                         .as_bytes(),
                     );
+                    match tree::find_refused(&fetched.tree) {
+                        Ok(None) => {}
+                        Ok(Some((path, why))) => {
+                            let _ = ctx.output.write(
+                                format!(
+                                    "[terraform] module {reference}: refused: {} is {why}\n",
+                                    path.display()
+                                )
+                                .as_bytes(),
+                            );
+                            return Err(failed(
+                                "artifact_invalid",
+                                format!(
+                                    "module {reference} carries {} ({why}): a module carries configuration only; nothing ran",
+                                    path.display()
+                                ),
+                                serde_json::json!({"module": reference.to_string()}),
+                            ));
+                        }
+                        Err(e) => {
+                            return Err(ExecOutcome::failed(format!("reading the module's files: {e}")));
+                        }
+                    }
                     if let Err(e) = crate::artifact::copy_tree(&fetched.tree, module) {
-                        return Err(ExecOutcome::failed(format!(
-                            "copying the module into the job's directory: {e}"
-                        )));
+                        return Err(ExecOutcome::failed(format!("copying the verified module: {e}")));
                     }
                     ctx.settings.artifact = Some(fetched.digest.to_string());
                 }
@@ -382,12 +425,19 @@ impl Terraform {
                 return Err(ExecOutcome::failed(format!("writing module file {rel}: {e}")));
             }
         }
+        let lock = module.join(LOCK_FILE);
+        if std::fs::symlink_metadata(&lock).is_err()
+            && let Err(e) = std::fs::write(&lock, b"")
+        {
+            return Err(ExecOutcome::failed(format!("writing the module's lock file: {e}")));
+        }
         Ok(())
     }
 
     /// Where the state lives: never the job's scratch directory. The install's backend
-    /// (its override file written into the module), with the runner's local state held
-    /// and staged; a backend of the job's own only where the customer allows it.
+    /// (its override file written into the verified module), with the runner's local
+    /// state held (staged into each module copy); a backend of the job's own only where
+    /// the customer allows it.
     fn stage_state(
         &self,
         ctx: &mut ExecContext<'_>,
@@ -413,7 +463,6 @@ impl Terraform {
         if let state::Backend::Local { root } = &state_settings.backend {
             let held = state::LocalState::acquire(root, &self.spec.workspace)
                 .map_err(|e| failed(e.code(), e.to_string(), serde_json::Value::Null))?;
-            held.stage(module).map_err(|e| failed(e.code(), e.to_string(), serde_json::Value::Null))?;
             local_state = Some(held);
         }
         let place = match &state_settings.backend {
@@ -430,35 +479,49 @@ impl Terraform {
         Ok(local_state)
     }
 
-    /// Terraform's environment: no prompts or update checks, the provider mirror or the
-    /// customer's CLI config, the job's variables, the customer's secrets it may read,
-    /// the role's credentials.
+    /// Terraform's environment: no prompts or update checks; HOME, the CLI
+    /// configuration and the data directory the runner's (see [`tree`]); the job's
+    /// variables, the customer's secrets it may read, the role's credentials.
     async fn environment(
         &self,
         ctx: &mut ExecContext<'_>,
-        dir: &Path,
+        tree: &mut RunnerTree,
     ) -> Result<(Vec<(String, String)>, customer_secrets::CustomerSecrets), ExecOutcome> {
+        let cli_config = match &self.providers {
+            Some(reference) => self.provider_mirror(ctx, reference, tree).await?,
+            None => match &ctx.settings.tools.cli_config_file {
+                Some(f) => tree::read_customer_cli_config(f).map_err(|why| {
+                    failed(
+                        tree::CONFIG_UNREADABLE,
+                        format!(
+                            "terraform.cli_config_file cannot be read ({why}): the runner reads it and gives every terraform step a \
+                             read-only copy; make it a readable regular file, or remove the setting"
+                        ),
+                        serde_json::Value::Null,
+                    )
+                })?,
+                // Terraform's defaults, and nothing from the job's tree or a HOME.
+                None => b"# byoc-runner: no provider installation configured; terraform's defaults\n".to_vec(),
+            },
+        };
+        tree.write_cli_config(&cli_config)
+            .map_err(|e| ExecOutcome::failed(format!("writing the terraform CLI configuration: {e}")))?;
+        if ctx.settings.tools.plugin_cache_dir.is_some() {
+            let _ = ctx.output.write(
+                b"[terraform] terraform.plugin_cache_dir is not used: a cache every job's init writes would let one job's code \
+                  change the providers of the next; use a filesystem mirror (terraform.cli_config_file)\n",
+            );
+        }
         let mut env: Vec<(String, String)> = vec![
             ("PATH".into(), DEFAULT_PATH.into()),
-            ("HOME".into(), dir.display().to_string()),
+            ("HOME".into(), tree.home().display().to_string()),
             ("BYOC_JOB_ID".into(), ctx.settings.job_id.clone()),
             ("TF_IN_AUTOMATION".into(), "1".into()),
             ("TF_INPUT".into(), "0".into()),
             ("CHECKPOINT_DISABLE".into(), "1".into()),
+            ("TF_CLI_CONFIG_FILE".into(), tree.cli_config().display().to_string()),
+            ("TF_DATA_DIR".into(), tree.data_dir().display().to_string()),
         ];
-        match &self.providers {
-            Some(reference) => {
-                env.push(("TF_CLI_CONFIG_FILE".into(), self.provider_mirror(ctx, reference, dir).await?))
-            }
-            None => {
-                if let Some(f) = &ctx.settings.tools.cli_config_file {
-                    env.push(("TF_CLI_CONFIG_FILE".into(), f.display().to_string()));
-                }
-            }
-        }
-        if let Some(d) = &ctx.settings.tools.plugin_cache_dir {
-            env.push(("TF_PLUGIN_CACHE_DIR".into(), d.display().to_string()));
-        }
         for (k, v) in self.spec.vars.iter().chain(&self.spec.secret_vars) {
             env.push((format!("TF_VAR_{k}"), v.clone()));
         }
@@ -475,14 +538,15 @@ impl Terraform {
         run: &mut Run<'_, '_>,
         policy: &crate::JobPolicies,
         module: &Path,
-        state_beside_module: bool,
+        tree: &RunnerTree,
+        local_state: Option<&state::LocalState>,
     ) -> Step<ExecOutcome> {
         let backend: Vec<String> =
             self.spec.backend_config.iter().map(|(k, v)| format!("-backend-config={k}={v}")).collect();
+        let init = run.tf_script(&[("init", "init -input=false -no-color".to_string())], &backend);
         if self.spec.mode == Mode::Drift {
-            return self.drift(run, module, &backend).await;
+            return self.drift(run, module, tree, init).await;
         }
-        let init = ("init", "init -input=false -no-color".to_string());
         // The plan the policies decide on and apply applies is the runner's sealed copy:
         // the job reads it and cannot change it (see `Run::staged`).
         let sealed = SealedDir::create(run.ctx)
@@ -490,10 +554,11 @@ impl Terraform {
         let plan_path = sealed.path.join(PLAN_FILE);
         match &self.spec.plan_digest {
             Some(want) => {
-                self.take_saved_plan(run, want, &plan_path)?;
+                self.take_saved_plan(run, want, &sealed)?;
                 run.log(&format!("[terraform] applying saved plan {want}\n"));
-                // The providers rendering the plan needs.
-                run.cmd("init", run.tf_script(&[init], &backend)).await?;
+                // The providers rendering and applying the plan need; nothing of the
+                // job's runs in this sandbox.
+                run.cmd("init", init).await?;
             }
             None => {
                 let destroy = self.spec.mode == Mode::Destroy;
@@ -507,26 +572,26 @@ impl Terraform {
                 let gated = matches!(self.spec.mode, Mode::Apply | Mode::Destroy)
                     && !run.ctx.settings.decide_only
                     && run.ctx.settings.apply_approval.is_none();
+                let plan = after_init(run.tf_script(&[plan], &[]));
                 if gated {
                     let apply = (
                         "apply",
                         format!("apply -input=false -no-color -auto-approve {}", sealed.inside(PLAN_FILE)),
                     );
-                    let commands = gated::Commands {
-                        init_plan: run.tf_script(&[init, plan], &backend),
-                        apply: run.tf_script(&[apply], &[]),
-                    };
-                    return self
-                        .plan_decide_apply(run, policy, module, state_beside_module, &sealed, commands)
-                        .await;
+                    let commands = gated::Commands { init, plan, apply: run.tf_script(&[apply], &[]) };
+                    let restage = Restage { tree, local_state };
+                    return self.plan_decide_apply(run, policy, module, restage, &sealed, commands).await;
                 }
-                // init and plan in one sandbox; when it has ended, so has every process
-                // of the job: the plan terraform wrote is sealed as it is now.
-                run.cmd("init, plan", run.tf_script(&[init, plan], &backend)).await?;
+                // init, then plan with the data directory frozen; when the sandbox has
+                // ended, so has every process of the job: the plan terraform wrote is
+                // sealed as it is now, with the lock file it was made with.
+                run.staged("init, plan", init, vec![plan], None).await?;
                 seal(module, PLAN_FILE, &sealed)?;
+                seal(module, LOCK_FILE, &sealed)?;
             }
         }
-        let plan_json = render_in(run, &sealed, PLAN_FILE, policy.limits.max_input_bytes as u64).await?;
+        let plan_json =
+            render_in(run, &sealed, tree, PLAN_FILE, policy.limits.max_input_bytes as u64).await?;
         let judged = self.judge(run.ctx, &plan_path, plan_json).await?;
         let Judged { plan_digest, plan_value, summary, decision, base } = judged;
 
@@ -541,8 +606,7 @@ impl Terraform {
         }
         if self.spec.mode == Mode::Plan {
             let saved = self.saved_plan(&run.ctx.settings.tools.plans_dir, &plan_digest);
-            keep_plan(&plan_path, &saved)
-                .map_err(|e| ExecOutcome::failed(format!("saving the plan: {e}")))?;
+            keep_plan(&sealed, &saved).map_err(|e| ExecOutcome::failed(format!("saving the plan: {e}")))?;
             return Ok(ExecOutcome {
                 status: JobStatus::Succeeded,
                 exit_code: Some(0),
@@ -558,7 +622,9 @@ impl Terraform {
         // Exactly the plan the policies saw, or nothing.
         still_the_plan(run.ctx, &plan_path, &plan_digest, &base)?;
         crate::open_full_session(run.ctx, &plan_digest)?;
-        self.apply_sealed(run, module, &sealed, &plan_value, state_beside_module, base).await
+        restage(run.ctx, tree, module, local_state, Some(&sealed))?;
+        run.binds = tree.binds(false);
+        self.apply_sealed(run, module, &sealed, &plan_value, local_state.is_some(), base).await
     }
 
     /// Apply the sealed plan and read its outputs, without another terraform run where
@@ -592,6 +658,45 @@ impl Terraform {
         result["outputs"] = outputs;
         Ok(ExecOutcome { status: JobStatus::Succeeded, exit_code: Some(0), error: None, outputs: result })
     }
+}
+
+/// What apply starts from: the runner's tree and the local state it holds.
+struct Restage<'t> {
+    tree: &'t RunnerTree,
+    local_state: Option<&'t state::LocalState>,
+}
+
+/// The stage after `init`: the data directory frozen before it starts, so that nothing
+/// the job's code runs (a provider, a data source's program) can change the providers
+/// or modules init installed.
+fn after_init(argv: Vec<String>) -> Stage {
+    Stage { argv, seal: vec![], gate: false, freeze: vec![PathBuf::from(tree::DATA_INSIDE)] }
+}
+
+/// A fresh module directory for the next step, from the verified module: the held local
+/// state staged into it, and with `sealed`, the lock file the judged plan was made with
+/// (apply checks the plan against it); handed to the job's uid.
+fn restage(
+    ctx: &ExecContext<'_>,
+    tree: &RunnerTree,
+    module: &Path,
+    local_state: Option<&state::LocalState>,
+    sealed: Option<&SealedDir>,
+) -> Step<()> {
+    tree::restage_module(&tree.module(), module).map_err(|e| {
+        ExecOutcome::failed(format!("copying the verified module into the job's directory: {e}"))
+    })?;
+    if let Some(held) = local_state {
+        held.stage(module).map_err(|e| failed(e.code(), e.to_string(), serde_json::Value::Null))?;
+    }
+    if let Some(sealed) = sealed {
+        let lock = module.join(LOCK_FILE);
+        let _ = std::fs::remove_file(&lock);
+        std::fs::copy(sealed.path.join(LOCK_FILE), &lock)
+            .map_err(|e| ExecOutcome::failed(format!("staging the plan's lock file: {e}")))?;
+    }
+    hand_over(ctx, module)
+        .map_err(|e| ExecOutcome::failed(format!("handing the module to the job's uid: {e}")))
 }
 
 /// The decision, in the audit log: plan digest, policy digests, verdict, every
@@ -643,6 +748,10 @@ impl Executor for Terraform {
         Some(self.spec.workspace.clone())
     }
 
+    fn names_provider_mirror(&self) -> bool {
+        self.providers.is_some()
+    }
+
     fn drift_spec(&self) -> Option<serde_json::Value> {
         (self.spec.mode == Mode::Apply).then(|| {
             let mut spec = self.raw.clone();
@@ -655,14 +764,22 @@ impl Executor for Terraform {
     }
 }
 
-/// Keep a plan by its digest: the result names it, so the file and its directory entry
-/// are on disk before the job reports success.
-fn keep_plan(plan: &Path, saved: &Path) -> std::io::Result<()> {
+/// Keep a plan by its digest, with the lock file it was made with: the result names it,
+/// so the files and their directory entry are on disk before the job reports success.
+fn keep_plan(sealed: &SealedDir, saved: &Path) -> std::io::Result<()> {
     let dir = saved.parent().map(Path::to_path_buf).unwrap_or_default();
     std::fs::create_dir_all(&dir)?;
-    std::fs::copy(plan, saved)?;
+    let lock = saved_lock(saved);
+    std::fs::copy(sealed.path.join(LOCK_FILE), &lock)?;
+    std::fs::File::open(&lock)?.sync_all()?;
+    std::fs::copy(sealed.path.join(PLAN_FILE), saved)?;
     std::fs::File::open(saved)?.sync_all()?;
     std::fs::File::open(&dir)?.sync_all()
+}
+
+/// The lock file kept beside a saved plan.
+fn saved_lock(saved: &Path) -> PathBuf {
+    saved.with_extension("lock.hcl")
 }
 
 #[cfg(test)]

@@ -1,21 +1,16 @@
 //! Terraform providers without the internet: a provider mirror shipped as an OCI
 //! artifact (terraform's filesystem-mirror layout, `HOST/NAMESPACE/TYPE/…`) is fetched by
-//! digest like any component, linked into the job's directory, and named in a CLI
-//! configuration the runner writes: those providers come from the mirror and nowhere
-//! else (`filesystem_mirror` + `direct { exclude }`), so an install whose egress reaches
-//! only AWS's endpoints can still `terraform init`.
+//! digest like any component, bound read-only into the job's sandbox straight from the
+//! verified cache (never linked or copied into a tree the job can write), and named in
+//! a CLI configuration the runner writes: those providers come from the mirror and
+//! nowhere else (`filesystem_mirror` + `direct { exclude }`), so an install whose egress
+//! reaches only AWS's endpoints can still `terraform init`.
 
 use std::path::Path;
 
+use super::tree::RunnerTree;
 use crate::tool::failed;
 use crate::{ExecContext, ExecOutcome};
-
-/// The job's provider mirror, beside (not inside) the module: it is never handed to the
-/// job's uid, so the job can read it and change nothing (its files are hard links to
-/// the verified cache).
-pub const MIRROR_DIR: &str = "providers";
-/// The CLI configuration the runner writes for the job.
-pub const CLI_CONFIG: &str = "byoc-terraform.rc";
 
 /// Every provider address (`HOST/NAMESPACE/TYPE`) in a filesystem mirror.
 pub fn addresses(mirror: &Path) -> std::io::Result<Vec<String>> {
@@ -53,38 +48,23 @@ pub fn cli_config(path: &Path, providers: &[String]) -> String {
     )
 }
 
-/// Link an unpacked tree into `to`: files as hard links (the cache's verified bytes,
-/// no copy of a provider's hundreds of MiB), links as links; a copy where linking is
-/// impossible (another filesystem).
-pub fn link_tree(from: &Path, to: &Path) -> std::io::Result<()> {
-    std::fs::create_dir_all(to)?;
-    for entry in std::fs::read_dir(from)? {
-        let entry = entry?;
-        let kind = entry.file_type()?;
-        let target = to.join(entry.file_name());
-        if kind.is_symlink() {
-            std::os::unix::fs::symlink(std::fs::read_link(entry.path())?, &target)?;
-        } else if kind.is_dir() {
-            link_tree(&entry.path(), &target)?;
-        } else if kind.is_file() && std::fs::hard_link(entry.path(), &target).is_err() {
-            std::fs::copy(entry.path(), &target)?;
-        }
-    }
-    Ok(())
-}
-
 impl super::Terraform {
-    /// The provider mirror by digest, linked into the job's directory, and the CLI
-    /// configuration naming it (its path as the job sees it, `inside`).
+    /// The provider mirror by digest, served read-only from the verified cache by the
+    /// runner's tree, and the CLI configuration naming it (as terraform sees it).
     pub(super) async fn provider_mirror(
         &self,
         ctx: &mut ExecContext<'_>,
         reference: &byoc_oci_sync::Reference,
-        inside: &Path,
-    ) -> Result<String, ExecOutcome> {
+        tree: &mut RunnerTree,
+    ) -> Result<Vec<u8>, ExecOutcome> {
         let fail = |code: &str, why: String| {
             failed(code, why, serde_json::json!({"providers": reference.to_string()}))
         };
+        if !ctx.settings.tools.job_provider_mirrors {
+            // Checked before the claim too; a job recovered after a configuration change
+            // meets it here.
+            return Err(fail(PROVIDER_MIRROR_NOT_ALLOWED, MIRROR_REFUSED.into()));
+        }
         let fetched = match crate::artifact::fetch(&ctx.settings, reference).await {
             Ok(f) => f,
             Err(e) => {
@@ -92,11 +72,7 @@ impl super::Terraform {
                 return Err(fail(&e.code(), e.to_string()));
             }
         };
-        let mirror = ctx.settings.work_dir.join(MIRROR_DIR);
-        link_tree(&fetched.tree, &mirror).map_err(|e| {
-            ExecOutcome::failed(format!("linking the provider mirror into the job's directory: {e}"))
-        })?;
-        let found = addresses(&mirror).unwrap_or_default();
+        let found = addresses(&fetched.tree).unwrap_or_default();
         if found.is_empty() {
             return Err(fail(
                 "artifact_invalid",
@@ -105,14 +81,7 @@ impl super::Terraform {
                 ),
             ));
         }
-        let rc = ctx.settings.work_dir.join(CLI_CONFIG);
-        std::fs::write(&rc, cli_config(&inside.join(MIRROR_DIR), &found))
-            .map_err(|e| ExecOutcome::failed(format!("writing the terraform CLI configuration: {e}")))?;
-        if ctx.settings.tools.cli_config_file.is_some() {
-            let _ = ctx.output.write(
-                b"[terraform] the job's provider mirror replaces terraform.cli_config_file for this job\n",
-            );
-        }
+        tree.use_mirror(&fetched.tree);
         let _ = ctx.output.write(
             format!(
                 "[terraform] providers {reference}: {} from the mirror, never the network ({}){}\n",
@@ -122,9 +91,16 @@ impl super::Terraform {
             )
             .as_bytes(),
         );
-        Ok(inside.join(CLI_CONFIG).display().to_string())
+        Ok(cli_config(&tree.providers(), &found).into_bytes())
     }
 }
+
+/// Reason code: the job names a provider mirror where the customer's configuration
+/// does not allow one.
+pub const PROVIDER_MIRROR_NOT_ALLOWED: &str = "provider_mirror_not_allowed";
+pub const MIRROR_REFUSED: &str = "the job names its own provider mirror (providers), which this runner's configuration does not allow \
+     ([terraform] job_provider_mirrors = \"refuse\", the default where terraform.cli_config_file is set): its providers come \
+     from the customer's provider installation";
 
 #[cfg(test)]
 mod tests {

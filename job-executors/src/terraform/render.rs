@@ -1,15 +1,19 @@
 //! The plan JSON the policies and the approver judge, made by the runner from the sealed
 //! plan: `terraform show -json` in a sandbox of its own (nothing of the job's earlier
 //! steps is alive), offline, without the role's credentials or the job's variables,
-//! its standard output straight to the runner and never a file in the job's tree. What
-//! the job's code ran during plan can have left nothing that reaches the judged bytes
-//! but the sealed plan itself.
+//! its standard output straight to the runner and never a file in the job's tree. It
+//! runs in the sealed directory (the plan and its lock file; the plan carries its
+//! configuration), with the runner's HOME and CLI configuration and the data directory
+//! init left (frozen since), all read-only, and without /proc: a provider it starts can
+//! reach no other process's descriptors, so nothing but terraform writes the bytes the
+//! runner reads. What the job's code ran during plan can have left nothing that reaches
+//! the judged bytes but the sealed plan itself.
 
 use std::time::Instant;
 
 use tokio::process::Command;
 
-use super::MODULE_DIR;
+use super::tree::RunnerTree;
 use crate::process::Capture;
 use crate::tool::{SealedDir, Step, failed};
 use crate::{ExecOutcome, ExecSettings, JobStatus, OutputSink};
@@ -23,7 +27,7 @@ const RENDER_ENV: &[&str] = &[
     "TF_INPUT",
     "CHECKPOINT_DISABLE",
     "TF_CLI_CONFIG_FILE",
-    "TF_PLUGIN_CACHE_DIR",
+    "TF_DATA_DIR",
 ];
 
 /// Reason code: terraform could not render the sealed plan offline.
@@ -38,6 +42,7 @@ pub(super) async fn render(
     output: &mut dyn OutputSink,
     env: &[(String, String)],
     sealed: &SealedDir,
+    tree: &RunnerTree,
     plan: &str,
     max: u64,
 ) -> Step<Vec<u8>> {
@@ -54,11 +59,10 @@ pub(super) async fn render(
     let sub = settings.clone().isolation(sandbox.clone(), None).credentials(None).policy(None).build(output);
     let outcome = match sandbox {
         Some(sandbox) => {
-            let module = crate::sandboxed::work_dir_inside().join(MODULE_DIR);
             let job = crate::sandboxed::Job {
                 argv: vec![
                     terraform,
-                    format!("-chdir={}", module.display()),
+                    format!("-chdir={}", sealed.inside.display()),
                     "show".into(),
                     "-json".into(),
                     sealed.inside.join(plan).display().to_string(),
@@ -68,12 +72,14 @@ pub(super) async fn render(
                 then: vec![],
                 sealed_dir: Some(sealed.path.clone()),
                 gate: None,
+                binds: tree.binds(false),
+                proc: false,
             };
             crate::sandboxed::run_capturing(job, sandbox, sub, Some(&mut capture)).await
         }
         None => {
             let mut cmd = Command::new(&terraform);
-            cmd.arg(format!("-chdir={}", settings.work_dir.join(MODULE_DIR).display()))
+            cmd.arg(format!("-chdir={}", sealed.path.display()))
                 .args(["show", "-json"])
                 .arg(sealed.path.join(plan))
                 .current_dir(&settings.work_dir)

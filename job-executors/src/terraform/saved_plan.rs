@@ -1,15 +1,16 @@
 //! A saved plan named by its digest: known, fresh and exactly that digest, or refused.
 
-use std::path::Path;
-
-use super::{Terraform, sha256_file};
+use super::tree::LOCK_FILE;
+use super::{PLAN_FILE, Terraform, saved_lock, sha256_file};
 use crate::ExecOutcome;
-use crate::tool::{Run, Step, failed};
+use crate::tool::{Run, SealedDir, Step, failed};
 
 impl Terraform {
-    /// Copy the saved plan `want` of this workspace to `plan_path`: refused as
-    /// `plan_unknown`, `plan_stale` (older than `plan_max_age`) or `plan_digest_mismatch`.
-    pub(super) fn take_saved_plan(&self, run: &Run<'_, '_>, want: &str, plan_path: &Path) -> Step<()> {
+    /// Copy the saved plan `want` of this workspace, and the lock file it was made with,
+    /// into the sealed directory: refused as `plan_unknown`, `plan_stale` (older than
+    /// `plan_max_age`) or `plan_digest_mismatch`.
+    pub(super) fn take_saved_plan(&self, run: &Run<'_, '_>, want: &str, sealed: &SealedDir) -> Step<()> {
+        let plan_path = sealed.path.join(PLAN_FILE);
         let saved = self.saved_plan(&run.ctx.settings.tools.plans_dir, want);
         let age = std::fs::metadata(&saved).and_then(|m| m.modified()).ok().and_then(|t| t.elapsed().ok());
         let Some(age) = age else {
@@ -41,7 +42,8 @@ impl Terraform {
             }
             Err(e) => return Err(ExecOutcome::failed(format!("reading saved plan: {e}"))),
         }
-        std::fs::copy(&saved, plan_path)
+        std::fs::copy(&saved, &plan_path)
+            .and_then(|_| std::fs::copy(saved_lock(&saved), sealed.path.join(LOCK_FILE)))
             .map(|_| ())
             .map_err(|e| ExecOutcome::failed(format!("copying saved plan: {e}")))
     }

@@ -13,6 +13,9 @@ pub struct TerraformConfig {
     pub binary: PathBuf,
     pub plan_max_age: Duration,
     pub cli_config_file: Option<PathBuf>,
+    /// Jobs may bring their own provider mirror (`job_provider_mirrors = "allow"`);
+    /// default: allowed unless `cli_config_file` says where providers come from.
+    pub job_provider_mirrors: bool,
     pub plugin_cache_dir: Option<PathBuf>,
     pub state: TerraformStateConfig,
 }
@@ -36,10 +39,23 @@ pub struct TerraformStateConfig {
 impl TerraformConfig {
     pub(super) fn parse(table: toml::Table, problems: &mut Vec<String>) -> Self {
         let mut f = Fields::new("terraform", table, problems);
+        let cli_config_file: Option<PathBuf> = f.get::<String>("cli_config_file").map(PathBuf::from);
+        let job_provider_mirrors = match f.get::<String>("job_provider_mirrors").as_deref() {
+            None => cli_config_file.is_none(),
+            Some("allow") => true,
+            Some("refuse") => false,
+            Some(other) => {
+                f.problem(format!(
+                    "terraform.job_provider_mirrors: {other:?} is not \"allow\" or \"refuse\""
+                ));
+                false
+            }
+        };
         let terraform = TerraformConfig {
             binary: f.absolute_path("binary", "/usr/bin/terraform"),
             plan_max_age: f.secs("plan_max_age_secs", 3600, 60..=7 * 86_400),
-            cli_config_file: f.get::<String>("cli_config_file").map(PathBuf::from),
+            cli_config_file,
+            job_provider_mirrors,
             plugin_cache_dir: f.get::<String>("plugin_cache_dir").map(PathBuf::from),
             state: TerraformStateConfig::default(),
         };

@@ -70,10 +70,14 @@ async fn run(
         Err(error) => (ExecOutcome::failed(error.to_string()), spool_as_found(rt, &job_id)),
         Ok(spool) => run_spooled(rt, &mut job, session, refused, &work_dir, spool).await,
     };
-    if let Err(e) = std::fs::remove_dir_all(&work_dir)
-        && e.kind() != std::io::ErrorKind::NotFound
+    for dir in std::iter::once(work_dir.clone())
+        .chain(byoc_job_executors::BESIDE_WORK.iter().map(|s| byoc_job_executors::beside_work(&work_dir, s)))
     {
-        tracing::warn!(error = %e, path = %work_dir.display(), "Could not remove the job's working directory: {e}.");
+        if let Err(e) = std::fs::remove_dir_all(&dir)
+            && e.kind() != std::io::ErrorKind::NotFound
+        {
+            tracing::warn!(error = %e, path = %dir.display(), "Could not remove the job's working directory: {e}.");
+        }
     }
     Ok(RanJob { verified: job.verified, started_at_ms, outcome, log })
 }
@@ -223,6 +227,7 @@ fn tool_settings(rt: &Rt) -> byoc_job_executors::ToolSettings {
         plans_dir: StateDir::of(&rt.state_dir).plans(),
         plan_max_age: rt.config.terraform.plan_max_age,
         cli_config_file: rt.config.terraform.cli_config_file.clone(),
+        job_provider_mirrors: rt.config.terraform.job_provider_mirrors,
         plugin_cache_dir: rt.config.terraform.plugin_cache_dir.clone(),
         artifacts: artifact_cache(rt),
         // The runner deploys only what was synced into the install's registry.

@@ -186,8 +186,10 @@ fn interrupt(rt: &Rt, job_id: &str, phase: Phase) -> Result<(), RecordError> {
         }
     }
     let _ = std::fs::remove_dir_all(&work_dir);
-    // The runner's sealed copies beside it (a terraform job's plan).
-    let _ = std::fs::remove_dir_all(work_dir.with_file_name(format!("{job_id}.sealed")));
+    // The runner's directories beside it (a terraform job's sealed plan and tree).
+    for suffix in byoc_job_executors::BESIDE_WORK {
+        let _ = std::fs::remove_dir_all(byoc_job_executors::beside_work(&work_dir, suffix));
+    }
     // The sandboxes' mount points, `<job id>-s<n>` (their namespaces died with the runner).
     let roots = StateDir::of(&rt.state_dir).roots();
     let prefix = format!("{job_id}-s");

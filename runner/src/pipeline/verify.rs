@@ -69,6 +69,9 @@ pub struct Verifier<'a> {
     /// as configured) and cluster API servers (`[kubernetes] allowed_servers`).
     pub registries: byoc_oci_sync::Reach,
     pub clusters: byoc_oci_sync::Reach,
+    /// Terraform jobs may bring their own provider mirror (`[terraform]
+    /// job_provider_mirrors`).
+    pub job_provider_mirrors: bool,
     /// Recovery only: accept the envelope of a job the journal shows held by the
     /// guardrails (its nonce is its own). Never set for a delivery.
     pub resume_held: bool,
@@ -321,6 +324,12 @@ impl Verifier<'_> {
         {
             return Err((RejectReason::InvalidSpec, truncate(&why, 1000)));
         }
+        if executor.names_provider_mirror() && !self.job_provider_mirrors {
+            return Err((
+                RejectReason::ProviderMirrorNotAllowed,
+                byoc_job_executors::terraform::providers::MIRROR_REFUSED.to_string(),
+            ));
+        }
         Ok((executor, timeout))
     }
 
@@ -428,12 +437,13 @@ mod tests {
     struct Fixture {
         key: ed25519_dalek::SigningKey,
         keys: BTreeMap<String, VerifyingKey>,
+        job_provider_mirrors: bool,
     }
 
     fn fixture() -> Fixture {
         let key = generate_signing_key();
         let keys = [(key_id(&key.verifying_key()), key.verifying_key())].into_iter().collect();
-        Fixture { key, keys }
+        Fixture { key, keys, job_provider_mirrors: true }
     }
 
     fn payload() -> JobPayload {
@@ -514,6 +524,7 @@ mod tests {
             update: None,
             registries: byoc_oci_sync::Reach::guarded(["registry.allowed.test:5000"]),
             clusters: byoc_oci_sync::Reach::guarded(Vec::<String>::new()),
+            job_provider_mirrors: f.job_provider_mirrors,
             resume_held: false,
         };
         v.verify(PolledJob { delivery_id: "dl-1".into(), envelope: env, received_at: Instant::now() }, index)
@@ -780,6 +791,33 @@ mod tests {
     /// is refused before the claim when it is plain HTTP, the host's loopback, link-local
     /// or metadata addresses, or a kubeconfig that names a command or a file, naming the
     /// field; an endpoint the customer's configuration names is reached.
+    #[test]
+    fn a_provider_mirror_the_customer_does_not_allow_is_refused_before_the_claim() {
+        let mut f = fixture();
+        let tf = |providers: Option<&str>| {
+            let mut spec = serde_json::json!({"mode": "apply", "workspace": "net", "files": {"main.tf": ""}});
+            if let Some(p) = providers {
+                spec["providers"] = p.into();
+            }
+            JobPayload {
+                kind: "terraform".into(),
+                spec,
+                entity: "component".into(),
+                operation: "deploy".into(),
+                ..payload()
+            }
+        };
+        let mirror = format!("registry.allowed.test:5000/vendor/providers@sha256:{}", "b".repeat(64));
+        let sign = |p: &JobPayload| JobEnvelope::sign(p, &f.key);
+        assert!(verify(&f, sign(&tf(Some(&mirror))), &Index::default(), 1100).is_ok());
+        f.job_provider_mirrors = false;
+        let r = verify(&f, sign(&tf(Some(&mirror))), &Index::default(), 1100).err().expect("refused");
+        assert_eq!(r.reason, RejectReason::ProviderMirrorNotAllowed);
+        assert!(r.detail.contains("job_provider_mirrors"), "{}", r.detail);
+        // A job without one is not concerned.
+        assert!(verify(&f, sign(&tf(None)), &Index::default(), 1100).is_ok());
+    }
+
     #[test]
     fn endpoints_a_job_names_are_checked_before_the_claim() {
         let f = fixture();

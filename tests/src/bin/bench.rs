@@ -525,6 +525,8 @@ async fn sandboxed_spawn_us(
         then: vec![],
         sealed_dir: None,
         lease: None,
+        binds: vec![],
+        proc: true,
     };
     let mut cmd = tokio::process::Command::new(runner_bin);
     cmd.arg("sandbox-exec")

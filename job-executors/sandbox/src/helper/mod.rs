@@ -303,6 +303,7 @@ fn check_spec(spec: &SandboxSpec) -> Result<(), SetupError> {
     if programs.into_iter().any(|argv| argv.first().is_none_or(|p| !p.starts_with('/'))) {
         return Err(SetupError::Refused("sandbox spec: argv[0] must be an absolute path".into()));
     }
+    check_binds(spec)?;
     for file in spec.then.iter().flat_map(|s| &s.seal) {
         if spec.sealed_dir.is_none() {
             return Err(SetupError::Refused(
@@ -317,6 +318,35 @@ fn check_spec(spec: &SandboxSpec) -> Result<(), SetupError> {
             return Err(SetupError::Refused(format!(
                 "sandbox spec: sealed file {} is not a plain path under {SANDBOX_WORK_DIR}",
                 file.display()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Where the runner's binds may go: an absolute plain path that is none of the places
+/// the sandbox makes itself (nor inside one); each frozen path a writable bind.
+fn check_binds(spec: &SandboxSpec) -> Result<(), SetupError> {
+    let reserved = [SANDBOX_WORK_DIR, SANDBOX_SEALED_DIR, "/proc", "/dev", "/tmp"];
+    for bind in &spec.binds {
+        let mut parts = bind.inside.components();
+        let plain = parts.next() == Some(std::path::Component::RootDir)
+            && parts.clone().count() > 0
+            && parts.all(|c| matches!(c, std::path::Component::Normal(_)));
+        let taken = reserved.iter().any(|r| bind.inside.starts_with(r));
+        if !plain || taken || !bind.host.is_absolute() {
+            return Err(SetupError::Refused(format!(
+                "sandbox spec: bind {} at {} is not an absolute plain path of its own",
+                bind.host.display(),
+                bind.inside.display()
+            )));
+        }
+    }
+    for path in spec.then.iter().flat_map(|s| &s.freeze) {
+        if !spec.binds.iter().any(|b| b.writable && &b.inside == path) {
+            return Err(SetupError::Refused(format!(
+                "sandbox spec: {} is frozen but is no writable bind",
+                path.display()
             )));
         }
     }
@@ -476,9 +506,9 @@ fn init(
     // are only restrictions.
     let filters = crate::seccomp::job_filters().step("building the seccomp filter")?;
     let cstrings = |argv: &[String]| argv.iter().map(|a| cstring(a)).collect::<Result<Vec<_>, _>>();
-    let mut stages = vec![(cstrings(&spec.argv)?, &[][..], false)];
+    let mut stages = vec![(cstrings(&spec.argv)?, &[][..], &[][..], false)];
     for stage in &spec.then {
-        stages.push((cstrings(&stage.argv)?, &stage.seal[..], stage.gate));
+        stages.push((cstrings(&stage.argv)?, &stage.seal[..], &stage.freeze[..], stage.gate));
     }
     let env: Vec<CString> =
         spec.env.iter().map(|(k, v)| cstring(&format!("{k}={v}"))).collect::<Result<_, _>>()?;
@@ -487,12 +517,16 @@ fn init(
         mask.add(*s);
     }
     let mut code = 0;
-    for (i, (argv, seal, gated)) in stages.iter().enumerate() {
+    for (i, (argv, seal, freeze, gated)) in stages.iter().enumerate() {
         if i > 0 {
             // A later stage starts as in a sandbox of its own: nothing the earlier
-            // ones left running survives, and what it must not change is sealed.
+            // ones left running survives, and what it must not change is sealed or
+            // frozen (init alone holds the capability to remount).
             end_stage();
             seal_files(seal)?;
+            for path in freeze.iter() {
+                root::remount(path, root::locked_flags(path), true)?;
+            }
         }
         if *gated && !gate.is_some_and(gate_opens) {
             return Ok(EXIT_GATE_CLOSED);
@@ -613,7 +647,7 @@ fn exec_job(
         caps::clear(None, caps::CapSet::Effective).step("clearing effective caps")?;
         caps::clear(None, caps::CapSet::Permitted).step("clearing permitted caps")?;
         nix::sys::prctl::set_no_new_privs().step("no_new_privs")?;
-        landlock_rules()?;
+        landlock_rules(spec.binds.iter().filter(|b| b.writable).map(|b| b.inside.as_path()))?;
         // Last: after it, the calls above would be refused.
         crate::seccomp::apply(filters).step("applying the seccomp filter")?;
         Ok(())
@@ -628,8 +662,9 @@ fn exec_job(
 }
 
 /// Landlock (where the kernel has it): read and execute anywhere in the sandbox's
-/// root, write only in the working directory, /tmp and /dev/shm (and to /dev/null).
-fn landlock_rules() -> Result<(), SetupError> {
+/// root, write only in the working directory, /tmp, /dev/shm, the writable binds (and
+/// to /dev/null).
+fn landlock_rules<'p>(writable: impl Iterator<Item = &'p std::path::Path>) -> Result<(), SetupError> {
     use landlock::{ABI, Access, AccessFs, Ruleset, RulesetAttr, RulesetCreatedAttr, path_beneath_rules};
     let abi = ABI::V5;
     Ruleset::default()
@@ -640,6 +675,8 @@ fn landlock_rules() -> Result<(), SetupError> {
         .add_rules(path_beneath_rules(["/"], AccessFs::from_read(abi)))
         .step("landlock")?
         .add_rules(path_beneath_rules([SANDBOX_WORK_DIR, "/tmp", "/dev/shm"], AccessFs::from_all(abi)))
+        .step("landlock")?
+        .add_rules(path_beneath_rules(writable, AccessFs::from_all(abi)))
         .step("landlock")?
         .add_rules(path_beneath_rules(["/dev/null", "/dev/zero", "/dev/full"], AccessFs::from_all(abi)))
         .step("landlock")?
@@ -672,11 +709,18 @@ mod tests {
             then,
             sealed_dir: sealed.then(|| "/tmp/s".into()),
             lease: None,
+            binds: vec![],
+            proc: true,
         }
     }
 
     fn stage(argv0: &str, seal: &[&str]) -> Stage {
-        Stage { argv: vec![argv0.into()], seal: seal.iter().map(PathBuf::from).collect(), gate: false }
+        Stage {
+            argv: vec![argv0.into()],
+            seal: seal.iter().map(PathBuf::from).collect(),
+            gate: false,
+            freeze: vec![],
+        }
     }
 
     #[test]
@@ -691,5 +735,35 @@ mod tests {
         for bad in ["/etc/shadow", "/work", "/work/../etc/passwd", "/work/x/..", "work/x", "/workx/y"] {
             assert!(refused(vec![stage("/bin/sh", &[bad])], true).contains("not a plain path"), "{bad}");
         }
+    }
+
+    #[test]
+    fn binds_go_only_to_places_of_their_own_and_only_writable_ones_freeze() {
+        let bind = |inside: &str, writable| crate::spec::Bind {
+            host: "/var/lib/r/work/j.tf".into(),
+            inside: inside.into(),
+            writable,
+        };
+        let with = |binds: Vec<crate::spec::Bind>, freeze: &[&str]| {
+            let mut later = stage("/bin/sh", &[]);
+            later.freeze = freeze.iter().map(PathBuf::from).collect();
+            let mut s = spec(vec![later], true);
+            s.binds = binds;
+            check_spec(&s)
+        };
+        assert!(
+            with(vec![bind("/tf", false), bind("/tf/providers", false), bind("/tfdata", true)], &["/tfdata"])
+                .is_ok()
+        );
+        for bad in ["/", "/work", "/work/x", "/sealed", "/proc", "/dev/x", "/tmp", "tf", "/tf/../etc"] {
+            let Err(SetupError::Refused(why)) = with(vec![bind(bad, true)], &[]) else {
+                panic!("{bad} taken")
+            };
+            assert!(why.contains("absolute plain path"), "{bad}: {why}");
+        }
+        let Err(SetupError::Refused(why)) = with(vec![bind("/tf", false)], &["/tf"]) else { panic!("froze") };
+        assert!(why.contains("no writable bind"), "{why}");
+        let Err(SetupError::Refused(why)) = with(vec![], &["/tfdata"]) else { panic!("froze") };
+        assert!(why.contains("no writable bind"), "{why}");
     }
 }

@@ -141,10 +141,19 @@ pub(super) fn build_root(spec: &SandboxSpec) -> Result<(), SetupError> {
         override_file(root, Path::new("/etc/resolv.conf"), &crate::net::job_resolv_conf())?;
     }
     mount_dev(&root.join("dev"))?;
-    // /proc of the new pid namespace: the runner's processes do not appear in it.
+    // /proc of the new pid namespace: the runner's processes do not appear in it. Not
+    // even that where the runner believes a step's output (see `SandboxSpec::proc`).
     let proc_dir = root.join("proc");
     std::fs::create_dir_all(&proc_dir).step(format!("creating {}", proc_dir.display()))?;
-    mnt(None, &proc_dir, Some("proc"), MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC, None)?;
+    if spec.proc {
+        mnt(
+            None,
+            &proc_dir,
+            Some("proc"),
+            MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
+            None,
+        )?;
+    }
     // The job's working directory is, with /tmp, the only writable place.
     let work = inside(root, Path::new(SANDBOX_WORK_DIR));
     std::fs::create_dir_all(&work).step(format!("creating {}", work.display()))?;
@@ -166,6 +175,16 @@ pub(super) fn build_root(spec: &SandboxSpec) -> Result<(), SetupError> {
         std::fs::create_dir_all(&target).step(format!("creating {}", target.display()))?;
         mnt(Some(sealed), &target, None, MsFlags::MS_BIND, None)?;
         remount_read_only(&target, locked_flags(sealed))?;
+    }
+    // The runner's directories, in order: a later one's mount point inside an earlier
+    // (read-only) one exists already, made by the runner.
+    for bind in &spec.binds {
+        let target = inside(root, &bind.inside);
+        if !target.is_dir() {
+            std::fs::create_dir_all(&target).step(format!("creating {}", target.display()))?;
+        }
+        mnt(Some(&bind.host), &target, None, MsFlags::MS_BIND, None)?;
+        remount(&target, locked_flags(&bind.host), !bind.writable)?;
     }
     // Switch to the new root and drop every path to the old one.
     let old = root.join(".old");
