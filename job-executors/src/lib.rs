@@ -140,7 +140,7 @@ impl Default for OciSettings {
 /// The runner's own directories beside a job's working directory (never inside it,
 /// where the job's processes write): the sealed plan, the terraform tree and data
 /// directory, an artifact unpacked without a cache. Removed with the working directory.
-pub const BESIDE_WORK: &[&str] = &[".sealed", ".tf", ".tfdata", ".artifact"];
+pub const BESIDE_WORK: &[&str] = &[".sealed", ".tf", ".tfdata", ".render", ".old", ".artifact"];
 
 /// `<work><suffix>`: a runner directory beside the job's working directory.
 pub fn beside_work(work: &std::path::Path, suffix: &str) -> PathBuf {

@@ -699,6 +699,11 @@ if (echo 'provider_installation { direct {} }' > /tf/cli.tfrc) 2>/dev/null; then
 if (: > /tfdata/planted) 2>/dev/null; then note "wrote into the data directory"; fi
 if (: > /tf/home/.terraformrc) 2>/dev/null; then note "wrote HOME"; fi
 if [ -w /sealed ] && (: > /sealed/planted) 2>/dev/null; then note "wrote /sealed"; fi
+# Asked to: a state of its own where the runner's local state is staged (plan never
+# writes state: only job code can have put this there).
+if [ -f /work/module/plant-state ]; then
+  printf '{"version":4,"serial":999,"lineage":"planted-by-the-job","outputs":{},"resources":[]}' > /work/module/terraform.tfstate
+fi
 mkdir -p /work/evil
 printf '#!/bin/sh\necho "dev override ran (in $(pwd))" >> /work/breaches\nexit 1\n' > /work/evil/terraform-provider-aws
 chmod +x /work/evil/terraform-provider-aws
@@ -781,7 +786,9 @@ async fn a_module_that_brings_its_own_providers_is_refused_and_its_provider_neve
     let v = e.env.rejected(&id).await;
     assert_eq!(v.rejections[0].0, byoc_protocol::RejectReason::InvalidSpec, "{:?}", v.rejections);
     assert!(v.rejections[0].1.contains(".terraform"), "{:?}", v.rejections);
-    for rc in ["terraform.d/plugins/x", "dev.tfrc", ".terraformrc"] {
+    // Also a state of the vendor's, and an override file that could replace the backend
+    // the runner writes (terraform merges override files last, in name order).
+    for rc in ["terraform.d/plugins/x", "dev.tfrc", ".terraformrc", "terraform.tfstate", "zzz_override.tf"] {
         let mut files = serde_json::Map::new();
         files.insert("main.tf".into(), "".into());
         files.insert(rc.into(), "x".into());
@@ -835,9 +842,10 @@ async fn plan_time_code_reaches_neither_the_judged_plan_nor_what_later_steps_run
         // The hostile provider ran (its notes were made), and nothing of it took.
         assert!(log.contains("applied-by-the-verified-module"), "{log}");
         assert!(!log.contains("BREACH "), "attempt {attempt}: {log}");
-        // It did run where it could try: at plan and at the render.
+        // It did run where it could try (at plan and apply; at the render too, where its
+        // notes go to the render's own empty /work: what shows it failed there is the
+        // judged plan below, which a forged or extra byte would change or refuse).
         assert!(log.contains("provider started in /work/module"), "{log}");
-        assert!(log.contains("provider started in /sealed"), "{log}");
         assert!(!log.contains("POISONED") && !log.contains("dev override ran"), "{log}");
         // What was judged and reported is terraform's own plan.
         assert_eq!(
@@ -862,6 +870,17 @@ async fn plan_time_code_reaches_neither_the_judged_plan_nor_what_later_steps_run
         );
         assert_eq!(digests.len(), 1, "{digests:?}");
     }
+    // A plan-only job whose plan-time code writes a state of its own where the
+    // workspace's state is staged: the workspace keeps what apply wrote.
+    let state = e.env.runner.state_dir.join("tfstate/hostile-0/terraform.tfstate");
+    let before = std::fs::read(&state).unwrap();
+    let mut plan = job(0);
+    plan.spec["mode"] = "plan".into();
+    plan.operation = "deploy".into();
+    plan.spec["files"]["plant-state"] = "".into();
+    let (_, r, log) = run(&e, plan).await;
+    assert_eq!(r.status, JobStatus::Succeeded, "{:?}\n{log}", r.error);
+    assert_eq!(std::fs::read(&state).unwrap(), before, "the job's planted state was kept");
 }
 
 /// The customer's `terraform.cli_config_file` (a filesystem mirror of the real aws

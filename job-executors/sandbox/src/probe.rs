@@ -153,6 +153,11 @@ fn no_privilege(c: &mut Checks) {
         _ => false,
     };
     c.add("x32_abi_refused", (x32_held, format!("{x32:?}")));
+    // Taking a descriptor of another process (here its own, which the kernel would
+    // allow to anyone of the same uid): refused by the filter.
+    let getfd = crate::sys::pidfd_getfd_own_stdout();
+    // A kernel without the call (ENOSYS) cannot be asked it either.
+    c.add("pidfd_getfd_refused", (getfd == libc::EPERM || getfd == libc::ENOSYS, format!("errno {getfd}")));
 }
 
 /// The blocked addresses are unreachable and the job cannot change its routes or

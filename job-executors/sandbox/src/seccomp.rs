@@ -17,6 +17,10 @@ const DENIED: &[i64] = &[
     libc::SYS_ptrace,
     libc::SYS_process_vm_readv,
     libc::SYS_process_vm_writev,
+    // Another process's descriptor (the runner's capture pipe in a render) or memory
+    // advice: same uid is not enough to reach another process of the job.
+    libc::SYS_pidfd_getfd,
+    libc::SYS_process_madvise,
     libc::SYS_mount,
     libc::SYS_umount2,
     libc::SYS_pivot_root,
@@ -179,6 +183,8 @@ fn syscall_name(nr: i64) -> Option<&'static str> {
         libc::SYS_ptrace => "ptrace",
         libc::SYS_process_vm_readv => "process_vm_readv",
         libc::SYS_process_vm_writev => "process_vm_writev",
+        libc::SYS_pidfd_getfd => "pidfd_getfd",
+        libc::SYS_process_madvise => "process_madvise",
         libc::SYS_mount => "mount",
         libc::SYS_umount2 => "umount2",
         libc::SYS_pivot_root => "pivot_root",

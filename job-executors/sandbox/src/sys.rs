@@ -130,6 +130,29 @@ pub enum X32Answer {
     Killed(i32),
 }
 
+/// `pidfd_getfd` of this process's own standard output, through a pidfd of itself: the
+/// call a process would make to take another's descriptor. Returns the errno (0: it
+/// worked, and the copy is closed).
+pub fn pidfd_getfd_own_stdout() -> i32 {
+    // SAFETY: pidfd_open takes a pid and flags and returns a descriptor or -1.
+    let pidfd =
+        unsafe { libc::syscall(libc::SYS_pidfd_open, std::process::id() as libc::c_long, 0 as libc::c_long) };
+    if pidfd < 0 {
+        return nix::errno::Errno::last_raw();
+    }
+    // SAFETY: pidfd_getfd takes a pidfd, a descriptor number and flags; it returns a
+    // new descriptor or -1 and touches no memory of ours.
+    let fd = unsafe {
+        libc::syscall(libc::SYS_pidfd_getfd, pidfd as libc::c_long, 1 as libc::c_long, 0 as libc::c_long)
+    };
+    let code = if fd < 0 { nix::errno::Errno::last_raw() } else { 0 };
+    close_raw(pidfd as i32);
+    if fd >= 0 {
+        close_raw(fd as i32);
+    }
+    code
+}
+
 /// Try an x32 `getpid` in a child (a filter may kill whoever makes the call) and say
 /// what happened to it. On other architectures there is no such ABI: `Errno(ENOSYS)`.
 pub fn x32_getpid() -> nix::Result<X32Answer> {

@@ -169,7 +169,9 @@ pub async fn fetch(settings: &ExecSettings, reference: &Reference) -> Result<Fet
         move |source| ArtifactError::Io { op, path, source }
     };
     std::fs::create_dir_all(&parent).map_err(io("creating", &parent))?;
-    let staging = parent.join(format!(".staging-{}-{}", digest.hex(), std::process::id()));
+    // The job's id too: two jobs of this runner may fetch one digest at once.
+    let staging =
+        parent.join(format!(".staging-{}-{}-{}", digest.hex(), std::process::id(), settings.job_id));
     let _ = std::fs::remove_dir_all(&staging);
     std::fs::create_dir_all(staging.join(TREE)).map_err(io("creating", &staging))?;
     let archive_path = staging.join("layer");

@@ -31,8 +31,8 @@ pub mod state;
 mod summary;
 mod tree;
 
-pub use tree::refused_module_path;
 use tree::{LOCK_FILE, RunnerTree};
+pub use tree::{apply_staged, refused_module_path, refused_root_override};
 
 /// The root module, in the job's working directory.
 pub const MODULE_DIR: &str = "module";
@@ -145,9 +145,11 @@ impl Terraform {
                 "files: {bad:?} is not a relative path inside the module"
             )));
         }
-        if let Some((bad, why)) =
-            s.files.keys().find_map(|p| refused_module_path(Path::new(p)).map(|why| (p, why)))
-        {
+        let runner_backend = s.backend_config.is_empty();
+        let refused = |p: &Path| {
+            refused_module_path(p).or(if runner_backend { refused_root_override(p) } else { None })
+        };
+        if let Some((bad, why)) = s.files.keys().find_map(|p| refused(Path::new(p)).map(|why| (p, why))) {
             return Err(crate::InvalidSpec::from(format!(
                 "files: {bad:?} is {why}; a module carries configuration only"
             )));
@@ -340,8 +342,10 @@ impl Terraform {
                 outcome.outputs,
             );
         }
-        // Whatever happened: what terraform wrote is the truth about what exists.
-        if let Some(held) = &local_state {
+        // Whatever happened after the module was staged for apply: what terraform wrote
+        // is the truth about what exists. Before that only job code could have written
+        // the state file (plan never does): it is not kept.
+        if let Some(held) = local_state.as_ref().filter(|_| tree.is_apply_staged()) {
             match held.keep(&module) {
                 Ok(serial) => {
                     if let (Some(serial), Some(o)) = (serial, outcome.outputs.as_object_mut()) {
@@ -376,7 +380,7 @@ impl Terraform {
                         )
                         .as_bytes(),
                     );
-                    match tree::find_refused(&fetched.tree) {
+                    match tree::find_refused(&fetched.tree, self.spec.backend_config.is_empty()) {
                         Ok(None) => {}
                         Ok(Some((path, why))) => {
                             let _ = ctx.output.write(
@@ -500,8 +504,9 @@ impl Terraform {
                         serde_json::Value::Null,
                     )
                 })?,
-                // Terraform's defaults, and nothing from the job's tree or a HOME.
-                None => b"# byoc-runner: no provider installation configured; terraform's defaults\n".to_vec(),
+                // No provider from anywhere: terraform's built-in provider only. Providers
+                // come from a mirror (the job's, where allowed, or the customer's file).
+                None => providers::NO_INSTALLATION.as_bytes().to_vec(),
             },
         };
         tree.write_cli_config(&cli_config)
@@ -694,6 +699,7 @@ fn restage(
         let _ = std::fs::remove_file(&lock);
         std::fs::copy(sealed.path.join(LOCK_FILE), &lock)
             .map_err(|e| ExecOutcome::failed(format!("staging the plan's lock file: {e}")))?;
+        tree.mark_apply_staged().map_err(|e| ExecOutcome::failed(format!("marking the apply: {e}")))?;
     }
     hand_over(ctx, module)
         .map_err(|e| ExecOutcome::failed(format!("handing the module to the job's uid: {e}")))

@@ -34,19 +34,21 @@ pub fn addresses(mirror: &Path) -> std::io::Result<Vec<String>> {
     Ok(out)
 }
 
-/// The CLI configuration: these providers from the mirror at `path` (as the job sees
-/// it) and never from the network; any other provider as terraform would fetch it.
+/// The CLI configuration: these providers from the mirror at `path` (as terraform sees
+/// it), and no provider from anywhere else (no `direct`: the network is never asked).
 pub fn cli_config(path: &Path, providers: &[String]) -> String {
-    let list = |v: &[String]| {
-        v.iter().map(|p| serde_json::to_string(p).unwrap_or_default()).collect::<Vec<_>>().join(", ")
-    };
+    let list =
+        providers.iter().map(|p| serde_json::to_string(p).unwrap_or_default()).collect::<Vec<_>>().join(", ");
     format!(
-        "provider_installation {{\n  filesystem_mirror {{\n    path    = {}\n    include = [{}]\n  }}\n  direct {{\n    exclude = [{}]\n  }}\n}}\n",
+        "provider_installation {{\n  filesystem_mirror {{\n    path    = {}\n    include = [{list}]\n  }}\n}}\n",
         serde_json::to_string(&path.display().to_string()).unwrap_or_default(),
-        list(providers),
-        list(providers)
     )
 }
+
+/// The CLI configuration when neither the job nor the customer names a provider
+/// installation: none (terraform's built-in provider only). A customer who wants
+/// providers from the registry says so in `cli_config_file` (`direct {}`).
+pub const NO_INSTALLATION: &str = "# byoc-runner: no provider mirror named by the job or the customer (terraform.cli_config_file):\n# no provider is installed from anywhere\nprovider_installation {\n}\n";
 
 impl super::Terraform {
     /// The provider mirror by digest, served read-only from the verified cache by the
@@ -81,7 +83,8 @@ impl super::Terraform {
                 ),
             ));
         }
-        tree.use_mirror(&fetched.tree);
+        tree.use_mirror(&fetched.tree)
+            .map_err(|e| ExecOutcome::failed(format!("serving the provider mirror: {e}")))?;
         let _ = ctx.output.write(
             format!(
                 "[terraform] providers {reference}: {} from the mirror, never the network ({}){}\n",
@@ -125,11 +128,12 @@ mod tests {
                 "registry.terraform.io/hashicorp/random"
             ]
         );
-        let rc = cli_config(Path::new("/work/providers"), &found);
-        assert!(rc.contains("path    = \"/work/providers\""), "{rc}");
+        let rc = cli_config(Path::new("/tf/providers"), &found);
+        assert!(rc.contains("path    = \"/tf/providers\""), "{rc}");
         assert!(
-            rc.contains("exclude = [\"example.com/acme/fake\", \"registry.terraform.io/hashicorp/aws\""),
+            rc.contains("include = [\"example.com/acme/fake\", \"registry.terraform.io/hashicorp/aws\""),
             "{rc}"
         );
+        assert!(!rc.contains("direct"), "{rc}");
     }
 }

@@ -56,6 +56,13 @@ pub(super) async fn render(
     );
     let mut capture = Capture::new(usize::try_from(max).unwrap_or(usize::MAX));
     let sandbox = settings.sandbox.clone();
+    let mut settings = settings;
+    if sandbox.is_some() {
+        // Its /work: an empty directory of its own, not the job's (it needs none).
+        settings.work_dir = tree
+            .render_scratch()
+            .map_err(|e| ExecOutcome::failed(format!("making the render's directory: {e}")))?;
+    }
     let sub = settings.clone().isolation(sandbox.clone(), None).credentials(None).policy(None).build(output);
     let outcome = match sandbox {
         Some(sandbox) => {

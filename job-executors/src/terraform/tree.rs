@@ -35,11 +35,26 @@ const MAX_CLI_CONFIG_BYTES: u64 = 1 << 20;
 pub(super) const CONFIG_UNREADABLE: &str = "terraform_config_unreadable";
 
 pub(super) struct RunnerTree {
+    work: PathBuf,
     root: PathBuf,
     data: PathBuf,
     sandboxed: bool,
     /// The verified cache tree bound at `providers/`, when the job names a mirror.
     mirror: Option<PathBuf>,
+    /// The module was staged for apply: from now on terraform writes the state there
+    /// (before, only job code could have: plan never writes it).
+    apply_staged: std::sync::atomic::AtomicBool,
+}
+
+/// In the tree, once the module is staged for apply: recovery keeps the state a killed
+/// job left only then.
+const APPLYING: &str = "applying";
+
+/// Whether a job's module was staged for apply (`None`: no terraform tree, a job of an
+/// earlier version).
+pub fn apply_staged(work: &Path) -> Option<bool> {
+    let tree = crate::beside_work(work, ".tf");
+    tree.is_dir().then(|| tree.join(APPLYING).exists())
 }
 
 impl RunnerTree {
@@ -47,10 +62,12 @@ impl RunnerTree {
     pub(super) fn create(ctx: &ExecContext<'_>) -> std::io::Result<RunnerTree> {
         let work = &ctx.settings.work_dir;
         let tree = RunnerTree {
+            work: work.clone(),
             root: crate::beside_work(work, ".tf"),
             data: crate::beside_work(work, ".tfdata"),
             sandboxed: ctx.settings.sandbox.is_some(),
             mirror: None,
+            apply_staged: std::sync::atomic::AtomicBool::new(false),
         };
         let mut dirs = std::fs::DirBuilder::new();
         dirs.mode(0o755).create(&tree.root)?;
@@ -82,10 +99,7 @@ impl RunnerTree {
     }
 
     pub(super) fn providers(&self) -> PathBuf {
-        match (&self.mirror, self.sandboxed) {
-            (Some(m), false) => m.clone(),
-            _ => self.seen("providers"),
-        }
+        self.seen("providers")
     }
 
     pub(super) fn data_dir(&self) -> PathBuf {
@@ -101,9 +115,37 @@ impl RunnerTree {
         std::fs::write(self.root.join("cli.tfrc"), text)
     }
 
-    /// Serve the job's mirror (a verified cache tree, never changed through this bind).
-    pub(super) fn use_mirror(&mut self, tree: &Path) {
-        self.mirror = Some(tree.to_path_buf());
+    /// Serve the job's mirror: the verified cache tree, bound read-only. Without the
+    /// sandbox nothing can be bound: a copy of the job's own (the job runs as the
+    /// runner then, and could change the cache entry itself).
+    pub(super) fn use_mirror(&mut self, tree: &Path) -> std::io::Result<()> {
+        if self.sandboxed {
+            self.mirror = Some(tree.to_path_buf());
+        } else {
+            crate::artifact::copy_tree(tree, &self.root.join("providers"))?;
+        }
+        Ok(())
+    }
+
+    /// Mark the module as staged for apply (see [`apply_staged`]), on disk first.
+    pub(super) fn mark_apply_staged(&self) -> std::io::Result<()> {
+        std::fs::write(self.root.join(APPLYING), b"")?;
+        std::fs::File::open(&self.root)?.sync_all()?;
+        self.apply_staged.store(true, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
+    }
+
+    pub(super) fn is_apply_staged(&self) -> bool {
+        self.apply_staged.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// An empty directory the render gets as its `/work`: it needs none, and what its
+    /// providers write there reaches nothing.
+    pub(super) fn render_scratch(&self) -> std::io::Result<PathBuf> {
+        let dir = crate::beside_work(&self.work, ".render");
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::DirBuilder::new().mode(0o700).create(&dir)?;
+        Ok(dir)
     }
 
     /// The sandbox's binds: the tree and the mirror read-only, the data directory
@@ -127,6 +169,7 @@ impl Drop for RunnerTree {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.root);
         let _ = std::fs::remove_dir_all(&self.data);
+        let _ = std::fs::remove_dir_all(crate::beside_work(&self.work, ".render"));
     }
 }
 
@@ -150,8 +193,10 @@ pub(super) fn read_customer_cli_config(path: &Path) -> Result<Vec<u8>, String> {
 }
 
 /// What a module may not carry: terraform's working data (`.terraform/`: installed
-/// providers and modules it would run), implied provider mirrors (`terraform.d/`) and
-/// CLI configuration (`.terraformrc`, `*.tfrc`). Any path component counts.
+/// providers and modules it would run), implied provider mirrors (`terraform.d/`), CLI
+/// configuration (`.terraformrc`, `*.tfrc`) and state (`terraform.tfstate*`: the state
+/// is the runner's or the customer's bucket's, never the vendor's to supply). Any path
+/// component counts.
 pub fn refused_module_path(rel: &Path) -> Option<&'static str> {
     rel.components().find_map(|c| {
         let name = c.as_os_str().to_string_lossy();
@@ -162,37 +207,62 @@ pub fn refused_module_path(rel: &Path) -> Option<&'static str> {
             "terraform.d" => Some("an implied provider mirror (terraform.d/)"),
             ".terraformrc" | "terraform.rc" => Some("a terraform CLI configuration"),
             n if n.ends_with(".tfrc") => Some("a terraform CLI configuration (*.tfrc)"),
+            n if n.starts_with("terraform.tfstate") => Some("terraform state"),
             _ => None,
         }
     })
 }
 
-/// The first path under `dir` (relative) a module may not carry, and why.
-pub(super) fn find_refused(dir: &Path) -> std::io::Result<Option<(PathBuf, &'static str)>> {
-    fn walk(base: &Path, dir: &Path) -> std::io::Result<Option<(PathBuf, &'static str)>> {
+/// A root-module override file (`override.tf`, `*_override.tf`, and `.tf.json`):
+/// terraform merges them last, in name order, so one could replace the backend the
+/// runner writes (`zz_byoc_backend_override.tf`). Refused where the runner decides the
+/// backend.
+pub fn refused_root_override(rel: &Path) -> Option<&'static str> {
+    let mut parts = rel.components();
+    let (Some(only), None) = (parts.next(), parts.next()) else { return None };
+    let name = only.as_os_str().to_string_lossy();
+    let stem = name.strip_suffix(".tf").or_else(|| name.strip_suffix(".tf.json"))?;
+    (stem == "override" || stem.ends_with("_override"))
+        .then_some("an override file in the root module (it could replace the backend the runner configures)")
+}
+
+/// The first path under `dir` (relative) a module may not carry, and why (override
+/// files too where the runner decides the backend).
+pub(super) fn find_refused(
+    dir: &Path,
+    runner_backend: bool,
+) -> std::io::Result<Option<(PathBuf, &'static str)>> {
+    fn walk(
+        base: &Path,
+        dir: &Path,
+        runner_backend: bool,
+    ) -> std::io::Result<Option<(PathBuf, &'static str)>> {
         for entry in std::fs::read_dir(dir)? {
             let entry = entry?;
             let path = entry.path();
             let rel = path.strip_prefix(base).unwrap_or(&path).to_path_buf();
-            if let Some(why) = refused_module_path(&rel) {
+            let override_file = if runner_backend { refused_root_override(&rel) } else { None };
+            if let Some(why) = refused_module_path(&rel).or(override_file) {
                 return Ok(Some((rel, why)));
             }
             if entry.file_type()?.is_dir()
-                && let Some(found) = walk(base, &path)?
+                && let Some(found) = walk(base, &path, runner_backend)?
             {
                 return Ok(Some(found));
             }
         }
         Ok(None)
     }
-    walk(dir, dir)
+    walk(dir, dir, runner_backend)
 }
 
 /// A fresh module directory for the next step: whatever the job's processes made of the
 /// last one is moved aside and removed (no link followed), the verified module copied
 /// in its place.
 pub(super) fn restage_module(verified: &Path, module: &Path) -> std::io::Result<()> {
-    let aside = crate::beside_work(module, &format!(".old-{}", std::process::id()));
+    // Beside the job's directory, where no process of the job can put anything first.
+    let aside = crate::beside_work(module.parent().unwrap_or(module), ".old");
+    let _ = std::fs::remove_dir_all(&aside);
     match std::fs::rename(module, &aside) {
         Ok(()) => std::fs::remove_dir_all(&aside)?,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
@@ -222,6 +292,25 @@ mod tests {
         {
             assert_eq!(refused_module_path(Path::new(good)), None, "{good} refused");
         }
+        for state in
+            ["terraform.tfstate", "terraform.tfstate.backup", "terraform.tfstate.d/prod/terraform.tfstate"]
+        {
+            assert!(refused_module_path(Path::new(state)).is_some(), "{state} allowed");
+        }
+    }
+
+    #[test]
+    fn root_override_files_are_refused_where_the_runner_decides_the_backend() {
+        for bad in ["override.tf", "zzz_override.tf", "zz_c_override.tf.json", "override.tf.json"] {
+            assert!(refused_root_override(Path::new(bad)).is_some(), "{bad} allowed");
+        }
+        for good in ["main.tf", "modules/net/override.tf", "overrides.tf", "x_override.tfvars", "override"] {
+            assert_eq!(refused_root_override(Path::new(good)), None, "{good} refused");
+        }
+        let d = tempfile::tempdir().expect("tempdir");
+        std::fs::write(d.path().join("zzz_override.tf"), "").expect("write");
+        assert!(find_refused(d.path(), true).expect("walk").is_some());
+        assert!(find_refused(d.path(), false).expect("walk").is_none());
     }
 
     #[test]
@@ -229,10 +318,10 @@ mod tests {
         let d = tempfile::tempdir().expect("tempdir");
         std::fs::create_dir_all(d.path().join("a/b/.terraform/providers")).expect("dirs");
         std::fs::write(d.path().join("main.tf"), "").expect("write");
-        let (rel, _) = find_refused(d.path()).expect("walk").expect("found");
+        let (rel, _) = find_refused(d.path(), true).expect("walk").expect("found");
         assert_eq!(rel, Path::new("a/b/.terraform"));
         std::fs::remove_dir_all(d.path().join("a")).expect("rm");
-        assert!(find_refused(d.path()).expect("walk").is_none());
+        assert!(find_refused(d.path(), true).expect("walk").is_none());
     }
 
     #[test]

@@ -486,10 +486,12 @@ fn terraform_tools(
         })?),
     };
     // One binary for the runner: the real terraform, unless the module carries the
-    // stand-in's fixtures (its plan holds aws_* resources no provider can make here).
+    // stand-in's fixtures (its plan holds aws_* resources no provider can make here) or
+    // the plan to show is the stand-in's (the render runs in the sealed directory).
     let script = match &real {
         Some(real) => format!(
-            "#!/bin/sh\ndir=.\ncase \"${{1:-}}\" in -chdir=*) dir=\"${{1#-chdir=}}\" ;; esac\nif [ -f \"$dir/fake-plan.json\" ] || [ -f \"$dir/fake-destroy-plan.json\" ]; then exec {} \"$@\"; fi\nexec {} \"$@\"\n",
+            "#!/bin/sh\ndir=.\ncase \"${{1:-}}\" in -chdir=*) dir=\"${{1#-chdir=}}\" ;; esac\nif [ -f \"$dir/fake-plan.json\" ] || [ -f \"$dir/fake-destroy-plan.json\" ]; then exec {} \"$@\"; fi\nfor last; do :; done\nif [ \"$(head -c 14 \"$last\" 2>/dev/null)\" = \"FAKE-TFPLAN v1\" ]; then exec {} \"$@\"; fi\nexec {} \"$@\"\n",
+            stand_in.display(),
             stand_in.display(),
             real.display()
         ),
