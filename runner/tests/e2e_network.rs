@@ -380,6 +380,121 @@ fn terraform_runs_in_the_jobs_namespace() {
     });
 }
 
+/// The real `hashicorp/aws` provider (the filesystem mirror these machines ship beside
+/// terraform, named by the customer's `cli_config_file`) plans and applies real
+/// `aws_*` resources (an S3 bucket with its encryption, an IAM role) through a sandboxed
+/// terraform job: the job reaches AWS (moto, in the outside namespace) through its own
+/// network, the render runs offline, and a second apply finds nothing to change.
+#[test]
+fn real_aws_resources_are_planned_and_applied_through_the_sandbox() {
+    const MIRROR: &str = "/opt/tf-plugins";
+    let provider = std::path::Path::new(MIRROR)
+        .join("registry.terraform.io/hashicorp/aws/5.100.0/linux_amd64/terraform-provider-aws_v5.100.0_x5");
+    assert!(
+        provider.is_file(),
+        "the real hashicorp/aws provider 5.100.0 is required at {}",
+        provider.display()
+    );
+    let lab = NetLab::create();
+    let outside = lab.outside_ns.path();
+    lab.run(move || async move {
+        let aws = byoc_control_plane::moto::MotoServer::start_in(outside, byoc_control_plane::netlab::OUTSIDE_V4).await;
+        let terraform = which("terraform");
+        let dir = tempfile::tempdir().unwrap();
+        let rc = dir.path().join("terraform.rc");
+        std::fs::write(
+            &rc,
+            format!("provider_installation {{\n  filesystem_mirror {{\n    path    = \"{MIRROR}\"\n    include = [\"registry.terraform.io/hashicorp/aws\"]\n  }}\n}}\n"),
+        )
+        .unwrap();
+        let mut opts = egress("");
+        opts.extra = format!(
+            "\n[terraform]\nbinary = \"{}\"\ncli_config_file = \"{}\"\n\n[policy]\ndir = \"{}\"\n",
+            terraform.display(),
+            rc.display(),
+            dir.path().display()
+        );
+        let e = env_with(opts).await;
+        let main_tf = r#"terraform {
+  required_providers {
+    aws = { source = "hashicorp/aws", version = "5.100.0" }
+  }
+}
+variable "endpoint" { type = string }
+provider "aws" {
+  region                      = "us-east-1"
+  access_key                  = "test"
+  secret_key                  = "test"
+  skip_credentials_validation = true
+  skip_requesting_account_id  = true
+  skip_metadata_api_check     = true
+  s3_use_path_style           = true
+  endpoints {
+    s3  = var.endpoint
+    iam = var.endpoint
+    sts = var.endpoint
+  }
+}
+resource "aws_s3_bucket" "assets" {
+  bucket = "acme-assets-real"
+  tags   = { owner = "platform" }
+}
+resource "aws_s3_bucket_server_side_encryption_configuration" "assets" {
+  bucket = aws_s3_bucket.assets.id
+  rule {
+    apply_server_side_encryption_by_default { sse_algorithm = "AES256" }
+  }
+}
+resource "aws_iam_role" "app" {
+  name = "acme-app"
+  assume_role_policy = jsonencode({
+    Version   = "2012-10-17"
+    Statement = [{ Effect = "Allow", Action = "sts:AssumeRole", Principal = { Service = "ec2.amazonaws.com" } }]
+  })
+}
+output "bucket_arn" { value = aws_s3_bucket.assets.arn }
+output "role_arn" { value = aws_iam_role.app.arn }
+"#;
+        let job = || EnqueueRequest {
+            timeout_secs: 600,
+            entity: "component".into(),
+            operation: "deploy".into(),
+            ..EnqueueRequest::new(
+                "terraform",
+                serde_json::json!({"mode": "apply", "files": {"main.tf": main_tf}, "workspace": "real-aws",
+                    "vars": {"endpoint": aws.url()}}),
+            )
+        };
+        let id = e.cp.enqueue(job()).unwrap();
+        let r = e.finished(&id).await.result.unwrap();
+        let log = String::from_utf8_lossy(&e.cp.log(&id).unwrap()).into_owned();
+        assert_eq!(r.status, JobStatus::Succeeded, "{:?}\n{log}", r.error);
+        assert!(log.contains("Installing hashicorp/aws v5.100.0"), "{log}");
+        assert!(log.contains("[sandbox] network: user-mode"), "{log}");
+        assert_eq!(
+            r.outputs["summary"]["addresses"]["create"],
+            serde_json::json!([
+                "aws_iam_role.app",
+                "aws_s3_bucket.assets",
+                "aws_s3_bucket_server_side_encryption_configuration.assets"
+            ]),
+            "{}",
+            r.outputs
+        );
+        assert_eq!(r.outputs["outputs"]["bucket_arn"], "arn:aws:s3:::acme-assets-real", "{}", r.outputs);
+        // They exist in that AWS.
+        let role = aws.query("iam", &[("Action".into(), "GetRole".into()), ("RoleName".into(), "acme-app".into())]).await;
+        assert!(role.contains("arn:aws:iam::123456789012:role/acme-app"), "{role}");
+        assert_eq!(aws.bucket_versioning("acme-assets-real").await, Some(false), "no bucket acme-assets-real");
+        // Applied again: terraform finds what it made, nothing to change.
+        let again = e.cp.enqueue(job()).unwrap();
+        let r = e.finished(&again).await.result.unwrap();
+        let log = String::from_utf8_lossy(&e.cp.log(&again).unwrap()).into_owned();
+        assert_eq!(r.status, JobStatus::Succeeded, "{:?}\n{log}", r.error);
+        assert!(log.contains("No changes."), "{log}");
+    });
+}
+
 fn which(tool: &str) -> std::path::PathBuf {
     let out = std::process::Command::new("sh").args(["-c", &format!("command -v {tool}")]).output().unwrap();
     let path = String::from_utf8_lossy(&out.stdout).trim().to_string();

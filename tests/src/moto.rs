@@ -15,6 +15,8 @@ use crate::ports::{free_port, start_child};
 
 pub struct MotoServer {
     pub port: u16,
+    /// The address it listens on (127.0.0.1 unless started in another namespace).
+    host: String,
     child: Child,
     http: reqwest::Client,
     logs: tempfile::TempDir,
@@ -37,10 +39,17 @@ pub struct AwsCall {
 impl MotoServer {
     /// Start and wait until it answers; recording is on from the start.
     pub async fn start() -> MotoServer {
-        Self::start_on(free_port).await
+        Self::start_on(free_port, None, "127.0.0.1").await
     }
 
-    async fn start_on(next_port: impl FnMut() -> u16) -> MotoServer {
+    /// Started in the network namespace at `netns` (a `/proc/PID/ns/net` path),
+    /// listening on `host` there: an AWS a job reaches through its own network, as it
+    /// would reach AWS's endpoints (the host's loopback is closed to every job).
+    pub async fn start_in(netns: String, host: &str) -> MotoServer {
+        Self::start_on(free_port, Some(netns), host).await
+    }
+
+    async fn start_on(next_port: impl FnMut() -> u16, netns: Option<String>, host: &str) -> MotoServer {
         let bin = moto_binary();
         assert!(
             bin.exists(),
@@ -52,8 +61,17 @@ impl MotoServer {
         let http = reqwest::Client::new();
         let spawn = |port: u16| {
             let log = std::fs::File::create(&log_path).expect("moto log");
-            Command::new(&bin)
-                .args(["-H", "127.0.0.1", "-p", &port.to_string()])
+            let mut cmd = match &netns {
+                // nsenter joins the namespace and execs moto: one process, whose own
+                // view `listens_on` reads.
+                Some(ns) => {
+                    let mut c = Command::new("nsenter");
+                    c.arg(format!("--net={ns}")).arg(&bin);
+                    c
+                }
+                None => Command::new(&bin),
+            };
+            cmd.args(["-H", host, "-p", &port.to_string()])
                 // The recorder writes to a file (default: in the working directory): one
                 // per server, or parallel tests would read each other's calls.
                 .current_dir(logs.path())
@@ -65,16 +83,16 @@ impl MotoServer {
                 .expect("moto_server starts")
         };
         let answers = async |port: u16| {
-            let start_recording = format!("http://127.0.0.1:{port}/moto-api/recorder/start-recording");
+            let start_recording = format!("http://{host}:{port}/moto-api/recorder/start-recording");
             http.post(&start_recording).send().await.is_ok_and(|r| r.status().is_success())
         };
         let patience = Duration::from_secs(60);
         let (port, child) = start_child("moto_server", &log_path, patience, next_port, spawn, answers).await;
-        MotoServer { port, child, http, logs }
+        MotoServer { port, host: host.to_string(), child, http, logs }
     }
 
     pub fn url(&self) -> String {
-        format!("http://127.0.0.1:{}", self.port)
+        format!("http://{}:{}", self.host, self.port)
     }
 
     /// Every call recorded so far, in order.
@@ -359,7 +377,7 @@ mod tests {
             }
         });
         let mut ports = [taken, free_port()].into_iter();
-        let moto = MotoServer::start_on(move || ports.next().expect("two ports")).await;
+        let moto = MotoServer::start_on(move || ports.next().expect("two ports"), None, "127.0.0.1").await;
         assert_ne!(moto.port, taken);
         assert!(crate::ports::listens_on(moto.child.id(), moto.port));
         serve.abort();
