@@ -62,7 +62,7 @@ pub struct Netns {
 }
 
 impl Netns {
-    fn new() -> Netns {
+    pub fn new() -> Netns {
         let own = std::fs::read_link("/proc/self/ns/net").expect("our network namespace");
         let holder = Command::new("unshare")
             .args(["--net", "--", "sleep", "1000000"])
@@ -94,6 +94,36 @@ impl Drop for Netns {
     fn drop(&mut self) {
         let _ = self.holder.kill();
         let _ = self.holder.wait();
+    }
+}
+
+/// A host of its own beside this process's network namespace, joined by a veth pair
+/// (`host_cidr` on our side, `peer_cidr` in its namespace): what a job reaches through
+/// its own network, as it reaches a cloud's endpoints (never this host's addresses or
+/// loopback). The demo's AWS for real providers. Root only.
+pub struct NeighbourHost {
+    pub ns: Netns,
+    link: String,
+}
+
+impl NeighbourHost {
+    pub fn create(host_cidr: &str, peer_cidr: &str) -> NeighbourHost {
+        assert!(nix::unistd::geteuid().is_root(), "a neighbour host needs root (unshare --net, veth)");
+        let ns = Netns::new();
+        let link = format!("byocnb{}", std::process::id() % 100_000);
+        ip(&["link", "add", &link, "type", "veth", "peer", "name", "eth0", "netns", &ns.pid()]);
+        ip(&["addr", "add", host_cidr, "dev", &link]);
+        ip(&["link", "set", &link, "up"]);
+        ip_in(&ns, &["link", "set", "lo", "up"]);
+        ip_in(&ns, &["addr", "add", peer_cidr, "dev", "eth0"]);
+        ip_in(&ns, &["link", "set", "eth0", "up"]);
+        NeighbourHost { ns, link }
+    }
+}
+
+impl Drop for NeighbourHost {
+    fn drop(&mut self) {
+        let _ = Command::new("ip").args(["link", "del", &self.link]).output();
     }
 }
 

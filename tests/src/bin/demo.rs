@@ -116,6 +116,53 @@ struct TerraformDemo {
     /// The real terraform for every other module: a path, or a name on PATH.
     #[serde(default)]
     real: Option<String>,
+    /// A filesystem mirror of the real `hashicorp/aws` provider (these machines ship one
+    /// beside terraform): the customer's `cli_config_file` names it, and jobs plan and
+    /// apply real `aws_*` resources against a moto of their own (`${AWS_ENDPOINT}`),
+    /// reached through the job's own network.
+    #[serde(default)]
+    aws_provider_mirror: Option<PathBuf>,
+}
+
+/// Where the real aws provider's calls go: a moto on a neighbour host.
+struct RealAws {
+    moto: byoc_control_plane::moto::MotoServer,
+    _host: byoc_control_plane::netlab::NeighbourHost,
+    cli_config: PathBuf,
+}
+
+/// A moto of its own on a neighbour host (a job reaches it through its own network, as
+/// it reaches AWS), and the customer's CLI configuration naming the provider mirror.
+async fn real_aws(mirror: &Path, tools: &Path) -> anyhow::Result<RealAws> {
+    let provider = mirror.join("registry.terraform.io/hashicorp/aws");
+    if !provider.is_dir() {
+        bail!(
+            "the demo applies real aws_* resources with the hashicorp/aws provider from the filesystem mirror {}, which has none ({} is missing)",
+            mirror.display(),
+            provider.display()
+        );
+    }
+    if !nix::unistd::geteuid().is_root() {
+        bail!(
+            "the demo's real AWS resources need root (a neighbour host: a network namespace and a veth pair)"
+        );
+    }
+    let host = byoc_control_plane::netlab::NeighbourHost::create("203.0.113.2/30", "203.0.113.1/30");
+    let moto = byoc_control_plane::moto::MotoServer::start_in(host.ns.path(), "203.0.113.1").await;
+    let cli_config = tools.join("terraform.rc");
+    std::fs::write(
+        &cli_config,
+        format!(
+            "provider_installation {{\n  filesystem_mirror {{\n    path    = \"{}\"\n    include = [\"registry.terraform.io/hashicorp/aws\"]\n  }}\n}}\n",
+            mirror.display()
+        ),
+    )?;
+    println!(
+        "aws for jobs   {} (moto on a neighbour host; the real hashicorp/aws provider from {})",
+        moto.url(),
+        mirror.display()
+    );
+    Ok(RealAws { moto, _host: host, cli_config })
 }
 
 #[derive(Deserialize)]
@@ -278,8 +325,18 @@ async fn main() -> anyhow::Result<()> {
     // Copied out of the source tree: inside the sandbox the job's directory is /work.
     let tools = tempfile::tempdir()?;
     let policies = tempfile::tempdir()?;
+    let mut placeholders = placeholders;
+    let real_aws = match plan.terraform.as_ref().and_then(|t| t.aws_provider_mirror.as_ref()) {
+        Some(mirror) => {
+            let aws = real_aws(mirror, tools.path()).await?;
+            placeholders.push(("${AWS_ENDPOINT}".into(), aws.moto.url()));
+            Some(aws)
+        }
+        None => None,
+    };
     if let Some(t) = &plan.terraform {
-        terraform_tools(t, &base, tools.path(), policies.path(), &mut options)?;
+        let cli_config = real_aws.as_ref().map(|a| a.cli_config.as_path());
+        terraform_tools(t, &base, tools.path(), policies.path(), cli_config, &mut options)?;
     }
     if let Some(g) = &plan.guardrails {
         options.extra.push('\n');
@@ -471,6 +528,7 @@ fn terraform_tools(
     base: &Path,
     tools: &Path,
     policies: &Path,
+    cli_config: Option<&Path>,
     options: &mut RunnerOptions,
 ) -> anyhow::Result<()> {
     use std::os::unix::fs::PermissionsExt as _;
@@ -499,8 +557,10 @@ fn terraform_tools(
     };
     std::fs::write(&bin, script)?;
     std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755))?;
+    let cli_config =
+        cli_config.map(|c| format!("cli_config_file = \"{}\"\n", c.display())).unwrap_or_default();
     options.extra.push_str(&format!(
-        "\n[terraform]\nbinary = \"{}\"\n\n[policy]\ndir = \"{}\"\n",
+        "\n[terraform]\nbinary = \"{}\"\n{cli_config}\n[policy]\ndir = \"{}\"\n",
         bin.display(),
         policies.display()
     ));
