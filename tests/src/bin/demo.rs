@@ -572,7 +572,7 @@ fn terraform_tools(
                 .map(|o| String::from_utf8_lossy(&o.stdout).lines().next().unwrap_or("").to_string())
                 .unwrap_or_default();
             println!(
-                "terraform       {} ({version}); the tests' stand-in {} for the two aws_* plans",
+                "terraform       {} ({version}); the tests' stand-in {} for the plans no moto can make",
                 real.display(),
                 t.binary.display()
             );
