@@ -859,6 +859,8 @@ async fn plan_time_code_reaches_neither_the_judged_plan_nor_what_later_steps_run
         let d = decision.iter().find(|d| d["job"] == id.as_str()).unwrap();
         assert!(!d.to_string().contains("forged"), "{d}");
         assert!(log.contains("show -json plan.tfplan: rendered by the runner"), "{log}");
+        // What init installed was checked against the verified mirror before the render.
+        assert!(log.contains("1 installed provider package(s): the mirror's, as verified"), "{log}");
         // The verified cache entry is what the registry served.
         let tree = cache.join("tree");
         let digests = tree_digests(&tree);

@@ -62,7 +62,7 @@ pub struct Netns {
 }
 
 impl Netns {
-    pub fn new() -> Netns {
+    fn new() -> Netns {
         let own = std::fs::read_link("/proc/self/ns/net").expect("our network namespace");
         let holder = Command::new("unshare")
             .args(["--net", "--", "sleep", "1000000"])

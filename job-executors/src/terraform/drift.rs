@@ -74,6 +74,7 @@ impl Terraform {
         run.log("[terraform] drift check: refresh-only and contract plans; nothing is applied\n");
         let plans = after_init(run.tf_script(&plans, &[]));
         run.staged("init, plan -refresh-only, plan", init, vec![plans], None).await?;
+        providers_verified(tree, &mut *run.ctx.output)?;
         let mut rendered = render_plans(run, module, tree).await?;
         let (contract, plan_digest) = rendered.pop().unwrap_or_default();
         let (refresh, refresh_digest) = rendered.pop().unwrap_or_default();

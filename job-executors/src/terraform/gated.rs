@@ -86,6 +86,8 @@ impl Terraform {
             }
             let mut out = shared.handle();
             let decided = async {
+                // The data directory is frozen: what init installed stays what is checked.
+                super::providers_verified(restage.tree, &mut out)?;
                 let max = policy.limits.max_input_bytes as u64;
                 let left = settings.timeout.saturating_sub(decision_started.elapsed());
                 let render = settings.clone().timeout(left, settings.kill_grace);

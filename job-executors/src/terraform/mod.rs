@@ -564,6 +564,7 @@ impl Terraform {
                 // The providers rendering and applying the plan need; nothing of the
                 // job's runs in this sandbox.
                 run.cmd("init", init).await?;
+                providers_verified(tree, &mut *run.ctx.output)?;
             }
             None => {
                 let destroy = self.spec.mode == Mode::Destroy;
@@ -591,6 +592,7 @@ impl Terraform {
                 // ended, so has every process of the job: the plan terraform wrote is
                 // sealed as it is now, with the lock file it was made with.
                 run.staged("init, plan", init, vec![plan], None).await?;
+                providers_verified(tree, &mut *run.ctx.output)?;
                 seal(module, PLAN_FILE, &sealed)?;
                 seal(module, LOCK_FILE, &sealed)?;
             }
@@ -669,6 +671,32 @@ impl Terraform {
 struct Restage<'t> {
     tree: &'t RunnerTree,
     local_state: Option<&'t state::LocalState>,
+}
+
+/// Reason code: a provider init installed is not the verified mirror's.
+const PROVIDER_UNVERIFIED: &str = "provider_unverified";
+
+/// The providers init installed are the job's verified mirror's (see
+/// [`RunnerTree::verify_installed`]), or the step fails before anything renders or
+/// applies with them.
+fn providers_verified(tree: &RunnerTree, out: &mut dyn crate::OutputSink) -> Step<()> {
+    match tree.verify_installed() {
+        Ok(0) => Ok(()),
+        Ok(n) => {
+            let _ = out.write(
+                format!("[terraform] {n} installed provider package(s): the mirror's, as verified\n")
+                    .as_bytes(),
+            );
+            Ok(())
+        }
+        Err(why) => Err(failed(
+            PROVIDER_UNVERIFIED,
+            format!(
+                "a provider terraform installed is not the verified mirror's ({why}): nothing was rendered or applied"
+            ),
+            serde_json::Value::Null,
+        )),
+    }
 }
 
 /// The stage after `init`: the data directory frozen before it starts, so that nothing

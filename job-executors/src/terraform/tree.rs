@@ -41,6 +41,8 @@ pub(super) struct RunnerTree {
     sandboxed: bool,
     /// The verified cache tree bound at `providers/`, when the job names a mirror.
     mirror: Option<PathBuf>,
+    /// The job names a provider mirror (see [`Self::verify_installed`]).
+    uses_mirror: std::sync::atomic::AtomicBool,
     /// The module was staged for apply: from now on terraform writes the state there
     /// (before, only job code could have: plan never writes it).
     apply_staged: std::sync::atomic::AtomicBool,
@@ -68,6 +70,7 @@ impl RunnerTree {
             sandboxed: ctx.settings.sandbox.is_some(),
             mirror: None,
             apply_staged: std::sync::atomic::AtomicBool::new(false),
+            uses_mirror: std::sync::atomic::AtomicBool::new(false),
         };
         let mut dirs = std::fs::DirBuilder::new();
         dirs.mode(0o755).create(&tree.root)?;
@@ -119,12 +122,49 @@ impl RunnerTree {
     /// sandbox nothing can be bound: a copy of the job's own (the job runs as the
     /// runner then, and could change the cache entry itself).
     pub(super) fn use_mirror(&mut self, tree: &Path) -> std::io::Result<()> {
+        self.uses_mirror.store(true, std::sync::atomic::Ordering::Relaxed);
         if self.sandboxed {
             self.mirror = Some(tree.to_path_buf());
         } else {
             crate::artifact::copy_tree(tree, &self.root.join("providers"))?;
         }
         Ok(())
+    }
+
+    /// Every provider package init installed from the job's mirror is the verified one:
+    /// terraform's link to the package in the mirror as served, or a copy whose every
+    /// file is byte for byte the mirror's. Called once the data directory is frozen (or,
+    /// without the sandbox, once nothing of the job runs), before anything renders or
+    /// applies with them. Without a job's mirror there is nothing of the runner's to
+    /// compare with: the customer's provider installation decides.
+    pub(super) fn verify_installed(&self) -> Result<usize, String> {
+        let served = self.providers();
+        let source = self.mirror.clone().unwrap_or_else(|| self.root.join("providers"));
+        if !self.uses_mirror.load(std::sync::atomic::Ordering::Relaxed) {
+            return Ok(0);
+        }
+        let installed = self.data.join("providers");
+        let mut packages = Vec::new();
+        collect_packages(&installed, PathBuf::new(), &mut packages)?;
+        for rel in &packages {
+            let at = installed.join(rel);
+            let meta = std::fs::symlink_metadata(&at).map_err(|e| format!("{}: {e}", rel.display()))?;
+            if meta.file_type().is_symlink() {
+                let target = std::fs::read_link(&at).map_err(|e| format!("{}: {e}", rel.display()))?;
+                if target != served.join(rel) {
+                    return Err(format!(
+                        "{} leads to {}, not the mirror's package",
+                        rel.display(),
+                        target.display()
+                    ));
+                }
+            } else if meta.is_dir() {
+                same_tree(&at, &source.join(rel)).map_err(|why| format!("{}: {why}", rel.display()))?;
+            } else {
+                return Err(format!("{} is not a provider package", rel.display()));
+            }
+        }
+        Ok(packages.len())
     }
 
     /// Mark the module as staged for apply (see [`apply_staged`]), on disk first.
@@ -171,6 +211,55 @@ impl Drop for RunnerTree {
         let _ = std::fs::remove_dir_all(&self.data);
         let _ = std::fs::remove_dir_all(crate::beside_work(&self.work, ".render"));
     }
+}
+
+/// terraform's installed packages: `HOST/NAMESPACE/TYPE/VERSION/OS_ARCH` under
+/// `dir`, every level above a package a real directory (no link followed).
+fn collect_packages(dir: &Path, rel: PathBuf, out: &mut Vec<PathBuf>) -> Result<(), String> {
+    let entries = match std::fs::read_dir(dir.join(&rel)) {
+        Ok(e) => e,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound && rel.as_os_str().is_empty() => return Ok(()),
+        Err(e) => return Err(format!("{}: {e}", rel.display())),
+    };
+    for entry in entries {
+        let entry = entry.map_err(|e| e.to_string())?;
+        let next = rel.join(entry.file_name());
+        if next.components().count() == 5 {
+            out.push(next);
+        } else if entry.file_type().map_err(|e| e.to_string())?.is_dir() {
+            collect_packages(dir, next, out)?;
+        } else {
+            return Err(format!("{} is not a directory of terraform's provider layout", next.display()));
+        }
+    }
+    Ok(())
+}
+
+/// `a` holds exactly `b`'s regular files and directories, byte for byte (no link).
+fn same_tree(a: &Path, b: &Path) -> Result<(), String> {
+    let names = |d: &Path| -> Result<std::collections::BTreeSet<std::ffi::OsString>, String> {
+        std::fs::read_dir(d)
+            .map_err(|e| format!("{}: {e}", d.display()))?
+            .map(|e| e.map(|e| e.file_name()).map_err(|e| e.to_string()))
+            .collect()
+    };
+    let (ours, theirs) = (names(a)?, names(b)?);
+    if ours != theirs {
+        return Err("its files are not the mirror's".into());
+    }
+    for name in ours {
+        let (x, y) = (a.join(&name), b.join(&name));
+        let (mx, my) = (
+            std::fs::symlink_metadata(&x).map_err(|e| e.to_string())?,
+            std::fs::symlink_metadata(&y).map_err(|e| e.to_string())?,
+        );
+        if mx.is_dir() && my.is_dir() {
+            same_tree(&x, &y)?;
+        } else if !(mx.is_file() && my.is_file() && std::fs::read(&x).ok() == std::fs::read(&y).ok()) {
+            return Err(format!("{} is not the mirror's", name.to_string_lossy()));
+        }
+    }
+    Ok(())
 }
 
 /// The customer's CLI configuration, read by the runner (the sandbox hides the
@@ -311,6 +400,42 @@ mod tests {
         std::fs::write(d.path().join("zzz_override.tf"), "").expect("write");
         assert!(find_refused(d.path(), true).expect("walk").is_some());
         assert!(find_refused(d.path(), false).expect("walk").is_none());
+    }
+
+    #[test]
+    fn installed_providers_must_be_the_mirrors_own() {
+        let d = tempfile::tempdir().expect("tempdir");
+        let pkg = "registry.terraform.io/hashicorp/aws/5.100.0/linux_amd64";
+        let mirror = d.path().join("cache");
+        std::fs::create_dir_all(mirror.join(pkg)).expect("dirs");
+        std::fs::write(mirror.join(pkg).join("terraform-provider-aws"), "verified").expect("write");
+        let tree = RunnerTree {
+            work: d.path().join("work"),
+            root: d.path().join("work.tf"),
+            data: d.path().join("work.tfdata"),
+            sandboxed: true,
+            mirror: Some(mirror.clone()),
+            apply_staged: Default::default(),
+            uses_mirror: std::sync::atomic::AtomicBool::new(true),
+        };
+        let installed = tree.data.join("providers").join(pkg);
+        std::fs::create_dir_all(installed.parent().expect("parent")).expect("dirs");
+        // terraform's link to the package as served: verified.
+        std::os::unix::fs::symlink(Path::new("/tf/providers").join(pkg), &installed).expect("link");
+        assert_eq!(tree.verify_installed(), Ok(1));
+        // A link elsewhere, a copy that differs, a copy with more: refused.
+        std::fs::remove_file(&installed).expect("rm");
+        std::os::unix::fs::symlink("/work/evil", &installed).expect("link");
+        assert!(tree.verify_installed().is_err());
+        std::fs::remove_file(&installed).expect("rm");
+        std::fs::create_dir(&installed).expect("dir");
+        std::fs::write(installed.join("terraform-provider-aws"), "verified").expect("write");
+        assert_eq!(tree.verify_installed(), Ok(1));
+        std::fs::write(installed.join("terraform-provider-aws"), "changed").expect("write");
+        assert!(tree.verify_installed().is_err());
+        std::fs::write(installed.join("terraform-provider-aws"), "verified").expect("write");
+        std::fs::write(installed.join("extra"), "x").expect("write");
+        assert!(tree.verify_installed().is_err());
     }
 
     #[test]
