@@ -337,10 +337,15 @@ case "$cmd" in
   init) echo "initialized" ;;
   plan)
     for a in "$@"; do case "$a" in -out=*) out="${a#-out=}" ;; esac; done
-    { echo "FAKE-TFPLAN v1"; cat fake-plan.json; } > "$out"
+    if [ -f hostile-plan-backend ]; then
+      # What a process alive beside terraform could do to the plan it wrote: name
+      # another backend (apply takes the plan's, and show -json never prints it).
+      sed -i "s|\"terraform.tfstate\"|\"$(cat hostile-plan-backend)\"|" zz_byoc_backend_override.tf
+    fi
+    "$(dirname "$0")/fake-plan" write "$out" "$(pwd)" fake-plan.json
     if [ -f hostile-plan-link ]; then rm -f "$out"; ln -s "$(cat hostile-plan-link)" "$out"; fi ;;
   show)
-    tail -n +2 "$2" ;;
+    "$(dirname "$0")/fake-plan" json "$2" ;;
   apply)
     echo '{"version": 4, "serial": 42, "outputs": {}}' > terraform.tfstate
     if [ -f hostile-state-link ]; then rm -f terraform.tfstate; ln -s "$(cat hostile-state-link)" terraform.tfstate; fi
@@ -374,6 +379,11 @@ async fn env_with_tool(section: &str, script: &str) -> ToolEnv {
     let tool = tools.path().join(section);
     std::fs::write(&tool, script).unwrap();
     std::fs::set_permissions(&tool, std::fs::Permissions::from_mode(0o755)).unwrap();
+    // The stand-in's plan files (a zip with terraform's backend record), for hostile
+    // terraform scripts.
+    let fake_plan =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/terraform/fake-plan");
+    std::fs::copy(&fake_plan, tools.path().join("fake-plan")).unwrap();
     let policies = tempfile::tempdir().unwrap();
     let opts = byoc_control_plane::harness::RunnerOptions {
         extra: format!(
@@ -432,6 +442,31 @@ async fn terraform_files_swapped_for_links_are_never_followed() {
     );
     finish_honest(&e.env, &ok).await;
     canary.untouched();
+}
+
+/// A plan file rewritten by job code to name another backend (here a local state
+/// elsewhere; as well another workspace's key in the bucket): apply would take the
+/// plan's backend, which the policies never see. Refused before the decision, nothing
+/// applied, nothing written there.
+#[tokio::test]
+async fn a_plan_rewritten_to_name_another_backend_is_never_decided_or_applied() {
+    let e = hostile_terraform_env().await;
+    let elsewhere = e.env.dir.path().join("elsewhere.tfstate");
+    let id = e
+        .env
+        .cp
+        .enqueue(tf_job("rewritten", &[("hostile-plan-backend", elsewhere.display().to_string())]))
+        .unwrap();
+    let ok = honest(&e.env);
+    let r = e.env.finished(&id).await.result.unwrap();
+    let log = e.env.output(&id);
+    assert_eq!(r.status, JobStatus::Failed, "{:?}\n{log}", r.error);
+    assert_eq!(r.outputs["reason"], "plan_backend_mismatch", "{:?} {}", r.error, r.outputs);
+    assert!(!log.contains("Apply complete"), "{log}");
+    assert!(!log.contains("[policy]"), "a plan naming another backend was decided: {log}");
+    assert!(!elsewhere.exists());
+    assert!(audit_events(&e.env.runner.state_dir, "policy_decision").iter().all(|d| d["job"] != id.as_str()));
+    finish_honest(&e.env, &ok).await;
 }
 
 /// A terraform job killed with the runner after writing its state and a traversal

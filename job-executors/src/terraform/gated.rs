@@ -88,6 +88,7 @@ impl Terraform {
             let decided = async {
                 // The data directory is frozen: what init installed stays what is checked.
                 super::providers_verified(restage.tree, &mut out)?;
+                super::plan_backend_is_ours(&settings, &self.spec, &plan_path)?;
                 let max = policy.limits.max_input_bytes as u64;
                 let left = settings.timeout.saturating_sub(decision_started.elapsed());
                 let render = settings.clone().timeout(left, settings.kill_grace);

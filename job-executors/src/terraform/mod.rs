@@ -24,6 +24,7 @@ mod customer_secrets;
 mod drift;
 mod gated;
 mod judge;
+pub mod planfile;
 pub mod providers;
 mod render;
 mod saved_plan;
@@ -560,6 +561,7 @@ impl Terraform {
         match &self.spec.plan_digest {
             Some(want) => {
                 self.take_saved_plan(run, want, &sealed)?;
+                plan_backend_is_ours(&run.ctx.settings, &self.spec, &plan_path)?;
                 run.log(&format!("[terraform] applying saved plan {want}\n"));
                 // The providers rendering and applying the plan need; nothing of the
                 // job's runs in this sandbox.
@@ -595,6 +597,7 @@ impl Terraform {
                 providers_verified(tree, &mut *run.ctx.output)?;
                 seal(module, PLAN_FILE, &sealed)?;
                 seal(module, LOCK_FILE, &sealed)?;
+                plan_backend_is_ours(&run.ctx.settings, &self.spec, &plan_path)?;
             }
         }
         let plan_json =
@@ -671,6 +674,44 @@ impl Terraform {
 struct Restage<'t> {
     tree: &'t RunnerTree,
     local_state: Option<&'t state::LocalState>,
+}
+
+/// Reason code: the sealed plan names a backend other than the one the runner configured.
+const PLAN_BACKEND_MISMATCH: &str = "plan_backend_mismatch";
+
+/// Apply takes the backend from the plan file, not from the module: the sealed plan must
+/// name the one the runner configured (the same type, settings and the default
+/// workspace), or nothing is decided or applied. A job's own backend, where the customer
+/// allows one, is the job's.
+fn plan_backend_is_ours(settings: &crate::ExecSettings, spec: &Spec, plan: &Path) -> Step<()> {
+    use std::io::Read as _;
+    if !spec.backend_config.is_empty() {
+        return Ok(());
+    }
+    let refuse = |why: String| {
+        failed(
+            PLAN_BACKEND_MISMATCH,
+            format!(
+                "{why}: something of the job's rewrote the plan terraform wrote; nothing was decided or applied"
+            ),
+            serde_json::Value::Null,
+        )
+    };
+    let mut bytes = Vec::new();
+    std::fs::File::open(plan)
+        .and_then(|f| f.take(MAX_STATE_BYTES + 1).read_to_end(&mut bytes))
+        .map_err(|e| ExecOutcome::failed(format!("reading the sealed plan: {e}")))?;
+    let got = planfile::backend(&bytes)
+        .map_err(|why| refuse(format!("the sealed plan's backend cannot be read ({why})")))?;
+    let (kind, config) = state::plan_backend(&settings.tools.state.backend, &spec.workspace);
+    if got.kind != kind || got.workspace != "default" || got.config != config {
+        let keys: Vec<&String> = got.config.as_object().map(|o| o.keys().collect()).unwrap_or_default();
+        return Err(refuse(format!(
+            "the sealed plan names backend {:?} (workspace {:?}, settings {keys:?}), not the {kind} backend the runner configured",
+            got.kind, got.workspace
+        )));
+    }
+    Ok(())
 }
 
 /// Reason code: a provider init installed is not the verified mirror's.

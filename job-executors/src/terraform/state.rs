@@ -112,6 +112,33 @@ pub fn override_file(backend: &Backend, workspace: &str) -> String {
     }
 }
 
+/// The backend record a plan made under [`override_file`] carries (type and the
+/// configuration it sets; terraform stores every other setting as null): what the
+/// runner holds a sealed plan to before it is decided or applied.
+pub fn plan_backend(backend: &Backend, workspace: &str) -> (&'static str, serde_json::Value) {
+    match backend {
+        Backend::Local { .. } => ("local", serde_json::json!({"path": LOCAL_STATE})),
+        Backend::S3 { bucket, region, key_prefix, endpoint } => {
+            let mut config = serde_json::json!({
+                "bucket": bucket,
+                "key": format!("{}/{workspace}/terraform.tfstate", key_prefix.trim_matches('/')),
+                "region": region,
+                "encrypt": true,
+                "use_lockfile": true,
+                "skip_metadata_api_check": true,
+                "skip_credentials_validation": true,
+                "skip_requesting_account_id": true,
+            });
+            if let Some(url) = endpoint {
+                config["endpoints"] = serde_json::json!({"s3": url});
+                config["use_path_style"] = true.into();
+                config["skip_region_validation"] = true.into();
+            }
+            ("s3", config)
+        }
+    }
+}
+
 /// A workspace's local state, held for the whole job: no two jobs on this runner
 /// change one workspace at once. Released when dropped (and by the kernel if the
 /// runner dies).

@@ -158,8 +158,12 @@ impl RunnerTree {
                         target.display()
                     ));
                 }
-            } else if meta.is_dir() {
+            } else if meta.is_dir() && source.join(rel).is_dir() {
                 same_tree(&at, &source.join(rel)).map_err(|why| format!("{}: {why}", rel.display()))?;
+            } else if meta.is_dir() {
+                // A packed mirror (`terraform providers mirror`'s default): the package's
+                // zip, which init unpacked.
+                same_as_zip(&at, &packed(&source, rel)).map_err(|why| format!("{}: {why}", rel.display()))?;
             } else {
                 return Err(format!("{} is not a provider package", rel.display()));
             }
@@ -235,6 +239,85 @@ fn collect_packages(dir: &Path, rel: PathBuf, out: &mut Vec<PathBuf>) -> Result<
     Ok(())
 }
 
+/// Where a packed mirror keeps `HOST/NS/TYPE/VERSION/OS_ARCH`:
+/// `HOST/NS/TYPE/terraform-provider-TYPE_VERSION_OS_ARCH.zip`.
+fn packed(source: &Path, rel: &Path) -> PathBuf {
+    let parts: Vec<String> = rel.components().map(|c| c.as_os_str().to_string_lossy().into_owned()).collect();
+    match parts.as_slice() {
+        [host, ns, kind, version, platform] => source
+            .join(host)
+            .join(ns)
+            .join(kind)
+            .join(format!("terraform-provider-{kind}_{version}_{platform}.zip")),
+        _ => source.join(rel),
+    }
+}
+
+/// `dir` holds exactly the regular files of the zip at `zip`, byte for byte.
+fn same_as_zip(dir: &Path, zip: &Path) -> Result<(), String> {
+    let bytes = std::fs::read(zip).map_err(|e| format!("no package of the mirror's ({e})"))?;
+    let files = super::planfile::zip_files(&bytes, MAX_PROVIDER_FILE_BYTES)?;
+    let mut found = Vec::new();
+    list_files(dir, PathBuf::new(), &mut found)?;
+    found.sort();
+    let mut want: Vec<&String> = files.iter().map(|(n, _)| n).collect();
+    want.sort();
+    if found.iter().map(|p| p.to_string_lossy().into_owned()).collect::<Vec<_>>()
+        != want.iter().map(|s| s.to_string()).collect::<Vec<_>>()
+    {
+        return Err("its files are not the package's".into());
+    }
+    for (name, data) in &files {
+        if !same_file(&dir.join(name), data)? {
+            return Err(format!("{name} is not the package's"));
+        }
+    }
+    Ok(())
+}
+
+/// A provider binary is large: at most this much of one file is compared.
+const MAX_PROVIDER_FILE_BYTES: u64 = 2 << 30;
+
+/// Regular files under `dir`, relative; anything else (a link) refused.
+fn list_files(dir: &Path, rel: PathBuf, out: &mut Vec<PathBuf>) -> Result<(), String> {
+    for entry in std::fs::read_dir(dir.join(&rel)).map_err(|e| e.to_string())? {
+        let entry = entry.map_err(|e| e.to_string())?;
+        let t = entry.file_type().map_err(|e| e.to_string())?;
+        let next = rel.join(entry.file_name());
+        if t.is_dir() {
+            list_files(dir, next, out)?;
+        } else if t.is_file() {
+            out.push(next);
+        } else {
+            return Err(format!("{} is not a regular file", next.display()));
+        }
+    }
+    Ok(())
+}
+
+/// The file at `path` (never through a link) holds exactly `data`, read in pieces.
+fn same_file(path: &Path, data: &[u8]) -> Result<bool, String> {
+    use std::io::Read as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let mut f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(nix::fcntl::OFlag::O_NOFOLLOW.bits())
+        .open(path)
+        .map_err(|e| format!("{}: {e}", path.display()))?;
+    let mut at = 0;
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = f.read(&mut buf).map_err(|e| format!("{}: {e}", path.display()))?;
+        if n == 0 {
+            return Ok(at == data.len());
+        }
+        if data.get(at..at + n) != Some(&buf[..n]) {
+            return Ok(false);
+        }
+        at += n;
+    }
+}
+
 /// `a` holds exactly `b`'s regular files and directories, byte for byte (no link).
 fn same_tree(a: &Path, b: &Path) -> Result<(), String> {
     let names = |d: &Path| -> Result<std::collections::BTreeSet<std::ffi::OsString>, String> {
@@ -255,11 +338,41 @@ fn same_tree(a: &Path, b: &Path) -> Result<(), String> {
         );
         if mx.is_dir() && my.is_dir() {
             same_tree(&x, &y)?;
-        } else if !(mx.is_file() && my.is_file() && std::fs::read(&x).ok() == std::fs::read(&y).ok()) {
+        } else if !(mx.is_file() && my.is_file() && same_files(&x, &y)?) {
             return Err(format!("{} is not the mirror's", name.to_string_lossy()));
         }
     }
     Ok(())
+}
+
+/// Two regular files (neither through a link) with the same bytes, compared in pieces
+/// (a provider binary is hundreds of MiB).
+fn same_files(a: &Path, b: &Path) -> Result<bool, String> {
+    use std::io::Read as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let open = |p: &Path| {
+        std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(nix::fcntl::OFlag::O_NOFOLLOW.bits())
+            .open(p)
+            .map_err(|e| format!("{}: {e}", p.display()))
+    };
+    let (mut fa, mut fb) = (open(a)?, open(b)?);
+    let (ma, mb) = (fa.metadata().map_err(|e| e.to_string())?, fb.metadata().map_err(|e| e.to_string())?);
+    if ma.len() != mb.len() {
+        return Ok(false);
+    }
+    let (mut ba, mut bb) = (vec![0u8; 1 << 20], vec![0u8; 1 << 20]);
+    loop {
+        let n = fa.read(&mut ba).map_err(|e| e.to_string())?;
+        if n == 0 {
+            return Ok(true);
+        }
+        fb.read_exact(&mut bb[..n]).map_err(|e| e.to_string())?;
+        if ba[..n] != bb[..n] {
+            return Ok(false);
+        }
+    }
 }
 
 /// The customer's CLI configuration, read by the runner (the sandbox hides the
@@ -435,6 +548,32 @@ mod tests {
         assert!(tree.verify_installed().is_err());
         std::fs::write(installed.join("terraform-provider-aws"), "verified").expect("write");
         std::fs::write(installed.join("extra"), "x").expect("write");
+        assert!(tree.verify_installed().is_err());
+    }
+
+    #[test]
+    fn a_package_from_a_packed_mirror_must_be_its_zips_files() {
+        let d = tempfile::tempdir().expect("tempdir");
+        let mirror = d.path().join("cache");
+        let kind_dir = mirror.join("example.com/acme/fake");
+        std::fs::create_dir_all(&kind_dir).expect("dirs");
+        let zip =
+            crate::terraform::planfile::tests::stored_zip(&[("terraform-provider-fake_v1.0.0", b"verified")]);
+        std::fs::write(kind_dir.join("terraform-provider-fake_1.0.0_linux_amd64.zip"), zip).expect("write");
+        let tree = RunnerTree {
+            work: d.path().join("work"),
+            root: d.path().join("work.tf"),
+            data: d.path().join("work.tfdata"),
+            sandboxed: true,
+            mirror: Some(mirror),
+            apply_staged: Default::default(),
+            uses_mirror: std::sync::atomic::AtomicBool::new(true),
+        };
+        let installed = tree.data.join("providers/example.com/acme/fake/1.0.0/linux_amd64");
+        std::fs::create_dir_all(&installed).expect("dirs");
+        std::fs::write(installed.join("terraform-provider-fake_v1.0.0"), "verified").expect("write");
+        assert_eq!(tree.verify_installed(), Ok(1));
+        std::fs::write(installed.join("terraform-provider-fake_v1.0.0"), "changed!").expect("write");
         assert!(tree.verify_installed().is_err());
     }
 

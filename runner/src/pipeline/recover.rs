@@ -165,10 +165,11 @@ fn interrupt(rt: &Rt, job_id: &str, phase: Phase) -> Result<(), RecordError> {
     let tfstate = StateDir::of(&rt.state_dir).tfstate();
     let workspace = rt.journal.job(job_id).and_then(|j| j.state_workspace);
     let salvaged = match &workspace {
-        // Only once its module was staged for apply: before, only job code could have
-        // written a state file there (plan never does).
+        // Only while its module is staged for apply (the runner's marker beside it): before,
+        // only job code could have written a state file there (plan never does); after,
+        // the job kept its state itself and removed the marker.
         Some(ws)
-            if work_dir.is_dir() && byoc_job_executors::terraform::apply_staged(&work_dir) != Some(false) =>
+            if work_dir.is_dir() && byoc_job_executors::terraform::apply_staged(&work_dir) == Some(true) =>
         {
             byoc_job_executors::terraform::state::salvage(&work_dir, &tfstate, ws)
         }

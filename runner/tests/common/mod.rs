@@ -338,9 +338,16 @@ pub fn stand_in(name: &str) -> (tempfile::TempDir, std::path::PathBuf) {
     use std::os::unix::fs::PermissionsExt as _;
     let dir = tempfile::tempdir().expect("tempdir");
     std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures").join(name).join(name);
+    // The tool and what it calls beside it (the terraform stand-in's plan files).
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures").join(name);
+    for entry in std::fs::read_dir(&fixtures).expect("fixtures").flatten() {
+        if entry.file_type().is_ok_and(|t| t.is_file()) {
+            let src = entry.path();
+            std::fs::copy(&src, dir.path().join(entry.file_name()))
+                .unwrap_or_else(|e| panic!("copying {}: {e}", src.display()));
+        }
+    }
     let tool = dir.path().join(name);
-    std::fs::copy(&src, &tool).unwrap_or_else(|e| panic!("copying {}: {e}", src.display()));
     (dir, tool)
 }
 

@@ -536,6 +536,10 @@ fn terraform_tools(
     let stand_in = tools.join("terraform-stand-in");
     std::fs::copy(base.join(&t.binary), &stand_in)
         .with_context(|| format!("copying {}", t.binary.display()))?;
+    // What the stand-in writes its plan files with, beside it.
+    let fake_plan = base.join(&t.binary).with_file_name("fake-plan");
+    std::fs::copy(&fake_plan, tools.join("fake-plan"))
+        .with_context(|| format!("copying {}", fake_plan.display()))?;
     let bin = tools.join("terraform");
     let real = match &t.real {
         None => None,
@@ -548,7 +552,7 @@ fn terraform_tools(
     // the plan to show is the stand-in's (the render runs in the sealed directory).
     let script = match &real {
         Some(real) => format!(
-            "#!/bin/sh\ndir=.\ncase \"${{1:-}}\" in -chdir=*) dir=\"${{1#-chdir=}}\" ;; esac\nif [ -f \"$dir/fake-plan.json\" ] || [ -f \"$dir/fake-destroy-plan.json\" ]; then exec {} \"$@\"; fi\nfor last; do :; done\nif [ \"$(head -c 14 \"$last\" 2>/dev/null)\" = \"FAKE-TFPLAN v1\" ]; then exec {} \"$@\"; fi\nexec {} \"$@\"\n",
+            "#!/bin/sh\ndir=.\ncase \"${{1:-}}\" in -chdir=*) dir=\"${{1#-chdir=}}\" ;; esac\nif [ -f \"$dir/fake-plan.json\" ] || [ -f \"$dir/fake-destroy-plan.json\" ]; then exec {} \"$@\"; fi\nfor last; do :; done\nif grep -qsa fake-plan.json \"$last\"; then exec {} \"$@\"; fi\nexec {} \"$@\"\n",
             stand_in.display(),
             stand_in.display(),
             real.display()
