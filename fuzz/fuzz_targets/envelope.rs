@@ -78,6 +78,7 @@ fuzz_target!(|data: &[u8]| {
         readiness: &|_| None,
         registries: byoc_oci_sync::Reach::guarded(["registry.allowed.test:5000"]),
         clusters: byoc_oci_sync::Reach::guarded(Vec::<String>::new()),
+        job_provider_mirrors: data.len() % 2 == 0,
         resume_held: false,
         update: Some((&f.update, &f.state_dir)),
     };

@@ -112,6 +112,10 @@ pub struct Fetched {
 
 const TREE: &str = "tree";
 const SIZE_FILE: &str = "size";
+/// Written with every entry since no job can reach an entry writable (mirrors are bound
+/// read-only, never linked into a job's tree): an entry without it was made when one
+/// could have (hard links into jobs' trees) and is fetched again, never used.
+const SEALED_FILE: &str = "sealed-v2";
 
 /// Fetch (or find in the cache) the artifact `reference` names, verified and unpacked.
 pub async fn fetch(settings: &ExecSettings, reference: &Reference) -> Result<Fetched, ArtifactError> {
@@ -183,6 +187,7 @@ pub async fn fetch(settings: &ExecSettings, reference: &Reference) -> Result<Fet
         std::fs::remove_file(&archive_path).map_err(io("removing", &archive_path))?;
         std::fs::write(staging.join(SIZE_FILE), format!("{} {}", unpacked.files, unpacked.bytes))
             .map_err(io("writing", &staging))?;
+        std::fs::write(staging.join(SEALED_FILE), b"").map_err(io("writing", &staging))?;
         let _ = std::fs::remove_dir_all(&home);
         std::fs::rename(&staging, &home).map_err(io("renaming into place", &home))?;
         Ok::<_, ArtifactError>(unpacked)
@@ -203,6 +208,9 @@ pub async fn fetch(settings: &ExecSettings, reference: &Reference) -> Result<Fet
 
 /// The cached tree for `digest`, marked as just used.
 fn cached(home: &Path, digest: &Digest) -> Option<Fetched> {
+    if !home.join(SEALED_FILE).is_file() {
+        return None;
+    }
     let text = std::fs::read_to_string(home.join(SIZE_FILE)).ok()?;
     let (files, bytes) = text.trim().split_once(' ')?;
     let tree = home.join(TREE);
@@ -347,4 +355,21 @@ pub fn copy_tree(from: &Path, to: &Path) -> std::io::Result<()> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_cache_entry_from_before_entries_were_sealed_is_never_used() {
+        let d = tempfile::tempdir().expect("tempdir");
+        let digest = Digest::parse(&format!("sha256:{}", "a".repeat(64))).expect("digest");
+        std::fs::create_dir_all(d.path().join(TREE)).expect("tree");
+        std::fs::write(d.path().join(SIZE_FILE), "1 8").expect("size");
+        assert!(cached(d.path(), &digest).is_none(), "an unsealed entry was served");
+        std::fs::write(d.path().join(SEALED_FILE), b"").expect("sealed");
+        let hit = cached(d.path(), &digest).expect("a sealed entry is served");
+        assert_eq!((hit.files, hit.bytes, hit.cached), (1, 8, true));
+    }
 }
