@@ -79,6 +79,7 @@ pub async fn run(config_path: &Path) -> Vec<Check> {
             out.push(imds_firewall());
             out.extend(install_stack(c).await);
             out.push(updates(&c.update, &c.runner.state_dir));
+            out.push(terraform(&c.terraform));
             out.push(audit_export(c).await);
         }
         None => {
@@ -93,6 +94,7 @@ pub async fn run(config_path: &Path) -> Vec<Check> {
                 "imds_firewall",
                 "install_stack",
                 "updates",
+                "terraform",
                 "audit_export",
             ] {
                 out.push(check(name, Status::Skip, "needs a valid configuration", None));
@@ -102,6 +104,62 @@ pub async fn run(config_path: &Path) -> Vec<Check> {
     out.push(journald());
     out.extend(sandbox(config.as_ref()).await);
     out
+}
+
+/// Where terraform jobs' providers come from, as each job will meet it: the customer's
+/// CLI configuration readable (the runner copies it into every step), the setting no
+/// longer used said so.
+fn terraform(t: &crate::config::TerraformConfig) -> Check {
+    let mirrors = if t.job_provider_mirrors { "allowed" } else { "refused" };
+    if let Some(p) = &t.plugin_cache_dir {
+        return check(
+            "terraform",
+            Status::Warn,
+            format!("plugin_cache_dir {} is not used (a cache every job's init writes)", p.display()),
+            Some(
+                "remove terraform.plugin_cache_dir; name a filesystem mirror in terraform.cli_config_file instead",
+            ),
+        );
+    }
+    match &t.cli_config_file {
+        Some(p) => match std::fs::File::open(p).and_then(|f| f.metadata()) {
+            Ok(m) if m.is_file() => check(
+                "terraform",
+                Status::Ok,
+                format!(
+                    "providers as {} says (copied read-only into every step); jobs' own mirrors {mirrors}",
+                    p.display()
+                ),
+                None,
+            ),
+            Ok(_) => check(
+                "terraform",
+                Status::Fail,
+                format!(
+                    "cli_config_file {} is not a regular file: every terraform job would fail (terraform_config_unreadable)",
+                    p.display()
+                ),
+                Some("point terraform.cli_config_file at your CLI configuration, or remove it"),
+            ),
+            Err(e) => check(
+                "terraform",
+                Status::Fail,
+                format!(
+                    "cli_config_file {}: {e}: every terraform job would fail (terraform_config_unreadable)",
+                    p.display()
+                ),
+                Some("make it readable by the runner, or remove terraform.cli_config_file"),
+            ),
+        },
+        None => check(
+            "terraform",
+            Status::Ok,
+            format!(
+                "no cli_config_file: providers only from a mirror a job names by digest (jobs' own mirrors {mirrors}); none from the registry"
+            ),
+            None,
+        ),
+    }
 }
 
 /// The customer's audit copies: each sink can be set up (its CA and header files read,
@@ -867,6 +925,32 @@ async fn network_boundary(settings: &byoc_job_executors::SandboxSettings, scratc
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn where_terraforms_providers_come_from_is_checked() {
+        let d = tempfile::tempdir().unwrap();
+        let rc = d.path().join("terraform.rc");
+        let mut t = crate::config::TerraformConfig {
+            binary: "/usr/bin/terraform".into(),
+            plan_max_age: std::time::Duration::from_secs(3600),
+            cli_config_file: None,
+            job_provider_mirrors: true,
+            plugin_cache_dir: None,
+            state: Default::default(),
+        };
+        assert_eq!(super::terraform(&t).status, super::Status::Ok);
+        t.cli_config_file = Some(rc.clone());
+        t.job_provider_mirrors = false;
+        let missing = super::terraform(&t);
+        assert_eq!(missing.status, super::Status::Fail, "{missing:?}");
+        assert!(missing.detail.contains("terraform_config_unreadable"), "{missing:?}");
+        std::fs::write(&rc, "provider_installation {}\n").unwrap();
+        let ok = super::terraform(&t);
+        assert_eq!(ok.status, super::Status::Ok);
+        assert!(ok.detail.contains("refused"), "{ok:?}");
+        t.plugin_cache_dir = Some(d.path().join("cache"));
+        assert_eq!(super::terraform(&t).status, super::Status::Warn);
+    }
+
     #[test]
     fn the_update_terms_are_checked_as_a_job_would_meet_them() {
         use crate::config::{UpdateConfig, UpdateMode};

@@ -82,6 +82,7 @@ async fn a_healthy_install_passes_every_check() {
         "clock",
         "install_stack",
         "role_arns",
+        "terraform",
         "user_namespaces",
         "seccomp",
         "sandbox",
