@@ -119,6 +119,21 @@ async fn every_process_of_a_job_sits_in_the_jobs_cgroup_in_every_hierarchy() {
     }
 }
 
+/// The sandbox helper run directly on `spec`, to its end.
+fn run_helper(spec: &byoc_sandbox::SandboxSpec) -> std::process::Output {
+    use std::io::Write as _;
+    let mut child = std::process::Command::new(BIN)
+        .arg("sandbox-exec")
+        .env_clear()
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(&serde_json::to_vec(spec).unwrap()).unwrap();
+    child.wait_with_output().unwrap()
+}
+
 /// A sandbox for `sh -c script` in a fresh directory of `dir`, offline, no limits: for
 /// the tests that start the helper directly.
 fn bare_spec(dir: &std::path::Path, script: &str) -> byoc_sandbox::SandboxSpec {
@@ -156,7 +171,6 @@ fn bare_spec(dir: &std::path::Path, script: &str) -> byoc_sandbox::SandboxSpec {
 /// machine's v2 hierarchy (`/sys/fs/cgroup/unified` beside v1, or `/sys/fs/cgroup`).
 #[test]
 fn on_cgroup_v2_the_job_is_born_in_its_cgroup() {
-    use std::io::Write as _;
     let v2 = ["/sys/fs/cgroup/unified", "/sys/fs/cgroup"]
         .into_iter()
         .map(std::path::Path::new)
@@ -170,16 +184,7 @@ fn on_cgroup_v2_the_job_is_born_in_its_cgroup() {
         cgroup_born_in: Some(cgroup.clone()),
         ..bare_spec(dir.path(), "grep '^0::' /proc/self/cgroup")
     };
-    let mut child = std::process::Command::new(BIN)
-        .arg("sandbox-exec")
-        .env_clear()
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    child.stdin.take().unwrap().write_all(&serde_json::to_vec(&spec).unwrap()).unwrap();
-    let out = child.wait_with_output().unwrap();
+    let out = run_helper(&spec);
     let _ = std::fs::remove_dir(&cgroup);
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
@@ -196,7 +201,6 @@ fn on_cgroup_v2_the_job_is_born_in_its_cgroup() {
 /// handed to it (as the runner hands a job its data directory).
 #[test]
 fn binds_are_read_only_or_frozen_for_good_and_no_proc_means_no_other_descriptors() {
-    use std::io::Write as _;
     use std::os::unix::fs::PermissionsExt as _;
     let dir = tempfile::tempdir().unwrap();
     let (ro, rw) = (dir.path().join("ro"), dir.path().join("rw"));
@@ -232,16 +236,7 @@ fn binds_are_read_only_or_frozen_for_good_and_no_proc_means_no_other_descriptors
         gate: false,
         freeze: vec!["/d".into()],
     }];
-    let mut child = std::process::Command::new(BIN)
-        .arg("sandbox-exec")
-        .env_clear()
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    child.stdin.take().unwrap().write_all(&serde_json::to_vec(&spec).unwrap()).unwrap();
-    let out = child.wait_with_output().unwrap();
+    let out = run_helper(&spec);
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
     for line in [
@@ -277,16 +272,7 @@ fn binds_are_read_only_or_frozen_for_good_and_no_proc_means_no_other_descriptors
             gate: false,
             freeze,
         }];
-        let mut child = std::process::Command::new(BIN)
-            .arg("sandbox-exec")
-            .env_clear()
-            .stdin(std::process::Stdio::piped())
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped())
-            .spawn()
-            .unwrap();
-        child.stdin.take().unwrap().write_all(&serde_json::to_vec(&bad).unwrap()).unwrap();
-        let out = child.wait_with_output().unwrap();
+        let out = run_helper(&bad);
         assert_eq!(out.status.code(), Some(byoc_sandbox::helper::EXIT_SANDBOX_FAILED));
         assert!(!String::from_utf8_lossy(&out.stdout).contains("ran"));
     }

@@ -42,7 +42,7 @@ pub(super) struct RunnerTree {
     /// The verified cache tree bound at `providers/`, when the job names a mirror.
     mirror: Option<PathBuf>,
     /// The job names a provider mirror (see [`Self::verify_installed`]).
-    uses_mirror: std::sync::atomic::AtomicBool,
+    uses_mirror: bool,
     /// The module was staged for apply: from now on terraform writes the state there
     /// (before, only job code could have: plan never writes it).
     apply_staged: std::sync::atomic::AtomicBool,
@@ -70,7 +70,7 @@ impl RunnerTree {
             sandboxed: ctx.settings.sandbox.is_some(),
             mirror: None,
             apply_staged: std::sync::atomic::AtomicBool::new(false),
-            uses_mirror: std::sync::atomic::AtomicBool::new(false),
+            uses_mirror: false,
         };
         let mut dirs = std::fs::DirBuilder::new();
         dirs.mode(0o755).create(&tree.root)?;
@@ -122,7 +122,7 @@ impl RunnerTree {
     /// sandbox nothing can be bound: a copy of the job's own (the job runs as the
     /// runner then, and could change the cache entry itself).
     pub(super) fn use_mirror(&mut self, tree: &Path) -> std::io::Result<()> {
-        self.uses_mirror.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.uses_mirror = true;
         if self.sandboxed {
             self.mirror = Some(tree.to_path_buf());
         } else {
@@ -138,11 +138,11 @@ impl RunnerTree {
     /// applies with them. Without a job's mirror there is nothing of the runner's to
     /// compare with: the customer's provider installation decides.
     pub(super) fn verify_installed(&self) -> Result<usize, String> {
-        let served = self.providers();
-        let source = self.mirror.clone().unwrap_or_else(|| self.root.join("providers"));
-        if !self.uses_mirror.load(std::sync::atomic::Ordering::Relaxed) {
+        if !self.uses_mirror {
             return Ok(0);
         }
+        let served = self.providers();
+        let source = self.mirror.clone().unwrap_or_else(|| self.root.join("providers"));
         let installed = self.data.join("providers");
         let mut packages = Vec::new();
         collect_packages(&installed, PathBuf::new(), &mut packages)?;
@@ -529,7 +529,7 @@ mod tests {
             sandboxed: true,
             mirror: Some(mirror.clone()),
             apply_staged: Default::default(),
-            uses_mirror: std::sync::atomic::AtomicBool::new(true),
+            uses_mirror: true,
         };
         let installed = tree.data.join("providers").join(pkg);
         std::fs::create_dir_all(installed.parent().expect("parent")).expect("dirs");
@@ -567,7 +567,7 @@ mod tests {
             sandboxed: true,
             mirror: Some(mirror),
             apply_staged: Default::default(),
-            uses_mirror: std::sync::atomic::AtomicBool::new(true),
+            uses_mirror: true,
         };
         let installed = tree.data.join("providers/example.com/acme/fake/1.0.0/linux_amd64");
         std::fs::create_dir_all(&installed).expect("dirs");
