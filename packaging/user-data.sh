@@ -137,11 +137,12 @@ if [ -n "$ROOT" ]; then
 else
     dpkg -i "$work/$deb" >/dev/null || fail "installing $deb"
 fi
-# The updater rolls back only to a release it keeps (root's, 0700): this one is the first.
+# The updater rolls back only to a release it keeps (root's, 0700; its directory 0711,
+# where the runner reads the updater's last outcome by name): this one is the first.
 version="$(printf '%s' "$deb" | sed -e 's/^byoc-runner_//' -e 's/_[a-z0-9]*\.deb$//')"
 kept="$ROOT/var/lib/byoc-runner-update/releases/$version"
-install -d -m 0700 "$ROOT/var/lib/byoc-runner-update" "$ROOT/var/lib/byoc-runner-update/releases" "$kept" ||
-    fail "creating $kept"
+install -d -m 0711 "$ROOT/var/lib/byoc-runner-update" || fail "creating the updater's directory"
+install -d -m 0700 "$ROOT/var/lib/byoc-runner-update/releases" "$kept" || fail "creating $kept"
 cp "$work/$deb" "$work/SHA256SUMS" "$work/SHA256SUMS.minisig" "$kept/" || fail "keeping the release in $kept"
 
 # 4. The configuration (written whole, then moved into place).

@@ -22,7 +22,8 @@ struct Spec {
     /// A version older than the running one: applied only if the release signs it.
     #[serde(default)]
     downgrade: bool,
-    /// The oldest version the customer may roll back to after this one.
+    /// Accepted for compatibility and ignored: a rollback floor from the vendor could
+    /// veto the customer's own rollback, which is root's alone.
     #[serde(default)]
     min_rollback_version: Option<String>,
 }

@@ -19,7 +19,8 @@ fn build_deb(out: &Path) -> PathBuf {
         .arg(BIN)
         .arg(out)
         .arg("0.1.0-test1")
-        .env("BYOC_DEB_COMPRESSION", "none"));
+        .env("BYOC_DEB_COMPRESSION", "none")
+        .env("UPDATER", common::updater_bin()));
     PathBuf::from(String::from_utf8_lossy(&o.stdout).trim())
 }
 
@@ -107,6 +108,7 @@ fn the_package_installs_its_files_user_and_modes_and_reinstalls_keeping_config()
             "./lib/systemd/system/byoc-runner-update.service",
             "./lib/systemd/system/byoc-runner.service",
             "./usr/bin/byoc-runner",
+            "./usr/lib/byoc-runner/byoc-runner-updater",
             "./usr/lib/byoc-runner/imds-firewall",
             "./usr/lib/systemd/catalog/byoc-runner.catalog",
             "./usr/share/bash-completion/completions/byoc-runner",
@@ -422,10 +424,10 @@ fn user_data_installs_configures_starts_and_then_signals_and_is_safe_to_rerun() 
     }
     assert!(text.contains(&format!("release_public_key = \"{}\"", release.pubkey)), "{text}");
     assert_eq!(mode(&conf), 0o640);
-    // The verified release is kept for the updater to roll back to (root's, 0700), and
-    // it verifies as the updater verifies it.
+    // The verified release is kept for the updater to roll back to (root's, 0700, in a
+    // directory the runner may only traverse), and it verifies as the updater verifies it.
     let updater = r.join("var/lib/byoc-runner-update");
-    assert_eq!(mode(&updater), 0o700);
+    assert_eq!((mode(&updater), mode(&updater.join("releases"))), (0o711, 0o700));
     let kept: Vec<_> =
         std::fs::read_dir(updater.join("releases")).unwrap().map(|e| e.unwrap().path()).collect();
     assert_eq!(kept.len(), 1, "{kept:?}");

@@ -93,7 +93,8 @@ fn tampered_releases(dir: &Path, keys: &Path) {
         .arg(&bin)
         .arg(&good)
         .arg("0.1.0-vm2")
-        .env("BYOC_DEB_COMPRESSION", "none"));
+        .env("BYOC_DEB_COMPRESSION", "none")
+        .env("UPDATER", common::updater_bin()));
     let deb = PathBuf::from(String::from_utf8_lossy(&deb.stdout).trim());
     let deb_name = deb.file_name().unwrap().to_owned();
     std::fs::remove_file(&bin).unwrap();
@@ -145,7 +146,8 @@ fn tampered_releases(dir: &Path, keys: &Path) {
         .arg(&exits)
         .arg(&d)
         .arg("0.1.0-vm3")
-        .env("BYOC_DEB_COMPRESSION", "none"));
+        .env("BYOC_DEB_COMPRESSION", "none")
+        .env("UPDATER", common::updater_bin()));
     std::fs::remove_file(&exits).unwrap();
     sign(&d.join("SHA256SUMS"), &secret);
 }
@@ -159,7 +161,8 @@ fn signed_release(dir: &Path, keys: &Path) -> String {
         .arg(&bin)
         .arg(dir)
         .arg("0.1.0-vm1")
-        .env("BYOC_DEB_COMPRESSION", "none"));
+        .env("BYOC_DEB_COMPRESSION", "none")
+        .env("UPDATER", common::updater_bin()));
     std::fs::remove_file(&bin).unwrap();
     let (public, secret) = (keys.join("release.pub"), keys.join("release.key"));
     run(Command::new("minisign").args(["-G", "-W", "-p"]).arg(&public).arg("-s").arg(&secret));
@@ -899,6 +902,70 @@ fn an_update_outside_the_customers_terms_or_signed_by_another_key_is_refused(w: 
     assert_eq!(installed_version(w), before, "nothing was installed");
 }
 
+/// The runner's own user against root, on the shipped units: links planted in
+/// `update/staged/` (to a root-owned file and to a root-owned directory) under a garbage
+/// request, then a rollback request with updates switched off. Neither changes an owner
+/// or mode, installs anything or runs as a rollback; both refusals are audited.
+fn the_runners_user_cannot_steer_the_root_updater(w: &mut World) {
+    let before = installed_version(w);
+    let stat =
+        "stat -c '%n %U:%G %a' /etc/byoc-runner/runner.toml /usr/lib/byoc-runner /usr/lib/byoc-runner/*";
+    let owners = w.vm.sh(stat);
+    let refused = audit_count(w, "update_refused");
+    let as_runner = |w: &mut World, script: &str| {
+        let o =
+            w.vm.exec(&format!("runuser -u byoc-runner -- sh -ec '{script}'"), Duration::from_secs(60))
+                .unwrap();
+        assert!(o.ok(), "as the runner's user: {script}: {} {}", o.stdout, o.stderr);
+    };
+    as_runner(
+        w,
+        "cd /var/lib/byoc-runner && mkdir -p update && rm -rf update/staged && mkdir update/staged && \
+         ln -s /etc/byoc-runner/runner.toml update/staged/a && ln -s /usr/lib/byoc-runner update/staged/b && \
+         echo garbage > update/request.json.tmp && mv update/request.json.tmp update/request.json",
+    );
+    let first = w.vm.wait_for(
+        &format!("test \"$(byoc-runner audit export --state-dir /var/lib/byoc-runner | grep -c update_refused)\" -gt {refused}"),
+        Duration::from_secs(300),
+    );
+    assert!(
+        first.is_ok(),
+        "the garbage request was not refused: {first:?}\n{}",
+        w.vm.sh("journalctl -u byoc-runner-update --no-pager -n 40")
+    );
+    // The staged directory itself a link to a root-owned directory, and a rollback
+    // request (switched off): refused as the runner's, not run as root's rollback.
+    w.vm.sh("cp /etc/byoc-runner/runner.toml /root/runner.toml.before-off && \
+             sed -i 's/^mode = \"approve\"/mode = \"off\"/' /etc/byoc-runner/runner.toml && systemctl restart byoc-runner");
+    let kept = w.vm.sh("ls /var/lib/byoc-runner-update/releases | sort | head -1");
+    let request = serde_json::json!({
+        "job_id": "local-rollback-1", "version": kept.trim(), "from_version": before,
+        "package": "p.deb", "package_sha256": "", "sums_sha256": "", "rollback": true, "staged_at_ms": 1,
+    });
+    use base64::Engine as _;
+    let encoded = base64::engine::general_purpose::STANDARD.encode(request.to_string());
+    as_runner(
+        w,
+        &format!(
+            "cd /var/lib/byoc-runner/update && rm -rf staged && ln -s /usr/lib/byoc-runner staged && \
+             echo {encoded} | base64 -d > request.json.tmp && mv request.json.tmp request.json"
+        ),
+    );
+    let second = w.vm.wait_for(
+        "byoc-runner audit export --state-dir /var/lib/byoc-runner | grep update_refused | grep -q 'root.s to ask'",
+        Duration::from_secs(300),
+    );
+    assert!(
+        second.is_ok(),
+        "the runner's rollback request was not refused: {second:?}\n{}",
+        w.vm.sh("journalctl -u byoc-runner-update --no-pager -n 40")
+    );
+    w.vm.sh("cp /root/runner.toml.before-off /etc/byoc-runner/runner.toml && systemctl restart byoc-runner");
+    assert_eq!(w.vm.sh(stat), owners, "an owner or mode changed");
+    assert_eq!(installed_version(w), before, "something was installed");
+    w.vm.sh("runuser -u byoc-runner -- rm -rf /var/lib/byoc-runner/update/staged /var/lib/byoc-runner/update/request.json");
+}
+
 /// A window rule for updates whose window opens hours from now (the guest's clock): the
 /// update is claimed and held, waiting for the window, with nothing fetched, staged or
 /// installed; the vendor's cancel then settles it without it ever running.
@@ -1013,7 +1080,7 @@ fn a_reset_during_a_rollback_comes_back_on_a_working_version(w: &mut World) {
         });
     w.vm.reset(Duration::from_secs(600)).unwrap_or_else(|e| panic!("{e}\n{}", w.vm.serial_tail(60)));
     let settled = w.vm.wait_for(
-        "! test -e /var/lib/byoc-runner/update/request.json && systemctl is-active byoc-runner",
+        "! test -e /var/lib/byoc-runner-update/progress.json && ! test -e /var/lib/byoc-runner-update/rollback.json && systemctl is-active byoc-runner",
         Duration::from_secs(900),
     );
     assert!(
@@ -1256,6 +1323,7 @@ const CASES: &[Case] = &[
         "an_update_outside_the_customers_terms_or_signed_by_another_key_is_refused",
         an_update_outside_the_customers_terms_or_signed_by_another_key_is_refused,
     ),
+    ("the_runners_user_cannot_steer_the_root_updater", the_runners_user_cannot_steer_the_root_updater),
     (
         "an_update_outside_the_maintenance_window_waits_for_it",
         an_update_outside_the_maintenance_window_waits_for_it,

@@ -11,7 +11,7 @@
 //! | `policy.rs` | `policy list/test`, and the hidden `policy-eval`   |
 //! | `sync.rs`   | `sync`                                             |
 //! | `tfstate.rs`| `state list/show` (terraform state on this runner) |
-//! | `update.rs` | `update status/pin/unpin/rollback`, the hidden `update apply` |
+//! | `update.rs` | `update status/pin/unpin/rollback` (the updater is its own binary) |
 
 mod app;
 mod approvals;

@@ -1,13 +1,14 @@
-//! `byoc-runner update status | pin | unpin | rollback` for the customer, and the
-//! hidden `update apply` the updater unit runs (docs/OPERATIONS.md, "Updates").
+//! `byoc-runner update status | pin | unpin | rollback` for the customer
+//! (docs/OPERATIONS.md, "Updates"). The updater itself is `byoc-runner-updater`.
 
 use std::path::{Path, PathBuf};
 
 use clap::Subcommand;
 
 use super::{Output, StateArgs, print_json, state_dir};
-use crate::config::{Config, DEFAULT_CONFIG_PATH};
-use crate::update::{self, apply, release};
+use crate::config::Config;
+use crate::update::{self, release};
+use byoc_updater::apply;
 
 #[derive(Subcommand)]
 pub enum UpdateCmd {
@@ -42,20 +43,6 @@ pub enum UpdateCmd {
         #[command(flatten)]
         root: RootArg,
     },
-    /// The updater: apply the staged update, if any (byoc-runner-update.service).
-    #[command(hide = true)]
-    Apply {
-        #[arg(long, env = "BYOC_RUNNER_CONFIG", default_value = DEFAULT_CONFIG_PATH)]
-        config: PathBuf,
-        /// Default: var/lib/byoc-runner-update under --root.
-        #[arg(long)]
-        updater_dir: Option<PathBuf>,
-        #[command(flatten)]
-        root: RootArg,
-        /// The systemctl that stops and starts byoc-runner.service.
-        #[arg(long, default_value = "systemctl")]
-        systemctl: PathBuf,
-    },
 }
 
 #[derive(clap::Args)]
@@ -71,10 +58,6 @@ pub(super) fn run(cmd: UpdateCmd) -> anyhow::Result<()> {
         UpdateCmd::Pin { state, version } => pin(&state, &version),
         UpdateCmd::Unpin(s) => unpin(&s),
         UpdateCmd::Rollback { state, to, root } => rollback(&state, to.as_deref(), &root.root),
-        UpdateCmd::Apply { config, updater_dir, root, systemctl } => {
-            let updater_dir = updater_dir.unwrap_or_else(|| update::updater_dir(&root.root));
-            apply_staged(&config, updater_dir, root.root, systemctl)
-        }
     }
 }
 
@@ -91,9 +74,8 @@ fn status(s: &StateArgs, root: &Path) -> anyhow::Result<()> {
         .or_else(|| terms.and_then(|t| t.pin.as_ref()).map(|p| format!("{} ([update] pin)", p.as_str())));
     let pending: Option<update::Request> =
         std::fs::read(update::request_path(&dir)).ok().and_then(|b| serde_json::from_slice(&b).ok());
-    let last: Option<update::Outcome> = [updater_dir.join("last.json"), update::outcome_path(&dir)]
-        .iter()
-        .find_map(|p| std::fs::read(p).ok().and_then(|b| serde_json::from_slice(&b).ok()));
+    let last: Option<update::Outcome> =
+        std::fs::read(update::last_path(&updater_dir)).ok().and_then(|b| serde_json::from_slice(&b).ok());
     let kept = kept_versions(&updater_dir);
     let installed = update::installed_version(&update::dpkg_status(root));
     let view = serde_json::json!({
@@ -187,7 +169,9 @@ fn unpin(s: &StateArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Stage a kept release as a rollback request; the updater's path unit applies it.
+/// Ask the updater for a rollback to a kept release: root's request, in the updater's
+/// own directory (no request the runner's user can write is ever a rollback). The
+/// updater verifies the kept release again and its path unit starts it.
 fn rollback(s: &StateArgs, to: Option<&str>, root: &Path) -> anyhow::Result<()> {
     let updater_dir = &update::updater_dir(root);
     anyhow::ensure!(nix::unistd::geteuid().is_root(), "rolling back installs a package: run it as root");
@@ -218,110 +202,26 @@ fn rollback(s: &StateArgs, to: Option<&str>, root: &Path) -> anyhow::Result<()> 
     let paths =
         apply::Paths { state_dir: config.runner.state_dir.clone(), updater_dir: updater_dir.to_path_buf() };
     let kept_key = apply::kept_key(&paths, &target, key);
-    let found = release::verify_signed(&paths.releases().join(&target), &kept_key, &target)
+    release::verify_signed(&paths.releases().join(&target), &kept_key, &target)
         .map_err(|e| anyhow::anyhow!("{target}: {e}"))?;
-    if let Some(min) = apply::read_kept(&paths, &current).min_rollback_version
-        && update::version::compare(&target, &min) == std::cmp::Ordering::Less
-    {
-        anyhow::bail!("{current} may not be rolled back past {min}");
-    }
-    let staged = update::staged_dir(&paths.state_dir);
-    let _ = std::fs::remove_dir_all(&staged);
-    std::fs::create_dir_all(&staged)?;
-    for name in found.files() {
-        let from = found.dir.join(name);
-        if from.exists() {
-            std::fs::copy(&from, staged.join(name))?;
-        }
-    }
-    let request = update::Request {
-        job_id: format!("local-rollback-{}", crate::clock::now_ms()),
+    let request = update::RollbackRequest {
         version: target.clone(),
-        from_version: current.clone(),
-        package: found.package.clone(),
-        package_sha256: found.package_sha256.clone(),
-        sums_sha256: found.sums_sha256.clone(),
-        min_rollback_version: None,
-        rollback: true,
-        staged_at_ms: crate::clock::now_ms(),
+        by: crate::roles::pause::authorize(None).map_err(|e| anyhow::anyhow!("{e}"))?,
+        at_ms: crate::clock::now_ms(),
     };
     crate::state_dir::write(
-        &update::request_path(&paths.state_dir),
+        &update::rollback_path(updater_dir),
         &serde_json::to_vec_pretty(&request)?,
-        0o644,
+        0o600,
     )?;
-    give_to_state_owner(&paths.state_dir)?;
     if s.output == Output::Json {
-        return print_json(&serde_json::json!({ "rollback": request }));
+        return print_json(
+            &serde_json::json!({ "rollback": { "from_version": current, "request": request } }),
+        );
     }
     println!(
         "rolling back {current} -> {target}: the updater drains the runner, installs it and checks its health \
          (journalctl -u byoc-runner-update -f; `byoc-runner update status` shows the outcome)"
     );
     Ok(())
-}
-
-/// What root wrote under `<state dir>/update` belongs to the runner, which removes it.
-fn give_to_state_owner(state_dir: &Path) -> anyhow::Result<()> {
-    use std::os::unix::fs::MetadataExt as _;
-    let meta = std::fs::metadata(state_dir)?;
-    let (uid, gid) =
-        (Some(nix::unistd::Uid::from_raw(meta.uid())), Some(nix::unistd::Gid::from_raw(meta.gid())));
-    let dir = update::dir(state_dir);
-    let mut paths = vec![dir.clone(), update::request_path(state_dir), update::staged_dir(state_dir)];
-    if let Ok(entries) = std::fs::read_dir(update::staged_dir(state_dir)) {
-        paths.extend(entries.filter_map(Result::ok).map(|e| e.path()));
-    }
-    for p in paths {
-        match nix::unistd::chown(&p, uid, gid) {
-            // The updater removes the request once it has an outcome.
-            Ok(()) | Err(nix::errno::Errno::ENOENT) => {}
-            Err(e) => anyhow::bail!("chown {}: {e}", p.display()),
-        }
-    }
-    Ok(())
-}
-
-fn apply_staged(
-    config_path: &Path,
-    updater_dir: PathBuf,
-    root: PathBuf,
-    systemctl: PathBuf,
-) -> anyhow::Result<()> {
-    anyhow::ensure!(nix::unistd::geteuid().is_root(), "the updater installs packages: it runs as root");
-    let config = Config::load(config_path).map_err(|e| anyhow::anyhow!("{e}"))?;
-    let paths = apply::Paths { state_dir: config.runner.state_dir.clone(), updater_dir };
-    std::fs::create_dir_all(paths.releases())?;
-    let host = apply::SystemHost { config: config_path.to_path_buf(), root, systemctl };
-    match apply::run(&host, &config, &paths) {
-        None => println!("no update is staged"),
-        Some(o) => {
-            // The outcome file is the runner's to remove once it is audited.
-            give_to_state_owner(&paths.state_dir)?;
-            println!(
-                "{} {} -> {}{}",
-                o.result,
-                o.from_version,
-                o.to_version,
-                o.reason.as_deref().map(|r| format!(": {r}")).unwrap_or_default()
-            );
-        }
-    }
-    Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn handing_the_update_dir_back_skips_what_the_updater_already_removed() {
-        let d = tempfile::tempdir().unwrap();
-        std::fs::create_dir_all(update::staged_dir(d.path())).unwrap();
-        std::fs::write(update::staged_dir(d.path()).join("SHA256SUMS"), b"x").unwrap();
-        assert!(!update::request_path(d.path()).exists());
-        give_to_state_owner(d.path()).expect("a removed request is not an error");
-        std::fs::write(update::request_path(d.path()), b"{}").unwrap();
-        give_to_state_owner(d.path()).expect("with the request");
-    }
 }

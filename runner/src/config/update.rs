@@ -6,26 +6,8 @@ use super::fields::Fields;
 use crate::update::minisign::PublicKey;
 use crate::update::version::Pin;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum UpdateMode {
-    /// An update the terms allow is applied when it arrives (windows still apply).
-    Auto,
-    /// Each update waits for a local admin's approval (`byoc-runner approve JOB`).
-    #[default]
-    Approve,
-    /// Every update is refused (`update_disabled`).
-    Off,
-}
-
-impl UpdateMode {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            UpdateMode::Auto => "auto",
-            UpdateMode::Approve => "approve",
-            UpdateMode::Off => "off",
-        }
-    }
-}
+/// The same modes the updater reads (it parses `[update]` again itself).
+pub use byoc_updater::terms::UpdateMode;
 
 #[derive(Debug, Clone, Default)]
 pub struct UpdateConfig {

@@ -687,8 +687,9 @@ impl UpdateWatch {
                 .map(|(k, _)| byoc_protocol::sha256_hex(k.verifying_key().as_bytes()))
                 .unwrap_or_default();
             crate::update::record_health(&rt.state_dir, &key, at_ms);
+            crate::update::announce_pending(&rt.state_dir, &crate::update::own_updater_dir());
         }
-        crate::update::record_outcome(&rt.state_dir, rt.audit.as_ref());
+        crate::update::record_outcome(&rt.state_dir, &crate::update::own_updater_dir(), rt.audit.as_ref());
         let pin = std::fs::read(crate::update::pin_path(&rt.state_dir)).ok();
         if self.pin.as_ref().is_some_and(|seen| *seen != pin) {
             let detail = match &pin {

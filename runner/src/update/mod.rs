@@ -14,105 +14,22 @@
 //! it, it reinstalls the kept package. Its outcome (`outcome.json`) is audited by the
 //! daemon that runs afterwards (`record_outcome`), whichever version that is.
 
-pub mod apply;
-pub mod minisign;
-pub mod release;
 pub mod stage;
-pub mod version;
+
+pub use byoc_updater::{
+    Health, LAST_FILE, Outcome, PACKAGED_BINARY, PIN_FILE, PinRecord, Request, RollbackRequest,
+    UPDATER_BINARY, UPDATER_DIR, dir, dpkg_status, health_path, installed_version, last_path, minisign,
+    pin_path, release, request_path, rollback_path, staged_dir, updater_dir, version,
+};
 
 use std::path::{Path, PathBuf};
 
 use byoc_protocol::RejectReason;
-use serde::{Deserialize, Serialize};
 
 use crate::config::{UpdateConfig, UpdateMode};
-use crate::state_dir::StateDir;
 
-pub const PIN_FILE: &str = "update-pin.json";
-/// Where the updater keeps installed releases (root's, outside the daemon's reach).
-pub const UPDATER_DIR: &str = "/var/lib/byoc-runner-update";
-/// The package's binary; a runner started from anywhere else is not a package's.
-pub const PACKAGED_BINARY: &str = "/usr/bin/byoc-runner";
-
-/// `<state dir>/update`.
-pub fn dir(state_dir: &Path) -> PathBuf {
-    state_dir.join("update")
-}
-
-pub fn request_path(state_dir: &Path) -> PathBuf {
-    dir(state_dir).join("request.json")
-}
-
-pub fn outcome_path(state_dir: &Path) -> PathBuf {
-    dir(state_dir).join("outcome.json")
-}
-
-pub fn health_path(state_dir: &Path) -> PathBuf {
-    dir(state_dir).join("health.json")
-}
-
-pub fn staged_dir(state_dir: &Path) -> PathBuf {
-    dir(state_dir).join("staged")
-}
-
-/// A verified release staged for the updater.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Request {
-    pub job_id: String,
-    pub version: String,
-    pub from_version: String,
-    pub package: String,
-    pub package_sha256: String,
-    pub sums_sha256: String,
-    /// The oldest version `byoc-runner update rollback` may go back to after this one.
-    #[serde(default)]
-    pub min_rollback_version: Option<String>,
-    /// A rollback the customer asked for (`byoc-runner update rollback`).
-    #[serde(default)]
-    pub rollback: bool,
-    pub staged_at_ms: u64,
-}
-
-/// What the updater did, for the daemon that runs next to audit and report.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Outcome {
-    /// `applied`, `rolled_back` or `refused` (nothing installed).
-    pub result: String,
-    pub job_id: String,
-    pub from_version: String,
-    pub to_version: String,
-    #[serde(default)]
-    pub from_package_sha256: Option<String>,
-    pub to_package_sha256: String,
-    #[serde(default)]
-    pub reason: Option<String>,
-    #[serde(default)]
-    pub code: Option<String>,
-    pub at_ms: u64,
-}
-
-/// What a daemon says of itself once its first poll was answered: the updater's
-/// evidence that a new version is healthy.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Health {
-    pub version: String,
-    pub pid: u32,
-    pub first_poll_ms: u64,
-    /// SHA-256 of the identity's public key: the audit chain continues with it.
-    pub key_sha256: String,
-}
-
-/// The customer's pin set on the VM (`byoc-runner update pin`).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct PinRecord {
-    pub pin: String,
-    pub by: String,
-    pub at_ms: u64,
-}
-
-pub fn pin_path(state_dir: &Path) -> PathBuf {
-    StateDir::of(state_dir).control().join(PIN_FILE)
-}
+/// In `<state dir>/update`: the digest of the last outcome the daemon audited.
+const AUDITED_FILE: &str = "audited";
 
 /// The pin in force: the CLI's, else the config's. A pin file that cannot be read or
 /// parsed pins to nothing (the customer meant to hold updates back).
@@ -153,29 +70,6 @@ pub fn package_root(exe: &Path) -> Option<&Path> {
     (exe.is_absolute() && exe.ends_with(PACKAGED_BINARY.trim_start_matches('/')))
         .then(|| exe.ancestors().nth(3))
         .flatten()
-}
-
-/// dpkg's status file for packages installed under `root`.
-pub fn dpkg_status(root: &Path) -> PathBuf {
-    root.join("var/lib/dpkg/status")
-}
-
-/// The updater's directory for a package installed under `root`.
-pub fn updater_dir(root: &Path) -> PathBuf {
-    root.join(UPDATER_DIR.trim_start_matches('/'))
-}
-
-/// The installed byoc-runner package's version in a dpkg status file.
-pub fn installed_version(status_file: &Path) -> Option<String> {
-    let text = std::fs::read_to_string(status_file).ok()?;
-    text.split("\n\n").find_map(|stanza| {
-        let field = |name: &str| {
-            stanza.lines().find_map(|l| l.strip_prefix(name).and_then(|v| v.strip_prefix(':')).map(str::trim))
-        };
-        (field("Package") == Some("byoc-runner") && field("Status") == Some("install ok installed"))
-            .then(|| field("Version").map(str::to_string))
-            .flatten()
-    })
 }
 
 /// What a `runner.update` job asks, as its spec says.
@@ -269,20 +163,62 @@ pub fn record_health(state_dir: &Path, key_sha256: &str, at_ms: u64) {
     }
 }
 
-/// Audit what the updater did (once: the outcome file goes when it is recorded).
-pub fn record_outcome(state_dir: &Path, audit: &dyn crate::audit::AuditSink) {
-    let path = outcome_path(state_dir);
+/// The updater's directory of the package this daemon was installed with.
+pub fn own_updater_dir() -> PathBuf {
+    std::env::current_exe()
+        .ok()
+        .and_then(|exe| package_root(&exe).map(updater_dir))
+        .unwrap_or_else(|| PathBuf::from(UPDATER_DIR))
+}
+
+/// Audit what the updater did, once: its `last.json` (root's), whose digest is kept in
+/// `update/audited` when recorded. An outcome that answers the staged request ends it:
+/// the daemon removes its own request and staged release (the updater touches nothing
+/// of the runner's).
+pub fn record_outcome(state_dir: &Path, updater_dir: &Path, audit: &dyn crate::audit::AuditSink) {
+    let path = last_path(updater_dir);
     let Ok(bytes) = std::fs::read(&path) else { return };
-    let record = match serde_json::from_slice::<Outcome>(&bytes) {
-        Ok(o) => outcome_record(&o),
+    let digest = byoc_protocol::sha256_hex(&bytes);
+    let audited = dir(state_dir).join(AUDITED_FILE);
+    if std::fs::read_to_string(&audited).is_ok_and(|seen| seen.trim() == digest) {
+        return;
+    }
+    let outcome = serde_json::from_slice::<Outcome>(&bytes);
+    let record = match &outcome {
+        Ok(o) => outcome_record(o),
         Err(e) => crate::audit_records::note("update_outcome_unreadable", format!("{}: {e}", path.display())),
     };
-    match audit.record(record) {
-        Ok(_) => {
-            let _ = std::fs::remove_file(&path);
-            let _ = std::fs::remove_dir_all(staged_dir(state_dir));
-        }
-        Err(e) => tracing::error!(error = %e, "Could not audit the update's outcome: {e}."),
+    if let Err(e) = audit.record(record) {
+        tracing::error!(error = %e, "Could not audit the update's outcome: {e}.");
+        return;
+    }
+    let noted = std::fs::create_dir_all(dir(state_dir))
+        .and_then(|()| crate::state_dir::write(&audited, digest.as_bytes(), 0o600));
+    if let Err(e) = noted {
+        tracing::error!(error = %e, "Could not note the update's outcome as audited: {e}.");
+    }
+    let answered = outcome.ok().and_then(|o| o.request_sha256);
+    let staged = std::fs::read(request_path(state_dir)).ok().map(|b| byoc_protocol::sha256_hex(&b));
+    if answered.is_some() && answered == staged {
+        let _ = std::fs::remove_file(request_path(state_dir));
+        let _ = std::fs::remove_dir_all(staged_dir(state_dir));
+    }
+}
+
+/// At the daemon's start: a request staged but never answered (the machine reset before
+/// the updater started) is written again, which starts the updater (its path unit
+/// watches the request for changes).
+pub fn announce_pending(state_dir: &Path, updater_dir: &Path) {
+    let Ok(bytes) = std::fs::read(request_path(state_dir)) else { return };
+    let answered = std::fs::read(last_path(updater_dir))
+        .ok()
+        .and_then(|b| serde_json::from_slice::<Outcome>(&b).ok())
+        .and_then(|o| o.request_sha256);
+    if answered.as_deref() == Some(byoc_protocol::sha256_hex(&bytes).as_str()) {
+        return;
+    }
+    if let Err(e) = crate::state_dir::write(&request_path(state_dir), &bytes, 0o644) {
+        tracing::warn!(error = %e, "Could not announce the staged update again: {e}.");
     }
 }
 
@@ -310,6 +246,45 @@ fn outcome_record(o: &Outcome) -> byoc_audit::log::Record {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The updater's outcome (root's directory) is audited once; the runner's request
+    /// and staged release go only once an outcome names that very request.
+    #[test]
+    fn the_updaters_outcome_is_audited_once_and_ends_only_the_request_it_answers() {
+        let (state, updater) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let audit = crate::testing::FakeAudit::default();
+        record_outcome(state.path(), updater.path(), &audit);
+        assert!(audit.events().is_empty(), "no outcome yet");
+        std::fs::create_dir_all(staged_dir(state.path())).unwrap();
+        std::fs::write(request_path(state.path()), b"{\"the\": \"request\"}").unwrap();
+        let outcome = |request_sha256: Option<String>, at_ms| Outcome {
+            result: "refused".into(),
+            job_id: "j".into(),
+            from_version: "0.1.0".into(),
+            to_version: "0.2.0".into(),
+            from_package_sha256: None,
+            to_package_sha256: "d".into(),
+            reason: Some("why".into()),
+            code: Some("update_disabled".into()),
+            at_ms,
+            request_sha256,
+        };
+        // An outcome for another request: audited, the staged request stays.
+        let other = outcome(Some("0".repeat(64)), 1);
+        std::fs::write(last_path(updater.path()), serde_json::to_vec(&other).unwrap()).unwrap();
+        announce_pending(state.path(), updater.path());
+        record_outcome(state.path(), updater.path(), &audit);
+        record_outcome(state.path(), updater.path(), &audit);
+        assert_eq!(audit.events(), ["update_refused"], "audited once");
+        assert!(request_path(state.path()).exists() && staged_dir(state.path()).exists());
+        // The outcome for this request ends it.
+        let digest = byoc_protocol::sha256_hex(&std::fs::read(request_path(state.path())).unwrap());
+        let this = outcome(Some(digest), 2);
+        std::fs::write(last_path(updater.path()), serde_json::to_vec(&this).unwrap()).unwrap();
+        record_outcome(state.path(), updater.path(), &audit);
+        assert_eq!(audit.events(), ["update_refused", "update_refused"]);
+        assert!(!request_path(state.path()).exists() && !staged_dir(state.path()).exists());
+    }
 
     fn config(mode: UpdateMode, pin: Option<&str>) -> UpdateConfig {
         UpdateConfig {
@@ -346,7 +321,7 @@ mod tests {
     fn the_pin_set_on_the_vm_wins_and_a_damaged_one_holds_everything() {
         let d = tempfile::tempdir().unwrap();
         let pinned = config(UpdateMode::Auto, Some(">= 0.2.0"));
-        let control = StateDir::of(d.path()).control();
+        let control = crate::state_dir::StateDir::of(d.path()).control();
         std::fs::create_dir_all(&control).unwrap();
         let rec = PinRecord { pin: "0.2.1".into(), by: "root".into(), at_ms: 1 };
         std::fs::write(pin_path(d.path()), serde_json::to_vec(&rec).unwrap()).unwrap();
@@ -436,7 +411,7 @@ mod pipeline_tests {
     #[tokio::test]
     async fn a_pin_set_on_the_vm_and_an_older_version_are_refused() {
         let f = testing::runtime_with(&terms("auto")).await;
-        std::fs::create_dir_all(StateDir::of(&f.rt.state_dir).control()).unwrap();
+        std::fs::create_dir_all(crate::state_dir::StateDir::of(&f.rt.state_dir).control()).unwrap();
         let pin = PinRecord { pin: ">= 99.0.0, < 99.1.0".into(), by: "root".into(), at_ms: 0 };
         std::fs::write(pin_path(&f.rt.state_dir), serde_json::to_vec(&pin).unwrap()).unwrap();
         assert_eq!(refused(&f, update_job("job-1", "99.1.0")).reason, RejectReason::UpdatePinned);

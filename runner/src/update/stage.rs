@@ -47,7 +47,8 @@ impl ReleaseStager for Stager {
             package: found.package.clone(),
             package_sha256: found.package_sha256.clone(),
             sums_sha256: found.sums_sha256.clone(),
-            min_rollback_version: ask.min_rollback_version.clone(),
+            // A rollback floor from a job spec is never believed: rollback is root's.
+            min_rollback_version: None,
             rollback: false,
             staged_at_ms: crate::clock::now_ms(),
         };
@@ -135,7 +136,8 @@ mod tests {
             (req.version.as_str(), req.from_version.as_str(), req.package.as_str()),
             ("0.2.0", "0.1.0", package.as_str())
         );
-        assert_eq!(req.min_rollback_version.as_deref(), Some("0.1.0"));
+        // The job's rollback floor is not passed on: rollback is root's alone.
+        assert_eq!(req.min_rollback_version, None);
         assert!(staged_dir(state.path()).join(&package).is_file());
         assert_eq!(super::super::pending(state.path()).as_deref(), Some("0.2.0"));
     }

@@ -387,3 +387,22 @@ pub fn run(cmd: &mut std::process::Command) -> std::process::Output {
     );
     out
 }
+
+/// The updater binary (`byoc-runner-updater`, its own crate), built with the profile
+/// under test once per test process: the package ships it beside the runner.
+pub fn updater_bin() -> std::path::PathBuf {
+    static BUILT: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
+    BUILT
+        .get_or_init(|| {
+            let bin = Path::new(BIN).with_file_name("byoc-runner-updater");
+            let mut cargo = std::process::Command::new(env!("CARGO"));
+            cargo.args(["build", "--quiet", "-p", "byoc-runner-updater"]);
+            if Path::new(BIN).parent().is_some_and(|d| d.ends_with("release")) {
+                cargo.arg("--release");
+            }
+            run(cargo.current_dir(repo()));
+            assert!(bin.is_file(), "{} was not built", bin.display());
+            bin
+        })
+        .clone()
+}

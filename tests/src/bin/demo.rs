@@ -967,6 +967,10 @@ impl Installed {
     fn binary(&self) -> PathBuf {
         self.root.join("usr/bin/byoc-runner")
     }
+
+    fn updater(&self) -> PathBuf {
+        self.root.join(byoc_updater::UPDATER_BINARY.trim_start_matches('/'))
+    }
 }
 
 fn run_tool(cmd: &mut std::process::Command) -> anyhow::Result<String> {
@@ -1003,6 +1007,11 @@ fn install_from_package(
     // Debug info stripped: the demo's build is unoptimised and large.
     let stripped = keys.join("byoc-runner");
     run_tool(std::process::Command::new("objcopy").arg("--strip-debug").arg(built).arg(&stripped))?;
+    // The updater, its own binary, built beside the runner (scripts/demo builds it).
+    let updater = keys.join("byoc-runner-updater");
+    let built_updater = built.with_file_name("byoc-runner-updater");
+    run_tool(std::process::Command::new("objcopy").arg("--strip-debug").arg(&built_updater).arg(&updater))
+        .with_context(|| format!("{} (cargo build -p byoc-runner-updater)", built_updater.display()))?;
     for version in [&u.from_version, &u.to_version] {
         let out = releases.join(version);
         run_tool(
@@ -1010,7 +1019,8 @@ fn install_from_package(
                 .arg(&stripped)
                 .arg(&out)
                 .arg(version)
-                .env("BYOC_DEB_COMPRESSION", "none"),
+                .env("BYOC_DEB_COMPRESSION", "none")
+                .env("UPDATER", &updater),
         )?;
         run_tool(
             std::process::Command::new("minisign")
@@ -1022,6 +1032,7 @@ fn install_from_package(
         )?;
     }
     std::fs::remove_file(&stripped)?;
+    std::fs::remove_file(&updater)?;
 
     // An empty dpkg database and user files in the root; the package's scripts honour
     // DPKG_ROOT (its user and group are made in the root's files, nothing on the host).
@@ -1238,8 +1249,9 @@ fn print_cli(runner: &RunnerProcess, args: &[&str]) {
 }
 
 /// Play systemd until the control plane hears `version` from the runner with no update
-/// pending: the updater's path unit (start `update apply` when a request is staged) and
-/// the runner's service (the updater stops and starts it through the demo's systemctl).
+/// pending: the updater's path unit (start the updater when the staged request changes,
+/// or root's rollback request or the updater's progress is there) and the runner's
+/// service (the updater stops and starts it through the demo's systemctl).
 async fn play_systemd(
     installed: &Installed,
     cp: &ControlPlane,
@@ -1249,16 +1261,23 @@ async fn play_systemd(
     wait: Duration,
 ) -> anyhow::Result<()> {
     let request = runner.state_dir.join("update/request.json");
+    let updater_dir = byoc_updater::updater_dir(&installed.root);
+    let asked_by_root =
+        || byoc_updater::rollback_path(&updater_dir).exists() || updater_dir.join("progress.json").exists();
     let updater_log = runner.dir.join("updater.log");
     let deadline = tokio::time::Instant::now() + wait;
     let mut updater: Option<tokio::process::Child> = None;
+    // PathChanged: the request's bytes as the updater was last started for them.
+    let mut seen: Option<Vec<u8>> = None;
     loop {
-        if updater.is_none() && request.exists() {
+        let staged = std::fs::read(&request).ok();
+        let changed = staged.is_some() && staged != seen;
+        if updater.is_none() && (changed || asked_by_root()) {
+            seen = staged;
             let log = std::fs::OpenOptions::new().create(true).append(true).open(&updater_log)?;
-            // The updater is the installed binary, run by itself as root, as the
-            // updater's unit runs it.
-            let child = tokio::process::Command::new(installed.binary())
-                .args(["update", "apply", "--config"])
+            // The updater is the installed one, run as root, as the updater's unit runs it.
+            let child = tokio::process::Command::new(installed.updater())
+                .arg("--config")
                 .arg(&runner.config_path)
                 .arg("--root")
                 .arg(&installed.root)

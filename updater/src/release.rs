@@ -12,8 +12,8 @@ use std::path::{Path, PathBuf};
 
 use sha2::Digest as _;
 
-use super::minisign::{self, PublicKey};
-use super::version;
+use crate::minisign::{self, PublicKey};
+use crate::version;
 
 pub const SUMS: &str = "SHA256SUMS";
 pub const SUMS_SIG: &str = "SHA256SUMS.minisig";
@@ -142,7 +142,7 @@ pub fn verify_signed(dir: &Path, key: &PublicKey, version: &str) -> Result<Relea
     let mut replaces = Vec::new();
     if let Some((digest, _)) = entries.iter().find(|(_, n)| n == DOWNGRADE) {
         let text = read_small(dir, DOWNGRADE)?;
-        if byoc_protocol::sha256_hex(&text) != *digest {
+        if crate::sha256_hex(&text) != *digest {
             return Err(ReleaseError::Digest { file: DOWNGRADE.into() });
         }
         for line in String::from_utf8_lossy(&text).lines().map(str::trim).filter(|l| !l.is_empty()) {
@@ -160,7 +160,7 @@ pub fn verify_signed(dir: &Path, key: &PublicKey, version: &str) -> Result<Relea
         version: found_version,
         arch,
         package_sha256: package_sha256.clone(),
-        sums_sha256: byoc_protocol::sha256_hex(&sums),
+        sums_sha256: crate::sha256_hex(&sums),
         replaces,
         rotated_key,
     })
@@ -292,8 +292,9 @@ pub fn sha256_file(path: &Path) -> Result<String, ReleaseError> {
 }
 
 /// Test releases: a package of any bytes, SHA256SUMS, signed with `key`.
-#[cfg(test)]
-pub(crate) mod fixture {
+#[cfg(any(test, feature = "fixture"))]
+#[allow(clippy::unwrap_used)]
+pub mod fixture {
     use super::*;
 
     pub const KEY_ID: [u8; 8] = [0x51; 8];
@@ -328,7 +329,7 @@ pub(crate) mod fixture {
         names.sort();
         let sums: String = names
             .iter()
-            .map(|n| format!("{}  {n}\n", byoc_protocol::sha256_hex(&std::fs::read(dir.join(n)).unwrap())))
+            .map(|n| format!("{}  {n}\n", crate::sha256_hex(&std::fs::read(dir.join(n)).unwrap())))
             .collect();
         std::fs::write(dir.join(SUMS), &sums).unwrap();
         let (_, sig) = minisign::sign(key, key_id, sums.as_bytes(), "byoc-runner release");
@@ -351,7 +352,7 @@ mod tests {
         let package = release(d.path(), "0.2.0", &[]);
         let r = verify(d.path(), &public_key(), "0.2.0", "0.1.0").unwrap();
         assert_eq!((r.package.as_str(), r.version.as_str()), (package.as_str(), "0.2.0"));
-        assert_eq!(r.package_sha256, byoc_protocol::sha256_hex(b"package 0.2.0"));
+        assert_eq!(r.package_sha256, crate::sha256_hex(b"package 0.2.0"));
     }
 
     #[test]
@@ -362,7 +363,7 @@ mod tests {
         std::fs::write(d.path().join(&package), "package 0.2.0!").unwrap();
         assert_eq!(code(d.path(), "0.2.0", "0.1.0"), "update_digest_mismatch");
         // SHA256SUMS changed to match it: the signature no longer verifies.
-        let sums = format!("{}  {package}\n", byoc_protocol::sha256_hex(b"package 0.2.0!"));
+        let sums = format!("{}  {package}\n", crate::sha256_hex(b"package 0.2.0!"));
         std::fs::write(d.path().join(SUMS), sums).unwrap();
         assert_eq!(code(d.path(), "0.2.0", "0.1.0"), "update_signature_invalid");
         // Signed by a key that is not pinned.
