@@ -15,8 +15,16 @@
 #  7. signal the stack: success only after 6, failure with the reason otherwise.
 #
 # The script avoids the dollar-brace form so CloudFormation's Fn::Sub passes it through.
+# Values are data, never code: the stack hands them over as a file of NAME=value lines
+# (BYOC_PARAMS_FILE, written from a quoted here-document, which the shell never
+# expands), read here without evaluation; every value, from there or the environment,
+# is refused before anything is written if it holds a quote, a backslash, a dollar
+# sign, a backtick or a control character, and checked against its own form. The
+# runner's config is written by the binary (`byoc-runner config write`, TOML's own
+# escaping), and root's writes into the runner's state directory go through the
+# updater's `put-dir`/`put-file` (by descriptor, never through a link).
 #
-# Inputs (environment):
+# Inputs (environment, or the NAME=value lines of BYOC_PARAMS_FILE):
 #   BYOC_INSTALL_ID BYOC_CONTROL_PLANE_URL BYOC_CONTROL_PLANE_KEYS (comma-separated)
 #   BYOC_REGION BYOC_ACCOUNT_ID BYOC_STACK_NAME BYOC_SIGNAL_RESOURCE BYOC_EXTERNAL_ID
 #   BYOC_INSTALL_NAME BYOC_ORG_ID BYOC_APP_ID (only when the app's role names use
@@ -66,15 +74,67 @@ fail() {
     exit 1
 }
 
-for v in BYOC_INSTALL_ID BYOC_CONTROL_PLANE_URL BYOC_CONTROL_PLANE_KEYS BYOC_REGION BYOC_RELEASE_PUBKEY; do
-    [ -n "$(eval echo "\$$v")" ] || fail "$v is not set"
+# The names this script reads; nothing else is taken from the parameters file.
+NAMES="BYOC_INSTALL_ID BYOC_CONTROL_PLANE_URL BYOC_CONTROL_PLANE_KEYS BYOC_REGION BYOC_ACCOUNT_ID
+BYOC_STACK_NAME BYOC_SIGNAL_RESOURCE BYOC_EXTERNAL_ID BYOC_INSTALL_NAME BYOC_ORG_ID BYOC_APP_ID
+BYOC_STATE_BUCKET BYOC_ADMIN_GROUP BYOC_BOOTSTRAP_SECRET BYOC_RELEASE_PUBKEY BYOC_UPDATE_MODE
+BYOC_AUDIT_BUCKET BYOC_AUDIT_LOG_GROUP BYOC_AUDIT_OTLP_ENDPOINT BYOC_AUDIT_OTLP_CA
+BYOC_AUTOSCALING_GROUP BYOC_LIFECYCLE_HOOK BYOC_RELEASE_URL"
+if [ -n "$BYOC_PARAMS_FILE" ]; then
+    [ -f "$BYOC_PARAMS_FILE" ] && [ ! -L "$BYOC_PARAMS_FILE" ] || fail "BYOC_PARAMS_FILE $BYOC_PARAMS_FILE is not a file"
+    while IFS= read -r line || [ -n "$line" ]; do
+        [ -n "$line" ] || continue
+        name="$(printf '%s' "$line" | cut -d= -f1)"
+        value="$(printf '%s' "$line" | cut -d= -f2-)"
+        case " $(printf '%s' "$NAMES" | tr '\n' ' ') " in
+            *" $name "*) export "$name=$value" ;;
+            *) fail "the parameters file names $name, which is not one of this script's inputs" ;;
+        esac
+    done < "$BYOC_PARAMS_FILE"
+fi
+
+# The value of the variable named $1 (one of NAMES: the name is this script's, the
+# value is only ever expanded inside double quotes).
+val() { eval "printf '%s' \"\$$1\""; }
+
+# Data, never code: no value may hold what a shell or TOML would read as syntax.
+nl='
+'
+for v in $NAMES; do
+    value="$(val "$v")"
+    case "$value" in
+        *"'"* | *'"'* | *'\'* | *'$'* | *'`'* | *"$nl"* | *[[:cntrl:]]*)
+            fail "$v holds a quote, a backslash, a dollar sign, a backtick or a control character: refused" ;;
+    esac
 done
+
+for v in BYOC_INSTALL_ID BYOC_CONTROL_PLANE_URL BYOC_CONTROL_PLANE_KEYS BYOC_REGION BYOC_RELEASE_PUBKEY; do
+    [ -n "$(val "$v")" ] || fail "$v is not set"
+done
+# Each value's own form (the install stack's parameter patterns, checked again here).
+form() {
+    # $1: variable name, $2: extended regular expression the whole value must match, $3: what it is.
+    value="$(val "$1")"
+    [ -z "$value" ] || printf '%s' "$value" | grep -Eqx -- "$2" || fail "$1 is not $3"
+}
+form BYOC_INSTALL_ID '[a-z0-9][a-z0-9-]{2,40}' "an install id (lower-case letters, digits and -)"
+form BYOC_CONTROL_PLANE_URL 'https://[A-Za-z0-9.-]+(:[0-9]{1,5})?(/[A-Za-z0-9._~/%-]*)?' "an https:// URL"
+form BYOC_CONTROL_PLANE_KEYS '[A-Za-z0-9+/]{43}=(,[A-Za-z0-9+/]{43}=)*' "comma-separated base64 Ed25519 keys"
+form BYOC_RELEASE_PUBKEY '[A-Za-z0-9+/]{54}[A-Za-z0-9+/=]{2}' "a minisign public key line"
+form BYOC_REGION '[a-z]{2}(-[a-z]+)+-[0-9]{1,2}' "an AWS region"
+form BYOC_RELEASE_URL 'https://[A-Za-z0-9.-]+(:[0-9]{1,5})?(/[A-Za-z0-9._~/%-]*)?' "an https:// URL"
+form BYOC_EXTERNAL_ID '[A-Za-z0-9+=,.@:/_-]{2,1224}' "an ExternalId (letters, digits and +=,.@:/_-)"
+form BYOC_STACK_NAME '[A-Za-z][A-Za-z0-9-]{0,127}' "a stack name"
+form BYOC_SIGNAL_RESOURCE '[A-Za-z0-9]{1,255}' "a logical resource id"
+form BYOC_BOOTSTRAP_SECRET 'arn:aws[a-z-]*:secretsmanager:[a-z0-9-]+:[0-9]{12}:secret:[A-Za-z0-9/_+=.@-]+' "a Secrets Manager ARN"
+form BYOC_STATE_BUCKET '[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]' "an S3 bucket name"
+form BYOC_AUDIT_OTLP_CA '[A-Za-z0-9+/=]+' "base64"
 if [ -n "$BYOC_ADMIN_GROUP" ]; then
     printf '%s' "$BYOC_ADMIN_GROUP" | grep -Eqx '[a-z_][a-z0-9_-]{0,31}' \
         || fail "BYOC_ADMIN_GROUP is not a group name (lower-case letters, digits, _ and -)"
 fi
 for v in BYOC_ACCOUNT_ID BYOC_INSTALL_NAME BYOC_ORG_ID BYOC_APP_ID; do
-    value="$(eval echo "\$$v")"
+    value="$(val "$v")"
     [ -z "$value" ] || printf '%s' "$value" | grep -Eqx '[A-Za-z0-9_.-]{1,128}' \
         || fail "$v is not 1-128 of letters, digits, '_', '.' and '-'"
 done
@@ -149,70 +209,16 @@ cp "$work/$deb" "$work/SHA256SUMS" "$work/SHA256SUMS.minisig" "$kept/" || fail "
 gid="$(awk -F: '$1 == "byoc-runner" { print $3 }' "$ROOT/etc/group")"
 uid="$(awk -F: '$1 == "byoc-runner" { print $3 }' "$ROOT/etc/passwd")"
 [ -n "$gid" ] && [ -n "$uid" ] || fail "the package did not create the byoc-runner user"
-keys=""
-for k in $(printf '%s' "$BYOC_CONTROL_PLANE_KEYS" | tr ',' ' '); do
-    keys="$keys\"$k\", "
-done
 conf="$ROOT/etc/byoc-runner/runner.toml"
-{
-    echo "# Written by the install stack's user-data; re-running it rewrites this file."
-    echo "[control_plane]"
-    echo "url = \"$BYOC_CONTROL_PLANE_URL\""
-    echo "public_keys = [$keys]"
-    echo
-    echo "[runner]"
-    echo "install_id = \"$BYOC_INSTALL_ID\""
-    echo "bootstrap_token_file = \"/var/lib/byoc-runner/bootstrap-token\""
-    echo
-    echo "[aws]"
-    echo "region = \"$BYOC_REGION\""
-    [ -z "$BYOC_ACCOUNT_ID" ] || echo "account_id = \"$BYOC_ACCOUNT_ID\""
-    echo
-    echo "[roles]"
-    [ -z "$BYOC_STACK_NAME" ] || echo "stack_name = \"$BYOC_STACK_NAME\""
-    [ -z "$BYOC_EXTERNAL_ID" ] || echo "external_id = \"$BYOC_EXTERNAL_ID\""
-    [ -z "$BYOC_ADMIN_GROUP" ] || echo "admin_group = \"$BYOC_ADMIN_GROUP\""
-    # Values the app's role names may use ({{.install.name}}, {{.org.id}}, {{.app.id}}).
-    [ -z "$BYOC_INSTALL_NAME" ] || echo "install_name = \"$BYOC_INSTALL_NAME\""
-    [ -z "$BYOC_ORG_ID" ] || echo "org_id = \"$BYOC_ORG_ID\""
-    [ -z "$BYOC_APP_ID" ] || echo "app_id = \"$BYOC_APP_ID\""
-    echo
-    echo "[lifecycle]"
-    echo "# A Spot interruption or an Auto Scaling termination drains the runner."
-    echo "watch = true"
-    if [ -n "$BYOC_AUTOSCALING_GROUP" ] && [ -n "$BYOC_LIFECYCLE_HOOK" ]; then
-        echo "autoscaling_group = \"$BYOC_AUTOSCALING_GROUP\""
-        echo "lifecycle_hook = \"$BYOC_LIFECYCLE_HOOK\""
-    fi
-    echo
-    echo "[update]"
-    echo "mode = \"$BYOC_UPDATE_MODE\""
-    echo "release_public_key = \"$BYOC_RELEASE_PUBKEY\""
-    if [ -n "$BYOC_STATE_BUCKET" ]; then
-        echo
-        echo "[terraform.state]"
-        echo "bucket = \"$BYOC_STATE_BUCKET\""
-    fi
-    if [ -n "$BYOC_AUDIT_BUCKET" ]; then
-        echo
-        echo "[audit.export.s3]"
-        echo "bucket = \"$BYOC_AUDIT_BUCKET\""
-    fi
-    if [ -n "$BYOC_AUDIT_LOG_GROUP" ]; then
-        echo
-        echo "[audit.export.cloudwatch]"
-        echo "log_group = \"$BYOC_AUDIT_LOG_GROUP\""
-    fi
-    if [ -n "$BYOC_AUDIT_OTLP_ENDPOINT" ]; then
-        echo
-        echo "[audit.export.otlp]"
-        echo "endpoint = \"$BYOC_AUDIT_OTLP_ENDPOINT\""
-        [ -z "$BYOC_AUDIT_OTLP_CA" ] || echo "ca_file = \"/etc/byoc-runner/otlp-ca.pem\""
-    fi
-} > "$conf.new"
+updater="$ROOT/usr/lib/byoc-runner/byoc-runner-updater"
+[ -x "$updater" ] || fail "the package did not install $updater"
 if [ -n "$BYOC_AUDIT_OTLP_ENDPOINT" ] && [ -n "$BYOC_AUDIT_OTLP_CA" ]; then
     install -m 0644 "$work/otlp-ca.pem" "$ROOT/etc/byoc-runner/otlp-ca.pem" || fail "writing the collector's CA"
+    export BYOC_AUDIT_OTLP_CA_FILE=/etc/byoc-runner/otlp-ca.pem
 fi
+export BYOC_AUDIT_BUCKET BYOC_AUDIT_LOG_GROUP BYOC_UPDATE_MODE
+rm -f "$conf.new"
+"$ROOT/usr/bin/byoc-runner" config write --out "$conf.new" >/dev/null || fail "writing runner.toml (byoc-runner config write)"
 chown "0:$gid" "$conf.new"
 chmod 0640 "$conf.new"
 mv "$conf.new" "$conf"
@@ -225,15 +231,16 @@ mv "$conf.new" "$conf"
 if [ ! -e "$ROOT/var/lib/byoc-runner/enrollment.json" ]; then
     [ -n "$BYOC_BOOTSTRAP_SECRET" ] || fail "not enrolled yet and BYOC_BOOTSTRAP_SECRET is not set"
     install -d -m 0700 -o "$uid" -g "$gid" "$ROOT/var/lib/byoc-runner" || fail "creating /var/lib/byoc-runner"
-    token_file="$ROOT/var/lib/byoc-runner/bootstrap-token"
+    # Read into root's own temporary directory, then put in place by descriptor: the
+    # state directory is the runner's user's, and a link planted there is never followed.
     (
         umask 077
         aws secretsmanager get-secret-value --region "$BYOC_REGION" --secret-id "$BYOC_BOOTSTRAP_SECRET" \
-            --query SecretString --output text > "$token_file.new"
+            --query SecretString --output text > "$work/bootstrap-token"
     ) || fail "reading the bootstrap token from Secrets Manager"
-    [ -s "$token_file.new" ] || fail "the bootstrap token secret is empty"
-    chown "$uid:$gid" "$token_file.new"
-    mv "$token_file.new" "$token_file"
+    [ -s "$work/bootstrap-token" ] || fail "the bootstrap token secret is empty"
+    "$updater" put-file "$ROOT/var/lib/byoc-runner/bootstrap-token" --mode 0600 --owner "$uid:$gid" \
+        < "$work/bootstrap-token" || fail "writing the bootstrap token"
 fi
 
 # 5b. The admin group: control/ and what is in it belong to it (2770: the set-group-ID
@@ -251,8 +258,10 @@ if [ -n "$BYOC_ADMIN_GROUP" ]; then
     agid="$(admin_gid)"
     [ -n "$agid" ] || fail "group $BYOC_ADMIN_GROUP does not exist"
     install -d -m 0700 -o "$uid" -g "$gid" "$ROOT/var/lib/byoc-runner" || fail "creating /var/lib/byoc-runner"
+    # By descriptor: a link the runner's user left at one of these names is replaced,
+    # never followed (a re-run must not hand a directory elsewhere to the group).
     for d in control control/audit-inbox control/approvals; do
-        install -d -m 2770 -o "$uid" -g "$agid" "$ROOT/var/lib/byoc-runner/$d" \
+        "$updater" put-dir "$ROOT/var/lib/byoc-runner/$d" --mode 2770 --owner "$uid:$agid" \
             || fail "giving /var/lib/byoc-runner/$d to $BYOC_ADMIN_GROUP"
     done
 fi

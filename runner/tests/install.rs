@@ -323,7 +323,7 @@ fn user_data_writes_the_values_role_names_use() {
         &[("BYOC_ORG_ID", "x\"\n[control_plane]\nurl = \"http://evil")],
     );
     assert!(!o.status.success());
-    assert!(String::from_utf8_lossy(&o.stderr).contains("BYOC_ORG_ID is not 1-128 of letters"));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("BYOC_ORG_ID holds a quote"));
     assert!(!other.path().join("etc/byoc-runner/runner.toml").exists());
 }
 
@@ -347,14 +347,13 @@ fn user_data_writes_the_customers_audit_copies() {
     let o = user_data_with(r, &release, &bin, &values);
     assert!(o.status.success(), "user-data failed: {}", String::from_utf8_lossy(&o.stderr));
     let text = std::fs::read_to_string(r.join("etc/byoc-runner/runner.toml")).unwrap();
-    for section in [
-        // The bucket the stack created has a fixed name.
-        "[audit.export.s3]\nbucket = \"inst-demo-audit-123456789012\"",
-        "[audit.export.cloudwatch]\nlog_group = \"/acme/audit\"",
-        "[audit.export.otlp]\nendpoint = \"https://otel.acme.example\"\nca_file = \"/etc/byoc-runner/otlp-ca.pem\"",
-    ] {
-        assert!(text.contains(section), "{section} in {text}");
-    }
+    let doc: toml::Table = text.parse().unwrap();
+    let export = &doc["audit"]["export"];
+    // The bucket the stack created has a fixed name.
+    assert_eq!(export["s3"]["bucket"].as_str(), Some("inst-demo-audit-123456789012"), "{text}");
+    assert_eq!(export["cloudwatch"]["log_group"].as_str(), Some("/acme/audit"), "{text}");
+    assert_eq!(export["otlp"]["endpoint"].as_str(), Some("https://otel.acme.example"), "{text}");
+    assert_eq!(export["otlp"]["ca_file"].as_str(), Some("/etc/byoc-runner/otlp-ca.pem"), "{text}");
     assert_eq!(std::fs::read_to_string(r.join("etc/byoc-runner/otlp-ca.pem")).unwrap(), pki.ca_pem);
 
     // Without them: no copy.
@@ -365,18 +364,17 @@ fn user_data_writes_the_customers_audit_copies() {
     );
 
     for (var, value, why) in [
-        (
-            "BYOC_AUDIT_BUCKET",
-            "x\"\n[control_plane]\nurl = \"http://evil",
-            "BYOC_AUDIT_BUCKET is not an S3 bucket name",
-        ),
+        ("BYOC_AUDIT_BUCKET", "x\"\n[control_plane]\nurl = \"http://evil", "BYOC_AUDIT_BUCKET holds a quote"),
+        ("BYOC_AUDIT_BUCKET", "Not_A_Bucket", "BYOC_AUDIT_BUCKET is not an S3 bucket name"),
         ("BYOC_AUDIT_OTLP_ENDPOINT", "http://otel.acme.example", "must be an https:// URL"),
         (
             "BYOC_AUTOSCALING_GROUP",
             "g\"\n[control_plane]\nurl = \"http://evil",
-            "not an Auto Scaling group name",
+            "BYOC_AUTOSCALING_GROUP holds a quote",
         ),
-        ("BYOC_LIFECYCLE_HOOK", "hook\"\nwatch = false", "not a lifecycle hook name"),
+        ("BYOC_AUTOSCALING_GROUP", "g g", "not an Auto Scaling group name"),
+        ("BYOC_LIFECYCLE_HOOK", "hook\"\nwatch = false", "BYOC_LIFECYCLE_HOOK holds a quote"),
+        ("BYOC_LIFECYCLE_HOOK", "hook.1", "not a lifecycle hook name"),
         ("BYOC_AUDIT_OTLP_CA", "bm90IGEgY2VydA==", "holds no PEM certificate"),
     ] {
         let other = throwaway_root();
@@ -408,15 +406,14 @@ fn user_data_installs_configures_starts_and_then_signals_and_is_safe_to_rerun() 
     let text = std::fs::read_to_string(&conf).unwrap();
     for needle in [
         "url = \"https://cp.vendor.example\"",
-        "public_keys = [\"11qYAYKxCrfVS/7TyWQHOg7hcvPapiMlrwIaaPcHURo=\", ]",
+        "public_keys = [\"11qYAYKxCrfVS/7TyWQHOg7hcvPapiMlrwIaaPcHURo=\"]",
         "install_id = \"inst-demo\"",
         "stack_name = \"byoc-install-demo\"",
         "external_id = \"ext-123\"",
         "region = \"eu-west-1\"",
         "[terraform.state]\nbucket = \"inst-demo-state-123456789012\"",
         // On EC2 the runner hands over when the instance is being replaced.
-        "[lifecycle]\n# A Spot interruption or an Auto Scaling termination drains the runner.\nwatch = true\n\
-         autoscaling_group = \"inst-demo-byoc-runners\"\nlifecycle_hook = \"byoc-drain\"\n",
+        "[lifecycle]\nautoscaling_group = \"inst-demo-byoc-runners\"\nlifecycle_hook = \"byoc-drain\"\nwatch = true\n",
         // The runner's own updates: approve by default, the key user-data verified with.
         "[update]\nmode = \"approve\"",
     ] {
@@ -523,4 +520,103 @@ fn user_data_refuses_a_tampered_package_a_tampered_checksum_file_and_a_foreign_k
     let root = throwaway_root();
     let o = user_data(root.path(), &release, &stubs(work.path()));
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+}
+
+/// Values that would be code in a shell or syntax in TOML, from the environment or the
+/// stack's parameters file: refused before anything is written or installed, and the
+/// command in them never runs.
+#[test]
+fn user_data_refuses_a_value_that_is_code_before_writing_anything() {
+    let release = signed_release();
+    let work = tempfile::tempdir().unwrap();
+    let bin = stubs(work.path());
+    let marker = work.path().join("pwned");
+    let hostile = [
+        ("BYOC_CONTROL_PLANE_URL", format!("https://x/';touch {}>/dev/null;'", marker.display())),
+        ("BYOC_EXTERNAL_ID", format!("ext-$(touch {})", marker.display())),
+        ("BYOC_EXTERNAL_ID", "ext\"\n[sandbox]\nenabled = false".to_string()),
+        ("BYOC_STACK_NAME", format!("stack`touch {}`", marker.display())),
+        ("BYOC_INSTALL_ID", "inst-demo\\".to_string()),
+    ];
+    for (name, value) in hostile {
+        let root = throwaway_root();
+        let o = user_data_with(root.path(), &release, &bin, &[(name, value.as_str())]);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success(), "{name}={value:?} was accepted");
+        assert!(err.contains(&format!("{name} holds a quote")), "{name}: {err}");
+        assert!(!root.path().join("etc/byoc-runner/runner.toml").exists(), "{name}: a config was written");
+        assert_eq!(
+            std::fs::read_to_string(root.path().join("var/lib/dpkg/status")).unwrap(),
+            "",
+            "{name}: installed"
+        );
+        assert!(!marker.exists(), "{name}: the value ran as a command");
+    }
+    // The stack's way: a file of NAME=value lines, read as data.
+    let params = work.path().join("params");
+    std::fs::write(&params, format!("BYOC_EXTERNAL_ID=ext-$(touch {})\n", marker.display())).unwrap();
+    let root = throwaway_root();
+    let p = params.to_string_lossy().into_owned();
+    let o = user_data_with(root.path(), &release, &bin, &[("BYOC_PARAMS_FILE", p.as_str())]);
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("BYOC_EXTERNAL_ID holds a quote"));
+    assert!(!marker.exists() && !root.path().join("etc/byoc-runner/runner.toml").exists());
+    std::fs::write(&params, "PATH=/tmp/evil\n").unwrap();
+    let o = user_data_with(root.path(), &release, &bin, &[("BYOC_PARAMS_FILE", p.as_str())]);
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("names PATH, which is not one of this script's inputs")
+    );
+    // A good parameters file installs like the environment does.
+    std::fs::write(&params, "BYOC_EXTERNAL_ID=ext-from-the-stack\nBYOC_ADMIN_GROUP=\n").unwrap();
+    let o = user_data_with(root.path(), &release, &bin, &[("BYOC_PARAMS_FILE", p.as_str())]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let text = std::fs::read_to_string(root.path().join("etc/byoc-runner/runner.toml")).unwrap();
+    assert!(text.contains("external_id = \"ext-from-the-stack\""), "{text}");
+}
+
+/// A re-run of user-data after the runner's user planted links where root writes
+/// (`control/audit-inbox` to a root-owned directory, the bootstrap token to a root-owned
+/// file): the link is replaced, its target keeps its owner, mode and bytes.
+#[test]
+fn a_rerun_of_user_data_follows_no_link_the_runners_user_planted() {
+    let release = signed_release();
+    let work = tempfile::tempdir().unwrap();
+    let bin = stubs(work.path());
+    let root = throwaway_root();
+    let r = root.path();
+    let o = user_data_with(r, &release, &bin, &[("BYOC_ADMIN_GROUP", "byoc-ops")]);
+    assert!(o.status.success(), "user-data failed: {}", String::from_utf8_lossy(&o.stderr));
+    let outside = work.path().join("root-owned");
+    std::fs::create_dir(&outside).unwrap();
+    std::fs::set_permissions(&outside, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let secret = work.path().join("root-secret");
+    std::fs::write(&secret, "root's own").unwrap();
+    std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let state = r.join("var/lib/byoc-runner");
+    std::fs::remove_dir_all(state.join("control/audit-inbox")).unwrap();
+    std::os::unix::fs::symlink(&outside, state.join("control/audit-inbox")).unwrap();
+    let _ = std::fs::remove_file(state.join("bootstrap-token"));
+    std::os::unix::fs::symlink(&secret, state.join("bootstrap-token")).unwrap();
+    let before = |p: &Path| {
+        let m = std::fs::metadata(p).unwrap();
+        (m.uid(), m.gid(), m.mode())
+    };
+    let (outside_was, secret_was) = (before(&outside), before(&secret));
+
+    let o = user_data_with(r, &release, &bin, &[("BYOC_ADMIN_GROUP", "byoc-ops")]);
+    assert!(o.status.success(), "re-run failed: {}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(before(&outside), outside_was, "the planted link's directory changed owner or mode");
+    assert_eq!(
+        (before(&secret), std::fs::read_to_string(&secret).unwrap().as_str()),
+        (secret_was, "root's own")
+    );
+    let inbox = std::fs::symlink_metadata(state.join("control/audit-inbox")).unwrap();
+    assert!(inbox.is_dir() && inbox.mode() & 0o7777 == 0o2770, "the inbox is a real directory again");
+    let token = std::fs::symlink_metadata(state.join("bootstrap-token")).unwrap();
+    assert!(token.is_file() && token.mode() & 0o7777 == 0o600);
+    assert_eq!(token.uid(), id_of(r, "etc/passwd", "byoc-runner"));
+    assert_eq!(
+        std::fs::read_to_string(state.join("bootstrap-token")).unwrap().trim(),
+        "bootstrap-token-from-secrets-manager"
+    );
 }

@@ -44,6 +44,81 @@ fn cfn_lint_passes_and_the_template_embeds_the_current_user_data() {
     assert!(check.status.success(), "{}", String::from_utf8_lossy(&check.stderr));
 }
 
+/// Characters that are syntax in a shell or in TOML.
+const SYNTAX: [char; 7] = ['\'', '"', '\\', '$', '`', '\n', '\r'];
+
+/// Whether a string matching `pattern` (CloudFormation's AllowedPattern: the whole
+/// value) can hold one of `SYNTAX`: every literal and class of its syntax tree checked.
+fn pattern_admits_syntax(pattern: &str) -> bool {
+    use regex_syntax::hir::{Class, Hir, HirKind};
+    fn walk(h: &Hir) -> bool {
+        match h.kind() {
+            HirKind::Literal(l) => String::from_utf8_lossy(&l.0).chars().any(|c| SYNTAX.contains(&c)),
+            HirKind::Class(Class::Unicode(u)) => {
+                u.ranges().iter().any(|r| SYNTAX.iter().any(|&c| r.start() <= c && c <= r.end()))
+            }
+            HirKind::Class(Class::Bytes(b)) => b.ranges().iter().any(|r| {
+                SYNTAX.iter().any(|&c| (c as u32) >= r.start() as u32 && (c as u32) <= r.end() as u32)
+            }),
+            HirKind::Repetition(r) => walk(&r.sub),
+            HirKind::Capture(c) => walk(&c.sub),
+            HirKind::Concat(v) | HirKind::Alternation(v) => v.iter().any(walk),
+            HirKind::Empty | HirKind::Look(_) => false,
+        }
+    }
+    walk(&regex_syntax::parse(pattern).unwrap_or_else(|e| panic!("{pattern}: {e}")))
+}
+
+/// CloudFormation parameters reach the instance as data: every parameter the UserData
+/// names has a pattern (or a list of values) that admits no quote, backslash, dollar
+/// sign, backtick or newline, and the names appear only inside the quoted
+/// here-document the script reads as NAME=value lines.
+#[test]
+fn no_parameter_the_user_data_reads_can_carry_shell_or_toml_syntax() {
+    let t = template();
+    let lt = &t["Resources"]["RunnerLaunchTemplate"]["Properties"]["LaunchTemplateData"];
+    let sub = lt["UserData"]["Fn::Base64"]["Fn::Sub"].as_str().unwrap();
+    let (head, rest) = sub.split_once("<<'BYOC_PARAMS_END'\n").expect("a quoted here-document");
+    let (params, script) = rest.split_once("\nBYOC_PARAMS_END\n").expect("its end");
+    assert!(!head.contains("${") && !script.contains("${"), "a parameter outside the here-document");
+    let mut checked = 0;
+    for line in params.lines() {
+        let (name, value) = line.split_once('=').unwrap_or_else(|| panic!("{line:?} is not NAME=value"));
+        assert!(name.starts_with("BYOC_"), "{line}");
+        for reference in value.split("${").skip(1) {
+            let param = reference.split('}').next().unwrap().split('.').next().unwrap();
+            if param.starts_with("AWS::") || t["Resources"].get(param).is_some() {
+                continue; // the stack's own names and ARNs
+            }
+            let p = &t["Parameters"][param];
+            assert!(p.is_object(), "{param} is not a parameter");
+            if let Some(values) = p["AllowedValues"].as_array() {
+                // (YAML reads `off` as a boolean: its text is what CloudFormation passes.)
+                let text =
+                    |v: &serde_json::Value| v.as_str().map(str::to_string).unwrap_or_else(|| v.to_string());
+                assert!(values.iter().all(|v| !text(v).contains(SYNTAX)), "{param}");
+            } else {
+                let pattern =
+                    p["AllowedPattern"].as_str().unwrap_or_else(|| panic!("{param} has no AllowedPattern"));
+                assert!(
+                    !pattern_admits_syntax(pattern),
+                    "{param}'s pattern {pattern} admits shell or TOML syntax"
+                );
+            }
+            checked += 1;
+        }
+    }
+    assert!(checked >= 13, "only {checked} parameters found in the here-document");
+    // The one the issue was found with, as Fn::Sub would substitute it.
+    let url = regex_syntax::parse(&format!(
+        "^(?:{})$",
+        t["Parameters"]["ControlPlaneUrl"]["AllowedPattern"].as_str().unwrap()
+    ))
+    .unwrap();
+    assert!(pattern_admits_syntax("https://.+"), "the checker sees the old pattern's hole");
+    drop(url);
+}
+
 #[test]
 fn the_template_is_hardened_as_promised() {
     let t = template();
@@ -61,7 +136,7 @@ fn the_template_is_hardened_as_promised() {
     // The bootstrap token lives in Secrets Manager; user-data only names the secret.
     let user_data = lt["UserData"]["Fn::Base64"]["Fn::Sub"].as_str().unwrap();
     assert!(!user_data.contains("${BootstrapToken}"));
-    assert!(user_data.contains("BYOC_BOOTSTRAP_SECRET='${BootstrapSecret}'"));
+    assert!(user_data.contains("\nBYOC_BOOTSTRAP_SECRET=${BootstrapSecret}\n"));
     assert_eq!(r["BootstrapSecret"]["Properties"]["SecretString"]["Ref"], "BootstrapToken");
     assert_eq!(t["Parameters"]["BootstrapToken"]["NoEcho"], true);
     // The admin group is the customer's choice, root only by default, a plain name.
@@ -84,11 +159,11 @@ fn the_template_is_hardened_as_promised() {
     // The runner drains within the hook's wait (its own default, which user-data keeps).
     assert_eq!(hook["HeartbeatTimeout"], 300);
     assert!(
-        user_data.contains(&format!("BYOC_LIFECYCLE_HOOK='{}'", hook["LifecycleHookName"].as_str().unwrap()))
+        user_data.contains(&format!("BYOC_LIFECYCLE_HOOK={}\n", hook["LifecycleHookName"].as_str().unwrap()))
     );
-    assert!(user_data.contains("BYOC_AUTOSCALING_GROUP='${InstallId}-byoc-runners'"));
+    assert!(user_data.contains("BYOC_AUTOSCALING_GROUP=${InstallId}-byoc-runners\n"));
     assert_eq!(group["Properties"]["AutoScalingGroupName"]["Fn::Sub"], "${InstallId}-byoc-runners");
-    assert!(user_data.contains("BYOC_SIGNAL_RESOURCE='RunnerGroup'"));
+    assert!(user_data.contains("BYOC_SIGNAL_RESOURCE=RunnerGroup\n"));
     // The subnet is the group's: a launch template's would conflict with it.
     assert!(lt["NetworkInterfaces"][0].get("SubnetId").is_none());
     assert!(group["Properties"]["VPCZoneIdentifier"][0].get("Fn::If").is_some());
@@ -163,7 +238,7 @@ fn the_template_is_hardened_as_promised() {
         "AuditKey"
     );
     assert_eq!(bucket["DeletionPolicy"], "Retain");
-    assert!(user_data.contains("BYOC_AUDIT_BUCKET='${AuditBucket}'"));
+    assert!(user_data.contains("BYOC_AUDIT_BUCKET=${AuditBucket}\n"));
     assert_eq!(t["Parameters"]["AuditBucket"]["Default"], "", "no copy unless the customer asks");
     // Every lifecycle role: created only when switched on, trusting only the runner's
     // role with the ExternalId, its ARN an output under the same condition.
@@ -220,7 +295,7 @@ fn the_template_is_hardened_as_promised() {
         (Some("Deny"), Some("false"))
     );
     assert_eq!(t["Outputs"]["StateBucketName"]["Value"]["Ref"], "StateBucket");
-    assert!(user_data.contains("BYOC_STATE_BUCKET='${StateBucket}'"));
+    assert!(user_data.contains("BYOC_STATE_BUCKET=${StateBucket}\n"));
     // The roles reach only their install's keys.
     let access = &r["StateAccess"]["Properties"]["PolicyDocument"]["Statement"];
     assert_eq!(access[1]["Resource"]["Fn::Sub"], "${StateBucket.Arn}/${InstallId}/*");
@@ -468,7 +543,7 @@ async fn a_single_file_app_with_free_role_names_makes_a_stack_that_creates() {
         ]
     );
     let user_data = r["RunnerLaunchTemplate"]["Properties"]["LaunchTemplateData"]["UserData"].to_string();
-    for export in ["BYOC_INSTALL_NAME='${InstallName}'", "BYOC_ORG_ID='${OrgId}'", "BYOC_APP_ID='${AppId}'"] {
+    for export in ["BYOC_INSTALL_NAME=${InstallName}", "BYOC_ORG_ID=${OrgId}", "BYOC_APP_ID=${AppId}"] {
         assert!(user_data.contains(export), "{export}");
     }
     let moto = MotoServer::start().await;

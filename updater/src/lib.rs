@@ -18,6 +18,7 @@
 pub mod apply;
 pub mod hostile;
 pub mod minisign;
+pub mod place;
 pub mod release;
 pub mod terms;
 pub mod version;

@@ -16,7 +16,53 @@ usage: byoc-runner-updater [--config PATH] [--root DIR] [--updater-dir DIR] [--s
                       default $BYOC_RUNNER_CONFIG or /etc/byoc-runner/runner.toml
   --root DIR          the root the package is installed under (dpkg --root); default /
   --updater-dir DIR   default var/lib/byoc-runner-update under --root
-  --systemctl PATH    what stops and starts byoc-runner.service; default systemctl";
+  --systemctl PATH    what stops and starts byoc-runner.service; default systemctl
+
+For user-data, which runs as root in the runner's state directory (never through a link):
+       byoc-runner-updater put-dir PATH --mode MODE --owner UID:GID
+       byoc-runner-updater put-file PATH --mode MODE --owner UID:GID < CONTENT";
+
+/// `put-dir` / `put-file`: the path, mode and owner.
+fn put(kind: &str, mut argv: impl Iterator<Item = String>) -> Result<(), String> {
+    let path = argv.next().map(PathBuf::from).ok_or_else(|| format!("{kind} needs a PATH"))?;
+    let (mut mode, mut owner) = (None, None);
+    while let Some(flag) = argv.next() {
+        let value = argv.next().ok_or_else(|| format!("{flag} needs a value"))?;
+        match flag.as_str() {
+            "--mode" => {
+                mode = Some(
+                    u32::from_str_radix(&value, 8).map_err(|_| format!("--mode {value:?} is not octal"))?,
+                )
+            }
+            "--owner" => {
+                let (u, g) =
+                    value.split_once(':').ok_or_else(|| format!("--owner {value:?} is not UID:GID"))?;
+                let id = |s: &str| s.parse::<u32>().map_err(|_| format!("--owner {value:?} is not UID:GID"));
+                owner = Some((id(u)?, id(g)?));
+            }
+            other => return Err(format!("unknown argument {other:?}")),
+        }
+    }
+    let (Some(mode), Some((uid, gid))) = (mode, owner) else {
+        return Err(format!("{kind} needs --mode and --owner"));
+    };
+    if mode > 0o7777 {
+        return Err(format!("--mode {mode:o} is not a file mode"));
+    }
+    let done = if kind == "put-dir" {
+        byoc_updater::place::put_dir(&path, mode, uid, gid)
+    } else {
+        let mut bytes = Vec::new();
+        let max = byoc_updater::place::MAX_FILE_BYTES;
+        std::io::Read::read_to_end(&mut std::io::Read::take(std::io::stdin(), max + 1), &mut bytes)
+            .map_err(|e| format!("reading standard input: {e}"))?;
+        if bytes.len() as u64 > max {
+            return Err(format!("the content is larger than {max} bytes"));
+        }
+        byoc_updater::place::put_file(&path, &bytes, mode, uid, gid)
+    };
+    done.map_err(|e| format!("{}: {e}", path.display()))
+}
 
 struct Args {
     config: PathBuf,
@@ -52,7 +98,18 @@ fn parse(mut argv: impl Iterator<Item = String>) -> Result<Option<Args>, String>
 
 fn main() -> ExitCode {
     tracing_subscriber::fmt().with_target(false).without_time().with_writer(std::io::stderr).init();
-    let args = match parse(std::env::args().skip(1)) {
+    let mut argv = std::env::args().skip(1).peekable();
+    if let Some(kind) = argv.peek().cloned().filter(|a| a == "put-dir" || a == "put-file") {
+        argv.next();
+        return match put(&kind, argv) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("byoc-runner-updater {kind}: {e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
+    let args = match parse(argv) {
         Ok(Some(a)) => a,
         Ok(None) => {
             println!("{USAGE}");

@@ -1,4 +1,5 @@
-//! `config validate` (no network) and `config check` (this host, end to end).
+//! `config validate` (no network), `config check` (this host, end to end) and `config
+//! write` (the install's file from the stack's values).
 
 use std::path::{Path, PathBuf};
 
@@ -26,12 +27,25 @@ pub(super) enum ConfigCmd {
         #[arg(long, short = 'o', value_enum, default_value_t = Output::Text)]
         output: Output,
     },
+    /// Write runner.toml from the install stack's values (the BYOC_* variables
+    /// user-data sets: BYOC_CONTROL_PLANE_URL, BYOC_CONTROL_PLANE_KEYS, BYOC_INSTALL_ID,
+    /// BYOC_REGION, BYOC_RELEASE_PUBKEY, and the optional ones packaging/user-data.sh lists),
+    /// with TOML's escaping; refused, nothing written, if a value does not read back as
+    /// itself or the file would not load.
+    ///
+    /// Example: BYOC_INSTALL_ID=inst-1 … byoc-runner config write --out /etc/byoc-runner/runner.toml.new
+    Write {
+        /// Where to write (mode 0640; replaced whole).
+        #[arg(long)]
+        out: PathBuf,
+    },
 }
 
 pub(super) fn run(cmd: ConfigCmd) -> i32 {
     match cmd {
         ConfigCmd::Validate { config, output } => validate(&config, output),
         ConfigCmd::Check { config, output } => check(&config, output),
+        ConfigCmd::Write { out } => super::config_write::write(&out),
     }
 }
 

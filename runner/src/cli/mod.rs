@@ -4,7 +4,7 @@
 //! | file        | subcommands                                        |
 //! |-------------|----------------------------------------------------|
 //! | `run.rs`    | `run` (the daemon), `run-local`                    |
-//! | `config.rs` | `config validate`, `config check`                  |
+//! | `config.rs` | `config validate`, `config check`, `config write` (`config_write.rs`) |
 //! | `state.rs`  | `status`, `pause`, `resume`, `roles`               |
 //! | `jobs.rs`   | `jobs list/show/logs/rejections`                   |
 //! | `audit.rs`  | `audit verify/tail/show/export/prove`              |
@@ -17,6 +17,7 @@ mod app;
 mod approvals;
 mod audit;
 mod config;
+mod config_write;
 mod drift;
 mod jobs;
 mod policy;

@@ -219,7 +219,7 @@ pub async fn create_stack(
         ("InstallId", install_id),
         ("ControlPlaneUrl", "https://cp.vendor.example"),
         ("ControlPlanePublicKeys", "11qYAYKxCrfVS/7TyWQHOg7hcvPapiMlrwIaaPcHURo="),
-        ("ReleasePublicKey", "RWQexample"),
+        ("ReleasePublicKey", "RWQf6LRCGA9i53mlYecO4IzT51TGPpvWucNSCh1CBM0QTaLn73Y7GFO3"),
         ("ImageId", image_id.as_str()),
         ("BootstrapToken", "one-time-bootstrap-token-0123"),
         ("ExternalId", EXTERNAL_ID),
