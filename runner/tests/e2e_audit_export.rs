@@ -50,6 +50,12 @@ async fn sinks(locked: bool) -> Sinks {
     std::fs::write(files.path().join("otel-ca.pem"), &otlp.ca_pem).unwrap();
     std::fs::write(files.path().join("otel-headers"), format!("Authorization: Bearer {OTLP_TOKEN}\n"))
         .unwrap();
+    // It holds the collector's key: the runner reads it only when no one else can.
+    std::fs::set_permissions(
+        files.path().join("otel-headers"),
+        std::os::unix::fs::PermissionsExt::from_mode(0o600),
+    )
+    .unwrap();
     Sinks { moto, otlp, aws_gate, otlp_gate, files }
 }
 

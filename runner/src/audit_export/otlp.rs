@@ -121,12 +121,36 @@ impl OtlpSink {
 }
 
 /// `Name: value` lines; blank lines and `#` comments skipped. Values are kept secret
-/// (marked sensitive, never logged).
+/// (marked sensitive, never logged). The file holds the collector's credentials: it must
+/// be a regular file (not a link), readable by its owner alone (0600 or 0400), and owned
+/// by root or the user the runner runs as.
 fn read_headers(
     path: &std::path::Path,
 ) -> Result<Vec<(reqwest::header::HeaderName, reqwest::header::HeaderValue)>, String> {
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| format!("audit.export.otlp.headers_file {}: {e}", path.display()))?;
+    use std::io::Read as _;
+    use std::os::unix::fs::{MetadataExt as _, OpenOptionsExt as _};
+    let fail = |e: String| format!("audit.export.otlp.headers_file {}: {e}", path.display());
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(nix::libc::O_NOFOLLOW | nix::libc::O_NONBLOCK)
+        .open(path)
+        .map_err(|e| fail(e.to_string()))?;
+    let meta = file.metadata().map_err(|e| fail(e.to_string()))?;
+    let me = nix::unistd::geteuid().as_raw();
+    if !meta.is_file() {
+        return Err(fail("not a regular file".into()));
+    }
+    if meta.mode() & 0o077 != 0 {
+        return Err(fail(format!(
+            "mode {:o}: it holds credentials, make it 0600 (chmod 600)",
+            meta.mode() & 0o777
+        )));
+    }
+    if meta.uid() != 0 && meta.uid() != me {
+        return Err(fail(format!("owned by uid {}, neither root nor the runner's user ({me})", meta.uid())));
+    }
+    let mut text = String::new();
+    file.take(1 << 20).read_to_string(&mut text).map_err(|e| fail(e.to_string()))?;
     let mut out = Vec::new();
     for (i, line) in text.lines().enumerate() {
         let line = line.trim();
@@ -313,6 +337,10 @@ mod tests {
             "# the collector's key\nAuthorization: Bearer s3cret-value\n\nX-Tenant: acme\n",
         )
         .unwrap();
+        let chmod = |mode| {
+            std::fs::set_permissions(&headers, std::os::unix::fs::PermissionsExt::from_mode(mode)).unwrap()
+        };
+        chmod(0o600);
         let c = OtlpSinkConfig {
             endpoint: "https://otel.example:4318".parse().unwrap(),
             ca_file: None,
@@ -324,6 +352,15 @@ mod tests {
         assert_eq!(s.headers.len(), 2);
         assert!(s.headers[0].1.is_sensitive());
         assert_eq!(s.scrub("denied for Bearer s3cret-value"), "denied for <redacted>");
+        // Readable by others: refused, its values never read into an error.
+        chmod(0o644);
+        let err = OtlpSink::new(&c, "rn-1", "inst-1").err().unwrap();
+        assert!(err.contains("mode 644") && !err.contains("s3cret"), "{err}");
+        chmod(0o600);
+        let link = dir.path().join("link");
+        std::os::unix::fs::symlink(&headers, &link).unwrap();
+        let linked = OtlpSinkConfig { headers_file: Some(link), ..c.clone() };
+        assert!(OtlpSink::new(&linked, "rn-1", "inst-1").is_err(), "a link is not followed");
         std::fs::write(&headers, "no colon here\n").unwrap();
         let err = OtlpSink::new(&c, "rn-1", "inst-1").err().unwrap();
         assert!(err.contains("line 1") && !err.contains("no colon"), "{err}");
