@@ -967,3 +967,304 @@ fn the_compatibility_corpus_is_judged_alike_by_app_check_and_the_stack() {
         }
     }
 }
+
+// ---- an offline IAM evaluator for the rendered template ------------------------------
+
+/// The template's expressions resolved as CloudFormation would for a stack with every
+/// switch on (the audit bucket, key and log group made by the stack, every role and
+/// secret present), in account 123456789012, eu-west-1, stack `install`.
+struct Resolver<'a> {
+    t: &'a serde_json::Value,
+}
+
+const ACCOUNT: &str = "123456789012";
+const INSTALL: &str = "inst";
+
+impl Resolver<'_> {
+    fn reference(&self, name: &str) -> String {
+        match name {
+            "AWS::Partition" => "aws".into(),
+            "AWS::AccountId" => ACCOUNT.into(),
+            "AWS::Region" => "eu-west-1".into(),
+            "AWS::StackName" => "install".into(),
+            "AWS::StackId" => format!("arn:aws:cloudformation:eu-west-1:{ACCOUNT}:stack/install/1"),
+            "InstallId" => INSTALL.into(),
+            "AuditBucket" | "AuditLogGroup" => "create".into(),
+            n if self.t["Parameters"].get(n).is_some() => format!("param-{n}"),
+            n => self.arn(n),
+        }
+    }
+
+    /// A resource's ARN (Ref of a managed policy or secret, GetAtt Arn of the rest).
+    fn arn(&self, logical: &str) -> String {
+        let r = &self.t["Resources"][logical];
+        let props = &r["Properties"];
+        match r["Type"].as_str().unwrap_or_else(|| panic!("no resource {logical}")) {
+            "AWS::IAM::Role" => format!("arn:aws:iam::{ACCOUNT}:role/{}", self.string(&props["RoleName"])),
+            "AWS::IAM::ManagedPolicy" => format!("arn:aws:iam::{ACCOUNT}:policy/install-{logical}-X"),
+            "AWS::KMS::Key" => format!("arn:aws:kms:eu-west-1:{ACCOUNT}:key/{logical}"),
+            "AWS::S3::Bucket" => format!("arn:aws:s3:::{}", self.string(&props["BucketName"])),
+            "AWS::SecretsManager::Secret" => {
+                format!("arn:aws:secretsmanager:eu-west-1:{ACCOUNT}:secret:{logical}-X")
+            }
+            other => format!("arn:aws:{other}:{logical}"),
+        }
+    }
+
+    fn string(&self, v: &serde_json::Value) -> String {
+        match self.value(v) {
+            Some(serde_json::Value::String(s)) => s,
+            other => panic!("{v} is not a string: {other:?}"),
+        }
+    }
+
+    fn sub(&self, text: &str, vars: &serde_json::Map<String, serde_json::Value>) -> String {
+        let mut out = String::new();
+        let mut rest = text;
+        while let Some(i) = rest.find("${") {
+            out.push_str(&rest[..i]);
+            let end = rest[i..].find('}').unwrap() + i;
+            let name = &rest[i + 2..end];
+            out.push_str(&match name.strip_prefix('!') {
+                Some(literal) => format!("${{{literal}}}"),
+                None => match vars.get(name) {
+                    Some(v) => self.string(v),
+                    None => match name.split_once('.') {
+                        Some((logical, "Arn")) => self.arn(logical),
+                        _ => self.reference(name),
+                    },
+                },
+            });
+            rest = &rest[end + 1..];
+        }
+        out.push_str(rest);
+        out
+    }
+
+    /// `None`: AWS::NoValue.
+    fn value(&self, v: &serde_json::Value) -> Option<serde_json::Value> {
+        use serde_json::Value;
+        match v {
+            Value::Object(m) if m.len() == 1 => {
+                let (k, arg) = m.iter().next().unwrap();
+                match k.as_str() {
+                    "Ref" if arg == "AWS::NoValue" => None,
+                    "Ref" => Some(Value::String(self.reference(arg.as_str().unwrap()))),
+                    "Fn::GetAtt" => Some(Value::String(self.arn(arg[0].as_str().unwrap()))),
+                    "Fn::Sub" => Some(Value::String(match arg {
+                        Value::String(s) => self.sub(s, &serde_json::Map::new()),
+                        _ => self.sub(arg[0].as_str().unwrap(), arg[1].as_object().unwrap()),
+                    })),
+                    // Every condition on: the stack made the audit copy, every role is on.
+                    "Fn::If" => self.value(&arg[1]),
+                    "Fn::Join" => Some(Value::String(
+                        arg[1]
+                            .as_array()
+                            .unwrap()
+                            .iter()
+                            .map(|p| self.string(p))
+                            .collect::<Vec<_>>()
+                            .join(arg[0].as_str().unwrap()),
+                    )),
+                    _ => Some(Value::Object(
+                        m.iter().filter_map(|(k, v)| self.value(v).map(|v| (k.clone(), v))).collect(),
+                    )),
+                }
+            }
+            Value::Object(m) => Some(Value::Object(
+                m.iter().filter_map(|(k, v)| self.value(v).map(|v| (k.clone(), v))).collect(),
+            )),
+            Value::Array(a) => Some(Value::Array(a.iter().filter_map(|v| self.value(v)).collect())),
+            other => Some(other.clone()),
+        }
+    }
+}
+
+/// IAM's wildcard match (`*` any run, `?` one character), case-insensitive for actions.
+fn wildcard(pattern: &str, text: &str) -> bool {
+    fn go(p: &[u8], t: &[u8]) -> bool {
+        match (p.first(), t.first()) {
+            (None, None) => true,
+            (Some(b'*'), _) => go(&p[1..], t) || (!t.is_empty() && go(p, &t[1..])),
+            (Some(b'?'), Some(_)) => go(&p[1..], &t[1..]),
+            (Some(a), Some(b)) if a == b => go(&p[1..], &t[1..]),
+            _ => false,
+        }
+    }
+    go(pattern.as_bytes(), text.as_bytes())
+}
+
+fn list(v: &serde_json::Value) -> Vec<String> {
+    match v {
+        serde_json::Value::String(s) => vec![s.clone()],
+        serde_json::Value::Array(a) => a.iter().filter_map(|v| v.as_str().map(str::to_string)).collect(),
+        _ => Vec::new(),
+    }
+}
+
+/// Whether one of `statements` with `effect` covers the action on the resource.
+/// Conditions are taken as met: for an Allow that only makes the check stricter.
+fn covers(statements: &[serde_json::Value], effect: &str, action: &str, resource: &str) -> bool {
+    statements.iter().any(|s| {
+        s["Effect"] == effect
+            && list(&s["Action"]).iter().any(|a| wildcard(&a.to_lowercase(), &action.to_lowercase()))
+            && list(&s["Resource"]).iter().any(|r| wildcard(r, resource))
+    })
+}
+
+/// Allow, Deny (explicit) or Implicit (not allowed) for a lifecycle role.
+#[derive(Debug, PartialEq)]
+enum Decision {
+    Allow,
+    ExplicitDeny,
+    NotAllowed,
+}
+
+struct RolePolicies {
+    identity: Vec<serde_json::Value>,
+    boundary: Option<Vec<serde_json::Value>>,
+}
+
+impl RolePolicies {
+    fn of(r: &Resolver<'_>, logical: &str) -> RolePolicies {
+        let props = r.value(&r.t["Resources"][logical]["Properties"]).unwrap();
+        let statements = |doc: &serde_json::Value| match &doc["Statement"] {
+            serde_json::Value::Array(a) => a.clone(),
+            other => vec![other.clone()],
+        };
+        let managed_doc = |arn: &str| -> Vec<serde_json::Value> {
+            if arn.starts_with("arn:aws:iam::aws:policy/") {
+                // An AWS managed policy: assume the worst, it allows everything.
+                return vec![serde_json::json!({"Effect": "Allow", "Action": "*", "Resource": "*"})];
+            }
+            let logical =
+                arn.rsplit('/').next().unwrap().trim_start_matches("install-").trim_end_matches("-X");
+            let doc = r.value(&r.t["Resources"][logical]["Properties"]["PolicyDocument"]).unwrap();
+            statements(&doc)
+        };
+        let mut identity = Vec::new();
+        for p in props["Policies"].as_array().into_iter().flatten() {
+            identity.extend(statements(&p["PolicyDocument"]));
+        }
+        for arn in list(&props["ManagedPolicyArns"]) {
+            identity.extend(managed_doc(&arn));
+        }
+        let boundary = props["PermissionsBoundary"].as_str().map(managed_doc);
+        RolePolicies { identity, boundary }
+    }
+
+    fn decide(&self, action: &str, resource: &str) -> Decision {
+        let denied = covers(&self.identity, "Deny", action, resource)
+            || self.boundary.as_ref().is_some_and(|b| covers(b, "Deny", action, resource));
+        if denied {
+            return Decision::ExplicitDeny;
+        }
+        let allowed = covers(&self.identity, "Allow", action, resource)
+            && self.boundary.as_ref().is_none_or(|b| covers(b, "Allow", action, resource));
+        if allowed { Decision::Allow } else { Decision::NotAllowed }
+    }
+}
+
+/// Every lifecycle role (break-glass too), whatever the app grants it (an AWS managed
+/// policy counts as allowing everything), is denied what would destroy or rewrite the
+/// customer's audit copy, the install stack, or the identities and policies that bind
+/// it; each role's boundary lets through what the stack itself grants it (its terraform
+/// state, the secrets it reads). The key's own policy leaves its retirement to the
+/// account's root user. Evaluated offline by the small evaluator above (explicit Deny
+/// wins; otherwise identity Allow and boundary Allow), since moto enforces neither.
+#[test]
+fn no_lifecycle_role_can_destroy_the_audit_copy_and_the_stacks_grants_pass_their_boundaries() {
+    let t = template();
+    let r = Resolver { t: &t };
+    let roles: Vec<&String> = t["Resources"]
+        .as_object()
+        .unwrap()
+        .iter()
+        .filter(|(_, v)| {
+            v["Type"] == "AWS::IAM::Role" && v["Properties"]["Tags"][0]["Key"] == "byoc:role-type"
+        })
+        .map(|(k, _)| k)
+        .collect();
+    assert!(roles.len() >= 5, "{roles:?}");
+    let key = r.arn("AuditKey");
+    let bucket = format!("arn:aws:s3:::{INSTALL}-audit-{ACCOUNT}");
+    let group = format!("arn:aws:logs:eu-west-1:{ACCOUNT}:log-group:/byoc-runner/{INSTALL}/audit");
+    let stack = r.reference("AWS::StackId");
+    let instance_role = r.arn("RunnerInstanceRole");
+    let state_object = format!("arn:aws:s3:::{INSTALL}-state-{ACCOUNT}/{INSTALL}/terraform.tfstate");
+    let mut boundaries_checked = 0;
+    for role in &roles {
+        let p = RolePolicies::of(&r, role);
+        let own = r.arn(role);
+        for (action, resource) in [
+            ("kms:ScheduleKeyDeletion", key.as_str()),
+            ("kms:DisableKey", key.as_str()),
+            ("kms:PutKeyPolicy", key.as_str()),
+            ("kms:Decrypt", key.as_str()),
+            ("s3:PutBucketPolicy", bucket.as_str()),
+            ("s3:DeleteBucket", bucket.as_str()),
+            ("s3:PutObject", &format!("{bucket}/byoc-audit/rn-1/runner.pub")),
+            ("s3:PutObject", &format!("{bucket}/byoc-audit/rn-2/log/0-100.jsonl")),
+            ("s3:DeleteObject", &format!("{bucket}/byoc-audit/rn-1/runner.pub")),
+            ("s3:PutObjectRetention", &format!("{bucket}/byoc-audit/rn-1/runner.pub")),
+            ("logs:DeleteLogGroup", group.as_str()),
+            ("logs:DeleteLogStream", &format!("{group}:log-stream:rn-1")),
+            ("logs:PutRetentionPolicy", group.as_str()),
+            ("cloudformation:DeleteStack", stack.as_str()),
+            ("cloudformation:UpdateStack", stack.as_str()),
+            ("iam:DeleteRolePolicy", own.as_str()),
+            ("iam:PutRolePolicy", own.as_str()),
+            ("iam:DeleteRolePermissionsBoundary", own.as_str()),
+            ("iam:AttachRolePolicy", instance_role.as_str()),
+            ("iam:CreatePolicyVersion", &r.arn("StateAccess")),
+        ] {
+            assert_eq!(p.decide(action, resource), Decision::ExplicitDeny, "{role}: {action} on {resource}");
+        }
+        assert_eq!(p.decide("s3:PutObject", &state_object), Decision::Allow, "{role}: its terraform state");
+        if p.boundary.is_some() {
+            boundaries_checked += 1;
+            // Every secret the role is granted passes its boundary too.
+            for s in p.identity.iter().filter(|s| {
+                s["Effect"] == "Allow"
+                    && list(&s["Action"]).contains(&"secretsmanager:GetSecretValue".to_string())
+            }) {
+                for secret in list(&s["Resource"]) {
+                    let arn = secret.replace('*', "AbCdEf");
+                    assert_eq!(
+                        p.decide("secretsmanager:GetSecretValue", &arn),
+                        Decision::Allow,
+                        "{role}: {arn}"
+                    );
+                }
+                assert_eq!(
+                    p.decide("kms:Decrypt", &r.arn("SecretsKey")),
+                    Decision::Allow,
+                    "{role}: the secrets' key"
+                );
+            }
+        }
+    }
+    assert!(boundaries_checked >= 2, "the example app's roles with boundaries were not found");
+    // The key's own policy: only the account's root user retires it or rewrites its policy.
+    let policy = r.value(&t["Resources"]["AuditKey"]["Properties"]["KeyPolicy"]).unwrap();
+    let deny =
+        policy["Statement"].as_array().unwrap().iter().find(|s| s["Effect"] == "Deny").expect("a Deny");
+    for action in ["kms:ScheduleKeyDeletion", "kms:DisableKey", "kms:PutKeyPolicy"] {
+        assert!(list(&deny["Action"]).contains(&action.to_string()), "{action}");
+    }
+    assert_eq!(deny["Principal"]["AWS"], "*");
+    assert_eq!(deny["Condition"]["ArnNotEquals"]["aws:PrincipalArn"], format!("arn:aws:iam::{ACCOUNT}:root"));
+    // The runner's own role writes create-only (If-None-Match): nothing it wrote, or
+    // another runner wrote, can be replaced through it.
+    let runner = RolePolicies::of(&r, "RunnerInstanceRole");
+    let create_only =
+        runner.identity.iter().find(|s| s["Sid"] == "NeverOverwriteAuditCopy").expect("create-only");
+    assert_eq!(create_only["Effect"], "Deny");
+    assert_eq!(create_only["Condition"]["Null"]["s3:if-none-match"], "true");
+    assert!(covers(
+        std::slice::from_ref(create_only),
+        "Deny",
+        "s3:PutObject",
+        &format!("{bucket}/byoc-audit/rn-1/runner.pub")
+    ));
+}
