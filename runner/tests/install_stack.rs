@@ -205,19 +205,22 @@ fn the_template_is_hardened_as_promised() {
         .map(|s| {
             let branches = s["Fn::If"].as_array().unwrap();
             assert_eq!(branches[2]["Ref"], "AWS::NoValue", "nothing without the condition");
-            (branches[0].as_str().unwrap().to_string(), actions_of(&branches[1]))
+            let effect = branches[1]["Effect"].as_str().unwrap();
+            (format!("{effect} {}", branches[0].as_str().unwrap()), actions_of(&branches[1]))
         })
         .collect();
     assert_eq!(
         audit,
         [
-            ("AuditToS3".to_string(), vec!["s3:PutObject".to_string(), "s3:GetObject".to_string()]),
+            ("Allow AuditToS3".to_string(), vec!["s3:PutObject".to_string(), "s3:GetObject".to_string()]),
+            // Create-only (If-None-Match): nothing written can be replaced.
+            ("Deny AuditToS3".to_string(), vec!["s3:PutObject".to_string()]),
             (
-                "CreateAuditBucket".to_string(),
+                "Allow CreateAuditBucket".to_string(),
                 vec!["kms:GenerateDataKey".to_string(), "kms:Decrypt".to_string()]
             ),
             (
-                "AuditToLogs".to_string(),
+                "Allow AuditToLogs".to_string(),
                 vec!["logs:CreateLogStream".to_string(), "logs:PutLogEvents".to_string()]
             ),
         ],
