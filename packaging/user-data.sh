@@ -216,6 +216,14 @@ if [ -n "$BYOC_AUDIT_OTLP_ENDPOINT" ] && [ -n "$BYOC_AUDIT_OTLP_CA" ]; then
     install -m 0644 "$work/otlp-ca.pem" "$ROOT/etc/byoc-runner/otlp-ca.pem" || fail "writing the collector's CA"
     export BYOC_AUDIT_OTLP_CA_FILE=/etc/byoc-runner/otlp-ca.pem
 fi
+# Each instance writes its audit copy under its own prefix, the one its role may write:
+# byoc-audit/<the instance role session's user id, role-id:instance-id>.
+if [ -n "$BYOC_AUDIT_BUCKET" ]; then
+    userid="$(aws sts get-caller-identity --region "$BYOC_REGION" --query UserId --output text)" ||
+        fail "asking STS who this instance is (its audit copy's prefix)"
+    printf '%s' "$userid" | grep -Eqx '[A-Za-z0-9:_.@-]{1,128}' || fail "STS answered an unexpected user id"
+    export BYOC_AUDIT_S3_PREFIX="byoc-audit/$userid"
+fi
 export BYOC_AUDIT_BUCKET BYOC_AUDIT_LOG_GROUP BYOC_UPDATE_MODE
 rm -f "$conf.new"
 "$ROOT/usr/bin/byoc-runner" config write --out "$conf.new" >/dev/null || fail "writing runner.toml (byoc-runner config write)"

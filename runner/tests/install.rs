@@ -209,7 +209,8 @@ fn stubs(dir: &Path) -> PathBuf {
         ("cfn-signal", ""),
         (
             "aws",
-            "case \"$1 $2\" in \"secretsmanager get-secret-value\") echo bootstrap-token-from-secrets-manager ;; esac\n",
+            "case \"$1 $2\" in \"secretsmanager get-secret-value\") echo bootstrap-token-from-secrets-manager ;; \
+             \"sts get-caller-identity\") echo AROAEXAMPLEROLEID:i-0123456789abcdef0 ;; esac\n",
         ),
     ] {
         let script = format!("#!/bin/sh\necho \"{name} $*\" >> {}\n{extra}exit 0\n", log.display());
@@ -351,6 +352,12 @@ fn user_data_writes_the_customers_audit_copies() {
     let export = &doc["audit"]["export"];
     // The bucket the stack created has a fixed name.
     assert_eq!(export["s3"]["bucket"].as_str(), Some("inst-demo-audit-123456789012"), "{text}");
+    // The instance's own prefix, the one its role may write (role-id:instance-id).
+    assert_eq!(
+        export["s3"]["prefix"].as_str(),
+        Some("byoc-audit/AROAEXAMPLEROLEID:i-0123456789abcdef0"),
+        "{text}"
+    );
     assert_eq!(export["cloudwatch"]["log_group"].as_str(), Some("/acme/audit"), "{text}");
     assert_eq!(export["otlp"]["endpoint"].as_str(), Some("https://otel.acme.example"), "{text}");
     assert_eq!(export["otlp"]["ca_file"].as_str(), Some("/etc/byoc-runner/otlp-ca.pem"), "{text}");

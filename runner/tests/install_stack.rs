@@ -1258,8 +1258,21 @@ fn no_lifecycle_role_can_destroy_the_audit_copy_and_the_stacks_grants_pass_their
     assert_eq!(deny["Principal"]["AWS"], "*");
     assert_eq!(deny["Condition"]["ArnNotEquals"]["aws:PrincipalArn"], format!("arn:aws:iam::{ACCOUNT}:root"));
     // The runner's own role writes create-only (If-None-Match): nothing it wrote, or
-    // another runner wrote, can be replaced through it.
-    let runner = RolePolicies::of(&r, "RunnerInstanceRole");
+    // another runner wrote, can be replaced through it; and only under its instance's
+    // own prefix (`${aws:userid}`: role-id:instance-id).
+    let mut runner = RolePolicies::of(&r, "RunnerInstanceRole");
+    let me = "AROAEXAMPLE:i-1";
+    for s in &mut runner.identity {
+        if let Some(resource) = s["Resource"].as_str() {
+            s["Resource"] = resource.replace("${aws:userid}", me).into();
+        }
+    }
+    let (others_copy, own_copy) = (
+        format!("{bucket}/byoc-audit/AROAEXAMPLE:i-2/rn-2/log"),
+        format!("{bucket}/byoc-audit/{me}/rn-1/log"),
+    );
+    assert!(covers(&runner.identity, "Allow", "s3:PutObject", &own_copy));
+    assert!(!covers(&runner.identity, "Allow", "s3:PutObject", &others_copy), "another instance's prefix");
     let create_only =
         runner.identity.iter().find(|s| s["Sid"] == "NeverOverwriteAuditCopy").expect("create-only");
     assert_eq!(create_only["Effect"], "Deny");

@@ -96,13 +96,14 @@ fn read_dir(root: &Path) -> Result<BTreeMap<String, Vec<u8>>, String> {
     Ok(out)
 }
 
-/// The runners whose copies lie one level under the source (`<runner>/runner.pub`).
+/// The copies beneath the source, by their path under it (`<runner>/runner.pub`, or
+/// `<instance>/<runner>/runner.pub` for the install stack's per-instance prefixes).
 pub fn runners_in(objects: &BTreeMap<String, Vec<u8>>) -> Vec<String> {
     let suffix = format!("/{}", byoc_audit::log::RUNNER_PUB);
     let mut runners: Vec<String> = objects
         .keys()
         .filter_map(|k| k.strip_suffix(&suffix))
-        .filter(|r| !r.contains('/'))
+        .filter(|r| r.split('/').all(|seg| !seg.is_empty() && seg != "." && seg != ".."))
         .map(str::to_string)
         .collect();
     runners.sort();
@@ -302,6 +303,18 @@ mod tests {
         );
         assert!(Source::parse("s3:///x").is_err());
         assert_eq!(Source::parse("/tmp/copy").unwrap(), Source::Dir("/tmp/copy".into()));
+    }
+
+    #[test]
+    fn copies_are_found_at_any_depth_and_odd_names_are_not_copies() {
+        let objects: BTreeMap<String, Vec<u8>> = [
+            ("AROAEX:i-1/rn-a/runner.pub".to_string(), vec![]),
+            ("rn-b/runner.pub".to_string(), vec![]),
+            ("../rn-c/runner.pub".to_string(), vec![]),
+            ("x//runner.pub".to_string(), vec![]),
+        ]
+        .into();
+        assert_eq!(runners_in(&objects), ["AROAEX:i-1/rn-a", "rn-b"]);
     }
 
     #[test]

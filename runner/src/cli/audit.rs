@@ -267,9 +267,10 @@ fn verify_copy(
     }
     let mut code = 0;
     let mut all = Vec::new();
-    for runner in &runners {
+    for (i, runner) in runners.iter().enumerate() {
         let label = format!("{}/{runner}", source.to_string().trim_end_matches('/'));
-        let dir = work.path().join(runner);
+        // Not the copy's name: it comes from the bucket.
+        let dir = work.path().join(format!("copy-{i}"));
         let result = std::fs::create_dir(&dir)
             .map_err(|e| copy::CopyError::Fetch(format!("{}: {e}", dir.display())))
             .and_then(|()| copy::verify(&source, &copy::copy_of(&objects, runner), &dir, None));

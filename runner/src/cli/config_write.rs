@@ -102,7 +102,11 @@ pub(super) fn document(values: &dyn Values) -> Result<Table, Vec<String>> {
     }
     let mut export = Table::new();
     if let Some(bucket) = opt("BYOC_AUDIT_BUCKET") {
-        export.insert("s3".into(), Value::Table(Table::from_iter([("bucket".to_string(), bucket)])));
+        let mut s3 = Table::from_iter([("bucket".to_string(), bucket)]);
+        if let Some(prefix) = opt("BYOC_AUDIT_S3_PREFIX") {
+            s3.insert("prefix".into(), prefix);
+        }
+        export.insert("s3".into(), Value::Table(s3));
     }
     if let Some(group) = opt("BYOC_AUDIT_LOG_GROUP") {
         export

@@ -107,11 +107,11 @@ fn parse_s3(table: toml::Table, problems: &mut Vec<String>) -> Option<S3SinkConf
     let prefix = prefix.trim_matches('/').to_string();
     let prefix_ok = prefix.is_empty()
         || (prefix.len() <= 512
-            && prefix.bytes().all(|b| b.is_ascii_alphanumeric() || b"!-_.*'()/".contains(&b))
+            && prefix.bytes().all(|b| b.is_ascii_alphanumeric() || b"!-_.*'()/:@".contains(&b))
             && prefix.split('/').all(|seg| !seg.is_empty() && seg != "." && seg != ".."));
     if !prefix_ok {
         problems.push(format!(
-            "audit.export.s3.prefix: {prefix:?}: segments of A-Z a-z 0-9 ! - _ . * ' ( ) separated by '/', no '.' or '..' segment"
+            "audit.export.s3.prefix: {prefix:?}: segments of A-Z a-z 0-9 ! - _ . * ' ( ) : @ separated by '/', no '.' or '..' segment"
         ));
         return None;
     }
