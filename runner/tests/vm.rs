@@ -911,13 +911,59 @@ fn the_runners_user_cannot_steer_the_root_updater(w: &mut World) {
     let stat =
         "stat -c '%n %U:%G %a' /etc/byoc-runner/runner.toml /usr/lib/byoc-runner /usr/lib/byoc-runner/*";
     let owners = w.vm.sh(stat);
-    let refused = audit_count(w, "update_refused");
     let as_runner = |w: &mut World, script: &str| {
         let o =
             w.vm.exec(&format!("runuser -u byoc-runner -- sh -ec '{script}'"), Duration::from_secs(60))
                 .unwrap();
         assert!(o.ok(), "as the runner's user: {script}: {} {}", o.stdout, o.stderr);
     };
+    let refused_more = |w: &mut World, than: usize| {
+        let seen = w.vm.wait_for(
+            &format!("test \"$(byoc-runner audit export --state-dir /var/lib/byoc-runner | grep -c update_refused)\" -gt {than}"),
+            Duration::from_secs(300),
+        );
+        assert!(
+            seen.is_ok(),
+            "not refused: {seen:?}\n{}",
+            w.vm.sh("journalctl -u byoc-runner-update --no-pager -n 40")
+        );
+    };
+    // A package swapped in after the daemon verified it: the genuine signed SHA256SUMS
+    // (the installed release's), a package of the same name whose postinst would leave
+    // a mark as root. The updater verifies its own copy: refused, the mark never made.
+    w.vm.sh(
+        "rm -rf /tmp/evil && mkdir -p /tmp/evil/pkg/DEBIAN && \
+         printf 'Package: byoc-runner\\nVersion: %s\\nArchitecture: %s\\nMaintainer: x <x@example.com>\\nDescription: x\\n' \
+           \"$(dpkg-query -W -f '${Version}' byoc-runner)\" \"$(dpkg --print-architecture)\" > /tmp/evil/pkg/DEBIAN/control && \
+         printf '#!/bin/sh\\ntouch /root/pwned-by-postinst\\n' > /tmp/evil/pkg/DEBIAN/postinst && chmod 755 /tmp/evil/pkg/DEBIAN/postinst && \
+         v=\"$(dpkg-query -W -f '${Version}' byoc-runner)\" && \
+         dpkg-deb --build /tmp/evil/pkg \"/tmp/evil/byoc-runner_${v}_$(dpkg --print-architecture).deb\" >/dev/null && \
+         cp /var/lib/byoc-runner-update/releases/\"$v\"/SHA256SUMS* /tmp/evil/ && rm -rf /tmp/evil/pkg && chmod -R a+rX /tmp/evil",
+    );
+    let package = w.vm.sh("cd /tmp/evil && ls *.deb").trim().to_string();
+    let request = serde_json::json!({
+        "job_id": "swapped", "version": before, "from_version": before, "package": package,
+        "package_sha256": "", "sums_sha256": "", "staged_at_ms": 1,
+    });
+    use base64::Engine as _;
+    let encoded = base64::engine::general_purpose::STANDARD.encode(request.to_string());
+    let refused_before_swap = audit_count(w, "update_refused");
+    as_runner(
+        w,
+        &format!(
+            "cd /var/lib/byoc-runner && mkdir -p update && rm -rf update/staged && mkdir update/staged && \
+             cp /tmp/evil/* update/staged/ && echo {encoded} | base64 -d > update/request.json.tmp && \
+             mv update/request.json.tmp update/request.json"
+        ),
+    );
+    refused_more(w, refused_before_swap);
+    let last = w.vm.sh("cat /var/lib/byoc-runner-update/last.json");
+    assert!(last.contains("update_digest_mismatch") && last.contains("\"swapped\""), "{last}");
+    assert!(
+        !w.vm.exec("test -e /root/pwned-by-postinst", Duration::from_secs(30)).unwrap().ok(),
+        "the swapped package ran"
+    );
+    let refused = audit_count(w, "update_refused");
     as_runner(
         w,
         "cd /var/lib/byoc-runner && mkdir -p update && rm -rf update/staged && mkdir update/staged && \
@@ -942,7 +988,6 @@ fn the_runners_user_cannot_steer_the_root_updater(w: &mut World) {
         "job_id": "local-rollback-1", "version": kept.trim(), "from_version": before,
         "package": "p.deb", "package_sha256": "", "sums_sha256": "", "rollback": true, "staged_at_ms": 1,
     });
-    use base64::Engine as _;
     let encoded = base64::engine::general_purpose::STANDARD.encode(request.to_string());
     as_runner(
         w,
