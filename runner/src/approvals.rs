@@ -40,6 +40,11 @@ pub struct Request {
     /// The plan's checks that passed (`pass` rules): shown beside why the rule asked.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub passed: Vec<String>,
+    /// A `runner.update` job: the version it installs. An approval of it is also left
+    /// for the root updater (`control/update-approvals/`), which installs a release in
+    /// `mode = "approve"` only with one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub update_version: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -255,6 +260,7 @@ mod tests {
             summary: None,
             findings: Vec::new(),
             passed: Vec::new(),
+            update_version: None,
         }
     }
 

@@ -121,6 +121,7 @@ fn fixed_state(dir: &Path, with_audit: bool) {
             summary: None,
             findings: vec![],
             passed: vec![],
+            update_version: None,
         },
     )
     .unwrap();

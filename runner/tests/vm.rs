@@ -772,7 +772,7 @@ fn the_user_data_refuses_tampered_releases_and_tells_the_stack(w: &mut World) {
             .vm
             .exec(
                 &format!(
-                    "sed \"s|^export BYOC_RELEASE_URL=.*|export BYOC_RELEASE_URL='https://{RELEASE_ADDR}/{set}'|\" \
+                    "sed \"s|^BYOC_RELEASE_URL=.*|BYOC_RELEASE_URL=https://{RELEASE_ADDR}/{set}|\" \
                      /var/lib/cloud/instance/user-data.txt > /root/user-data-{set} && bash /root/user-data-{set}"
                 ),
                 Duration::from_secs(300),
@@ -902,112 +902,126 @@ fn an_update_outside_the_customers_terms_or_signed_by_another_key_is_refused(w: 
     assert_eq!(installed_version(w), before, "nothing was installed");
 }
 
-/// The runner's own user against root, on the shipped units: links planted in
-/// `update/staged/` (to a root-owned file and to a root-owned directory) under a garbage
-/// request, then a rollback request with updates switched off. Neither changes an owner
-/// or mode, installs anything or runs as a rollback; both refusals are audited.
+/// The runner's own user against root, on the shipped units. As that user: a genuine
+/// signed SHA256SUMS with a swapped package whose postinst would leave a mark, staged
+/// files that are links to root-owned files, the staged directory a link to a
+/// root-owned directory, a garbage request, an update no person approved, and a
+/// rollback request with updates switched off. Each is refused with its reason and
+/// audited; no owner or mode changes, nothing is installed, the mark is never made.
 fn the_runners_user_cannot_steer_the_root_updater(w: &mut World) {
+    use base64::Engine as _;
     let before = installed_version(w);
+    let arch = w.vm.sh("dpkg --print-architecture").trim().to_string();
+    let package = format!("byoc-runner_{before}_{arch}.deb");
     let stat =
         "stat -c '%n %U:%G %a' /etc/byoc-runner/runner.toml /usr/lib/byoc-runner /usr/lib/byoc-runner/*";
     let owners = w.vm.sh(stat);
-    let as_runner = |w: &mut World, script: &str| {
+    let refused_before = audit_count(w, "update_refused");
+    // What the runner's user can get: the installed release's signed sums (copied here
+    // by root, as the install's registry would serve them) and a package it built.
+    w.vm.sh(&format!(
+        "rm -rf /tmp/evil && mkdir -p /tmp/evil/pkg/DEBIAN && \
+         printf 'Package: byoc-runner\\nVersion: {before}\\nArchitecture: {arch}\\nMaintainer: x <x@example.com>\\nDescription: x\\n' > /tmp/evil/pkg/DEBIAN/control && \
+         printf '#!/bin/sh\\ntouch /root/pwned-by-postinst\\n' > /tmp/evil/pkg/DEBIAN/postinst && chmod 755 /tmp/evil/pkg/DEBIAN/postinst && \
+         dpkg-deb --build /tmp/evil/pkg /tmp/evil/{package} >/dev/null && rm -rf /tmp/evil/pkg && \
+         cp /var/lib/byoc-runner-update/releases/{before}/SHA256SUMS* /tmp/evil/ && chmod -R a+rX /tmp/evil"
+    ));
+    let set_mode = |w: &mut World, mode: &str| {
+        w.vm.sh(&format!(
+            "sed -i 's/^mode = .*/mode = \"{mode}\"/' /etc/byoc-runner/runner.toml && systemctl restart byoc-runner"
+        ));
+    };
+    w.vm.sh("cp /etc/byoc-runner/runner.toml /root/runner.toml.before-steer");
+    // Stage as the runner's user, ask, and wait for root's answer to that job.
+    let ask = |w: &mut World, job: &str, staged: &str, extra: serde_json::Value| -> String {
+        let mut request = serde_json::json!({
+            "job_id": job, "version": before, "from_version": before, "package": package,
+            "package_sha256": "", "sums_sha256": "", "staged_at_ms": 1,
+        });
+        for (k, v) in extra.as_object().unwrap() {
+            request[k] = v.clone();
+        }
+        let encoded = base64::engine::general_purpose::STANDARD.encode(request.to_string());
+        let script = format!(
+            "cd /var/lib/byoc-runner && mkdir -p update && rm -rf update/staged && {staged} && \
+             echo {encoded} | base64 -d > update/request.json.tmp && mv update/request.json.tmp update/request.json"
+        );
         let o =
             w.vm.exec(&format!("runuser -u byoc-runner -- sh -ec '{script}'"), Duration::from_secs(60))
                 .unwrap();
         assert!(o.ok(), "as the runner's user: {script}: {} {}", o.stdout, o.stderr);
-    };
-    let refused_more = |w: &mut World, than: usize| {
-        let seen = w.vm.wait_for(
-            &format!("test \"$(byoc-runner audit export --state-dir /var/lib/byoc-runner | grep -c update_refused)\" -gt {than}"),
+        let answered = w.vm.wait_for(
+            &format!("grep -q '\"job_id\": \"{job}\"' /var/lib/byoc-runner-update/last.json && cat /var/lib/byoc-runner-update/last.json"),
             Duration::from_secs(300),
         );
-        assert!(
-            seen.is_ok(),
-            "not refused: {seen:?}\n{}",
-            w.vm.sh("journalctl -u byoc-runner-update --no-pager -n 40")
-        );
+        answered
+            .unwrap_or_else(|e| {
+                panic!(
+                    "{job}: no answer: {e}\n{}",
+                    w.vm.sh("journalctl -u byoc-runner-update --no-pager -n 40")
+                )
+            })
+            .stdout
     };
-    // A package swapped in after the daemon verified it: the genuine signed SHA256SUMS
-    // (the installed release's), a package of the same name whose postinst would leave
-    // a mark as root. The updater verifies its own copy: refused, the mark never made.
-    w.vm.sh(
-        "rm -rf /tmp/evil && mkdir -p /tmp/evil/pkg/DEBIAN && \
-         printf 'Package: byoc-runner\\nVersion: %s\\nArchitecture: %s\\nMaintainer: x <x@example.com>\\nDescription: x\\n' \
-           \"$(dpkg-query -W -f '${Version}' byoc-runner)\" \"$(dpkg --print-architecture)\" > /tmp/evil/pkg/DEBIAN/control && \
-         printf '#!/bin/sh\\ntouch /root/pwned-by-postinst\\n' > /tmp/evil/pkg/DEBIAN/postinst && chmod 755 /tmp/evil/pkg/DEBIAN/postinst && \
-         v=\"$(dpkg-query -W -f '${Version}' byoc-runner)\" && \
-         dpkg-deb --build /tmp/evil/pkg \"/tmp/evil/byoc-runner_${v}_$(dpkg --print-architecture).deb\" >/dev/null && \
-         cp /var/lib/byoc-runner-update/releases/\"$v\"/SHA256SUMS* /tmp/evil/ && rm -rf /tmp/evil/pkg && chmod -R a+rX /tmp/evil",
-    );
-    let package = w.vm.sh("cd /tmp/evil && ls *.deb").trim().to_string();
-    let request = serde_json::json!({
-        "job_id": "swapped", "version": before, "from_version": before, "package": package,
-        "package_sha256": "", "sums_sha256": "", "staged_at_ms": 1,
-    });
-    use base64::Engine as _;
-    let encoded = base64::engine::general_purpose::STANDARD.encode(request.to_string());
-    let refused_before_swap = audit_count(w, "update_refused");
-    as_runner(
+    set_mode(w, "auto");
+    let swapped = ask(
         w,
-        &format!(
-            "cd /var/lib/byoc-runner && mkdir -p update && rm -rf update/staged && mkdir update/staged && \
-             cp /tmp/evil/* update/staged/ && echo {encoded} | base64 -d > update/request.json.tmp && \
-             mv update/request.json.tmp update/request.json"
-        ),
+        "steer-swapped",
+        "mkdir update/staged && cp /tmp/evil/* update/staged/",
+        serde_json::json!({}),
     );
-    refused_more(w, refused_before_swap);
-    let last = w.vm.sh("cat /var/lib/byoc-runner-update/last.json");
-    assert!(last.contains("update_digest_mismatch") && last.contains("\"swapped\""), "{last}");
+    assert!(swapped.contains("update_digest_mismatch"), "{swapped}");
+    let links = ask(
+        w,
+        "steer-links",
+        &format!(
+            "mkdir update/staged && ln -s /etc/byoc-runner/runner.toml update/staged/SHA256SUMS && \
+             ln -s /usr/lib/byoc-runner/byoc-runner-updater update/staged/{package} && cp /tmp/evil/SHA256SUMS.minisig update/staged/"
+        ),
+        serde_json::json!({}),
+    );
+    assert!(links.contains("update_release_invalid") && links.contains("not followed"), "{links}");
+    let dir_link =
+        ask(w, "steer-dir-link", "ln -s /usr/lib/byoc-runner update/staged", serde_json::json!({}));
+    assert!(dir_link.contains("update_release_invalid"), "{dir_link}");
+    let garbage = w.vm.exec(
+        "runuser -u byoc-runner -- sh -ec 'echo garbage > /var/lib/byoc-runner/update/request.json.tmp && \
+         mv /var/lib/byoc-runner/update/request.json.tmp /var/lib/byoc-runner/update/request.json'",
+        Duration::from_secs(60),
+    );
+    assert!(garbage.unwrap().ok());
+    let g = w.vm.wait_for(
+        "grep -q update_request_invalid /var/lib/byoc-runner-update/last.json",
+        Duration::from_secs(300),
+    );
+    assert!(g.is_ok(), "the garbage request was not refused: {g:?}");
+    set_mode(w, "approve");
+    let unapproved = ask(
+        w,
+        "steer-unapproved",
+        "mkdir update/staged && cp /tmp/evil/* update/staged/",
+        serde_json::json!({}),
+    );
+    assert!(unapproved.contains("update_not_approved"), "{unapproved}");
+    set_mode(w, "off");
+    let rollback = ask(w, "steer-rollback", "mkdir update/staged", serde_json::json!({"rollback": true}));
+    assert!(rollback.contains("update_rollback_refused"), "{rollback}");
+    w.vm.sh(
+        "cp /root/runner.toml.before-steer /etc/byoc-runner/runner.toml && systemctl restart byoc-runner",
+    );
+
+    assert_eq!(w.vm.sh(stat), owners, "an owner or mode changed");
+    assert_eq!(installed_version(w), before, "something was installed");
     assert!(
         !w.vm.exec("test -e /root/pwned-by-postinst", Duration::from_secs(30)).unwrap().ok(),
         "the swapped package ran"
     );
-    let refused = audit_count(w, "update_refused");
-    as_runner(
-        w,
-        "cd /var/lib/byoc-runner && mkdir -p update && rm -rf update/staged && mkdir update/staged && \
-         ln -s /etc/byoc-runner/runner.toml update/staged/a && ln -s /usr/lib/byoc-runner update/staged/b && \
-         echo garbage > update/request.json.tmp && mv update/request.json.tmp update/request.json",
+    // Each refusal reaches the audit log, none lost to the next.
+    let audited = w.vm.wait_for(
+        &format!("test \"$(byoc-runner audit export --state-dir /var/lib/byoc-runner | grep -c update_refused)\" -ge {}", refused_before + 6),
+        Duration::from_secs(120),
     );
-    let first = w.vm.wait_for(
-        &format!("test \"$(byoc-runner audit export --state-dir /var/lib/byoc-runner | grep -c update_refused)\" -gt {refused}"),
-        Duration::from_secs(300),
-    );
-    assert!(
-        first.is_ok(),
-        "the garbage request was not refused: {first:?}\n{}",
-        w.vm.sh("journalctl -u byoc-runner-update --no-pager -n 40")
-    );
-    // The staged directory itself a link to a root-owned directory, and a rollback
-    // request (switched off): refused as the runner's, not run as root's rollback.
-    w.vm.sh("cp /etc/byoc-runner/runner.toml /root/runner.toml.before-off && \
-             sed -i 's/^mode = \"approve\"/mode = \"off\"/' /etc/byoc-runner/runner.toml && systemctl restart byoc-runner");
-    let kept = w.vm.sh("ls /var/lib/byoc-runner-update/releases | sort | head -1");
-    let request = serde_json::json!({
-        "job_id": "local-rollback-1", "version": kept.trim(), "from_version": before,
-        "package": "p.deb", "package_sha256": "", "sums_sha256": "", "rollback": true, "staged_at_ms": 1,
-    });
-    let encoded = base64::engine::general_purpose::STANDARD.encode(request.to_string());
-    as_runner(
-        w,
-        &format!(
-            "cd /var/lib/byoc-runner/update && rm -rf staged && ln -s /usr/lib/byoc-runner staged && \
-             echo {encoded} | base64 -d > request.json.tmp && mv request.json.tmp request.json"
-        ),
-    );
-    let second = w.vm.wait_for(
-        "byoc-runner audit export --state-dir /var/lib/byoc-runner | grep update_refused | grep -q 'root.s to ask'",
-        Duration::from_secs(300),
-    );
-    assert!(
-        second.is_ok(),
-        "the runner's rollback request was not refused: {second:?}\n{}",
-        w.vm.sh("journalctl -u byoc-runner-update --no-pager -n 40")
-    );
-    w.vm.sh("cp /root/runner.toml.before-off /etc/byoc-runner/runner.toml && systemctl restart byoc-runner");
-    assert_eq!(w.vm.sh(stat), owners, "an owner or mode changed");
-    assert_eq!(installed_version(w), before, "something was installed");
+    assert!(audited.is_ok(), "not every refusal was audited: {audited:?}");
     w.vm.sh("runuser -u byoc-runner -- rm -rf /var/lib/byoc-runner/update/staged /var/lib/byoc-runner/update/request.json");
 }
 

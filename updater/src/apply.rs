@@ -97,7 +97,14 @@ struct Progress {
     #[serde(default)]
     rotated_key: Option<String>,
     started_ms: u64,
+    /// Installs of the new release begun (a reset or a killed updater interrupts one):
+    /// after two, the updater goes back to the kept release instead.
+    #[serde(default)]
+    attempts: u32,
 }
+
+/// Installs of a release begun before the updater gives up on it and goes back.
+const MAX_ATTEMPTS: u32 = 2;
 
 /// A kept release's note: the key it was verified with when kept (a later rotation
 /// does not strand it) and its package's digest.
@@ -134,11 +141,13 @@ type Refusal = (&'static str, String);
 /// rollback, then the runner's request. The outcome is also written to `last.json`.
 /// `None`: nothing was asked (or the runner's request was answered already).
 pub fn run(host: &dyn Host, terms: &Terms, paths: &Paths) -> Option<Outcome> {
-    if let Some(progress) = read_json::<Progress>(&paths.progress()) {
-        tracing::warn!(version = %progress.request.version, "An update was interrupted; resuming it.");
-        let outcome = install_and_watch(host, terms, paths, &progress);
-        finish(paths, &outcome, terms.keep_releases, &progress.request_sha256, progress.from_root);
-        return Some(outcome);
+    match hostile::read_path(&paths.progress(), MAX_NOTE_BYTES) {
+        Ok(None) => {}
+        Ok(Some(bytes)) => match serde_json::from_slice::<Progress>(&bytes) {
+            Ok(progress) => return Some(resume(host, terms, paths, progress)),
+            Err(e) => return Some(progress_damaged(host, paths, e.to_string())),
+        },
+        Err(e) => return Some(progress_damaged(host, paths, e.to_string())),
     }
     let asked = match next_request(host, paths) {
         Ok(Some(asked)) => asked,
@@ -160,6 +169,75 @@ pub fn run(host: &dyn Host, terms: &Terms, paths: &Paths) -> Option<Outcome> {
     };
     finish(paths, &outcome, terms.keep_releases, &asked.sha256, asked.from_root);
     Some(outcome)
+}
+
+/// An update a reset or a killed updater interrupted: installed again and watched, or
+/// after [`MAX_ATTEMPTS`], the kept release installed again instead.
+fn resume(host: &dyn Host, terms: &Terms, paths: &Paths, mut progress: Progress) -> Outcome {
+    let request = progress.request.clone();
+    let outcome = if progress.attempts >= MAX_ATTEMPTS {
+        tracing::error!(version = %request.version, "An update was interrupted {} times; going back to {}.", progress.attempts, progress.previous_version);
+        let reason = match roll_back(host, terms, paths, &progress) {
+            Ok(()) => format!("interrupted {} times while installing it", progress.attempts),
+            Err(e) => format!(
+                "interrupted {} times while installing it; and {} is not healthy again either: {e}",
+                progress.attempts, progress.previous_version
+            ),
+        };
+        Outcome {
+            result: "rolled_back".into(),
+            job_id: request.job_id.clone(),
+            from_version: progress.previous_version.clone(),
+            to_version: request.version.clone(),
+            from_package_sha256: Some(progress.previous_sha256.clone()),
+            to_package_sha256: request.package_sha256.clone(),
+            reason: Some(reason),
+            code: None,
+            at_ms: host.now_ms(),
+            request_sha256: None,
+        }
+    } else {
+        tracing::warn!(version = %request.version, "An update was interrupted; resuming it.");
+        progress.attempts += 1;
+        if let Err(e) =
+            write_own(&paths.progress(), &serde_json::to_vec(&progress).unwrap_or_default(), 0o600)
+        {
+            tracing::error!(error = %e, "Could not count the attempt: {e}.");
+        }
+        install_and_watch(host, terms, paths, &progress)
+    };
+    finish(paths, &outcome, terms.keep_releases, &progress.request_sha256, progress.from_root);
+    outcome
+}
+
+/// A progress file the updater cannot read: set aside (so that its path unit does not
+/// start it again and again), the runner started on whatever is installed, and said.
+fn progress_damaged(host: &dyn Host, paths: &Paths, why: String) -> Outcome {
+    let aside = paths.updater_dir.join(format!("progress.json.damaged-{}", host.now_ms()));
+    if let Err(e) = std::fs::rename(paths.progress(), &aside) {
+        tracing::error!(error = %e, "Could not set the damaged progress aside: {e}.");
+    }
+    if let Err(e) = host.start_runner() {
+        tracing::error!(error = %e, "Starting the runner: {e}.");
+    }
+    let current = host.installed_version().unwrap_or_default();
+    let outcome = Outcome {
+        result: "refused".into(),
+        job_id: "unknown".into(),
+        from_version: current.clone(),
+        to_version: current,
+        from_package_sha256: None,
+        to_package_sha256: String::new(),
+        reason: Some(format!(
+            "the update's progress is unreadable ({why}); set aside as {}",
+            aside.display()
+        )),
+        code: Some("update_progress_unreadable".into()),
+        at_ms: host.now_ms(),
+        request_sha256: None,
+    };
+    finish(paths, &outcome, 0, "", false);
+    outcome
 }
 
 /// Root's rollback request, else the runner's request unless it was answered already.
@@ -289,15 +367,13 @@ fn check(
     if terms.mode == UpdateMode::Off {
         return Err(("update_disabled", "updates are switched off here ([update] mode = \"off\")".into()));
     }
-    match terms.effective_pin() {
-        Err(e) => return Err(("update_pinned", e)),
-        Ok(Some(pin)) if !pin.allows(&request.version) => {
-            return Err((
-                "update_pinned",
-                format!("{} is outside the pin {:?}", request.version, pin.as_str()),
-            ));
-        }
-        Ok(_) => {}
+    terms.pins_allow(&request.version).map_err(|e| ("update_pinned", e))?;
+    // The daemon held the job for a person; the runner's user could stage one it never
+    // held. Root asks for the person's own record.
+    if terms.mode == UpdateMode::Approve {
+        terms
+            .approved(&request.job_id, &request.version, host.now_ms())
+            .map_err(|e| ("update_not_approved", e))?;
     }
     let current = host
         .installed_version()
@@ -305,6 +381,11 @@ fn check(
     let copy = copy_staged(paths, &request.package).map_err(|e| ("update_release_invalid", e))?;
     let new =
         release::verify(&copy, key, &request.version, &current).map_err(|e| (e.code(), e.to_string()))?;
+    // Never over the running version (a signed DOWNGRADE may name it): keeping it would
+    // replace the copy to go back to.
+    if new.version == current {
+        return Err(("update_not_newer", format!("{current} is the running version")));
+    }
     if new.package_sha256 != request.package_sha256 {
         return Err(("update_digest_mismatch", "the staged package is not the one the job verified".into()));
     }
@@ -467,6 +548,7 @@ fn start(
         key_sha256,
         rotated_key: new.rotated_key.clone(),
         started_ms: host.now_ms(),
+        attempts: 1,
     };
     if let Err(e) = write_own(&paths.progress(), &serde_json::to_vec(&progress).unwrap_or_default(), 0o600) {
         return refused(
@@ -687,8 +769,11 @@ fn finish(paths: &Paths, outcome: &Outcome, keep: usize, request_sha256: &str, f
         }
     }
     let bytes = serde_json::to_vec_pretty(&outcome).unwrap_or_default();
-    if let Err(e) = write_own(&paths.last(), &bytes, 0o644) {
+    if let Err(e) = keep_outcome(paths, &outcome, &bytes) {
         tracing::error!(error = %e, "Could not record the update's outcome: {e}.");
+    }
+    if let Err(e) = write_own(&paths.last(), &bytes, 0o644) {
+        tracing::error!(error = %e, "Could not record the update's last outcome: {e}.");
     }
     if from_root {
         let _ = std::fs::remove_file(paths.rollback());
@@ -698,6 +783,40 @@ fn finish(paths: &Paths, outcome: &Outcome, keep: usize, request_sha256: &str, f
     if outcome.result == "applied" {
         prune(paths, &outcome.to_version, &outcome.from_version, keep);
     }
+}
+
+/// How many outcomes `outcomes/` keeps (the daemon audits each within seconds).
+const OUTCOMES_KEPT: usize = 1000;
+
+/// Every outcome gets a file of its own, named in order, so that none can be lost to the
+/// next one before the daemon audits it.
+fn keep_outcome(paths: &Paths, outcome: &Outcome, bytes: &[u8]) -> std::io::Result<()> {
+    let dir = crate::outcomes_dir(&paths.updater_dir);
+    std::fs::DirBuilder::new().recursive(true).mode(0o755).create(&dir)?;
+    let names = || -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(&dir)
+            .map(|entries| {
+                entries.filter_map(Result::ok).map(|e| e.file_name().to_string_lossy().into_owned()).collect()
+            })
+            .unwrap_or_default();
+        v.retain(|n| n.ends_with(".json") && !n.starts_with('.'));
+        v.sort();
+        v
+    };
+    // After the last name whatever the clock says (it may have gone back).
+    let last = names().pop();
+    let last_ms = last.as_deref().and_then(|n| n.get(..15)).and_then(|m| m.parse::<u64>().ok()).unwrap_or(0);
+    let base = outcome.at_ms.max(last_ms);
+    let name = (0..10_000u32)
+        .map(|n| format!("{base:015}-{n:04}.json"))
+        .find(|candidate| last.as_ref().is_none_or(|l| candidate > l))
+        .unwrap_or_else(|| format!("{:015}-0000.json", base + 1));
+    write_own(&dir.join(name), bytes, 0o644)?;
+    let all = names();
+    for old in all.iter().take(all.len().saturating_sub(OUTCOMES_KEPT)) {
+        let _ = std::fs::remove_file(dir.join(old));
+    }
+    Ok(())
 }
 
 /// Keep the current and the previous release, and the newest others up to `keep` in all.
@@ -713,6 +832,9 @@ fn prune(paths: &Paths, current: &str, previous: &str, keep: usize) {
         let _ = std::fs::remove_dir_all(paths.releases().join(old));
     }
 }
+
+/// Longest `config check` the updater waits for (seconds, for `timeout`).
+const CONFIG_CHECK_SECS: &str = "300";
 
 /// The real machine: systemctl and dpkg; `config check` as the runner's user, with
 /// this configuration. With a `root` other than `/`, the package lives under it
@@ -788,9 +910,20 @@ impl Host for SystemHost {
             let binary = self.root.join(crate::PACKAGED_BINARY.trim_start_matches('/'));
             return command(&binary.to_string_lossy(), &["config", "check", "--config", &config]).map(drop);
         }
-        let args =
-            ["-u", "byoc-runner", "--", crate::PACKAGED_BINARY, "config", "check", "--config", &config];
-        command("runuser", &args).map(drop)
+        // Bounded: the runner's user must not be able to hold the updater in it.
+        let args = [
+            CONFIG_CHECK_SECS,
+            "runuser",
+            "-u",
+            "byoc-runner",
+            "--",
+            crate::PACKAGED_BINARY,
+            "config",
+            "check",
+            "--config",
+            &config,
+        ];
+        command("timeout", &args).map(drop)
     }
     fn now_ms(&self) -> u64 {
         crate::now_ms()
@@ -944,7 +1077,11 @@ mod tests {
         );
         let config_path = paths.updater_dir.join("runner.toml");
         std::fs::write(&config_path, &text).unwrap();
-        let terms = Terms::load(&config_path).unwrap();
+        // The runner is someone else: what the test writes counts as a person's.
+        let terms = Terms {
+            runner_uid: Some(nix::unistd::geteuid().as_raw() + 4242),
+            ..Terms::load(&config_path).unwrap()
+        };
         Setup { _dirs: (state, updater), paths, terms }
     }
 
@@ -1168,7 +1305,7 @@ mod tests {
         assert!(text.contains(&format!("release_public_key = \"{next}\"")), "{text}");
         // Root's rollback to the release from before the rotation: it verifies with the
         // key it was kept under, not the one pinned now.
-        let rotated = Terms::load(&s.terms.source).unwrap();
+        let rotated = Terms { runner_uid: s.terms.runner_uid, ..Terms::load(&s.terms.source).unwrap() };
         ask_rollback(&s.paths, "0.1.0");
         let out = run(&host, &rotated, &s.paths).unwrap();
         assert_eq!((out.result.as_str(), out.to_version.as_str()), ("applied", "0.1.0"), "{out:?}");
@@ -1270,6 +1407,7 @@ mod tests {
             key_sha256: None,
             rotated_key: None,
             started_ms: 1,
+            attempts: 1,
         };
         std::fs::write(s.paths.progress(), serde_json::to_vec(&progress).unwrap()).unwrap();
         // dpkg was half-way: the runner's files are neither version's.
@@ -1279,5 +1417,167 @@ mod tests {
         assert_eq!(*host.calls.borrow(), ["stop", "install 0.2.0", "start 0.2.0"]);
         assert!(!s.paths.progress().exists());
         assert!(run(&host, &s.terms, &s.paths).is_none(), "the request it answered is not answered again");
+    }
+    /// Terms under which `file` is the runner's own user's: as root, the file is given to
+    /// a uid that plays the runner's; otherwise the runner is this process's user.
+    fn owned_by_the_runner(s: &Setup, file: &Path) -> Terms {
+        let me = nix::unistd::geteuid().as_raw();
+        let runner = if me == 0 {
+            std::os::unix::fs::chown(file, Some(4242), None).unwrap();
+            4242
+        } else {
+            me
+        };
+        Terms { runner_uid: Some(runner), ..s.terms.clone() }
+    }
+
+    /// `mode = "approve"`: root installs only a release a person approved, for that job
+    /// and version, in a file the runner's own user did not write.
+    #[test]
+    fn in_approve_mode_root_installs_only_what_a_person_approved() {
+        let s = setup("approve");
+        let host = FakeHost::new(&s.paths.state_dir, "0.1.0");
+        let out = run(&host, &s.terms, &s.paths).unwrap();
+        assert_eq!(out.code.as_deref(), Some("update_not_approved"), "{out:?}");
+        assert!(host.calls.borrow().is_empty());
+        let approve = |version: &str| {
+            let path = crate::update_approval_path(&s.paths.state_dir, "job-2");
+            std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+            let note = crate::UpdateApproval {
+                job_id: "job-2".into(),
+                version: version.into(),
+                by: "alice".into(),
+                uid: 1000,
+                at_ms: host.now_ms(),
+            };
+            let _ = std::fs::remove_file(&path);
+            std::fs::write(path, serde_json::to_vec(&note).unwrap()).unwrap();
+        };
+        // Approved for another version: refused.
+        approve("0.3.0");
+        stage_0_2_0(&s.paths, "job-2");
+        assert_eq!(run(&host, &s.terms, &s.paths).unwrap().code.as_deref(), Some("update_not_approved"));
+        // Written by the runner's own user: refused.
+        approve("0.2.0");
+        let as_runner = owned_by_the_runner(&s, &crate::update_approval_path(&s.paths.state_dir, "job-2"));
+        let bytes = std::fs::read(request_path(&s.paths.state_dir)).unwrap();
+        std::fs::write(request_path(&s.paths.state_dir), [bytes.as_slice(), b" "].concat()).unwrap();
+        let out = run(&host, &as_runner, &s.paths).unwrap();
+        assert_eq!(out.code.as_deref(), Some("update_not_approved"), "{out:?}");
+        assert!(out.reason.unwrap().contains("runner's own user"));
+        approve("0.2.0");
+        // A person's, for this job and version: installed.
+        std::fs::write(request_path(&s.paths.state_dir), [bytes.as_slice(), b"  "].concat()).unwrap();
+        let out = run(&host, &s.terms, &s.paths).unwrap();
+        assert_eq!(out.result, "applied", "{out:?}");
+    }
+
+    /// The pin in root's config and the admin's pin both hold; a pin file the runner's
+    /// own user wrote holds everything.
+    #[test]
+    fn every_pin_holds_and_a_pin_the_runner_wrote_holds_everything() {
+        let s = setup("auto");
+        let host = FakeHost::new(&s.paths.state_dir, "0.1.0");
+        let config_pinned =
+            Terms { pin: Some(crate::version::Pin::parse("0.1.5").unwrap()), ..s.terms.clone() };
+        std::fs::create_dir_all(s.paths.state_dir.join("control")).unwrap();
+        let pin = crate::PinRecord { pin: ">= 0.0.1".into(), by: "root".into(), at_ms: 1 };
+        std::fs::write(crate::pin_path(&s.paths.state_dir), serde_json::to_vec(&pin).unwrap()).unwrap();
+        let out = run(&host, &config_pinned, &s.paths).unwrap();
+        assert_eq!(
+            out.code.as_deref(),
+            Some("update_pinned"),
+            "the admin's pin does not widen root's: {out:?}"
+        );
+        let bytes = std::fs::read(request_path(&s.paths.state_dir)).unwrap();
+        std::fs::write(request_path(&s.paths.state_dir), [bytes.as_slice(), b" "].concat()).unwrap();
+        let as_runner = owned_by_the_runner(&s, &crate::pin_path(&s.paths.state_dir));
+        let out = run(&host, &as_runner, &s.paths).unwrap();
+        assert_eq!(out.code.as_deref(), Some("update_pinned"), "{out:?}");
+        assert!(out.reason.unwrap().contains("runner's own user"));
+        assert!(host.calls.borrow().is_empty());
+    }
+
+    /// Each outcome is a file of its own, in order: a flood of refusals after an install
+    /// cannot hide the install from the daemon's audit.
+    #[test]
+    fn every_outcome_is_kept_in_order() {
+        let s = setup("auto");
+        let host = FakeHost::new(&s.paths.state_dir, "0.1.0");
+        assert_eq!(run(&host, &s.terms, &s.paths).unwrap().result, "applied");
+        for i in 0..3 {
+            std::fs::write(request_path(&s.paths.state_dir), format!("garbage {i}")).unwrap();
+            assert_eq!(run(&host, &s.terms, &s.paths).unwrap().result, "refused");
+        }
+        let dir = crate::outcomes_dir(&s.paths.updater_dir);
+        let mut names: Vec<String> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        let results: Vec<String> = names
+            .iter()
+            .map(|n| serde_json::from_slice::<Outcome>(&std::fs::read(dir.join(n)).unwrap()).unwrap().result)
+            .collect();
+        assert_eq!(results, ["applied", "refused", "refused", "refused"]);
+    }
+
+    /// A release signed to replace the running version by itself (a DOWNGRADE naming
+    /// it): refused, and the kept copy to go back to stays as it was.
+    #[test]
+    fn the_running_version_is_never_installed_over_its_kept_copy() {
+        let s = setup("auto");
+        let kept = std::fs::read_dir(s.paths.releases().join("0.1.0")).unwrap().count();
+        let tree = tempfile::tempdir().unwrap();
+        std::fs::write(tree.path().join(format!("byoc-runner_0.1.0_{}.deb", release::host_arch())), "other")
+            .unwrap();
+        std::fs::write(tree.path().join(release::DOWNGRADE), "replaces 0.1.0\n").unwrap();
+        fixture::sign_dir(tree.path(), &fixture::signing_key(), fixture::KEY_ID);
+        stage(&s.paths, tree.path(), "0.1.0", "job-3");
+        let host = FakeHost::new(&s.paths.state_dir, "0.1.0");
+        let out = run(&host, &s.terms, &s.paths).unwrap();
+        assert_eq!(out.code.as_deref(), Some("update_not_newer"), "{out:?}");
+        assert!(host.calls.borrow().is_empty());
+        assert_eq!(std::fs::read_dir(s.paths.releases().join("0.1.0")).unwrap().count(), kept);
+        assert!(
+            release::verify_signed(&s.paths.releases().join("0.1.0"), &fixture::public_key(), "0.1.0")
+                .is_ok()
+        );
+    }
+
+    /// Interrupted twice (a reset each time): the third start goes back to the kept
+    /// release instead of installing the new one again. A progress file that cannot be
+    /// read is set aside, not started on again and again.
+    #[test]
+    fn an_update_interrupted_twice_goes_back_and_damaged_progress_is_set_aside() {
+        let s = setup("auto");
+        let host = FakeHost::new(&s.paths.state_dir, "0.1.0");
+        let bytes = std::fs::read(request_path(&s.paths.state_dir)).unwrap();
+        let request: Request = serde_json::from_slice(&bytes).unwrap();
+        let (new, previous) = check(&host, &s.terms, &s.paths, &request).unwrap();
+        let kept = keep(&s.paths, &new, &fixture::public_key()).unwrap();
+        let progress = Progress {
+            request: Request { package: kept.package.clone(), ..request },
+            request_sha256: crate::sha256_hex(&bytes),
+            from_root: false,
+            previous_version: previous.version.clone(),
+            previous_sha256: previous.package_sha256.clone(),
+            key_sha256: None,
+            rotated_key: None,
+            started_ms: 1,
+            attempts: MAX_ATTEMPTS,
+        };
+        std::fs::write(s.paths.progress(), serde_json::to_vec(&progress).unwrap()).unwrap();
+        *host.installed.borrow_mut() = "0.2.0".into();
+        let out = run(&host, &s.terms, &s.paths).unwrap();
+        assert_eq!(out.result, "rolled_back", "{out:?}");
+        assert_eq!(*host.calls.borrow(), ["stop", "install 0.1.0", "start 0.1.0"]);
+        assert!(!s.paths.progress().exists());
+
+        std::fs::write(s.paths.progress(), b"{ damaged").unwrap();
+        let out = run(&host, &s.terms, &s.paths).unwrap();
+        assert_eq!(out.code.as_deref(), Some("update_progress_unreadable"), "{out:?}");
+        assert!(!s.paths.progress().exists(), "set aside");
+        assert_eq!(host.calls.borrow().last().map(String::as_str), Some("start 0.1.0"));
     }
 }

@@ -70,6 +70,11 @@ pub fn read(dir: &OwnedFd, name: &str, max: u64) -> std::io::Result<Vec<u8>> {
 /// The file at `path` (every component checked as [`open_dir`] does), or `None` if it
 /// does not exist.
 pub fn read_path(path: &Path, max: u64) -> std::io::Result<Option<Vec<u8>>> {
+    Ok(read_owned(path, max)?.map(|(bytes, _)| bytes))
+}
+
+/// [`read_path`], with the file's owner as the kernel reports it.
+pub fn read_owned(path: &Path, max: u64) -> std::io::Result<Option<(Vec<u8>, u32)>> {
     let (Some(parent), Some(name)) = (path.parent(), path.file_name().and_then(|n| n.to_str())) else {
         return Err(std::io::Error::other(format!("{}: not a file path", path.display())));
     };
@@ -78,11 +83,25 @@ pub fn read_path(path: &Path, max: u64) -> std::io::Result<Option<Vec<u8>>> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
         Err(e) => return Err(e),
     };
-    match read(&dir, name, max) {
-        Ok(b) => Ok(Some(b)),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-        Err(e) => Err(e),
+    let file = match open_file(&dir, name, max) {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    let owner = std::os::unix::fs::MetadataExt::uid(&file.metadata()?);
+    let mut bytes = Vec::new();
+    file.take(max + 1).read_to_end(&mut bytes)?;
+    if bytes.len() as u64 > max {
+        return Err(std::io::Error::other(format!("{name} is larger than {max} bytes")));
     }
+    Ok(Some((bytes, owner)))
+}
+
+/// The owner of the directory at `path` (no link followed): the runner's user for its
+/// state directory.
+pub fn dir_owner(path: &Path) -> std::io::Result<u32> {
+    let fd = open_dir(path)?;
+    Ok(fstat(&fd).map_err(std::io::Error::from)?.st_uid)
 }
 
 /// Copy the regular file `name` beneath `from` to `to` (a path in the updater's own

@@ -79,6 +79,29 @@ pub fn rollback_path(updater_dir: &Path) -> PathBuf {
     updater_dir.join(ROLLBACK_FILE)
 }
 
+/// Every outcome, one file each, named so that they sort in order
+/// (`<at_ms, 15 digits>-<n>.json`; `0755`: the runner audits each one).
+pub fn outcomes_dir(updater_dir: &Path) -> PathBuf {
+    updater_dir.join("outcomes")
+}
+
+/// A person's approval of a `runner.update` job, left by `byoc-runner approve` (root or
+/// the admin group) for the updater: in `mode = "approve"` it installs a release only
+/// with one, for that job and version, written by someone other than the runner's user.
+pub fn update_approval_path(state_dir: &Path, job_id: &str) -> PathBuf {
+    state_dir.join("control").join("update-approvals").join(format!("{job_id}.json"))
+}
+
+/// See [`update_approval_path`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UpdateApproval {
+    pub job_id: String,
+    pub version: String,
+    pub by: String,
+    pub uid: u32,
+    pub at_ms: u64,
+}
+
 /// A verified release the runner staged for the updater.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Request {

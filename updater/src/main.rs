@@ -64,6 +64,9 @@ fn put(kind: &str, mut argv: impl Iterator<Item = String>) -> Result<(), String>
     done.map_err(|e| format!("{}: {e}", path.display()))
 }
 
+/// Requests answered in one run at most.
+const MAX_ANSWERS: usize = 16;
+
 struct Args {
     config: PathBuf,
     root: PathBuf,
@@ -136,15 +139,24 @@ fn main() -> ExitCode {
     let updater_dir = args.updater_dir.unwrap_or_else(|| byoc_updater::updater_dir(&args.root));
     let paths = Paths { state_dir: terms.state_dir.clone(), updater_dir };
     let host = SystemHost { config: args.config, root: args.root, systemctl: args.systemctl };
-    match apply::run(&host, &terms, &paths) {
-        None => println!("nothing is asked"),
-        Some(o) => println!(
-            "{} {} -> {}{}",
-            o.result,
-            o.from_version,
-            o.to_version,
-            o.reason.as_deref().map(|r| format!(": {r}")).unwrap_or_default()
-        ),
+    // Whatever was asked while it ran too (its path unit does not start it again for a
+    // change made while it runs); bounded, so that a flood of requests cannot hold it.
+    for answered in 0..MAX_ANSWERS {
+        match apply::run(&host, &terms, &paths) {
+            None => {
+                if answered == 0 {
+                    println!("nothing is asked");
+                }
+                break;
+            }
+            Some(o) => println!(
+                "{} {} -> {}{}",
+                o.result,
+                o.from_version,
+                o.to_version,
+                o.reason.as_deref().map(|r| format!(": {r}")).unwrap_or_default()
+            ),
+        }
     }
     ExitCode::SUCCESS
 }

@@ -55,6 +55,8 @@ pub struct Terms {
     pub pin: Option<Pin>,
     pub health_timeout: Duration,
     pub keep_releases: usize,
+    /// The runner's user; `None`: the state directory's owner (the tests name one).
+    pub runner_uid: Option<u32>,
 }
 
 #[derive(serde::Deserialize, Default)]
@@ -118,26 +120,92 @@ impl Terms {
             pin,
             health_timeout,
             keep_releases,
+            runner_uid: None,
         })
     }
 
-    /// The pin in force: the admin's (`byoc-runner update pin`), else the config's. A pin
-    /// file that cannot be read or parsed pins to nothing.
-    pub fn effective_pin(&self) -> Result<Option<Pin>, String> {
-        let path = crate::pin_path(&self.state_dir);
-        match crate::hostile::read_path(&path, MAX_PIN_BYTES) {
-            Ok(None) => Ok(self.pin.clone()),
-            Ok(Some(bytes)) => serde_json::from_slice::<crate::PinRecord>(&bytes)
-                .map_err(|e| {
-                    format!("the pin file {} is damaged ({e}): no update is allowed", path.display())
-                })
-                .and_then(|r| Pin::parse(&r.pin).map(Some)),
-            Err(e) => {
-                Err(format!("the pin file {} is unreadable ({e}): no update is allowed", path.display()))
-            }
+    /// Whether a file in the runner's `control/` was written by someone the customer
+    /// put there (root or the admin group), not by the runner's own user: `control/` is
+    /// the runner's directory, so only the file's owner as the kernel reports it tells.
+    /// A runner that runs as root cannot be told apart: everything counts then.
+    fn written_by_a_person(&self, owner: u32) -> bool {
+        match self.runner_uid.map_or_else(|| crate::hostile::dir_owner(&self.state_dir), Ok) {
+            Ok(runner) => runner == 0 || owner != runner,
+            Err(_) => false,
         }
     }
+
+    /// Whether `version` is inside every pin: `[update] pin` (root's) and the admin's
+    /// `byoc-runner update pin`, both. A pin file that cannot be read or parsed, or that
+    /// the runner's own user wrote, holds every update.
+    pub fn pins_allow(&self, version: &str) -> Result<(), String> {
+        if let Some(pin) = &self.pin
+            && !pin.allows(version)
+        {
+            return Err(format!("{version} is outside [update] pin {:?}", pin.as_str()));
+        }
+        let path = crate::pin_path(&self.state_dir);
+        let (bytes, owner) = match crate::hostile::read_owned(&path, MAX_PIN_BYTES) {
+            Ok(None) => return Ok(()),
+            Ok(Some(found)) => found,
+            Err(e) => {
+                return Err(format!(
+                    "the pin file {} is unreadable ({e}): no update is allowed",
+                    path.display()
+                ));
+            }
+        };
+        if !self.written_by_a_person(owner) {
+            return Err(format!(
+                "the pin file {} was written by the runner's own user (uid {owner}), not by `byoc-runner update pin`: no update is allowed",
+                path.display()
+            ));
+        }
+        let pin = serde_json::from_slice::<crate::PinRecord>(&bytes)
+            .map_err(|e| format!("the pin file {} is damaged ({e}): no update is allowed", path.display()))
+            .and_then(|r| Pin::parse(&r.pin))?;
+        if pin.allows(version) {
+            Ok(())
+        } else {
+            Err(format!("{version} is outside the pin {:?} (`byoc-runner update pin`)", pin.as_str()))
+        }
+    }
+
+    /// In `mode = "approve"`: a person's approval of this job and version, left by
+    /// `byoc-runner approve` and written by root or the admin group, within a week.
+    pub fn approved(&self, job_id: &str, version: &str, now_ms: u64) -> Result<(), String> {
+        let plain =
+            !job_id.is_empty() && job_id.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b));
+        if !plain || job_id.starts_with('.') {
+            return Err(format!("{job_id:?} is not a job id"));
+        }
+        let path = crate::update_approval_path(&self.state_dir, job_id);
+        let (bytes, owner) = crate::hostile::read_owned(&path, MAX_PIN_BYTES)
+            .map_err(|e| format!("{}: {e}", path.display()))?
+            .ok_or_else(|| format!("nobody approved job {job_id} (`byoc-runner approve {job_id}`)"))?;
+        if !self.written_by_a_person(owner) {
+            return Err(format!(
+                "the approval {} was written by the runner's own user, not a person",
+                path.display()
+            ));
+        }
+        let note: crate::UpdateApproval =
+            serde_json::from_slice(&bytes).map_err(|e| format!("{}: {e}", path.display()))?;
+        if note.job_id != job_id || note.version != version {
+            return Err(format!(
+                "job {job_id} was approved for {} {}, not {version}",
+                note.job_id, note.version
+            ));
+        }
+        if now_ms.saturating_sub(note.at_ms) > APPROVAL_VALID_MS {
+            return Err(format!("the approval of job {job_id} by {} is more than 7 days old", note.by));
+        }
+        Ok(())
+    }
 }
+
+/// How long a person's approval of an update stays good for the updater.
+const APPROVAL_VALID_MS: u64 = 7 * 24 * 3600 * 1000;
 
 #[cfg(test)]
 mod tests {

@@ -143,6 +143,26 @@ pub(super) fn decide(
             crate::roles::inbox::inbox_dir(&dir).display()
         )
     })?;
+    // An approved update is also left for the root updater, which installs a release in
+    // `mode = "approve"` only with a person's approval of that version (this file is
+    // the approver's own: the runner's user cannot write one in their name).
+    if approved && let Some(version) = &request.update_version {
+        let note = crate::update::UpdateApproval {
+            job_id: job_id.to_string(),
+            version: version.clone(),
+            by: who.clone(),
+            uid: decision.uid,
+            at_ms: decision.at_ms,
+        };
+        let path = crate::update::update_approval_path(&dir, job_id);
+        std::fs::create_dir_all(path.parent().unwrap_or(&dir))
+            .and_then(|()| {
+                crate::state_dir::write(&path, &serde_json::to_vec_pretty(&note).unwrap_or_default(), 0o644)
+            })
+            .map_err(|e| {
+                anyhow::anyhow!("leaving the approval for the updater in {}: {e}", path.display())
+            })?;
+    }
     approvals::decide(&dir, job_id, decision.clone(), decision.at_ms)?;
     if s.output == Output::Json {
         return print_json(

@@ -52,6 +52,7 @@ pub(super) async fn await_approval(
         summary: None,
         findings: Vec::new(),
         passed: Vec::new(),
+        update_version: job.verified.executor.runner_update().map(|u| u.version.clone()),
     });
     // A resumed job's request stands as it was (with any answer given meanwhile).
     if let Err(e) = if resumed { Ok(()) } else { approvals::write_request(&rt.state_dir, &request) } {

@@ -73,6 +73,7 @@ impl PlanApprover {
             summary: Some(req.summary.clone()),
             findings,
             passed: req.decision.passed(),
+            update_version: None,
         }
     }
 

@@ -406,6 +406,7 @@ mod tests {
             summary: None,
             findings: vec![],
             passed: vec![],
+            update_version: None,
         };
         crate::approvals::write_request(dir.path(), &request).unwrap();
         assert_eq!(std::fs::read(&victim).unwrap(), b"untouched");

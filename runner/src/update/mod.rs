@@ -18,8 +18,9 @@ pub mod stage;
 
 pub use byoc_updater::{
     Health, LAST_FILE, Outcome, PACKAGED_BINARY, PIN_FILE, PinRecord, Request, RollbackRequest,
-    UPDATER_BINARY, UPDATER_DIR, dir, dpkg_status, health_path, installed_version, last_path, minisign,
-    pin_path, release, request_path, rollback_path, staged_dir, updater_dir, version,
+    UPDATER_BINARY, UPDATER_DIR, UpdateApproval, dir, dpkg_status, health_path, installed_version, last_path,
+    minisign, outcomes_dir, pin_path, release, request_path, rollback_path, staged_dir, update_approval_path,
+    updater_dir, version,
 };
 
 use std::path::{Path, PathBuf};
@@ -28,11 +29,12 @@ use byoc_protocol::RejectReason;
 
 use crate::config::{UpdateConfig, UpdateMode};
 
-/// In `<state dir>/update`: the digest of the last outcome the daemon audited.
+/// In `<state dir>/update`: the name of the last outcome the daemon audited.
 const AUDITED_FILE: &str = "audited";
 
-/// The pin in force: the CLI's, else the config's. A pin file that cannot be read or
-/// parsed pins to nothing (the customer meant to hold updates back).
+/// The pin shown: the CLI's, else the config's (both hold: see [`check_terms`]). A pin
+/// file that cannot be read or parsed pins to nothing (the customer meant to hold
+/// updates back).
 pub fn effective_pin(config: &UpdateConfig, state_dir: &Path) -> Result<Option<version::Pin>, String> {
     match std::fs::read(pin_path(state_dir)) {
         Ok(bytes) => serde_json::from_slice::<PinRecord>(&bytes)
@@ -108,6 +110,16 @@ pub fn check_terms(
         }
         Ok(_) => {}
     }
+    // Root's `[update] pin` holds too: the admin's pin narrows it, never widens it (the
+    // updater checks both again).
+    if let Some(pin) = &config.pin
+        && !pin.allows(asked.version)
+    {
+        return Err((
+            RejectReason::UpdatePinned,
+            format!("{} is outside [update] pin {:?}", asked.version, pin.as_str()),
+        ));
+    }
     let newer = version::compare(asked.version, current) == std::cmp::Ordering::Greater;
     if !newer && !asked.downgrade {
         return Err((
@@ -171,37 +183,59 @@ pub fn own_updater_dir() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from(UPDATER_DIR))
 }
 
-/// Audit what the updater did, once: its `last.json` (root's), whose digest is kept in
-/// `update/audited` when recorded. An outcome that answers the staged request ends it:
-/// the daemon removes its own request and staged release (the updater touches nothing
-/// of the runner's).
+/// Largest outcome the daemon reads.
+const MAX_OUTCOME_BYTES: u64 = 64 << 10;
+
+/// The updater's outcomes, oldest first: (file name, bytes).
+fn outcomes(updater_dir: &Path) -> Vec<(String, Vec<u8>)> {
+    let dir = outcomes_dir(updater_dir);
+    let Ok(entries) = std::fs::read_dir(&dir) else { return Vec::new() };
+    let mut names: Vec<String> = entries
+        .filter_map(Result::ok)
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".json") && !n.starts_with('.'))
+        .collect();
+    names.sort();
+    names
+        .into_iter()
+        .filter_map(|n| {
+            use std::io::Read as _;
+            let mut bytes = Vec::new();
+            std::fs::File::open(dir.join(&n)).ok()?.take(MAX_OUTCOME_BYTES).read_to_end(&mut bytes).ok()?;
+            Some((n, bytes))
+        })
+        .collect()
+}
+
+/// Audit what the updater did, each outcome once: its `outcomes/` (root's, one file an
+/// answer, named in order), the name of the last one audited kept in `update/audited`.
+/// An outcome that answers the staged request ends it: the daemon removes its own
+/// request and staged release (the updater touches nothing of the runner's).
 pub fn record_outcome(state_dir: &Path, updater_dir: &Path, audit: &dyn crate::audit::AuditSink) {
-    let path = last_path(updater_dir);
-    let Ok(bytes) = std::fs::read(&path) else { return };
-    let digest = byoc_protocol::sha256_hex(&bytes);
-    let audited = dir(state_dir).join(AUDITED_FILE);
-    if std::fs::read_to_string(&audited).is_ok_and(|seen| seen.trim() == digest) {
-        return;
-    }
-    let outcome = serde_json::from_slice::<Outcome>(&bytes);
-    let record = match &outcome {
-        Ok(o) => outcome_record(o),
-        Err(e) => crate::audit_records::note("update_outcome_unreadable", format!("{}: {e}", path.display())),
-    };
-    if let Err(e) = audit.record(record) {
-        tracing::error!(error = %e, "Could not audit the update's outcome: {e}.");
-        return;
-    }
-    let noted = std::fs::create_dir_all(dir(state_dir))
-        .and_then(|()| crate::state_dir::write(&audited, digest.as_bytes(), 0o600));
-    if let Err(e) = noted {
-        tracing::error!(error = %e, "Could not note the update's outcome as audited: {e}.");
-    }
-    let answered = outcome.ok().and_then(|o| o.request_sha256);
-    let staged = std::fs::read(request_path(state_dir)).ok().map(|b| byoc_protocol::sha256_hex(&b));
-    if answered.is_some() && answered == staged {
-        let _ = std::fs::remove_file(request_path(state_dir));
-        let _ = std::fs::remove_dir_all(staged_dir(state_dir));
+    let audited_path = dir(state_dir).join(AUDITED_FILE);
+    let audited = std::fs::read_to_string(&audited_path).unwrap_or_default().trim().to_string();
+    for (name, bytes) in outcomes(updater_dir).into_iter().filter(|(n, _)| *n > audited) {
+        let outcome = serde_json::from_slice::<Outcome>(&bytes);
+        let record = match &outcome {
+            Ok(o) => outcome_record(o),
+            Err(e) => crate::audit_records::note("update_outcome_unreadable", format!("{name}: {e}")),
+        };
+        if let Err(e) = audit.record(record) {
+            tracing::error!(error = %e, "Could not audit the update's outcome: {e}.");
+            return;
+        }
+        let noted = std::fs::create_dir_all(dir(state_dir))
+            .and_then(|()| crate::state_dir::write(&audited_path, name.as_bytes(), 0o600));
+        if let Err(e) = noted {
+            tracing::error!(error = %e, "Could not note the update's outcome as audited: {e}.");
+            return;
+        }
+        let answered = outcome.ok().and_then(|o| o.request_sha256);
+        let staged = std::fs::read(request_path(state_dir)).ok().map(|b| byoc_protocol::sha256_hex(&b));
+        if answered.is_some() && answered == staged {
+            let _ = std::fs::remove_file(request_path(state_dir));
+            let _ = std::fs::remove_dir_all(staged_dir(state_dir));
+        }
     }
 }
 
@@ -210,11 +244,12 @@ pub fn record_outcome(state_dir: &Path, updater_dir: &Path, audit: &dyn crate::a
 /// watches the request for changes).
 pub fn announce_pending(state_dir: &Path, updater_dir: &Path) {
     let Ok(bytes) = std::fs::read(request_path(state_dir)) else { return };
-    let answered = std::fs::read(last_path(updater_dir))
-        .ok()
-        .and_then(|b| serde_json::from_slice::<Outcome>(&b).ok())
-        .and_then(|o| o.request_sha256);
-    if answered.as_deref() == Some(byoc_protocol::sha256_hex(&bytes).as_str()) {
+    let digest = byoc_protocol::sha256_hex(&bytes);
+    let answered = outcomes(updater_dir).iter().any(|(_, b)| {
+        serde_json::from_slice::<Outcome>(b).ok().and_then(|o| o.request_sha256).as_deref()
+            == Some(digest.as_str())
+    });
+    if answered {
         return;
     }
     if let Err(e) = crate::state_dir::write(&request_path(state_dir), &bytes, 0o644) {
@@ -247,18 +282,20 @@ fn outcome_record(o: &Outcome) -> byoc_audit::log::Record {
 mod tests {
     use super::*;
 
-    /// The updater's outcome (root's directory) is audited once; the runner's request
-    /// and staged release go only once an outcome names that very request.
+    /// The updater's outcomes (root's directory) are audited once each, however many
+    /// came since the daemon last looked; the runner's request and staged release go
+    /// only once an outcome names that very request.
     #[test]
-    fn the_updaters_outcome_is_audited_once_and_ends_only_the_request_it_answers() {
+    fn the_updaters_outcomes_are_audited_once_each_and_end_only_the_request_they_answer() {
         let (state, updater) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
         let audit = crate::testing::FakeAudit::default();
         record_outcome(state.path(), updater.path(), &audit);
         assert!(audit.events().is_empty(), "no outcome yet");
         std::fs::create_dir_all(staged_dir(state.path())).unwrap();
+        std::fs::create_dir_all(outcomes_dir(updater.path())).unwrap();
         std::fs::write(request_path(state.path()), b"{\"the\": \"request\"}").unwrap();
-        let outcome = |request_sha256: Option<String>, at_ms| Outcome {
-            result: "refused".into(),
+        let outcome = |result: &str, request_sha256: Option<String>, at_ms| Outcome {
+            result: result.into(),
             job_id: "j".into(),
             from_version: "0.1.0".into(),
             to_version: "0.2.0".into(),
@@ -269,20 +306,24 @@ mod tests {
             at_ms,
             request_sha256,
         };
-        // An outcome for another request: audited, the staged request stays.
-        let other = outcome(Some("0".repeat(64)), 1);
-        std::fs::write(last_path(updater.path()), serde_json::to_vec(&other).unwrap()).unwrap();
+        let put = |name: &str, o: &Outcome| {
+            std::fs::write(outcomes_dir(updater.path()).join(name), serde_json::to_vec(o).unwrap()).unwrap()
+        };
+        // An install, then refusals of other requests before the daemon looked: every
+        // one is audited, in order; the staged request stays.
+        put("000000000000001-a.json", &outcome("applied", Some("1".repeat(64)), 1));
+        put("000000000000002-b.json", &outcome("refused", Some("0".repeat(64)), 2));
+        put("000000000000003-c.json", &outcome("refused", Some("0".repeat(64)), 3));
         announce_pending(state.path(), updater.path());
         record_outcome(state.path(), updater.path(), &audit);
         record_outcome(state.path(), updater.path(), &audit);
-        assert_eq!(audit.events(), ["update_refused"], "audited once");
+        assert_eq!(audit.events(), ["update_applied", "update_refused", "update_refused"], "each once");
         assert!(request_path(state.path()).exists() && staged_dir(state.path()).exists());
         // The outcome for this request ends it.
         let digest = byoc_protocol::sha256_hex(&std::fs::read(request_path(state.path())).unwrap());
-        let this = outcome(Some(digest), 2);
-        std::fs::write(last_path(updater.path()), serde_json::to_vec(&this).unwrap()).unwrap();
+        put("000000000000004-d.json", &outcome("refused", Some(digest), 4));
         record_outcome(state.path(), updater.path(), &audit);
-        assert_eq!(audit.events(), ["update_refused", "update_refused"]);
+        assert_eq!(audit.events().len(), 4);
         assert!(!request_path(state.path()).exists() && !staged_dir(state.path()).exists());
     }
 
@@ -446,6 +487,8 @@ mod pipeline_tests {
         }
         let (request, _) = asked.expect("an approval request");
         assert_eq!((request.kind.as_str(), request.operation.as_str()), ("runner.update", "runner.update"));
+        // The person is shown the version; their approval of it is what the updater needs.
+        assert_eq!(request.update_version.as_deref(), Some("99.0.0"));
         let decision = crate::approvals::Decision {
             approved: false,
             by: "alice".into(),
