@@ -1257,6 +1257,44 @@ fn no_lifecycle_role_can_destroy_the_audit_copy_and_the_stacks_grants_pass_their
     }
     assert_eq!(deny["Principal"]["AWS"], "*");
     assert_eq!(deny["Condition"]["ArnNotEquals"]["aws:PrincipalArn"], format!("arn:aws:iam::{ACCOUNT}:root"));
+    // Resource-side, for any principal a lifecycle role could make (a new role, a user,
+    // through an access point): the bucket's own policy leaves writing objects to the
+    // runner's role and changing the bucket or removing objects to the root user.
+    let bucket_policy =
+        r.value(&t["Resources"]["AuditBucketPolicy"]["Properties"]["PolicyDocument"]).unwrap();
+    let statements = bucket_policy["Statement"].as_array().unwrap();
+    let attacker = format!("arn:aws:iam::{ACCOUNT}:role/made-by-a-lifecycle-role");
+    let denies_for = |principal: &str, action: &str, resource: &str| {
+        statements.iter().any(|s| {
+            let exempt = list(&s["Condition"]["ArnNotEquals"]["aws:PrincipalArn"]);
+            s["Effect"] == "Deny"
+                && s["Condition"].get("Bool").is_none()
+                && !exempt.is_empty()
+                && !exempt.iter().any(|e| e == principal)
+                && covers(std::slice::from_ref(s), "Deny", action, resource)
+        })
+    };
+    let object = format!("{bucket}/byoc-audit/AROAEXAMPLE:i-1/rn-1/runner.pub");
+    for (action, resource) in [
+        ("s3:PutObject", object.as_str()),
+        ("s3:DeleteObject", object.as_str()),
+        ("s3:DeleteObjectVersion", object.as_str()),
+        ("s3:PutObjectRetention", object.as_str()),
+        ("s3:PutBucketPolicy", bucket.as_str()),
+        ("s3:DeleteBucketPolicy", bucket.as_str()),
+        ("s3:PutBucketObjectLockConfiguration", bucket.as_str()),
+        ("s3:PutEncryptionConfiguration", bucket.as_str()),
+        ("s3:PutLifecycleConfiguration", bucket.as_str()),
+    ] {
+        assert!(
+            denies_for(&attacker, action, resource),
+            "the bucket's policy lets another principal {action}"
+        );
+    }
+    assert!(!denies_for(&instance_role, "s3:PutObject", &object), "the runner's role may write");
+    assert!(denies_for(&instance_role, "s3:DeleteObject", &object), "the runner's role may not delete");
+    assert!(denies_for(&instance_role, "s3:PutBucketPolicy", &bucket));
+    assert!(!denies_for(&format!("arn:aws:iam::{ACCOUNT}:root"), "s3:PutBucketPolicy", &bucket));
     // The runner's own role writes create-only (If-None-Match): nothing it wrote, or
     // another runner wrote, can be replaced through it; and only under its instance's
     // own prefix (`${aws:userid}`: role-id:instance-id).
