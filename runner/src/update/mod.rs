@@ -264,9 +264,10 @@ fn outcome_record(o: &Outcome) -> byoc_audit::log::Record {
         _ => "update_rolled_back",
     };
     let detail = format!(
-        "{} -> {}{}",
+        "{} -> {}{}{}",
         o.from_version,
         o.to_version,
+        o.code.as_deref().map(|c| format!(" ({c})")).unwrap_or_default(),
         o.reason.as_deref().map(|r| format!(": {r}")).unwrap_or_default()
     );
     let mut r =
