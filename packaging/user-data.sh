@@ -274,6 +274,16 @@ if [ -n "$BYOC_ADMIN_GROUP" ]; then
     done
 fi
 
+# 5c. The customer's update terms on the VM (the admin's pin, people's approvals of
+#     updates): root's, in the updater's directory, where the runner's user cannot write;
+#     the admin group may write there.
+terms="$ROOT/var/lib/byoc-runner-update/terms"
+if [ -n "$BYOC_ADMIN_GROUP" ]; then
+    install -d -m 2775 -o 0 -g "$agid" "$terms" || fail "creating $terms"
+else
+    install -d -m 0755 -o 0 -g 0 "$terms" || fail "creating $terms"
+fi
+
 # 6. Start; `systemctl start` of a Type=notify unit returns once the runner is READY.
 systemctl enable byoc-runner >/dev/null 2>&1 || fail "enabling byoc-runner.service"
 systemctl restart byoc-runner || fail "byoc-runner did not become ready (journalctl -u byoc-runner)"

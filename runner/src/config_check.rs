@@ -78,7 +78,7 @@ pub async fn run(config_path: &Path) -> Vec<Check> {
             out.push(imds(c).await);
             out.push(imds_firewall());
             out.extend(install_stack(c).await);
-            out.push(updates(&c.update, &c.runner.state_dir));
+            out.push(updates(&c.update));
             out.push(terraform(&c.terraform));
             out.push(audit_export(c).await);
         }
@@ -662,9 +662,10 @@ async fn install_stack(c: &Config) -> Vec<Check> {
 }
 
 /// The customer's terms for the runner's own updates, as `runner.update` will meet them.
-fn updates(terms: &crate::config::UpdateConfig, state_dir: &Path) -> Check {
+fn updates(terms: &crate::config::UpdateConfig) -> Check {
     use crate::config::UpdateMode;
-    let pin = match crate::update::effective_pin(terms, state_dir) {
+    let terms_dir = crate::update::terms_dir(&crate::update::own_updater_dir());
+    let pin = match crate::update::effective_pin(terms, &terms_dir) {
         Ok(p) => p.map(|p| format!(", pinned to {:?}", p.as_str())).unwrap_or_default(),
         Err(e) => return check("updates", Status::Warn, e, Some("byoc-runner update unpin, or pin again")),
     };
@@ -954,7 +955,6 @@ mod tests {
     #[test]
     fn the_update_terms_are_checked_as_a_job_would_meet_them() {
         use crate::config::{UpdateConfig, UpdateMode};
-        let d = tempfile::tempdir().unwrap();
         let keyed = UpdateConfig {
             mode: UpdateMode::Auto,
             release_key: Some(
@@ -965,13 +965,13 @@ mod tests {
             ),
             ..Default::default()
         };
-        let c = super::updates(&keyed, d.path());
+        let c = super::updates(&keyed);
         assert_eq!(c.status, super::Status::Ok, "{}", c.detail);
         assert!(c.detail.contains("mode auto, release key 7B222448F535BFE9"), "{}", c.detail);
-        let c = super::updates(&UpdateConfig { release_key: None, ..keyed.clone() }, d.path());
+        let c = super::updates(&UpdateConfig { release_key: None, ..keyed.clone() });
         assert_eq!(c.status, super::Status::Warn);
         assert!(c.fix.unwrap().contains("release_public_key"));
-        let c = super::updates(&UpdateConfig { mode: UpdateMode::Off, ..keyed }, d.path());
+        let c = super::updates(&UpdateConfig { mode: UpdateMode::Off, ..keyed });
         assert_eq!(c.status, super::Status::Ok);
     }
 }

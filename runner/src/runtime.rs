@@ -19,6 +19,9 @@ pub struct Runtime {
     pub runner_id: String,
     pub install_id: String,
     pub state_dir: PathBuf,
+    /// The customer's update terms on the VM, where the runner's user cannot write (the
+    /// admin's pin; `update::terms_dir`).
+    pub update_terms_dir: PathBuf,
     /// Where the stages meet the outside: each a trait, so every stage can be unit
     /// tested against fakes (the `testing` module).
     pub journal: Arc<dyn JobJournal>,

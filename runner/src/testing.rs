@@ -343,6 +343,7 @@ pub async fn runtime_with(extra: &str) -> Fakes {
         runner_id: "rn-1".into(),
         install_id: "inst-1".into(),
         state_dir: dir.path().to_path_buf(),
+        update_terms_dir: dir.path().join("update-terms"),
         journal: journal.clone(),
         audit: audit.clone(),
         client: cp.clone(),

@@ -104,6 +104,7 @@ fn the_package_installs_its_files_user_and_modes_and_reinstalls_keeping_config()
         [
             "./etc/byoc-runner/runner.toml.example",
             "./lib/systemd/system/byoc-runner-imds.service",
+            "./lib/systemd/system/byoc-runner-update-root.path",
             "./lib/systemd/system/byoc-runner-update.path",
             "./lib/systemd/system/byoc-runner-update.service",
             "./lib/systemd/system/byoc-runner.service",

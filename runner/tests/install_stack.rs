@@ -1007,6 +1007,7 @@ impl Resolver<'_> {
             "AWS::IAM::ManagedPolicy" => format!("arn:aws:iam::{ACCOUNT}:policy/install-{logical}-X"),
             "AWS::KMS::Key" => format!("arn:aws:kms:eu-west-1:{ACCOUNT}:key/{logical}"),
             "AWS::S3::Bucket" => format!("arn:aws:s3:::{}", self.string(&props["BucketName"])),
+            "AWS::IAM::InstanceProfile" => format!("arn:aws:iam::{ACCOUNT}:instance-profile/install-{logical}-X"),
             "AWS::SecretsManager::Secret" => {
                 format!("arn:aws:secretsmanager:eu-west-1:{ACCOUNT}:secret:{logical}-X")
             }
@@ -1219,6 +1220,8 @@ fn no_lifecycle_role_can_destroy_the_audit_copy_and_the_stacks_grants_pass_their
             ("iam:PutRolePolicy", own.as_str()),
             ("iam:DeleteRolePermissionsBoundary", own.as_str()),
             ("iam:AttachRolePolicy", instance_role.as_str()),
+            ("iam:PassRole", instance_role.as_str()),
+            ("iam:RemoveRoleFromInstanceProfile", &r.arn("RunnerInstanceProfile")),
             ("iam:CreatePolicyVersion", &r.arn("StateAccess")),
         ] {
             assert_eq!(p.decide(action, resource), Decision::ExplicitDeny, "{role}: {action} on {resource}");

@@ -829,14 +829,16 @@ fn send_update(w: &mut World, name: &str, version: &str) -> String {
 }
 
 /// The stack's default `RunnerUpdates = approve`: the job waits for a local admin.
-fn approve(w: &mut World, id: &str) {
+/// Approve the update job `id` to `version` as root (the version typed, as a person would).
+fn approve(w: &mut World, id: &str, version: &str) {
     w.vm.wait_for(
         &format!("test -e /var/lib/byoc-runner/control/approvals/{id}.request.json"),
         Duration::from_secs(180),
     )
     .unwrap_or_else(|e| panic!("the update was never held for approval: {e}\n{}", w.journal_tail()));
     let o =
-        w.vm.exec(&format!("byoc-runner approve {id} --reason vm-suite"), Duration::from_secs(60)).unwrap();
+        w.vm.exec(&format!("byoc-runner approve {id} --version {version} --reason vm-suite"), Duration::from_secs(60))
+            .unwrap();
     assert!(o.ok(), "approve: {} {}", o.stdout, o.stderr);
 }
 
@@ -891,7 +893,7 @@ fn an_update_outside_the_customers_terms_or_signed_by_another_key_is_refused(w: 
         [("foreign-key", "update_signature_invalid"), ("tampered-package", "update_digest_mismatch")]
     {
         let id = send_update(w, set, "0.1.0-vm2");
-        approve(w, &id);
+        approve(w, &id, "0.1.0-vm2");
         let r = w.finished(&id).result.unwrap();
         assert_eq!(r.status, JobStatus::Failed);
         assert_eq!(r.outputs["reason"], reason, "{set}: {}\n{}", r.outputs, w.output(&id));
@@ -1062,7 +1064,7 @@ fn an_update_outside_the_maintenance_window_waits_for_it(w: &mut World) {
 /// run after it, and the audit log verifies across the update with both records.
 fn a_good_update_is_approved_applied_and_the_audit_chain_continues(w: &mut World) {
     let id = send_update(w, "vm2", "0.1.0-vm2");
-    approve(w, &id);
+    approve(w, &id, "0.1.0-vm2");
     let r = w.finished(&id).result.unwrap();
     assert_eq!(r.status, JobStatus::Succeeded, "{:?}\n{}", r.error, w.output(&id));
     wait_version(w, "0.1.0-vm2", Duration::from_secs(600));
@@ -1098,7 +1100,7 @@ fn a_good_update_is_approved_applied_and_the_audit_chain_continues(w: &mut World
 /// audit log has `update_rolled_back` with the reason.
 fn a_release_that_exits_at_start_is_rolled_back_automatically(w: &mut World) {
     let id = send_update(w, "vm3-exits", "0.1.0-vm3");
-    approve(w, &id);
+    approve(w, &id, "0.1.0-vm3");
     let r = w.finished(&id).result.unwrap();
     assert_eq!(r.status, JobStatus::Succeeded, "staged: {:?}\n{}", r.error, w.output(&id));
     let back = w.vm.wait_for(

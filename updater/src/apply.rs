@@ -199,12 +199,15 @@ fn resume(host: &dyn Host, terms: &Terms, paths: &Paths, mut progress: Progress)
     } else {
         tracing::warn!(version = %request.version, "An update was interrupted; resuming it.");
         progress.attempts += 1;
-        if let Err(e) =
-            write_own(&paths.progress(), &serde_json::to_vec(&progress).unwrap_or_default(), 0o600)
-        {
-            tracing::error!(error = %e, "Could not count the attempt: {e}.");
+        match write_own(&paths.progress(), &serde_json::to_vec(&progress).unwrap_or_default(), 0o600) {
+            Ok(()) => install_and_watch(host, terms, paths, &progress),
+            // Uncounted, an attempt could repeat without end: go back instead.
+            Err(e) => {
+                progress.attempts = MAX_ATTEMPTS;
+                tracing::error!(error = %e, "Could not count the attempt: {e}; going back.");
+                return resume(host, terms, paths, progress);
+            }
         }
-        install_and_watch(host, terms, paths, &progress)
     };
     finish(paths, &outcome, terms.keep_releases, &progress.request_sha256, progress.from_root);
     outcome
@@ -367,13 +370,15 @@ fn check(
     if terms.mode == UpdateMode::Off {
         return Err(("update_disabled", "updates are switched off here ([update] mode = \"off\")".into()));
     }
-    terms.pins_allow(&request.version).map_err(|e| ("update_pinned", e))?;
+    let terms_dir = crate::terms_dir(&paths.updater_dir);
+    terms.pins_allow(&terms_dir, &request.version).map_err(|e| ("update_pinned", e))?;
     // The daemon held the job for a person; the runner's user could stage one it never
-    // held. Root asks for the person's own record.
+    // held. Root asks for the person's own record, and uses it once.
     if terms.mode == UpdateMode::Approve {
-        terms
-            .approved(&request.job_id, &request.version, host.now_ms())
+        let approval = terms
+            .approved(&terms_dir, &request.job_id, &request.version, host.now_ms())
             .map_err(|e| ("update_not_approved", e))?;
+        spend_approval(paths, &approval).map_err(|e| ("update_not_approved", e))?;
     }
     let current = host
         .installed_version()
@@ -381,9 +386,9 @@ fn check(
     let copy = copy_staged(paths, &request.package).map_err(|e| ("update_release_invalid", e))?;
     let new =
         release::verify(&copy, key, &request.version, &current).map_err(|e| (e.code(), e.to_string()))?;
-    // Never over the running version (a signed DOWNGRADE may name it): keeping it would
-    // replace the copy to go back to.
-    if new.version == current {
+    // Never over the running version (a signed DOWNGRADE may name it, as dpkg orders
+    // versions): keeping it would replace the copy to go back to.
+    if crate::version::compare(&new.version, &current) == std::cmp::Ordering::Equal {
         return Err(("update_not_newer", format!("{current} is the running version")));
     }
     if new.package_sha256 != request.package_sha256 {
@@ -487,6 +492,24 @@ fn copy_staged(paths: &Paths, package: &str) -> Result<PathBuf, String> {
     }
     sync_dir(&incoming).map_err(|e| format!("syncing {}: {e}", incoming.display()))?;
     Ok(incoming)
+}
+
+/// How many spent approvals the updater remembers.
+const SPENT_KEPT: usize = 256;
+
+/// An approval is used once: a second request under it (the runner's user staging the
+/// same job again after a rollback, say) needs a person again.
+fn spend_approval(paths: &Paths, digest: &str) -> Result<(), String> {
+    let path = paths.updater_dir.join("spent-approvals.json");
+    let mut spent: Vec<String> = read_json(&path).unwrap_or_default();
+    if spent.iter().any(|d| d == digest) {
+        return Err("that approval was used already: approve the job again".into());
+    }
+    spent.push(digest.to_string());
+    let drop = spent.len().saturating_sub(SPENT_KEPT);
+    spent.drain(..drop);
+    write_own(&path, &serde_json::to_vec(&spent).unwrap_or_default(), 0o600)
+        .map_err(|e| format!("recording the approval as used: {e}"))
 }
 
 /// Remove a directory of the updater's own (root's, so nothing in it was planted).
@@ -785,7 +808,8 @@ fn finish(paths: &Paths, outcome: &Outcome, keep: usize, request_sha256: &str, f
     }
 }
 
-/// How many outcomes `outcomes/` keeps (the daemon audits each within seconds).
+/// How many refusals `outcomes/` keeps (the daemon audits each within seconds; installs
+/// and rollbacks are all kept).
 const OUTCOMES_KEPT: usize = 1000;
 
 /// Every outcome gets a file of its own, named in order, so that none can be lost to the
@@ -807,13 +831,16 @@ fn keep_outcome(paths: &Paths, outcome: &Outcome, bytes: &[u8]) -> std::io::Resu
     let last = names().pop();
     let last_ms = last.as_deref().and_then(|n| n.get(..15)).and_then(|m| m.parse::<u64>().ok()).unwrap_or(0);
     let base = outcome.at_ms.max(last_ms);
+    // The result in the name: only refusals are ever pruned.
+    let result = if outcome.result == "refused" { "refused" } else { "installed" };
     let name = (0..10_000u32)
-        .map(|n| format!("{base:015}-{n:04}.json"))
+        .map(|n| format!("{base:015}-{n:04}-{result}.json"))
         .find(|candidate| last.as_ref().is_none_or(|l| candidate > l))
-        .unwrap_or_else(|| format!("{:015}-0000.json", base + 1));
+        .unwrap_or_else(|| format!("{:015}-0000-{result}.json", base + 1));
     write_own(&dir.join(name), bytes, 0o644)?;
-    let all = names();
-    for old in all.iter().take(all.len().saturating_sub(OUTCOMES_KEPT)) {
+    // The oldest refusals beyond the bound go; an install or a rollback never does.
+    let refusals: Vec<String> = names().into_iter().filter(|n| n.ends_with("-refused.json")).collect();
+    for old in refusals.iter().take(refusals.len().saturating_sub(OUTCOMES_KEPT)) {
         let _ = std::fs::remove_file(dir.join(old));
     }
     Ok(())
@@ -910,20 +937,35 @@ impl Host for SystemHost {
             let binary = self.root.join(crate::PACKAGED_BINARY.trim_start_matches('/'));
             return command(&binary.to_string_lossy(), &["config", "check", "--config", &config]).map(drop);
         }
-        // Bounded: the runner's user must not be able to hold the updater in it.
-        let args = [
-            CONFIG_CHECK_SECS,
-            "runuser",
-            "-u",
-            "byoc-runner",
-            "--",
-            crate::PACKAGED_BINARY,
-            "config",
-            "check",
-            "--config",
-            &config,
-        ];
-        command("timeout", &args).map(drop)
+        // Bounded (killed at the limit), and with no pipe back to the updater: a process
+        // of the runner's user could hold a pipe's other end open (it is the same user as
+        // the check) and the updater would wait for it without end. Its output goes to a
+        // file of the updater's own (its unit's private /tmp).
+        let log = std::env::temp_dir().join(format!("byoc-config-check-{}.log", std::process::id()));
+        let _ = std::fs::remove_file(&log);
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&log)
+            .map_err(|e| format!("{}: {e}", log.display()))?;
+        let status = std::process::Command::new("timeout")
+            .args(["-k", "10", CONFIG_CHECK_SECS, "runuser", "-u", "byoc-runner", "--"])
+            .args([crate::PACKAGED_BINARY, "config", "check", "--config", &config])
+            .stdin(std::process::Stdio::null())
+            .stdout(file.try_clone().map_err(|e| e.to_string())?)
+            .stderr(file)
+            .status()
+            .map_err(|e| format!("timeout runuser: {e}"))?;
+        let output = crate::hostile::read_path(&log, 64 << 10).ok().flatten().unwrap_or_default();
+        let _ = std::fs::remove_file(&log);
+        if status.success() {
+            Ok(())
+        } else {
+            let text = String::from_utf8_lossy(&output);
+            let failed: Vec<&str> = text.lines().filter(|l| l.starts_with("FAIL")).collect();
+            let said = if failed.is_empty() { text.trim().to_string() } else { failed.join("; ") };
+            Err(format!("{status}: {said}"))
+        }
     }
     fn now_ms(&self) -> u64 {
         crate::now_ms()
@@ -1077,11 +1119,15 @@ mod tests {
         );
         let config_path = paths.updater_dir.join("runner.toml");
         std::fs::write(&config_path, &text).unwrap();
-        // The runner is someone else: what the test writes counts as a person's.
+        // The runner is someone else, this process's user an admin: what the test writes
+        // counts as a person's.
+        let me = nix::unistd::geteuid().as_raw();
         let terms = Terms {
-            runner_uid: Some(nix::unistd::geteuid().as_raw() + 4242),
+            runner_uid: Some(me + 4242),
+            admin_uids: Some(vec![me]),
             ..Terms::load(&config_path).unwrap()
         };
+        std::fs::create_dir_all(crate::terms_dir(&paths.updater_dir)).unwrap();
         Setup { _dirs: (state, updater), paths, terms }
     }
 
@@ -1177,9 +1223,9 @@ mod tests {
         assert!(host.calls.borrow().is_empty());
         // The admin's pin, written after the daemon staged it.
         let s = setup("auto");
-        std::fs::create_dir_all(s.paths.state_dir.join("control")).unwrap();
         let pin = crate::PinRecord { pin: "0.1.0".into(), by: "root".into(), at_ms: 1 };
-        std::fs::write(crate::pin_path(&s.paths.state_dir), serde_json::to_vec(&pin).unwrap()).unwrap();
+        let pin_file = crate::pin_path(&crate::terms_dir(&s.paths.updater_dir));
+        std::fs::write(pin_file, serde_json::to_vec(&pin).unwrap()).unwrap();
         let out = run(&host, &s.terms, &s.paths).unwrap();
         assert_eq!(out.code.as_deref(), Some("update_pinned"));
         // A staged package swapped after the daemon verified it.
@@ -1305,7 +1351,11 @@ mod tests {
         assert!(text.contains(&format!("release_public_key = \"{next}\"")), "{text}");
         // Root's rollback to the release from before the rotation: it verifies with the
         // key it was kept under, not the one pinned now.
-        let rotated = Terms { runner_uid: s.terms.runner_uid, ..Terms::load(&s.terms.source).unwrap() };
+        let rotated = Terms {
+            runner_uid: s.terms.runner_uid,
+            admin_uids: s.terms.admin_uids.clone(),
+            ..Terms::load(&s.terms.source).unwrap()
+        };
         ask_rollback(&s.paths, "0.1.0");
         let out = run(&host, &rotated, &s.paths).unwrap();
         assert_eq!((out.result.as_str(), out.to_version.as_str()), ("applied", "0.1.0"), "{out:?}");
@@ -1428,7 +1478,7 @@ mod tests {
         } else {
             me
         };
-        Terms { runner_uid: Some(runner), ..s.terms.clone() }
+        Terms { runner_uid: Some(runner), admin_uids: Some(vec![me, runner]), ..s.terms.clone() }
     }
 
     /// `mode = "approve"`: root installs only a release a person approved, for that job
@@ -1440,14 +1490,14 @@ mod tests {
         let out = run(&host, &s.terms, &s.paths).unwrap();
         assert_eq!(out.code.as_deref(), Some("update_not_approved"), "{out:?}");
         assert!(host.calls.borrow().is_empty());
+        let approval_path = crate::update_approval_path(&crate::terms_dir(&s.paths.updater_dir), "job-2");
         let approve = |version: &str| {
-            let path = crate::update_approval_path(&s.paths.state_dir, "job-2");
-            std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+            let path = approval_path.clone();
             let note = crate::UpdateApproval {
                 job_id: "job-2".into(),
                 version: version.into(),
                 by: "alice".into(),
-                uid: 1000,
+                uid: nix::unistd::geteuid().as_raw(),
                 at_ms: host.now_ms(),
             };
             let _ = std::fs::remove_file(&path);
@@ -1459,17 +1509,27 @@ mod tests {
         assert_eq!(run(&host, &s.terms, &s.paths).unwrap().code.as_deref(), Some("update_not_approved"));
         // Written by the runner's own user: refused.
         approve("0.2.0");
-        let as_runner = owned_by_the_runner(&s, &crate::update_approval_path(&s.paths.state_dir, "job-2"));
+        let as_runner = owned_by_the_runner(&s, &approval_path);
         let bytes = std::fs::read(request_path(&s.paths.state_dir)).unwrap();
         std::fs::write(request_path(&s.paths.state_dir), [bytes.as_slice(), b" "].concat()).unwrap();
         let out = run(&host, &as_runner, &s.paths).unwrap();
         assert_eq!(out.code.as_deref(), Some("update_not_approved"), "{out:?}");
-        assert!(out.reason.unwrap().contains("runner's own user"));
+        assert!(out.reason.unwrap().contains("neither root nor the admin group"));
         approve("0.2.0");
         // A person's, for this job and version: installed.
         std::fs::write(request_path(&s.paths.state_dir), [bytes.as_slice(), b"  "].concat()).unwrap();
         let out = run(&host, &s.terms, &s.paths).unwrap();
         assert_eq!(out.result, "applied", "{out:?}");
+        // Once: the same job staged again (after a rollback, say) needs a person again.
+        let back = crate::RollbackRequest { version: "0.1.0".into(), by: "root".into(), at_ms: 9 };
+        std::fs::write(crate::rollback_path(&s.paths.updater_dir), serde_json::to_vec(&back).unwrap())
+            .unwrap();
+        assert_eq!(run(&host, &s.terms, &s.paths).unwrap().to_version, "0.1.0");
+        std::fs::write(request_path(&s.paths.state_dir), [bytes.as_slice(), b"   "].concat()).unwrap();
+        let out = run(&host, &s.terms, &s.paths).unwrap();
+        assert_eq!(out.code.as_deref(), Some("update_not_approved"), "{out:?}");
+        assert!(out.reason.unwrap().contains("used already"));
+        assert_eq!(*host.installed.borrow(), "0.1.0");
     }
 
     /// The pin in root's config and the admin's pin both hold; a pin file the runner's
@@ -1480,9 +1540,9 @@ mod tests {
         let host = FakeHost::new(&s.paths.state_dir, "0.1.0");
         let config_pinned =
             Terms { pin: Some(crate::version::Pin::parse("0.1.5").unwrap()), ..s.terms.clone() };
-        std::fs::create_dir_all(s.paths.state_dir.join("control")).unwrap();
+        let pin_file = crate::pin_path(&crate::terms_dir(&s.paths.updater_dir));
         let pin = crate::PinRecord { pin: ">= 0.0.1".into(), by: "root".into(), at_ms: 1 };
-        std::fs::write(crate::pin_path(&s.paths.state_dir), serde_json::to_vec(&pin).unwrap()).unwrap();
+        std::fs::write(&pin_file, serde_json::to_vec(&pin).unwrap()).unwrap();
         let out = run(&host, &config_pinned, &s.paths).unwrap();
         assert_eq!(
             out.code.as_deref(),
@@ -1491,10 +1551,10 @@ mod tests {
         );
         let bytes = std::fs::read(request_path(&s.paths.state_dir)).unwrap();
         std::fs::write(request_path(&s.paths.state_dir), [bytes.as_slice(), b" "].concat()).unwrap();
-        let as_runner = owned_by_the_runner(&s, &crate::pin_path(&s.paths.state_dir));
+        let as_runner = owned_by_the_runner(&s, &pin_file);
         let out = run(&host, &as_runner, &s.paths).unwrap();
         assert_eq!(out.code.as_deref(), Some("update_pinned"), "{out:?}");
-        assert!(out.reason.unwrap().contains("runner's own user"));
+        assert!(out.reason.unwrap().contains("neither root nor the admin group"));
         assert!(host.calls.borrow().is_empty());
     }
 

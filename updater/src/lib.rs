@@ -34,7 +34,7 @@ pub const UPDATER_DIR: &str = "/var/lib/byoc-runner-update";
 pub const PACKAGED_BINARY: &str = "/usr/bin/byoc-runner";
 /// The package's updater binary (not on `PATH`: only its unit runs it).
 pub const UPDATER_BINARY: &str = "/usr/lib/byoc-runner/byoc-runner-updater";
-/// The admin's pin, in the runner's `control/` directory.
+/// The admin's pin, in the updater's `terms/` directory.
 pub const PIN_FILE: &str = "update-pin.json";
 
 /// In the updater's directory: the last outcome (`0644`, for the runner and `update
@@ -60,8 +60,16 @@ pub fn staged_dir(state_dir: &Path) -> PathBuf {
     dir(state_dir).join("staged")
 }
 
-pub fn pin_path(state_dir: &Path) -> PathBuf {
-    state_dir.join("control").join(PIN_FILE)
+/// The customer's own update terms on the VM, where the runner's user cannot write:
+/// `<updater dir>/terms/` (root's; group-writable by `roles.admin_group` when there is
+/// one): the admin's pin and people's approvals of updates.
+pub fn terms_dir(updater_dir: &Path) -> PathBuf {
+    updater_dir.join("terms")
+}
+
+/// The admin's pin (`byoc-runner update pin`), in [`terms_dir`].
+pub fn pin_path(terms_dir: &Path) -> PathBuf {
+    terms_dir.join(PIN_FILE)
 }
 
 /// The updater's directory for a package installed under `root`.
@@ -80,20 +88,21 @@ pub fn rollback_path(updater_dir: &Path) -> PathBuf {
 }
 
 /// Every outcome, one file each, named so that they sort in order
-/// (`<at_ms, 15 digits>-<n>.json`; `0755`: the runner audits each one).
+/// (`<at_ms, 15 digits>-<n>-<refused|installed>.json`; `0755`: the runner audits each one).
 pub fn outcomes_dir(updater_dir: &Path) -> PathBuf {
     updater_dir.join("outcomes")
 }
 
-/// A person's approval of a `runner.update` job, left by `byoc-runner approve` (root or
-/// the admin group) for the updater: in `mode = "approve"` it installs a release only
-/// with one, for that job and version, written by someone other than the runner's user.
-pub fn update_approval_path(state_dir: &Path, job_id: &str) -> PathBuf {
-    state_dir.join("control").join("update-approvals").join(format!("{job_id}.json"))
+/// A person's approval of a `runner.update` job and version, left by `byoc-runner
+/// approve JOB --version V` (root or the admin group) in [`terms_dir`]: in `mode =
+/// "approve"` the updater installs a release only with one, once.
+pub fn update_approval_path(terms_dir: &Path, job_id: &str) -> PathBuf {
+    terms_dir.join(format!("update-approval-{job_id}.json"))
 }
 
 /// See [`update_approval_path`].
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct UpdateApproval {
     pub job_id: String,
     pub version: String,
@@ -124,6 +133,7 @@ pub struct Request {
 
 /// Root's rollback request (`byoc-runner update rollback`, in the updater's directory).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct RollbackRequest {
     /// A kept version.
     pub version: String,
@@ -189,6 +199,14 @@ pub fn installed_version(status_file: &Path) -> Option<String> {
             .then(|| field("Version").map(str::to_string))
             .flatten()
     })
+}
+
+/// Whether `job_id` is a job id (`[A-Za-z0-9._-]`, not starting with a dot): it names files.
+pub fn plain_job_id(job_id: &str) -> bool {
+    !job_id.is_empty()
+        && job_id.len() <= 128
+        && !job_id.starts_with('.')
+        && job_id.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
 }
 
 /// Lower-case hex SHA-256 of `bytes`.

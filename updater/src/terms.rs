@@ -55,8 +55,14 @@ pub struct Terms {
     pub pin: Option<Pin>,
     pub health_timeout: Duration,
     pub keep_releases: usize,
-    /// The runner's user; `None`: the state directory's owner (the tests name one).
+    /// `[roles] admin_group`: whose members, besides root, may pin and approve.
+    pub admin_group: Option<String>,
+    /// The runner's user; `None`: the user `byoc-runner`, else the state directory's
+    /// owner (the tests name one).
     pub runner_uid: Option<u32>,
+    /// The admin group's members by uid; `None`: from the system's group database (the
+    /// tests name them).
+    pub admin_uids: Option<Vec<u32>>,
 }
 
 #[derive(serde::Deserialize, Default)]
@@ -79,6 +85,12 @@ impl Terms {
             .ok_or_else(|| fail("does not exist".into()))?;
         let text = String::from_utf8(bytes).map_err(|_| fail("is not UTF-8".into()))?;
         let mut table: toml::Table = text.parse().map_err(|e: toml::de::Error| fail(e.message().into()))?;
+        let admin_group = match table.get("roles").and_then(|r| r.get("admin_group")) {
+            None => None,
+            Some(toml::Value::String(g)) if g.is_empty() => None,
+            Some(toml::Value::String(g)) => Some(g.clone()),
+            Some(other) => return Err(fail(format!("roles.admin_group: {other} is not a group name"))),
+        };
         let state_dir = match table.get("runner").and_then(|r| r.get("state_dir")) {
             None => PathBuf::from(DEFAULT_STATE_DIR),
             Some(toml::Value::String(s)) if Path::new(s).is_absolute() => PathBuf::from(s),
@@ -120,44 +132,93 @@ impl Terms {
             pin,
             health_timeout,
             keep_releases,
+            admin_group,
             runner_uid: None,
+            admin_uids: None,
         })
     }
 
-    /// Whether a file in the runner's `control/` was written by someone the customer
-    /// put there (root or the admin group), not by the runner's own user: `control/` is
-    /// the runner's directory, so only the file's owner as the kernel reports it tells.
-    /// A runner that runs as root cannot be told apart: everything counts then.
+    /// The runner's user: `byoc-runner`, else the state directory's owner.
+    fn runner_uid(&self) -> Option<u32> {
+        self.runner_uid.or_else(|| {
+            nix::unistd::User::from_name(byoc_statefs::SERVICE_USER)
+                .ok()
+                .flatten()
+                .map(|u| u.uid.as_raw())
+                .or_else(|| crate::hostile::dir_owner(&self.state_dir).ok())
+        })
+    }
+
+    /// Whether `uid` is a member of `[roles] admin_group` (a listed member, or the group
+    /// is the user's own).
+    fn is_admin(&self, uid: u32) -> bool {
+        if let Some(uids) = &self.admin_uids {
+            return uids.contains(&uid);
+        }
+        let Some(name) = &self.admin_group else { return false };
+        let Ok(Some(group)) = nix::unistd::Group::from_name(name) else { return false };
+        let Ok(Some(user)) = nix::unistd::User::from_uid(nix::unistd::Uid::from_raw(uid)) else {
+            return false;
+        };
+        user.gid == group.gid || group.mem.contains(&user.name)
+    }
+
+    /// Whether a file in the terms directory was written by someone the customer put
+    /// there: root, or a member of the admin group who is not the runner's user.
     fn written_by_a_person(&self, owner: u32) -> bool {
-        match self.runner_uid.map_or_else(|| crate::hostile::dir_owner(&self.state_dir), Ok) {
-            Ok(runner) => runner == 0 || owner != runner,
-            Err(_) => false,
+        owner == 0 || (Some(owner) != self.runner_uid() && self.is_admin(owner))
+    }
+
+    /// A file of the terms directory, with its owner; `None`: not there. The directory
+    /// must be root's and writable by nobody else but its group (the admin group).
+    fn read_term(&self, terms_dir: &Path, name: &str) -> Result<Option<(Vec<u8>, u32)>, String> {
+        let dir = match crate::hostile::open_dir(terms_dir) {
+            Ok(d) => d,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(format!("{}: {e}", terms_dir.display())),
+        };
+        let st = nix::sys::stat::fstat(&dir).map_err(|e| format!("{}: {e}", terms_dir.display()))?;
+        // Root's (the updater's own user's) and written by nobody outside its group.
+        if st.st_uid != nix::unistd::geteuid().as_raw() || st.st_mode & 0o002 != 0 {
+            return Err(format!(
+                "{} is not root's alone (owner uid {}, mode {:o}): its files are not believed",
+                terms_dir.display(),
+                st.st_uid,
+                st.st_mode & 0o7777
+            ));
+        }
+        match crate::hostile::open_file(&dir, name, MAX_PIN_BYTES) {
+            Ok(file) => {
+                use std::io::Read as _;
+                let owner = std::os::unix::fs::MetadataExt::uid(&file.metadata().map_err(|e| e.to_string())?);
+                let mut bytes = Vec::new();
+                file.take(MAX_PIN_BYTES).read_to_end(&mut bytes).map_err(|e| format!("{name}: {e}"))?;
+                Ok(Some((bytes, owner)))
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(format!("{}: {e}", terms_dir.join(name).display())),
         }
     }
 
     /// Whether `version` is inside every pin: `[update] pin` (root's) and the admin's
-    /// `byoc-runner update pin`, both. A pin file that cannot be read or parsed, or that
-    /// the runner's own user wrote, holds every update.
-    pub fn pins_allow(&self, version: &str) -> Result<(), String> {
+    /// `byoc-runner update pin` (in the terms directory), both. A pin file that cannot be
+    /// read or parsed, or that someone other than root or the admin group wrote, holds
+    /// every update.
+    pub fn pins_allow(&self, terms_dir: &Path, version: &str) -> Result<(), String> {
         if let Some(pin) = &self.pin
             && !pin.allows(version)
         {
             return Err(format!("{version} is outside [update] pin {:?}", pin.as_str()));
         }
-        let path = crate::pin_path(&self.state_dir);
-        let (bytes, owner) = match crate::hostile::read_owned(&path, MAX_PIN_BYTES) {
+        let path = crate::pin_path(terms_dir);
+        let (bytes, owner) = match self.read_term(terms_dir, crate::PIN_FILE) {
             Ok(None) => return Ok(()),
             Ok(Some(found)) => found,
-            Err(e) => {
-                return Err(format!(
-                    "the pin file {} is unreadable ({e}): no update is allowed",
-                    path.display()
-                ));
-            }
+            Err(e) => return Err(format!("the pin cannot be read ({e}): no update is allowed")),
         };
         if !self.written_by_a_person(owner) {
             return Err(format!(
-                "the pin file {} was written by the runner's own user (uid {owner}), not by `byoc-runner update pin`: no update is allowed",
+                "the pin file {} was written by uid {owner}, neither root nor the admin group: no update is allowed",
                 path.display()
             ));
         }
@@ -171,39 +232,50 @@ impl Terms {
         }
     }
 
-    /// In `mode = "approve"`: a person's approval of this job and version, left by
-    /// `byoc-runner approve` and written by root or the admin group, within a week.
-    pub fn approved(&self, job_id: &str, version: &str, now_ms: u64) -> Result<(), String> {
-        let plain =
-            !job_id.is_empty() && job_id.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b));
-        if !plain || job_id.starts_with('.') {
+    /// In `mode = "approve"`: a person's approval of this job and version (`byoc-runner
+    /// approve JOB --version V`, root or the admin group, in the terms directory), made
+    /// within the last 7 days and not in the future. Its digest, for using it once.
+    pub fn approved(
+        &self,
+        terms_dir: &Path,
+        job_id: &str,
+        version: &str,
+        now_ms: u64,
+    ) -> Result<String, String> {
+        if !crate::plain_job_id(job_id) {
             return Err(format!("{job_id:?} is not a job id"));
         }
-        let path = crate::update_approval_path(&self.state_dir, job_id);
-        let (bytes, owner) = crate::hostile::read_owned(&path, MAX_PIN_BYTES)
-            .map_err(|e| format!("{}: {e}", path.display()))?
-            .ok_or_else(|| format!("nobody approved job {job_id} (`byoc-runner approve {job_id}`)"))?;
+        let path = crate::update_approval_path(terms_dir, job_id);
+        let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        let (bytes, owner) = self
+            .read_term(terms_dir, &name)?
+            .ok_or_else(|| format!("nobody approved job {job_id} for {version} (`byoc-runner approve {job_id} --version {version}`)"))?;
         if !self.written_by_a_person(owner) {
             return Err(format!(
-                "the approval {} was written by the runner's own user, not a person",
+                "the approval {} was written by uid {owner}, neither root nor the admin group",
                 path.display()
             ));
         }
         let note: crate::UpdateApproval =
             serde_json::from_slice(&bytes).map_err(|e| format!("{}: {e}", path.display()))?;
-        if note.job_id != job_id || note.version != version {
+        if note.job_id != job_id || note.version != version || note.uid != owner {
             return Err(format!(
-                "job {job_id} was approved for {} {}, not {version}",
-                note.job_id, note.version
+                "job {job_id} was approved for {} {} by uid {}, not {version} (file of uid {owner})",
+                note.job_id, note.version, note.uid
             ));
+        }
+        if note.at_ms > now_ms + CLOCK_SKEW_MS {
+            return Err(format!("the approval of job {job_id} is dated in the future"));
         }
         if now_ms.saturating_sub(note.at_ms) > APPROVAL_VALID_MS {
             return Err(format!("the approval of job {job_id} by {} is more than 7 days old", note.by));
         }
-        Ok(())
+        Ok(crate::sha256_hex(&bytes))
     }
 }
 
+/// How far ahead of the updater's clock an approval may be dated.
+const CLOCK_SKEW_MS: u64 = 5 * 60 * 1000;
 /// How long a person's approval of an update stays good for the updater.
 const APPROVAL_VALID_MS: u64 = 7 * 24 * 3600 * 1000;
 

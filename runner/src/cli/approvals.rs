@@ -81,7 +81,10 @@ pub(super) fn decide(
     job_id: &str,
     approved: bool,
     reason: Option<String>,
+    version: Option<String>,
 ) -> anyhow::Result<()> {
+    // Before anything is written: the id names files.
+    anyhow::ensure!(byoc_updater::plain_job_id(job_id), "{job_id:?} is not a job id");
     let admin_group = super::state::admin_group(s);
     let who = crate::roles::pause::authorize(admin_group.as_deref()).map_err(|_| {
         anyhow::anyhow!(
@@ -122,6 +125,38 @@ pub(super) fn decide(
     );
     // A plan approval binds to the plan the person was shown.
     let decision = Decision { plan_digest: request.plan_digest.clone(), ..decision };
+    // An approved update is also left for the root updater, in its terms directory
+    // (which the runner's user cannot write), with the version the person typed: the
+    // request file is the runner's, so what it says the job installs is not taken.
+    if approved && (request.kind == "runner.update" || version.is_some()) {
+        let Some(version) = &version else {
+            anyhow::bail!(
+                "job {job_id} updates the runner: say which version you approve with --version \
+                 (`byoc-runner approvals show {job_id}` shows the signed job's)"
+            );
+        };
+        let note = crate::update::UpdateApproval {
+            job_id: job_id.to_string(),
+            version: version.clone(),
+            by: who.clone(),
+            uid: decision.uid,
+            at_ms: decision.at_ms,
+        };
+        let terms = crate::update::terms_dir(&crate::update::own_updater_dir());
+        if nix::unistd::geteuid().is_root() && !terms.is_dir() {
+            use std::os::unix::fs::DirBuilderExt as _;
+            std::fs::DirBuilder::new().recursive(true).mode(0o755).create(&terms)?;
+        }
+        let path = crate::update::update_approval_path(&terms, job_id);
+        crate::state_dir::write(&path, &serde_json::to_vec_pretty(&note).unwrap_or_default(), 0o644).map_err(
+            |e| {
+                anyhow::anyhow!(
+                    "leaving the approval for the updater in {}: {e} (root makes that directory: re-run user-data)",
+                    path.display()
+                )
+            },
+        )?;
+    }
     let event = if approved { "approved" } else { "denied" };
     let detail = format!(
         "by {who} (uid {}) under rule {:?}{}{}",
@@ -143,26 +178,6 @@ pub(super) fn decide(
             crate::roles::inbox::inbox_dir(&dir).display()
         )
     })?;
-    // An approved update is also left for the root updater, which installs a release in
-    // `mode = "approve"` only with a person's approval of that version (this file is
-    // the approver's own: the runner's user cannot write one in their name).
-    if approved && let Some(version) = &request.update_version {
-        let note = crate::update::UpdateApproval {
-            job_id: job_id.to_string(),
-            version: version.clone(),
-            by: who.clone(),
-            uid: decision.uid,
-            at_ms: decision.at_ms,
-        };
-        let path = crate::update::update_approval_path(&dir, job_id);
-        std::fs::create_dir_all(path.parent().unwrap_or(&dir))
-            .and_then(|()| {
-                crate::state_dir::write(&path, &serde_json::to_vec_pretty(&note).unwrap_or_default(), 0o644)
-            })
-            .map_err(|e| {
-                anyhow::anyhow!("leaving the approval for the updater in {}: {e}", path.display())
-            })?;
-    }
     approvals::decide(&dir, job_id, decision.clone(), decision.at_ms)?;
     if s.output == Output::Json {
         return print_json(

@@ -191,6 +191,10 @@ enum Cmd {
         job_id: String,
         #[arg(long)]
         reason: Option<String>,
+        /// A runner update: the version you approve (`approvals show JOB` shows it). The
+        /// updater installs it, as root, only with your approval of that version.
+        #[arg(long)]
+        version: Option<String>,
     },
     /// Deny a job awaiting approval: it is refused (approval_denied) and never runs.
     /// Audited. Needs root or roles.admin_group.
@@ -348,9 +352,11 @@ pub fn main() -> i32 {
         Cmd::Approvals { action: Some(action), .. } => edge(|| approvals::run(action)),
         Cmd::Secrets(s) => edge(|| secrets::list(&s)),
         Cmd::Drift { state, action } => edge(|| drift::run(&state, action)),
-        Cmd::Approve { state, job_id, reason } => edge(|| approvals::decide(&state, &job_id, true, reason)),
+        Cmd::Approve { state, job_id, reason, version } => {
+            edge(|| approvals::decide(&state, &job_id, true, reason, version))
+        }
         Cmd::Deny { state, job_id, reason } => {
-            edge(|| approvals::decide(&state, &job_id, false, Some(reason)))
+            edge(|| approvals::decide(&state, &job_id, false, Some(reason), None))
         }
         Cmd::Roles { state, refresh, action: None } => edge(|| state::roles(&state, refresh)),
         Cmd::Roles { action: Some(action), .. } => edge(|| state::roles_action(action)),

@@ -67,7 +67,9 @@ fn status(s: &StateArgs, root: &Path) -> anyhow::Result<()> {
     let config = Config::load(&s.config).ok();
     let terms = config.as_ref().map(|c| &c.update);
     let pin_file: Option<update::PinRecord> =
-        std::fs::read(update::pin_path(&dir)).ok().and_then(|b| serde_json::from_slice(&b).ok());
+        std::fs::read(update::pin_path(&update::terms_dir(&updater_dir)))
+            .ok()
+            .and_then(|b| serde_json::from_slice(&b).ok());
     let pin = pin_file
         .as_ref()
         .map(|p| format!("{} (set by {} with `update pin`)", p.pin, p.by))
@@ -142,8 +144,16 @@ fn pin(s: &StateArgs, pin: &str) -> anyhow::Result<()> {
         dir.display()
     );
     let record = update::PinRecord { pin: pin.trim().to_string(), by: who, at_ms: crate::clock::now_ms() };
-    std::fs::create_dir_all(crate::state_dir::StateDir::of(&dir).control())?;
-    crate::state_dir::write(&update::pin_path(&dir), &serde_json::to_vec_pretty(&record)?, 0o644)?;
+    // In the updater's terms directory, which the runner's user cannot write (root
+    // makes it, group-writable by roles.admin_group: user-data does).
+    let terms = update::terms_dir(&update::own_updater_dir());
+    if nix::unistd::geteuid().is_root() && !terms.is_dir() {
+        use std::os::unix::fs::DirBuilderExt as _;
+        std::fs::DirBuilder::new().recursive(true).mode(0o755).create(&terms)?;
+    }
+    crate::state_dir::write(&update::pin_path(&terms), &serde_json::to_vec_pretty(&record)?, 0o644).map_err(
+        |e| anyhow::anyhow!("{}: {e} (root makes that directory: re-run user-data)", terms.display()),
+    )?;
     if s.output == Output::Json {
         return print_json(&serde_json::json!({ "pinned": true, "pin": record }));
     }
@@ -156,7 +166,7 @@ fn pin(s: &StateArgs, pin: &str) -> anyhow::Result<()> {
 
 fn unpin(s: &StateArgs) -> anyhow::Result<()> {
     crate::roles::pause::authorize(super::state::admin_group(s).as_deref())?;
-    let path = update::pin_path(&state_dir(s));
+    let path = update::pin_path(&update::terms_dir(&update::own_updater_dir()));
     let was = match std::fs::remove_file(&path) {
         Ok(()) => true,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => false,

@@ -188,6 +188,7 @@ async fn start_up(
         runner_id: enrollment.runner_id.clone(),
         install_id: enrollment.install_id.clone(),
         state_dir: state_dir.clone(),
+        update_terms_dir: crate::update::terms_dir(&crate::update::own_updater_dir()),
         journal: Arc::new(journal),
         audit: audit.clone(),
         // The runner's own drift checks are answered locally (`control_plane::local`).
@@ -690,7 +691,7 @@ impl UpdateWatch {
             crate::update::announce_pending(&rt.state_dir, &crate::update::own_updater_dir());
         }
         crate::update::record_outcome(&rt.state_dir, &crate::update::own_updater_dir(), rt.audit.as_ref());
-        let pin = std::fs::read(crate::update::pin_path(&rt.state_dir)).ok();
+        let pin = std::fs::read(crate::update::pin_path(&rt.update_terms_dir)).ok();
         if self.pin.as_ref().is_some_and(|seen| *seen != pin) {
             let detail = match &pin {
                 Some(bytes) => format!(

@@ -151,7 +151,7 @@ pub(crate) fn verifier<'a>(
         clusters: rt.config.kubernetes.reach(),
         job_provider_mirrors: rt.config.terraform.job_provider_mirrors,
         resume_held: false,
-        update: Some((&rt.config.update, &rt.state_dir)),
+        update: Some((&rt.config.update, &rt.update_terms_dir)),
     }
 }
 

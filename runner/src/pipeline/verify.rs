@@ -366,11 +366,11 @@ impl Verifier<'_> {
             });
         }
         if let Some(ask) = executor.runner_update() {
-            let Some((terms, state_dir)) = self.update else {
+            let Some((terms, terms_dir)) = self.update else {
                 return Err((RejectReason::UpdateDisabled, "this runner takes no updates here".into()));
             };
             let asked = crate::update::Asked { version: &ask.version, downgrade: ask.downgrade };
-            crate::update::check_terms(terms, state_dir, &asked, crate::update::running_version())?;
+            crate::update::check_terms(terms, terms_dir, &asked, crate::update::running_version())?;
         }
         Ok(())
     }

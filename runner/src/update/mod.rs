@@ -19,8 +19,8 @@ pub mod stage;
 pub use byoc_updater::{
     Health, LAST_FILE, Outcome, PACKAGED_BINARY, PIN_FILE, PinRecord, Request, RollbackRequest,
     UPDATER_BINARY, UPDATER_DIR, UpdateApproval, dir, dpkg_status, health_path, installed_version, last_path,
-    minisign, outcomes_dir, pin_path, release, request_path, rollback_path, staged_dir, update_approval_path,
-    updater_dir, version,
+    minisign, outcomes_dir, pin_path, plain_job_id, release, request_path, rollback_path, staged_dir,
+    terms_dir, update_approval_path, updater_dir, version,
 };
 
 use std::path::{Path, PathBuf};
@@ -35,20 +35,20 @@ const AUDITED_FILE: &str = "audited";
 /// The pin shown: the CLI's, else the config's (both hold: see [`check_terms`]). A pin
 /// file that cannot be read or parsed pins to nothing (the customer meant to hold
 /// updates back).
-pub fn effective_pin(config: &UpdateConfig, state_dir: &Path) -> Result<Option<version::Pin>, String> {
-    match std::fs::read(pin_path(state_dir)) {
+pub fn effective_pin(config: &UpdateConfig, terms_dir: &Path) -> Result<Option<version::Pin>, String> {
+    match std::fs::read(pin_path(terms_dir)) {
         Ok(bytes) => serde_json::from_slice::<PinRecord>(&bytes)
             .map_err(|e| {
                 format!(
                     "the pin file {} is damaged ({e}): no update is allowed",
-                    pin_path(state_dir).display()
+                    pin_path(terms_dir).display()
                 )
             })
             .and_then(|r| version::Pin::parse(&r.pin).map(Some)),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(config.pin.clone()),
         Err(e) => Err(format!(
             "the pin file {} is unreadable ({e}): no update is allowed",
-            pin_path(state_dir).display()
+            pin_path(terms_dir).display()
         )),
     }
 }
@@ -84,7 +84,7 @@ pub struct Asked<'a> {
 /// Whether the customer's terms let `asked` in, before the job is claimed.
 pub fn check_terms(
     config: &UpdateConfig,
-    state_dir: &Path,
+    terms_dir: &Path,
     asked: &Asked<'_>,
     current: &str,
 ) -> Result<(), (RejectReason, String)> {
@@ -100,7 +100,7 @@ pub fn check_terms(
             "no release key is pinned ([update] release_public_key): a release cannot be verified".into(),
         ));
     }
-    match effective_pin(config, state_dir) {
+    match effective_pin(config, terms_dir) {
         Err(e) => return Err((RejectReason::UpdatePinned, e)),
         Ok(Some(pin)) if !pin.allows(asked.version) => {
             return Err((
@@ -196,15 +196,15 @@ fn outcomes(updater_dir: &Path) -> Vec<(String, Vec<u8>)> {
         .filter(|n| n.ends_with(".json") && !n.starts_with('.'))
         .collect();
     names.sort();
-    names
-        .into_iter()
-        .filter_map(|n| {
-            use std::io::Read as _;
-            let mut bytes = Vec::new();
-            std::fs::File::open(dir.join(&n)).ok()?.take(MAX_OUTCOME_BYTES).read_to_end(&mut bytes).ok()?;
-            Some((n, bytes))
-        })
-        .collect()
+    // Up to the first one that cannot be read: none is passed over (the next look tries
+    // it again).
+    let read = |n: &str| -> std::io::Result<Vec<u8>> {
+        use std::io::Read as _;
+        let mut bytes = Vec::new();
+        std::fs::File::open(dir.join(n))?.take(MAX_OUTCOME_BYTES).read_to_end(&mut bytes)?;
+        Ok(bytes)
+    };
+    names.into_iter().map_while(|n| read(&n).ok().map(|bytes| (n, bytes))).collect()
 }
 
 /// Audit what the updater did, each outcome once: its `outcomes/` (root's, one file an
@@ -360,15 +360,18 @@ mod tests {
     }
 
     #[test]
-    fn the_pin_set_on_the_vm_wins_and_a_damaged_one_holds_everything() {
+    fn the_pin_set_on_the_vm_narrows_the_configs_and_a_damaged_one_holds_everything() {
         let d = tempfile::tempdir().unwrap();
         let pinned = config(UpdateMode::Auto, Some(">= 0.2.0"));
-        let control = crate::state_dir::StateDir::of(d.path()).control();
-        std::fs::create_dir_all(&control).unwrap();
         let rec = PinRecord { pin: "0.2.1".into(), by: "root".into(), at_ms: 1 };
         std::fs::write(pin_path(d.path()), serde_json::to_vec(&rec).unwrap()).unwrap();
         assert_eq!(code(&pinned, d.path(), "0.3.0", false), Some(RejectReason::UpdatePinned));
         assert_eq!(code(&pinned, d.path(), "0.2.1", false), None);
+        // Wider than root's [update] pin: root's still holds.
+        let rec = PinRecord { pin: ">= 0.1.0".into(), by: "admin".into(), at_ms: 1 };
+        std::fs::write(pin_path(d.path()), serde_json::to_vec(&rec).unwrap()).unwrap();
+        let narrow = config(UpdateMode::Auto, Some(">= 0.2.0, < 0.3.0"));
+        assert_eq!(code(&narrow, d.path(), "0.4.0", false), Some(RejectReason::UpdatePinned));
         std::fs::write(pin_path(d.path()), "{").unwrap();
         assert_eq!(code(&pinned, d.path(), "0.2.1", false), Some(RejectReason::UpdatePinned));
     }
@@ -453,12 +456,12 @@ mod pipeline_tests {
     #[tokio::test]
     async fn a_pin_set_on_the_vm_and_an_older_version_are_refused() {
         let f = testing::runtime_with(&terms("auto")).await;
-        std::fs::create_dir_all(crate::state_dir::StateDir::of(&f.rt.state_dir).control()).unwrap();
+        std::fs::create_dir_all(&f.rt.update_terms_dir).unwrap();
         let pin = PinRecord { pin: ">= 99.0.0, < 99.1.0".into(), by: "root".into(), at_ms: 0 };
-        std::fs::write(pin_path(&f.rt.state_dir), serde_json::to_vec(&pin).unwrap()).unwrap();
+        std::fs::write(pin_path(&f.rt.update_terms_dir), serde_json::to_vec(&pin).unwrap()).unwrap();
         assert_eq!(refused(&f, update_job("job-1", "99.1.0")).reason, RejectReason::UpdatePinned);
         assert_eq!(refused(&f, update_job("job-2", "0.0.1")).reason, RejectReason::UpdatePinned);
-        std::fs::remove_file(pin_path(&f.rt.state_dir)).unwrap();
+        std::fs::remove_file(pin_path(&f.rt.update_terms_dir)).unwrap();
         assert_eq!(refused(&f, update_job("job-3", "0.0.1")).reason, RejectReason::UpdateNotNewer);
         // An update's operation is only `runner.update`, and nothing else is one.
         let mut mislabelled = update_job("job-4", "99.0.0");

@@ -1175,9 +1175,9 @@ async fn update_and_back(
         bail!("the update ended {ended} before it awaited approval: {:?}", held.rejections);
     }
     println!(
-        "job {id} awaits approval; the customer runs: byoc-runner approve {id} --reason \"runner {to}\""
+        "job {id} awaits approval; the customer runs: byoc-runner approve {id} --version {to} --reason \"runner {to}\""
     );
-    let out = runner.cli(&["approve", &id, "--reason", &format!("runner {to}")]);
+    let out = runner.cli(&["approve", &id, "--version", to, "--reason", &format!("runner {to}")]);
     if !out.status.success() {
         bail!("byoc-runner approve: {}", String::from_utf8_lossy(&out.stderr));
     }
