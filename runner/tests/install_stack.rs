@@ -1007,7 +1007,9 @@ impl Resolver<'_> {
             "AWS::IAM::ManagedPolicy" => format!("arn:aws:iam::{ACCOUNT}:policy/install-{logical}-X"),
             "AWS::KMS::Key" => format!("arn:aws:kms:eu-west-1:{ACCOUNT}:key/{logical}"),
             "AWS::S3::Bucket" => format!("arn:aws:s3:::{}", self.string(&props["BucketName"])),
-            "AWS::IAM::InstanceProfile" => format!("arn:aws:iam::{ACCOUNT}:instance-profile/install-{logical}-X"),
+            "AWS::IAM::InstanceProfile" => {
+                format!("arn:aws:iam::{ACCOUNT}:instance-profile/install-{logical}-X")
+            }
             "AWS::SecretsManager::Secret" => {
                 format!("arn:aws:secretsmanager:eu-west-1:{ACCOUNT}:secret:{logical}-X")
             }

@@ -837,8 +837,11 @@ fn approve(w: &mut World, id: &str, version: &str) {
     )
     .unwrap_or_else(|e| panic!("the update was never held for approval: {e}\n{}", w.journal_tail()));
     let o =
-        w.vm.exec(&format!("byoc-runner approve {id} --version {version} --reason vm-suite"), Duration::from_secs(60))
-            .unwrap();
+        w.vm.exec(
+            &format!("byoc-runner approve {id} --version {version} --reason vm-suite"),
+            Duration::from_secs(60),
+        )
+        .unwrap();
     assert!(o.ok(), "approve: {} {}", o.stdout, o.stderr);
 }
 
