@@ -85,8 +85,9 @@ pub(super) async fn await_approval(
             state: "awaiting_approval".into(),
             until: Some((request.expires_at_ms / 1000) as i64),
             detail: format!(
-                "rule {:?}: approve with `byoc-runner approve {job_id}` or refuse with `byoc-runner deny {job_id} --reason …`",
-                request.rule
+                "rule {:?}: approve with `byoc-runner approve {job_id}{}` or refuse with `byoc-runner deny {job_id} --reason …`",
+                request.rule,
+                request.update_version.as_deref().map(|v| format!(" --version {v}")).unwrap_or_default()
             ),
         }),
     })
