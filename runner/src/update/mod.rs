@@ -186,14 +186,15 @@ pub fn own_updater_dir() -> PathBuf {
 /// Largest outcome the daemon reads.
 const MAX_OUTCOME_BYTES: u64 = 64 << 10;
 
-/// The updater's outcomes, oldest first: (file name, bytes).
-fn outcomes(updater_dir: &Path) -> Vec<(String, Vec<u8>)> {
+/// The updater's outcomes named after `after`, oldest first: (file name, bytes). Only
+/// those are read (the daemon looks at every answered poll).
+fn outcomes(updater_dir: &Path, after: &str) -> Vec<(String, Vec<u8>)> {
     let dir = outcomes_dir(updater_dir);
     let Ok(entries) = std::fs::read_dir(&dir) else { return Vec::new() };
     let mut names: Vec<String> = entries
         .filter_map(Result::ok)
         .map(|e| e.file_name().to_string_lossy().into_owned())
-        .filter(|n| n.ends_with(".json") && !n.starts_with('.'))
+        .filter(|n| n.ends_with(".json") && !n.starts_with('.') && n.as_str() > after)
         .collect();
     names.sort();
     // Up to the first one that cannot be read: none is passed over (the next look tries
@@ -214,7 +215,7 @@ fn outcomes(updater_dir: &Path) -> Vec<(String, Vec<u8>)> {
 pub fn record_outcome(state_dir: &Path, updater_dir: &Path, audit: &dyn crate::audit::AuditSink) {
     let audited_path = dir(state_dir).join(AUDITED_FILE);
     let audited = std::fs::read_to_string(&audited_path).unwrap_or_default().trim().to_string();
-    for (name, bytes) in outcomes(updater_dir).into_iter().filter(|(n, _)| *n > audited) {
+    for (name, bytes) in outcomes(updater_dir, &audited) {
         let outcome = serde_json::from_slice::<Outcome>(&bytes);
         let record = match &outcome {
             Ok(o) => outcome_record(o),
@@ -245,7 +246,7 @@ pub fn record_outcome(state_dir: &Path, updater_dir: &Path, audit: &dyn crate::a
 pub fn announce_pending(state_dir: &Path, updater_dir: &Path) {
     let Ok(bytes) = std::fs::read(request_path(state_dir)) else { return };
     let digest = byoc_protocol::sha256_hex(&bytes);
-    let answered = outcomes(updater_dir).iter().any(|(_, b)| {
+    let answered = outcomes(updater_dir, "").iter().any(|(_, b)| {
         serde_json::from_slice::<Outcome>(b).ok().and_then(|o| o.request_sha256).as_deref()
             == Some(digest.as_str())
     });
