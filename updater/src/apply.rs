@@ -1439,14 +1439,12 @@ mod tests {
         assert!(host.calls.borrow().is_empty());
     }
 
-    #[test]
-    fn an_interrupted_update_is_resumed_at_the_next_start() {
-        let s = setup("auto");
-        let host = FakeHost::new(&s.paths.state_dir, "0.1.0");
+    /// As `start` leaves it at the moment of a reset, after `attempts` installs begun: the
+    /// staged release kept and the progress written.
+    fn interrupted(s: &Setup, host: &FakeHost, attempts: u32) {
         let bytes = std::fs::read(request_path(&s.paths.state_dir)).unwrap();
         let request: Request = serde_json::from_slice(&bytes).unwrap();
-        let (new, previous) = check(&host, &s.terms, &s.paths, &request).unwrap();
-        // As `start` does up to the moment of a reset: kept, progress written, then gone.
+        let (new, previous) = check(host, &s.terms, &s.paths, &request).unwrap();
         let kept = keep(&s.paths, &new, &fixture::public_key()).unwrap();
         let progress = Progress {
             request: Request { package: kept.package.clone(), ..request },
@@ -1457,9 +1455,16 @@ mod tests {
             key_sha256: None,
             rotated_key: None,
             started_ms: 1,
-            attempts: 1,
+            attempts,
         };
         std::fs::write(s.paths.progress(), serde_json::to_vec(&progress).unwrap()).unwrap();
+    }
+
+    #[test]
+    fn an_interrupted_update_is_resumed_at_the_next_start() {
+        let s = setup("auto");
+        let host = FakeHost::new(&s.paths.state_dir, "0.1.0");
+        interrupted(&s, &host, 1);
         // dpkg was half-way: the runner's files are neither version's.
         *host.installed.borrow_mut() = "0.2.0".into();
         let out = run(&host, &s.terms, &s.paths).unwrap();
@@ -1612,22 +1617,7 @@ mod tests {
     fn an_update_interrupted_twice_goes_back_and_damaged_progress_is_set_aside() {
         let s = setup("auto");
         let host = FakeHost::new(&s.paths.state_dir, "0.1.0");
-        let bytes = std::fs::read(request_path(&s.paths.state_dir)).unwrap();
-        let request: Request = serde_json::from_slice(&bytes).unwrap();
-        let (new, previous) = check(&host, &s.terms, &s.paths, &request).unwrap();
-        let kept = keep(&s.paths, &new, &fixture::public_key()).unwrap();
-        let progress = Progress {
-            request: Request { package: kept.package.clone(), ..request },
-            request_sha256: crate::sha256_hex(&bytes),
-            from_root: false,
-            previous_version: previous.version.clone(),
-            previous_sha256: previous.package_sha256.clone(),
-            key_sha256: None,
-            rotated_key: None,
-            started_ms: 1,
-            attempts: MAX_ATTEMPTS,
-        };
-        std::fs::write(s.paths.progress(), serde_json::to_vec(&progress).unwrap()).unwrap();
+        interrupted(&s, &host, MAX_ATTEMPTS);
         *host.installed.borrow_mut() = "0.2.0".into();
         let out = run(&host, &s.terms, &s.paths).unwrap();
         assert_eq!(out.result, "rolled_back", "{out:?}");
