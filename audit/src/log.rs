@@ -41,8 +41,12 @@ pub struct Record {
     pub job: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kind: Option<String>,
+    /// The job's operation alone (`deploy`, `trigger`), the same on every record of it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub operation: Option<String>,
+    /// What the operation acts on (`component`, `action`, `install`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub entity: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub role: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]

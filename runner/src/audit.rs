@@ -217,11 +217,12 @@ pub const EVENTS: &[(&str, &str)] = &[
 pub fn record_for(event: &Event) -> Record {
     let mut r = Record::default();
     match event {
-        Event::Received { job_id, kind, operation, payload_sha256, effect, component, .. } => {
+        Event::Received { job_id, kind, operation, entity, payload_sha256, effect, component, .. } => {
             r.event = "job_received".into();
             r.job = Some(job_id.clone());
             r.kind = Some(kind.clone());
             r.operation = Some(operation.clone());
+            r.entity = Some(entity.clone()).filter(|e| !e.is_empty());
             r.digests.insert("payload_sha256".into(), payload_sha256.clone());
             let said: Vec<String> = [("effect", effect), ("component", component)]
                 .into_iter()

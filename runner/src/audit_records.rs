@@ -16,7 +16,10 @@ pub fn of_job(
     role: Option<&str>,
     detail: impl Into<String>,
 ) -> Record {
-    about_job(event, [&job.job_id, &job.kind, &job.operation], role, detail)
+    Record {
+        entity: Some(job.entity.clone()).filter(|e| !e.is_empty()),
+        ..about_job(event, [&job.job_id, &job.kind, &job.operation], role, detail)
+    }
 }
 
 /// `of_job` from the job's id, kind and operation alone.
@@ -75,6 +78,37 @@ pub fn pause_changed(now: Option<&crate::roles::pause::Pause>) -> Record {
         },
         None => Record { event: "runner_resumed".into(), ..Default::default() },
     }
+}
+
+/// The CLI's record of a pause, left in the audit inbox before the pause file is
+/// written: who (name and uid), when and why.
+pub fn pause_requested(p: &crate::roles::pause::Pause, uid: u32) -> Record {
+    Record {
+        event: "runner_paused".into(),
+        reason: Some("paused".into()),
+        detail: Some(format!(
+            "by {} (uid {uid}) at {}{}",
+            p.by,
+            crate::clock::rfc3339_ms(p.paused_at_ms),
+            p.reason.as_deref().map(|r| format!(": {r}")).unwrap_or_default()
+        )),
+        ..Default::default()
+    }
+}
+
+/// The CLI's record of a resume, left before the pause file is removed: who lifted
+/// which pause, and when.
+pub fn resume_requested(by: &str, uid: u32, at_ms: u64, lifted: &crate::roles::pause::Pause) -> Record {
+    note(
+        "runner_resumed",
+        format!(
+            "by {by} (uid {uid}) at {}; the pause by {} since {}{} is lifted",
+            crate::clock::rfc3339_ms(at_ms),
+            lifted.by,
+            crate::clock::rfc3339_ms(lifted.paused_at_ms),
+            lifted.reason.as_deref().map(|r| format!(" ({r})")).unwrap_or_default()
+        ),
+    )
 }
 
 /// A local allowance the daemon honours from now on.

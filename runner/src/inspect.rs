@@ -14,7 +14,9 @@ use crate::state_dir::StateDir;
 pub enum InspectError {
     #[error("state dir {0} does not exist: is the runner installed, or is --state-dir wrong?")]
     NoStateDir(String),
-    #[error("permission denied reading {0}: run as root or as the byoc-runner user")]
+    #[error(
+        "permission denied reading {0}: run as root (sudo) or as the runner's user; pause, resume and approvals also as a member of roles.admin_group"
+    )]
     Permission(String),
     #[error(transparent)]
     Identity(#[from] identity::IdentityError),
@@ -22,6 +24,8 @@ pub enum InspectError {
     Journal(#[from] journal::RecordError),
     #[error("no job {0:?} in the journal (see `byoc-runner jobs list`)")]
     NoSuchJob(String),
+    #[error("job id prefix {prefix:?} names more than one job ({matches}): give more of it")]
+    Ambiguous { prefix: String, matches: String },
     #[error("reading {path}: {source}")]
     Io { path: String, source: std::io::Error },
     #[error(
@@ -30,7 +34,8 @@ pub enum InspectError {
     LogRemoved { job_id: String, size: u64, sha256: String },
 }
 
-fn check_state_dir(state_dir: &Path) -> Result<(), InspectError> {
+/// Missing or unreadable is an error naming what to fix, never "nothing here".
+pub fn check_state_dir(state_dir: &Path) -> Result<(), InspectError> {
     match std::fs::read_dir(state_dir) {
         Ok(_) => Ok(()),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
@@ -146,6 +151,24 @@ fn ids_in(index: &Index, phases: &[Phase]) -> Vec<String> {
         .collect()
 }
 
+/// Every word [`status_label`] can say (what `jobs list --status` takes).
+pub const STATUS_LABELS: &[&str] = &[
+    "succeeded",
+    "failed",
+    "timed_out",
+    "cancelled",
+    "interrupted",
+    "fenced",
+    "running",
+    "received",
+    "rejected",
+    "claim_refused",
+    "waiting_window",
+    "awaiting_approval",
+    "finished",
+    "reported",
+];
+
 /// The one-word state a person wants: the final status if there is one, else the phase.
 pub fn status_label(j: &JobRecord) -> String {
     match &j.finished {
@@ -200,12 +223,33 @@ pub fn rejections(
     Ok(index.rejections.iter().rev().filter(|r| keep(r)).take(limit).cloned().collect())
 }
 
-/// One job, from the journal or, once archived, from the archive.
+/// One job, from the journal or, once archived, from the archive; by its id or by a
+/// prefix of it that names one job only (as docker takes container ids).
 pub fn job(state_dir: &Path, job_id: &str) -> Result<JobRecord, InspectError> {
     if let Some(j) = load_index(state_dir)?.jobs.get(job_id) {
         return Ok(j.clone());
     }
-    index_of(state_dir, true)?.jobs.get(job_id).cloned().ok_or_else(|| InspectError::NoSuchJob(job_id.into()))
+    let index = index_of(state_dir, true)?;
+    if let Some(j) = index.jobs.get(job_id) {
+        return Ok(j.clone());
+    }
+    let matching: Vec<&JobRecord> =
+        index.jobs.values().filter(|j| !job_id.is_empty() && j.job_id.starts_with(job_id)).collect();
+    match matching.as_slice() {
+        [one] => Ok((*one).clone()),
+        [] => Err(InspectError::NoSuchJob(job_id.into())),
+        many => Err(InspectError::Ambiguous {
+            prefix: job_id.into(),
+            matches: many.iter().map(|j| j.job_id.clone()).take(5).collect::<Vec<_>>().join(", "),
+        }),
+    }
+}
+
+/// A job refused before the journal had a record of it (its envelope did not verify,
+/// or it was for another runner): the newest rejection naming it.
+pub fn rejection_of(state_dir: &Path, job_id: &str) -> Result<Option<journal::Rejection>, InspectError> {
+    let index = index_of(state_dir, true)?;
+    Ok(index.rejections.iter().rev().find(|r| r.job_id.as_deref() == Some(job_id)).cloned())
 }
 
 pub fn log(state_dir: &Path, job_id: &str) -> Result<Vec<u8>, InspectError> {

@@ -109,17 +109,51 @@ pub fn audit_message_id(event: &str) -> String {
     hex::encode(&digest[..16])
 }
 
+/// Events that are a warning whatever their fields say: something was refused, denied,
+/// cut short or undone.
+const WARNING_EVENTS: &[&str] = &[
+    "job_rejected",
+    "job_claim_refused",
+    "job_cancelled",
+    "job_interrupted",
+    "job_fenced",
+    "denied",
+    "role_assume_failed",
+    "update_rolled_back",
+    "update_refused",
+    "artifact_sync_failed",
+    "state_unlock_failed",
+    "audit_export_failed",
+    "customer_record_invalid",
+];
+
+/// Job statuses that did not succeed.
+const FAILED_STATUSES: &[&str] = &["failed", "timed_out", "cancelled", "interrupted", "rejected", "denied"];
+
+/// An audit record's journal priority, from its outcome rather than its name: 4
+/// (warning) for a failure, timeout, denial, refusal or rollback, else 6.
+pub fn audit_priority(r: &byoc_audit::log::Record) -> u8 {
+    let denied_plan =
+        r.event == "policy_decision" && r.detail.as_deref().is_some_and(|d| d.starts_with("deny"));
+    let failed = r.status.as_deref().is_some_and(|s| FAILED_STATUSES.contains(&s));
+    if WARNING_EVENTS.contains(&r.event.as_str()) || r.event.ends_with("_failed") || failed || denied_plan {
+        4
+    } else {
+        6
+    }
+}
+
 /// Mirror one audit record to the journal: a sentence, the event's `MESSAGE_ID`,
-/// priority 6 (4 for refusals and failures) and `BYOC_` fields. Through journald's
-/// socket when the daemon logs there; otherwise as an ordinary log line.
+/// the priority of its outcome ([`audit_priority`]) and `BYOC_` fields. Through
+/// journald's socket when the daemon logs there; otherwise as an ordinary log line.
 pub fn audit_entry(seq: u64, r: &byoc_audit::log::Record) {
     let sentence = audit_sentence(seq, r);
-    let warning = r.event.contains("rejected") || r.event.contains("refused") || r.event.contains("failed");
+    let warning = audit_priority(r) <= 4;
     if TO_JOURNALD.get().copied().unwrap_or(false) {
         let mut fields: Vec<(&str, String)> = vec![
             ("MESSAGE", sentence.clone()),
             ("MESSAGE_ID", audit_message_id(&r.event)),
-            ("PRIORITY", if warning { "4" } else { "6" }.into()),
+            ("PRIORITY", audit_priority(r).to_string()),
             ("SYSLOG_IDENTIFIER", IDENTIFIER.into()),
             ("BYOC_AUDIT_SEQ", seq.to_string()),
             ("BYOC_AUDIT_EVENT", r.event.clone()),
@@ -134,6 +168,7 @@ pub fn audit_entry(seq: u64, r: &byoc_audit::log::Record) {
             ("BYOC_INSTALL_ID", job.as_ref().map(|j| j.install_id.clone())),
             ("BYOC_KIND", or_job(&r.kind, |j| &j.kind)),
             ("BYOC_OPERATION", or_job(&r.operation, |j| &j.operation)),
+            ("BYOC_ENTITY", r.entity.clone()),
             ("BYOC_ROLE", or_job(&r.role, |j| &j.role)),
             ("BYOC_STATUS", r.status.clone()),
             ("BYOC_REASON", r.reason.clone()),
@@ -207,7 +242,7 @@ pub fn journal_catalog() -> String {
     );
     for (event, meaning) in crate::audit::EVENTS {
         out.push_str(&format!(
-            "\n-- {}\nSubject: byoc-runner audit: {event}\nDefined-By: byoc-runner\n\n\
+            "\n-- {}\nSubject: byoc-runner audit: {event}\nDefined-By: byoc-runner\nDocumentation: man:byoc-runner(8)\n\n\
              {meaning}\n\n\
              Every audit record is also kept in the runner's signed, tamper-evident audit log;\n\
              `byoc-runner audit tail` shows it and `byoc-runner audit verify` checks it.\n",
@@ -236,6 +271,37 @@ mod tests {
             audit_sentence(7, &r),
             "Audit record 7, job_finished: job job-1 (action.script), status failed, exit code 3: log 12 bytes."
         );
+    }
+
+    #[test]
+    fn a_records_priority_follows_its_outcome_not_its_name() {
+        let r = |event: &str, status: Option<&str>, detail: Option<&str>| byoc_audit::log::Record {
+            event: event.into(),
+            status: status.map(str::to_string),
+            detail: detail.map(str::to_string),
+            ..Default::default()
+        };
+        for warning in [
+            r("job_finished", Some("failed"), None),
+            r("job_finished", Some("timed_out"), None),
+            r("job_finished", Some("cancelled"), None),
+            r("job_interrupted", None, None),
+            r("denied", None, Some("by alice: not now")),
+            r("policy_decision", None, Some("deny: 2 violations")),
+            r("update_rolled_back", None, None),
+            r("job_rejected", None, None),
+            r("artifact_sync_failed", None, None),
+        ] {
+            assert_eq!(audit_priority(&warning), 4, "{warning:?}");
+        }
+        for info in [
+            r("job_finished", Some("succeeded"), None),
+            r("policy_decision", None, Some("allow: 0 violations")),
+            r("approved", None, None),
+            r("job_started", None, None),
+        ] {
+            assert_eq!(audit_priority(&info), 6, "{info:?}");
+        }
     }
 
     #[test]

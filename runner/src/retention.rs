@@ -35,7 +35,11 @@ pub fn sweep_spools(journal: &dyn JobJournal, state_dir: &Path, keep: Duration, 
     });
     let mut swept = Swept::default();
     for job_id in expired {
-        for path in [spool::spool_path(state_dir, &job_id), spool::tail_path(state_dir, &job_id)] {
+        for path in [
+            spool::spool_path(state_dir, &job_id),
+            spool::tail_path(state_dir, &job_id),
+            spool::times_path(state_dir, &job_id),
+        ] {
             let Ok(meta) = std::fs::metadata(&path) else { continue };
             match std::fs::remove_file(&path) {
                 Ok(()) => {

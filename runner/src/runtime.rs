@@ -127,17 +127,25 @@ impl Runtime {
     /// What the customer did with the CLI since the last look, audited (the CLI cannot
     /// write the daemon's audit log): its inbox records, then the pause as of now.
     pub fn check_customer_controls(&self) -> Option<crate::roles::pause::Pause> {
-        crate::roles::inbox::drain(&self.state_dir, |r| self.audit.record(r).map(drop));
+        // The last pause or resume the CLI put on record (it does, with who, before it
+        // touches the pause file): a change it recorded is not recorded twice.
+        let mut recorded_paused = None;
+        crate::roles::inbox::drain(&self.state_dir, |r| {
+            let paused = match r.event.as_str() {
+                "runner_paused" => Some(true),
+                "runner_resumed" => Some(false),
+                _ => None,
+            };
+            self.audit.record(r).map(|_| recorded_paused = paused.or(recorded_paused))
+        });
         self.audit_expired_allowances();
         let now = crate::roles::pause::read(&self.state_dir);
         let mut last = self.pause.lock().unwrap_or_else(|e| e.into_inner());
+        // The journal has the change from its audit record (one entry, not two).
+        if *last != now && recorded_paused == Some(now.is_some()) {
+            *last = now.clone();
+        }
         if *last != now {
-            match &now {
-                Some(p) => {
-                    tracing::warn!(by = %p.by, reason = p.reason.as_deref().unwrap_or(""), "Runner paused by the customer: new jobs are refused.")
-                }
-                None => tracing::info!("Runner resumed by the customer."),
-            }
             if self.audit_or_log(crate::audit_records::pause_changed(now.as_ref()), "a pause change") {
                 *last = now.clone();
             }

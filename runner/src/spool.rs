@@ -61,6 +61,37 @@ pub fn tail_path(state_dir: &Path, job_id: &str) -> PathBuf {
     StateDir::of(state_dir).spool().join(format!("{job_id}.tail"))
 }
 
+/// When the log's bytes were written, for `jobs logs --timestamps` and `--since`: pairs
+/// of little-endian u64s (byte offset, Unix ms), one whenever the time has moved on by
+/// [`TIME_MARK_MS`]. Not part of the log or its digest; lost times lose only the labels.
+pub fn times_path(state_dir: &Path, job_id: &str) -> PathBuf {
+    StateDir::of(state_dir).spool().join(format!("{job_id}.times"))
+}
+
+/// How far apart two marks of the times file are at least.
+const TIME_MARK_MS: u64 = 10;
+
+/// The marks of a log's times file (empty when it has none), in offset order.
+pub fn read_times(state_dir: &Path, job_id: &str) -> Vec<(u64, u64)> {
+    let Ok(bytes) = std::fs::read(times_path(state_dir, job_id)) else { return Vec::new() };
+    bytes
+        .chunks_exact(16)
+        .map(|c| {
+            let (offset, ms) = c.split_at(8);
+            (
+                u64::from_le_bytes(offset.try_into().unwrap_or_default()),
+                u64::from_le_bytes(ms.try_into().unwrap_or_default()),
+            )
+        })
+        .collect()
+}
+
+/// The time the byte at `offset` was written, from `marks` (`read_times`).
+pub fn time_at(marks: &[(u64, u64)], offset: u64) -> Option<u64> {
+    let i = marks.partition_point(|(o, _)| *o <= offset);
+    i.checked_sub(1).map(|i| marks[i].1)
+}
+
 pub struct SpoolWriter {
     file: File,
     path: PathBuf,
@@ -75,6 +106,9 @@ pub struct SpoolWriter {
     since_disk_check: u64,
     /// The first write that failed: the log ends there, whole.
     failed: Option<(std::io::ErrorKind, String)>,
+    /// Where the write times go ([`times_path`]), and the last mark's time.
+    times: Option<File>,
+    last_mark_ms: u64,
 }
 
 /// How much log may be written between two looks at the free space.
@@ -174,7 +208,16 @@ impl SpoolWriter {
     ) -> std::io::Result<SpoolWriter> {
         let path = spool_path(state_dir, job_id);
         let file = OpenOptions::new().create(true).truncate(true).write(true).mode(0o600).open(&path)?;
+        let times = OpenOptions::new()
+            .create(true)
+            .truncate(true)
+            .write(true)
+            .mode(0o600)
+            .open(times_path(state_dir, job_id))
+            .ok();
         Ok(SpoolWriter {
+            times,
+            last_mark_ms: 0,
             file,
             path,
             len: 0,
@@ -222,11 +265,31 @@ impl SpoolWriter {
             return Err(e);
         }
         self.hasher.update(chunk);
+        self.mark_time();
         self.len += chunk.len() as u64;
         if let Some(&b) = chunk.last() {
             self.last = b;
         }
         Ok(())
+    }
+
+    /// Note when the bytes from the current end on are written (at most one mark every
+    /// `TIME_MARK_MS`: one clock read per write, one small write now and then).
+    fn mark_time(&mut self) {
+        let now = crate::clock::now_ms();
+        if now < self.last_mark_ms + TIME_MARK_MS {
+            return;
+        }
+        self.last_mark_ms = now;
+        if let Some(times) = &mut self.times {
+            let mut mark = [0u8; 16];
+            mark[..8].copy_from_slice(&self.len.to_le_bytes());
+            mark[8..].copy_from_slice(&now.to_le_bytes());
+            if times.write_all(&mark).is_err() {
+                // No labels from here on; the log itself is unaffected.
+                self.times = None;
+            }
+        }
     }
 
     /// A line of the runner's own, on a line of its own.
@@ -255,7 +318,17 @@ impl SpoolWriter {
     }
 
     /// Append the omission marker and the tail, fsync, and return what the spool holds.
-    pub fn finish(mut self) -> std::io::Result<SpoolDigest> {
+    pub fn finish(self) -> std::io::Result<SpoolDigest> {
+        self.finish_with(None)
+    }
+
+    /// As [`Self::finish`], with `last` (the job's outcome, in the runner's words) as
+    /// the log's last line, after the tail: a log never just stops.
+    pub fn finish_with(mut self, last: Option<&str>) -> std::io::Result<SpoolDigest> {
+        let end = |w: &mut SpoolWriter| match last {
+            Some(line) if w.failed.is_none() => w.append_note(&format!("{}\n", line.trim_end())),
+            _ => Ok(()),
+        };
         let mut omitted = 0;
         if let Some(ring) = self.tail.take() {
             if self.failed.is_some() {
@@ -284,11 +357,14 @@ impl SpoolWriter {
                 );
                 self.append_note(&end)?;
             }
+            end(&mut self)?;
             self.file.sync_all()?;
             drop(ring.file);
             if let Err(e) = std::fs::remove_file(&ring.path) {
                 tracing::warn!(error = %e, path = %ring.path.display(), "Could not remove the log's tail ring: {e}.");
             }
+        } else {
+            end(&mut self)?;
         }
         self.file.sync_all()?;
         Ok(SpoolDigest { size: self.len, sha256: hex::encode(self.hasher.finalize()), omitted })
@@ -374,6 +450,8 @@ pub fn recover_tail(state_dir: &Path, job_id: &str, cap: LogCap) -> std::io::Res
         disk_floor: 0,
         since_disk_check: 0,
         failed: None,
+        times: OpenOptions::new().append(true).open(times_path(state_dir, job_id)).ok(),
+        last_mark_ms: 0,
     };
     writer.finish().map(Some)
 }

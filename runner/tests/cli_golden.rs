@@ -147,6 +147,18 @@ fn audit_log(dir: &Path) {
     }
 }
 
+/// A configuration of the suite's own (not the machine's), with the defaults a fresh
+/// install has.
+fn config_file() -> PathBuf {
+    let path = std::env::temp_dir().join(format!("byoc-cli-golden-{}.toml", std::process::id()));
+    std::fs::write(
+        &path,
+        "[control_plane]\nurl = \"https://cp.vendor.example\"\npublic_keys = [\"11qYAYKxCrfVS/7TyWQHOg7hcvPapiMlrwIaaPcHURo=\"]\n\n[runner]\ninstall_id = \"inst-1\"\n",
+    )
+    .unwrap();
+    path
+}
+
 /// Run `args` on the fixed state; the output with the state dir's path replaced.
 fn cli(state: &Path, args: &[&str]) -> (i32, String) {
     let out = Command::new(BIN)
@@ -155,7 +167,7 @@ fn cli(state: &Path, args: &[&str]) -> (i32, String) {
         .arg(state)
         .env_clear()
         .env("PATH", "/usr/bin:/bin")
-        .env("BYOC_RUNNER_CONFIG", "/nonexistent/runner.toml")
+        .env("BYOC_RUNNER_CONFIG", config_file())
         .output()
         .unwrap();
     let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));

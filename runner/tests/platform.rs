@@ -244,9 +244,10 @@ async fn logs_reach_journald_as_sentences_with_byoc_fields_and_message_ids() {
         .expect("a BYOC_AUDIT_EVENT=job_finished record for the job");
     assert!(rec["BYOC_AUDIT_SEQ"].as_str().is_some_and(|s| s.parse::<u64>().is_ok()), "{rec}");
     assert_eq!(rec["BYOC_STATUS"], "failed");
-    // A sentence, the event's catalogued MESSAGE_ID, priority 6 (informational).
+    // A sentence, the event's catalogued MESSAGE_ID, priority 4: the job failed
+    // (`journalctl -p warning` shows it, with its job and status).
     assert_eq!(rec["MESSAGE_ID"], byoc_runner::logging::audit_message_id("job_finished"), "{rec}");
-    assert_eq!(rec["PRIORITY"], "6", "{rec}");
+    assert_eq!(rec["PRIORITY"], "4", "{rec}");
     let message = rec["MESSAGE"].as_str().unwrap();
     assert!(
         message.starts_with("Audit record ")
@@ -262,7 +263,13 @@ async fn logs_reach_journald_as_sentences_with_byoc_fields_and_message_ids() {
         );
     }
     assert!(!records.is_empty(), "no journal records with BYOC_JOB_ID={id}");
-    let started = records.iter().find(|r| r["MESSAGE"] == "Job started.").expect("a 'Job started.' record");
+    // One entry per step: the audit record's, with the job's fields.
+    let started =
+        records.iter().find(|r| r["BYOC_AUDIT_EVENT"] == "job_started").expect("a job_started entry");
+    assert!(
+        !records.iter().any(|r| r["MESSAGE"] == "Job started." || r["MESSAGE"] == "Job finished."),
+        "a step is one entry, not a log line and an audit line: {records:?}"
+    );
     assert_eq!(started["BYOC_INSTALL_ID"], cp.install_id());
     assert_eq!(started["BYOC_KIND"], "action.script");
     assert_eq!(started["BYOC_OPERATION"], "trigger");

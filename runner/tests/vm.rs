@@ -700,8 +700,10 @@ fn the_journal_has_structured_fields(w: &mut World) {
     let records: Vec<serde_json::Value> = out.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
     assert!(!records.is_empty(), "no journal records for {id}");
     // The job's span fields, prefixed BYOC_, on the record of its start.
-    let started =
-        records.iter().find(|r| r["MESSAGE"] == "Job started.").unwrap_or_else(|| panic!("{records:?}"));
+    let started = records
+        .iter()
+        .find(|r| r["BYOC_AUDIT_EVENT"] == "job_started")
+        .unwrap_or_else(|| panic!("{records:?}"));
     assert_eq!(started["BYOC_INSTALL_ID"], w.cp.install_id());
     assert_eq!(started["BYOC_KIND"], "action.script");
     assert_eq!(started["SYSLOG_IDENTIFIER"], "byoc-runner");

@@ -3,14 +3,14 @@
 //! `roles.admin_group`; the person, uid and reason are audited (`approved`, `denied`)
 //! through the daemon's audit inbox before the answer is written.
 
-use super::{Output, StateArgs, print_json, state_dir};
+use super::{Output, StateArgs, control_state_dir, print_json, usage};
 use crate::approvals::{self, Decision};
 use crate::clock::rfc3339_ms;
 use crate::state_dir::StateDir;
 
 pub(super) fn list(s: &StateArgs) -> anyhow::Result<()> {
     let now = crate::clock::now_ms();
-    let pending: Vec<_> = approvals::requests(&state_dir(s))
+    let pending: Vec<_> = approvals::requests(&control_state_dir(s)?)
         .into_iter()
         .filter(|(r, d)| d.is_none() && r.expires_at_ms > now)
         .map(|(r, _)| r)
@@ -84,7 +84,14 @@ pub(super) fn decide(
     version: Option<String>,
 ) -> anyhow::Result<()> {
     // Before anything is written: the id names files.
-    anyhow::ensure!(byoc_updater::plain_job_id(job_id), "{job_id:?} is not a job id");
+    if !byoc_updater::plain_job_id(job_id) {
+        usage!("{job_id:?} is not a job id");
+    }
+    if !approved && !reason.as_ref().is_some_and(|r| !r.trim().is_empty()) {
+        usage!(
+            "deny needs a --reason that is not empty (it is kept in the audit log and reported to the vendor)"
+        );
+    }
     let admin_group = super::state::admin_group(s);
     let who = crate::roles::pause::authorize(admin_group.as_deref()).map_err(|_| {
         anyhow::anyhow!(
@@ -95,15 +102,7 @@ pub(super) fn decide(
                 .unwrap_or_else(|| " (or set roles.admin_group to allow a group)".into())
         )
     })?;
-    let dir = state_dir(s);
-    anyhow::ensure!(
-        dir.is_dir(),
-        "state dir {} does not exist (is the runner installed here?)",
-        dir.display()
-    );
-    if !approved {
-        anyhow::ensure!(reason.as_ref().is_some_and(|r| !r.trim().is_empty()), "deny needs --reason");
-    }
+    let dir = control_state_dir(s)?;
     let decision = Decision {
         approved,
         by: who.clone(),
@@ -165,12 +164,18 @@ pub(super) fn decide(
         request.plan_digest.as_deref().map(|d| format!(", plan {d}")).unwrap_or_default(),
         reason.as_deref().map(|r| format!(": {r}")).unwrap_or_default()
     );
-    let record = crate::audit_records::about_job(
-        event,
-        [job_id, &request.kind, &request.operation],
-        request.role.as_deref(),
-        detail,
-    );
+    // The request says `entity.operation`; the record, as every record of the job,
+    // the operation alone and the entity in its own field.
+    let (entity, operation) = request.operation.split_once('.').unwrap_or(("", &request.operation));
+    let record = byoc_audit::log::Record {
+        entity: Some(entity.to_string()).filter(|e| !e.is_empty()),
+        ..crate::audit_records::about_job(
+            event,
+            [job_id, &request.kind, operation],
+            request.role.as_deref(),
+            detail,
+        )
+    };
     // On record before it takes effect.
     crate::roles::inbox::submit(&dir, &record).map_err(|e| {
         anyhow::anyhow!(
@@ -289,7 +294,7 @@ pub(super) fn run(cmd: ApprovalsCmd) -> anyhow::Result<()> {
 }
 
 fn show(s: &StateArgs, job_id: &str) -> anyhow::Result<()> {
-    let dir = state_dir(s);
+    let dir = control_state_dir(s)?;
     let (request, decision) =
         approvals::requests(&dir).into_iter().find(|(r, _)| r.job_id == job_id).ok_or_else(|| {
             anyhow::anyhow!("no approval request for job {job_id:?} (`byoc-runner approvals` lists them)")

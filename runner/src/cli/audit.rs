@@ -4,7 +4,11 @@ use std::path::{Path, PathBuf};
 
 use clap::Subcommand;
 
-use super::{EX_USAGE, Output, StateArgs, state_dir};
+use super::{EX_USAGE, Output, StateArgs, UsageError, state_dir};
+
+/// `audit verify`'s exit code when nothing could be verified: the log or the copy is
+/// not there or cannot be read (1 is a log that does not hold).
+pub(super) const EXIT_UNVERIFIED: i32 = 2;
 
 #[derive(clap::Args, Clone)]
 pub(super) struct AuditArgs {
@@ -42,7 +46,17 @@ impl RecordFilter {
             .as_deref()
             .map(|t| crate::clock::parse_since(t, crate::clock::now_ms()))
             .transpose()
-            .map_err(|e| anyhow::anyhow!("--since: {e}"))?;
+            .map_err(|e| UsageError(format!("--since: {e}")))?;
+        if let Some(e) = &self.event
+            && !crate::audit::EVENTS.iter().any(|(name, _)| name == e)
+        {
+            let names: Vec<&str> = crate::audit::EVENTS.iter().map(|(name, _)| *name).collect();
+            return Err(UsageError(format!(
+                "--event {e:?} is not an audit event; the events: {}",
+                names.join(", ")
+            ))
+            .into());
+        }
         let (job, event) = (self.job.clone(), self.event.clone());
         Ok(move |line: &str| {
             let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else { return false };
@@ -137,7 +151,7 @@ pub(super) fn run(cmd: AuditCmd) -> i32 {
 
 /// `audit key`: the verifier keys, named as the checkpoints are signed.
 fn key(a: &AuditArgs) -> anyhow::Result<()> {
-    let dir = audit_dir(a);
+    let dir = audit_dir(a)?;
     let (trust, _) = crate::audit::load_trust(&dir, None)?;
     let last = std::fs::read_to_string(dir.join(byoc_audit::log::CHECKPOINTS))
         .map_err(|e| anyhow::anyhow!("{}: {e}", dir.join(byoc_audit::log::CHECKPOINTS).display()))?;
@@ -167,12 +181,30 @@ fn key(a: &AuditArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn audit_dir(a: &AuditArgs) -> PathBuf {
-    a.dir.clone().unwrap_or_else(|| crate::state_dir::StateDir::of(&state_dir(&a.state)).audit())
+/// `--dir`, else the state dir's `audit/` (the state dir checked as `status` checks it).
+fn audit_dir(a: &AuditArgs) -> anyhow::Result<PathBuf> {
+    match &a.dir {
+        Some(d) => Ok(d.clone()),
+        None => Ok(crate::state_dir::StateDir::of(&state_dir(&a.state)?).audit()),
+    }
 }
 
 fn verify(a: &AuditArgs, trust: Option<&Path>) -> i32 {
-    let dir = audit_dir(a);
+    let dir = match audit_dir(a) {
+        Ok(d) => d,
+        Err(e) if super::exit_code_of(&e) == EX_USAGE => {
+            eprintln!("error: {e:#}");
+            return EX_USAGE;
+        }
+        Err(e) => {
+            eprintln!("error: {e:#}: nothing was verified");
+            return EXIT_UNVERIFIED;
+        }
+    };
+    if let Err(e) = std::fs::read_dir(&dir) {
+        eprintln!("error: audit directory {}: {e}: nothing was verified", dir.display());
+        return EXIT_UNVERIFIED;
+    }
     let (trust, pinned) = match crate::audit::load_trust(&dir, trust) {
         Ok(t) => t,
         Err(e) => {
@@ -243,15 +275,15 @@ fn verify_copy(
     let objects = match fetched {
         Ok(o) => o,
         Err(e) => {
-            eprintln!("error: {source}: {e}");
-            return 2;
+            eprintln!("error: {source}: {e}: nothing was verified");
+            return EXIT_UNVERIFIED;
         }
     };
     let work = match tempfile::tempdir() {
         Ok(w) => w,
         Err(e) => {
-            eprintln!("error: a temporary directory: {e}");
-            return 2;
+            eprintln!("error: a temporary directory: {e}: nothing was verified");
+            return EXIT_UNVERIFIED;
         }
     };
     // The copy at the source's top, or (no key there, none pinned) each runner's copy
@@ -335,7 +367,7 @@ fn inspect(cmd: AuditCmd) -> anyhow::Result<()> {
     match cmd {
         AuditCmd::Verify { .. } | AuditCmd::Key { .. } => unreachable!("handled before"),
         AuditCmd::Tail { a, lines, follow, filter } => {
-            let dir = audit_dir(&a);
+            let dir = audit_dir(&a)?;
             let json = a.state.output == Output::Json;
             let keep = filter.matcher()?;
             let show = |l: &str| {
@@ -363,7 +395,7 @@ fn inspect(cmd: AuditCmd) -> anyhow::Result<()> {
             }
         }
         AuditCmd::Show { a, seq } => {
-            let dir = audit_dir(&a);
+            let dir = audit_dir(&a)?;
             let line = byoc_audit::log::read_lines(&dir, seq, seq + 1)?
                 .pop()
                 .with_context(|| format!("no record {seq} in {}", dir.display()))?;
@@ -380,7 +412,7 @@ fn inspect(cmd: AuditCmd) -> anyhow::Result<()> {
             Ok(())
         }
         AuditCmd::Export { a, filter } => {
-            let dir = audit_dir(&a);
+            let dir = audit_dir(&a)?;
             let keep = filter.matcher()?;
             for l in byoc_audit::log::read_lines(&dir, 0, u64::MAX)?.into_iter().filter(|l| keep(l)) {
                 println!("{{\"type\":\"record\",\"record\":{l}}}");
@@ -398,7 +430,7 @@ fn inspect(cmd: AuditCmd) -> anyhow::Result<()> {
             Ok(())
         }
         AuditCmd::Prove { a, seq } => {
-            let proof = crate::audit::prove(&audit_dir(&a), seq)?;
+            let proof = crate::audit::prove(&audit_dir(&a)?, seq)?;
             if a.state.output == Output::Json {
                 println!("{}", serde_json::to_string(&proof)?);
             } else {

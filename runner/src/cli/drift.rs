@@ -33,7 +33,7 @@ pub(super) fn run(s: &StateArgs, action: Option<DriftAction>) -> anyhow::Result<
 }
 
 fn targets(s: &StateArgs) -> anyhow::Result<()> {
-    let all = local::targets(&state_dir(s));
+    let all = local::targets(&state_dir(s)?);
     if s.output == Output::Json {
         let v: Vec<serde_json::Value> = all
             .iter()
@@ -62,19 +62,12 @@ fn targets(s: &StateArgs) -> anyhow::Result<()> {
 
 fn request(s: &StateArgs, name: &str, kind: Option<String>) -> anyhow::Result<()> {
     let who = crate::roles::pause::authorize(super::state::admin_group(s).as_deref())?;
-    let dir = state_dir(s);
-    anyhow::ensure!(
-        dir.is_dir(),
-        "state dir {} does not exist (is the runner installed here?)",
-        dir.display()
-    );
-    if let Some(k) = kind.as_deref() {
-        anyhow::ensure!(
-            crate::config::DRIFT_KINDS.contains(&k),
-            "--kind {k:?}: one of {}",
-            crate::config::DRIFT_KINDS.join(", ")
-        );
+    if let Some(k) = kind.as_deref()
+        && !crate::config::DRIFT_KINDS.contains(&k)
+    {
+        super::usage!("--kind {k:?}: one of {}", crate::config::DRIFT_KINDS.join(", "));
     }
+    let dir = super::control_state_dir(s)?;
     // Refused here, not later in the daemon's log: a name with nothing to check.
     let target = local::find(&dir, name, kind.as_deref())?;
     let record =
@@ -103,7 +96,7 @@ fn request(s: &StateArgs, name: &str, kind: Option<String>) -> anyhow::Result<()
 }
 
 fn list(s: &StateArgs) -> anyhow::Result<()> {
-    let all = crate::drift::list(&state_dir(s));
+    let all = crate::drift::list(&state_dir(s)?);
     if s.output == Output::Json {
         return print_json(&all);
     }

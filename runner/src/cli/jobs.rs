@@ -42,15 +42,28 @@ pub(super) enum JobsCmd {
     },
     /// Print a job's log from the local spool.
     ///
-    /// Example: byoc-runner jobs logs -f JOB
+    /// The log's last line is the runner's account of how the job ended. A job that
+    /// never ran has no log: the command says why on stderr.
+    ///
+    /// Examples: byoc-runner jobs logs -f JOB; byoc-runner jobs logs JOB --tail 20 --timestamps
     Logs {
         #[command(flatten)]
         state: StateArgs,
+        /// The job's id, or a prefix of it that names one job.
         job_id: String,
         /// Keep printing as the job writes, until it ends (past the log cap, the
         /// omission marker and the tail arrive when it ends).
         #[arg(long, short = 'f')]
         follow: bool,
+        /// Only the last N lines (with -f: then what follows).
+        #[arg(long, short = 'n', value_name = "N")]
+        tail: Option<usize>,
+        /// Only lines written since a time (2026-11-27T09:00:00Z) or for a while (30m).
+        #[arg(long, value_name = "TIME")]
+        since: Option<String>,
+        /// Begin each line with the time the runner wrote it (RFC 3339, UTC).
+        #[arg(long, short = 't')]
+        timestamps: bool,
     },
     /// List refused deliveries with their reason codes, newest first.
     Rejections {
@@ -77,25 +90,17 @@ pub(super) fn run(cmd: JobsCmd) -> anyhow::Result<()> {
             list(&state, limit, all, status, kind, since)
         }
         JobsCmd::Show { state, job_id } => show(&state, &job_id),
-        JobsCmd::Logs { state, job_id, follow: true } => {
-            anyhow::ensure!(
-                state.output == Output::Text,
-                "--follow prints the log as text; leave out -o json"
-            );
-            follow_log(&state_dir(&state), &job_id)
-        }
-        JobsCmd::Logs { state, job_id, follow: false } => {
-            let log = inspect::log(&state_dir(&state), &job_id)?;
-            if state.output == Output::Json {
-                return print_json(&serde_json::json!({
-                    "job_id": job_id,
-                    "size": log.len(),
-                    "sha256": byoc_protocol::sha256_hex(&log),
-                    "log": String::from_utf8_lossy(&log),
-                }));
+        JobsCmd::Logs { state, job_id, follow, tail, since, timestamps } => {
+            let view = LogView { tail, since: since_ms(since.as_deref())?, timestamps };
+            if follow && state.output != Output::Text {
+                super::usage!("--follow prints the log as text; leave out -o json");
             }
-            std::io::stdout().write_all(&log)?;
-            Ok(())
+            let dir = state_dir(&state)?;
+            let job = inspect::job(&dir, &job_id)?;
+            if follow {
+                return follow_log(&dir, &job, &view);
+            }
+            logs(&dir, &job, &view, state.output)
         }
         JobsCmd::Rejections { state, limit, all, reason, since } => {
             rejections(&state, limit, all, reason, since)
@@ -112,7 +117,18 @@ fn list(
     since: Option<String>,
 ) -> anyhow::Result<()> {
     let since = since_ms(since.as_deref())?;
-    let jobs = inspect::jobs(&state_dir(state), limit, all, |j| {
+    if let Some(s) = &status
+        && !inspect::STATUS_LABELS.contains(&s.as_str())
+    {
+        super::usage!("--status {s:?}: one of {}", inspect::STATUS_LABELS.join(", "));
+    }
+    if let Some(k) = &kind
+        && byoc_protocol::JobKind::parse(k).is_none()
+    {
+        let kinds: Vec<&str> = byoc_protocol::JobKind::ALL.iter().map(|k| k.as_str()).collect();
+        super::usage!("--kind {k:?}: one of {}", kinds.join(", "));
+    }
+    let jobs = inspect::jobs(&state_dir(state)?, limit, all, |j| {
         status.as_ref().is_none_or(|s| inspect::status_label(j) == *s)
             && kind.as_ref().is_none_or(|k| j.kind == *k)
             && since.is_none_or(|t| j.received_at_ms >= t)
@@ -141,8 +157,15 @@ fn list(
 /// One job's record, with what the audit log says of it: the role it ran under, what
 /// was judged, its trail.
 fn show(state: &StateArgs, job_id: &str) -> anyhow::Result<()> {
-    let dir = state_dir(state);
-    let j = inspect::job(&dir, job_id)?;
+    let dir = state_dir(state)?;
+    let j = match inspect::job(&dir, job_id) {
+        Ok(j) => j,
+        // Refused before the journal had a record of it: what the refusal and the
+        // audit log say.
+        Err(inspect::InspectError::NoSuchJob(_)) => return show_rejected(state, &dir, job_id),
+        Err(e) => return Err(e.into()),
+    };
+    let job_id = j.job_id.as_str();
     // What the audit log says of it: the role it ran under and its trail.
     let trail = audit_trail(&dir, job_id);
     let role = trail.iter().rev().find_map(|r| r["role"].as_str().filter(|s| !s.is_empty()));
@@ -192,13 +215,56 @@ fn show(state: &StateArgs, job_id: &str) -> anyhow::Result<()> {
             d["decision"].as_str().unwrap_or("?")
         );
     }
+    print_trail(&trail);
+    Ok(())
+}
+
+/// A job the runner refused before it journaled it (`role_mismatch`, a job already
+/// finished here): its rejection and its audit trail, or "no such job" when neither
+/// knows it.
+fn show_rejected(state: &StateArgs, dir: &std::path::Path, job_id: &str) -> anyhow::Result<()> {
+    let rejection = inspect::rejection_of(dir, job_id)?;
+    let trail = audit_trail(dir, job_id);
+    let Some(r) = rejection.as_ref() else {
+        if trail.is_empty() {
+            return Err(inspect::InspectError::NoSuchJob(job_id.into()).into());
+        }
+        return print_trail_only(state, job_id, &trail);
+    };
+    if state.output == Output::Json {
+        return print_json(&serde_json::json!({
+            "job_id": job_id,
+            "status": "rejected",
+            "rejection": r,
+            "audit": trail,
+        }));
+    }
+    println!("job:        {job_id}");
+    println!("status:     rejected (before the runner kept a record of the job)");
+    println!("reason:     {}", r.reason.code());
+    println!("detail:     {}", r.detail);
+    println!("delivery:   {}", r.delivery_id);
+    println!("rejected:   {}", crate::clock::rfc3339_ms(r.ts));
+    print_trail(&trail);
+    Ok(())
+}
+
+fn print_trail_only(state: &StateArgs, job_id: &str, trail: &[serde_json::Value]) -> anyhow::Result<()> {
+    if state.output == Output::Json {
+        return print_json(&serde_json::json!({ "job_id": job_id, "audit": trail }));
+    }
+    println!("job:        {job_id} (not in the journal: what the audit log says of it)");
+    print_trail(trail);
+    Ok(())
+}
+
+fn print_trail(trail: &[serde_json::Value]) {
     if !trail.is_empty() {
         println!("audit:");
-        for r in &trail {
+        for r in trail {
             println!("  {}", super::audit::record_line(&r.to_string()).trim_start());
         }
     }
-    Ok(())
 }
 
 fn rejections(
@@ -209,7 +275,13 @@ fn rejections(
     since: Option<String>,
 ) -> anyhow::Result<()> {
     let since = since_ms(since.as_deref())?;
-    let rs = inspect::rejections(&state_dir(state), limit, all, |r| {
+    if let Some(r) = &reason
+        && !byoc_protocol::RejectReason::ALL.iter().any(|c| c.code() == r)
+    {
+        let codes: Vec<&str> = byoc_protocol::RejectReason::ALL.iter().map(|c| c.code()).collect();
+        super::usage!("--reason {r:?}: one of {}", codes.join(", "));
+    }
+    let rs = inspect::rejections(&state_dir(state)?, limit, all, |r| {
         reason.as_ref().is_none_or(|c| r.reason.code() == c.as_str()) && since.is_none_or(|t| r.ts >= t)
     })?;
     if state.output == Output::Json {
@@ -232,16 +304,131 @@ fn since_ms(since: Option<&str>) -> anyhow::Result<Option<u64>> {
     since
         .map(|t| crate::clock::parse_since(t, crate::clock::now_ms()))
         .transpose()
-        .map_err(|e| anyhow::anyhow!("--since: {e}"))
+        .map_err(|e| super::UsageError(format!("--since: {e}")).into())
+}
+
+/// What of a log to print: `--tail`, `--since`, `--timestamps`.
+struct LogView {
+    tail: Option<usize>,
+    since: Option<u64>,
+    timestamps: bool,
+}
+
+impl LogView {
+    /// The lines of `bytes` (which start at `base` in the log) this view keeps, each
+    /// with its write time when asked; `tail` applies when `first` (not to what -f adds).
+    fn render(&self, bytes: &[u8], base: u64, marks: &[(u64, u64)], first: bool) -> Vec<u8> {
+        let mut lines: Vec<(u64, &[u8])> = Vec::new();
+        let mut at = 0usize;
+        for piece in bytes.split_inclusive(|b| *b == b'\n') {
+            lines.push((base + at as u64, piece));
+            at += piece.len();
+        }
+        if let Some(since) = self.since {
+            lines.retain(|(offset, _)| crate::spool::time_at(marks, *offset).is_some_and(|t| t >= since));
+        }
+        if first && let Some(n) = self.tail {
+            let skip = lines.len().saturating_sub(n);
+            lines.drain(..skip);
+        }
+        let mut out = Vec::with_capacity(bytes.len());
+        for (offset, line) in lines {
+            if self.timestamps {
+                let stamp = crate::spool::time_at(marks, offset)
+                    .map(crate::clock::rfc3339_ms)
+                    .unwrap_or_else(|| "-".repeat(24));
+                out.extend_from_slice(stamp.as_bytes());
+                out.push(b' ');
+            }
+            out.extend_from_slice(line);
+        }
+        out
+    }
+
+    fn needs_times(&self) -> bool {
+        self.since.is_some() || self.timestamps
+    }
+}
+
+/// `jobs logs` (not following): the log, or why there is none.
+fn logs(
+    dir: &std::path::Path,
+    job: &crate::journal::JobRecord,
+    view: &LogView,
+    output: Output,
+) -> anyhow::Result<()> {
+    let log = inspect::log(dir, &job.job_id)?;
+    let marks = crate::spool::read_times(dir, &job.job_id);
+    if view.needs_times() && marks.is_empty() && !log.is_empty() {
+        anyhow::bail!(
+            "job {}'s log has no write times (it was written before the runner kept them): leave out --since and --timestamps",
+            job.job_id
+        );
+    }
+    let shown = view.render(&log, 0, &marks, true);
+    let note = if log.is_empty() { Some(no_log_reason(job)) } else { None };
+    if output == Output::Json {
+        return print_json(&serde_json::json!({
+            "job_id": job.job_id,
+            "size": log.len(),
+            "sha256": byoc_protocol::sha256_hex(&log),
+            "log": String::from_utf8_lossy(&shown),
+            "note": note,
+        }));
+    }
+    if let Some(note) = note {
+        eprintln!("{note}");
+    }
+    std::io::stdout().write_all(&shown)?;
+    Ok(())
+}
+
+/// Why a job's log is empty, in a sentence that names what to do.
+fn no_log_reason(j: &crate::journal::JobRecord) -> String {
+    use crate::journal::Phase;
+    let id = &j.job_id;
+    let detail = j.detail.as_deref().map(|d| format!(": {d}")).unwrap_or_default();
+    match j.phase {
+        Phase::Refused => format!(
+            "job {id} has no log: it was rejected before it ran{detail} (`byoc-runner jobs show {id}`)"
+        ),
+        Phase::ClaimRefused => format!("job {id} has no log: the control plane did not let it run{detail}"),
+        Phase::Received | Phase::Claimed => format!("job {id} has no log yet: it has not started"),
+        Phase::WaitingWindow => format!("job {id} has no log yet: {}", waiting_for(j)),
+        Phase::AwaitingApproval => format!("job {id} has no log yet: {}", waiting_for(j)),
+        _ => format!("job {id} wrote nothing to its log"),
+    }
+}
+
+/// What a held job waits for, and what the customer can do about it.
+fn waiting_for(j: &crate::journal::JobRecord) -> String {
+    match j.phase {
+        crate::journal::Phase::AwaitingApproval => format!(
+            "it waits for a local approval (`byoc-runner approvals show {0}`, then `byoc-runner approve {0}` or `deny`)",
+            j.job_id
+        ),
+        _ => format!(
+            "it waits for the customer's maintenance window to open{}",
+            j.detail.as_deref().map(|d| format!(" ({d})")).unwrap_or_default()
+        ),
+    }
 }
 
 /// `jobs logs -f`: what the spool holds, then what the job adds, until the journal
 /// says it ended (the omission marker and the tail of a log past its cap are written
-/// then). A poll every quarter second: this reads files, it asks the daemon nothing.
-fn follow_log(state_dir: &std::path::Path, job_id: &str) -> anyhow::Result<()> {
+/// then). Whole lines only while it runs. A poll every quarter second: this reads
+/// files, it asks the daemon nothing.
+fn follow_log(
+    state_dir: &std::path::Path,
+    job: &crate::journal::JobRecord,
+    view: &LogView,
+) -> anyhow::Result<()> {
     use std::io::{Read as _, Seek as _};
+    let job_id = job.job_id.as_str();
     let path = crate::spool::spool_path(state_dir, job_id);
     let mut offset = 0u64;
+    let mut first = true;
+    let mut said_waiting = None;
     let mut out = std::io::stdout().lock();
     loop {
         // Read the journal first: whatever the spool holds after the job ended is all. A
@@ -249,19 +436,43 @@ fn follow_log(state_dir: &std::path::Path, job_id: &str) -> anyhow::Result<()> {
         let j = inspect::job(state_dir, job_id)?;
         let ended = j.finished.is_some()
             || matches!(j.phase, crate::journal::Phase::Refused | crate::journal::Phase::ClaimRefused);
+        if matches!(j.phase, crate::journal::Phase::WaitingWindow | crate::journal::Phase::AwaitingApproval)
+            && said_waiting != Some(j.phase)
+        {
+            eprintln!("[byoc-runner] job {job_id} {}", waiting_for(&j).trim_start_matches("it "));
+            said_waiting = Some(j.phase);
+        }
         match std::fs::File::open(&path) {
             Ok(mut f) => {
                 f.seek(std::io::SeekFrom::Start(offset))?;
                 let mut buf = Vec::new();
                 f.read_to_end(&mut buf)?;
-                offset += buf.len() as u64;
-                out.write_all(&buf)?;
-                out.flush()?;
+                // While it runs, up to the last whole line (the rest comes next time).
+                let upto = if ended {
+                    buf.len()
+                } else {
+                    buf.iter().rposition(|b| *b == b'\n').map_or(0, |i| i + 1)
+                };
+                if upto > 0 || (ended && first) {
+                    let marks = if view.needs_times() {
+                        crate::spool::read_times(state_dir, job_id)
+                    } else {
+                        Vec::new()
+                    };
+                    out.write_all(&view.render(&buf[..upto], offset, &marks, first))?;
+                    out.flush()?;
+                    offset += upto as u64;
+                    first = false;
+                }
             }
             // Not written yet, or removed once reported and uploaded.
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                 if ended && offset == 0 {
-                    out.write_all(&inspect::log(state_dir, job_id)?)?;
+                    let log = inspect::log(state_dir, job_id)?;
+                    if log.is_empty() {
+                        eprintln!("{}", no_log_reason(&j));
+                    }
+                    out.write_all(&view.render(&log, 0, &[], true))?;
                 }
             }
             Err(e) => return Err(e.into()),

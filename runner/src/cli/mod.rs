@@ -62,9 +62,10 @@ pub enum Output {
 
 #[derive(clap::Args, Clone)]
 pub(crate) struct StateArgs {
-    /// Configuration file (for the state dir location).
-    #[arg(long, env = "BYOC_RUNNER_CONFIG", default_value = DEFAULT_CONFIG_PATH)]
-    config: PathBuf,
+    /// Configuration file (for the state dir location) [default: /etc/byoc-runner/runner.toml].
+    /// A file named here must exist.
+    #[arg(long, env = "BYOC_RUNNER_CONFIG", value_name = "FILE")]
+    config: Option<PathBuf>,
     /// State directory; overrides the config file.
     #[arg(long)]
     state_dir: Option<PathBuf>,
@@ -304,6 +305,19 @@ pub fn main() -> i32 {
             return code;
         }
     };
+    // A command whose reader has gone (`| head -1`) ends as `ls` does (SIGPIPE, 141),
+    // never with a panic. Not the daemon, run-local (a job's output), or the internal
+    // helpers, whose pipes are the runner's own.
+    if !matches!(
+        cli.cmd,
+        Cmd::Run { .. }
+            | Cmd::RunLocal(_)
+            | Cmd::SandboxExec
+            | Cmd::PolicyEval { .. }
+            | Cmd::SandboxProbe { .. }
+    ) {
+        byoc_sandbox::default_sigpipe();
+    }
     match cli.cmd {
         // First and without a runtime: the helper must stay single-threaded.
         Cmd::SandboxExec => byoc_sandbox::helper::sandbox_exec_main(),
@@ -326,7 +340,6 @@ pub fn main() -> i32 {
             }
         }
         Cmd::Completions { shell } => {
-            byoc_sandbox::default_sigpipe();
             clap_complete::generate(
                 shell,
                 &mut <Cli as clap::CommandFactory>::command(),
@@ -337,7 +350,6 @@ pub fn main() -> i32 {
         }
         Cmd::Man { dir } => edge(|| man(dir.as_deref())),
         Cmd::JournalCatalog => {
-            byoc_sandbox::default_sigpipe();
             print!("{}", crate::logging::journal_catalog());
             0
         }
@@ -361,10 +373,7 @@ pub fn main() -> i32 {
         Cmd::Roles { state, refresh, action: None } => edge(|| state::roles(&state, refresh)),
         Cmd::Roles { action: Some(action), .. } => edge(|| state::roles_action(action)),
         Cmd::Jobs { cmd } => edge(|| jobs::run(cmd)),
-        Cmd::Audit { cmd } => {
-            byoc_sandbox::default_sigpipe();
-            audit::run(cmd)
-        }
+        Cmd::Audit { cmd } => audit::run(cmd),
         Cmd::Config { cmd } => config::run(cmd),
         Cmd::Sync(args) => sync::run(args),
         Cmd::Policy { cmd } => policy::run(cmd),
@@ -382,18 +391,22 @@ fn edge_code(f: impl FnOnce() -> anyhow::Result<i32>) -> i32 {
     }
 }
 
-/// Run a command that reports errors with anyhow: exit 1 with the error chain. These
-/// commands only read and print: piped into `head`, they end as `ls` does.
+/// Run a command that reports errors with anyhow: the error chain on stderr, exit 64
+/// for an error in the command line ([`UsageError`]), else 1.
 fn edge(f: impl FnOnce() -> anyhow::Result<()>) -> i32 {
-    byoc_sandbox::default_sigpipe();
     crate::logging::init_cli();
     match f() {
         Ok(()) => 0,
         Err(e) => {
             eprintln!("error: {e:#}");
-            1
+            exit_code_of(&e)
         }
     }
+}
+
+/// 64 for an error in the command line, 1 for anything the command met.
+pub(crate) fn exit_code_of(e: &anyhow::Error) -> i32 {
+    if e.chain().any(|c| c.is::<UsageError>()) { EX_USAGE } else { 1 }
 }
 
 /// The manual page from the command definitions: one page on stdout, or a page per
@@ -420,15 +433,97 @@ fn load_config(path: &Path) -> Result<Config, i32> {
     })
 }
 
-fn state_dir(s: &StateArgs) -> PathBuf {
+/// An error in what the user typed (exit 64, EX_USAGE), not in what the command met.
+#[derive(Debug)]
+pub(crate) struct UsageError(pub String);
+
+impl std::fmt::Display for UsageError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for UsageError {}
+
+/// Returns early with a [`UsageError`].
+macro_rules! usage {
+    ($($arg:tt)*) => { return Err($crate::cli::UsageError(format!($($arg)*)).into()) };
+}
+pub(crate) use usage;
+
+impl StateArgs {
+    /// `--config` (or `BYOC_RUNNER_CONFIG`), else the default path.
+    pub(crate) fn config_path(&self) -> &Path {
+        self.config.as_deref().unwrap_or(Path::new(DEFAULT_CONFIG_PATH))
+    }
+
+    /// The configuration, if there is one. A file the user named (`--config`,
+    /// `BYOC_RUNNER_CONFIG`) must exist and load: a typo is never a silent fallback.
+    /// The default one may be absent or unreadable (a member of the admin group cannot
+    /// read it): the commands then use the defaults; one that does not parse is said
+    /// on stderr, and the defaults used.
+    pub(crate) fn config(&self) -> anyhow::Result<Option<Config>> {
+        let path = self.config_path();
+        let named = self.config.is_some();
+        match std::fs::read(path) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound && named => {
+                usage!("config file {} does not exist (--config or BYOC_RUNNER_CONFIG)", path.display())
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied && named => anyhow::bail!(
+                "permission denied reading {}: run as root (sudo), or leave out --config and give --state-dir",
+                path.display()
+            ),
+            Err(_) => Ok(None),
+            Ok(_) => match Config::load(path) {
+                Ok(c) => Ok(Some(c)),
+                Err(e) if named => Err(UsageError(e.to_string()).into()),
+                Err(e) => {
+                    eprintln!("warning: {e}\nwarning: using the defaults (state dir {DEFAULT_STATE_DIR})");
+                    Ok(None)
+                }
+            },
+        }
+    }
+}
+
+/// The state dir a command reads: `--state-dir`, else the configuration's, else the
+/// default. Checked as `status` checks it, so a typo or a missing `sudo` is an error
+/// and never an answer of "nothing here".
+fn state_dir(s: &StateArgs) -> anyhow::Result<PathBuf> {
+    let dir = state_dir_unchecked(s)?;
+    crate::inspect::check_state_dir(&dir)?;
+    Ok(dir)
+}
+
+/// For the customer's controls (pause, resume, approvals, approve, deny): members of
+/// the admin group reach `control/` and nothing else of the state dir, so that is what
+/// must be there and readable. A state dir the runner has never used has none.
+fn control_state_dir(s: &StateArgs) -> anyhow::Result<PathBuf> {
+    let dir = state_dir_unchecked(s)?;
+    let control = StateDir::of(&dir).control();
+    match std::fs::read_dir(&control) {
+        Ok(_) => Ok(dir),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            crate::inspect::check_state_dir(&dir)?;
+            anyhow::bail!(
+                "state dir {} has no {}: the runner has never run with it (is --state-dir or the config's [runner] state_dir right?)",
+                dir.display(),
+                crate::state_dir::CONTROL_DIR
+            )
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => {
+            Err(crate::inspect::InspectError::Permission(control.display().to_string()).into())
+        }
+        Err(e) => anyhow::bail!("reading {}: {e}", control.display()),
+    }
+}
+
+fn state_dir_unchecked(s: &StateArgs) -> anyhow::Result<PathBuf> {
+    let config = s.config()?;
     if let Some(d) = &s.state_dir {
-        return d.clone();
+        return Ok(d.clone());
     }
-    // The inspection CLI must work with a broken config too: fall back to the default.
-    match Config::load(&s.config) {
-        Ok(c) => c.runner.state_dir,
-        Err(_) => PathBuf::from(DEFAULT_STATE_DIR),
-    }
+    Ok(config.map(|c| c.runner.state_dir).unwrap_or_else(|| PathBuf::from(DEFAULT_STATE_DIR)))
 }
 
 fn print_json(v: &impl serde::Serialize) -> anyhow::Result<()> {

@@ -5,7 +5,7 @@
 use super::{Output, StateArgs, print_json, state_dir};
 
 pub(super) fn list(s: &StateArgs) -> anyhow::Result<()> {
-    let all = crate::secrets::ledger(&state_dir(s));
+    let all = crate::secrets::ledger(&state_dir(s)?);
     if s.output == Output::Json {
         return print_json(&all);
     }

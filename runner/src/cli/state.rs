@@ -1,6 +1,6 @@
 //! `status`, `pause`, `resume`, `roles`: the runner's state as the customer sees it.
 
-use super::{Output, StateArgs, print_json, state_dir};
+use super::{Output, StateArgs, control_state_dir, print_json, state_dir};
 use crate::config::Config;
 use crate::inspect;
 use crate::state_dir::StateDir;
@@ -11,11 +11,11 @@ pub(super) const EXIT_NOT_RUNNING: i32 = 3;
 /// Prints the runner's state; the exit code is 0 with the daemon running, else
 /// [`EXIT_NOT_RUNNING`].
 pub(super) fn status(s: &StateArgs) -> anyhow::Result<i32> {
-    let dir = state_dir(s);
+    let dir = state_dir(s)?;
     let st = inspect::status(&dir)?;
     let code = if st.daemon_pid.is_some() { 0 } else { EXIT_NOT_RUNNING };
     // The customer's thresholds if the config reads, else the defaults the daemon uses.
-    let disk = Config::load(&s.config).map(|c| c.disk).unwrap_or_default().check(&dir);
+    let disk = s.config()?.map(|c| c.disk).unwrap_or_default().check(&dir);
     let contact = crate::contact::read(&dir);
     if s.output == Output::Json {
         let mut v = serde_json::to_value(&st)?;
@@ -137,8 +137,8 @@ fn print_work(st: &inspect::Status, drift: &[crate::drift::DriftRecord], disk: &
 }
 
 pub(super) fn metrics(s: &StateArgs) -> anyhow::Result<()> {
-    let dir = state_dir(s);
-    let disk = Config::load(&s.config).map(|c| c.disk).unwrap_or_default();
+    let dir = state_dir(s)?;
+    let disk = s.config()?.map(|c| c.disk).unwrap_or_default();
     let mut tally = crate::metrics::AuditTally::default();
     tally.update(&StateDir::of(&dir).audit())?;
     let families = crate::metrics::collect(&dir, &disk, &tally, crate::clock::now_ms())?;
@@ -152,21 +152,16 @@ pub(super) fn metrics(s: &StateArgs) -> anyhow::Result<()> {
 pub(super) fn admin_group(s: &StateArgs) -> Option<String> {
     // A member cannot read runner.toml (it is the runner's): the group control/ is
     // shared with, which only root can set, says the same.
-    match Config::load(&s.config) {
+    match Config::load(s.config_path()) {
         Ok(c) => c.roles.admin_group,
-        Err(_) => crate::roles::control::shared_group(&state_dir(s)),
+        Err(_) => crate::roles::control::shared_group(&super::state_dir_unchecked(s).ok()?),
     }
 }
 
 pub(super) fn pause(s: &StateArgs, reason: Option<String>) -> anyhow::Result<()> {
     use crate::roles::pause;
     let who = pause::authorize(admin_group(s).as_deref())?;
-    let dir = state_dir(s);
-    anyhow::ensure!(
-        dir.is_dir(),
-        "state dir {} does not exist (is the runner installed here?)",
-        dir.display()
-    );
+    let dir = control_state_dir(s)?;
     // A pause in force stays as it is (who paused and when are its record): pausing
     // again changes nothing and says so.
     if let Some(p) = pause::read(&dir) {
@@ -181,7 +176,18 @@ pub(super) fn pause(s: &StateArgs, reason: Option<String>) -> anyhow::Result<()>
         );
         return Ok(());
     }
-    let p = pause::pause(&dir, reason, who)?;
+    if reason.as_ref().is_some_and(|r| r.chars().count() > 500) {
+        super::usage!("--reason is longer than 500 characters");
+    }
+    let p = pause::Pause { paused_at_ms: crate::clock::now_ms(), reason, by: who };
+    // On record, with who did it, before it takes effect (as an approval is).
+    let record = crate::audit_records::pause_requested(&p, nix::unistd::geteuid().as_raw());
+    let left = submit_record(&dir, &record)?;
+    if let Err(e) = pause::write(&dir, &p) {
+        // Not paused: take back the record if the daemon has not audited it yet.
+        let _ = std::fs::remove_file(left);
+        return Err(e.into());
+    }
     if s.output == Output::Json {
         return print_json(&serde_json::json!({ "paused": true, "pause": p }));
     }
@@ -195,8 +201,17 @@ pub(super) fn pause(s: &StateArgs, reason: Option<String>) -> anyhow::Result<()>
 
 pub(super) fn resume(s: &StateArgs) -> anyhow::Result<()> {
     use crate::roles::pause;
-    pause::authorize(admin_group(s).as_deref())?;
-    let was = pause::resume(&state_dir(s))?;
+    let who = pause::authorize(admin_group(s).as_deref())?;
+    let dir = control_state_dir(s)?;
+    let was = match pause::read(&dir) {
+        None => false,
+        Some(lifted) => {
+            let now = crate::clock::now_ms();
+            let uid = nix::unistd::geteuid().as_raw();
+            submit_record(&dir, &crate::audit_records::resume_requested(&who, uid, now, &lifted))?;
+            pause::resume(&dir)?
+        }
+    };
     if s.output == Output::Json {
         return print_json(&serde_json::json!({ "paused": false, "was_paused": was }));
     }
@@ -207,11 +222,22 @@ pub(super) fn resume(s: &StateArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Leave a record for the daemon's audit log; an error says where it could not go.
+fn submit_record(
+    dir: &std::path::Path,
+    record: &byoc_audit::log::Record,
+) -> anyhow::Result<std::path::PathBuf> {
+    use crate::roles::inbox;
+    inbox::submit(dir, record).map_err(|e| {
+        anyhow::anyhow!("recording for the audit log in {}: {e}", inbox::inbox_dir(dir).display())
+    })
+}
+
 pub(super) fn roles(s: &StateArgs, refresh: bool) -> anyhow::Result<()> {
-    let dir = state_dir(s);
-    let mut status = crate::roles::RolesStatus::load(&dir).unwrap_or_default();
+    let dir = control_state_dir(s)?;
+    let mut status = crate::roles::RolesStatus::read(&dir).map_err(anyhow::Error::msg)?.unwrap_or_default();
     if refresh {
-        let config = Config::load(&s.config).map_err(|e| anyhow::anyhow!("{e}"))?;
+        let config = Config::load(s.config_path()).map_err(|e| anyhow::anyhow!("{e}"))?;
         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
         rt.block_on(async {
             let sdk = crate::roles::sdk_config(&config).await;
@@ -221,9 +247,8 @@ pub(super) fn roles(s: &StateArgs, refresh: bool) -> anyhow::Result<()> {
             anyhow::Ok(())
         })?;
     }
-    let require = Config::load(&s.config)
-        .map(|c| c.roles.require_local_allow)
-        .unwrap_or_else(|_| vec!["break_glass".into()]);
+    let require =
+        s.config()?.map(|c| c.roles.require_local_allow).unwrap_or_else(|| vec!["break_glass".into()]);
     let allowances = crate::roles::allowance::read(&dir);
     let now = crate::clock::now_ms();
     // What each role's local allowance says, for the roles that need one.
@@ -348,16 +373,11 @@ pub(super) fn roles_action(action: RolesAction) -> anyhow::Result<()> {
         ),
     };
     let who = crate::roles::pause::authorize(admin_group(s).as_deref())?;
-    let dir = state_dir(s);
-    anyhow::ensure!(
-        dir.is_dir(),
-        "state dir {} does not exist (is the runner installed here?)",
-        dir.display()
-    );
+    let dir = control_state_dir(s)?;
     // Only roles the runner knows: a typo must not look like a grant.
-    let known = crate::roles::RolesStatus::load(&dir).unwrap_or_default();
+    let known = crate::roles::RolesStatus::read(&dir).map_err(anyhow::Error::msg)?.unwrap_or_default();
     let Some(status) = known.roles.iter().find(|r| r.name == *role) else {
-        anyhow::bail!(
+        super::usage!(
             "no role {role:?} known to this runner (known: {}); `byoc-runner roles` lists them",
             known.roles.iter().map(|r| r.name.as_str()).collect::<Vec<_>>().join(", ")
         );
@@ -366,7 +386,7 @@ pub(super) fn roles_action(action: RolesAction) -> anyhow::Result<()> {
     // nothing. Only when the configuration says so: a member of the admin group cannot
     // read runner.toml, and a guess must not refuse a grant the customer requires.
     if matches!(action, RolesAction::Allow { .. })
-        && let Ok(config) = Config::load(&s.config)
+        && let Some(config) = s.config()?
     {
         let require = config.roles.require_local_allow;
         anyhow::ensure!(
@@ -385,11 +405,13 @@ pub(super) fn roles_action(action: RolesAction) -> anyhow::Result<()> {
     match allow {
         Some((duration, reason)) => {
             let reason = reason.clone();
-            let secs = crate::clock::parse_duration(duration).map_err(|e| anyhow::anyhow!("--for {e}"))?;
-            anyhow::ensure!(
-                !reason.trim().is_empty() && reason.chars().count() <= 500,
-                "--reason: 1 to 500 characters"
-            );
+            let secs = match crate::clock::parse_duration(duration) {
+                Ok(secs) => secs,
+                Err(e) => super::usage!("--for {e}"),
+            };
+            if reason.trim().is_empty() || reason.chars().count() > 500 {
+                super::usage!("--reason: 1 to 500 characters");
+            }
             let now = crate::clock::now_ms();
             let a = allowance::Allowance { granted_ms: now, until_ms: now + secs * 1000, by: who, reason };
             let until = crate::clock::rfc3339((a.until_ms / 1000) as i64);

@@ -43,6 +43,9 @@ pub(super) struct BucketArgs {
     role: Option<String>,
 }
 
+/// Reason code: what was typed is not a workspace, role or lock id (exit 64).
+const INVALID_REQUEST: &str = "invalid_request";
+
 /// A refusal with its reason code.
 struct Failure {
     code: &'static str,
@@ -65,7 +68,14 @@ pub(super) fn run(cmd: TfStateCmd) -> i32 {
         TfStateCmd::List(a) | TfStateCmd::Show { args: a, .. } | TfStateCmd::Unlock { args: a, .. } => a,
     };
     let output = args.state.output;
-    let result = match Config::load(&args.state.config).ok().filter(|c| c.terraform.state.bucket.is_some()) {
+    let config = match args.state.config() {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            return super::exit_code_of(&e);
+        }
+    };
+    let result = match config.filter(|c| c.terraform.state.bucket.is_some()) {
         Some(config) => tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
@@ -82,7 +92,7 @@ pub(super) fn run(cmd: TfStateCmd) -> i32 {
                 }
                 Output::Text => eprintln!("error: {} [{}]", f.message, f.code),
             }
-            1
+            if f.code == INVALID_REQUEST { super::EX_USAGE } else { 1 }
         }
     }
 }
@@ -91,7 +101,7 @@ fn check_workspace(name: &str) -> Result<(), Failure> {
     if byoc_job_executors::terraform::valid_name(name) {
         Ok(())
     } else {
-        Err(failure("invalid_request", format!("workspace {name:?}: 1-64 of [a-z0-9_-]")))
+        Err(failure(INVALID_REQUEST, format!("workspace {name:?}: 1-64 of [a-z0-9_-]")))
     }
 }
 
@@ -103,7 +113,8 @@ fn on_runner(cmd: &TfStateCmd) -> Result<(), Failure> {
             (args, Some(workspace.as_str()))
         }
     };
-    let root = crate::state_dir::StateDir::of(&state_dir(&args.state)).tfstate();
+    let dir = state_dir(&args.state).map_err(|e| failure("state_dir", format!("{e:#}")))?;
+    let root = crate::state_dir::StateDir::of(&dir).tfstate();
     let json = args.state.output == Output::Json;
     let io = |e: std::io::Error| failure("state_io", format!("{}: {e}", root.display()));
     match (cmd, workspace) {
@@ -200,7 +211,7 @@ async fn in_bucket(cmd: &TfStateCmd, config: &Config) -> Result<(), Failure> {
     // Reading the bucket assumes a lifecycle role: the same people who may pause.
     let who = crate::roles::pause::authorize(config.roles.admin_group.as_deref())
         .map_err(|e| failure("not_allowed", e.to_string()))?;
-    let dir = state_dir(&args.state);
+    let dir = state_dir(&args.state).map_err(|e| failure("state_dir", format!("{e:#}")))?;
     let s = &config.terraform.state;
     let bucket_name = s.bucket.clone().unwrap_or_default();
     let key_prefix = match &s.key_prefix {

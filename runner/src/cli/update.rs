@@ -63,8 +63,8 @@ pub(super) fn run(cmd: UpdateCmd) -> anyhow::Result<()> {
 
 fn status(s: &StateArgs, root: &Path) -> anyhow::Result<()> {
     let updater_dir = update::updater_dir(root);
-    let dir = state_dir(s);
-    let config = Config::load(&s.config).ok();
+    let dir = state_dir(s)?;
+    let config = s.config()?;
     let terms = config.as_ref().map(|c| &c.update);
     let pin_file: Option<update::PinRecord> =
         std::fs::read(update::pin_path(&update::terms_dir(&updater_dir)))
@@ -136,13 +136,10 @@ fn kept_versions(updater_dir: &Path) -> Vec<String> {
 
 fn pin(s: &StateArgs, pin: &str) -> anyhow::Result<()> {
     let who = crate::roles::pause::authorize(super::state::admin_group(s).as_deref())?;
-    update::version::Pin::parse(pin).map_err(|e| anyhow::anyhow!("{e}"))?;
-    let dir = state_dir(s);
-    anyhow::ensure!(
-        dir.is_dir(),
-        "state dir {} does not exist (is the runner installed here?)",
-        dir.display()
-    );
+    if let Err(e) = update::version::Pin::parse(pin) {
+        super::usage!("{pin:?} is not a version or a range (\"0.2.1\", \">= 0.2.0, < 0.3.0\"): {e}");
+    }
+    super::control_state_dir(s)?;
     let record = update::PinRecord { pin: pin.trim().to_string(), by: who, at_ms: crate::clock::now_ms() };
     // In the updater's terms directory, which the runner's user cannot write (root
     // makes it, group-writable by roles.admin_group: user-data does).
@@ -185,7 +182,7 @@ fn unpin(s: &StateArgs) -> anyhow::Result<()> {
 fn rollback(s: &StateArgs, to: Option<&str>, root: &Path) -> anyhow::Result<()> {
     let updater_dir = &update::updater_dir(root);
     anyhow::ensure!(nix::unistd::geteuid().is_root(), "rolling back installs a package: run it as root");
-    let config = Config::load(&s.config).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let config = Config::load(s.config_path()).map_err(|e| anyhow::anyhow!("{e}"))?;
     let key = config
         .update
         .release_key
@@ -199,7 +196,7 @@ fn rollback(s: &StateArgs, to: Option<&str>, root: &Path) -> anyhow::Result<()> 
             .iter()
             .find(|k| k.as_str() == v)
             .cloned()
-            .ok_or_else(|| anyhow::anyhow!("{v} is not kept (kept: {})", kept.join(", ")))?,
+            .ok_or_else(|| super::UsageError(format!("{v} is not kept (kept: {})", kept.join(", "))))?,
         None => kept
             .iter()
             .find(|k| update::version::compare(k, &current) == std::cmp::Ordering::Less)

@@ -144,7 +144,9 @@ pub enum Phase {
     Claimed,
     ClaimRefused,
     /// Received, then refused before it was claimed (a role the customer switched
-    /// off); the refusal was reported instead of a result.
+    /// off); the refusal was reported instead of a result. Named `rejected` as
+    /// everywhere a customer sees it (the audit's `job_rejected`, `jobs rejections`).
+    #[serde(rename = "rejected", alias = "refused")]
     Refused,
     /// Claimed, held back by a maintenance window.
     WaitingWindow,
@@ -175,7 +177,7 @@ impl Phase {
             Phase::Received => "received",
             Phase::Claimed => "claimed",
             Phase::ClaimRefused => "claim_refused",
-            Phase::Refused => "refused",
+            Phase::Refused => "rejected",
             Phase::WaitingWindow => "waiting_window",
             Phase::AwaitingApproval => "awaiting_approval",
             Phase::Started => "started",

@@ -77,7 +77,6 @@ pub async fn claim(rt: &Rt, job: AuthorizedJob) -> Result<ClaimOutcome, RecordEr
         Retried::Done(Err(detail)) => detail,
         Retried::Stopped | Retried::Exhausted(_) => "runner stopped before the job was claimed".to_string(),
     };
-    tracing::warn!(reason = %refused, "Job not claimed; it will not run.");
     rt.transition(Event::ClaimRefused { job_id, detail: refused.clone() })?;
     Ok(ClaimOutcome::NotClaimed { detail: refused })
 }

@@ -64,7 +64,6 @@ async fn run(
         network: Some(network),
         state_workspace: job.verified.executor.state_workspace(),
     })?;
-    tracing::info!("Job started.");
 
     let (outcome, log) = match prepare(rt, &job_id, &work_dir) {
         Err(error) => (ExecOutcome::failed(error.to_string()), spool_as_found(rt, &job_id)),
@@ -154,7 +153,7 @@ async fn run_spooled(
     done.cancel();
     let _ = companion.await;
     rt.leases.release(&job_id);
-    let log = match spool.finish() {
+    let log = match spool.finish_with(Some(&outcome_line(&ran))) {
         Ok(d) => d,
         Err(e) => {
             tracing::error!(error = %e, "Finishing the job log failed: {e}.");
@@ -162,6 +161,14 @@ async fn run_spooled(
         }
     };
     (ran, log)
+}
+
+/// The log's last line: how the job ended, in the words its result uses.
+fn outcome_line(ran: &ExecOutcome) -> String {
+    let code = ran.exit_code.map(|c| format!(", exit code {c}")).unwrap_or_default();
+    let why =
+        ran.error.as_deref().map(|e| format!(": {}", e.lines().next().unwrap_or(""))).unwrap_or_default();
+    format!("[runner] job {}{code}{why}", ran.status.as_str().replace('_', " "))
 }
 
 /// What the job reads the customer's secrets with: the app config's declarations (as
@@ -426,8 +433,10 @@ mod tests {
         assert_eq!(journaled(&f), ["received", "claimed", "started", "finished"]);
         assert_eq!(done.status, JobStatus::Succeeded);
         let log = std::fs::read(crate::spool::spool_path(&f.rt.state_dir, "job-1")).expect("spool");
-        assert_eq!(log, b"noop\n");
-        assert_eq!((done.log_size, done.log_sha256), (5, byoc_protocol::sha256_hex(b"noop\n")));
+        // The job's output, then the runner's line of how it ended: a log never just stops.
+        let want = b"noop\n[runner] job succeeded, exit code 0\n";
+        assert_eq!(String::from_utf8_lossy(&log), String::from_utf8_lossy(want));
+        assert_eq!((done.log_size, done.log_sha256), (want.len() as u64, byoc_protocol::sha256_hex(want)));
         assert!(
             !StateDir::of(&f.rt.state_dir).work().join("job-1").exists(),
             "the working directory is removed"
@@ -447,7 +456,11 @@ mod tests {
         assert_eq!(done.status, JobStatus::Failed);
         assert!(done.error.as_deref().is_some_and(|e| e.contains("did not run")));
         let log = std::fs::read_to_string(crate::spool::spool_path(&f.rt.state_dir, "job-1")).expect("spool");
-        assert_eq!(log, "[runner] AssumeRole arn:x failed: AccessDenied\n", "the executor never ran");
+        assert_eq!(
+            log,
+            "[runner] AssumeRole arn:x failed: AccessDenied\n[runner] job failed: could not assume role \"maintenance\"; the job did not run\n",
+            "the executor never ran"
+        );
     }
 
     /// Runs until cancelled.

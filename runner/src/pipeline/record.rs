@@ -61,22 +61,6 @@ pub fn record(rt: &Rt, ran: RanJob) -> Result<FinishedJob, RecordError> {
         finished_at_ms,
         outputs: outcome.outputs,
     })?;
-    match outcome.status {
-        JobStatus::Succeeded => {
-            tracing::info!(
-                status = outcome.status.as_str(),
-                log_size = log.size,
-                log_omitted = log.omitted,
-                "Job finished."
-            )
-        }
-        _ => tracing::warn!(
-            status = outcome.status.as_str(),
-            exit_code = outcome.exit_code,
-            error = outcome.error.as_deref().unwrap_or(""),
-            "Job finished."
-        ),
-    }
     Ok(FinishedJob { job_id, origin: verified.origin, result })
 }
 

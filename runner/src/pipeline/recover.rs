@@ -144,7 +144,6 @@ fn interrupt(rt: &Rt, job_id: &str, phase: Phase) -> Result<(), RecordError> {
         }
     };
     let started = rt.journal.job(job_id).and_then(|j| j.started_at_ms);
-    tracing::warn!(job_id = %job_id, was = phase.as_str(), "Job was interrupted by a runner restart; reporting it, not re-running it.");
     rt.transition(Event::Finished {
         job_id: job_id.to_string(),
         status: byoc_protocol::JobStatus::Interrupted,
@@ -231,9 +230,6 @@ async fn settle_unclaimed(
         Retried::Stopped | Retried::Exhausted(_) => Ok(()),
         Retried::Done(Err(detail)) => rt.transition(Event::ClaimRefused { job_id: job_id.into(), detail }),
         Retried::Done(Ok((lease_secs, epoch))) => {
-            tracing::warn!(
-                "Job was received but not started before a runner restart; reporting it, not running it."
-            );
             rt.transition(Event::Claimed { job_id: job_id.into(), lease_secs, epoch })?;
             rt.transition(Event::Finished {
                 job_id: job_id.into(),

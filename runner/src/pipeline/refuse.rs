@@ -12,17 +12,8 @@ use crate::runtime::Rt;
 const REJECTION_ATTEMPTS: u32 = 5;
 
 /// Journal (and audit) a rejected delivery. Runs on the poll loop, before the next poll.
+/// Its journal entry is the audit record's (one entry per step, see `logging`).
 pub fn journal_rejection(rt: &Rt, r: &Rejection) {
-    tracing::warn!(
-        reason = r.reason.code(),
-        delivery_id = %r.delivery_id,
-        job_id = r.job_id.as_deref().unwrap_or(""),
-        detail = %r.detail,
-        "Job {} rejected ({}): {}",
-        r.job_id.as_deref().unwrap_or("(no valid id)"),
-        r.reason.code(),
-        r.detail
-    );
     if let Err(e) = rt.transition(Event::Rejected {
         delivery_id: r.delivery_id.clone(),
         job_id: r.job_id.clone(),
@@ -38,7 +29,6 @@ pub fn journal_rejection(rt: &Rt, r: &Rejection) {
 /// A received job refused before its claim: journaled (and audited) as refused, then
 /// reported to the control plane like any rejection.
 pub async fn refuse_received(rt: &Rt, job: &super::VerifiedJob, r: Rejection) -> Result<(), RecordError> {
-    tracing::warn!(reason = r.reason.code(), detail = %r.detail, "Job refused.");
     rt.transition(Event::Refused {
         job_id: job.payload.job_id.clone(),
         delivery_id: r.delivery_id.clone(),

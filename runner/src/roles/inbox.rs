@@ -2,7 +2,8 @@
 //! unlock`). The audit log has one writer, the daemon (it holds the chain and the
 //! tree), so the CLI leaves each record in `control/audit-inbox/`, written and fsynced
 //! *before* it acts; the daemon appends them to the log in order at its next check
-//! (within seconds, or at its next start) and removes them.
+//! (within seconds, or at its next start) and removes them. `pause` and `resume` leave
+//! theirs here too, so a pause lifted within a second still has both records.
 
 use std::path::{Path, PathBuf};
 
@@ -21,6 +22,8 @@ pub const EVENTS: &[&str] = &[
     "state_unlocked",
     "state_unlock_failed",
     "drift_requested",
+    "runner_paused",
+    "runner_resumed",
 ];
 const MAX_RECORD: u64 = 16 << 10;
 
@@ -139,6 +142,7 @@ fn read(path: &Path) -> Record {
         job: r.job.map(|j| j.chars().take(128).collect()),
         kind: r.kind.map(|k| k.chars().take(64).collect()),
         operation: r.operation,
+        entity: r.entity.map(|e| e.chars().take(64).collect()),
         role: r.role,
         reason: r.reason,
         status: r.status,

@@ -66,7 +66,20 @@ pub struct RoleStatus {
 
 impl RolesStatus {
     pub fn load(state_dir: &Path) -> Option<RolesStatus> {
-        serde_json::from_slice(&std::fs::read(StateDir::of(state_dir).control().join(STATUS_FILE)).ok()?).ok()
+        Self::read(state_dir).ok().flatten()
+    }
+
+    /// As [`Self::load`], but a file that is there and cannot be read or parsed is an
+    /// error (for the CLI, which must not answer "no roles" to a permission problem).
+    pub fn read(state_dir: &Path) -> Result<Option<RolesStatus>, String> {
+        let path = StateDir::of(state_dir).control().join(STATUS_FILE);
+        match std::fs::read(&path) {
+            Ok(bytes) => {
+                serde_json::from_slice(&bytes).map(Some).map_err(|e| format!("{}: {e}", path.display()))
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(format!("reading {}: {e}", path.display())),
+        }
     }
 
     /// Merge a fresh view of the roles an app defines with what was known before.

@@ -84,7 +84,14 @@ fn sync_dir(dir: &Path) -> Result<(), PauseError> {
 }
 
 pub fn pause(state_dir: &Path, reason: Option<String>, by: String) -> Result<Pause, PauseError> {
-    if reason.as_ref().is_some_and(|r| r.chars().count() > 500) {
+    let p = Pause { paused_at_ms: crate::clock::now_ms(), reason, by };
+    write(state_dir, &p)?;
+    Ok(p)
+}
+
+/// Put `p` in force, durably.
+pub fn write(state_dir: &Path, p: &Pause) -> Result<(), PauseError> {
+    if p.reason.as_ref().is_some_and(|r| r.chars().count() > 500) {
         return Err(PauseError::ReasonTooLong);
     }
     let dir = StateDir::of(state_dir).control();
@@ -93,16 +100,14 @@ pub fn pause(state_dir: &Path, reason: Option<String>, by: String) -> Result<Pau
         path: dir.clone(),
         source: e,
     })?;
-    let p = Pause { paused_at_ms: crate::clock::now_ms(), reason, by };
     let path = pause_path(state_dir);
     crate::state_dir::write(
         &path,
-        &serde_json::to_vec_pretty(&p).unwrap_or_default(),
+        &serde_json::to_vec_pretty(p).unwrap_or_default(),
         // Readable by the daemon's user whoever writes it (`control/` keeps others out).
         0o644,
     )
-    .map_err(|e| PauseError::Io { op: "writing", path: path.clone(), source: e })?;
-    Ok(p)
+    .map_err(|e| PauseError::Io { op: "writing", path: path.clone(), source: e })
 }
 
 /// Returns whether the runner was paused.
