@@ -13,6 +13,12 @@ pub fn rfc3339_ms(ms: u64) -> String {
     rfc3339((ms / 1000) as i64)
 }
 
+/// As [`rfc3339_ms`], with the milliseconds: `2026-11-27T09:00:00.040Z`.
+pub fn rfc3339_millis(ms: u64) -> String {
+    let whole = rfc3339_ms(ms);
+    format!("{}.{:03}Z", whole.trim_end_matches('Z'), ms % 1000)
+}
+
 /// The longest duration a customer may type (an allowance, an approval's expiry, a
 /// one-off window): 7 days.
 pub const MAX_DURATION_SECS: u64 = 7 * 86_400;

@@ -83,16 +83,16 @@ fn the_package_installs_its_files_user_and_modes_and_reinstalls_keeping_config()
     files.sort();
     // A manual page per command, generated from the binary's own definitions.
     let (pages, files): (Vec<String>, Vec<String>) =
-        files.into_iter().partition(|f| f.starts_with("./usr/share/man/man1/"));
+        files.into_iter().partition(|f| f.starts_with("./usr/share/man/man8/"));
     for page in [
-        "byoc-runner.1.gz",
-        "byoc-runner-jobs-show.1.gz",
-        "byoc-runner-approvals-show.1.gz",
-        "byoc-runner-update-pin.1.gz",
+        "byoc-runner.8.gz",
+        "byoc-runner-jobs-show.8.gz",
+        "byoc-runner-approvals-show.8.gz",
+        "byoc-runner-update-pin.8.gz",
     ] {
-        assert!(pages.contains(&format!("./usr/share/man/man1/{page}")), "{page} missing: {pages:?}");
+        assert!(pages.contains(&format!("./usr/share/man/man8/{page}")), "{page} missing: {pages:?}");
     }
-    assert!(pages.iter().all(|p| p.ends_with(".1.gz")), "{pages:?}");
+    assert!(pages.iter().all(|p| p.ends_with(".8.gz")), "{pages:?}");
     assert!(
         !pages
             .iter()

@@ -8,15 +8,18 @@ use super::Output;
 
 #[derive(Subcommand)]
 pub(super) enum AppCmd {
-    /// Load an app config directory as the runner and the install stack generator
-    /// would: roles (permissions.toml or permissions/*.toml, break_glass.toml,
-    /// operation_roles.toml), the files role policies and boundaries name, the
-    /// vendor's policies, the secrets and the stack parameters they become. Prints
-    /// every problem at once (exit 1), or ok (exit 0).
+    /// Load an app config directory; print every problem
+    ///
+    /// As the runner and the install stack generator would: roles (permissions.toml or
+    /// permissions/*.toml, break_glass.toml, operation_roles.toml), the files role
+    /// policies and boundaries name, the vendor's policies, the secrets and the stack
+    /// parameters they become. Prints every problem at once (exit 1), or ok (exit 0).
     ///
     /// Example: byoc-runner app check ./my-app
     Check {
+        /// The app config directory.
         dir: PathBuf,
+        /// Output format: text for people, json for scripts.
         #[arg(long, short = 'o', value_enum, default_value_t = Output::Text)]
         output: Output,
     },

@@ -199,12 +199,17 @@ pub(super) fn decide(
 
 #[derive(clap::Subcommand)]
 pub(super) enum ApprovalsCmd {
-    /// Show everything a held job will do: its request (rule, plan summary with the
-    /// plan's digest and that of the JSON judged, findings) and, from the signed job
-    /// the runner keeps while it waits, the script, image, files or manifests it runs.
+    /// Everything a held job will do
+    ///
+    /// Its request (rule, plan summary with the plan's digest and that of the JSON
+    /// judged, findings) and, from the signed job the runner keeps while it waits, the
+    /// script, image, files or manifests it runs.
+    ///
+    /// Example: byoc-runner approvals show job-01J…
     Show {
         #[command(flatten)]
         state: StateArgs,
+        /// The held job's id, or a prefix of it that names one request.
         job_id: String,
     },
 }

@@ -69,8 +69,13 @@ impl RecordFilter {
 
 #[derive(Subcommand)]
 pub(super) enum AuditCmd {
-    /// Check every record, the tree, every checkpoint and cosignature; exit 1 naming the
-    /// first problem.
+    /// Check every record, the tree, every checkpoint
+    ///
+    /// Every record, the Merkle tree, every checkpoint and cosignature. Exit 0 when
+    /// everything holds, 1 naming the first problem, 2 when nothing could be verified
+    /// (the log or the copy is not there or cannot be read), 64 for a bad --trust file.
+    ///
+    /// Examples: byoc-runner audit verify; byoc-runner audit verify --from s3://audit-bucket/byoc-audit/ --trust keys.txt
     Verify {
         #[command(flatten)]
         a: AuditArgs,
@@ -90,50 +95,67 @@ pub(super) enum AuditCmd {
         #[arg(long, requires = "from")]
         endpoint_url: Option<String>,
     },
-    /// Print the last records, one line each with its time in ISO 8601 (follow with -f;
-    /// `-o json`: the records as stored, one JSON object a line).
+    /// The last records, one line each
+    ///
+    /// Each with its time in ISO 8601 (follow with -f; `-o json`: the records as
+    /// stored, one JSON object a line).
     ///
     /// Example: byoc-runner audit tail -f --event job_rejected
     Tail {
         #[command(flatten)]
         a: AuditArgs,
+        /// How many records.
         #[arg(short = 'n', long, default_value_t = 20)]
         lines: usize,
+        /// Keep printing records as the daemon appends them.
         #[arg(short = 'f', long)]
         follow: bool,
         #[command(flatten)]
         filter: RecordFilter,
     },
-    /// Print one record.
+    /// One record, by its sequence number
+    ///
+    /// Example: byoc-runner audit show 42 -o json
     Show {
         #[command(flatten)]
         a: AuditArgs,
+        /// The record's sequence number (`audit tail` shows them).
         seq: u64,
     },
-    /// Every record and checkpoint as JSON lines (for a SIEM; JSON whatever -o says);
-    /// with a filter, only the records that match (no checkpoints).
+    /// Every record and checkpoint as JSON lines
+    ///
+    /// For a SIEM: always JSON lines. With a filter, only the records that match (no
+    /// checkpoints).
     ///
     /// Example: byoc-runner audit export --since 2026-11-01 > audit.jsonl
+    #[command(mut_arg("output", |a| a.hide(true)))]
     Export {
         #[command(flatten)]
         a: AuditArgs,
         #[command(flatten)]
         filter: RecordFilter,
     },
-    /// The signed-note verifier key of this log's checkpoints, for third-party
-    /// verifiers (Go's golang.org/x/mod/sumdb/note: `name+hash+base64(0x01||key)`; the
-    /// name is the checkpoints' origin), and the control plane's if stored.
+    /// The checkpoints' verifier key, for third-party verifiers
+    ///
+    /// The signed-note verifier key of this log's checkpoints (Go's
+    /// golang.org/x/mod/sumdb/note: `name+hash+base64(0x01||key)`; the name is the
+    /// checkpoints' origin), and the control plane's if stored.
     ///
     /// Example: byoc-runner audit key > runner.vkey
     Key {
         #[command(flatten)]
         a: AuditArgs,
     },
-    /// An inclusion proof for a record that a third party can check (`-o json`: the
-    /// proof alone, for a verifier).
+    /// An inclusion proof of a record, for a third party
+    ///
+    /// The proof that record SEQ is in the tree a signed checkpoint commits to (`-o
+    /// json`: the proof alone, for a verifier).
+    ///
+    /// Example: byoc-runner audit prove 42 -o json > proof.json
     Prove {
         #[command(flatten)]
         a: AuditArgs,
+        /// The record's sequence number (`audit tail` shows them).
         seq: u64,
     },
 }

@@ -10,28 +10,42 @@ use crate::config::{Config, DEFAULT_CONFIG_PATH};
 
 #[derive(Subcommand)]
 pub(super) enum ConfigCmd {
-    /// Check this host can run the runner: the config, the state dir's disk, DNS, TCP and
-    /// TLS to the control plane (through the proxy if set), clock skew, the instance
-    /// metadata service, the install stack and its role ARNs, journald and the sandbox.
-    /// Each line is ok/warn/FAIL/skip with what to do; exit 1 if any check fails.
+    /// Check this host can run the runner, end to end
+    ///
+    /// The config, the state dir's disk, DNS, TCP and TLS to the control plane (through
+    /// the proxy if set), clock skew, the instance metadata service, the install stack
+    /// and its role ARNs, journald and the sandbox. Each line is ok/warn/FAIL/skip with
+    /// what to do; exit 1 if any check fails.
+    ///
+    /// Example: sudo byoc-runner config check
     Check {
+        /// Configuration file.
         #[arg(long, env = "BYOC_RUNNER_CONFIG", default_value = DEFAULT_CONFIG_PATH)]
         config: PathBuf,
+        /// Output format: text for people, json for scripts.
         #[arg(long, short = 'o', value_enum, default_value_t = Output::Text)]
         output: Output,
     },
-    /// Validate the configuration and print every problem (no network).
+    /// Validate the configuration; print every problem
+    ///
+    /// No network: the file alone. Exit 0 if it loads, 64 with every problem if not.
+    ///
+    /// Example: byoc-runner config validate --config /etc/byoc-runner/runner.toml.new
     Validate {
+        /// Configuration file.
         #[arg(long, env = "BYOC_RUNNER_CONFIG", default_value = DEFAULT_CONFIG_PATH)]
         config: PathBuf,
+        /// Output format: text for people, json for scripts.
         #[arg(long, short = 'o', value_enum, default_value_t = Output::Text)]
         output: Output,
     },
-    /// Write runner.toml from the install stack's values (the BYOC_* variables
-    /// user-data sets: BYOC_CONTROL_PLANE_URL, BYOC_CONTROL_PLANE_KEYS, BYOC_INSTALL_ID,
-    /// BYOC_REGION, BYOC_RELEASE_PUBKEY, and the optional ones packaging/user-data.sh lists),
-    /// with TOML's escaping; refused, nothing written, if a value does not read back as
-    /// itself or the file would not load.
+    /// Write runner.toml from the install stack's values
+    ///
+    /// From the BYOC_* variables user-data sets: BYOC_CONTROL_PLANE_URL,
+    /// BYOC_CONTROL_PLANE_KEYS, BYOC_INSTALL_ID, BYOC_REGION, BYOC_RELEASE_PUBKEY, and
+    /// the optional ones packaging/user-data.sh lists, with TOML's escaping; refused,
+    /// nothing written, if a value does not read back as itself or the file would not
+    /// load.
     ///
     /// Example: BYOC_INSTALL_ID=inst-1 … byoc-runner config write --out /etc/byoc-runner/runner.toml.new
     Write {

@@ -6,21 +6,28 @@ use crate::drift::local;
 
 #[derive(clap::Subcommand)]
 pub(super) enum DriftAction {
-    /// Ask the daemon for a drift check of NAME now (a terraform workspace or kubernetes
-    /// component a deploy without secrets left here; `drift targets` lists them). It
-    /// starts before the daemon's next poll and runs like any job: the pause, the
-    /// role's switch, windows and policies apply. Audited. Needs root or
-    /// roles.admin_group.
+    /// Ask for a drift check of NAME now (audited)
+    ///
+    /// NAME is a terraform workspace or kubernetes component a deploy without secrets
+    /// left here (`drift targets` lists them). The check starts before the daemon's
+    /// next poll and runs like any job: the pause, the role's switch, windows and
+    /// policies apply. Needs root or roles.admin_group.
+    ///
+    /// Example: byoc-runner drift run network --kind terraform
     Run {
         #[command(flatten)]
         state: StateArgs,
+        /// The workspace, component or release (`drift targets` lists them).
         name: String,
         /// `terraform`, `kubernetes` or `helm`, when two kinds have the name.
         #[arg(long)]
         kind: Option<String>,
     },
-    /// What the runner can check on its own: each component a deploy without secrets
-    /// left, and which deploy.
+    /// What the runner can check on its own
+    ///
+    /// Each component a deploy without secrets left, and which deploy.
+    ///
+    /// Example: byoc-runner drift targets -o json
     Targets(StateArgs),
 }
 

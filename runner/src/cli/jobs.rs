@@ -10,20 +10,21 @@ use crate::state_dir::StateDir;
 
 #[derive(Subcommand)]
 pub(super) enum JobsCmd {
-    /// List jobs, newest first.
+    /// List jobs, newest first
     ///
     /// Examples: byoc-runner jobs list --status failed --since 1d;
     /// byoc-runner jobs list --kind terraform -o json
     List {
         #[command(flatten)]
         state: StateArgs,
+        /// At most this many jobs.
         #[arg(long, default_value_t = 50)]
         limit: usize,
         /// Include jobs archived from the journal (past jobs.journal_keep).
         #[arg(long)]
         all: bool,
         /// Only jobs with this status as listed: succeeded, failed, timed_out,
-        /// cancelled, interrupted, running, received, refused, waiting_window, …
+        /// cancelled, interrupted, running, received, rejected, awaiting_approval, …
         #[arg(long)]
         status: Option<String>,
         /// Only jobs of this kind (terraform, action.script, …).
@@ -34,13 +35,19 @@ pub(super) enum JobsCmd {
         #[arg(long, value_name = "TIME")]
         since: Option<String>,
     },
-    /// Show one job's journal record.
+    /// One job: its record, what was judged, its audit trail
+    ///
+    /// A job refused before the runner kept a record of it shows its rejection and
+    /// what the audit log says of it.
+    ///
+    /// Example: byoc-runner jobs show job-01J…
     Show {
         #[command(flatten)]
         state: StateArgs,
+        /// The job's id, or a prefix of it that names one job.
         job_id: String,
     },
-    /// Print a job's log from the local spool.
+    /// Print a job's log from the local spool
     ///
     /// The log's last line is the runner's account of how the job ended. A job that
     /// never ran has no log: the command says why on stderr.
@@ -65,10 +72,16 @@ pub(super) enum JobsCmd {
         #[arg(long, short = 't')]
         timestamps: bool,
     },
-    /// List refused deliveries with their reason codes, newest first.
+    /// Rejected deliveries with their reason codes, newest first
+    ///
+    /// Every job the runner refused (audit event job_rejected), with the reason code
+    /// and what to fix.
+    ///
+    /// Example: byoc-runner jobs rejections --reason bad_signature --since 7d
     Rejections {
         #[command(flatten)]
         state: StateArgs,
+        /// At most this many rejections.
         #[arg(long, default_value_t = 50)]
         limit: usize,
         /// Include refusals archived from the journal.
@@ -335,7 +348,7 @@ impl LogView {
         for (offset, line) in lines {
             if self.timestamps {
                 let stamp = crate::spool::time_at(marks, offset)
-                    .map(crate::clock::rfc3339_ms)
+                    .map(crate::clock::rfc3339_millis)
                     .unwrap_or_else(|| "-".repeat(24));
                 out.extend_from_slice(stamp.as_bytes());
                 out.push(b' ');

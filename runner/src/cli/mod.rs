@@ -30,7 +30,7 @@ mod update;
 
 use std::path::{Path, PathBuf};
 
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::{FromArgMatches as _, Parser, Subcommand, ValueEnum};
 
 use crate::config::{Config, DEFAULT_CONFIG_PATH, DEFAULT_STATE_DIR};
 use crate::state_dir::StateDir;
@@ -45,8 +45,9 @@ pub const EX_DATAERR: i32 = 65;
     name = "byoc-runner",
     version,
     about = "Runs the vendor's signed jobs in this cloud account, and shows what it did",
-    after_help = "The inspection commands' options -o/--output, --state-dir and --config may also come \
-                  before the command: byoc-runner -o json jobs list"
+    after_help = "-o/--output, --state-dir and --config may also come before the command\n\
+                  (byoc-runner -o json jobs list). Each command's --help has the detail and an\n\
+                  example; the manual is man byoc-runner(8), exit codes in its EXIT STATUS."
 )]
 pub struct Cli {
     #[command(subcommand)]
@@ -76,41 +77,63 @@ pub(crate) struct StateArgs {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// Run the daemon (systemd's ExecStart).
+    /// Run the daemon (systemd's ExecStart)
+    ///
+    /// Long-polls the control plane, verifies and runs signed jobs, keeps the journal
+    /// and the signed audit log. The package's unit starts it; there is rarely a reason
+    /// to run it by hand.
+    ///
+    /// Example: byoc-runner run --config /etc/byoc-runner/runner.toml
     Run {
+        /// Configuration file.
         #[arg(long, env = "BYOC_RUNNER_CONFIG", default_value = DEFAULT_CONFIG_PATH)]
         config: PathBuf,
     },
-    /// Show the version, enrollment, the daemon (exit 3 when it is not running), its last
-    /// contact with the control plane and a summary of jobs, from the state dir.
+    /// Version, enrollment, the daemon, last contact, jobs
+    ///
+    /// Shows the version, the enrollment, whether the daemon runs (exit 3 when it does
+    /// not, as `systemctl status`), its last contact with the control plane, disk use,
+    /// drift and a summary of jobs, read from the state dir.
     ///
     /// Examples: byoc-runner status; byoc-runner status -o json | jq .contact
     Status(StateArgs),
-    /// Print the runner's metrics in Prometheus text format (the same the daemon writes
-    /// to `[metrics] textfile`), read from the state dir.
+    /// The runner's metrics in Prometheus text format
+    ///
+    /// The same the daemon writes to `[metrics] textfile`, read from the state dir.
+    ///
+    /// Example: byoc-runner metrics | grep byoc_jobs_finished_total
     Metrics(StateArgs),
-    /// Inspect jobs recorded in the local journal.
+    /// Jobs in the local journal: list, show, logs, rejections
     Jobs {
         #[command(subcommand)]
         cmd: jobs::JobsCmd,
     },
-    /// Run a job file locally with no control plane (for vendors testing actions). Exit
-    /// codes: the job's own, 124 timed out, 130 cancelled, 125 run-local itself failed.
+    /// Run a job file here, with no control plane (for vendors)
+    ///
+    /// Runs the job as the daemon would (sandbox, policies, masking) and prints its
+    /// output. Exit codes: the job's own, 124 timed out, 130 cancelled, 125 run-local
+    /// itself failed.
     ///
     /// Example: byoc-runner run-local examples/jobs/hello.json
     RunLocal(run::LocalArgs),
-    /// Print a shell completion script (the package installs bash, zsh and fish ones).
+    /// Print a shell completion script
+    ///
+    /// The package installs bash, zsh and fish ones.
     ///
     /// Example: byoc-runner completions bash > /etc/bash_completion.d/byoc-runner
     Completions {
+        /// The shell to complete for.
         #[arg(value_enum)]
         shell: clap_complete::Shell,
     },
-    /// Print the manual page (roff), or with --dir write one page per command there
-    /// (the package installs them in section 1).
+    /// Print the manual page, or write one per command
+    ///
+    /// Without --dir, the page of byoc-runner itself (roff) on stdout. The package
+    /// installs one page per command in section 8.
     ///
     /// Example: byoc-runner man | man -l -
     Man {
+        /// Write one page per command here (byoc-runner-jobs-show.8, …).
         #[arg(long, value_name = "DIR")]
         dir: Option<PathBuf>,
     },
@@ -142,13 +165,16 @@ enum Cmd {
         #[arg(long = "unreachable", value_name = "HOST:PORT")]
         unreachable: Vec<String>,
     },
-    /// Inspect and verify the signed audit log (offline).
+    /// The signed audit log: verify, tail, show, export, prove
     Audit {
         #[command(subcommand)]
         cmd: audit::AuditCmd,
     },
-    /// Pause the runner: it refuses new jobs (reason `paused`) until `resume`; running
-    /// jobs finish. Survives restarts. Needs root or roles.admin_group.
+    /// Refuse new jobs until `resume`; running jobs finish
+    ///
+    /// New jobs are refused with reason `paused`; the pause survives restarts. The
+    /// audit log records who paused, when and why before the pause takes effect. Needs
+    /// root or roles.admin_group.
     ///
     /// Example: byoc-runner pause --reason "change freeze CHG-42"
     Pause {
@@ -158,38 +184,57 @@ enum Cmd {
         #[arg(long)]
         reason: Option<String>,
     },
-    /// Undo `pause`.
+    /// Lift a pause: the runner takes new jobs again
+    ///
+    /// The audit log records who lifted which pause, and when, before it is lifted.
+    /// Needs root or roles.admin_group.
+    ///
+    /// Example: byoc-runner resume
     Resume(StateArgs),
+    /// Drift of each workspace, component and release
+    ///
     /// The last drift check of each terraform workspace, kubernetes component and helm
     /// release: clean, drifted or violating, when, what drifted (addresses and
     /// attribute paths, never values), what a deploy would change. `drift run NAME`
     /// asks for a check now; `drift targets` lists what the runner can check.
+    ///
+    /// Examples: byoc-runner drift; byoc-runner drift run network
     Drift {
         #[command(flatten)]
         state: StateArgs,
         #[command(subcommand)]
         action: Option<drift::DriftAction>,
     },
-    /// The customer's secrets jobs wrote on this runner: name, version, keyed digest,
-    /// where each was last written and by which job. Never a value (the runner keeps
-    /// none).
+    /// The customer's secrets jobs wrote here (never a value)
+    ///
+    /// Name, version, keyed digest, where each was last written and by which job. The
+    /// runner keeps no value.
+    ///
+    /// Example: byoc-runner secrets -o json
     Secrets(StateArgs),
-    /// List the jobs awaiting a local approval ([[guardrails.approval_rule]]): what
-    /// each will do, under which rule, until when.
+    /// Jobs awaiting a local approval; `show JOB` for one
+    ///
+    /// What each held job will do, under which [[guardrails.approval_rule]], until when.
+    ///
+    /// Examples: byoc-runner approvals; byoc-runner approvals show JOB
     Approvals {
         #[command(flatten)]
         state: StateArgs,
         #[command(subcommand)]
         action: Option<approvals::ApprovalsCmd>,
     },
-    /// Approve a job awaiting approval: it runs. Audited with who and why. Needs root
-    /// or roles.admin_group.
+    /// Approve a held job: it runs (audited)
+    ///
+    /// The audit log records who approved, their uid and why before the answer is
+    /// given. Needs root or roles.admin_group. The job id must be given in full.
     ///
     /// Example: byoc-runner approvals show JOB && byoc-runner approve JOB --reason CHG-42
     Approve {
         #[command(flatten)]
         state: StateArgs,
+        /// The held job's id, in full (`byoc-runner approvals` lists them).
         job_id: String,
+        /// Why (kept in the audit log, reported to the vendor).
         #[arg(long)]
         reason: Option<String>,
         /// A runner update: the version you approve (`approvals show JOB` shows it). The
@@ -197,20 +242,25 @@ enum Cmd {
         #[arg(long)]
         version: Option<String>,
     },
-    /// Deny a job awaiting approval: it is refused (approval_denied) and never runs.
-    /// Audited. Needs root or roles.admin_group.
+    /// Deny a held job: it never runs (audited)
+    ///
+    /// The job is refused with reason approval_denied. The audit log records who
+    /// denied, their uid and why. Needs root or roles.admin_group.
     ///
     /// Example: byoc-runner deny JOB --reason "not during the audit"
     Deny {
         #[command(flatten)]
         state: StateArgs,
+        /// The held job's id, in full (`byoc-runner approvals` lists them).
         job_id: String,
         /// Why (kept in the audit log, reported to the vendor).
         #[arg(long)]
         reason: String,
     },
-    /// List the lifecycle roles: enabled or not, ARN, where the switch came from, last
-    /// assumed.
+    /// Lifecycle roles: switched on or not, ARN, last assumed
+    ///
+    /// Each role the app defines: enabled or not, its ARN, where the switch came from,
+    /// when it was last assumed, and its local allowance where it needs one.
     ///
     /// Examples: byoc-runner roles --refresh; byoc-runner roles allow NAME --for 2h --reason INC-7
     #[command(args_conflicts_with_subcommands = true)]
@@ -224,36 +274,35 @@ enum Cmd {
         #[command(subcommand)]
         action: Option<state::RolesAction>,
     },
-    /// Copy an OCI artifact (image, index, chart, module, and its referrers) between
-    /// two registries with the engine `oci.sync` jobs use. Loopback registries are
-    /// plain HTTP; others HTTPS. Secrets come from the environment or files, never argv.
-    Sync(sync::SyncArgs),
-    /// Check an app config directory as the runner and the install stack would load it.
+    /// Copy an OCI artifact between registries
     ///
-    /// Example: byoc-runner app check ./my-app
+    /// An image, index, chart or module, and its referrers, with the engine `oci.sync`
+    /// jobs use. Loopback registries are plain HTTP; others HTTPS. Secrets come from the
+    /// environment or files, never argv.
+    ///
+    /// Example: BYOC_SYNC_DEST_TOKEN=… byoc-runner sync reg.vendor.example/app:1.2 123456789012.dkr.ecr.us-east-1.amazonaws.com/app --dest-user AWS
+    Sync(sync::SyncArgs),
+    /// Check an app config directory as the runner would load it
     App {
         #[command(subcommand)]
         cmd: app::AppCmd,
     },
-    /// The policies that decide plans and manifests: list them, or test an input.
+    /// The policies that decide plans and manifests
     Policy {
         #[command(subcommand)]
         cmd: policy::PolicyCmd,
     },
-    /// The terraform state this runner keeps for the install's workspaces (addresses
-    /// and serials, never values).
+    /// Terraform state of the install's workspaces (no values)
     State {
         #[command(subcommand)]
         cmd: tfstate::TfStateCmd,
     },
-    /// The runner's own updates: status, pin, unpin, rollback (docs/OPERATIONS.md).
-    ///
-    /// Example: byoc-runner update pin ">= 0.2.0, < 0.3.0"
+    /// The runner's own updates: status, pin, unpin, rollback
     Update {
         #[command(subcommand)]
         cmd: update::UpdateCmd,
     },
-    /// Configuration commands.
+    /// The configuration: check, validate, write
     Config {
         #[command(subcommand)]
         cmd: config::ConfigCmd,
@@ -289,9 +338,51 @@ fn hoist_common_options(args: Vec<std::ffi::OsString>) -> Vec<std::ffi::OsString
     out
 }
 
+/// The top-level help's groups, in order: every visible command is in one (a test
+/// holds it).
+const GROUPS: &[(&str, &[&str])] = &[
+    (
+        "Inspect (reads the state dir; changes nothing)",
+        &["status", "jobs", "approvals", "roles", "drift", "secrets", "state", "update", "policy", "metrics"],
+    ),
+    ("Act (root or roles.admin_group; audited with who)", &["pause", "resume", "approve", "deny"]),
+    ("Audit (the signed log, offline)", &["audit"]),
+    ("Vendor and daemon", &["run", "run-local", "sync", "app", "config", "completions", "man"]),
+];
+
+/// The exit codes every command keeps to (the manual's EXIT STATUS and
+/// docs/OPERATIONS.md's table; a test holds them to each other and runs each case).
+pub const EXIT_CODES: &[(&str, &str)] = &[
+    ("0", "success"),
+    ("1", "a runtime failure (the message is on stderr); `audit verify`: the log does not hold"),
+    ("2", "`audit verify`: nothing could be verified (the log or the copy is not there or cannot be read)"),
+    ("3", "`status`: the daemon is not running (as `systemctl status`)"),
+    ("64", "usage: a bad command line, configuration or value typed (EX_USAGE)"),
+    ("124 / 130 / N", "`run-local`: the job timed out / was cancelled (Ctrl-C) / exited with N"),
+    ("125", "`run-local` itself failed, or refused or stopped the job without an exit code of its own"),
+    ("141", "the reader of the output went away (SIGPIPE, as `ls | head`)"),
+];
+
+/// The command line's definition, with the commands listed by group in its help.
+pub(crate) fn command() -> clap::Command {
+    let cmd = <Cli as clap::CommandFactory>::command();
+    let mut groups = String::new();
+    for (title, names) in GROUPS {
+        groups.push_str(&format!("{title}:\n"));
+        for name in *names {
+            let about = cmd.find_subcommand(name).and_then(|c| c.get_about()).map(|a| a.to_string());
+            groups.push_str(&format!("  {name:<12} {}\n", about.unwrap_or_default()));
+        }
+        groups.push('\n');
+    }
+    cmd.help_template(format!(
+        "{{about-with-newline}}\n{{usage-heading}} {{usage}}\n\n{groups}Options:\n{{options}}{{after-help}}"
+    ))
+}
+
 pub fn main() -> i32 {
     let args = hoist_common_options(std::env::args_os().collect());
-    let cli = match Cli::try_parse_from(&args) {
+    let cli = match command().try_get_matches_from(&args).and_then(|m| Cli::from_arg_matches(&m)) {
         Ok(c) => c,
         Err(e) => {
             // run-local passes its job's exit codes through: its own stay apart (125).
@@ -340,12 +431,7 @@ pub fn main() -> i32 {
             }
         }
         Cmd::Completions { shell } => {
-            clap_complete::generate(
-                shell,
-                &mut <Cli as clap::CommandFactory>::command(),
-                "byoc-runner",
-                &mut std::io::stdout(),
-            );
+            clap_complete::generate(shell, &mut command(), "byoc-runner", &mut std::io::stdout());
             0
         }
         Cmd::Man { dir } => edge(|| man(dir.as_deref())),
@@ -409,21 +495,77 @@ pub(crate) fn exit_code_of(e: &anyhow::Error) -> i32 {
     if e.chain().any(|c| c.is::<UsageError>()) { EX_USAGE } else { 1 }
 }
 
+/// The manual's section: byoc-runner is a system daemon and its administration.
+const MAN_SECTION: &str = "8";
+
 /// The manual page from the command definitions: one page on stdout, or a page per
-/// command (`byoc-runner-jobs-show.1`, …) in `dir`. Hidden internal commands have none.
+/// command (`byoc-runner-jobs-show.8`, …) in `dir`. Hidden internal commands have none.
 fn man(dir: Option<&Path>) -> anyhow::Result<()> {
-    let cmd = <Cli as clap::CommandFactory>::command();
+    let mut cmd = command().disable_help_subcommand(true);
+    cmd.build();
     match dir {
-        None => {
-            let mut out = std::io::stdout().lock();
-            clap_mangen::Man::new(cmd).render(&mut out)?;
-        }
+        None => man_page(&cmd, &mut std::io::stdout().lock())?,
         Some(dir) => {
             std::fs::create_dir_all(dir)?;
-            clap_mangen::generate_to(cmd, dir)?;
+            man_pages(&cmd, dir)?;
         }
     }
     Ok(())
+}
+
+fn man_pages(cmd: &clap::Command, dir: &Path) -> std::io::Result<()> {
+    for sub in cmd.get_subcommands().filter(|s| !s.is_hide_set()) {
+        man_pages(sub, dir)?;
+    }
+    let name = clap_mangen::Man::new(cmd.clone()).section(MAN_SECTION).get_filename();
+    let mut file = std::fs::File::create(dir.join(name))?;
+    man_page(cmd, &mut file)
+}
+
+/// One page: clap's sections, then EXIT STATUS, ENVIRONMENT, FILES and SEE ALSO.
+fn man_page(cmd: &clap::Command, out: &mut dyn std::io::Write) -> std::io::Result<()> {
+    clap_mangen::Man::new(cmd.clone()).section(MAN_SECTION).render(out)?;
+    let esc = |t: &str| t.replace('\\', "\\e").replace('-', "\\-");
+    let mut page = String::from(".SH \"EXIT STATUS\"\n");
+    for (code, meaning) in EXIT_CODES {
+        page.push_str(&format!(".TP\n\\fB{}\\fR\n{}\n", esc(code), esc(meaning)));
+    }
+    page.push_str(".SH ENVIRONMENT\n");
+    for (name, meaning) in [
+        ("BYOC_RUNNER_CONFIG", "The configuration file, as --config (a file named here must exist)."),
+        ("NO_COLOR", "When set and not empty, no colour on stderr."),
+        ("RUST_LOG", "The commands' own log level on stderr (default warn)."),
+    ] {
+        page.push_str(&format!(".TP\n\\fB{}\\fR\n{}\n", esc(name), esc(meaning)));
+    }
+    page.push_str(".SH FILES\n");
+    for (path, meaning) in [
+        (DEFAULT_CONFIG_PATH, "The configuration (root's; readable by the runner's group)."),
+        (DEFAULT_STATE_DIR, "The state dir: journal, job logs, audit log, terraform state."),
+        ("/var/lib/byoc-runner/audit", "The signed, tamper-evident audit log."),
+        (
+            "/var/lib/byoc-runner/control",
+            "Where the customer's controls meet the daemon: pause, approvals, allowances.",
+        ),
+        (
+            "/var/lib/byoc-runner-update",
+            "The root updater's own directory: kept releases, outcomes, the customer's terms.",
+        ),
+        (
+            "/usr/lib/systemd/catalog/byoc-runner.catalog",
+            "What each audit event's journal entries mean (journalctl \\-x).",
+        ),
+    ] {
+        page.push_str(&format!(".TP\n{}\n{}\n", esc(path), esc(meaning)));
+    }
+    let own = cmd.get_display_name().unwrap_or(cmd.get_name()).to_string();
+    let mut see: Vec<String> = Vec::new();
+    if own != "byoc-runner" {
+        see.push(format!("\\fBbyoc\\-runner\\fR({MAN_SECTION})"));
+    }
+    see.extend(["systemctl(1)", "journalctl(1)", "/usr/share/doc/byoc-runner/README.md"].map(|s| esc(s)));
+    page.push_str(&format!(".SH \"SEE ALSO\"\n{}\n", see.join(", ")));
+    out.write_all(page.as_bytes())
 }
 
 fn load_config(path: &Path) -> Result<Config, i32> {
@@ -561,22 +703,85 @@ mod tests {
     #[test]
     fn completions_and_the_manual_come_from_the_definitions() {
         let mut bash = Vec::new();
-        clap_complete::generate(
-            clap_complete::Shell::Bash,
-            &mut super::Cli::command(),
-            "byoc-runner",
-            &mut bash,
-        );
+        clap_complete::generate(clap_complete::Shell::Bash, &mut super::command(), "byoc-runner", &mut bash);
         let bash = String::from_utf8(bash).unwrap();
         assert!(bash.contains("approvals") && bash.contains("rejections"), "{bash}");
         let mut page = Vec::new();
-        clap_mangen::Man::new(super::Cli::command()).render(&mut page).unwrap();
+        let mut cmd = super::command();
+        cmd.build();
+        super::man_page(&cmd, &mut page).unwrap();
         let page = String::from_utf8(page).unwrap();
-        assert!(page.starts_with(".ie") || page.contains(".TH byoc-runner"), "{page}");
+        assert!(page.contains(".TH byoc-runner 8"), "{page}");
         assert!(page.contains("approvals") && !page.contains("sandbox\\-exec"), "{page}");
+        for section in [
+            ".SH NAME",
+            ".SH SYNOPSIS",
+            ".SH \"EXIT STATUS\"",
+            ".SH ENVIRONMENT",
+            ".SH FILES",
+            ".SH \"SEE ALSO\"",
+        ] {
+            assert!(page.contains(section), "{section} missing: {page}");
+        }
         let dir = tempfile::tempdir().unwrap();
         super::man(Some(dir.path())).unwrap();
-        assert!(dir.path().join("byoc-runner-jobs-show.1").exists());
-        assert!(!dir.path().join("byoc-runner-sandbox-exec.1").exists());
+        let show = std::fs::read_to_string(dir.path().join("byoc-runner-jobs-show.8")).unwrap();
+        assert!(show.contains(".SH \"EXIT STATUS\"") && show.contains("\\fBbyoc\\-runner\\fR(8)"), "{show}");
+        assert!(!dir.path().join("byoc-runner-sandbox-exec.8").exists());
+    }
+
+    /// Every visible command, recursively.
+    fn visible(cmd: &clap::Command, path: String, out: &mut Vec<(String, clap::Command)>) {
+        for sub in cmd.get_subcommands().filter(|s| !s.is_hide_set() && s.get_name() != "help") {
+            let name = format!("{path} {}", sub.get_name()).trim().to_string();
+            out.push((name.clone(), sub.clone()));
+            visible(sub, name, out);
+        }
+    }
+
+    #[test]
+    fn the_help_is_grouped_short_described_and_exemplified() {
+        let mut cmd = super::command();
+        cmd.build();
+        let top: Vec<&str> = cmd
+            .get_subcommands()
+            .filter(|s| !s.is_hide_set() && s.get_name() != "help")
+            .map(|s| s.get_name())
+            .collect();
+        let grouped: Vec<&str> = super::GROUPS.iter().flat_map(|(_, names)| names.iter().copied()).collect();
+        let mut sorted = grouped.clone();
+        sorted.sort();
+        sorted.dedup();
+        assert_eq!(sorted.len(), grouped.len(), "a command in two groups");
+        let mut want = top.clone();
+        want.sort();
+        assert_eq!(sorted, want, "every command in one group of the help");
+        let mut all = Vec::new();
+        visible(&cmd, String::new(), &mut all);
+        let mut problems = Vec::new();
+        for (name, sub) in &all {
+            let about = sub.get_about().map(|a| a.to_string()).unwrap_or_default();
+            // "  NAME  ABOUT" in a parent's list fits 80 columns.
+            let leaf = name.rsplit(' ').next().unwrap_or(name);
+            if about.is_empty() || about.contains('\n') || 2 + leaf.len().max(12) + 1 + about.len() > 80 {
+                problems.push(format!("{name}: the summary must be one line within 80 columns: {about:?}"));
+            }
+            let long = sub.get_long_about().map(|a| a.to_string()).unwrap_or_default();
+            if sub.get_subcommands().next().is_none() && !long.contains("Example") {
+                problems.push(format!("{name}: no example in its --help"));
+            }
+            for arg in sub.get_arguments().filter(|a| !a.is_hide_set()) {
+                let id = arg.get_id().as_str();
+                if !["help", "version"].contains(&id) && arg.get_help().is_none() {
+                    problems.push(format!("{name}: argument {id} has no description"));
+                }
+            }
+        }
+        assert!(problems.is_empty(), "{}", problems.join("\n"));
+        let help = cmd.render_help().to_string();
+        for (title, _) in super::GROUPS {
+            assert!(help.contains(title), "{help}");
+        }
+        assert!(help.lines().all(|l| l.chars().count() <= 100), "{help}");
     }
 }

@@ -9,8 +9,12 @@ use super::{EX_DATAERR, EX_USAGE, Output};
 
 #[derive(Subcommand)]
 pub(super) enum PolicyCmd {
-    /// The built-in rules (at the customer's levels), the customer's own policies and
-    /// the parameters.
+    /// The built-in rules, the customer's policies, parameters
+    ///
+    /// The built-in rules at the customer's levels, the customer's own policies and
+    /// the parameters, as the runner would decide with them.
+    ///
+    /// Example: byoc-runner policy list --app ./my-app
     List {
         /// The customer's policy directory (`*.rego`, `policies.toml`).
         #[arg(long, default_value = crate::customer_policies::DEFAULT_POLICY_DIR)]
@@ -18,11 +22,16 @@ pub(super) enum PolicyCmd {
         /// An app config directory: list its `policies.toml` declarations too.
         #[arg(long)]
         app: Option<PathBuf>,
+        /// Output format: text for people, json for scripts.
         #[arg(long, short = 'o', value_enum, default_value_t = Output::Text)]
         output: Output,
     },
-    /// Evaluate every policy over an input and print the violations and the verdict.
-    /// Exit 0 if allowed, 1 if denied, 64 on unusable input.
+    /// Decide a plan or manifests; print violations and verdict
+    ///
+    /// Evaluates every policy over the input. Exit 0 if allowed, 1 if denied, 64 on
+    /// unusable input.
+    ///
+    /// Example: terraform show -json plan.tfplan > plan.json && byoc-runner policy test --input plan.json --phase maintenance
     Test(TestArgs),
 }
 
@@ -44,6 +53,7 @@ pub(super) struct TestArgs {
     /// (upgrade, apply; the default) or DELETE (uninstall, teardown, prune).
     #[arg(long, default_value = "component.deploy")]
     operation: String,
+    /// The customer's policy directory (`*.rego`, `policies.toml`).
     #[arg(long, default_value = crate::customer_policies::DEFAULT_POLICY_DIR)]
     policies: PathBuf,
     /// A vendor policy file to include (repeatable), as the app config would bring it.
@@ -67,6 +77,7 @@ pub(super) struct TestArgs {
     /// docs/GUARDRAILS.md), to test policies that depend on it.
     #[arg(long)]
     context: Option<PathBuf>,
+    /// Output format: text for people, json for scripts.
     #[arg(long, short = 'o', value_enum, default_value_t = Output::Text)]
     output: Output,
 }

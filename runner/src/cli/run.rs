@@ -13,6 +13,7 @@ use super::{EX_USAGE, Output, load_config};
 pub(super) struct LocalArgs {
     /// JSON job file: {"kind": "...", "spec": {...}, "timeout_secs": N}
     job_file: PathBuf,
+    /// Output format: text for people, json for scripts.
     #[arg(long, short = 'o', value_enum, default_value_t = Output::Text)]
     output: Output,
     /// Run without the sandbox (the job gets your user's privileges).
@@ -56,6 +57,7 @@ pub(super) struct LocalArgs {
     /// all the same. A runner fetches only from the install's own registry.
     #[arg(long)]
     registry_user: Option<String>,
+    /// A file holding that registry's password or token (instead of BYOC_REGISTRY_TOKEN).
     #[arg(long)]
     registry_token_file: Option<PathBuf>,
     /// Extra CA roots (PEM) to trust for that registry.

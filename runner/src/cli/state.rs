@@ -324,9 +324,13 @@ pub(super) fn roles(s: &StateArgs, refresh: bool) -> anyhow::Result<()> {
 
 #[derive(clap::Subcommand)]
 pub(super) enum RolesAction {
-    /// Allow a role that needs a local allowance (`roles.require_local_allow`; break-glass
-    /// roles by default) for a while: a second key beside its stack switch. Audited.
-    /// Needs root or roles.admin_group.
+    /// Allow a role that needs a local allowance, for a while
+    ///
+    /// A second key beside the role's stack switch, for the roles
+    /// `roles.require_local_allow` names (break-glass roles by default). Audited before
+    /// it takes effect. Needs root or roles.admin_group.
+    ///
+    /// Example: byoc-runner roles allow inst-1-break-glass --for 2h --reason INC-7
     Allow {
         #[command(flatten)]
         state: StateArgs,
@@ -339,10 +343,13 @@ pub(super) enum RolesAction {
         #[arg(long)]
         reason: String,
     },
-    /// Withdraw a role's local allowance now. Audited.
+    /// Withdraw a role's local allowance now (audited)
+    ///
+    /// Example: byoc-runner roles revoke inst-1-break-glass
     Revoke {
         #[command(flatten)]
         state: StateArgs,
+        /// The role's name (as `byoc-runner roles` lists it).
         role: String,
     },
     /// Not here: switches live in the install stack (says where).

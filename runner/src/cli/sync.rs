@@ -6,19 +6,22 @@ use super::{EX_USAGE, Output};
 
 #[derive(clap::Args)]
 pub(super) struct SyncArgs {
-    /// host/repository[:tag][@sha256:…]; with a digest, other content is refused.
+    /// The source, host/repository[:tag][@sha256:…]; with a digest, other content is refused.
     source: String,
-    /// host/repository[:tag]; tagged with the source's tag when it names none.
+    /// The destination, host/repository[:tag]; tagged with the source's tag when it names none.
     destination: String,
     /// Source username (password or token from BYOC_SYNC_SRC_TOKEN or --src-token-file;
     /// without a username the token is sent as a bearer token).
     #[arg(long)]
     src_user: Option<String>,
+    /// A file holding the source's password or token (instead of BYOC_SYNC_SRC_TOKEN).
     #[arg(long)]
     src_token_file: Option<PathBuf>,
+    /// Destination username (password or token from BYOC_SYNC_DEST_TOKEN or
+    /// --dest-token-file).
     #[arg(long)]
     dest_user: Option<String>,
-    /// Destination password or token (or BYOC_SYNC_DEST_TOKEN).
+    /// A file holding the destination's password or token (instead of BYOC_SYNC_DEST_TOKEN).
     #[arg(long)]
     dest_token_file: Option<PathBuf>,
     /// Do not copy signatures, SBOMs and attestations that refer to the artifact.
@@ -36,6 +39,7 @@ pub(super) struct SyncArgs {
     /// Reach registry HOST at URL instead (repeatable): HOST=URL.
     #[arg(long = "endpoint", value_name = "HOST=URL")]
     endpoints: Vec<String>,
+    /// Output format: text for people, json for scripts.
     #[arg(long, short = 'o', value_enum, default_value_t = Output::Text)]
     output: Output,
 }

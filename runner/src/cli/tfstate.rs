@@ -14,21 +14,35 @@ use byoc_job_executors::terraform::{bucket, state};
 
 #[derive(Subcommand)]
 pub(super) enum TfStateCmd {
-    /// Workspaces with state: serial, resources, and (in the bucket) whether locked.
+    /// Workspaces with state: serial, resources, lock
+    ///
+    /// Each workspace's serial and resource count, and (in the state bucket) whether
+    /// it is locked.
+    ///
+    /// Example: byoc-runner state list -o json
     List(BucketArgs),
-    /// One workspace: its resource addresses, serial and lock (never values).
+    /// One workspace: addresses, serial, lock (never values)
+    ///
+    /// Example: byoc-runner state show network
     Show {
         #[command(flatten)]
         args: BucketArgs,
+        /// The workspace (`state list` lists them).
         workspace: String,
     },
-    /// Remove a lock a killed runner left on a workspace in the state bucket, as
+    /// Remove a stale lock from a workspace (audited)
+    ///
+    /// Removes a lock a killed runner left on a workspace in the state bucket, as
     /// `terraform force-unlock` does: only if it holds LOCK_ID (the ID the failed job's
-    /// log and `state show` print). Audited. Needs root or roles.admin_group.
+    /// log and `state show` print). Needs root or roles.admin_group.
+    ///
+    /// Example: byoc-runner state unlock network 6f1c…
     Unlock {
         #[command(flatten)]
         args: BucketArgs,
+        /// The workspace (`state list` lists them).
         workspace: String,
+        /// The lock's ID, as the failed job's log and `state show` print it.
         lock_id: String,
     },
 }

@@ -12,28 +12,42 @@ use byoc_updater::apply;
 
 #[derive(Subcommand)]
 pub enum UpdateCmd {
+    /// Version, terms, pending update, last outcome
+    ///
     /// The running version, the customer's terms (mode, pin, release key), a pending
     /// update, the last outcome and the releases kept for rollback.
+    ///
+    /// Example: byoc-runner update status -o json
     Status {
         #[command(flatten)]
         state: StateArgs,
         #[command(flatten)]
         root: RootArg,
     },
-    /// Let in only VERSION, or a range (">= 0.2.0, < 0.3.0"); takes precedence over
-    /// [update] pin. Needs root or roles.admin_group.
+    /// Let in only a version or a range of versions
     ///
-    /// Example: byoc-runner update pin 0.2.1
+    /// Takes precedence over [update] pin. Needs root or roles.admin_group.
+    ///
+    /// Example: byoc-runner update pin ">= 0.2.0, < 0.3.0"
     Pin {
         #[command(flatten)]
         state: StateArgs,
+        /// A version (0.2.1) or a range (">= 0.2.0, < 0.3.0").
         version: String,
     },
-    /// Undo `update pin` ([update] pin in the config applies again, if set).
+    /// Undo `update pin`
+    ///
+    /// [update] pin in the configuration applies again, if set.
+    ///
+    /// Example: byoc-runner update unpin
     Unpin(StateArgs),
-    /// Go back to the previous kept release (or --to VERSION), no older than the
-    /// current release allows. The updater drains the runner, installs it and checks
-    /// its health; if it is not healthy, the current version is installed again. Root.
+    /// Go back to a kept release (root)
+    ///
+    /// The previous kept release (or --to VERSION), no older than the current release
+    /// allows. The updater drains the runner, installs it and checks its health; if it
+    /// is not healthy, the current version is installed again.
+    ///
+    /// Example: sudo byoc-runner update rollback --to 0.2.0
     Rollback {
         #[command(flatten)]
         state: StateArgs,

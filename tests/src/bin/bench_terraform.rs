@@ -60,19 +60,53 @@ fn run(dir: &Path, terraform: &Path, args: &[&str]) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// init + plan -out + show -json (to a file) + apply, in a fresh directory.
-fn bare(terraform: &Path, main_tf: &str) -> anyhow::Result<Duration> {
+/// init + plan -out + show -json (to a file) + apply, in a fresh directory: the whole
+/// and each step's time, ms.
+fn bare(terraform: &Path, main_tf: &str) -> anyhow::Result<(Duration, [f64; 4])> {
     let dir = tempfile::tempdir()?;
     std::fs::write(dir.path().join("main.tf"), main_tf)?;
     let t = Instant::now();
+    let mut steps = [0.0; 4];
+    let mut lap = Instant::now();
+    let mut mark = |i: usize| {
+        steps[i] = lap.elapsed().as_secs_f64() * 1000.0;
+        lap = Instant::now();
+    };
     run(dir.path(), terraform, &["init", "-input=false", "-no-color"])?;
+    mark(0);
     run(dir.path(), terraform, &["plan", "-input=false", "-no-color", "-out=plan.tfplan"])?;
+    mark(1);
     let show =
         Command::new(terraform).current_dir(dir.path()).args(["show", "-json", "plan.tfplan"]).output()?;
     ensure!(show.status.success(), "terraform show");
     std::fs::write(dir.path().join("plan.json"), &show.stdout)?;
+    mark(2);
     run(dir.path(), terraform, &["apply", "-input=false", "-no-color", "-auto-approve", "plan.tfplan"])?;
-    Ok(t.elapsed())
+    mark(3);
+    Ok((t.elapsed(), steps))
+}
+
+/// Where the last job's time went between its audit records: enqueued → received
+/// (the long poll's answer, verification) → claimed → started → finished (the sandboxed
+/// steps) → reported (the result acknowledged).
+fn path_of(state_dir: &Path, job_id: &str, enqueued_ms: u64) -> String {
+    let Ok(lines) = byoc_audit::log::read_lines(&state_dir.join("audit"), 0, u64::MAX) else {
+        return "no audit log".into();
+    };
+    let mut last = enqueued_ms;
+    let mut out = Vec::new();
+    for l in lines {
+        let Ok(r) = serde_json::from_str::<serde_json::Value>(&l) else { continue };
+        if r["job"] != job_id {
+            continue;
+        }
+        let (Some(event), Some(t)) = (r["event"].as_str(), r["time_ms"].as_u64()) else { continue };
+        if ["job_received", "job_claimed", "job_started", "job_finished", "job_reported"].contains(&event) {
+            out.push(format!("{event} +{} ms", t.saturating_sub(last)));
+            last = t;
+        }
+    }
+    out.join(", ")
 }
 
 fn which(name: &str) -> anyhow::Result<PathBuf> {
@@ -121,9 +155,15 @@ async fn main() -> anyhow::Result<()> {
     // Bare and through the runner alternately, so drift in the machine's speed falls
     // on both alike.
     let (mut bare_ms, mut job_ms) = (Vec::new(), Vec::new());
+    let mut bare_steps: [Vec<f64>; 4] = Default::default();
     let mut last_id = String::new();
+    let mut enqueued_ms = 0;
     for i in 0..args.runs {
-        bare_ms.push(bare(&terraform, &main_tf)?.as_secs_f64() * 1000.0);
+        let (whole, steps) = bare(&terraform, &main_tf)?;
+        bare_ms.push(whole.as_secs_f64() * 1000.0);
+        for (all, step) in bare_steps.iter_mut().zip(steps) {
+            all.push(step);
+        }
         // A workspace of its own each time: every run creates all the resources.
         let req = EnqueueRequest {
             timeout_secs: 600,
@@ -135,6 +175,9 @@ async fn main() -> anyhow::Result<()> {
             )
         };
         let t = Instant::now();
+        enqueued_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64);
         let id = cp.enqueue(req).map_err(|e| anyhow::anyhow!("{e}"))?;
         let v = cp
             .wait_for(&id, Duration::from_secs(600), |v| v.result.is_some())
@@ -159,8 +202,13 @@ async fn main() -> anyhow::Result<()> {
         .map(|l| l.trim_start_matches("[terraform] ").trim_start_matches("[policy] "))
         .collect();
     println!("last job's steps: {}", steps.join("; "));
+    println!("last job's path (audit record times): {}", path_of(&runner.state_dir, &last_id, enqueued_ms));
     runner.signal(nix::sys::signal::Signal::SIGTERM);
     let _ = runner.wait_exit(Duration::from_secs(30)).await;
+    let [init, plan, show, apply] = bare_steps.map(median);
+    println!(
+        "bare terraform's steps (medians): init {init:.0} ms, plan {plan:.0} ms, show -json {show:.0} ms, apply {apply:.0} ms"
+    );
     let (b, j) = (median(bare_ms), median(job_ms));
     println!(
         "init + plan + show -json + apply: bare terraform median {b:.0} ms; through a terraform job (enqueue to result: sandboxed steps, policy decision, audit, state kept) median {j:.0} ms: {:.2}x",
