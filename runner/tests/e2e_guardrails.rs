@@ -231,6 +231,21 @@ async fn approvals_hold_jobs_until_an_admin_answers_and_every_answer_is_audited(
     assert!(approved[0]["detail"].as_str().unwrap().contains("CHG-1"), "{approved:?}");
     let denied = audit_events(&state, "denied");
     assert_eq!(denied.len(), 1, "{denied:?}");
+    // Every record of a job that names its operation names the same one, the entity in
+    // its own field: filtering on the operation finds the decision too.
+    let records = audit_records(&state);
+    for job in [yes.as_str(), denied[0]["job"].as_str().unwrap()] {
+        let of_job: Vec<&serde_json::Value> =
+            records.iter().filter(|r| r["job"] == job && r.get("operation").is_some()).collect();
+        let operations: std::collections::BTreeSet<&str> =
+            of_job.iter().filter_map(|r| r["operation"].as_str()).collect();
+        assert_eq!(operations.len(), 1, "{job}: {of_job:#?}");
+        assert!(!operations.iter().next().unwrap().contains('.'), "{operations:?}");
+        let decision = of_job.iter().find(|r| ["approved", "denied"].contains(&r["event"].as_str().unwrap()));
+        let received = of_job.iter().find(|r| r["event"] == "job_received");
+        assert_eq!(decision.unwrap()["entity"], received.unwrap()["entity"], "{of_job:#?}");
+        assert!(decision.unwrap()["entity"].is_string(), "{of_job:#?}");
+    }
     let out = e.runner.cli(&["audit", "verify"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stdout));
 }

@@ -19,7 +19,11 @@ async fn happy_path_runs_jobs_and_delivers_log_and_result() {
 
     let v = e.finished(&noop).await;
     assert_eq!(v.result.as_ref().unwrap().status, JobStatus::Succeeded);
-    assert_eq!(e.cp.log(&noop).unwrap(), b"hello\n");
+    // The job's output, then the runner's line of how it ended.
+    assert_eq!(
+        String::from_utf8_lossy(&e.cp.log(&noop).unwrap()),
+        "hello\n[runner] job succeeded, exit code 0\n"
+    );
 
     let v = e.finished(&s).await;
     let r = v.result.clone().unwrap();

@@ -442,6 +442,48 @@ async fn a_pause_refuses_jobs_survives_a_restart_and_is_audited() {
     let paused = events.iter().position(|e| *e == "runner_paused").expect("pause audited");
     let resumed = events.iter().rposition(|e| *e == "runner_resumed").expect("resume audited");
     assert!(paused < resumed);
+    // Each names who, as the kernel says (root here), with the reason.
+    assert!(
+        records[paused]["detail"]
+            .as_str()
+            .is_some_and(|d| d.contains("by root (uid 0)") && d.contains("change freeze")),
+        "{records:?}"
+    );
+    assert!(
+        records[resumed]["detail"].as_str().is_some_and(|d| d.contains("by root (uid 0)")),
+        "{records:?}"
+    );
+
+    // A freeze lifted within a second, between two of the daemon's looks: both are on
+    // record, with who, once each.
+    let before = records.len();
+    assert!(e.runner.cli(&["pause", "--reason", "quick freeze"]).status.success());
+    assert!(e.runner.cli(&["resume"]).status.success());
+    let state_dir = e.runner.state_dir.clone();
+    eventually("the quick pause and resume audited", async || {
+        let events: Vec<String> = audit_records(&state_dir)[before..]
+            .iter()
+            .filter_map(|r| r["event"].as_str().map(str::to_string))
+            .collect();
+        events.iter().any(|e| e == "runner_resumed")
+    })
+    .await;
+    // A job after it runs: the daemon has looked at the controls since.
+    let id = e.cp.enqueue(script("echo after the quick freeze")).unwrap();
+    e.finished(&id).await;
+    let after = audit_records(&e.runner.state_dir);
+    let quick: Vec<&serde_json::Value> = after[before..]
+        .iter()
+        .filter(|r| ["runner_paused", "runner_resumed"].contains(&r["event"].as_str().unwrap_or("")))
+        .collect();
+    assert_eq!(quick.len(), 2, "one record each: {quick:#?}");
+    assert_eq!(quick[0]["event"], "runner_paused");
+    assert!(
+        quick[0]["detail"].as_str().unwrap().contains("by root (uid 0)")
+            && quick[0]["detail"].as_str().unwrap().contains("quick freeze")
+    );
+    assert_eq!(quick[1]["event"], "runner_resumed");
+    assert!(quick[1]["detail"].as_str().unwrap().contains("by root (uid 0)"), "{quick:#?}");
 }
 
 /// Containers cannot reach the loopback endpoint: they get an AWS config whose

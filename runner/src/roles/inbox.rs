@@ -44,8 +44,11 @@ pub fn submit(state_dir: &Path, record: &Record) -> std::io::Result<PathBuf> {
             let _ = std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(control.mode() & 0o770));
         }
     }
-    // Time first, so a name sort is submission order.
-    let name = format!("{:016}-{}-{}.json", crate::clock::now_ms(), std::process::id(), unique());
+    // Time first, in nanoseconds, so a name sort is submission order (a `resume` right
+    // after a `pause` is a later process, with a later clock reading).
+    let nanos =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+    let name = format!("{nanos:020}-{}-{}.json", std::process::id(), unique());
     let path = dir.join(name);
     let bytes = serde_json::to_vec(record).map_err(std::io::Error::other)?;
     // Readable by the daemon's user whoever writes it (the directory keeps others out).

@@ -36,12 +36,15 @@ pub fn test_options(dir: &Path) -> RunnerOptions {
 }
 
 /// A job log without the lines the sandbox adds (which limits were applied).
+/// The job's own output: its log without the runner's `[sandbox]` lines and without
+/// the runner's last line saying how the job ended.
 pub fn job_output(log: &[u8]) -> String {
-    String::from_utf8_lossy(log)
-        .lines()
-        .filter(|l| !l.starts_with("[sandbox] "))
-        .map(|l| format!("{l}\n"))
-        .collect()
+    let text = String::from_utf8_lossy(log);
+    let mut lines: Vec<&str> = text.lines().filter(|l| !l.starts_with("[sandbox] ")).collect();
+    if lines.last().is_some_and(|l| l.starts_with("[runner] job ")) {
+        lines.pop();
+    }
+    lines.into_iter().map(|l| format!("{l}\n")).collect()
 }
 
 /// How many times the runner journaled `started` for a job: 1 means it ran once.
