@@ -316,6 +316,23 @@ async fn resolve(host: &str, port: u16) -> Result<SocketAddr, Check> {
     })
 }
 
+/// What to do about a connection that failed with `e`: a refusal is an answer (the
+/// host is reached, nothing listens there), anything else a path that is closed.
+fn tcp_fix(e: &std::io::Error, port: u16, proxy: bool) -> String {
+    let what = if proxy { "the proxy" } else { "the control plane" };
+    match e.kind() {
+        std::io::ErrorKind::ConnectionRefused => {
+            format!(
+                "the host answered but nothing listens on port {port}: is {what}'s URL (its port) right, and is it running?"
+            )
+        }
+        _ => format!(
+            "allow egress to port {port} (security group, NACL, route to a NAT gateway){}",
+            if proxy { "" } else { ", or set HTTPS_PROXY" }
+        ),
+    }
+}
+
 async fn control_plane(c: &Config) -> Vec<Check> {
     let url = &c.control_plane.url;
     let via_proxy = proxy_for(url);
@@ -344,17 +361,13 @@ async fn control_plane(c: &Config) -> Vec<Check> {
                 "tcp",
                 Status::Fail,
                 format!("{first}: {e}"),
-                Some("allow egress to port 443 (security group, NACL, route to a NAT gateway), or set HTTPS_PROXY"),
+                Some(&tcp_fix(&e, port, via_proxy.is_some())),
             ));
             return skip_rest(out, &["tls", "clock"]);
         }
         Err(_) => {
-            out.push(check(
-                "tcp",
-                Status::Fail,
-                format!("{first}: no answer in 5 s"),
-                Some("allow egress to port 443 (security group, NACL, NAT route)"),
-            ));
+            let fix = format!("allow egress to port {port} (security group, NACL, NAT route)");
+            out.push(check("tcp", Status::Fail, format!("{first}: no answer in 5 s"), Some(&fix)));
             return skip_rest(out, &["tls", "clock"]);
         }
     }
@@ -926,6 +939,16 @@ async fn network_boundary(settings: &byoc_job_executors::SandboxSettings, scratc
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_refused_connection_names_the_port_and_not_egress() {
+        let refused = std::io::Error::from(std::io::ErrorKind::ConnectionRefused);
+        let fix = super::tcp_fix(&refused, 8443, false);
+        assert!(fix.contains("nothing listens on port 8443") && !fix.contains("egress"), "{fix}");
+        let unreachable = std::io::Error::from(std::io::ErrorKind::NetworkUnreachable);
+        let fix = super::tcp_fix(&unreachable, 8443, false);
+        assert!(fix.contains("egress to port 8443") && !fix.contains("port 443 "), "{fix}");
+    }
+
     #[test]
     fn where_terraforms_providers_come_from_is_checked() {
         let d = tempfile::tempdir().unwrap();
