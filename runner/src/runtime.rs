@@ -145,10 +145,10 @@ impl Runtime {
         if *last != now && recorded_paused == Some(now.is_some()) {
             *last = now.clone();
         }
-        if *last != now {
-            if self.audit_or_log(crate::audit_records::pause_changed(now.as_ref()), "a pause change") {
-                *last = now.clone();
-            }
+        if *last != now
+            && self.audit_or_log(crate::audit_records::pause_changed(now.as_ref()), "a pause change")
+        {
+            *last = now.clone();
         }
         now
     }

@@ -87,7 +87,7 @@ pub(super) fn decide(
     if !byoc_updater::plain_job_id(job_id) {
         usage!("{job_id:?} is not a job id");
     }
-    if !approved && !reason.as_ref().is_some_and(|r| !r.trim().is_empty()) {
+    if !approved && reason.as_ref().is_none_or(|r| r.trim().is_empty()) {
         usage!(
             "deny needs a --reason that is not empty (it is kept in the audit log and reported to the vendor)"
         );

@@ -563,7 +563,7 @@ fn man_page(cmd: &clap::Command, out: &mut dyn std::io::Write) -> std::io::Resul
     if own != "byoc-runner" {
         see.push(format!("\\fBbyoc\\-runner\\fR({MAN_SECTION})"));
     }
-    see.extend(["systemctl(1)", "journalctl(1)", "/usr/share/doc/byoc-runner/README.md"].map(|s| esc(s)));
+    see.extend(["systemctl(1)", "journalctl(1)", "/usr/share/doc/byoc-runner/README.md"].map(esc));
     page.push_str(&format!(".SH \"SEE ALSO\"\n{}\n", see.join(", ")));
     out.write_all(page.as_bytes())
 }
