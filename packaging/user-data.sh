@@ -252,8 +252,9 @@ if [ ! -e "$ROOT/var/lib/byoc-runner/enrollment.json" ]; then
 fi
 
 # 5b. The admin group: control/ and what is in it belong to it (2770: the set-group-ID
-#     bit keeps new files the group's), which only root can arrange; the runner makes
-#     the state directory passable (0711) when it starts.
+#     bit keeps new files the group's; the inbox and approvals 3770, sticky too, so no
+#     member removes or renames another's record), which only root can arrange; the
+#     runner makes the state directory passable (0711) when it starts.
 if [ -n "$BYOC_ADMIN_GROUP" ]; then
     admin_gid() { awk -F: -v g="$BYOC_ADMIN_GROUP" '$1 == g { print $3 }' "$ROOT/etc/group"; }
     if [ -z "$(admin_gid)" ]; then
@@ -269,7 +270,9 @@ if [ -n "$BYOC_ADMIN_GROUP" ]; then
     # By descriptor: a link the runner's user left at one of these names is replaced,
     # never followed (a re-run must not hand a directory elsewhere to the group).
     for d in control control/audit-inbox control/approvals; do
-        "$updater" put-dir "$ROOT/var/lib/byoc-runner/$d" --mode 2770 --owner "$uid:$agid" \
+        mode=3770
+        [ "$d" = control ] && mode=2770
+        "$updater" put-dir "$ROOT/var/lib/byoc-runner/$d" --mode "$mode" --owner "$uid:$agid" \
             || fail "giving /var/lib/byoc-runner/$d to $BYOC_ADMIN_GROUP"
     done
 fi

@@ -192,18 +192,29 @@ pub fn clear(state_dir: &Path, job_id: &str) {
 
 /// Requests the daemon left, each with its answer if it has one, oldest first.
 pub fn requests(state_dir: &Path) -> Vec<(Request, Option<Decision>)> {
-    let Ok(entries) = std::fs::read_dir(dir(state_dir)) else { return Vec::new() };
-    let mut out: Vec<(Request, Option<Decision>)> = entries
+    requests_checked(state_dir).unwrap_or_default()
+}
+
+/// As [`requests`], for the CLI: a directory or a request that is there and cannot be
+/// read is an error (never "no job is awaiting approval").
+pub fn requests_checked(state_dir: &Path) -> Result<Vec<(Request, Option<Decision>)>, ApprovalError> {
+    let entries = match std::fs::read_dir(dir(state_dir)) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(source) => return Err(ApprovalError::Io { op: "reading", path: dir(state_dir), source }),
+    };
+    let mut out = Vec::new();
+    for id in entries
         .filter_map(|e| e.ok())
         .filter_map(|e| e.file_name().to_str()?.strip_suffix(".request.json").map(str::to_string))
         .filter(|id| file_safe(id))
-        .filter_map(|id| {
-            let r = read_json::<Request>(&request_path(state_dir, &id))?.ok()?;
-            Some((r, decision(state_dir, &id)))
-        })
-        .collect();
+    {
+        if let Some(r) = read_json::<Request>(&request_path(state_dir, &id)) {
+            out.push((r?, decision(state_dir, &id)));
+        }
+    }
     out.sort_by_key(|(r, _)| r.requested_at_ms);
-    out
+    Ok(out)
 }
 
 /// The CLI: answer a waiting request. Refuses an unknown or answered job, or an

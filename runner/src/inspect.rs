@@ -223,23 +223,26 @@ pub fn rejections(
     Ok(index.rejections.iter().rev().filter(|r| keep(r)).take(limit).cloned().collect())
 }
 
-/// One job, from the journal or, once archived, from the archive; by its id or by a
-/// prefix of it that names one job only (as docker takes container ids).
+/// One job, by its exact id, from the journal or, once archived, from the archive.
 pub fn job(state_dir: &Path, job_id: &str) -> Result<JobRecord, InspectError> {
     if let Some(j) = load_index(state_dir)?.jobs.get(job_id) {
         return Ok(j.clone());
     }
+    index_of(state_dir, true)?.jobs.get(job_id).cloned().ok_or_else(|| InspectError::NoSuchJob(job_id.into()))
+}
+
+/// The one job whose id starts with `prefix` (as docker takes container ids). Only for
+/// what no job, rejection or audit record has as its exact id: an exact id always
+/// means itself.
+pub fn job_by_prefix(state_dir: &Path, prefix: &str) -> Result<JobRecord, InspectError> {
     let index = index_of(state_dir, true)?;
-    if let Some(j) = index.jobs.get(job_id) {
-        return Ok(j.clone());
-    }
     let matching: Vec<&JobRecord> =
-        index.jobs.values().filter(|j| !job_id.is_empty() && j.job_id.starts_with(job_id)).collect();
+        index.jobs.values().filter(|j| !prefix.is_empty() && j.job_id.starts_with(prefix)).collect();
     match matching.as_slice() {
         [one] => Ok((*one).clone()),
-        [] => Err(InspectError::NoSuchJob(job_id.into())),
+        [] => Err(InspectError::NoSuchJob(prefix.into())),
         many => Err(InspectError::Ambiguous {
-            prefix: job_id.into(),
+            prefix: prefix.into(),
             matches: many.iter().map(|j| j.job_id.clone()).take(5).collect::<Vec<_>>().join(", "),
         }),
     }

@@ -35,8 +35,8 @@ pub struct Runtime {
     pub containers: Option<byoc_job_executors::ContainerSettings>,
     /// Lifecycle roles: switches, STS, the credential endpoint.
     pub roles: crate::roles::Roles,
-    /// The pause last seen in force (audited when it changes).
-    pub pause: std::sync::Mutex<Option<crate::roles::pause::Pause>>,
+    /// The pause as last audited, and what the CLI last put on record of it.
+    pub pause: std::sync::Mutex<PauseSeen>,
     /// Held while the honoured allowances are brought up to date (one audit each).
     pub allowances_sync: std::sync::Mutex<()>,
     /// Cancelled when the daemon stops for good: reporting loops give up (the journal
@@ -63,10 +63,12 @@ impl Runtime {
     /// (`Could not audit {what}`) and returned as `false`: the caller decides whether
     /// what it records may go on without it.
     pub fn audit_or_log(&self, record: byoc_audit::log::Record, what: &str) -> bool {
+        let record_copy = record.clone();
         match self.audit.record(record) {
             Ok(_) => true,
             Err(e) => {
-                tracing::error!(error = %e, "Could not audit {what}: {e}.");
+                // The record was to be this step's one entry: its words go here instead.
+                tracing::error!(error = %e, "Could not audit {what} ({}): {e}.", crate::logging::audit_sentence(0, &record_copy).trim_start_matches("Audit record 0, "));
                 false
             }
         }
@@ -128,7 +130,7 @@ impl Runtime {
     /// write the daemon's audit log): its inbox records, then the pause as of now.
     pub fn check_customer_controls(&self) -> Option<crate::roles::pause::Pause> {
         // The last pause or resume the CLI put on record (it does, with who, before it
-        // touches the pause file): a change it recorded is not recorded twice.
+        // touches the pause file).
         let mut recorded_paused = None;
         crate::roles::inbox::drain(&self.state_dir, |r| {
             let paused = match r.event.as_str() {
@@ -140,17 +142,63 @@ impl Runtime {
         });
         self.audit_expired_allowances();
         let now = crate::roles::pause::read(&self.state_dir);
-        let mut last = self.pause.lock().unwrap_or_else(|e| e.into_inner());
-        // The journal has the change from its audit record (one entry, not two).
-        if *last != now && recorded_paused == Some(now.is_some()) {
-            *last = now.clone();
+        let mut seen = self.pause.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(paused) = recorded_paused {
+            seen.claim = Some(Claim { paused, looked: false });
         }
-        if *last != now
-            && self.audit_or_log(crate::audit_records::pause_changed(now.as_ref()), "a pause change")
+        let record = seen.look(&now);
+        if let Some(record) = record
+            && self.audit_or_log(record, "a pause change")
         {
-            *last = now.clone();
+            seen.last = now.clone();
         }
         now
+    }
+}
+
+/// The pause as the daemon last audited it, and the CLI's last record of a change.
+#[derive(Debug, Default)]
+pub struct PauseSeen {
+    pub last: Option<crate::roles::pause::Pause>,
+    claim: Option<Claim>,
+}
+
+/// A pause or resume the CLI recorded (with who) and the daemon has not seen take
+/// effect yet: the CLI records before it touches the file, so at one look the file
+/// may not have changed yet.
+#[derive(Debug, Clone, Copy)]
+struct Claim {
+    paused: bool,
+    looked: bool,
+}
+
+impl PauseSeen {
+    /// What to audit of the pause as it is `now`, if anything. A change the CLI
+    /// recorded is not recorded twice (the journal has it, with who, once); a change
+    /// nobody recorded is recorded as seen; a recorded change that has not taken effect
+    /// by the next look is corrected by the pause as it stands.
+    fn look(&mut self, now: &Option<crate::roles::pause::Pause>) -> Option<byoc_audit::log::Record> {
+        if let Some(claim) = self.claim {
+            if claim.paused == now.is_some() {
+                self.claim = None;
+                self.last = now.clone();
+                return None;
+            }
+            if !claim.looked {
+                self.claim = Some(Claim { looked: true, ..claim });
+                return (self.last != *now).then(|| crate::audit_records::pause_changed(now.as_ref()));
+            }
+            self.claim = None;
+            let mut record = crate::audit_records::pause_changed(now.as_ref());
+            record.detail = Some(format!(
+                "{}{}the {} recorded before did not take effect",
+                record.detail.as_deref().unwrap_or(""),
+                if record.detail.is_some() { "; " } else { "" },
+                if claim.paused { "pause" } else { "resume" }
+            ));
+            return Some(record);
+        }
+        (self.last != *now).then(|| crate::audit_records::pause_changed(now.as_ref()))
     }
 }
 
@@ -211,4 +259,46 @@ pub fn sandbox_settings(
         network: s.egress.clone(),
         require_limits: s.require_limits,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Claim, PauseSeen};
+    use crate::roles::pause::Pause;
+
+    fn paused() -> Option<Pause> {
+        Some(Pause { paused_at_ms: 1, reason: Some("freeze".into()), by: "alice".into() })
+    }
+
+    fn event(r: Option<byoc_audit::log::Record>) -> Option<String> {
+        r.map(|r| r.event)
+    }
+
+    #[test]
+    fn a_change_the_cli_recorded_is_not_recorded_again_even_if_seen_a_look_later() {
+        // Recorded and in effect at the same look.
+        let mut seen = PauseSeen { claim: Some(Claim { paused: true, looked: false }), ..Default::default() };
+        assert_eq!(event(seen.look(&paused())), None);
+        assert_eq!(seen.last, paused());
+        // Recorded, the file not yet removed at this look, removed by the next.
+        seen.claim = Some(Claim { paused: false, looked: false });
+        assert_eq!(event(seen.look(&paused())), None);
+        assert_eq!(event(seen.look(&None)), None);
+        assert_eq!(seen.last, None);
+        // Paused and resumed between two looks: both recorded by the CLI, nothing seen.
+        seen.claim = Some(Claim { paused: false, looked: false });
+        assert_eq!(event(seen.look(&None)), None);
+    }
+
+    #[test]
+    fn a_recorded_change_that_did_not_take_effect_is_corrected_and_an_unrecorded_one_is_seen() {
+        let mut seen = PauseSeen { last: paused(), claim: Some(Claim { paused: false, looked: false }) };
+        assert_eq!(event(seen.look(&paused())), None, "the CLI may still be removing the file");
+        let r = seen.look(&paused()).expect("a correction");
+        assert_eq!(r.event, "runner_paused");
+        assert!(r.detail.unwrap().contains("the resume recorded before did not take effect"));
+        // The file removed by hand, with no record: audited as seen, once.
+        let mut seen = PauseSeen { last: paused(), claim: None };
+        assert_eq!(event(seen.look(&None)), Some("runner_resumed".into()));
+    }
 }

@@ -325,9 +325,14 @@ impl SpoolWriter {
     /// As [`Self::finish`], with `last` (the job's outcome, in the runner's words) as
     /// the log's last line, after the tail: a log never just stops.
     pub fn finish_with(mut self, last: Option<&str>) -> std::io::Result<SpoolDigest> {
-        let end = |w: &mut SpoolWriter| match last {
-            Some(line) if w.failed.is_none() => w.append_note(&format!("{}\n", line.trim_end())),
-            _ => Ok(()),
+        // Written even after a failed write (a job that filled the disk to its reserve
+        // must not have the last word): a line fits in the reserve. If the disk takes
+        // not even that, the log ends where it is.
+        let end = |w: &mut SpoolWriter| {
+            if let Some(line) = last {
+                let _ = w.append_note(&format!("{}\n", line.trim_end()));
+            }
+            Ok::<(), std::io::Error>(())
         };
         let mut omitted = 0;
         if let Some(ring) = self.tail.take() {
@@ -336,6 +341,7 @@ impl SpoolWriter {
                 // journal and audit log are kept. The log ends where writing failed.
                 drop(ring.file);
                 let _ = std::fs::remove_file(&ring.path);
+                end(&mut self)?;
                 self.file.sync_all()?;
                 let omitted = ring.written;
                 return Ok(SpoolDigest {
@@ -454,6 +460,26 @@ pub fn recover_tail(state_dir: &Path, job_id: &str, cap: LogCap) -> std::io::Res
         last_mark_ms: 0,
     };
     writer.finish().map(Some)
+}
+
+/// Append `line` to the spooled log at `path` on a line of its own, fsynced (the
+/// writer's state is gone: a runner restarted under the job).
+pub fn append_last_line(path: &Path, line: &str) -> std::io::Result<()> {
+    let mut file = OpenOptions::new().read(true).append(true).open(path)?;
+    let len = file.metadata()?.len();
+    let mut last = [b'\n'];
+    if len > 0 {
+        use std::os::unix::fs::FileExt as _;
+        file.read_exact_at(&mut last, len - 1)?;
+    }
+    let mut bytes = Vec::with_capacity(line.len() + 2);
+    if last[0] != b'\n' {
+        bytes.push(b'\n');
+    }
+    bytes.extend_from_slice(line.trim_end().as_bytes());
+    bytes.push(b'\n');
+    file.write_all(&bytes)?;
+    file.sync_all()
 }
 
 /// Size and SHA-256 of a spooled log (after a crash the writer's state is gone). A
@@ -687,6 +713,22 @@ mod tests {
         assert_eq!((d.size, d.omitted), (1000, 500));
         assert_eq!(d.sha256, byoc_protocol::sha256_hex(&kept));
         assert!(!tail_path(dir.path(), "job-1").exists());
+    }
+
+    #[test]
+    fn the_runners_line_is_the_last_even_after_a_job_filled_the_disk_or_faked_one() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut w = writer(dir.path(), LogCap { head: 1000, tail: 1000 });
+        w.write(b"[runner] job succeeded, exit code 0\nmore").expect("write");
+        w.failed = Some((std::io::ErrorKind::StorageFull, "the disk reserve".into()));
+        let d = w.finish_with(Some("[runner] job failed: writing job log")).expect("finish");
+        let kept = String::from_utf8(std::fs::read(spool_path(dir.path(), "job-1")).expect("spool")).unwrap();
+        assert_eq!(kept, "[runner] job succeeded, exit code 0\nmore\n[runner] job failed: writing job log\n");
+        assert_eq!(d.sha256, byoc_protocol::sha256_hex(kept.as_bytes()));
+        // A runner restarted under the job: the line is added to what the spool holds.
+        append_last_line(&spool_path(dir.path(), "job-1"), "[runner] job interrupted: x").expect("append");
+        let kept = std::fs::read_to_string(spool_path(dir.path(), "job-1")).unwrap();
+        assert!(kept.ends_with("writing job log\n[runner] job interrupted: x\n"), "{kept}");
     }
 
     #[test]

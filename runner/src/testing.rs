@@ -351,7 +351,7 @@ pub async fn runtime_with(extra: &str) -> Fakes {
         sandbox: None,
         containers: None,
         roles,
-        pause: Mutex::new(None),
+        pause: Mutex::new(Default::default()),
         allowances_sync: Mutex::new(()),
         stop_reporting: CancellationToken::new(),
         clock: clock.clone(),

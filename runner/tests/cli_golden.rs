@@ -610,3 +610,32 @@ fn a_unique_prefix_names_a_job() {
     assert_eq!(code, 1, "{out}");
     assert!(out.contains("names more than one job"), "{out}");
 }
+
+/// `jobs logs -f` of a held job says what it waits for, at once, and keeps following.
+#[test]
+fn following_a_held_job_says_what_it_waits_for() {
+    use std::io::BufRead as _;
+    let dir = tempfile::tempdir().unwrap();
+    fixed_state(dir.path(), false);
+    let mut child = Command::new(BIN)
+        .args(["jobs", "logs", "-f", "job-0000000000000002", "--state-dir"])
+        .arg(dir.path())
+        .env_clear()
+        .env("PATH", "/usr/bin:/bin")
+        .env("BYOC_RUNNER_CONFIG", config_file())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut first = String::new();
+    std::io::BufReader::new(child.stderr.take().unwrap()).read_line(&mut first).unwrap();
+    let still_following = child.try_wait().unwrap().is_none();
+    child.kill().unwrap();
+    let _ = child.wait();
+    assert!(
+        first.contains("job job-0000000000000002 waits for a local approval")
+            && first.contains("byoc-runner approve job-0000000000000002"),
+        "{first}"
+    );
+    assert!(still_following, "a held job's log is followed until it ends");
+}

@@ -117,7 +117,7 @@ async fn jobs_are_audited_acknowledged_and_verifiable_offline() {
         "{exported:?}"
     );
     let bad = audit_cli(&e, &["export", "--since", "last tuesday"]);
-    assert_eq!(bad.status.code(), Some(1), "{bad:?}");
+    assert_eq!(bad.status.code(), Some(64), "{bad:?}");
 
     // An inclusion proof a third party can check.
     let out = audit_cli(&e, &["prove", "2", "-o", "json"]);

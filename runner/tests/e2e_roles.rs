@@ -203,7 +203,7 @@ async fn a_stack_update_that_disables_maintenance_refuses_the_next_deploy_before
     assert_eq!(refusal["reason"], "role_disabled");
     assert_eq!(refusal["role"], "inst-demo-maintenance");
     let jobs = e.env.cli_json(&["jobs", "show", &second]);
-    assert_eq!(jobs["phase"], "refused");
+    assert_eq!(jobs["phase"], "rejected", "one name for a rejected job, as in the audit log");
 
     // The customer's view: the switch, where it came from, and the last use.
     let roles = e.env.cli_json(&["roles"]);

@@ -273,10 +273,11 @@ fn user_data_gives_control_to_the_admin_group() {
     let text = std::fs::read_to_string(r.join("etc/byoc-runner/runner.toml")).unwrap();
     assert!(text.contains("admin_group = \"byoc-ops\""), "{text}");
     let (uid, gid) = (id_of(r, "etc/passwd", "byoc-runner"), id_of(r, "etc/group", "byoc-ops"));
-    for d in ["control", "control/audit-inbox", "control/approvals"] {
+    // The inbox and approvals are sticky too: no member renames or removes another's.
+    for (d, want) in [("control", 0o2770), ("control/audit-inbox", 0o3770), ("control/approvals", 0o3770)] {
         let p = r.join("var/lib/byoc-runner").join(d);
         let m = std::fs::metadata(&p).unwrap();
-        assert_eq!((mode(&p), m.uid(), m.gid()), (0o2770, uid, gid), "{d}");
+        assert_eq!((mode(&p), m.uid(), m.gid()), (want, uid, gid), "{d}");
     }
     // A re-run keeps the group (and creates no second one).
     let o = user_data_with(r, &release, &bin, &[("BYOC_ADMIN_GROUP", "byoc-ops")]);
@@ -620,7 +621,7 @@ fn a_rerun_of_user_data_follows_no_link_the_runners_user_planted() {
         (secret_was, "root's own")
     );
     let inbox = std::fs::symlink_metadata(state.join("control/audit-inbox")).unwrap();
-    assert!(inbox.is_dir() && inbox.mode() & 0o7777 == 0o2770, "the inbox is a real directory again");
+    assert!(inbox.is_dir() && inbox.mode() & 0o7777 == 0o3770, "the inbox is a real directory again");
     let token = std::fs::symlink_metadata(state.join("bootstrap-token")).unwrap();
     assert!(token.is_file() && token.mode() & 0o7777 == 0o600);
     assert_eq!(token.uid(), id_of(r, "etc/passwd", "byoc-runner"));

@@ -188,7 +188,8 @@ async fn logs_reach_journald_as_sentences_with_byoc_fields_and_message_ids() {
     let id = cp.enqueue(script("echo hi")).unwrap();
     let v = cp.wait_for(&id, WAIT, |v| v.result.is_some()).await.expect("job finished");
     assert_eq!(v.result.unwrap().status, JobStatus::Succeeded);
-    // The runner logs "Result acknowledged." after the server stored the result.
+    // The runner audits job_reported (its one journal entry) after the server stored
+    // the result.
     let deadline = tokio::time::Instant::now() + WAIT;
     let records = loop {
         let out = Command::new("journalctl")
@@ -204,7 +205,7 @@ async fn logs_reach_journald_as_sentences_with_byoc_fields_and_message_ids() {
             .filter(|l| !l.is_empty())
             .filter_map(|l| serde_json::from_slice(l).ok())
             .collect();
-        if records.iter().any(|r| r["MESSAGE"] == "Result acknowledged.")
+        if records.iter().any(|r| r["BYOC_AUDIT_EVENT"] == "job_reported")
             || tokio::time::Instant::now() > deadline
         {
             break records;
@@ -281,7 +282,8 @@ async fn logs_reach_journald_as_sentences_with_byoc_fields_and_message_ids() {
         started.get("JOB_ID").is_none() && started.get("F_JOB_ID").is_none(),
         "fields carry the BYOC_ prefix"
     );
-    assert!(records.iter().any(|r| r["MESSAGE"] == "Result acknowledged."));
+    assert!(records.iter().any(|r| r["BYOC_AUDIT_EVENT"] == "job_reported"));
+    assert!(!records.iter().any(|r| r["MESSAGE"] == "Result acknowledged."), "one entry per step");
     // The job's whole path: every entry carries the job's fields, and each audit event
     // on it is a sentence with its MESSAGE_ID at priority 6.
     for r in &records {

@@ -509,6 +509,28 @@ fn a_non_root_admin_can_pause_approve_and_allow(w: &mut World) {
     let o = as_user(w, "alice", "resume");
     assert!(o.ok(), "alice could not resume: {} {}", o.stdout, o.stderr);
     assert!(w.vm.sh("byoc-runner status").contains("paused:         no"));
+    // Both on record in her name, as the kernel knows her (the CLI's records, before
+    // the file changed).
+    w.vm.wait_for(
+        "byoc-runner audit export --event runner_resumed | grep -q '\\[left by alice (uid'",
+        Duration::from_secs(60),
+    )
+    .unwrap_or_else(|e| panic!("alice's resume is not on record in her name: {e}\n{}", w.journal_tail()));
+    let paused = w.vm.sh("byoc-runner audit export --event runner_paused");
+    assert!(paused.contains("[left by alice (uid") && paused.contains("change freeze"), "{paused}");
+    // The inbox is sticky: a member cannot hold back, or replay later, a record someone
+    // else left (a name the daemon does not drain, so it stays for the test).
+    let inbox = "/var/lib/byoc-runner/control/audit-inbox";
+    assert_eq!(w.vm.sh(&format!("stat -c %a {inbox}")).trim(), "3770");
+    w.vm.sh(&format!("echo '{{}}' > {inbox}/root-record.hold && chmod 0644 {inbox}/root-record.hold"));
+    for attempt in
+        [format!("mv {inbox}/root-record.hold {inbox}/.held"), format!("rm -f {inbox}/root-record.hold")]
+    {
+        let o = w.vm.exec(&format!("runuser -u alice -- {attempt}"), Duration::from_secs(30)).unwrap();
+        assert!(!o.ok(), "alice could: {attempt}");
+    }
+    assert!(w.vm.exec(&format!("test -f {inbox}/root-record.hold"), Duration::from_secs(30)).unwrap().ok());
+    w.vm.sh(&format!("rm -f {inbox}/root-record.hold"));
 
     // A held job, approved by the member.
     w.vm.sh("cp /etc/byoc-runner/runner.toml /root/runner.toml.before-approvals && \

@@ -10,7 +10,7 @@ use crate::state_dir::StateDir;
 
 pub(super) fn list(s: &StateArgs) -> anyhow::Result<()> {
     let now = crate::clock::now_ms();
-    let pending: Vec<_> = approvals::requests(&control_state_dir(s)?)
+    let pending: Vec<_> = approvals::requests_checked(&control_state_dir(s)?)?
         .into_iter()
         .filter(|(r, d)| d.is_none() && r.expires_at_ms > now)
         .map(|(r, _)| r)
@@ -92,7 +92,7 @@ pub(super) fn decide(
             "deny needs a --reason that is not empty (it is kept in the audit log and reported to the vendor)"
         );
     }
-    let admin_group = super::state::admin_group(s);
+    let admin_group = super::state::admin_group(s)?;
     let who = crate::roles::pause::authorize(admin_group.as_deref()).map_err(|_| {
         anyhow::anyhow!(
             "approving and denying need root{}",
@@ -112,7 +112,7 @@ pub(super) fn decide(
         plan_digest: None,
     };
     // Checked before it is audited: an answer to nothing leaves no record claiming one.
-    let pending = approvals::requests(&dir).into_iter().find(|(r, _)| r.job_id == job_id);
+    let pending = approvals::requests_checked(&dir)?.into_iter().find(|(r, _)| r.job_id == job_id);
     let Some((request, None)) = pending else {
         // decide() says why (unknown, already answered, bad id).
         approvals::decide(&dir, job_id, decision, crate::clock::now_ms())?;
@@ -209,7 +209,7 @@ pub(super) enum ApprovalsCmd {
     Show {
         #[command(flatten)]
         state: StateArgs,
-        /// The held job's id, or a prefix of it that names one request.
+        /// The held job's id, in full (`byoc-runner approvals` lists them).
         job_id: String,
     },
 }
@@ -301,9 +301,9 @@ pub(super) fn run(cmd: ApprovalsCmd) -> anyhow::Result<()> {
 fn show(s: &StateArgs, job_id: &str) -> anyhow::Result<()> {
     let dir = control_state_dir(s)?;
     let (request, decision) =
-        approvals::requests(&dir).into_iter().find(|(r, _)| r.job_id == job_id).ok_or_else(|| {
-            anyhow::anyhow!("no approval request for job {job_id:?} (`byoc-runner approvals` lists them)")
-        })?;
+        approvals::requests_checked(&dir)?.into_iter().find(|(r, _)| r.job_id == job_id).ok_or_else(
+            || anyhow::anyhow!("no approval request for job {job_id:?} (`byoc-runner approvals` lists them)"),
+        )?;
     // The held job's signed envelope: the runner's own file (0600). An admin who is not
     // root sees the request only.
     let runs = match crate::pipeline::held::kept_delivery(&dir, job_id) {

@@ -68,7 +68,7 @@ fn targets(s: &StateArgs) -> anyhow::Result<()> {
 }
 
 fn request(s: &StateArgs, name: &str, kind: Option<String>) -> anyhow::Result<()> {
-    let who = crate::roles::pause::authorize(super::state::admin_group(s).as_deref())?;
+    let who = crate::roles::pause::authorize(super::state::admin_group(s)?.as_deref())?;
     if let Some(k) = kind.as_deref()
         && !crate::config::DRIFT_KINDS.contains(&k)
     {

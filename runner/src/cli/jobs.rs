@@ -104,12 +104,26 @@ pub(super) fn run(cmd: JobsCmd) -> anyhow::Result<()> {
         }
         JobsCmd::Show { state, job_id } => show(&state, &job_id),
         JobsCmd::Logs { state, job_id, follow, tail, since, timestamps } => {
-            let view = LogView { tail, since: since_ms(since.as_deref())?, timestamps };
+            // To a terminal, a job's control characters are shown, not obeyed: its output
+            // cannot hide or rewrite the runner's last line.
+            use std::io::IsTerminal as _;
+            let escape = std::io::stdout().is_terminal();
+            let view = LogView { tail, since: since_ms(since.as_deref())?, timestamps, escape };
             if follow && state.output != Output::Text {
                 super::usage!("--follow prints the log as text; leave out -o json");
             }
             let dir = state_dir(&state)?;
-            let job = inspect::job(&dir, &job_id)?;
+            let job = match resolve(&dir, &job_id)? {
+                Resolved::Job(job) => *job,
+                Resolved::Rejected(Some(r)) => anyhow::bail!(
+                    "job {job_id} has no log: it was rejected before it ran ({}: {}); `byoc-runner jobs show {job_id}`",
+                    r.reason.code(),
+                    r.detail
+                ),
+                Resolved::Rejected(None) => anyhow::bail!(
+                    "job {job_id} has no log: the runner never kept a record of it (`byoc-runner jobs show {job_id}` shows what the audit log says)"
+                ),
+            };
             if follow {
                 return follow_log(&dir, &job, &view);
             }
@@ -171,12 +185,11 @@ fn list(
 /// was judged, its trail.
 fn show(state: &StateArgs, job_id: &str) -> anyhow::Result<()> {
     let dir = state_dir(state)?;
-    let j = match inspect::job(&dir, job_id) {
-        Ok(j) => j,
+    let j = match resolve(&dir, job_id)? {
+        Resolved::Job(j) => *j,
         // Refused before the journal had a record of it: what the refusal and the
         // audit log say.
-        Err(inspect::InspectError::NoSuchJob(_)) => return show_rejected(state, &dir, job_id),
-        Err(e) => return Err(e.into()),
+        Resolved::Rejected(_) => return show_rejected(state, &dir, job_id),
     };
     let job_id = j.job_id.as_str();
     // What the audit log says of it: the role it ran under and its trail.
@@ -230,6 +243,33 @@ fn show(state: &StateArgs, job_id: &str) -> anyhow::Result<()> {
     }
     print_trail(&trail);
     Ok(())
+}
+
+/// What an id typed on the command line names.
+enum Resolved {
+    /// A job in the journal: by its exact id, or by a prefix only no exact id has.
+    Job(Box<crate::journal::JobRecord>),
+    /// A job the runner refused before it journaled it (its rejection, if kept), or
+    /// one only the audit log knows.
+    Rejected(Option<crate::journal::Rejection>),
+}
+
+/// Exact ids first (the journal's, then a rejection's or an audit record's), a prefix
+/// only then; a prefix that matched is said on stderr with the full id, so what is
+/// shown is never silently another job than the one typed.
+fn resolve(dir: &std::path::Path, id: &str) -> anyhow::Result<Resolved> {
+    match inspect::job(dir, id) {
+        Ok(j) => return Ok(Resolved::Job(Box::new(j))),
+        Err(inspect::InspectError::NoSuchJob(_)) => {}
+        Err(e) => return Err(e.into()),
+    }
+    let rejection = inspect::rejection_of(dir, id)?;
+    if rejection.is_some() || !audit_trail(dir, id).is_empty() {
+        return Ok(Resolved::Rejected(rejection));
+    }
+    let j = inspect::job_by_prefix(dir, id)?;
+    eprintln!("(job {} is the one job whose id starts with {id})", j.job_id);
+    Ok(Resolved::Job(Box::new(j)))
 }
 
 /// A job the runner refused before it journaled it (`role_mismatch`, a job already
@@ -325,6 +365,8 @@ struct LogView {
     tail: Option<usize>,
     since: Option<u64>,
     timestamps: bool,
+    /// Control characters as `^[` (as `cat -v`), for a terminal.
+    escape: bool,
 }
 
 impl LogView {
@@ -353,13 +395,30 @@ impl LogView {
                 out.extend_from_slice(stamp.as_bytes());
                 out.push(b' ');
             }
-            out.extend_from_slice(line);
+            if self.escape {
+                escape_controls(line, &mut out);
+            } else {
+                out.extend_from_slice(line);
+            }
         }
         out
     }
 
     fn needs_times(&self) -> bool {
         self.since.is_some() || self.timestamps
+    }
+}
+
+/// `line` with its control characters but newline and tab written as `^X` (`^[` for
+/// ESC, `^M` for CR, `^?` for DEL).
+fn escape_controls(line: &[u8], out: &mut Vec<u8>) {
+    for &b in line {
+        match b {
+            b'\n' | b'\t' => out.push(b),
+            0..=0x1f => out.extend_from_slice(&[b'^', b + 0x40]),
+            0x7f => out.extend_from_slice(b"^?"),
+            _ => out.push(b),
+        }
     }
 }
 
@@ -534,6 +593,13 @@ fn audit_trail(state_dir: &std::path::Path, job_id: &str) -> Vec<serde_json::Val
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_jobs_control_characters_are_shown_not_obeyed_on_a_terminal() {
+        let mut out = Vec::new();
+        super::escape_controls(b"[runner] job succeeded\x1b[8m\r\tok\x7f\n", &mut out);
+        assert_eq!(String::from_utf8(out).unwrap(), "[runner] job succeeded^[[8m^M\tok^?\n");
+    }
+
     #[test]
     fn what_was_judged_comes_from_the_policy_decisions() {
         let trail = vec![

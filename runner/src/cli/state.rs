@@ -149,18 +149,22 @@ pub(super) fn metrics(s: &StateArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-pub(super) fn admin_group(s: &StateArgs) -> Option<String> {
-    // A member cannot read runner.toml (it is the runner's): the group control/ is
-    // shared with, which only root can set, says the same.
-    match Config::load(s.config_path()) {
-        Ok(c) => c.roles.admin_group,
-        Err(_) => crate::roles::control::shared_group(&super::state_dir_unchecked(s).ok()?),
+/// The admin group: the configuration's; for a member, who cannot read runner.toml
+/// (it is the runner's), the group `control/` is shared with, which only root can set.
+/// A `--config` that does not exist is a usage error, as everywhere.
+pub(super) fn admin_group(s: &StateArgs) -> anyhow::Result<Option<String>> {
+    if s.config.is_some() {
+        s.config()?;
     }
+    Ok(match Config::load(s.config_path()) {
+        Ok(c) => c.roles.admin_group,
+        Err(_) => super::state_dir_unchecked(s).ok().and_then(|d| crate::roles::control::shared_group(&d)),
+    })
 }
 
 pub(super) fn pause(s: &StateArgs, reason: Option<String>) -> anyhow::Result<()> {
     use crate::roles::pause;
-    let who = pause::authorize(admin_group(s).as_deref())?;
+    let who = pause::authorize(admin_group(s)?.as_deref())?;
     let dir = control_state_dir(s)?;
     // A pause in force stays as it is (who paused and when are its record): pausing
     // again changes nothing and says so.
@@ -201,15 +205,23 @@ pub(super) fn pause(s: &StateArgs, reason: Option<String>) -> anyhow::Result<()>
 
 pub(super) fn resume(s: &StateArgs) -> anyhow::Result<()> {
     use crate::roles::pause;
-    let who = pause::authorize(admin_group(s).as_deref())?;
+    let who = pause::authorize(admin_group(s)?.as_deref())?;
     let dir = control_state_dir(s)?;
     let was = match pause::read(&dir) {
         None => false,
         Some(lifted) => {
             let now = crate::clock::now_ms();
             let uid = nix::unistd::geteuid().as_raw();
-            submit_record(&dir, &crate::audit_records::resume_requested(&who, uid, now, &lifted))?;
-            pause::resume(&dir)?
+            let left = submit_record(&dir, &crate::audit_records::resume_requested(&who, uid, now, &lifted))?;
+            match pause::resume(&dir) {
+                Ok(was) => was,
+                Err(e) => {
+                    // Still paused: take back the record if the daemon has not audited it
+                    // yet (if it has, it records the pause as still in force).
+                    let _ = std::fs::remove_file(left);
+                    return Err(e.into());
+                }
+            }
         }
     };
     if s.output == Output::Json {
@@ -379,7 +391,7 @@ pub(super) fn roles_action(action: RolesAction) -> anyhow::Result<()> {
              to turn it on); `byoc-runner roles allow` gives a role that also needs a local allowance its second key"
         ),
     };
-    let who = crate::roles::pause::authorize(admin_group(s).as_deref())?;
+    let who = crate::roles::pause::authorize(admin_group(s)?.as_deref())?;
     let dir = control_state_dir(s)?;
     // Only roles the runner knows: a typo must not look like a grant.
     let known = crate::roles::RolesStatus::read(&dir).map_err(anyhow::Error::msg)?.unwrap_or_default();

@@ -149,7 +149,7 @@ fn kept_versions(updater_dir: &Path) -> Vec<String> {
 }
 
 fn pin(s: &StateArgs, pin: &str) -> anyhow::Result<()> {
-    let who = crate::roles::pause::authorize(super::state::admin_group(s).as_deref())?;
+    let who = crate::roles::pause::authorize(super::state::admin_group(s)?.as_deref())?;
     if let Err(e) = update::version::Pin::parse(pin) {
         super::usage!("{pin:?} is not a version or a range (\"0.2.1\", \">= 0.2.0, < 0.3.0\"): {e}");
     }
@@ -176,7 +176,7 @@ fn pin(s: &StateArgs, pin: &str) -> anyhow::Result<()> {
 }
 
 fn unpin(s: &StateArgs) -> anyhow::Result<()> {
-    crate::roles::pause::authorize(super::state::admin_group(s).as_deref())?;
+    crate::roles::pause::authorize(super::state::admin_group(s)?.as_deref())?;
     let path = update::pin_path(&update::terms_dir(&update::own_updater_dir()));
     let was = match std::fs::remove_file(&path) {
         Ok(()) => true,

@@ -183,7 +183,7 @@ async fn start_up(
         sandbox,
         containers,
         roles,
-        pause: Mutex::new(None),
+        pause: Mutex::new(Default::default()),
         allowances_sync: Mutex::new(()),
         runner_id: enrollment.runner_id.clone(),
         install_id: enrollment.install_id.clone(),

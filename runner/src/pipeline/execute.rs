@@ -166,8 +166,12 @@ async fn run_spooled(
 /// The log's last line: how the job ended, in the words its result uses.
 fn outcome_line(ran: &ExecOutcome) -> String {
     let code = ran.exit_code.map(|c| format!(", exit code {c}")).unwrap_or_default();
-    let why =
-        ran.error.as_deref().map(|e| format!(": {}", e.lines().next().unwrap_or(""))).unwrap_or_default();
+    // One line, no control characters: nothing in an error moves the cursor over it.
+    let why = ran
+        .error
+        .as_deref()
+        .map(|e| format!(": {}", e.lines().next().unwrap_or("").replace(|c: char| c.is_control(), " ")))
+        .unwrap_or_default();
     format!("[runner] job {}{code}{why}", ran.status.as_str().replace('_', " "))
 }
 

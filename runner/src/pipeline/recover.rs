@@ -135,20 +135,23 @@ fn interrupt(rt: &Rt, job_id: &str, phase: Phase) -> Result<(), RecordError> {
         let _ = std::fs::remove_file(spool::tail_path(&rt.state_dir, job_id));
         None
     });
-    let (log_size, log_sha256, log_omitted) = match recovered {
-        Some(d) => (d.size, d.sha256, d.omitted),
-        None => {
-            let (size, sha) = spool::digest_file(&spool::spool_path(&rt.state_dir, job_id))
-                .unwrap_or((0, byoc_protocol::sha256_hex(b"")));
-            (size, sha, 0)
-        }
-    };
+    let why = format!("the runner stopped while the job was {}; it was not re-run", phase.as_str());
+    // Its log ends, as every job's does, with how it ended (a job's own output never
+    // has the last word).
+    let log = spool::spool_path(&rt.state_dir, job_id);
+    if log.exists()
+        && let Err(e) = spool::append_last_line(&log, &format!("[runner] job interrupted: {why}"))
+    {
+        tracing::warn!(error = %e, job_id = %job_id, "Could not end an interrupted job's log with its outcome: {e}.");
+    }
+    let log_omitted = recovered.map_or(0, |d| d.omitted);
+    let (log_size, log_sha256) = spool::digest_file(&log).unwrap_or((0, byoc_protocol::sha256_hex(b"")));
     let started = rt.journal.job(job_id).and_then(|j| j.started_at_ms);
     rt.transition(Event::Finished {
         job_id: job_id.to_string(),
         status: byoc_protocol::JobStatus::Interrupted,
         exit_code: None,
-        error: Some(format!("the runner stopped while the job was {}; it was not re-run", phase.as_str())),
+        error: Some(why),
         log_size,
         log_sha256,
         log_omitted,

@@ -22,7 +22,17 @@ pub fn journal_rejection(rt: &Rt, r: &Rejection) {
         reason: r.reason,
         detail: r.detail.clone(),
     }) {
-        tracing::error!(error = %e, "Could not journal a rejection: {e}.");
+        // Its audit record (the one entry of this step) may be lost with it: say it here.
+        tracing::error!(
+            error = %e,
+            reason = r.reason.code(),
+            delivery_id = %r.delivery_id,
+            job_id = r.job_id.as_deref().unwrap_or(""),
+            "Could not journal the rejection of job {} ({}: {}): {e}.",
+            r.job_id.as_deref().unwrap_or("(no valid id)"),
+            r.reason.code(),
+            r.detail
+        );
     }
 }
 

@@ -75,8 +75,8 @@ pub async fn report(rt: &Rt, finished: FinishedJob) -> Result<Reported, RecordEr
     match reported {
         Retried::Done(None) => {
             rt.transition(Event::Reported { job_id: job_id.to_string() })?;
+            // Its journal entry is the `job_reported` audit record's (one per step).
             crate::contact::result_acknowledged(&rt.state_dir, rt.clock.now_ms(), job_id);
-            tracing::info!(status = result.status.as_str(), "Result acknowledged.");
             Ok(Reported::Acknowledged)
         }
         Retried::Done(Some(Ok(refusal))) => {

@@ -4,10 +4,13 @@
 //!
 //! The daemon's user owns the directories, so it can read and remove what others leave.
 //! Without an admin group they are 0700 (root reaches them anyway). With one they belong
-//! to that group with mode 2770 (the set-group-ID bit keeps what is made in them the
-//! group's, so members read the daemon's approval requests) and the state directory is
-//! 0711, so members reach them and nothing else. The install sets the group as root; a
-//! daemon that is not root cannot, and says what to fix.
+//! to that group: `control/` 2770 (the set-group-ID bit keeps what is made in it the
+//! group's, so members read the daemon's approval requests; a member may lift root's
+//! pause), `audit-inbox/` and `approvals/` 3770 (also sticky: a member may add records
+//! and answers but never rename or remove another's, so nobody can hold back, or replay
+//! later, what someone else put on record). The state directory is 0711, so members
+//! reach them and nothing else. The install sets the group as root; a daemon that is
+//! not root cannot, and says what to fix.
 
 use crate::state_dir::StateDir;
 use std::os::unix::fs::{DirBuilderExt as _, MetadataExt as _, PermissionsExt as _};
@@ -16,6 +19,11 @@ use std::path::{Path, PathBuf};
 /// The directories the admin group writes to.
 pub fn dirs(state_dir: &Path) -> [PathBuf; 3] {
     [StateDir::of(state_dir).control(), super::inbox::inbox_dir(state_dir), crate::approvals::dir(state_dir)]
+}
+
+/// A shared directory's mode: sticky where records and answers are left (see above).
+pub fn shared_mode(state_dir: &Path, dir: &Path) -> u32 {
+    if dir == StateDir::of(state_dir).control() { 0o2770 } else { 0o3770 }
 }
 
 /// Make the directories (0700) and, with an admin group, give them to it. Returns what
@@ -38,13 +46,14 @@ pub fn prepare(state_dir: &Path, admin_group: Option<&str>) -> std::io::Result<V
         }
     }
     for d in dirs(state_dir) {
-        if shared_with(&d, group.gid.as_raw()) {
+        let mode = shared_mode(state_dir, &d);
+        if shared_with(&d, group.gid.as_raw(), mode) {
             continue;
         }
         let set = std::os::unix::fs::chown(&d, None, Some(group.gid.as_raw()))
-            .and_then(|()| std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o2770)));
+            .and_then(|()| std::fs::set_permissions(&d, std::fs::Permissions::from_mode(mode)));
         if let Err(e) = set {
-            problems.push(format!("{}: {e}: chgrp {name} {0} && chmod 2770 {0}", d.display()));
+            problems.push(format!("{0}: {e}: chgrp {name} {0} && chmod {mode:o} {0}", d.display()));
         }
     }
     Ok(problems)
@@ -65,9 +74,10 @@ pub fn problems(state_dir: &Path, name: &str) -> Vec<String> {
         Err(e) => out.push(format!("{}: {e}", state_dir.display())),
     }
     for d in dirs(state_dir) {
-        if !shared_with(&d, group.gid.as_raw()) {
+        let mode = shared_mode(state_dir, &d);
+        if !shared_with(&d, group.gid.as_raw(), mode) {
             out.push(format!(
-                "{0} is not the group's (2770): chgrp {name} {0} && chmod 2770 {0}",
+                "{0} is not the group's ({mode:o}): chgrp {name} {0} && chmod {mode:o} {0}",
                 d.display()
             ));
         }
@@ -75,8 +85,8 @@ pub fn problems(state_dir: &Path, name: &str) -> Vec<String> {
     out
 }
 
-fn shared_with(dir: &Path, gid: u32) -> bool {
-    std::fs::symlink_metadata(dir).is_ok_and(|m| m.is_dir() && m.gid() == gid && m.mode() & 0o2070 == 0o2070)
+fn shared_with(dir: &Path, gid: u32, mode: u32) -> bool {
+    std::fs::symlink_metadata(dir).is_ok_and(|m| m.is_dir() && m.gid() == gid && m.mode() & mode == mode)
 }
 
 /// The admin group as the kernel shows it: the group `control/` is shared with. For a
@@ -118,7 +128,8 @@ mod tests {
         assert_eq!(std::fs::metadata(dir.path()).unwrap().mode() & 0o777, 0o711);
         for d in dirs(dir.path()) {
             let m = std::fs::metadata(&d).unwrap();
-            assert_eq!((m.mode() & 0o7777, m.gid()), (0o2770, gid.as_raw()), "{}", d.display());
+            let want = if d.ends_with("control") { 0o2770 } else { 0o3770 };
+            assert_eq!((m.mode() & 0o7777, m.gid()), (want, gid.as_raw()), "{}", d.display());
         }
         assert_eq!(shared_group(dir.path()), Some(name));
     }

@@ -41,7 +41,11 @@ pub fn submit(state_dir: &Path, record: &Record) -> std::io::Result<PathBuf> {
         std::fs::DirBuilder::new().recursive(true).mode(0o700).create(&dir)?;
         if let Ok(control) = std::fs::metadata(StateDir::of(state_dir).control()) {
             let _ = std::os::unix::fs::chown(&dir, Some(control.uid()), Some(control.gid()));
-            let _ = std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(control.mode() & 0o770));
+            // Sticky as the install makes it: no one removes another's record.
+            let _ = std::fs::set_permissions(
+                &dir,
+                std::fs::Permissions::from_mode((control.mode() & 0o770) | 0o1000),
+            );
         }
     }
     // Time first, in nanoseconds, so a name sort is submission order (a `resume` right
