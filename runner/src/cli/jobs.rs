@@ -107,7 +107,7 @@ pub(super) fn run(cmd: JobsCmd) -> anyhow::Result<()> {
             // To a terminal, a job's control characters are shown, not obeyed: its output
             // cannot hide or rewrite the runner's last line.
             use std::io::IsTerminal as _;
-            let escape = std::io::stdout().is_terminal();
+            let escape = state.output == Output::Text && std::io::stdout().is_terminal();
             let view = LogView { tail, since: since_ms(since.as_deref())?, timestamps, escape };
             if follow && state.output != Output::Text {
                 super::usage!("--follow prints the log as text; leave out -o json");
