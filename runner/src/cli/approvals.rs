@@ -177,12 +177,7 @@ pub(super) fn decide(
         )
     };
     // On record before it takes effect.
-    crate::roles::inbox::submit(&dir, &record).map_err(|e| {
-        anyhow::anyhow!(
-            "recording for the audit log in {}: {e}",
-            crate::roles::inbox::inbox_dir(&dir).display()
-        )
-    })?;
+    super::state::submit_record(&dir, &record)?;
     approvals::decide(&dir, job_id, decision.clone(), decision.at_ms)?;
     if s.output == Output::Json {
         return print_json(

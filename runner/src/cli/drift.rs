@@ -79,12 +79,7 @@ fn request(s: &StateArgs, name: &str, kind: Option<String>) -> anyhow::Result<()
     let target = local::find(&dir, name, kind.as_deref())?;
     let record =
         crate::audit_records::note("drift_requested", format!("{} {} by {who}", target.kind, target.name));
-    crate::roles::inbox::submit(&dir, &record).map_err(|e| {
-        anyhow::anyhow!(
-            "recording for the audit log in {}: {e}",
-            crate::roles::inbox::inbox_dir(&dir).display()
-        )
-    })?;
+    super::state::submit_record(&dir, &record)?;
     let r = local::Request {
         name: target.name.clone(),
         kind: Some(target.kind.clone()),

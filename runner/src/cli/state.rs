@@ -235,7 +235,7 @@ pub(super) fn resume(s: &StateArgs) -> anyhow::Result<()> {
 }
 
 /// Leave a record for the daemon's audit log; an error says where it could not go.
-fn submit_record(
+pub(super) fn submit_record(
     dir: &std::path::Path,
     record: &byoc_audit::log::Record,
 ) -> anyhow::Result<std::path::PathBuf> {
@@ -381,7 +381,7 @@ pub(super) enum RolesAction {
 }
 
 pub(super) fn roles_action(action: RolesAction) -> anyhow::Result<()> {
-    use crate::roles::{allowance, inbox};
+    use crate::roles::allowance;
     let (s, role, allow) = match &action {
         RolesAction::Allow { state, role, duration, reason } => (state, role, Some((duration, reason))),
         RolesAction::Revoke { state, role } => (state, role, None),
@@ -417,9 +417,7 @@ pub(super) fn roles_action(action: RolesAction) -> anyhow::Result<()> {
     let audit = |event: &str, detail: String| {
         let r =
             byoc_audit::log::Record { role: Some(role.clone()), ..crate::audit_records::note(event, detail) };
-        inbox::submit(&dir, &r).map_err(|e| {
-            anyhow::anyhow!("recording for the audit log in {}: {e}", inbox::inbox_dir(&dir).display())
-        })
+        submit_record(&dir, &r)
     };
     match allow {
         Some((duration, reason)) => {
