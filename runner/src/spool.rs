@@ -328,11 +328,10 @@ impl SpoolWriter {
         // Written even after a failed write (a job that filled the disk to its reserve
         // must not have the last word): a line fits in the reserve. If the disk takes
         // not even that, the log ends where it is.
-        let end = |w: &mut SpoolWriter| {
+        let write_last = |w: &mut SpoolWriter| {
             if let Some(line) = last {
                 let _ = w.append_note(&format!("{}\n", line.trim_end()));
             }
-            Ok::<(), std::io::Error>(())
         };
         let mut omitted = 0;
         if let Some(ring) = self.tail.take() {
@@ -341,7 +340,7 @@ impl SpoolWriter {
                 // journal and audit log are kept. The log ends where writing failed.
                 drop(ring.file);
                 let _ = std::fs::remove_file(&ring.path);
-                end(&mut self)?;
+                write_last(&mut self);
                 self.file.sync_all()?;
                 let omitted = ring.written;
                 return Ok(SpoolDigest {
@@ -363,14 +362,14 @@ impl SpoolWriter {
                 );
                 self.append_note(&end)?;
             }
-            end(&mut self)?;
+            write_last(&mut self);
             self.file.sync_all()?;
             drop(ring.file);
             if let Err(e) = std::fs::remove_file(&ring.path) {
                 tracing::warn!(error = %e, path = %ring.path.display(), "Could not remove the log's tail ring: {e}.");
             }
         } else {
-            end(&mut self)?;
+            write_last(&mut self);
         }
         self.file.sync_all()?;
         Ok(SpoolDigest { size: self.len, sha256: hex::encode(self.hasher.finalize()), omitted })

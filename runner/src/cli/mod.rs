@@ -607,7 +607,7 @@ impl StateArgs {
     pub(crate) fn config(&self) -> anyhow::Result<Option<Config>> {
         let path = self.config_path();
         let named = self.config.is_some();
-        match std::fs::read(path) {
+        match std::fs::File::open(path) {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound && named => {
                 usage!("config file {} does not exist (--config or BYOC_RUNNER_CONFIG)", path.display())
             }
